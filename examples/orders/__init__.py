@@ -1,0 +1,1 @@
+"""Example service: ``python -m examples.orders``."""

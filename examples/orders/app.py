@@ -1,0 +1,128 @@
+"""The example orders service.
+
+With no configuration it runs on a local SQLite file and the in-memory broker; set
+``DATABASE_URL`` (e.g. ``postgresql+asyncpg://postgres@127.0.0.1/test``) and ``BROKER_URL``
+(``redis://127.0.0.1:6379/0`` or ``nats://127.0.0.1:4222``) to run it on real services.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from fastapi import FastAPI, HTTPException
+from pydantic import BaseModel, Field
+from sqlalchemy import ForeignKey, String, select
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from fastapi_outbox import AggregateRoot, Event, Outbox, UnitOfWorkDep
+from fastapi_outbox.brokers import MemoryBroker, broker_from_url
+
+DATABASE_URL = os.environ.get("DATABASE_URL", "sqlite+aiosqlite:///./orders.db")
+BROKER_URL = os.environ.get("BROKER_URL", "memory://")
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Order(Base, AggregateRoot):
+    __tablename__ = "orders"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    customer: Mapped[str] = mapped_column(String(100))
+    total: Mapped[float]
+    status: Mapped[str] = mapped_column(String(20), default="placed")
+
+
+class OrderLine(Base):
+    __tablename__ = "order_lines"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    order_id: Mapped[int] = mapped_column(ForeignKey("orders.id"))
+    sku: Mapped[str] = mapped_column(String(50))
+
+
+class OrderPlaced(Event, stream="orders", key="order_id"):
+    order_id: int
+    customer: str
+    total: float
+
+
+class OrderCancelled(Event, stream="orders", key="order_id", external=False):
+    order_id: int
+
+
+class NewOrder(BaseModel):
+    customer: str = Field(min_length=1, max_length=100)
+    total: float = Field(ge=0)
+    skus: list[str] = Field(default_factory=list, max_length=100)
+
+
+broker = broker_from_url(BROKER_URL) if BROKER_URL != "memory://" else MemoryBroker()
+outbox = Outbox(DATABASE_URL, brokers={"default": broker})
+
+
+async def _lifespan_tables() -> None:
+    async with outbox.engine.begin() as conn:
+        await conn.run_sync(Base.metadata.create_all)
+    await outbox.create_tables()
+
+
+def create_app() -> FastAPI:
+    from collections.abc import AsyncIterator
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await _lifespan_tables()
+        async with outbox.lifespan(app):
+            yield
+
+    app = FastAPI(title="orders (fastapi-outbox example)", lifespan=lifespan)
+    app.include_router(outbox.health_router)
+
+    @app.post("/orders", status_code=201)
+    async def place_order(body: NewOrder, uow: UnitOfWorkDep) -> dict[str, Any]:
+        order = Order(customer=body.customer, total=body.total)
+        uow.session.add(order)
+        await uow.session.flush()
+        for sku in body.skus:
+            uow.session.add(OrderLine(order_id=order.id, sku=sku))
+        order.raise_event(
+            OrderPlaced(order_id=order.id, customer=order.customer, total=order.total)
+        )
+        return {"id": order.id}
+
+    @app.post("/orders/{order_id}/cancel")
+    async def cancel_order(order_id: int, uow: UnitOfWorkDep) -> dict[str, Any]:
+        order = await uow.session.get(Order, order_id)
+        if order is None:
+            raise HTTPException(404, f"order {order_id} not found")
+        if order.status == "cancelled":
+            raise HTTPException(409, f"order {order_id} is already cancelled")
+        order.status = "cancelled"
+        order.raise_event(OrderCancelled(order_id=order_id))
+        return {"id": order_id, "status": order.status}
+
+    @app.get("/orders")
+    async def list_orders(uow: UnitOfWorkDep) -> list[dict[str, Any]]:
+        rows = (await uow.session.execute(select(Order).order_by(Order.id).limit(100))).scalars()
+        return [
+            {"id": o.id, "customer": o.customer, "total": o.total, "status": o.status} for o in rows
+        ]
+
+    @app.get("/published")
+    async def published() -> list[dict[str, Any]]:
+        """What the memory broker received (empty with a real broker)."""
+        if not isinstance(broker, MemoryBroker):
+            return []
+        return [
+            {"id": m.id, "stream": m.stream, "type": m.type, "key": m.key, "payload": m.json()}
+            for m in broker.messages[-100:]
+        ]
+
+    return app
+
+
+app = create_app()

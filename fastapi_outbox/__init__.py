@@ -1,0 +1,57 @@
+"""fastapi-outbox: an asyncio-native transactional outbox for FastAPI.
+
+A route handler changes business data and raises domain events; ``Depends(unit_of_work)``
+commits both in one transaction before the response is sent, and dispatchers started by
+the app's lifespan move the events to Redis Streams or NATS JetStream.
+"""
+
+from __future__ import annotations
+
+from fastapi_outbox.aggregates import AggregateRoot
+from fastapi_outbox.events import Envelope, Event, Message, MessageStatus, uuid7
+from fastapi_outbox.exceptions import (
+    BrokerUnavailable,
+    ConfigurationError,
+    EventDefinitionError,
+    MessageRejected,
+    OutboxError,
+    PayloadTooLarge,
+    PublishError,
+    SerializationError,
+    UnitOfWorkError,
+    UnknownBroker,
+)
+from fastapi_outbox.outbox import Outbox
+from fastapi_outbox.schema import build_table, metadata, outbox_table
+from fastapi_outbox.settings import OutboxSettings
+from fastapi_outbox.unit_of_work import UnitOfWork, UnitOfWorkDep, unit_of_work
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AggregateRoot",
+    "BrokerUnavailable",
+    "ConfigurationError",
+    "Envelope",
+    "Event",
+    "EventDefinitionError",
+    "Message",
+    "MessageRejected",
+    "MessageStatus",
+    "Outbox",
+    "OutboxError",
+    "OutboxSettings",
+    "PayloadTooLarge",
+    "PublishError",
+    "SerializationError",
+    "UnitOfWork",
+    "UnitOfWorkDep",
+    "UnitOfWorkError",
+    "UnknownBroker",
+    "__version__",
+    "build_table",
+    "metadata",
+    "outbox_table",
+    "unit_of_work",
+    "uuid7",
+]

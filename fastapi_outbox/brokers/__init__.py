@@ -1,0 +1,56 @@
+"""Brokers: the ``Broker`` protocol and its implementations.
+
+``RedisStreamsBroker`` and ``NatsJetStreamBroker`` import their client libraries lazily, so
+``fastapi_outbox.brokers`` imports without the ``redis`` or ``nats`` extras installed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from fastapi_outbox import exceptions
+from fastapi_outbox.brokers.base import Broker, PublishResults, redact_url
+from fastapi_outbox.brokers.memory import MemoryBroker
+
+if TYPE_CHECKING:
+    from fastapi_outbox.brokers.nats import NatsJetStreamBroker
+    from fastapi_outbox.brokers.redis import RedisStreamsBroker
+
+__all__ = [
+    "Broker",
+    "MemoryBroker",
+    "NatsJetStreamBroker",
+    "PublishResults",
+    "RedisStreamsBroker",
+    "broker_from_url",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "RedisStreamsBroker":
+        from fastapi_outbox.brokers.redis import RedisStreamsBroker
+
+        return RedisStreamsBroker
+    if name == "NatsJetStreamBroker":
+        from fastapi_outbox.brokers.nats import NatsJetStreamBroker
+
+        return NatsJetStreamBroker
+    raise AttributeError(name)
+
+
+def broker_from_url(url: str, **options: Any) -> Broker:
+    """``memory://``, ``redis://`` / ``rediss://`` / ``unix://`` or ``nats://`` / ``tls://``."""
+    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    if scheme == "memory":
+        return MemoryBroker(**options)
+    if scheme in ("redis", "rediss", "unix"):
+        from fastapi_outbox.brokers.redis import RedisStreamsBroker
+
+        return RedisStreamsBroker(url, **options)
+    if scheme in ("nats", "tls"):
+        from fastapi_outbox.brokers.nats import NatsJetStreamBroker
+
+        return NatsJetStreamBroker(url, **options)
+    raise exceptions.ConfigurationError(
+        f"unsupported broker URL {redact_url(url)!r}: use memory://, redis://, rediss:// or nats://"
+    )

@@ -1,0 +1,255 @@
+"""``NatsJetStreamBroker``: publish to JetStream with ``Nats-Msg-Id`` de-duplication.
+
+The subject is the event's stream. Every message carries ``Nats-Msg-Id`` = the outbox row
+id, so JetStream drops a republish that falls inside the stream's duplicate window. A
+batch is published with ``publish_async`` (all messages on the wire at once) and the acks
+are awaited together.
+
+When no JetStream stream captures a subject, the broker creates one (``create_streams``,
+on by default) whose duplicate window covers the outbox's de-duplication window (lease +
+longest backoff + margin); an existing stream with a shorter window is reported in the
+log. A publish that no stream acknowledges is a failure, never a silent drop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi_outbox import exceptions
+from fastapi_outbox.brokers.base import PublishResults, redact_url
+from fastapi_outbox.events import Envelope
+
+logger = logging.getLogger("fastapi_outbox.brokers.nats")
+
+DEDUP_WINDOW_SECONDS = 390.0
+ACK_TIMEOUT_SECONDS = 10.0
+CONNECT_TIMEOUT_SECONDS = 2.0
+#: Bytes reserved for the protocol line and headers when checking max_payload.
+_HEADER_OVERHEAD = 64
+
+
+def stream_name_for(subject: str) -> str:
+    """A valid JetStream stream name for ``subject`` (``orders.eu`` → ``orders_eu``)."""
+    return re.sub(r"[^A-Za-z0-9_-]", "_", subject)
+
+
+class NatsJetStreamBroker:
+    """Publishes to NATS JetStream (``nats-py``), de-duplicated by ``Nats-Msg-Id``."""
+
+    def __init__(
+        self,
+        url: str = "nats://localhost:4222",
+        *,
+        client: Any = None,
+        create_streams: bool = True,
+        dedup_window_seconds: float | None = None,
+        ack_timeout_seconds: float = ACK_TIMEOUT_SECONDS,
+        connect_timeout_seconds: float = CONNECT_TIMEOUT_SECONDS,
+        stream_config: dict[str, Any] | None = None,
+    ) -> None:
+        self.url = url
+        self.create_streams = create_streams
+        self.ack_timeout_seconds = ack_timeout_seconds
+        self.stream_config = dict(stream_config or {})
+        self._connect_timeout = connect_timeout_seconds
+        self._window = dedup_window_seconds
+        self._window_explicit = dedup_window_seconds is not None
+        self._nc = client
+        self._own_client = client is None
+        self._js: Any = None
+        self._known_subjects: set[str] = set()
+        self._lock = asyncio.Lock()
+
+    def __repr__(self) -> str:
+        return f"NatsJetStreamBroker({redact_url(self.url)!r})"
+
+    @property
+    def dedup_window_seconds(self) -> float:
+        return self._window if self._window is not None else DEDUP_WINDOW_SECONDS
+
+    def configure(self, *, dedup_window_seconds: float) -> None:
+        if not self._window_explicit:
+            self._window = dedup_window_seconds
+
+    def _unavailable(self, exc: BaseException | str) -> exceptions.BrokerUnavailable:
+        detail = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
+        return exceptions.BrokerUnavailable(
+            f"NATS at {redact_url(self.url)} is unreachable: {detail}"
+        )
+
+    async def connect(self) -> None:
+        if self._js is not None:
+            return
+        async with self._lock:
+            if self._js is not None:
+                return
+            import nats
+
+            if self._nc is None:
+
+                async def on_error(exc: Exception) -> None:
+                    logger.debug(
+                        "nats client error",
+                        extra={"action": "broker.error", "error": f"{type(exc).__name__}: {exc}"},
+                    )
+
+                try:
+                    self._nc = await nats.connect(
+                        self.url,
+                        connect_timeout=self._connect_timeout,
+                        allow_reconnect=True,
+                        max_reconnect_attempts=-1,
+                        reconnect_time_wait=0.5,
+                        error_cb=on_error,
+                    )
+                except Exception as exc:
+                    self._nc = None
+                    raise self._unavailable(exc) from exc
+            self._js = self._nc.jetstream(timeout=self.ack_timeout_seconds)
+            logger.info(
+                "nats broker connected",
+                extra={"action": "broker.connect", "broker_url": redact_url(self.url)},
+            )
+
+    async def aclose(self) -> None:
+        nc, self._nc, self._js = self._nc, None if self._own_client else self._nc, None
+        if nc is not None and self._own_client and not nc.is_closed:
+            try:
+                await asyncio.wait_for(nc.close(), timeout=self._connect_timeout)
+            except Exception:  # closing a dead connection must not fail shutdown
+                logger.debug("nats close failed", exc_info=True)
+
+    async def ping(self) -> None:
+        await self.connect()
+        if not self._nc.is_connected:
+            raise self._unavailable("not connected")
+        try:
+            await self._nc.flush(timeout=self._connect_timeout)
+        except Exception as exc:
+            raise self._unavailable(exc) from exc
+
+    async def ensure_stream(self, subject: str) -> None:
+        """Make sure a JetStream stream captures ``subject`` (create one if allowed)."""
+        if subject in self._known_subjects:
+            return
+        import nats.errors
+        import nats.js.errors
+
+        try:
+            name = await self._js.find_stream_name_by_subject(subject)
+        except nats.js.errors.NotFoundError:
+            name = None
+        except (
+            nats.errors.TimeoutError,
+            nats.errors.ConnectionClosedError,
+            nats.errors.NoRespondersError,
+        ) as exc:
+            raise self._unavailable(exc) from exc
+        if name is None:
+            if not self.create_streams:
+                return  # the publish fails with "no stream", naming the subject
+            name = stream_name_for(subject)
+            config = {"duplicate_window": self.dedup_window_seconds, **self.stream_config}
+            try:
+                await self._js.add_stream(name=name, subjects=[subject], **config)
+            except nats.js.errors.BadRequestError as exc:
+                raise exceptions.MessageRejected(
+                    f"cannot create JetStream stream {name!r} for subject {subject!r}: {exc}"
+                ) from exc
+            logger.info(
+                "created jetstream stream",
+                extra={
+                    "action": "broker.stream_created",
+                    "stream": name,
+                    "subject": subject,
+                    "duplicate_window_seconds": self.dedup_window_seconds,
+                },
+            )
+        else:
+            info = await self._js.stream_info(name)
+            window = info.config.duplicate_window or 0
+            if window < self.dedup_window_seconds:
+                logger.warning(
+                    "jetstream duplicate window shorter than the outbox needs",
+                    extra={
+                        "action": "broker.dedup_window_short",
+                        "stream": name,
+                        "duplicate_window_seconds": window,
+                        "needed_seconds": self.dedup_window_seconds,
+                    },
+                )
+        self._known_subjects.add(subject)
+
+    async def publish(self, batch: Sequence[Envelope]) -> PublishResults:
+        if not batch:
+            return []
+        await self.connect()
+        if not self._nc.is_connected:
+            raise self._unavailable("connection lost, reconnecting")
+        import nats.errors
+
+        results: PublishResults = [None] * len(batch)
+        for subject in {e.stream for e in batch}:
+            try:
+                await self.ensure_stream(subject)
+            except exceptions.MessageRejected as exc:
+                for i, e in enumerate(batch):
+                    if e.stream == subject:
+                        results[i] = exc
+        limit = self._nc.max_payload
+        futures: dict[int, asyncio.Future[Any]] = {}
+        for i, e in enumerate(batch):
+            if results[i] is not None:
+                continue
+            headers = {"Nats-Msg-Id": e.id, **e.headers}
+            size = len(e.payload) + sum(len(k) + len(v) + 4 for k, v in headers.items())
+            if size + _HEADER_OVERHEAD > limit:
+                results[i] = exceptions.MessageRejected(
+                    f"message {e.id} ({size} bytes) exceeds the NATS server's "
+                    f"max_payload of {limit} bytes"
+                )
+                continue
+            try:
+                futures[i] = await self._js.publish_async(e.stream, e.payload, headers=headers)
+            except (nats.errors.ConnectionClosedError, nats.errors.OutboundBufferLimitError) as exc:
+                for f in futures.values():
+                    f.cancel()
+                raise self._unavailable(exc) from exc
+            except Exception as exc:
+                results[i] = exceptions.MessageRejected(f"NATS refused message {e.id}: {exc}")
+        if futures:
+            done, pending = await asyncio.wait(futures.values(), timeout=self.ack_timeout_seconds)
+            for f in pending:
+                f.cancel()
+            if pending and not done:
+                raise self._unavailable(
+                    f"no ack for {len(pending)} messages in {self.ack_timeout_seconds}s"
+                )
+            for i, f in futures.items():
+                if f.cancelled():
+                    results[i] = exceptions.MessageRejected(
+                        f"no JetStream ack for message {batch[i].id} "
+                        f"within {self.ack_timeout_seconds}s"
+                    )
+                    continue
+                error = f.exception()
+                if error is not None:
+                    results[i] = exceptions.MessageRejected(
+                        f"JetStream refused message {batch[i].id} on subject "
+                        f"{batch[i].stream!r}: {type(error).__name__}: "
+                        f"{error or 'no stream captures it'}"
+                    )
+                    # The stream may have been deleted: look it up again next time.
+                    self._known_subjects.discard(batch[i].stream)
+        return results
+
+    async def __aenter__(self) -> NatsJetStreamBroker:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

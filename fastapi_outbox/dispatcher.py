@@ -1,0 +1,469 @@
+"""Processors and their workers: claim → publish → mark, with backoff and wake-ups.
+
+One :class:`Processor` per (database, broker) pair runs ``settings.workers`` workers in an
+anyio task group. A worker's cycle:
+
+1. **claim** a batch (one statement; attempts counted here, so a message that crashes the
+   process every time is still abandoned after ``max_attempts`` claims);
+2. **publish** it with one broker call (pipelined / concurrent acks), bounded in time;
+3. **mark** the published rows in one statement and the refused ones with a backoff
+   (``failed``) or as ``abandoned``, every change fenced by the claim token.
+
+Failure classes: a broker that cannot be reached makes the processor give the batch back
+(attempts refunded) and pause as a whole with exponential backoff; a message the broker
+refuses is retried on its own with exponential backoff and jitter; a database that cannot
+be reached makes workers retry with backoff while the app keeps serving.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import random
+import socket
+import time
+import uuid
+from collections.abc import Sequence
+from itertools import count
+from typing import Any
+
+import anyio
+
+from fastapi_outbox import exceptions
+from fastapi_outbox.brokers.base import Broker, PublishResults
+from fastapi_outbox.events import Envelope
+from fastapi_outbox.instrumentation import Instrumentation
+from fastapi_outbox.notify import Wakeup
+from fastapi_outbox.settings import OutboxSettings
+from fastapi_outbox.store import ClaimedRow, Failure, Store
+
+logger = logging.getLogger("fastapi_outbox.dispatcher")
+
+DB_BACKOFF_MIN_SECONDS = 0.2
+DB_BACKOFF_MAX_SECONDS = 10.0
+RELEASE_TIMEOUT_SECONDS = 2.0
+
+
+def instance_id() -> str:
+    """Identifies this dispatcher process in claim tokens: host, pid and a random part."""
+    return f"{socket.gethostname()[:32]}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+def retry_delay(attempts: int, settings: OutboxSettings, rng: random.Random | None = None) -> float:
+    """Exponential backoff with jitter after the ``attempts``-th failed attempt."""
+    base = settings.retry_base_delay_seconds * settings.retry_multiplier ** max(0, attempts - 1)
+    delay = min(settings.retry_max_delay_seconds, base)
+    jitter = settings.retry_jitter
+    if jitter:
+        delay *= 1 + (rng or random).uniform(-jitter, jitter)
+    return max(0.0, min(delay, settings.retry_max_delay_seconds))
+
+
+class Processor:
+    """Moves one broker's rows from the outbox table to the broker."""
+
+    def __init__(
+        self,
+        *,
+        store: Store,
+        broker_name: str,
+        broker: Broker,
+        settings: OutboxSettings,
+        instance: str,
+        listening: Any = None,
+        instrumentation: Instrumentation | None = None,
+    ) -> None:
+        self.store = store
+        self.broker_name = broker_name
+        self.broker = broker
+        self.settings = settings
+        self.instance = instance
+        self.wakeup = Wakeup()
+        self.instrumentation = instrumentation or Instrumentation()
+        self._listening = listening or (lambda: False)
+        self._claims = count(1)
+        self._stopping = False
+        self._stop_event = anyio.Event()
+        self.stopped = anyio.Event()
+        self._paused_until = 0.0
+        self._broker_failures = 0
+        self._broker_connected = False
+        self._connect_lock = anyio.Lock()
+        self._next_due: float | None = None
+        self._rng = random.Random()
+        # Health.
+        self.running = False
+        self.last_tick: float | None = None  # wall clock of the last successful claim
+        self.database_ok = True
+        self.broker_ok = True
+        self.last_error: str | None = None
+        self.published_total = 0
+        self.failed_total = 0
+        self.abandoned_total = 0
+
+    def __repr__(self) -> str:
+        return f"Processor(broker={self.broker_name!r})"
+
+    # -- control -----------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Stop claiming; workers finish (or give back) their batch and return."""
+        self._stopping = True
+        self._stop_event.set()
+        self.wakeup.set_all()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+        """Run the workers until :meth:`stop` (or cancellation)."""
+        self.running = True
+        first = anyio.Event()
+        try:
+            async with anyio.create_task_group() as tg:
+                for index in range(self.settings.workers):
+                    tg.start_soon(self._worker, index, first)
+                # Ready once the first claim was attempted, whether or not the database
+                # answered: the app must start even when the database is down.
+                with anyio.move_on_after(self.settings.lease_seconds):
+                    await first.wait()
+                task_status.started()
+        finally:
+            self.running = False
+            self.stopped.set()
+            logger.info(
+                "processor stopped", extra={"action": "processor.stop", "broker": self.broker_name}
+            )
+
+    async def _sleep(self, seconds: float) -> None:
+        """Sleep, but return early when the processor stops."""
+        with anyio.move_on_after(max(0.0, seconds)):
+            await self._stop_event.wait()
+
+    async def _ensure_broker(self) -> None:
+        if self._broker_connected:
+            return
+        async with self._connect_lock:
+            if not self._broker_connected:
+                await self.broker.connect()
+                self._broker_connected = True
+
+    def _broker_down(self, exc: BaseException) -> None:
+        self._broker_failures += 1
+        pause = min(
+            self.settings.broker_backoff_max_seconds,
+            self.settings.poll_interval_seconds * 2 ** min(self._broker_failures - 1, 16),
+        )
+        pause *= 1 + self._rng.uniform(0, 0.25)
+        self._paused_until = time.monotonic() + pause
+        self.broker_ok = False
+        self.last_error = str(exc)
+        logger.warning(
+            "broker unavailable; processor backing off",
+            extra={
+                "action": "broker.unavailable",
+                "broker": self.broker_name,
+                "pause_seconds": round(pause, 3),
+                "error": str(exc),
+            },
+        )
+
+    def _broker_up(self) -> None:
+        if not self.broker_ok:
+            logger.info(
+                "broker available again",
+                extra={"action": "broker.recovered", "broker": self.broker_name},
+            )
+        self._broker_failures = 0
+        self.broker_ok = True
+
+    # -- the worker loop ---------------------------------------------------------------------
+
+    async def _worker(self, index: int, first: anyio.Event) -> None:
+        settings = self.settings
+        poller = index == 0
+        idle = settings.poll_interval_seconds
+        db_delay = DB_BACKOFF_MIN_SECONDS
+        while not self._stopping:
+            pause = self._paused_until - time.monotonic()
+            if pause > 0:
+                await self._sleep(pause)
+                continue
+            try:
+                await self._ensure_broker()
+            except Exception as exc:
+                self._broker_down(exc)
+                first.set()
+                continue
+            token = f"{self.instance}:{index}:{next(self._claims)}"
+            try:
+                batch = await self.store.claim(
+                    self.broker_name,
+                    settings.batch_size,
+                    token,
+                    settings.lease_seconds,
+                    ordered=settings.ordered,
+                )
+            except Exception as exc:
+                first.set()
+                if self.database_ok:
+                    logger.warning(
+                        "database unavailable; retrying with backoff",
+                        extra={
+                            "action": "claim.failed",
+                            "broker": self.broker_name,
+                            "error": f"{type(exc).__name__}: {exc}"[:300],
+                        },
+                    )
+                self.database_ok = False
+                self.last_error = f"database: {type(exc).__name__}"
+                await self._sleep(db_delay * (1 + self._rng.uniform(0, 0.25)))
+                db_delay = min(db_delay * 2, DB_BACKOFF_MAX_SECONDS)
+                continue
+            first.set()
+            db_delay = DB_BACKOFF_MIN_SECONDS
+            if not self.database_ok:
+                logger.info(
+                    "database available again",
+                    extra={"action": "database.recovered", "broker": self.broker_name},
+                )
+            self.database_ok = True
+            self.last_tick = time.time()
+            if not batch:
+                timeout: float | None = None
+                if poller:
+                    timeout = idle
+                    if self._next_due is not None:
+                        timeout = max(0.0, min(timeout, self._next_due - time.monotonic()))
+                woke = await self.wakeup.wait(timeout)
+                if poller:
+                    if self._next_due is not None and self._next_due <= time.monotonic():
+                        self._next_due = None
+                    # Idle polls back off while LISTEN delivers wake-ups; without LISTEN
+                    # they stay at poll_interval_seconds.
+                    cap = (
+                        settings.max_poll_interval_seconds
+                        if self._listening()
+                        else settings.poll_interval_seconds
+                    )
+                    idle = settings.poll_interval_seconds if woke else min(idle * 2, cap)
+                continue
+            idle = settings.poll_interval_seconds
+            if len(batch) >= settings.batch_size:
+                self.wakeup.set()  # more work is likely waiting: bring another worker in
+            try:
+                await self._process(batch, token)
+            except _GiveBack:
+                pass
+            except Exception as exc:
+                # Marking failed (database gone mid-batch): the rows keep their lease and
+                # are recovered when it expires; the broker's de-duplication absorbs the
+                # republish.
+                self.database_ok = False
+                self.last_error = f"database: {type(exc).__name__}"
+                logger.warning(
+                    "could not record a batch outcome; rows recover after their lease",
+                    extra={
+                        "action": "mark.failed",
+                        "broker": self.broker_name,
+                        "count": len(batch),
+                        "error": f"{type(exc).__name__}: {exc}"[:300],
+                    },
+                )
+                await self._sleep(db_delay)
+                db_delay = min(db_delay * 2, DB_BACKOFF_MAX_SECONDS)
+
+    async def _process(self, batch: list[ClaimedRow], token: str) -> None:
+        """Publish a claimed batch and record the outcome; gives the batch back when
+        cancelled (shutdown) or when the broker cannot be reached."""
+        settled = False
+        try:
+            await self._publish_and_mark(batch, token)
+            settled = True
+        finally:
+            if not settled:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(RELEASE_TIMEOUT_SECONDS):
+                    released = await self.store.release([r.id for r in batch], token)
+                    logger.info(
+                        "claim released",
+                        extra={
+                            "action": "claim.released",
+                            "broker": self.broker_name,
+                            "count": released,
+                        },
+                    )
+
+    async def _publish_and_mark(self, batch: list[ClaimedRow], token: str) -> None:
+        settings = self.settings
+        exhausted = [r for r in batch if r.attempts > settings.max_attempts]
+        live = [r for r in batch if r.attempts <= settings.max_attempts]
+        if exhausted:
+            await self._abandon_exhausted(exhausted, token)
+        if not live:
+            return
+        envelopes = [self._envelope(r) for r in live]
+        try:
+            with anyio.fail_after(settings.publish_timeout_seconds):
+                if settings.ordered:
+                    results = await self._publish_ordered(envelopes)
+                else:
+                    results = await self.broker.publish(envelopes)
+        except (exceptions.BrokerUnavailable, TimeoutError) as exc:
+            self._broker_down(exc)
+            self._broker_connected = isinstance(exc, TimeoutError)
+            raise _GiveBack() from exc
+        except exceptions.OutboxError as exc:
+            results = [exc] * len(envelopes)
+        except Exception as exc:  # a bug in a broker must not stop the dispatcher
+            logger.exception(
+                "broker raised unexpectedly",
+                extra={"action": "publish.error", "broker": self.broker_name},
+            )
+            results = [exceptions.MessageRejected(f"{type(exc).__name__}: {exc}")] * len(envelopes)
+        self._broker_up()
+        await self._record(live, envelopes, results, token)
+
+    async def _record(
+        self,
+        rows: list[ClaimedRow],
+        envelopes: list[Envelope],
+        results: PublishResults,
+        token: str,
+    ) -> None:
+        published: list[ClaimedRow] = []
+        failures: list[Failure] = []
+        skipped: list[ClaimedRow] = []
+        for row, result in zip(rows, results, strict=True):
+            if result is None:
+                published.append(row)
+            elif isinstance(result, _NotAttempted):
+                skipped.append(row)
+            else:
+                abandon = row.attempts >= self.settings.max_attempts
+                failures.append(
+                    Failure(
+                        id=row.id,
+                        error=f"{type(result).__name__}: {result}",
+                        delay_seconds=retry_delay(row.attempts, self.settings, self._rng),
+                        abandon=abandon,
+                    )
+                )
+        if published:
+            marked = await self.store.mark_published(
+                [r.id for r in published], token, delete_rows=self.settings.delete_on_publish
+            )
+            if marked < len(published):
+                logger.warning(
+                    "lease lost before mark: another worker re-claimed rows",
+                    extra={
+                        "action": "mark.lease_lost",
+                        "broker": self.broker_name,
+                        "lost": len(published) - marked,
+                    },
+                )
+            self.published_total += len(published)
+            by_id = {e.id: e for e in envelopes}
+            self.instrumentation.published(self.broker_name, [by_id[str(r.id)] for r in published])
+            logger.debug(
+                "published",
+                extra={"action": "publish.ok", "broker": self.broker_name, "count": len(published)},
+            )
+        if failures:
+            await self.store.mark_failed(failures, token)
+            for f in failures:
+                level = logging.ERROR if f.abandon else logging.WARNING
+                logger.log(
+                    level,
+                    "message abandoned" if f.abandon else "publish failed; will retry",
+                    extra={
+                        "action": "publish.abandoned" if f.abandon else "publish.failed",
+                        "broker": self.broker_name,
+                        "message_id": str(f.id),
+                        "retry_in": None if f.abandon else round(f.delay_seconds, 3),
+                        "error": f.error[:300],
+                    },
+                )
+            abandoned = [f for f in failures if f.abandon]
+            self.failed_total += len(failures) - len(abandoned)
+            self.abandoned_total += len(abandoned)
+            self.instrumentation.failed(self.broker_name, len(failures) - len(abandoned))
+            self.instrumentation.abandoned(self.broker_name, len(abandoned))
+            soonest = min((f.delay_seconds for f in failures if not f.abandon), default=None)
+            if soonest is not None:
+                due = time.monotonic() + soonest
+                if self._next_due is None or due < self._next_due:
+                    self._next_due = due
+        if skipped:
+            await self.store.release([r.id for r in skipped], token)
+
+    async def _abandon_exhausted(self, rows: list[ClaimedRow], token: str) -> None:
+        error = (
+            f"claimed {rows[0].attempts} times (max_attempts={self.settings.max_attempts}) "
+            "without a recorded outcome: the dispatcher probably crashed while publishing it"
+        )
+        await self.store.abandon([r.id for r in rows], token, error)
+        self.abandoned_total += len(rows)
+        self.instrumentation.abandoned(self.broker_name, len(rows))
+        for r in rows:
+            logger.error(
+                "message abandoned after repeated crashes",
+                extra={
+                    "action": "publish.abandoned",
+                    "broker": self.broker_name,
+                    "message_id": str(r.id),
+                    "attempts": r.attempts,
+                },
+            )
+
+    async def _publish_ordered(self, envelopes: list[Envelope]) -> PublishResults:
+        """Per-key order inside a batch: publish in rounds (the n-th message of every key in
+        round n) and stop a key at its first failure; its later messages are given back."""
+        results: PublishResults = [None] * len(envelopes)
+        queues: dict[str | None, list[int]] = {}
+        for i, e in enumerate(envelopes):
+            queues.setdefault(e.key if e.key is not None else f"\0{i}", []).append(i)
+        blocked: set[str | None] = set()
+        depth = 0
+        while True:
+            round_ = [
+                (k, q[depth]) for k, q in queues.items() if len(q) > depth and k not in blocked
+            ]
+            if not round_:
+                break
+            out = await self.broker.publish([envelopes[i] for _, i in round_])
+            for (k, i), res in zip(round_, out, strict=True):
+                results[i] = res
+                if res is not None:
+                    blocked.add(k)
+                    for later in queues[k][depth + 1 :]:
+                        results[later] = _NotAttempted()
+            depth += 1
+        return results
+
+    def _envelope(self, row: ClaimedRow) -> Envelope:
+        headers = row.headers
+        return Envelope(
+            id=str(row.id),
+            stream=row.stream,
+            type=row.type,
+            key=row.key,
+            payload=row.payload.encode(),
+            headers=json.loads(headers) if isinstance(headers, str) else dict(headers),
+        )
+
+
+class _GiveBack(Exception):
+    """Internal: the batch goes back to the table (broker unreachable)."""
+
+
+class _NotAttempted(Exception):
+    """Internal: an ordered message not sent because an earlier one of its key failed."""
+
+
+async def process_batch(processor: Processor, batch: Sequence[ClaimedRow], token: str) -> None:
+    """Run one claimed batch through ``processor`` (used by the testing helpers)."""
+    with contextlib.suppress(_GiveBack):
+        await processor._process(list(batch), token)

@@ -1,0 +1,196 @@
+"""Domain events, the explicit ``Message``, the broker ``Envelope`` and ``MessageStatus``.
+
+``Event`` subclasses declare where they go with class keywords::
+
+    class OrderPlaced(Event, stream="orders", key="order_id"):
+        order_id: int
+
+``Envelope`` is what a broker publishes: the row's id (de-duplication), the stream, the
+event type, the ordering key, the payload as encoded JSON bytes and string headers.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict
+
+from fastapi_outbox import exceptions
+
+__all__ = [
+    "HEADER_CAUSATION_ID",
+    "HEADER_CORRELATION_ID",
+    "HEADER_MESSAGE_ID",
+    "HEADER_OCCURRED_AT",
+    "HEADER_TRACEPARENT",
+    "HEADER_TYPE",
+    "Envelope",
+    "Event",
+    "Message",
+    "MessageStatus",
+    "uuid7",
+]
+
+HEADER_MESSAGE_ID = "message-id"
+HEADER_TYPE = "type"
+HEADER_OCCURRED_AT = "occurred-at"
+HEADER_CORRELATION_ID = "correlation-id"
+HEADER_CAUSATION_ID = "causation-id"
+HEADER_TRACEPARENT = "traceparent"
+HEADER_TRACESTATE = "tracestate"
+#: Headers that stay inside the organisation: not sent to external brokers.
+INTERNAL_HEADERS = frozenset(
+    {HEADER_CORRELATION_ID, HEADER_CAUSATION_ID, HEADER_TRACEPARENT, HEADER_TRACESTATE}
+)
+
+
+class MessageStatus(enum.StrEnum):
+    """Lifecycle of an outbox row (see the state machine in the README)."""
+
+    PENDING = "pending"
+    PROCESSING = "processing"
+    PUBLISHED = "published"
+    FAILED = "failed"
+    ABANDONED = "abandoned"
+
+
+_uuid7_lock = threading.Lock()
+_uuid7_last = 0
+
+
+def uuid7() -> uuid.UUID:
+    """A time-ordered UUID (RFC 9562 version 7), strictly increasing within this process.
+
+    48 bits of Unix milliseconds, then 74 random bits; the 12-bit ``rand_a`` field carries
+    on from the previous id when two ids fall in the same millisecond (method 3 of the RFC),
+    so ids made by one process sort in creation order.
+    """
+    global _uuid7_last
+    ms = time.time_ns() // 1_000_000
+    rand = int.from_bytes(os.urandom(10), "big")
+    with _uuid7_lock:
+        candidate = (ms << 12) | (rand >> 68)
+        if candidate <= _uuid7_last:
+            candidate = _uuid7_last + 1
+        _uuid7_last = candidate
+    value = (candidate >> 12) << 80  # unix_ts_ms
+    value |= 0x7 << 76  # version
+    value |= (candidate & 0xFFF) << 64  # rand_a / counter
+    value |= 0b10 << 62  # variant
+    value |= rand & ((1 << 62) - 1)  # rand_b
+    return uuid.UUID(int=value)
+
+
+class Event(BaseModel):
+    """Base class of domain events: a pydantic model that knows its stream.
+
+    Class keywords: ``stream`` (required: topic / stream / subject), ``key`` (name of the
+    field used as ordering key, optional), ``external`` (also publish to the external
+    brokers), ``type_name`` (event type, defaults to the class name) and ``abstract``
+    (an intermediate base class without a stream).
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    __outbox_stream__: ClassVar[str | None] = None
+    __outbox_key__: ClassVar[str | None] = None
+    __outbox_external__: ClassVar[bool] = False
+    __outbox_type__: ClassVar[str] = "Event"
+    __outbox_abstract__: ClassVar[bool] = True
+
+    def __init_subclass__(
+        cls,
+        *,
+        stream: str | None = None,
+        key: str | None = None,
+        external: bool | None = None,
+        type_name: str | None = None,
+        abstract: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init_subclass__(**kwargs)
+        if stream is not None:
+            if not isinstance(stream, str) or not stream.strip():
+                raise exceptions.EventDefinitionError(
+                    f"{cls.__qualname__}: stream must be a non-empty string, got {stream!r}"
+                )
+            cls.__outbox_stream__ = stream
+        if key is not None:
+            cls.__outbox_key__ = key
+        if external is not None:
+            cls.__outbox_external__ = bool(external)
+        cls.__outbox_type__ = type_name or cls.__name__
+        cls.__outbox_abstract__ = abstract
+        if not abstract and cls.__outbox_stream__ is None:
+            raise exceptions.EventDefinitionError(
+                f"{cls.__qualname__} has no stream: declare it as "
+                f"`class {cls.__name__}(Event, stream='...')` "
+                "(or pass abstract=True for a base class)"
+            )
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        key = cls.__outbox_key__
+        if key is not None and key not in cls.model_fields:
+            raise exceptions.EventDefinitionError(
+                f"{cls.__qualname__}: key={key!r} names no field of the event "
+                f"(fields: {', '.join(cls.model_fields) or 'none'})"
+            )
+
+    def to_message(self) -> Message:
+        """The explicit message this event becomes."""
+        if self.__outbox_abstract__:
+            raise exceptions.EventDefinitionError(
+                f"{type(self).__qualname__} is abstract (no stream): publish a concrete subclass"
+            )
+        payload = self.model_dump(mode="json")
+        key_field = self.__outbox_key__
+        key = None if key_field is None else payload.get(key_field)
+        assert self.__outbox_stream__ is not None
+        return Message(
+            stream=self.__outbox_stream__,
+            type=self.__outbox_type__,
+            payload=payload,
+            key=None if key is None else str(key),
+            external=self.__outbox_external__,
+        )
+
+
+@dataclass(slots=True)
+class Message:
+    """An explicit message for ``uow.publish``: stream, type, JSON payload, key, headers."""
+
+    stream: str
+    type: str
+    payload: dict[str, Any]
+    key: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+    external: bool = False
+
+
+@dataclass(slots=True)
+class Envelope:
+    """What a broker publishes; built by the dispatcher from a claimed outbox row.
+
+    ``id`` is the outbox row id (unique per target broker) and serves as the de-duplication
+    id; ``headers`` already holds ``message-id``, ``type``, ``occurred-at`` and friends.
+    """
+
+    id: str
+    stream: str
+    type: str
+    key: str | None
+    payload: bytes
+    headers: dict[str, str]
+
+    def json(self) -> Any:
+        """The payload, decoded."""
+        return json.loads(self.payload)

@@ -1,0 +1,73 @@
+"""Errors raised by fastapi-outbox.
+
+Every error explains itself: the class docstring is the default message, and the
+errors raised by the library name the setting, broker, table or message id involved.
+
+::
+
+    OutboxError
+    ├── ConfigurationError          bad settings, table name, broker URL
+    ├── EventDefinitionError        an Event subclass declared wrongly (e.g. no stream)
+    ├── PublishError                uow.publish() refused the event, nothing was written
+    │   ├── UnknownBroker           no broker of that name is configured
+    │   ├── SerializationError      the payload or headers are not JSON-serialisable
+    │   └── PayloadTooLarge         the encoded payload exceeds max_payload_bytes
+    ├── UnitOfWorkError             the unit of work was used wrongly (closed, nested, no outbox)
+    ├── BrokerError                 raised by brokers
+    │   ├── BrokerUnavailable       the broker cannot be reached: back off as a whole
+    │   └── MessageRejected         the broker refused one message: retry that message only
+    └── MessageNotFound             an admin command named a message id that does not exist
+"""
+
+from __future__ import annotations
+
+
+class OutboxError(Exception):
+    """An error in fastapi-outbox."""
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(message or (type(self).__doc__ or "").strip())
+
+
+class ConfigurationError(OutboxError, ValueError):
+    """The outbox is configured wrongly."""
+
+
+class EventDefinitionError(OutboxError, TypeError):
+    """An Event subclass is declared wrongly."""
+
+
+class PublishError(OutboxError, ValueError):
+    """The event cannot be published; nothing was written."""
+
+
+class UnknownBroker(PublishError):
+    """No broker of that name is configured."""
+
+
+class SerializationError(PublishError):
+    """The event payload or headers cannot be serialised to JSON."""
+
+
+class PayloadTooLarge(PublishError):
+    """The encoded event payload is larger than max_payload_bytes."""
+
+
+class UnitOfWorkError(OutboxError, RuntimeError):
+    """The unit of work was used outside its transaction."""
+
+
+class BrokerError(OutboxError):
+    """The broker failed."""
+
+
+class BrokerUnavailable(BrokerError):
+    """The broker cannot be reached; the processor backs off without burning attempts."""
+
+
+class MessageRejected(BrokerError):
+    """The broker refused this message; it is retried on its own with backoff."""
+
+
+class MessageNotFound(OutboxError, LookupError):
+    """No outbox message has that id."""

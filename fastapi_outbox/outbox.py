@@ -1,0 +1,386 @@
+"""``Outbox``: the composition root. It wires the engine, the store, the brokers, the
+processors, the wake-ups, retention, the lifespan and the routers — the only module that
+knows every part."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import weakref
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, ClassVar
+
+import anyio
+from sqlalchemy import MetaData, event
+from sqlalchemy.ext.asyncio import (
+    AsyncEngine,
+    AsyncSession,
+    async_sessionmaker,
+    create_async_engine,
+)
+from sqlalchemy.pool import StaticPool
+
+from fastapi_outbox import exceptions, schema
+from fastapi_outbox.brokers.base import Broker, redact_url
+from fastapi_outbox.brokers.memory import MemoryBroker
+from fastapi_outbox.dispatcher import Processor, instance_id
+from fastapi_outbox.instrumentation import Instrumentation
+from fastapi_outbox.notify import Listener, Notifier, channel_name
+from fastapi_outbox.retention import Cleaner
+from fastapi_outbox.settings import OutboxSettings
+from fastapi_outbox.store import Store
+from fastapi_outbox.unit_of_work import UnitOfWork
+
+logger = logging.getLogger("fastapi_outbox")
+
+_BROKER_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+DEFAULT_BROKER = "default"
+
+
+class Outbox:
+    """A transactional outbox on one database, feeding one or more brokers.
+
+    ``Outbox(url_or_engine, brokers={"default": RedisStreamsBroker(...)}, settings=...)``;
+    then ``FastAPI(lifespan=outbox.lifespan)`` and ``app.include_router(outbox.health_router)``
+    (or ``app.include_router(outbox.router)``, which brings both).
+    """
+
+    _instances: ClassVar[weakref.WeakSet[Outbox]] = weakref.WeakSet()
+
+    def __init__(
+        self,
+        database: str | AsyncEngine,
+        *,
+        brokers: Mapping[str, Broker] | None = None,
+        external_brokers: Mapping[str, Broker] | None = None,
+        settings: OutboxSettings | None = None,
+        session_factory: async_sessionmaker[AsyncSession] | None = None,
+        instrumentation: Instrumentation | None = None,
+        engine_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.settings = settings if settings is not None else OutboxSettings.from_env()
+        if isinstance(database, AsyncEngine):
+            self.engine = database
+            self._owns_engine = False
+        elif isinstance(database, str):
+            self.engine = _create_engine(database, dict(engine_options or {}))
+            self._owns_engine = True
+        else:
+            raise exceptions.ConfigurationError(
+                f"Outbox() takes a database URL or an AsyncEngine, not {type(database).__name__}"
+            )
+        if self.engine.dialect.name not in ("postgresql", "sqlite"):
+            raise exceptions.ConfigurationError(
+                f"unsupported database {self.engine.dialect.name!r}: use PostgreSQL or SQLite"
+            )
+        self.brokers: dict[str, Broker] = (
+            dict(brokers) if brokers else {DEFAULT_BROKER: MemoryBroker()}
+        )
+        self.external_brokers: dict[str, Broker] = dict(external_brokers or {})
+        for name in (*self.brokers, *self.external_brokers):
+            if not isinstance(name, str) or not _BROKER_NAME.match(name):
+                raise exceptions.ConfigurationError(
+                    f"invalid broker name {name!r}: 1-64 letters, digits, '_', '.', '-'"
+                )
+        clash = set(self.brokers) & set(self.external_brokers)
+        if clash:
+            raise exceptions.ConfigurationError(
+                f"broker names used as internal and external: {', '.join(sorted(clash))}"
+            )
+        self.default_broker = (
+            DEFAULT_BROKER if DEFAULT_BROKER in self.brokers else next(iter(self.brokers))
+        )
+        for broker in self.all_brokers.values():
+            broker.configure(dedup_window_seconds=self.settings.dedup_window_seconds)
+        name = self.settings.table_name
+        self.table = schema.build_table(
+            name, schema.metadata if name == schema.outbox_table.name else MetaData()
+        )
+        self.store = Store(self.engine, self.table)
+        self.session_factory = session_factory or async_sessionmaker(
+            self.engine, expire_on_commit=False
+        )
+        self.instrumentation = instrumentation or Instrumentation()
+        self.instance = instance_id()
+        self.channel = channel_name(name)
+        self.processors: dict[str, Processor] = {}
+        self.notifier: Notifier | None = None
+        self.listener: Listener | None = None
+        self.cleaner = Cleaner(self.store, self.settings)
+        self.started = False
+        self._tracer: Any = None
+        self._health_router: Any = None
+        self._router: Any = None
+        Outbox._instances.add(self)
+
+    def __repr__(self) -> str:
+        return f"Outbox({redact_url(str(self.engine.url))!r}, brokers={list(self.all_brokers)})"
+
+    # -- lookups ---------------------------------------------------------------------------
+
+    @classmethod
+    def current(cls) -> Outbox:
+        """The only Outbox of this process (used by the ``unit_of_work`` dependency when the
+        app was not started with ``outbox.lifespan``)."""
+        instances = list(cls._instances)
+        if len(instances) == 1:
+            return instances[0]
+        if not instances:
+            raise exceptions.UnitOfWorkError(
+                "no Outbox exists: create one and start the app with lifespan=outbox.lifespan"
+            )
+        raise exceptions.UnitOfWorkError(
+            f"{len(instances)} Outbox instances exist: start the app with "
+            "lifespan=outbox.lifespan (or include outbox.router) so requests find theirs"
+        )
+
+    @property
+    def all_brokers(self) -> dict[str, Broker]:
+        return {**self.brokers, **self.external_brokers}
+
+    def resolve_broker(self, name: str | None) -> str:
+        if name is None:
+            return self.default_broker
+        if name not in self.brokers:
+            hint = (
+                " (it is external: mark the event external=True)"
+                if name in self.external_brokers
+                else ""
+            )
+            raise exceptions.UnknownBroker(
+                f"no broker named {name!r}{hint}; configured: {', '.join(self.brokers)}"
+            )
+        return name
+
+    def trace_headers(self, traceparent: str | None) -> dict[str, str]:
+        """W3C trace context to store with a message: the active OpenTelemetry span's when
+        there is one, else the request's ``traceparent``."""
+        from fastapi_outbox import tracing
+
+        return tracing.current_trace_headers(traceparent)
+
+    # -- unit of work -----------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def unit_of_work(
+        self,
+        *,
+        correlation_id: str | None = None,
+        causation_id: str | None = None,
+        traceparent: str | None = None,
+        session: AsyncSession | None = None,
+    ) -> AsyncIterator[UnitOfWork]:
+        """``async with outbox.unit_of_work() as uow:`` — commits on exit, rolls back on error."""
+        own = session is None
+        sess = self.session_factory() if session is None else session
+        uow = UnitOfWork(
+            self,
+            sess,
+            correlation_id=correlation_id,
+            causation_id=causation_id,
+            traceparent=traceparent,
+        )
+        try:
+            if own or not sess.in_transaction():
+                async with sess.begin():
+                    yield uow
+                    await uow.flush()
+            else:
+                yield uow
+                await uow.flush()
+                await sess.commit()
+        finally:
+            uow._close()
+            if own:
+                await sess.close()
+        self.committed(uow.brokers)
+
+    def committed(self, brokers: frozenset[str] | set[str]) -> None:
+        """Wake the dispatchers after a commit that wrote rows for ``brokers``."""
+        if not brokers:
+            return
+        for name in brokers:
+            processor = self.processors.get(name)
+            if processor is not None:
+                processor.wakeup.set()
+        if self.notifier is not None and self.notifier.running:
+            self.notifier.signal()
+
+    # -- schema -------------------------------------------------------------------------------
+
+    async def create_tables(self) -> None:
+        """Create the outbox table and its indexes (never the user's tables)."""
+        await self.store.create_table()
+
+    async def drop_tables(self) -> None:
+        await self.store.drop_table()
+
+    # -- running -------------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def dispatcher(self) -> AsyncIterator[Outbox]:
+        """Run the processors (and wake-ups, retention) while the block runs."""
+        if self.started:
+            raise exceptions.ConfigurationError("this Outbox's dispatchers are already running")
+        self.started = True
+        settings = self.settings
+        try:
+            async with anyio.create_task_group() as tg:
+                listener = None
+                if self.store.is_postgres and settings.notify:
+                    self.notifier = Notifier(self.store, self.channel, self.instance)
+                    await tg.start(self.notifier.run)
+                    listener = Listener(self.store, self.channel, self.instance, self._wake_all)
+                    self.listener = listener
+                for name, broker in self.all_brokers.items():
+                    self.processors[name] = Processor(
+                        store=self.store,
+                        broker_name=name,
+                        broker=broker,
+                        settings=settings,
+                        instance=self.instance,
+                        listening=(lambda: bool(listener and listener.listening)),
+                        instrumentation=self.instrumentation,
+                    )
+                if listener is not None:
+                    await tg.start(listener.run)
+                for processor in self.processors.values():
+                    await tg.start(processor.run)
+                await tg.start(self.cleaner.run)
+                logger.info(
+                    "outbox dispatchers started",
+                    extra={
+                        "action": "outbox.start",
+                        "brokers": list(self.processors),
+                        "workers": settings.workers,
+                        "instance": self.instance,
+                    },
+                )
+                try:
+                    yield self
+                finally:
+                    await self._shutdown(tg)
+        finally:
+            self.started = False
+            self.notifier = None
+            self.listener = None
+            with anyio.CancelScope(shield=True):
+                await self._close_brokers()
+
+    async def _shutdown(self, tg: anyio.abc.TaskGroup) -> None:
+        for processor in self.processors.values():
+            processor.stop()
+        with anyio.CancelScope(shield=True):
+            with anyio.move_on_after(self.settings.shutdown_timeout_seconds):
+                for processor in self.processors.values():
+                    if processor.running:
+                        await processor.stopped.wait()
+        tg.cancel_scope.cancel()
+        logger.info("outbox dispatchers stopped", extra={"action": "outbox.stop"})
+
+    async def _close_brokers(self) -> None:
+        for name, broker in self.all_brokers.items():
+            try:
+                with anyio.move_on_after(self.settings.shutdown_timeout_seconds):
+                    await broker.aclose()
+            except Exception:
+                logger.warning(
+                    "broker close failed",
+                    extra={"action": "broker.close", "broker": name},
+                    exc_info=True,
+                )
+
+    def _wake_all(self) -> None:
+        for processor in self.processors.values():
+            processor.wakeup.set()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Any) -> AsyncIterator[None]:
+        """FastAPI lifespan: ``FastAPI(lifespan=outbox.lifespan)``."""
+        app.state.fastapi_outbox = self
+        if not self.settings.run_dispatchers:
+            yield
+            return
+        async with self.dispatcher():
+            yield
+
+    async def aclose(self) -> None:
+        """Close brokers and the engine (when the Outbox created it)."""
+        await self._close_brokers()
+        if self._owns_engine:
+            await self.engine.dispose()
+
+    async def __aenter__(self) -> Outbox:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -- HTTP surface -----------------------------------------------------------------------------
+
+    @property
+    def health_router(self) -> Any:
+        """``GET /outbox/health``."""
+        if self._health_router is None:
+            from fastapi_outbox.health import build_health_router
+
+            self._health_router = build_health_router(self)
+        return self._health_router
+
+    @property
+    def router(self) -> Any:
+        """The health router carrying the outbox lifespan: one ``include_router`` line."""
+        if self._router is None:
+            from fastapi import APIRouter
+
+            router = APIRouter(lifespan=self.lifespan)
+            router.include_router(self.health_router)
+            self._router = router
+        return self._router
+
+
+def _create_engine(url: str, options: dict[str, Any]) -> AsyncEngine:
+    """An engine for ``url``; SQLite gets WAL, a busy timeout and BEGIN IMMEDIATE so the
+    embedded default copes with a dispatcher and requests writing at the same time."""
+    try:
+        engine = create_async_engine(url, **_engine_defaults(url, options))
+    except Exception as exc:
+        raise exceptions.ConfigurationError(
+            f"cannot create an engine for {redact_url(url)}: {exc}"
+        ) from exc
+    if engine.dialect.name == "sqlite":
+        sync_engine = engine.sync_engine
+
+        @event.listens_for(sync_engine, "connect")
+        def _on_connect(dbapi_connection: Any, record: Any) -> None:
+            dbapi_connection.isolation_level = None  # we issue BEGIN ourselves
+            cursor = dbapi_connection.cursor()
+            if engine.url.database not in (None, "", ":memory:"):
+                cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute("PRAGMA synchronous=NORMAL")
+            cursor.execute("PRAGMA busy_timeout=30000")
+            cursor.execute("PRAGMA foreign_keys=ON")
+            cursor.close()
+
+        @event.listens_for(sync_engine, "begin")
+        def _on_begin(conn: Any) -> None:
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine
+
+
+def _engine_defaults(url: str, options: dict[str, Any]) -> dict[str, Any]:
+    opts = dict(options)
+    if url.startswith("sqlite"):
+        if url.rstrip("/").endswith(":memory:") or url.rstrip("/") in (
+            "sqlite+aiosqlite:",
+            "sqlite+aiosqlite://",
+        ):
+            opts.setdefault("poolclass", StaticPool)
+        opts.setdefault("connect_args", {"timeout": 30})
+    else:
+        opts.setdefault("pool_pre_ping", True)
+        opts.setdefault("pool_size", 10)
+        opts.setdefault("max_overflow", 20)
+    return opts

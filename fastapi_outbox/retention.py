@@ -1,0 +1,99 @@
+"""Retention: delete published and abandoned rows past their retention, in bounded batches.
+
+Each batch is one short transaction deleting at most ``cleanup_batch_size`` rows found
+through a partial index (``FOR UPDATE SKIP LOCKED`` on PostgreSQL), so a cleanup never
+locks the table, never runs one table-wide DELETE, and never stalls dispatch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+
+from fastapi_outbox.settings import OutboxSettings
+from fastapi_outbox.store import ABANDONED, PUBLISHED, Store
+
+logger = logging.getLogger("fastapi_outbox.retention")
+
+#: Pause between two batches: lets dispatch and requests through.
+BATCH_PAUSE_SECONDS = 0.01
+
+
+async def purge(
+    store: Store,
+    status: str,
+    older_than_seconds: float,
+    *,
+    batch_size: int,
+    max_rows: int | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> int:
+    """Delete ``status`` rows finished more than ``older_than_seconds`` ago, batch by batch;
+    returns how many were deleted."""
+    if status not in (PUBLISHED, ABANDONED):
+        raise ValueError(f"purge takes 'published' or 'abandoned', not {status!r}")
+    total = 0
+    while max_rows is None or total < max_rows:
+        limit = batch_size if max_rows is None else min(batch_size, max_rows - total)
+        deleted = await store.purge_batch(status, older_than_seconds, limit)
+        total += deleted
+        if progress is not None:
+            progress(deleted)
+        if deleted < limit:
+            break
+        await anyio.sleep(BATCH_PAUSE_SECONDS)
+    return total
+
+
+class Cleaner:
+    """The periodic retention task started with the dispatchers."""
+
+    def __init__(self, store: Store, settings: OutboxSettings) -> None:
+        self.store = store
+        self.settings = settings
+        self.last_run: float | None = None
+        self.deleted_total = 0
+
+    async def run_once(self) -> int:
+        deleted = 0
+        for status, retention in (
+            (PUBLISHED, self.settings.published_retention_seconds),
+            (ABANDONED, self.settings.abandoned_retention_seconds),
+        ):
+            if retention is None:
+                continue
+            n = await purge(
+                self.store, status, retention, batch_size=self.settings.cleanup_batch_size
+            )
+            if n:
+                logger.info(
+                    "retention cleanup",
+                    extra={"action": "retention.deleted", "status": status, "count": n},
+                )
+            deleted += n
+        self.deleted_total += deleted
+        self.last_run = anyio.current_time()
+        return deleted
+
+    async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        if (
+            self.settings.published_retention_seconds is None
+            and self.settings.abandoned_retention_seconds is None
+        ):
+            return
+        while True:
+            try:
+                await self.run_once()
+            except Exception as exc:
+                logger.warning(
+                    "retention cleanup failed",
+                    extra={
+                        "action": "retention.failed",
+                        "error": f"{type(exc).__name__}: {exc}"[:300],
+                    },
+                )
+            await anyio.sleep(self.settings.cleanup_interval_seconds)

@@ -1,0 +1,193 @@
+"""The outbox table: columns, indexes, DDL.
+
+``metadata`` holds the default table (``outbox_messages``) so an Alembic ``env.py`` can
+include it in ``target_metadata``; :func:`build_table` builds a table of another name on
+another ``MetaData``.
+
+Three choices worth knowing:
+
+* ``next_attempt_at`` is the one "due time" of every row that still needs work: creation
+  time for pending rows, the backoff deadline for failed rows and the lease deadline for
+  processing rows. The claim is then a single range scan of one partial index,
+  ``(broker, next_attempt_at)`` over the rows still needing work, whose size does not
+  depend on how many published rows the table keeps.
+* ``payload`` and ``headers`` are stored as the JSON text the unit of work encoded once
+  (JSONB on PostgreSQL) and read back as text: the dispatcher sends those bytes as they
+  are, with no decode/encode per message.
+* ``txid`` (PostgreSQL only) records the writing transaction's id; ordered dispatch uses
+  it to never overtake a row whose transaction has not committed yet.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    Dialect,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    Uuid,
+    text,
+)
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.engine.interfaces import Dialect as DialectT
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.schema import CreateIndex, CreateTable
+from sqlalchemy.sql.expression import FunctionElement
+from sqlalchemy.types import DateTime, TypeDecorator, TypeEngine
+
+from fastapi_outbox.events import MessageStatus
+
+__all__ = ["build_table", "ddl", "metadata", "outbox_table"]
+
+#: Statuses of rows that still need work; the partial indexes cover exactly these.
+ACTIVE_STATUSES = (MessageStatus.PENDING, MessageStatus.PROCESSING, MessageStatus.FAILED)
+_ACTIVE_SQL = "status IN ('pending', 'processing', 'failed')"
+
+
+class UtcDateTime(TypeDecorator[dt.datetime]):
+    """``timestamptz`` on PostgreSQL; on SQLite an ISO string in UTC that sorts as text."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: Any, dialect: Dialect) -> Any:
+        if value is not None and dialect.name != "postgresql":
+            if value.tzinfo is None:
+                raise ValueError("naive datetime given for a UTC column")
+            value = value.astimezone(dt.UTC).replace(tzinfo=None)
+        return value
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> Any:
+        if value is not None and value.tzinfo is None:
+            value = value.replace(tzinfo=dt.UTC)
+        return value
+
+
+class JsonText(TypeDecorator[str]):
+    """JSON stored and returned as already-encoded text (JSONB on PostgreSQL).
+
+    No json.dumps/json.loads happens in SQLAlchemy: the unit of work encodes each payload
+    once (it needs the size anyway) and the dispatcher publishes the text it reads back.
+    """
+
+    impl = Text
+    cache_ok = True
+
+    def load_dialect_impl(self, dialect: Dialect) -> TypeEngine[Any]:
+        if dialect.name == "postgresql":
+            return dialect.type_descriptor(postgresql.JSONB())
+        return dialect.type_descriptor(Text())
+
+    def bind_processor(self, dialect: Dialect) -> Any:
+        return None  # already JSON text
+
+    def result_processor(self, dialect: Dialect, coltype: Any) -> Any:
+        return None  # keep the JSON text
+
+
+class current_txid(FunctionElement[int]):
+    """The writing transaction's id on PostgreSQL (``pg_current_xact_id()`` as bigint)."""
+
+    type = BigInteger()
+    inherit_cache = True
+    name = "current_txid"
+
+
+@compiles(current_txid, "postgresql")
+def _txid_pg(element: Any, compiler: Any, **kw: Any) -> str:
+    return "(pg_current_xact_id()::text)::bigint"
+
+
+@compiles(current_txid)
+def _txid_other(element: Any, compiler: Any, **kw: Any) -> str:
+    return "NULL"
+
+
+def build_table(name: str = "outbox_messages", metadata_: MetaData | None = None) -> Table:
+    """The outbox table called ``name`` on ``metadata_`` (a new ``MetaData`` when None)."""
+    md = metadata_ if metadata_ is not None else MetaData()
+    if name in md.tables:
+        return md.tables[name]
+    table = Table(
+        name,
+        md,
+        Column("id", Uuid(as_uuid=True), primary_key=True, comment="UUIDv7, time-ordered"),
+        Column("broker", String(64), nullable=False, comment="target broker name"),
+        Column("stream", String(255), nullable=False, comment="topic / stream / subject"),
+        Column("type", String(255), nullable=False, comment="event type name"),
+        Column("key", String(255), nullable=True, comment="ordering key"),
+        Column("payload", JsonText(), nullable=False),
+        Column("headers", JsonText(), nullable=False),
+        Column("status", String(16), nullable=False, server_default=MessageStatus.PENDING.value),
+        Column("attempts", Integer, nullable=False, server_default="0"),
+        Column("next_attempt_at", UtcDateTime(), nullable=False, comment="due time"),
+        Column("locked_by", String(80), nullable=True, comment="claim token (fence)"),
+        Column("locked_until", UtcDateTime(), nullable=True),
+        Column("last_error", Text, nullable=True),
+        Column("created_at", UtcDateTime(), nullable=False),
+        Column("published_at", UtcDateTime(), nullable=True),
+        Column("abandoned_at", UtcDateTime(), nullable=True),
+        Column(
+            "txid",
+            BigInteger,
+            nullable=True,
+            server_default=current_txid(),
+            comment="writing transaction id (PostgreSQL), for ordered dispatch",
+        ),
+    )
+    # The claim index: only rows that still need work, in due order per broker.
+    Index(
+        f"ix_{name}_due",
+        table.c.broker,
+        table.c.next_attempt_at,
+        table.c.id,
+        postgresql_where=text(_ACTIVE_SQL),
+        sqlite_where=text(_ACTIVE_SQL),
+    )
+    # Ordered dispatch: the earlier unfinished rows of a key.
+    Index(
+        f"ix_{name}_key",
+        table.c.broker,
+        table.c.key,
+        table.c.txid,
+        table.c.id,
+        postgresql_where=text(_ACTIVE_SQL + " AND key IS NOT NULL"),
+        sqlite_where=text(_ACTIVE_SQL + " AND key IS NOT NULL"),
+    )
+    # Retention and the admin CLI: finished rows by age.
+    Index(
+        f"ix_{name}_published",
+        table.c.published_at,
+        postgresql_where=text("status = 'published'"),
+        sqlite_where=text("status = 'published'"),
+    )
+    Index(
+        f"ix_{name}_abandoned",
+        table.c.abandoned_at,
+        postgresql_where=text("status = 'abandoned'"),
+        sqlite_where=text("status = 'abandoned'"),
+    )
+    return table
+
+
+#: The default ``MetaData`` with the default table, for Alembic's ``target_metadata``.
+metadata = MetaData()
+outbox_table = build_table("outbox_messages", metadata)
+
+
+def ddl(table: Table, dialect: DialectT) -> str:
+    """``CREATE TABLE`` and ``CREATE INDEX`` statements of ``table`` for ``dialect``."""
+    statements = [str(CreateTable(table).compile(dialect=dialect)).strip()]
+    statements += [
+        str(CreateIndex(index).compile(dialect=dialect)).strip()
+        for index in sorted(table.indexes, key=lambda i: i.name or "")
+    ]
+    return ";\n\n".join(statements) + ";\n"

@@ -1,0 +1,127 @@
+"""``OutboxSettings``: every tunable of the outbox, read from ``OUTBOX_*`` environment variables.
+
+Field names are part of the public contract (``OUTBOX_LEASE_SECONDS=3`` works). Invalid
+values fail when the settings are built, with a message naming the setting.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from fastapi_outbox import exceptions
+
+TABLE_NAME = "outbox_messages"
+BATCH_SIZE = 100
+WORKERS = 2
+LEASE_SECONDS = 30.0
+POLL_INTERVAL_SECONDS = 1.0
+MAX_POLL_INTERVAL_SECONDS = 30.0
+MAX_ATTEMPTS = 10
+RETRY_BASE_DELAY_SECONDS = 1.0
+RETRY_MULTIPLIER = 2.0
+RETRY_MAX_DELAY_SECONDS = 300.0
+RETRY_JITTER = 0.25
+BROKER_BACKOFF_MAX_SECONDS = 30.0
+PUBLISHED_RETENTION_SECONDS = 7 * 24 * 3600.0
+ABANDONED_RETENTION_SECONDS = 30 * 24 * 3600.0
+CLEANUP_INTERVAL_SECONDS = 3600.0
+CLEANUP_BATCH_SIZE = 5000
+HEALTH_MAX_PENDING_AGE_SECONDS = 60.0
+HEALTH_CACHE_SECONDS = 1.0
+MAX_PAYLOAD_BYTES = 1024 * 1024
+SHUTDOWN_TIMEOUT_SECONDS = 10.0
+PUBLISH_TIMEOUT_SECONDS = 10.0
+#: Extra margin added to lease + maximal backoff for the brokers' de-duplication window.
+DEDUP_MARGIN_SECONDS = 60.0
+
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+
+
+class OutboxSettings(BaseSettings):
+    """Settings of an :class:`~fastapi_outbox.Outbox`; environment variables ``OUTBOX_<FIELD>``."""
+
+    model_config = SettingsConfigDict(env_prefix="OUTBOX_", extra="forbid", frozen=True)
+
+    database_url: str | None = Field(
+        default=None, description="Database URL used by the CLI when no --url/--app is given."
+    )
+    table_name: str = Field(default=TABLE_NAME, description="Name of the outbox table.")
+    batch_size: int = Field(default=BATCH_SIZE, ge=1, le=10_000)
+    workers: int = Field(default=WORKERS, ge=1, le=64, description="Workers per processor.")
+    lease_seconds: float = Field(default=LEASE_SECONDS, gt=0)
+    poll_interval_seconds: float = Field(default=POLL_INTERVAL_SECONDS, gt=0)
+    max_poll_interval_seconds: float = Field(default=MAX_POLL_INTERVAL_SECONDS, gt=0)
+    max_attempts: int = Field(default=MAX_ATTEMPTS, ge=1)
+    retry_base_delay_seconds: float = Field(default=RETRY_BASE_DELAY_SECONDS, ge=0)
+    retry_multiplier: float = Field(default=RETRY_MULTIPLIER, ge=1)
+    retry_max_delay_seconds: float = Field(default=RETRY_MAX_DELAY_SECONDS, ge=0)
+    retry_jitter: float = Field(default=RETRY_JITTER, ge=0, le=1)
+    broker_backoff_max_seconds: float = Field(default=BROKER_BACKOFF_MAX_SECONDS, gt=0)
+    ordered: bool = False
+    published_retention_seconds: float | None = Field(default=PUBLISHED_RETENTION_SECONDS, ge=0)
+    abandoned_retention_seconds: float | None = Field(default=ABANDONED_RETENTION_SECONDS, ge=0)
+    cleanup_interval_seconds: float = Field(default=CLEANUP_INTERVAL_SECONDS, gt=0)
+    cleanup_batch_size: int = Field(default=CLEANUP_BATCH_SIZE, ge=1, le=100_000)
+    health_max_pending_age_seconds: float = Field(default=HEALTH_MAX_PENDING_AGE_SECONDS, gt=0)
+    health_cache_seconds: float = Field(default=HEALTH_CACHE_SECONDS, ge=0)
+    max_payload_bytes: int = Field(default=MAX_PAYLOAD_BYTES, ge=1)
+    shutdown_timeout_seconds: float = Field(default=SHUTDOWN_TIMEOUT_SECONDS, gt=0)
+    publish_timeout_seconds: float = Field(default=PUBLISH_TIMEOUT_SECONDS, gt=0)
+    notify: bool = Field(default=True, description="Use PostgreSQL LISTEN/NOTIFY wake-ups.")
+    delete_on_publish: bool = Field(
+        default=False, description="Delete rows once published instead of marking them."
+    )
+    run_dispatchers: bool = Field(
+        default=True, description="Start dispatchers in the app lifespan (False: API only)."
+    )
+
+    @field_validator("table_name")
+    @classmethod
+    def _plain_identifier(cls, value: str) -> str:
+        if not _IDENTIFIER.match(value):
+            raise ValueError(
+                f"table_name {value!r} is not a plain SQL identifier "
+                "(letters, digits and _, not starting with a digit, at most 63 characters)"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> OutboxSettings:
+        if self.max_poll_interval_seconds < self.poll_interval_seconds:
+            raise ValueError(
+                "max_poll_interval_seconds must be >= poll_interval_seconds "
+                f"({self.max_poll_interval_seconds} < {self.poll_interval_seconds})"
+            )
+        if self.retry_max_delay_seconds < self.retry_base_delay_seconds:
+            raise ValueError(
+                "retry_max_delay_seconds must be >= retry_base_delay_seconds "
+                f"({self.retry_max_delay_seconds} < {self.retry_base_delay_seconds})"
+            )
+        return self
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> OutboxSettings:
+        """Settings from ``OUTBOX_*`` variables, with keyword overrides; errors name the setting."""
+        try:
+            return cls(**overrides)
+        except ValidationError as exc:
+            raise exceptions.ConfigurationError(describe_validation_error(exc)) from exc
+
+    @property
+    def dedup_window_seconds(self) -> float:
+        """How long brokers must remember a message id: a republish can come after a lease
+        expires (crash between publish and mark) or after the longest retry backoff."""
+        return self.lease_seconds + self.retry_max_delay_seconds + DEDUP_MARGIN_SECONDS
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """One line per invalid setting: ``invalid outbox setting 'batch_size': ...``."""
+    parts = []
+    for error in exc.errors():
+        loc = ".".join(str(p) for p in error["loc"]) or "settings"
+        parts.append(f"invalid outbox setting {loc!r} (OUTBOX_{loc.upper()}): {error['msg']}")
+    return "; ".join(parts)

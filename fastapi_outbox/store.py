@@ -1,0 +1,497 @@
+"""All SQL against the outbox table, in one place.
+
+The dispatcher's cycle is three statements per batch: ``claim`` (one UPDATE … RETURNING),
+``mark_published`` (one UPDATE or DELETE over an id array) and, for the few rows the broker
+refused, ``mark_failed`` (one executemany). Every change after the claim is *fenced*: it
+only touches rows whose ``locked_by`` still equals the claim token, so a worker whose lease
+expired can never overwrite a newer claim.
+
+PostgreSQL and SQLite run the same statements; the differences are confined to
+:meth:`Store._now` (database clock vs. Python clock), :meth:`Store._ids` (an array
+parameter vs. an expanding IN) and the ordering column (``txid, id`` vs. ``rowid``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from sqlalchemy import (
+    ARRAY,
+    Interval,
+    Select,
+    Table,
+    Text,
+    Uuid,
+    and_,
+    any_,
+    bindparam,
+    case,
+    cast,
+    delete,
+    exists,
+    func,
+    insert,
+    literal_column,
+    or_,
+    select,
+    tuple_,
+    update,
+)
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.sql.elements import ColumnElement
+
+from fastapi_outbox.events import MessageStatus
+from fastapi_outbox.schema import ACTIVE_STATUSES, UtcDateTime
+
+PENDING = MessageStatus.PENDING.value
+PROCESSING = MessageStatus.PROCESSING.value
+PUBLISHED = MessageStatus.PUBLISHED.value
+FAILED = MessageStatus.FAILED.value
+ABANDONED = MessageStatus.ABANDONED.value
+_ACTIVE = [s.value for s in ACTIVE_STATUSES]
+#: last_error is truncated to this many characters.
+ERROR_MAX_CHARS = 2000
+
+
+@dataclasses.dataclass(slots=True)
+class ClaimedRow:
+    """A row taken by a claim: what the dispatcher needs to publish it."""
+
+    id: uuid.UUID
+    stream: str
+    type: str
+    key: str | None
+    payload: str
+    headers: str
+    attempts: int
+
+
+@dataclasses.dataclass(slots=True)
+class Failure:
+    """A publish failure to record: ``abandon`` when attempts are exhausted."""
+
+    id: uuid.UUID
+    error: str
+    delay_seconds: float
+    abandon: bool
+
+
+@dataclasses.dataclass(slots=True)
+class BrokerStats:
+    """Counts of one broker's rows (health endpoint, ``status`` command)."""
+
+    broker: str
+    pending: int = 0
+    processing: int = 0
+    failed: int = 0
+    abandoned: int = 0
+    oldest_pending_age_seconds: float | None = None
+    published_last_minute: int = 0
+
+
+class Store:
+    """SQL for one outbox table on one engine."""
+
+    def __init__(self, engine: AsyncEngine, table: Table) -> None:
+        self.engine = engine
+        self.table = table
+        self.is_postgres = engine.dialect.name == "postgresql"
+        self._lock_key = f"fastapi_outbox:{table.name}"
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _now(self) -> ColumnElement[dt.datetime]:
+        """The clock every due time is compared with: the database's on PostgreSQL (one
+        clock for all processes), the process's own on SQLite (an embedded database)."""
+        if self.is_postgres:
+            return func.now()
+        return bindparam(None, dt.datetime.now(dt.UTC), type_=UtcDateTime())
+
+    def _later(self, seconds: float) -> ColumnElement[dt.datetime]:
+        if self.is_postgres:
+            return func.now() + bindparam(None, dt.timedelta(seconds=seconds), type_=Interval())
+        return bindparam(
+            None, dt.datetime.now(dt.UTC) + dt.timedelta(seconds=seconds), type_=UtcDateTime()
+        )
+
+    def _ids(self, name: str = "ids") -> ColumnElement[bool]:
+        """``id = ANY($ids)`` on PostgreSQL (one cached statement for any batch size)."""
+        if self.is_postgres:
+            return self.table.c.id == any_(bindparam(name, type_=ARRAY(Uuid())))
+        return self.table.c.id.in_(bindparam(name, expanding=True))
+
+    def _order_columns(self, alias: Any) -> tuple[Any, ...]:
+        """Commit order of rows: (txid, id) on PostgreSQL, rowid on SQLite (one writer at a
+        time, and the write lock is held until commit, so rowid follows commit order)."""
+        if self.is_postgres:
+            return (alias.c.txid, alias.c.id)
+        return (literal_column(f"{alias.name}.rowid"),)
+
+    async def ping(self) -> None:
+        """Raise if the database cannot be reached."""
+        async with self.engine.connect() as conn:
+            await conn.execute(select(1))
+
+    async def create_table(self) -> None:
+        """Create the outbox table and its indexes (never any other table)."""
+        async with self.engine.begin() as conn:
+            await conn.run_sync(self.table.create, checkfirst=True)
+            # create(checkfirst) skips indexes of an existing table; add any missing one.
+            for index in self.table.indexes:
+                await conn.run_sync(index.create, checkfirst=True)
+
+    async def drop_table(self) -> None:
+        async with self.engine.begin() as conn:
+            await conn.run_sync(self.table.drop, checkfirst=True)
+
+    # -- write path ------------------------------------------------------------------------
+
+    def insert_statement(self) -> Any:
+        """INSERT for the unit of work; timestamps come from the database clock on
+        PostgreSQL, so created_at and the first due time agree with the claim's now()."""
+        stmt = insert(self.table)
+        if self.is_postgres:
+            stmt = stmt.values(created_at=func.now(), next_attempt_at=func.now())
+        return stmt
+
+    def row_params(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if not self.is_postgres:
+            now = dt.datetime.now(dt.UTC)
+            for row in rows:
+                row["created_at"] = now
+                row["next_attempt_at"] = now
+        return rows
+
+    async def insert_rows(self, conn: AsyncConnection, rows: list[dict[str, Any]]) -> None:
+        await conn.execute(self.insert_statement(), self.row_params(rows))
+
+    # -- dispatch --------------------------------------------------------------------------
+
+    def _claim_statement(
+        self, broker: str, limit: int, token: str, lease_seconds: float, ordered: bool
+    ) -> Any:
+        t = self.table
+        now = self._now()
+        o = t.alias("o")
+        due: Select[Any] = select(o.c.id).where(
+            o.c.broker == broker,
+            # Pending, failed and processing rows: the partial index holds exactly these.
+            o.c.status.in_(_ACTIVE),
+            # One due time for all three: created_at, backoff deadline, lease deadline.
+            o.c.next_attempt_at <= now,
+        )
+        if ordered:
+            e = t.alias("e")
+            blocking_earlier = exists().where(
+                e.c.broker == o.c.broker,
+                e.c.key == o.c.key,
+                e.c.status.in_(_ACTIVE),
+                # An earlier row of the key that is in flight or backing off blocks this one.
+                e.c.next_attempt_at > now,
+                tuple_(*self._order_columns(e)) < tuple_(*self._order_columns(o)),
+            )
+            safe: ColumnElement[bool] = ~blocking_earlier
+            if self.is_postgres:
+                # Rows of transactions older than the oldest open one: no row that commits
+                # later can sort before them (its txid is at least that xmin).
+                xmin = cast(
+                    cast(func.pg_snapshot_xmin(func.pg_current_snapshot()), Text), o.c.txid.type
+                )
+                safe = and_(o.c.txid < xmin, safe)
+            due = due.where(or_(o.c.key.is_(None), safe)).order_by(*self._order_columns(o))
+        else:
+            due = due.order_by(o.c.next_attempt_at, o.c.id)
+        due = due.limit(limit)
+        if self.is_postgres:
+            # Concurrent claimers take disjoint batches instead of waiting on each other.
+            due = due.with_for_update(skip_locked=True)
+        due_cte = due.cte("due")
+        until = self._later(lease_seconds)
+        return (
+            update(t)
+            .where(t.c.id == due_cte.c.id)
+            .values(
+                status=PROCESSING,
+                locked_by=token,  # the fence: every later change must match it
+                locked_until=until,
+                next_attempt_at=until,  # an expired lease makes the row due again
+                attempts=t.c.attempts + 1,  # counted at claim: crash loops still end
+            )
+            .returning(
+                t.c.id,
+                t.c.stream,
+                t.c.type,
+                t.c.key,
+                cast(t.c.payload, Text),  # the stored JSON text, sent as is
+                cast(t.c.headers, Text),
+                t.c.attempts,
+                *self._order_columns(t),
+            )
+        )
+
+    async def claim(
+        self, broker: str, limit: int, token: str, lease_seconds: float, *, ordered: bool = False
+    ) -> list[ClaimedRow]:
+        """Claim up to ``limit`` due rows of ``broker`` for ``token``, oldest first."""
+        stmt = self._claim_statement(broker, limit, token, lease_seconds, ordered)
+        async with self.engine.begin() as conn:
+            if ordered and self.is_postgres:
+                # Ordered claimers of one table take turns, so each batch is a prefix of
+                # every key's queue; the claim statement below then gets a fresh snapshot.
+                await conn.execute(
+                    select(func.pg_advisory_xact_lock(func.hashtext(f"{self._lock_key}:{broker}")))
+                )
+            result = await conn.execute(stmt)
+            rows = result.all()
+        claimed = [ClaimedRow(*row[:7]) for row in rows]
+        if ordered:
+            order = {row[0]: tuple(row[7:]) for row in rows}
+            claimed.sort(key=lambda r: order[r.id])
+        return claimed
+
+    async def mark_published(
+        self, ids: Sequence[uuid.UUID], token: str, *, delete_rows: bool = False
+    ) -> int:
+        """Mark claimed rows published (or delete them); returns how many still held the
+        claim: fewer than ``len(ids)`` means some leases were lost to another worker."""
+        if not ids:
+            return 0
+        t = self.table
+        fence = and_(self._ids(), t.c.locked_by == bindparam("token"))
+        stmt: Any
+        if delete_rows:
+            stmt = delete(t).where(fence)
+        else:
+            stmt = (
+                update(t)
+                .where(fence)
+                .values(
+                    status=PUBLISHED,
+                    published_at=self._now(),
+                    locked_by=None,
+                    locked_until=None,
+                    last_error=None,
+                )
+            )
+        async with self.engine.begin() as conn:
+            result = await conn.execute(stmt, {"ids": list(ids), "token": token})
+        return int(result.rowcount)
+
+    async def mark_failed(self, failures: Sequence[Failure], token: str) -> int:
+        """Record publish failures: back to ``failed`` with a due time, or ``abandoned``."""
+        if not failures:
+            return 0
+        t = self.table
+        now = self._now()
+        status = bindparam("new_status", type_=t.c.status.type)
+        if self.is_postgres:
+            due: ColumnElement[Any] = func.now() + bindparam("delay", type_=Interval())
+        else:
+            due = bindparam("due_at", type_=UtcDateTime())
+        stmt = (
+            update(t)
+            .where(t.c.id == bindparam("row_id"), t.c.locked_by == bindparam("token"))
+            .values(
+                status=status,
+                next_attempt_at=due,
+                last_error=bindparam("error"),
+                locked_by=None,
+                locked_until=None,
+                abandoned_at=case((status == ABANDONED, now), else_=None),
+            )
+        )
+        clock = dt.datetime.now(dt.UTC)
+        params = []
+        for f in failures:
+            delay = dt.timedelta(seconds=f.delay_seconds)
+            param: dict[str, Any] = {
+                "row_id": f.id,
+                "token": token,
+                "new_status": ABANDONED if f.abandon else FAILED,
+                "error": f.error[:ERROR_MAX_CHARS],
+            }
+            if self.is_postgres:
+                param["delay"] = delay
+            else:
+                param["due_at"] = clock + delay
+            params.append(param)
+        async with self.engine.begin() as conn:
+            result = await conn.execute(stmt, params)
+        return int(result.rowcount) if result.rowcount is not None else len(params)
+
+    async def release(
+        self, ids: Sequence[uuid.UUID], token: str, *, refund_attempt: bool = True
+    ) -> int:
+        """Give claimed rows back, claimable at once (shutdown, broker unreachable). The
+        attempt counted at claim is refunded: the message itself did not fail."""
+        if not ids:
+            return 0
+        t = self.table
+        stmt = (
+            update(t)
+            .where(self._ids(), t.c.locked_by == bindparam("token"))
+            .values(
+                status=case((t.c.status == PROCESSING, PENDING), else_=t.c.status),
+                locked_by=None,
+                locked_until=None,
+                next_attempt_at=self._now(),
+                attempts=t.c.attempts - (1 if refund_attempt else 0),
+            )
+        )
+        async with self.engine.begin() as conn:
+            result = await conn.execute(stmt, {"ids": list(ids), "token": token})
+        return int(result.rowcount)
+
+    # -- observation -------------------------------------------------------------------------
+
+    async def stats(self, brokers: Iterable[str] = ()) -> dict[str, BrokerStats]:
+        """Counts per broker, from the partial indexes (cheap on a table of published rows)."""
+        t = self.table
+        out: dict[str, BrokerStats] = {name: BrokerStats(name) for name in brokers}
+
+        def entry(name: str) -> BrokerStats:
+            return out.setdefault(name, BrokerStats(name))
+
+        minute_ago = self._later(-60.0)
+        active = (
+            select(t.c.broker, t.c.status, func.count(), func.min(t.c.created_at))
+            .where(t.c.status.in_(_ACTIVE))
+            .group_by(t.c.broker, t.c.status)
+        )
+        abandoned = (
+            select(t.c.broker, func.count()).where(t.c.status == ABANDONED).group_by(t.c.broker)
+        )
+        recent = (
+            select(t.c.broker, func.count())
+            .where(t.c.status == PUBLISHED, t.c.published_at > minute_ago)
+            .group_by(t.c.broker)
+        )
+        async with self.engine.connect() as conn:
+            db_now = (await conn.execute(select(self._now()))).scalar_one()
+            if isinstance(db_now, str):  # SQLite returns the bound literal as text
+                db_now = dt.datetime.fromisoformat(db_now).replace(tzinfo=dt.UTC)
+            for broker, status, count, oldest in await conn.execute(active):
+                s = entry(broker)
+                setattr(s, status, int(count))
+                if oldest is not None:
+                    age = max(0.0, (db_now - oldest).total_seconds())
+                    if s.oldest_pending_age_seconds is None or age > s.oldest_pending_age_seconds:
+                        s.oldest_pending_age_seconds = age
+            for broker, count in await conn.execute(abandoned):
+                entry(broker).abandoned = int(count)
+            for broker, count in await conn.execute(recent):
+                entry(broker).published_last_minute = int(count)
+        return out
+
+    async def get(self, message_id: uuid.UUID) -> Mapping[str, Any] | None:
+        t = self.table
+        stmt = select(
+            *[c for c in t.c if c.name not in ("payload", "headers")],
+            cast(t.c.payload, Text).label("payload"),
+            cast(t.c.headers, Text).label("headers"),
+        ).where(t.c.id == message_id)
+        async with self.engine.connect() as conn:
+            row = (await conn.execute(stmt)).mappings().first()
+        return None if row is None else dict(row)
+
+    async def list_messages(
+        self,
+        *,
+        status: str | None = None,
+        stream: str | None = None,
+        broker: str | None = None,
+        limit: int = 50,
+    ) -> list[Mapping[str, Any]]:
+        """Rows without payloads, newest first."""
+        t = self.table
+        cols = [c for c in t.c if c.name not in ("payload", "headers", "txid")]
+        stmt = select(*cols).order_by(t.c.id.desc()).limit(limit)
+        if status is not None:
+            stmt = stmt.where(t.c.status == status)
+        if stream is not None:
+            stmt = stmt.where(t.c.stream == stream)
+        if broker is not None:
+            stmt = stmt.where(t.c.broker == broker)
+        async with self.engine.connect() as conn:
+            return [dict(r) for r in (await conn.execute(stmt)).mappings().all()]
+
+    # -- administration ------------------------------------------------------------------------
+
+    async def replay(
+        self,
+        ids: Sequence[uuid.UUID] | None = None,
+        *,
+        stream: str | None = None,
+        statuses: Sequence[str] = (ABANDONED,),
+        limit: int | None = None,
+    ) -> list[uuid.UUID]:
+        """Move rows (abandoned by default) back to pending with attempts reset; returns
+        the ids moved. With ``ids=None``, every row in ``statuses`` (and ``stream``), in
+        batches of ``limit``."""
+        t = self.table
+        target = select(t.c.id).where(t.c.status.in_(list(statuses)))
+        if ids is not None:
+            target = target.where(t.c.id.in_(list(ids)))
+        if stream is not None:
+            target = target.where(t.c.stream == stream)
+        if limit is not None:
+            target = target.order_by(t.c.id).limit(limit)
+        if self.is_postgres:
+            target = target.with_for_update(skip_locked=True)
+        stmt = (
+            update(t)
+            .where(t.c.id.in_(target.scalar_subquery()))
+            .values(
+                status=PENDING,
+                attempts=0,
+                next_attempt_at=self._now(),
+                locked_by=None,
+                locked_until=None,
+                abandoned_at=None,
+                published_at=None,
+            )
+            .returning(t.c.id)
+        )
+        async with self.engine.begin() as conn:
+            return list((await conn.execute(stmt)).scalars().all())
+
+    async def purge_batch(self, status: str, older_than_seconds: float, limit: int) -> int:
+        """Delete up to ``limit`` rows of ``status`` (published or abandoned) finished more
+        than ``older_than_seconds`` ago. One short transaction: no long locks."""
+        t = self.table
+        column = t.c.published_at if status == PUBLISHED else t.c.abandoned_at
+        victims = (
+            select(t.c.id)
+            .where(t.c.status == status, column < self._later(-older_than_seconds))
+            .limit(limit)
+        )
+        if self.is_postgres:
+            victims = victims.with_for_update(skip_locked=True)
+        stmt = delete(t).where(t.c.id.in_(victims.scalar_subquery()))
+        async with self.engine.begin() as conn:
+            result = await conn.execute(stmt)
+        return int(result.rowcount)
+
+    async def abandon(self, ids: Sequence[uuid.UUID], token: str, error: str) -> int:
+        """Abandon claimed rows without publishing (attempts exhausted by crashes)."""
+        return await self.mark_failed(
+            [Failure(id=i, error=error, delay_seconds=0.0, abandon=True) for i in ids], token
+        )
+
+    async def count(self, status: str | None = None) -> int:
+        t = self.table
+        stmt = select(func.count()).select_from(t)
+        if status is not None:
+            stmt = stmt.where(t.c.status == status)
+        async with self.engine.connect() as conn:
+            return int((await conn.execute(stmt)).scalar_one())
+
+    async def notify(self, channel: str, payload: str) -> None:
+        """``NOTIFY channel`` on a pooled connection, outside any business transaction."""
+        async with self.engine.connect() as conn:
+            await conn.execute(select(func.pg_notify(channel, payload)))
+            await conn.commit()

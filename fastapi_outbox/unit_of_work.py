@@ -1,0 +1,285 @@
+"""``UnitOfWork`` and the request-scoped ``unit_of_work`` dependency.
+
+A unit of work is one ``AsyncSession`` in one transaction. Events published on it, or
+raised on aggregates the session tracks, become outbox rows written in that transaction;
+the transaction commits when the handler returns, **before** the response is sent. If the
+handler raises or the commit fails, everything rolls back and the client gets an error.
+
+FastAPI ends a yield dependency of the default scope after the response is sent, so a
+failing commit there would still answer 200. ``unit_of_work`` therefore depends on an
+inner generator declared with ``scope="function"``, which FastAPI closes as soon as the
+endpoint returns; users keep writing ``Depends(unit_of_work)``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import re
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Annotated, Any
+
+from fastapi import Depends, HTTPException, Request
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from fastapi_outbox import exceptions
+from fastapi_outbox.aggregates import collect_events, held_aggregates
+from fastapi_outbox.events import (
+    HEADER_CAUSATION_ID,
+    HEADER_CORRELATION_ID,
+    HEADER_MESSAGE_ID,
+    HEADER_OCCURRED_AT,
+    HEADER_TYPE,
+    INTERNAL_HEADERS,
+    Event,
+    Message,
+    uuid7,
+)
+
+if TYPE_CHECKING:
+    from fastapi_outbox.outbox import Outbox
+
+__all__ = ["UnitOfWork", "UnitOfWorkDep", "unit_of_work"]
+
+CORRELATION_HEADER = "X-Correlation-ID"
+CORRELATION_ID_MAX_LENGTH = 128
+_CORRELATION_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+_TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}$")
+_STREAM = re.compile(r"^[^\s\x00]{1,255}$")
+_RESERVED = frozenset({HEADER_MESSAGE_ID, HEADER_TYPE, HEADER_OCCURRED_AT})
+
+
+def valid_correlation_id(value: str) -> bool:
+    return bool(_CORRELATION_ID.match(value))
+
+
+def correlation_from_headers(headers: Any) -> tuple[str | None, str | None]:
+    """``(correlation_id, traceparent)`` from request headers, validated.
+
+    Raises ``ValueError`` naming the header when ``X-Correlation-ID`` is too long or holds
+    characters other than letters, digits and ``._:-``; an invalid ``traceparent`` is ignored
+    (it is not ours to reject)."""
+    correlation = headers.get(CORRELATION_HEADER)
+    if correlation is not None and not valid_correlation_id(correlation):
+        raise ValueError(
+            f"invalid {CORRELATION_HEADER} header: at most {CORRELATION_ID_MAX_LENGTH} "
+            "characters among letters, digits and . _ : -"
+        )
+    traceparent = headers.get("traceparent")
+    if traceparent is not None and not _TRACEPARENT.match(traceparent):
+        traceparent = None
+    if correlation is None and traceparent is not None:
+        match = _TRACEPARENT.match(traceparent)
+        assert match is not None
+        correlation = match.group(1)
+    return correlation, traceparent
+
+
+class UnitOfWork:
+    """One transaction: ``session`` for business data, ``publish`` for events."""
+
+    def __init__(
+        self,
+        outbox: Outbox,
+        session: AsyncSession,
+        *,
+        correlation_id: str | None = None,
+        causation_id: str | None = None,
+        traceparent: str | None = None,
+    ) -> None:
+        if correlation_id is not None and not valid_correlation_id(correlation_id):
+            raise exceptions.UnitOfWorkError(f"invalid correlation_id {correlation_id!r}")
+        if causation_id is not None and not valid_correlation_id(causation_id):
+            raise exceptions.UnitOfWorkError(f"invalid causation_id {causation_id!r}")
+        self.outbox = outbox
+        self.session = session
+        self.correlation_id = correlation_id or str(uuid7())
+        self.causation_id = causation_id
+        self.traceparent = traceparent
+        self._rows: list[dict[str, Any]] = []
+        self._brokers: set[str] = set()
+        self._closed = False
+
+    @property
+    def pending(self) -> int:
+        """Outbox rows this unit of work will write."""
+        return len(self._rows)
+
+    @property
+    def brokers(self) -> frozenset[str]:
+        return frozenset(self._brokers)
+
+    def publish(
+        self,
+        event: Event | Message,
+        *,
+        key: str | None = None,
+        headers: dict[str, str] | None = None,
+        broker: str | None = None,
+    ) -> uuid.UUID:
+        """Queue ``event`` for the outbox; returns its message id.
+
+        Raises :class:`~fastapi_outbox.exceptions.PublishError` here, where the mistake is
+        made (unknown broker, payload not serialisable or too large, bad headers)."""
+        if self._closed:
+            raise exceptions.UnitOfWorkError(
+                "this unit of work has already committed or rolled back"
+            )
+        outbox = self.outbox
+        target = outbox.resolve_broker(broker)
+        if isinstance(event, Event):
+            cls = type(event)
+            if cls.__outbox_abstract__ or cls.__outbox_stream__ is None:
+                raise exceptions.EventDefinitionError(
+                    f"{cls.__qualname__} is abstract (no stream): publish a concrete subclass"
+                )
+            stream = cls.__outbox_stream__
+            type_name = cls.__outbox_type__
+            external = cls.__outbox_external__
+            try:
+                payload = event.model_dump_json()
+            except Exception as exc:
+                raise exceptions.SerializationError(
+                    f"event {type_name} on stream {stream!r} cannot be serialised: {exc}"
+                ) from exc
+            if key is None and cls.__outbox_key__ is not None:
+                value = getattr(event, cls.__outbox_key__)
+                key = None if value is None else str(value)
+            extra_headers = headers
+        elif isinstance(event, Message):
+            stream, type_name, external = event.stream, event.type, event.external
+            if not isinstance(event.payload, dict):
+                raise exceptions.SerializationError(
+                    f"message {type_name} on stream {stream!r}: payload must be a dict, "
+                    f"not {type(event.payload).__name__}"
+                )
+            try:
+                payload = json.dumps(event.payload, separators=(",", ":"), allow_nan=False)
+            except (TypeError, ValueError) as exc:
+                raise exceptions.SerializationError(
+                    f"payload of message {type_name} on stream {stream!r} is not "
+                    f"JSON-serialisable: {exc}"
+                ) from exc
+            key = key if key is not None else event.key
+            extra_headers = {**event.headers, **(headers or {})}
+        else:
+            raise TypeError(f"publish() takes an Event or Message, not {type(event).__name__}")
+        if not isinstance(stream, str) or not _STREAM.match(stream):
+            raise exceptions.PublishError(
+                f"invalid stream {stream!r} for {type_name}: 1-255 characters, no whitespace"
+            )
+        size = len(payload.encode())
+        if size > outbox.settings.max_payload_bytes:
+            raise exceptions.PayloadTooLarge(
+                f"payload of {type_name} on stream {stream!r} is {size} bytes, over "
+                f"max_payload_bytes={outbox.settings.max_payload_bytes}"
+            )
+        if key is not None and len(key) > 255:
+            raise exceptions.PublishError(f"key of {type_name} is longer than 255 characters")
+        user_headers = _check_headers(extra_headers, type_name)
+        message_id = uuid7()
+        base = {
+            HEADER_MESSAGE_ID: str(message_id),
+            HEADER_TYPE: type_name,
+            HEADER_OCCURRED_AT: dt.datetime.now(dt.UTC).isoformat(),
+            HEADER_CORRELATION_ID: self.correlation_id,
+        }
+        if self.causation_id is not None:
+            base[HEADER_CAUSATION_ID] = self.causation_id
+        trace = outbox.trace_headers(self.traceparent)
+        internal_headers = {**user_headers, **trace, **base}
+        targets = [(target, message_id, internal_headers)]
+        if external:
+            public = {k: v for k, v in internal_headers.items() if k not in INTERNAL_HEADERS}
+            targets += [(name, uuid7(), public) for name in outbox.external_brokers]
+        for broker_name, row_id, row_headers in targets:
+            self._rows.append(
+                {
+                    "id": row_id,
+                    "broker": broker_name,
+                    "stream": stream,
+                    "type": type_name,
+                    "key": key,
+                    "payload": payload,
+                    "headers": json.dumps(row_headers, separators=(",", ":")),
+                }
+            )
+            self._brokers.add(broker_name)
+        return message_id
+
+    def harvest(self) -> int:
+        """Publish the events raised on aggregates the session tracks; returns how many."""
+        sync = self.session.sync_session
+        harvested = 0
+        for instance in (*held_aggregates(sync), *sync.new, *sync.identity_map.values()):
+            for event in collect_events(instance):
+                self.publish(event)
+                harvested += 1
+        return harvested
+
+    async def flush(self) -> None:
+        """Write the queued outbox rows in the current transaction (also done at commit)."""
+        self.harvest()
+        if self._rows:
+            rows, self._rows = self._rows, []
+            await self.session.execute(
+                self.outbox.store.insert_statement(), self.outbox.store.row_params(rows)
+            )
+
+    def _close(self) -> None:
+        self._closed = True
+
+
+def _check_headers(headers: dict[str, str] | None, type_name: str) -> dict[str, str]:
+    if not headers:
+        return {}
+    if not isinstance(headers, dict):
+        raise exceptions.PublishError(f"headers of {type_name} must be a dict of strings")
+    for name, value in headers.items():
+        if not isinstance(name, str) or not isinstance(value, str):
+            raise exceptions.PublishError(
+                f"header {name!r} of {type_name}: names and values must be strings"
+            )
+        if name.lower() in _RESERVED:
+            raise exceptions.PublishError(
+                f"header {name!r} of {type_name} is set by the outbox and cannot be overridden"
+            )
+        if not name or len(name) > 128 or any(c.isspace() or c == ":" for c in name):
+            raise exceptions.PublishError(f"invalid header name {name!r} on {type_name}")
+        if len(value) > 4096 or "\r" in value or "\n" in value:
+            raise exceptions.PublishError(
+                f"header {name!r} of {type_name}: value over 4096 characters or with a newline"
+            )
+    return dict(headers)
+
+
+def _outbox_for(request: Request) -> Outbox:
+    from fastapi_outbox.outbox import Outbox
+
+    outbox = getattr(request.app.state, "fastapi_outbox", None)
+    if outbox is None:
+        outbox = Outbox.current()
+    return outbox
+
+
+async def _request_unit_of_work(request: Request) -> AsyncIterator[UnitOfWork]:
+    outbox = _outbox_for(request)
+    try:
+        correlation_id, traceparent = correlation_from_headers(request.headers)
+    except ValueError as exc:
+        raise HTTPException(status_code=400, detail=str(exc)) from exc
+    async with outbox.unit_of_work(correlation_id=correlation_id, traceparent=traceparent) as uow:
+        yield uow
+
+
+async def unit_of_work(
+    uow: Annotated[UnitOfWork, Depends(_request_unit_of_work, scope="function")],
+) -> UnitOfWork:
+    """FastAPI dependency: a :class:`UnitOfWork` that commits before the response is sent.
+
+    ``uow: UnitOfWork = Depends(unit_of_work)`` or ``uow: UnitOfWorkDep``."""
+    return uow
+
+
+UnitOfWorkDep = Annotated[UnitOfWork, Depends(unit_of_work)]

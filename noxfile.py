@@ -1,0 +1,36 @@
+"""nox sessions: tests, lint, typecheck, bench. ``nox -s tests`` etc."""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.sessions = ["lint", "typecheck", "tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    session.install("-e", ".[test]")
+    session.run("pytest", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install("ruff>=0.8")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    session.install("-e", ".[test]")
+    session.run("mypy", "fastapi_outbox")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmarks on the local services; pass a script name to run only that one."""
+    session.install("-e", ".[test]")
+    scripts = session.posargs or ["write_path", "dispatch", "health"]
+    for script in scripts:
+        session.run("python", f"benchmarks/{script}.py")

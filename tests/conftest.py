@@ -1,0 +1,127 @@
+"""Shared fixtures: real services on loopback, one schema / stream namespace per test.
+
+Services: PostgreSQL (``OUTBOX_TEST_PG_URL``, default ``postgresql+asyncpg://postgres@127.0.0.1:5432/test``),
+Redis (``OUTBOX_TEST_REDIS_URL``, default ``redis://127.0.0.1:6379/0``) and NATS with JetStream
+(``OUTBOX_TEST_NATS_URL``, default ``nats://127.0.0.1:4222``). A test needing a service that
+does not answer is skipped with the reason, unless ``OUTBOX_REQUIRE_SERVICES=1`` (CI), where
+it fails.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+from urllib.parse import urlparse
+
+import anyio
+import pytest
+
+PG_URL = os.environ.get("OUTBOX_TEST_PG_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/test")
+REDIS_URL = os.environ.get("OUTBOX_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+NATS_URL = os.environ.get("OUTBOX_TEST_NATS_URL", "nats://127.0.0.1:4222")
+REQUIRE = os.environ.get("OUTBOX_REQUIRE_SERVICES") == "1"
+
+
+def _answers(url: str, default_port: int) -> bool:
+    parsed = urlparse(url.replace("+asyncpg", ""))
+    try:
+        with socket.create_connection(
+            (parsed.hostname or "127.0.0.1", parsed.port or default_port), 1
+        ):
+            return True
+    except OSError:
+        return False
+
+
+def need(service: str, url: str, port: int) -> None:
+    """Skip (or, with OUTBOX_REQUIRE_SERVICES=1, fail) when ``service`` does not answer."""
+    if _answers(url, port):
+        return
+    message = f"{service} is not answering at {url}"
+    if REQUIRE:
+        pytest.fail(f"{message} and OUTBOX_REQUIRE_SERVICES=1")
+    pytest.skip(message)
+
+
+def unique(prefix: str = "t") -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def _admin_sql(statement: str) -> None:
+    """Run one statement on the admin database, from sync code (fixtures may run inside
+    an event loop, so it runs on a thread of its own)."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    import asyncpg
+
+    async def run() -> None:
+        conn = await asyncpg.connect(PG_URL.replace("+asyncpg", ""))
+        try:
+            await conn.execute(statement)
+        finally:
+            await conn.close()
+
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, run()).result()
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    """A PostgreSQL database of this test's own (created from template0, dropped after)."""
+    need("PostgreSQL", PG_URL, 5432)
+    name = unique("outbox_test")
+    _admin_sql(f"CREATE DATABASE {name} TEMPLATE template0 STRATEGY WAL_LOG")
+    base, _, _ = PG_URL.rpartition("/")
+    yield f"{base}/{name}"
+    _admin_sql(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Any) -> str:
+    return f"sqlite+aiosqlite:///{tmp_path}/test.db"
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Any) -> str:
+    """Each test using it runs on SQLite and on PostgreSQL."""
+    if request.param == "sqlite":
+        return f"sqlite+aiosqlite:///{tmp_path}/test.db"
+    return str(request.getfixturevalue("pg_url"))
+
+
+@pytest.fixture
+def redis_url() -> str:
+    need("Redis", REDIS_URL, 6379)
+    return REDIS_URL
+
+
+@pytest.fixture
+def nats_url() -> str:
+    need("NATS", NATS_URL, 4222)
+    return NATS_URL
+
+
+async def wait_until(
+    predicate: Callable[[], Awaitable[bool] | bool],
+    *,
+    timeout: float = 10.0,
+    interval: float = 0.02,
+) -> None:
+    """Poll ``predicate`` until it is true; fail after ``timeout`` seconds."""
+    with anyio.fail_after(timeout):
+        while True:
+            result = predicate()
+            if not isinstance(result, bool):
+                result = await result
+            if result:
+                return
+            await anyio.sleep(interval)
