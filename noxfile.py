@@ -30,7 +30,7 @@ def typecheck(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """Benchmarks on the local services; pass a script name to run only that one."""
-    session.install("-e", ".[test]")
+    session.install("-e", ".[test]", "py-spy")  # py-spy: hot spots when a goal is missed
     scripts = session.posargs or ["write_path", "dispatch", "health"]
     for script in scripts:
         session.run("python", f"benchmarks/{script}.py")

@@ -1,20 +1,32 @@
-"""Admin commands of the CLI: ``status``, ``list``, ``show``, ``replay``, ``purge``."""
+"""Admin commands of the CLI: ``status``, ``list``, ``show``, ``replay``, ``purge``.
+
+Long operations (``purge``, ``replay --abandoned``) run in bounded batches and report
+``done/total (pct%)`` on stderr: on a terminal by default, on demand with ``--progress``
+(one line per step then, for logs), never with ``--no-progress``.
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime as dt
 import json
 import re
 import sys
+import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TextIO
 
 from fastapi_outbox.events import MessageStatus
 
 EXIT_OK = 0
 EXIT_FAILED = 1
+
+#: Rows moved back to pending per statement by ``replay --abandoned``.
+REPLAY_BATCH_SIZE = 1000
+#: Statuses ``replay ID…`` accepts: abandoned, or failed (retry now, skipping the backoff).
+REPLAYABLE = (MessageStatus.ABANDONED.value, MessageStatus.FAILED.value)
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
 _UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -37,12 +49,16 @@ def parse_uuid(text: str) -> uuid.UUID:
         raise argparse.ArgumentTypeError(f"invalid message id {text!r}: not a UUID") from None
 
 
-def add_commands(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> None:
+def add_commands(
+    sub: Any,
+    common: Callable[[argparse.ArgumentParser], None],
+    progress: Callable[[argparse.ArgumentParser], None],
+) -> None:
     status = sub.add_parser("status", help="counts by status and broker, oldest pending age")
     common(status)
     status.add_argument("--json", action="store_true", help="machine-readable output")
 
-    ls = sub.add_parser("list", help="list messages (no payloads)")
+    ls = sub.add_parser("list", help="list messages, newest first (no payloads)")
     common(ls)
     ls.add_argument("--status", choices=[s.value for s in MessageStatus])
     ls.add_argument("--stream")
@@ -54,17 +70,73 @@ def add_commands(sub: Any, common: Callable[[argparse.ArgumentParser], None]) ->
     common(show)
     show.add_argument("id", type=parse_uuid)
 
-    replay = sub.add_parser("replay", help="move abandoned messages back to pending")
+    replay = sub.add_parser(
+        "replay", help="move abandoned (or failed) messages back to pending, attempts reset"
+    )
     common(replay)
+    progress(replay)
     replay.add_argument("ids", nargs="*", type=parse_uuid, metavar="ID")
     replay.add_argument("--abandoned", action="store_true", help="every abandoned message")
     replay.add_argument("--stream", help="with --abandoned: only this stream")
 
     purge = sub.add_parser("purge", help="delete finished messages in batches")
     common(purge)
+    progress(purge)
     purge.add_argument("--published-older-than", type=parse_duration, metavar="AGE")
     purge.add_argument("--abandoned-older-than", type=parse_duration, metavar="AGE")
     purge.add_argument("--batch-size", type=int, default=5000)
+
+
+class Progress:
+    """``label: done/total (pct%)`` on ``stream``. On a terminal the line is rewritten in
+    place; elsewhere (forced with ``--progress``) a new line is written every 10 %."""
+
+    def __init__(
+        self, label: str, total: int, *, enabled: bool | None, stream: TextIO | None = None
+    ) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = self.stream.isatty()
+        self.enabled = self.tty if enabled is None else enabled
+        self.label = label
+        self.total = total
+        self.done = 0
+        self._last_step = -1
+        self._last_draw = 0.0
+        self._written = ""
+
+    def advance(self, n: int) -> None:
+        self.done += n
+        self.total = max(self.total, self.done)  # rows that qualified meanwhile
+        if not self.enabled:
+            return
+        if self.tty:
+            now = time.monotonic()
+            if now - self._last_draw >= 0.1:
+                self._last_draw = now
+                self._write(f"\r{self._line()}")
+        elif self._pct() // 10 != self._last_step:
+            self._last_step = self._pct() // 10
+            self._write(f"{self._line()}\n")
+
+    def finish(self) -> None:
+        """Draw the final count (once more unless it is on screen already)."""
+        if not self.enabled:
+            return
+        if self.tty:
+            self._write(f"\r{self._line()}\n")
+        elif self._written != self._line():
+            self._write(f"{self._line()}\n")
+
+    def _pct(self) -> int:
+        return 100 if self.total == 0 else int(self.done * 100 / self.total)
+
+    def _line(self) -> str:
+        return f"{self.label}: {self.done}/{self.total} ({self._pct()}%)"
+
+    def _write(self, text: str) -> None:
+        self._written = text.strip("\r\n")
+        self.stream.write(text)
+        self.stream.flush()
 
 
 async def run(args: argparse.Namespace, outbox: Any) -> int:
@@ -72,7 +144,7 @@ async def run(args: argparse.Namespace, outbox: Any) -> int:
 
     command = args.command
     if command == "status":
-        stats = await _guard(outbox.store.stats(outbox.all_brokers), outbox)
+        stats = await _guard(outbox.store.stats(outbox.all_brokers, published_totals=True), outbox)
         rows = [dataclasses.asdict(s) for s in stats.values()]
         if args.json:
             print(json.dumps(rows, indent=2, default=str))
@@ -86,6 +158,7 @@ async def run(args: argparse.Namespace, outbox: Any) -> int:
                         "processing",
                         "failed",
                         "abandoned",
+                        "published",
                         "oldest_pending_age_seconds",
                         "published_last_minute",
                     ],
@@ -125,77 +198,102 @@ async def run(args: argparse.Namespace, outbox: Any) -> int:
         row = await _guard(outbox.store.get(args.id), outbox)
         if row is None:
             raise CliError(f"no outbox message with id {args.id}", EXIT_FAILED)
-        data = {k: v for k, v in dict(row).items() if k not in ("payload", "headers")}
+        data = {k: v for k, v in dict(row).items() if k not in ("payload", "headers", "txid")}
         data["headers"] = json.loads(row["headers"])
         data["payload"] = json.loads(row["payload"])
         print(json.dumps(data, indent=2, default=str))
         return EXIT_OK
     if command == "replay":
-        if not args.ids and not args.abandoned:
-            raise CliError("replay needs message ids or --abandoned")
-        if args.ids and args.abandoned:
-            raise CliError("give message ids or --abandoned, not both")
-        if args.stream and not args.abandoned:
-            raise CliError("--stream goes with --abandoned")
-        if args.ids:
-            moved = await _guard(outbox.store.replay(args.ids), outbox)
-            missing = set(args.ids) - set(moved)
-            for mid in sorted(missing, key=str):
-                print(f"not replayed: {mid} (no such message, or not abandoned)", file=sys.stderr)
-            print(f"replayed {len(moved)} message(s)")
-            return EXIT_FAILED if missing else EXIT_OK
-        total = 0
-        while True:
-            moved = await _guard(outbox.store.replay(stream=args.stream, limit=1000), outbox)
-            total += len(moved)
-            _progress("replayed", total)
-            if len(moved) < 1000:
-                break
-        _progress_done()
-        print(f"replayed {total} message(s)")
-        return EXIT_OK
+        return await _replay(args, outbox)
     if command == "purge":
-        from fastapi_outbox import retention
-        from fastapi_outbox.store import ABANDONED, PUBLISHED
-
-        if args.published_older_than is None and args.abandoned_older_than is None:
-            raise CliError("purge needs --published-older-than and/or --abandoned-older-than")
-        if args.batch_size < 1:
-            raise CliError("--batch-size must be at least 1")
-        total = 0
-        for status, age in (
-            (PUBLISHED, args.published_older_than),
-            (ABANDONED, args.abandoned_older_than),
-        ):
-            if age is None:
-                continue
-            done = 0
-
-            def tick(n: int, status: str = status) -> None:
-                nonlocal done
-                done += n
-                _progress(f"purged {status}", done)
-
-            total += await _guard(
-                retention.purge(
-                    outbox.store, status, age, batch_size=args.batch_size, progress=tick
-                ),
-                outbox,
-            )
-            _progress_done()
-        print(f"purged {total} message(s)")
-        return EXIT_OK
+        return await _purge(args, outbox)
     raise CliError(f"unknown command {command!r}")
 
 
-def _progress(label: str, count: int) -> None:
-    if sys.stderr.isatty():
-        print(f"\r{label}: {count}", end="", file=sys.stderr, flush=True)
+async def _replay(args: argparse.Namespace, outbox: Any) -> int:
+    from fastapi_outbox.cli import CliError, _guard
+    from fastapi_outbox.store import ABANDONED
+
+    if not args.ids and not args.abandoned:
+        raise CliError("replay needs message ids or --abandoned")
+    if args.ids and args.abandoned:
+        raise CliError("give message ids or --abandoned, not both")
+    if args.stream and not args.abandoned:
+        raise CliError("--stream goes with --abandoned")
+    if args.ids:
+        moved = set(await _guard(outbox.store.replay(args.ids, statuses=REPLAYABLE), outbox))
+        problems = []
+        for mid in dict.fromkeys(args.ids):  # keep the order given, once each
+            if mid in moved:
+                continue
+            row = await _guard(outbox.store.get(mid), outbox)
+            if row is None:
+                problems.append(f"no outbox message with id {mid}")
+            else:
+                problems.append(
+                    f"message {mid} is {row['status']}: only abandoned or failed messages "
+                    "can be replayed"
+                )
+        print(f"replayed {len(moved)} message(s)")
+        if problems:
+            raise CliError("; ".join(problems), EXIT_FAILED)
+        return EXIT_OK
+    total = await _guard(outbox.store.count_matching(ABANDONED, stream=args.stream), outbox)
+    where = f" on stream {args.stream}" if args.stream else ""
+    progress = Progress(f"replayed abandoned{where}", total, enabled=args.progress)
+    replayed = 0
+    # Bounded: each round moves rows out of 'abandoned', so at most total/batch + a few
+    # rounds (rows abandoned meanwhile are taken too, up to twice the initial count).
+    for _ in range(2 * (total // REPLAY_BATCH_SIZE) + 3):
+        moved = await _guard(
+            outbox.store.replay(stream=args.stream, limit=REPLAY_BATCH_SIZE), outbox
+        )
+        replayed += len(moved)
+        progress.advance(len(moved))
+        if len(moved) < REPLAY_BATCH_SIZE:
+            break
+    progress.finish()
+    print(f"replayed {replayed} message(s)")
+    return EXIT_OK
 
 
-def _progress_done() -> None:
-    if sys.stderr.isatty():
-        print(file=sys.stderr)
+async def _purge(args: argparse.Namespace, outbox: Any) -> int:
+    from fastapi_outbox import retention
+    from fastapi_outbox.cli import CliError, _guard
+    from fastapi_outbox.store import ABANDONED, PUBLISHED
+
+    if args.published_older_than is None and args.abandoned_older_than is None:
+        raise CliError("purge needs --published-older-than and/or --abandoned-older-than")
+    if args.batch_size < 1:
+        raise CliError("--batch-size must be at least 1")
+    deleted: dict[str, int] = {}
+    for status, age in (
+        (PUBLISHED, args.published_older_than),
+        (ABANDONED, args.abandoned_older_than),
+    ):
+        if age is None:
+            continue
+        total = await _guard(
+            outbox.store.count_matching(status, finished_before_seconds=age), outbox
+        )
+        progress = Progress(f"purged {status}", total, enabled=args.progress)
+        deleted[status] = await _guard(
+            retention.purge(
+                outbox.store,
+                status,
+                age,
+                batch_size=args.batch_size,
+                progress=progress.advance,
+            ),
+            outbox,
+        )
+        progress.finish()
+    print(
+        f"purged {sum(deleted.values())} message(s) ("
+        + ", ".join(f"{n} {status}" for status, n in deleted.items())
+        + ")"
+    )
+    return EXIT_OK
 
 
 def _table(rows: list[dict[str, Any]], columns: list[str]) -> str:
@@ -207,11 +305,15 @@ def _table(rows: list[dict[str, Any]], columns: list[str]) -> str:
             return "-"
         if isinstance(value, float):
             return f"{value:.1f}"
-        text = str(value)
+        if isinstance(value, dt.datetime):
+            return value.astimezone(dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
+        text = " ".join(str(value).split())
         return text if len(text) <= 60 else text[:57] + "..."
 
     cells = [[cell(r.get(c)) for c in columns] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))]
-    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip()]
+    lines += [
+        "  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in cells
+    ]
     return "\n".join(lines)

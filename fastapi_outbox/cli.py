@@ -1,8 +1,13 @@
 """The ``fastapi-outbox`` command (also ``python -m fastapi_outbox``).
 
 The database comes from ``--url``, from ``--app module:outbox`` (an :class:`Outbox` in an
-importable module) or from ``OUTBOX_DATABASE_URL``. Exit codes: 0 success, 1 failure of
-the operation, 2 usage or configuration error, 3 database unreachable.
+importable module, brokers included) or from ``OUTBOX_DATABASE_URL``. Exit codes: 0
+success, 1 failure of the operation (unknown message id, missing table), 2 usage or
+configuration error (bad duration, no database given), 3 database unreachable. Errors
+name what they are about and never print a password.
+
+Logs go to stderr, as text (``key=value`` extras) or, with ``--log-format json``, one
+JSON object per line (:class:`fastapi_outbox.log.JsonFormatter`).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import argparse
 import asyncio
 import importlib
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -18,13 +24,22 @@ from typing import Any
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.brokers.base import redact_url
+from fastapi_outbox.log import JsonFormatter, TextFormatter, redact, safe_error
 
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3
 
+#: Broker of ``dispatch --url`` when no ``--broker-url`` is given.
+BROKER_URL_ENV = "OUTBOX_BROKER_URL"
+
 logger = logging.getLogger("fastapi_outbox.cli")
+
+# SQLSTATE classes meaning "could not get a usable connection": connection exception,
+# invalid authorization, invalid catalog (database) name, server shutting down/starting.
+_CONNECT_SQLSTATES = ("08", "28", "3D", "57P")
+_UNDEFINED_TABLE = "42P01"
 
 
 class CliError(Exception):
@@ -75,10 +90,18 @@ def resolve_outbox(args: argparse.Namespace) -> Any:
     url = getattr(args, "url", None) or settings.database_url
     if not url:
         raise CliError("no database: pass --url, --app module:outbox or set OUTBOX_DATABASE_URL")
+    brokers = None
+    broker_url = getattr(args, "broker_url", None) or (
+        os.environ.get(BROKER_URL_ENV) if args.command == "dispatch" else None
+    )
     try:
-        return Outbox(url, settings=settings)
+        if broker_url:
+            from fastapi_outbox.brokers import broker_from_url
+
+            brokers = {"default": broker_from_url(broker_url)}
+        return Outbox(url, brokers=brokers, settings=settings)
     except exceptions.OutboxError as exc:
-        raise CliError(str(exc)) from exc
+        raise CliError(redact(str(exc))) from exc
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -87,11 +110,23 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--table", help="outbox table name (default from settings)")
 
 
+def _progress_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress on stderr (default: only when stderr is a terminal)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fastapi-outbox", description="Operate a fastapi-outbox transactional outbox."
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument(
+        "--log-format", choices=["text", "json"], default="text", help="log lines on stderr"
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     db = sub.add_parser("db", help="create the outbox table or print its DDL")
@@ -106,22 +141,36 @@ def build_parser() -> argparse.ArgumentParser:
 
     dispatch = sub.add_parser("dispatch", help="run the dispatchers without a web server")
     _common(dispatch)
+    dispatch.add_argument(
+        "--broker-url",
+        help=f"broker of --url (redis://, nats://; else {BROKER_URL_ENV}); --app brings its own",
+    )
 
     from fastapi_outbox import admin
 
-    admin.add_commands(sub, _common)
+    admin.add_commands(sub, _common, _progress_option)
     return parser
+
+
+def configure_logging(fmt: str, verbose: bool) -> None:
+    """Log to stderr as text or JSON lines; the library's records carry ``action`` & ids."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG if verbose else logging.INFO)
+    if not verbose:
+        # Driver chatter (SQLAlchemy pool, brokers' clients) only with -v.
+        for name in ("sqlalchemy", "asyncio", "nats", "redis"):
+            logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s %(message)s%(extras)s",
-        stream=sys.stderr,
-    )
-    _install_extras_formatter()
+    configure_logging(args.log_format, args.verbose)
     try:
         return asyncio.run(_run(args))
     except CliError as exc:
@@ -129,6 +178,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:  # an unexpected failure: say what, without data
+        if args.verbose:
+            logger.exception("command failed", extra={"action": "cli.failed"})
+        print(f"fastapi-outbox: error: {safe_error(exc)}", file=sys.stderr)
+        return EXIT_FAILED
 
 
 async def _run(args: argparse.Namespace) -> int:
@@ -148,7 +202,7 @@ async def _run(args: argparse.Namespace) -> int:
             print(f"created table {outbox.table.name} on {redact_url(str(outbox.engine.url))}")
             return EXIT_OK
         if args.command == "dispatch":
-            return await dispatch(outbox)
+            return await dispatch(outbox, explicit_broker=bool(args.app or args.broker_url))
         return await admin.run(args, outbox)
     finally:
         await outbox.aclose()
@@ -160,38 +214,61 @@ def _print_ddl(args: argparse.Namespace) -> int:
     from fastapi_outbox.schema import build_table, ddl
     from fastapi_outbox.settings import OutboxSettings
 
-    name = args.table or OutboxSettings.from_env().table_name
+    try:
+        table = build_table(args.table or OutboxSettings.from_env().table_name)
+    except exceptions.ConfigurationError as exc:  # bad --table or OUTBOX_* variable
+        raise CliError(str(exc)) from exc
     module = sqlite if args.dialect == "sqlite" else postgresql
     dialect = module.dialect()
-    print(ddl(build_table(name), dialect), end="")
+    print(ddl(table, dialect), end="")
     return EXIT_OK
 
 
+def _sqlstate(exc: BaseException) -> str:
+    orig = getattr(exc, "orig", None)
+    return str(getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None) or "")
+
+
 async def _guard(coro: Any, outbox: Any) -> Any:
-    """Await ``coro``; a database that cannot be reached becomes exit code 3."""
+    """Await ``coro``; a database that cannot be reached becomes exit code 3 and a
+    missing outbox table exit code 1, both with a message naming the (redacted) URL."""
     from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
+    where = redact_url(str(outbox.engine.url))
     try:
         return await coro
-    except (OSError, OperationalError, InterfaceError, DBAPIError) as exc:
+    except (DBAPIError, OSError, TimeoutError) as exc:
+        state = _sqlstate(exc)
+        text = str(getattr(exc, "orig", exc))
+        if state == _UNDEFINED_TABLE or "no such table" in text:
+            raise CliError(
+                f"table {outbox.table.name} does not exist on {where}: "
+                "create it with `fastapi-outbox db create`",
+                EXIT_FAILED,
+            ) from exc
         if (
-            isinstance(exc, DBAPIError)
-            and not exc.connection_invalidated
-            and not isinstance(exc, OperationalError | InterfaceError)
+            isinstance(exc, OSError | TimeoutError | OperationalError | InterfaceError)
+            or state.startswith(_CONNECT_SQLSTATES)
+            or (isinstance(exc, DBAPIError) and exc.connection_invalidated)
         ):
-            raise
-        raise CliError(
-            f"database {redact_url(str(outbox.engine.url))} unreachable: {type(exc).__name__}",
-            EXIT_UNREACHABLE,
-        ) from exc
+            raise CliError(
+                f"database {where} unreachable: {safe_error(exc, 200)}", EXIT_UNREACHABLE
+            ) from exc
+        raise
 
 
-async def dispatch(outbox: Any) -> int:
-    """Run the processors until SIGTERM/SIGINT, then shut down cleanly."""
+async def dispatch(outbox: Any, *, explicit_broker: bool = True) -> int:
+    """Run the processors until SIGTERM/SIGINT, then shut down cleanly (exit 0)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if not explicit_broker:
+        logger.warning(
+            "no broker given: publishing to an in-process memory broker "
+            f"(pass --broker-url or set {BROKER_URL_ENV})",
+            extra={"action": "dispatch.memory_broker"},
+        )
     logger.info(
         "dispatching",
         extra={
@@ -204,28 +281,6 @@ async def dispatch(outbox: Any) -> int:
         await stop.wait()
         logger.info("signal received, shutting down", extra={"action": "dispatch.stop"})
     return EXIT_OK
-
-
-_STANDARD_ATTRS = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {
-    "message",
-    "asctime",
-}
-
-
-class _ExtrasFilter(logging.Filter):
-    """Appends ``extra=`` fields (action, ids) to CLI log lines: ``key=value``."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        extras = {
-            k: v for k, v in record.__dict__.items() if k not in _STANDARD_ATTRS and k != "extras"
-        }
-        record.extras = "".join(f" {k}={v}" for k, v in extras.items())
-        return True
-
-
-def _install_extras_formatter() -> None:
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(_ExtrasFilter())
 
 
 if __name__ == "__main__":

@@ -35,9 +35,10 @@ from fastapi_outbox import exceptions
 from fastapi_outbox.brokers.base import Broker, PublishResults
 from fastapi_outbox.events import Envelope
 from fastapi_outbox.instrumentation import Instrumentation
+from fastapi_outbox.log import safe_error, stack
 from fastapi_outbox.notify import Wakeup
 from fastapi_outbox.settings import OutboxSettings
-from fastapi_outbox.store import ClaimedRow, Failure, Store
+from fastapi_outbox.store import ERROR_MAX_CHARS, ClaimedRow, Failure, Store
 
 logger = logging.getLogger("fastapi_outbox.dispatcher")
 
@@ -122,6 +123,7 @@ class Processor:
         """Run the workers until :meth:`stop` (or cancellation)."""
         self.running = True
         first = anyio.Event()
+        started = False
         try:
             async with anyio.create_task_group() as tg:
                 for index in range(self.settings.workers):
@@ -130,6 +132,23 @@ class Processor:
                 # answered: the app must start even when the database is down.
                 with anyio.move_on_after(self.settings.lease_seconds):
                     await first.wait()
+                started = True
+                task_status.started()
+        except Exception as exc:
+            # A bug in a worker ends this processor only: raising would cancel the task
+            # group of the outbox and with it the app's lifespan. The health endpoint
+            # reports the dead processor (503) and the error.
+            self.last_error = f"processor crashed: {safe_error(exc)}"
+            logger.error(
+                "processor crashed",
+                extra={
+                    "action": "processor.crashed",
+                    "broker": self.broker_name,
+                    "error": self.last_error,
+                    "stack": stack(exc),
+                },
+            )
+            if not started:
                 task_status.started()
         finally:
             self.running = False
@@ -160,14 +179,14 @@ class Processor:
         pause *= 1 + self._rng.uniform(0, 0.25)
         self._paused_until = time.monotonic() + pause
         self.broker_ok = False
-        self.last_error = str(exc)
+        self.last_error = safe_error(exc)
         logger.warning(
             "broker unavailable; processor backing off",
             extra={
                 "action": "broker.unavailable",
                 "broker": self.broker_name,
                 "pause_seconds": round(pause, 3),
-                "error": str(exc),
+                "error": self.last_error,
             },
         )
 
@@ -215,7 +234,7 @@ class Processor:
                         extra={
                             "action": "claim.failed",
                             "broker": self.broker_name,
-                            "error": f"{type(exc).__name__}: {exc}"[:300],
+                            "error": safe_error(exc),
                         },
                     )
                 self.database_ok = False
@@ -233,6 +252,11 @@ class Processor:
             self.database_ok = True
             self.last_tick = time.time()
             if not batch:
+                if self._stopping:
+                    # stop() came during the claim. Its wake-up is one coalesced signal
+                    # that another worker may already have taken: waiting now could last
+                    # a poll interval (or, for a non-polling worker, until cancelled).
+                    break
                 timeout: float | None = None
                 if poller:
                     timeout = idle
@@ -270,7 +294,7 @@ class Processor:
                         "action": "mark.failed",
                         "broker": self.broker_name,
                         "count": len(batch),
-                        "error": f"{type(exc).__name__}: {exc}"[:300],
+                        "error": safe_error(exc),
                     },
                 )
                 await self._sleep(db_delay)
@@ -307,10 +331,7 @@ class Processor:
         envelopes = [self._envelope(r) for r in live]
         try:
             with anyio.fail_after(settings.publish_timeout_seconds):
-                if settings.ordered:
-                    results = await self._publish_ordered(envelopes)
-                else:
-                    results = await self.broker.publish(envelopes)
+                results = await self._send(envelopes)
         except (exceptions.BrokerUnavailable, TimeoutError) as exc:
             self._broker_down(exc)
             self._broker_connected = isinstance(exc, TimeoutError)
@@ -318,13 +339,52 @@ class Processor:
         except exceptions.OutboxError as exc:
             results = [exc] * len(envelopes)
         except Exception as exc:  # a bug in a broker must not stop the dispatcher
-            logger.exception(
+            # Type and stack only: the text of an unexpected error may quote the message.
+            logger.error(
                 "broker raised unexpectedly",
-                extra={"action": "publish.error", "broker": self.broker_name},
+                extra={
+                    "action": "publish.error",
+                    "broker": self.broker_name,
+                    "error": type(exc).__name__,
+                    "stack": stack(exc),
+                },
             )
-            results = [exceptions.MessageRejected(f"{type(exc).__name__}: {exc}")] * len(envelopes)
+            error = exceptions.MessageRejected(f"broker raised {type(exc).__name__}")
+            results = [error] * len(envelopes)
         self._broker_up()
         await self._record(live, envelopes, results, token)
+
+    async def _send(self, envelopes: list[Envelope]) -> PublishResults:
+        """One broker call (ordered: one per round) between the instrumentation's
+        ``publish_started`` hook and its finisher (publish spans, see ``tracing``)."""
+        finish = self._hook(self.instrumentation.publish_started, self.broker_name, envelopes)
+        try:
+            if self.settings.ordered:
+                results = await self._publish_ordered(envelopes)
+            else:
+                results = await self.broker.publish(envelopes)
+        except BaseException as exc:
+            if finish is not None:
+                self._hook(finish, exc)
+            raise
+        if finish is not None:
+            self._hook(finish, results)
+        return results
+
+    def _hook(self, hook: Any, *args: Any) -> Any:
+        """Call an instrumentation hook; a failing hook is logged, never fatal."""
+        try:
+            return hook(*args)
+        except Exception as exc:
+            logger.warning(
+                "instrumentation hook failed",
+                extra={
+                    "action": "instrumentation.failed",
+                    "broker": self.broker_name,
+                    "error": safe_error(exc),
+                },
+            )
+            return None
 
     async def _record(
         self,
@@ -346,7 +406,7 @@ class Processor:
                 failures.append(
                     Failure(
                         id=row.id,
-                        error=f"{type(result).__name__}: {result}",
+                        error=safe_error(result, limit=ERROR_MAX_CHARS),
                         delay_seconds=retry_delay(row.attempts, self.settings, self._rng),
                         abandon=abandon,
                     )
@@ -366,7 +426,11 @@ class Processor:
                 )
             self.published_total += len(published)
             by_id = {e.id: e for e in envelopes}
-            self.instrumentation.published(self.broker_name, [by_id[str(r.id)] for r in published])
+            self._hook(
+                self.instrumentation.published,
+                self.broker_name,
+                [by_id[str(r.id)] for r in published],
+            )
             logger.debug(
                 "published",
                 extra={"action": "publish.ok", "broker": self.broker_name, "count": len(published)},
@@ -389,8 +453,16 @@ class Processor:
             abandoned = [f for f in failures if f.abandon]
             self.failed_total += len(failures) - len(abandoned)
             self.abandoned_total += len(abandoned)
-            self.instrumentation.failed(self.broker_name, len(failures) - len(abandoned))
-            self.instrumentation.abandoned(self.broker_name, len(abandoned))
+            by_id = {e.id: e for e in envelopes}
+            retried = [by_id[str(f.id)] for f in failures if not f.abandon]
+            if retried:
+                self._hook(self.instrumentation.failed, self.broker_name, retried)
+            if abandoned:
+                self._hook(
+                    self.instrumentation.abandoned,
+                    self.broker_name,
+                    [by_id[str(f.id)] for f in abandoned],
+                )
             soonest = min((f.delay_seconds for f in failures if not f.abandon), default=None)
             if soonest is not None:
                 due = time.monotonic() + soonest
@@ -406,7 +478,9 @@ class Processor:
         )
         await self.store.abandon([r.id for r in rows], token, error)
         self.abandoned_total += len(rows)
-        self.instrumentation.abandoned(self.broker_name, len(rows))
+        self._hook(
+            self.instrumentation.abandoned, self.broker_name, [self._envelope(r) for r in rows]
+        )
         for r in rows:
             logger.error(
                 "message abandoned after repeated crashes",
@@ -422,10 +496,11 @@ class Processor:
         """Per-key order inside a batch: publish in rounds (the n-th message of every key in
         round n) and stop a key at its first failure; its later messages are given back."""
         results: PublishResults = [None] * len(envelopes)
-        queues: dict[str | None, list[int]] = {}
+        # A message without a key is a queue of its own.
+        queues: dict[tuple[str, str] | tuple[None, int], list[int]] = {}
         for i, e in enumerate(envelopes):
-            queues.setdefault(e.key if e.key is not None else f"\0{i}", []).append(i)
-        blocked: set[str | None] = set()
+            queues.setdefault(("key", e.key) if e.key is not None else (None, i), []).append(i)
+        blocked: set[tuple[str, str] | tuple[None, int]] = set()
         depth = 0
         while True:
             round_ = [

@@ -5,7 +5,10 @@ last claimed, its counts and the oldest pending age. HTTP 503 when ``down``: the
 cannot be reached, a processor of this process has died, or the oldest pending message is
 older than ``health_max_pending_age_seconds``. ``degraded`` (HTTP 200): a broker cannot be
 reached, or messages are failing or abandoned. Counts come from the partial indexes and
-are cached for ``health_cache_seconds``. The body holds no payloads and no credentials.
+are cached for ``health_cache_seconds``; when the database cannot be reached they are
+``null`` (unknown), and the check gives up after ``HEALTH_TIMEOUT_SECONDS`` so a database
+that hangs makes the endpoint answer 503, not hang. The body holds no payloads and no
+credentials: errors are reduced to their type or passed through ``log.safe_error``.
 """
 
 from __future__ import annotations
@@ -14,13 +17,19 @@ import datetime as dt
 import time
 from typing import TYPE_CHECKING, Literal
 
+import anyio
 from fastapi import APIRouter, Response
 from pydantic import BaseModel, Field
+
+from fastapi_outbox.store import BrokerStats
 
 if TYPE_CHECKING:
     from fastapi_outbox.outbox import Outbox
 
 Status = Literal["ok", "degraded", "down"]
+
+#: The counts are given up after this long: the endpoint then reports the database down.
+HEALTH_TIMEOUT_SECONDS = 5.0
 
 
 class ProcessorHealth(BaseModel):
@@ -31,13 +40,15 @@ class ProcessorHealth(BaseModel):
     running: bool = Field(description="Its workers run in this process.")
     broker_available: bool | None = Field(description="None when not running here.")
     last_tick: dt.datetime | None = Field(description="Last successful claim (UTC).")
-    pending: int
-    processing: int
-    failed: int
-    abandoned: int
-    oldest_pending_age_seconds: float | None
-    published_last_minute: int
-    last_error: str | None = None
+    pending: int | None = Field(description="None when the database cannot be reached.")
+    processing: int | None
+    failed: int | None
+    abandoned: int | None
+    oldest_pending_age_seconds: float | None = Field(
+        description="Age of the oldest pending message; None when there is none."
+    )
+    published_last_minute: int | None
+    last_error: str | None = Field(default=None, description="Last error, without data.")
 
 
 class OutboxHealth(BaseModel):
@@ -53,12 +64,14 @@ class OutboxHealth(BaseModel):
 async def compute_health(outbox: Outbox) -> OutboxHealth:
     settings = outbox.settings
     reasons: list[str] = []
+    stats: dict[str, BrokerStats] = {}
     try:
-        stats = await outbox.store.stats(outbox.all_brokers)
+        with anyio.fail_after(HEALTH_TIMEOUT_SECONDS):
+            stats = await outbox.store.stats(outbox.all_brokers)
         database_ok = True
     except Exception as exc:
-        stats = {}
         database_ok = False
+        # The type only: a driver's message can quote the URL.
         reasons.append(f"database unreachable ({type(exc).__name__})")
     processors = []
     down = not database_ok
@@ -96,12 +109,12 @@ async def compute_health(outbox: Outbox) -> OutboxHealth:
                     if p is not None and p.last_tick is not None
                     else None
                 ),
-                pending=s.pending if s else 0,
-                processing=s.processing if s else 0,
-                failed=s.failed if s else 0,
-                abandoned=s.abandoned if s else 0,
+                pending=s.pending if s else None,
+                processing=s.processing if s else None,
+                failed=s.failed if s else None,
+                abandoned=s.abandoned if s else None,
                 oldest_pending_age_seconds=None if age is None else round(age, 3),
-                published_last_minute=s.published_last_minute if s else 0,
+                published_last_minute=s.published_last_minute if s else None,
                 last_error=p.last_error if p is not None else None,
             )
         )

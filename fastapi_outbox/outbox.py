@@ -36,6 +36,8 @@ logger = logging.getLogger("fastapi_outbox")
 
 _BROKER_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 DEFAULT_BROKER = "default"
+#: Bound on the NOTIFY an API-only process sends after a commit.
+NOTIFY_TIMEOUT_SECONDS = 2.0
 
 
 class Outbox:
@@ -194,18 +196,40 @@ class Outbox:
             uow._close()
             if own:
                 await sess.close()
-        self.committed(uow.brokers)
+        if self.committed(uow.brokers):
+            await self._notify_after_commit()
 
-    def committed(self, brokers: frozenset[str] | set[str]) -> None:
-        """Wake the dispatchers after a commit that wrote rows for ``brokers``."""
+    def committed(self, brokers: frozenset[str] | set[str]) -> bool:
+        """Wake the dispatchers after a commit that wrote rows for ``brokers``.
+
+        Returns True when other processes still have to be told: this process runs no
+        :class:`Notifier` (an API-only process, ``run_dispatchers=False``) but the outbox
+        is on PostgreSQL with ``notify`` on — the caller then sends the NOTIFY itself."""
         if not brokers:
-            return
+            return False
         for name in brokers:
             processor = self.processors.get(name)
             if processor is not None:
                 processor.wakeup.set()
         if self.notifier is not None and self.notifier.running:
             self.notifier.signal()
+            return False
+        return self.store.is_postgres and self.settings.notify
+
+    async def _notify_after_commit(self) -> None:
+        """One NOTIFY after the commit, outside the business transaction, for processes
+        whose dispatchers LISTEN while this one runs none. No background task: it costs
+        the caller one short round-trip, bounded in time and shielded so a cancelled
+        request cannot leave it half-sent. A failure is only logged: the data committed,
+        and the dispatchers find the rows by polling."""
+        try:
+            with anyio.CancelScope(shield=True), anyio.fail_after(NOTIFY_TIMEOUT_SECONDS):
+                await self.store.notify(self.channel, self.instance)
+        except Exception as exc:
+            logger.warning(
+                "notify after commit failed; dispatchers fall back to polling",
+                extra={"action": "notify.failed", "error": type(exc).__name__},
+            )
 
     # -- schema -------------------------------------------------------------------------------
 
@@ -271,16 +295,23 @@ class Outbox:
     async def _shutdown(self, tg: anyio.abc.TaskGroup) -> None:
         for processor in self.processors.values():
             processor.stop()
+        self.cleaner.stop()
         with anyio.CancelScope(shield=True):
             with anyio.move_on_after(self.settings.shutdown_timeout_seconds):
                 for processor in self.processors.values():
                     if processor.running:
                         await processor.stopped.wait()
+                # Let a running purge batch finish rather than cancel it mid-query.
+                if self.cleaner.stopped is not None:
+                    await self.cleaner.stopped.wait()
         tg.cancel_scope.cancel()
         logger.info("outbox dispatchers stopped", extra={"action": "outbox.stop"})
 
     async def _close_brokers(self) -> None:
-        for name, broker in self.all_brokers.items():
+        """Close every broker at once, each bounded by ``shutdown_timeout_seconds``: brokers
+        that hang cost one timeout in all, not one each."""
+
+        async def close(name: str, broker: Broker) -> None:
             try:
                 with anyio.move_on_after(self.settings.shutdown_timeout_seconds):
                     await broker.aclose()
@@ -290,6 +321,10 @@ class Outbox:
                     extra={"action": "broker.close", "broker": name},
                     exc_info=True,
                 )
+
+        async with anyio.create_task_group() as tg:
+            for name, broker in self.all_brokers.items():
+                tg.start_soon(close, name, broker)
 
     def _wake_all(self) -> None:
         for processor in self.processors.values():
@@ -346,9 +381,10 @@ def _create_engine(url: str, options: dict[str, Any]) -> AsyncEngine:
     try:
         engine = create_async_engine(url, **_engine_defaults(url, options))
     except Exception as exc:
+        # `from None`: the chained exception may quote the URL with its password.
         raise exceptions.ConfigurationError(
-            f"cannot create an engine for {redact_url(url)}: {exc}"
-        ) from exc
+            f"cannot create an engine for {_redact_any(url)}: {_scrub(str(exc), url)}"
+        ) from None
     if engine.dialect.name == "sqlite":
         sync_engine = engine.sync_engine
 
@@ -368,6 +404,33 @@ def _create_engine(url: str, options: dict[str, Any]) -> AsyncEngine:
             conn.exec_driver_sql("BEGIN IMMEDIATE")
 
     return engine
+
+
+def _redact_any(url: str) -> str:
+    """``redact_url``, also for strings SQLAlchemy cannot parse (``user:pw@host`` without
+    a scheme, a missing ``:``): there, everything before the last ``@`` is hidden."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        make_url(url)
+    except Exception:
+        head, at, tail = url.rpartition("@")
+        if not at:
+            return url
+        scheme, sep, _ = head.partition("://")
+        return f"{scheme}{sep}***@{tail}" if sep else f"***@{tail}"
+    return redact_url(url)
+
+
+def _scrub(message: str, url: str) -> str:
+    """``message`` with the URL's password (if any) replaced by ``***``."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        password = make_url(url).password
+    except Exception:
+        return message.replace(url, _redact_any(url))
+    return message.replace(str(password), "***") if password else message
 
 
 def _engine_defaults(url: str, options: dict[str, Any]) -> dict[str, Any]:

@@ -56,6 +56,18 @@ class Cleaner:
         self.settings = settings
         self.last_run: float | None = None
         self.deleted_total = 0
+        # Made by run(): the Outbox (and this cleaner) may be built outside an event loop,
+        # and each dispatcher run needs fresh ones.
+        self._stop: anyio.Event | None = None
+        #: Set when :meth:`run` has returned (shutdown waits for it, see :meth:`stop`).
+        self.stopped: anyio.Event | None = None
+
+    def stop(self) -> None:
+        """Return from :meth:`run` after the current batch. Shutdown stops the cleaner
+        this way rather than cancelling it in the middle of a DELETE: a cancelled query
+        leaves its connection to be torn down in the background (aiosqlite)."""
+        if self._stop is not None:
+            self._stop.set()
 
     async def run_once(self) -> int:
         deleted = 0
@@ -79,13 +91,20 @@ class Cleaner:
         return deleted
 
     async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+        self._stop, self.stopped = anyio.Event(), anyio.Event()
+        try:
+            await self._run(self._stop, task_status)
+        finally:
+            self.stopped.set()
+
+    async def _run(self, stop: anyio.Event, task_status: Any) -> None:
         task_status.started()
         if (
             self.settings.published_retention_seconds is None
             and self.settings.abandoned_retention_seconds is None
         ):
             return
-        while True:
+        while not stop.is_set():
             try:
                 await self.run_once()
             except Exception as exc:
@@ -96,4 +115,5 @@ class Cleaner:
                         "error": f"{type(exc).__name__}: {exc}"[:300],
                     },
                 )
-            await anyio.sleep(self.settings.cleanup_interval_seconds)
+            with anyio.move_on_after(self.settings.cleanup_interval_seconds):
+                await stop.wait()

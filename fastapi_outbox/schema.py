@@ -14,8 +14,11 @@ Three choices worth knowing:
 * ``payload`` and ``headers`` are stored as the JSON text the unit of work encoded once
   (JSONB on PostgreSQL) and read back as text: the dispatcher sends those bytes as they
   are, with no decode/encode per message.
-* ``txid`` (PostgreSQL only) records the writing transaction's id; ordered dispatch uses
-  it to never overtake a row whose transaction has not committed yet.
+* ``seq`` (PostgreSQL: an identity column) numbers rows in insert order; ordered dispatch
+  sorts a key's rows by it. A row is inserted at the end of its unit of work, after the
+  business writes that lock the key's aggregate, so for producers of one aggregate insert
+  order is commit order. SQLite orders by the rowid instead (one writer at a time) and
+  stores 0 here.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from sqlalchemy import (
     BigInteger,
     Column,
     Dialect,
+    Identity,
     Index,
     Integer,
     MetaData,
@@ -38,12 +42,12 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine.interfaces import Dialect as DialectT
-from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.schema import CreateIndex, CreateTable
-from sqlalchemy.sql.expression import FunctionElement
 from sqlalchemy.types import DateTime, TypeDecorator, TypeEngine
 
+from fastapi_outbox import exceptions
 from fastapi_outbox.events import MessageStatus
+from fastapi_outbox.settings import check_table_name
 
 __all__ = ["build_table", "ddl", "metadata", "outbox_table"]
 
@@ -93,26 +97,15 @@ class JsonText(TypeDecorator[str]):
         return None  # keep the JSON text
 
 
-class current_txid(FunctionElement[int]):
-    """The writing transaction's id on PostgreSQL (``pg_current_xact_id()`` as bigint)."""
-
-    type = BigInteger()
-    inherit_cache = True
-    name = "current_txid"
-
-
-@compiles(current_txid, "postgresql")
-def _txid_pg(element: Any, compiler: Any, **kw: Any) -> str:
-    return "(pg_current_xact_id()::text)::bigint"
-
-
-@compiles(current_txid)
-def _txid_other(element: Any, compiler: Any, **kw: Any) -> str:
-    return "NULL"
-
-
 def build_table(name: str = "outbox_messages", metadata_: MetaData | None = None) -> Table:
-    """The outbox table called ``name`` on ``metadata_`` (a new ``MetaData`` when None)."""
+    """The outbox table called ``name`` on ``metadata_`` (a new ``MetaData`` when None).
+
+    ``name`` must be a plain identifier (see ``OutboxSettings.table_name``): it is also
+    part of the index names and of the NOTIFY channel."""
+    try:
+        check_table_name(name)
+    except ValueError as exc:
+        raise exceptions.ConfigurationError(str(exc)) from None
     md = metadata_ if metadata_ is not None else MetaData()
     if name in md.tables:
         return md.tables[name]
@@ -136,11 +129,11 @@ def build_table(name: str = "outbox_messages", metadata_: MetaData | None = None
         Column("published_at", UtcDateTime(), nullable=True),
         Column("abandoned_at", UtcDateTime(), nullable=True),
         Column(
-            "txid",
+            "seq",
             BigInteger,
-            nullable=True,
-            server_default=current_txid(),
-            comment="writing transaction id (PostgreSQL), for ordered dispatch",
+            Identity(),  # PostgreSQL; SQLite has no identity: the store writes 0 (rowid orders)
+            nullable=False,
+            comment="insert order, for ordered dispatch",
         ),
     )
     # The claim index: only rows that still need work, in due order per broker.
@@ -157,8 +150,7 @@ def build_table(name: str = "outbox_messages", metadata_: MetaData | None = None
         f"ix_{name}_key",
         table.c.broker,
         table.c.key,
-        table.c.txid,
-        table.c.id,
+        table.c.seq,
         postgresql_where=text(_ACTIVE_SQL + " AND key IS NOT NULL"),
         sqlite_where=text(_ACTIVE_SQL + " AND key IS NOT NULL"),
     )

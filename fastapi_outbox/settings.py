@@ -82,23 +82,21 @@ class OutboxSettings(BaseSettings):
     @field_validator("table_name")
     @classmethod
     def _plain_identifier(cls, value: str) -> str:
-        if not _IDENTIFIER.match(value):
-            raise ValueError(
-                f"table_name {value!r} is not a plain SQL identifier "
-                "(letters, digits and _, not starting with a digit, at most 63 characters)"
-            )
-        return value
+        return check_table_name(value)
 
     @model_validator(mode="after")
     def _consistent(self) -> OutboxSettings:
+        # Both names and both variables: the error is on neither field alone.
         if self.max_poll_interval_seconds < self.poll_interval_seconds:
             raise ValueError(
-                "max_poll_interval_seconds must be >= poll_interval_seconds "
+                "max_poll_interval_seconds (OUTBOX_MAX_POLL_INTERVAL_SECONDS) must be >= "
+                "poll_interval_seconds (OUTBOX_POLL_INTERVAL_SECONDS) "
                 f"({self.max_poll_interval_seconds} < {self.poll_interval_seconds})"
             )
         if self.retry_max_delay_seconds < self.retry_base_delay_seconds:
             raise ValueError(
-                "retry_max_delay_seconds must be >= retry_base_delay_seconds "
+                "retry_max_delay_seconds (OUTBOX_RETRY_MAX_DELAY_SECONDS) must be >= "
+                "retry_base_delay_seconds (OUTBOX_RETRY_BASE_DELAY_SECONDS) "
                 f"({self.retry_max_delay_seconds} < {self.retry_base_delay_seconds})"
             )
         return self
@@ -118,10 +116,29 @@ class OutboxSettings(BaseSettings):
         return self.lease_seconds + self.retry_max_delay_seconds + DEDUP_MARGIN_SECONDS
 
 
+def check_table_name(value: str) -> str:
+    """``value`` when it is a plain SQL identifier, else ``ValueError`` naming ``table_name``.
+
+    The name ends up in index names and the NOTIFY channel as well as the table, so only
+    plain identifiers are accepted, not merely quotable ones."""
+    if not isinstance(value, str) or not _IDENTIFIER.match(value):
+        raise ValueError(
+            f"table_name {value!r} is not a plain SQL identifier "
+            "(letters, digits and _, not starting with a digit, at most 63 characters)"
+        )
+    return value
+
+
 def describe_validation_error(exc: ValidationError) -> str:
     """One line per invalid setting: ``invalid outbox setting 'batch_size': ...``."""
     parts = []
     for error in exc.errors():
-        loc = ".".join(str(p) for p in error["loc"]) or "settings"
+        loc = ".".join(str(p) for p in error["loc"])
+        if not loc:
+            # A cross-field check (model validator): its message names both settings;
+            # there is no OUTBOX_SETTINGS variable to point at.
+            message = error["msg"].removeprefix("Value error, ")
+            parts.append(f"invalid outbox settings: {message}")
+            continue
         parts.append(f"invalid outbox setting {loc!r} (OUTBOX_{loc.upper()}): {error['msg']}")
     return "; ".join(parts)

@@ -8,7 +8,7 @@ expired can never overwrite a newer claim.
 
 PostgreSQL and SQLite run the same statements; the differences are confined to
 :meth:`Store._now` (database clock vs. Python clock), :meth:`Store._ids` (an array
-parameter vs. an expanding IN) and the ordering column (``txid, id`` vs. ``rowid``).
+parameter vs. an expanding IN) and the ordering column (``seq`` vs. ``rowid``).
 """
 
 from __future__ import annotations
@@ -53,6 +53,16 @@ PUBLISHED = MessageStatus.PUBLISHED.value
 FAILED = MessageStatus.FAILED.value
 ABANDONED = MessageStatus.ABANDONED.value
 _ACTIVE = [s.value for s in ACTIVE_STATUSES]
+
+
+def _active(alias: Any) -> ColumnElement[bool]:
+    """``status IN ('pending', 'processing', 'failed')`` with the values in the SQL text:
+    the partial indexes serve a statement only when its WHERE provably implies their
+    predicate, which bound parameters never do under a generic (prepared) plan."""
+    status: ColumnElement[str] = alias.c.status
+    return status.in_([literal_column(f"'{value}'") for value in _ACTIVE])
+
+
 #: last_error is truncated to this many characters.
 ERROR_MAX_CHARS = 2000
 
@@ -91,6 +101,8 @@ class BrokerStats:
     abandoned: int = 0
     oldest_pending_age_seconds: float | None = None
     published_last_minute: int = 0
+    #: Only with ``stats(published_totals=True)``.
+    published: int | None = None
 
 
 class Store:
@@ -125,10 +137,17 @@ class Store:
         return self.table.c.id.in_(bindparam(name, expanding=True))
 
     def _order_columns(self, alias: Any) -> tuple[Any, ...]:
-        """Commit order of rows: (txid, id) on PostgreSQL, rowid on SQLite (one writer at a
-        time, and the write lock is held until commit, so rowid follows commit order)."""
+        """Insert order of rows, the order of ordered dispatch: ``seq`` (an identity
+        column) on PostgreSQL, the rowid on SQLite (one writer at a time holding the write
+        lock until commit, so there insert order is commit order).
+
+        Why insert order and not the writing transaction's id: a transaction gets its id
+        at its first write, which may come before it locks the key's aggregate, so two
+        producers of one aggregate can hold ids in the opposite order of their commits.
+        The unit of work inserts outbox rows at the end, after the business writes: a
+        producer that waited for another one's lock inserts after that one committed."""
         if self.is_postgres:
-            return (alias.c.txid, alias.c.id)
+            return (alias.c.seq,)
         return (literal_column(f"{alias.name}.rowid"),)
 
     async def ping(self) -> None:
@@ -164,6 +183,7 @@ class Store:
             for row in rows:
                 row["created_at"] = now
                 row["next_attempt_at"] = now
+                row["seq"] = 0  # no identity columns on SQLite: the rowid gives insert order
         return rows
 
     async def insert_rows(self, conn: AsyncConnection, rows: list[dict[str, Any]]) -> None:
@@ -174,46 +194,86 @@ class Store:
     def _claim_statement(
         self, broker: str, limit: int, token: str, lease_seconds: float, ordered: bool
     ) -> Any:
+        """The claim: one ``UPDATE … RETURNING`` over three CTEs.
+
+        ``locked``: up to ``limit`` due rows in claim order (``FOR UPDATE SKIP LOCKED`` on
+        PostgreSQL, so concurrent claimers take disjoint batches). ``ranked`` numbers them.
+        ``chosen`` keeps the rows before the first *suspect* one and claims a suspect on
+        its own. A suspect is a row still ``processing`` whose lease ran out (its claimer
+        crashed or stalled mid-batch, maybe because of that very row) and that had been
+        claimed before that (attempts >= 2): a batch orphaned once, say by a deploy that
+        killed its dispatcher, is taken back whole; a row whose batch died twice is
+        isolated, so a message that kills the process on every publish burns the
+        attempts of its batch-mates twice at most, and then only its own.
+
+        Ordered (``ordered=True``): rows go in insert order (:meth:`_order_columns`), and a
+        keyed row is taken only when no earlier row of its key is in flight or backing off
+        after a failure; ``claim`` serialises ordered claimers so that every batch is a
+        prefix of each key's queue. On PostgreSQL a row is also dropped when an earlier
+        row of its key is due but was skipped as locked (a slow holder whose lease ran
+        out is recording its outcome right now): it may be about to back off.
+        """
         t = self.table
         now = self._now()
         o = t.alias("o")
-        due: Select[Any] = select(o.c.id).where(
+        order = self._order_columns(o) if ordered else (o.c.next_attempt_at, o.c.id)
+        labels = [f"o{i}" for i in range(len(order))]
+        candidates: Select[Any] = select(
+            o.c.id,
+            o.c.key,
+            and_(o.c.status == PROCESSING, o.c.attempts >= 2).label("suspect"),
+            *(column.label(label) for column, label in zip(order, labels, strict=True)),
+        ).where(
             o.c.broker == broker,
             # Pending, failed and processing rows: the partial index holds exactly these.
-            o.c.status.in_(_ACTIVE),
+            _active(o),
             # One due time for all three: created_at, backoff deadline, lease deadline.
             o.c.next_attempt_at <= now,
         )
         if ordered:
             e = t.alias("e")
-            blocking_earlier = exists().where(
+            held_earlier = exists().where(
                 e.c.broker == o.c.broker,
                 e.c.key == o.c.key,
-                e.c.status.in_(_ACTIVE),
-                # An earlier row of the key that is in flight or backing off blocks this one.
+                _active(e),
+                # In flight (lease) or backing off (failed): the key waits for it.
                 e.c.next_attempt_at > now,
-                tuple_(*self._order_columns(e)) < tuple_(*self._order_columns(o)),
+                tuple_(*self._order_columns(e)) < tuple_(*order),
             )
-            safe: ColumnElement[bool] = ~blocking_earlier
-            if self.is_postgres:
-                # Rows of transactions older than the oldest open one: no row that commits
-                # later can sort before them (its txid is at least that xmin).
-                xmin = cast(
-                    cast(func.pg_snapshot_xmin(func.pg_current_snapshot()), Text), o.c.txid.type
-                )
-                safe = and_(o.c.txid < xmin, safe)
-            due = due.where(or_(o.c.key.is_(None), safe)).order_by(*self._order_columns(o))
-        else:
-            due = due.order_by(o.c.next_attempt_at, o.c.id)
-        due = due.limit(limit)
+            candidates = candidates.where(or_(o.c.key.is_(None), ~held_earlier))
+        candidates = candidates.order_by(*order).limit(limit)
         if self.is_postgres:
-            # Concurrent claimers take disjoint batches instead of waiting on each other.
-            due = due.with_for_update(skip_locked=True)
-        due_cte = due.cte("due")
+            candidates = candidates.with_for_update(skip_locked=True)
+        locked = candidates.cte("locked")
+
+        position = func.row_number().over(order_by=[locked.c[label] for label in labels])
+        ranked_q: Select[Any] = select(locked.c.id, locked.c.suspect, position.label("rn"))
+        if ordered and self.is_postgres:
+            h = t.alias("h")
+            skipped_earlier = exists().where(
+                h.c.broker == broker,
+                h.c.key == locked.c.key,
+                _active(h),
+                tuple_(*self._order_columns(h)) < tuple_(*(locked.c[label] for label in labels)),
+                h.c.id.not_in(select(locked.c.id)),
+            )
+            ranked_q = ranked_q.where(or_(locked.c.key.is_(None), ~skipped_earlier))
+        ranked = ranked_q.cte("ranked")
+        first_suspect = select(func.min(ranked.c.rn)).where(ranked.c.suspect)
+        chosen = (
+            select(ranked.c.id)
+            .where(
+                or_(
+                    ranked.c.rn == 1,
+                    ranked.c.rn < func.coalesce(first_suspect.scalar_subquery(), limit + 1),
+                )
+            )
+            .cte("chosen")
+        )
         until = self._later(lease_seconds)
         return (
             update(t)
-            .where(t.c.id == due_cte.c.id)
+            .where(t.c.id == chosen.c.id)
             .values(
                 status=PROCESSING,
                 locked_by=token,  # the fence: every later change must match it
@@ -236,17 +296,24 @@ class Store:
     async def claim(
         self, broker: str, limit: int, token: str, lease_seconds: float, *, ordered: bool = False
     ) -> list[ClaimedRow]:
-        """Claim up to ``limit`` due rows of ``broker`` for ``token``, oldest first."""
+        """Claim up to ``limit`` due rows of ``broker`` for ``token``, oldest first (ordered:
+        in insert order). A row whose batch died twice comes alone (see the statement)."""
         stmt = self._claim_statement(broker, limit, token, lease_seconds, ordered)
-        async with self.engine.begin() as conn:
-            if ordered and self.is_postgres:
-                # Ordered claimers of one table take turns, so each batch is a prefix of
-                # every key's queue; the claim statement below then gets a fresh snapshot.
-                await conn.execute(
-                    select(func.pg_advisory_xact_lock(func.hashtext(f"{self._lock_key}:{broker}")))
-                )
-            result = await conn.execute(stmt)
-            rows = result.all()
+        async with self.engine.connect() as conn:
+            if self.is_postgres:
+                # Whatever the engine's default: the claim must see what other claims
+                # committed while it waited for its turn (a REPEATABLE READ snapshot is
+                # taken before the turn). Free on asyncpg: it is an option of BEGIN.
+                await conn.execution_options(isolation_level="READ COMMITTED")
+            async with conn.begin():
+                if ordered and self.is_postgres:
+                    # Ordered claimers of one table take turns: the claim statement then
+                    # sees the rows the previous claim took as in flight, so each batch is
+                    # a prefix of every key's queue and no two batches hold rows of one
+                    # key. SQLite claims are serialised by its write lock already.
+                    lock = func.hashtext(f"{self._lock_key}:{broker}")
+                    await conn.execute(select(func.pg_advisory_xact_lock(lock)))
+                rows = (await conn.execute(stmt)).all()
         claimed = [ClaimedRow(*row[:7]) for row in rows]
         if ordered:
             order = {row[0]: tuple(row[7:]) for row in rows}
@@ -320,8 +387,15 @@ class Store:
                 param["due_at"] = clock + delay
             params.append(param)
         async with self.engine.begin() as conn:
-            result = await conn.execute(stmt, params)
-        return int(result.rowcount) if result.rowcount is not None else len(params)
+            if not self.is_postgres:
+                result = await conn.execute(stmt, params)
+                return int(result.rowcount)
+            # asyncpg's executemany reports no row count (-1), and the count is how a
+            # caller learns that a lease was lost; refusals are few, so one statement each.
+            marked = 0
+            for param in params:
+                marked += int((await conn.execute(stmt, param)).rowcount)
+        return marked
 
     async def release(
         self, ids: Sequence[uuid.UUID], token: str, *, refund_attempt: bool = True
@@ -348,44 +422,93 @@ class Store:
 
     # -- observation -------------------------------------------------------------------------
 
-    async def stats(self, brokers: Iterable[str] = ()) -> dict[str, BrokerStats]:
-        """Counts per broker, from the partial indexes (cheap on a table of published rows)."""
+    def _status_is(self, *statuses: str) -> ColumnElement[bool]:
+        """``status IN ('a', 'b')`` with the values written into the SQL, not bound: a
+        partial index serves a query only when its WHERE provably implies the index
+        predicate, which a generic plan of a prepared ``status = $1`` never does."""
+        values: list[ColumnElement[Any]] = [
+            literal_column(f"'{MessageStatus(s).value}'") for s in statuses
+        ]
+        return self.table.c.status.in_(values)
+
+    def stats_statements(self) -> dict[str, Any]:
+        """The statements behind :meth:`stats`, each served by a partial index, so their
+        cost follows the rows that still need work, not the published rows the table
+        keeps (``benchmarks/health.py`` prints their plans)."""
         t = self.table
+        return {
+            # ix_<table>_due holds exactly the pending/processing/failed rows.
+            "active": select(t.c.broker, t.c.status, func.count(), func.min(t.c.created_at))
+            .where(self._status_is(*_ACTIVE))
+            .group_by(t.c.broker, t.c.status),
+            # ix_<table>_abandoned holds the abandoned rows.
+            "abandoned": select(t.c.broker, func.count())
+            .where(self._status_is(ABANDONED))
+            .group_by(t.c.broker),
+            # ix_<table>_published, range scan over the last minute only.
+            "recent": select(t.c.broker, func.count())
+            .where(self._status_is(PUBLISHED), t.c.published_at > self._later(-60.0))
+            .group_by(t.c.broker),
+            # Only for ``status`` (CLI): every published row, a full scan of that index.
+            "published": select(t.c.broker, func.count())
+            .where(self._status_is(PUBLISHED))
+            .group_by(t.c.broker),
+        }
+
+    async def stats(
+        self, brokers: Iterable[str] = (), *, published_totals: bool = False
+    ) -> dict[str, BrokerStats]:
+        """Counts per broker, from the partial indexes (cheap on a table of published rows).
+
+        ``oldest_pending_age_seconds`` is the age of the oldest *pending* row: one that no
+        attempt has refused yet (new, or given back while the broker was unreachable). A
+        failing message has its own count and backoff and does not make the outbox look
+        stalled. ``published_totals`` adds the count of published rows, which costs a
+        scan of all of them (the CLI's ``status``, never the health endpoint)."""
         out: dict[str, BrokerStats] = {name: BrokerStats(name) for name in brokers}
 
         def entry(name: str) -> BrokerStats:
             return out.setdefault(name, BrokerStats(name))
 
-        minute_ago = self._later(-60.0)
-        active = (
-            select(t.c.broker, t.c.status, func.count(), func.min(t.c.created_at))
-            .where(t.c.status.in_(_ACTIVE))
-            .group_by(t.c.broker, t.c.status)
-        )
-        abandoned = (
-            select(t.c.broker, func.count()).where(t.c.status == ABANDONED).group_by(t.c.broker)
-        )
-        recent = (
-            select(t.c.broker, func.count())
-            .where(t.c.status == PUBLISHED, t.c.published_at > minute_ago)
-            .group_by(t.c.broker)
-        )
+        statements = self.stats_statements()
         async with self.engine.connect() as conn:
             db_now = (await conn.execute(select(self._now()))).scalar_one()
             if isinstance(db_now, str):  # SQLite returns the bound literal as text
                 db_now = dt.datetime.fromisoformat(db_now).replace(tzinfo=dt.UTC)
-            for broker, status, count, oldest in await conn.execute(active):
+            for broker, status, count, oldest in await conn.execute(statements["active"]):
                 s = entry(broker)
                 setattr(s, status, int(count))
-                if oldest is not None:
-                    age = max(0.0, (db_now - oldest).total_seconds())
-                    if s.oldest_pending_age_seconds is None or age > s.oldest_pending_age_seconds:
-                        s.oldest_pending_age_seconds = age
-            for broker, count in await conn.execute(abandoned):
+                if status == PENDING and oldest is not None:
+                    s.oldest_pending_age_seconds = max(0.0, (db_now - oldest).total_seconds())
+            for broker, count in await conn.execute(statements["abandoned"]):
                 entry(broker).abandoned = int(count)
-            for broker, count in await conn.execute(recent):
+            for broker, count in await conn.execute(statements["recent"]):
                 entry(broker).published_last_minute = int(count)
+            if published_totals:
+                for s in out.values():
+                    s.published = 0
+                for broker, count in await conn.execute(statements["published"]):
+                    entry(broker).published = int(count)
         return out
+
+    async def count_matching(
+        self,
+        status: str,
+        *,
+        stream: str | None = None,
+        finished_before_seconds: float | None = None,
+    ) -> int:
+        """How many rows of ``status`` (in ``stream``; for published/abandoned rows,
+        finished more than ``finished_before_seconds`` ago): the total of a progress bar."""
+        t = self.table
+        stmt = select(func.count()).select_from(t).where(self._status_is(status))
+        if stream is not None:
+            stmt = stmt.where(t.c.stream == stream)
+        if finished_before_seconds is not None:
+            column = t.c.published_at if status == PUBLISHED else t.c.abandoned_at
+            stmt = stmt.where(column < self._later(-finished_before_seconds))
+        async with self.engine.connect() as conn:
+            return int((await conn.execute(stmt)).scalar_one())
 
     async def get(self, message_id: uuid.UUID) -> Mapping[str, Any] | None:
         t = self.table
@@ -408,7 +531,7 @@ class Store:
     ) -> list[Mapping[str, Any]]:
         """Rows without payloads, newest first."""
         t = self.table
-        cols = [c for c in t.c if c.name not in ("payload", "headers", "txid")]
+        cols = [c for c in t.c if c.name not in ("payload", "headers", "seq")]
         stmt = select(*cols).order_by(t.c.id.desc()).limit(limit)
         if status is not None:
             stmt = stmt.where(t.c.status == status)

@@ -1,7 +1,9 @@
 """``NatsJetStreamBroker``: publish to JetStream with ``Nats-Msg-Id`` de-duplication.
 
 The subject is the event's stream. Every message carries ``Nats-Msg-Id`` = the outbox row
-id, so JetStream drops a republish that falls inside the stream's duplicate window. A
+id, so JetStream drops a republish that falls inside the stream's duplicate window, the
+envelope's headers (``message-id``, ``type``, ...) and, when it has one, the ordering key
+in a ``key`` header; the payload is the message data. A
 batch is published with ``publish_async`` (all messages on the wire at once) and the acks
 are awaited together.
 
@@ -14,6 +16,7 @@ log. A publish that no stream acknowledges is a failure, never a silent drop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 from collections.abc import Sequence
@@ -28,6 +31,9 @@ logger = logging.getLogger("fastapi_outbox.brokers.nats")
 DEDUP_WINDOW_SECONDS = 390.0
 ACK_TIMEOUT_SECONDS = 10.0
 CONNECT_TIMEOUT_SECONDS = 2.0
+MSG_ID_HEADER = "Nats-Msg-Id"
+#: Header carrying the envelope's ordering key (Redis Streams carry it as a field).
+KEY_HEADER = "key"
 #: Bytes reserved for the protocol line and headers when checking max_payload.
 _HEADER_OVERHEAD = 64
 
@@ -87,7 +93,7 @@ class NatsJetStreamBroker:
         async with self._lock:
             if self._js is not None:
                 return
-            import nats
+            import nats.aio.client
 
             if self._nc is None:
 
@@ -97,18 +103,31 @@ class NatsJetStreamBroker:
                         extra={"action": "broker.error", "error": f"{type(exc).__name__}: {exc}"},
                     )
 
+                # max_reconnect_attempts=-1 keeps an established connection coming back,
+                # but nats-py applies it to the first connect too, which then retries
+                # forever: a dispatcher starting while NATS is down would hang instead of
+                # reporting the broker unavailable. The first connect is bounded here.
+                nc: Any = nats.aio.client.Client()
                 try:
-                    self._nc = await nats.connect(
-                        self.url,
-                        connect_timeout=self._connect_timeout,
-                        allow_reconnect=True,
-                        max_reconnect_attempts=-1,
-                        reconnect_time_wait=0.5,
-                        error_cb=on_error,
+                    await asyncio.wait_for(
+                        nc.connect(
+                            self.url,
+                            connect_timeout=self._connect_timeout,
+                            allow_reconnect=True,
+                            max_reconnect_attempts=-1,
+                            reconnect_time_wait=0.5,
+                            error_cb=on_error,
+                        ),
+                        timeout=self._connect_timeout,
                     )
                 except Exception as exc:
-                    self._nc = None
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(nc.close(), timeout=self._connect_timeout)
+                    if isinstance(exc, TimeoutError):
+                        detail = f"no connection within {self._connect_timeout:g}s"
+                        raise self._unavailable(detail) from exc
                     raise self._unavailable(exc) from exc
+                self._nc = nc
             self._js = self._nc.jetstream(timeout=self.ack_timeout_seconds)
             logger.info(
                 "nats broker connected",
@@ -133,22 +152,30 @@ class NatsJetStreamBroker:
             raise self._unavailable(exc) from exc
 
     async def ensure_stream(self, subject: str) -> None:
-        """Make sure a JetStream stream captures ``subject`` (create one if allowed)."""
+        """Make sure a JetStream stream captures ``subject`` (create one if allowed).
+
+        Any of its JetStream API calls timing out or finding no responder means the
+        server cannot be reached: BrokerUnavailable, so no message is charged for it."""
         if subject in self._known_subjects:
             return
         import nats.errors
-        import nats.js.errors
 
         try:
-            name = await self._js.find_stream_name_by_subject(subject)
-        except nats.js.errors.NotFoundError:
-            name = None
+            await self._ensure_stream(subject)
         except (
             nats.errors.TimeoutError,
             nats.errors.ConnectionClosedError,
             nats.errors.NoRespondersError,
         ) as exc:
             raise self._unavailable(exc) from exc
+
+    async def _ensure_stream(self, subject: str) -> None:
+        import nats.js.errors
+
+        try:
+            name = await self._js.find_stream_name_by_subject(subject)
+        except nats.js.errors.NotFoundError:
+            name = None
         if name is None:
             if not self.create_streams:
                 return  # the publish fails with "no stream", naming the subject
@@ -205,8 +232,12 @@ class NatsJetStreamBroker:
         for i, e in enumerate(batch):
             if results[i] is not None:
                 continue
-            headers = {"Nats-Msg-Id": e.id, **e.headers}
-            size = len(e.payload) + sum(len(k) + len(v) + 4 for k, v in headers.items())
+            headers = dict(e.headers)
+            if e.key is not None:
+                headers[KEY_HEADER] = e.key  # the ordering key, like Redis's ``key`` field
+            # Last, so that no user header can replace the de-duplication id.
+            headers[MSG_ID_HEADER] = e.id
+            size = len(e.payload) + sum(len(f"{k}: {v}\r\n".encode()) for k, v in headers.items())
             if size + _HEADER_OVERHEAD > limit:
                 results[i] = exceptions.MessageRejected(
                     f"message {e.id} ({size} bytes) exceeds the NATS server's "

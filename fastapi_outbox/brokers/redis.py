@@ -184,6 +184,7 @@ class RedisStreamsBroker:
 
     async def ping(self) -> None:
         try:
+            await self.connect()  # a ping before connect asks the server, not the object
             await self.client.ping()
         except exceptions.BrokerUnavailable:
             raise

@@ -1,0 +1,240 @@
+"""Prometheus metrics (extra ``prometheus``): counters from the dispatcher's hooks, gauges
+from the outbox table, and a ``/metrics`` route.
+
+::
+
+    from fastapi_outbox.metrics import PrometheusInstrumentation, mount_metrics
+
+    outbox = Outbox(url, brokers=..., instrumentation=PrometheusInstrumentation())
+    app = FastAPI(lifespan=outbox.lifespan)
+    mount_metrics(app, outbox)                      # GET /metrics
+
+Metrics (prefix ``outbox_``, change it with ``namespace=``):
+
+* ``messages_published_total``, ``messages_failed_total`` (refused, will be retried) and
+  ``messages_abandoned_total``, by ``broker`` and ``stream``: counted by the dispatchers of
+  this process;
+* ``publish_latency_seconds`` by ``broker``: histogram from the message's ``occurred-at``
+  header (set when the event was published on the unit of work, just before commit) to
+  the broker's acknowledgement — the commit-to-publish latency;
+* ``pending_messages``, ``oldest_pending_age_seconds``, ``abandoned_messages`` by
+  ``broker``, ``database_up`` and ``processor_up`` by ``broker``: gauges refreshed from
+  :meth:`Store.stats` when ``/metrics`` is scraped (at most once per
+  ``refresh_interval_seconds``), so they describe the whole table, whichever process
+  dispatches it.
+
+The hooks inherit :class:`Instrumentation`'s publish spans: metrics and traces together.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+import weakref
+from collections import Counter as Tally
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from fastapi import APIRouter, Request, Response
+
+from fastapi_outbox import exceptions
+from fastapi_outbox.events import HEADER_OCCURRED_AT, Envelope
+from fastapi_outbox.instrumentation import Instrumentation
+
+if TYPE_CHECKING:
+    from fastapi_outbox.outbox import Outbox
+
+__all__ = ["PrometheusInstrumentation", "metrics_router", "mount_metrics"]
+
+#: Commit-to-publish latency buckets: milliseconds with wake-ups, seconds with polling or
+#: backoff, minutes when a broker was down.
+LATENCY_BUCKETS_SECONDS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    300.0,
+)
+REFRESH_INTERVAL_SECONDS = 1.0
+REFRESH_TIMEOUT_SECONDS = 5.0
+
+
+class _Metrics:
+    """The collectors of one (registry, namespace): registered once, shared by every
+    instrumentation object using them (a second Outbox in the process, tests)."""
+
+    def __init__(self, registry: Any, namespace: str, buckets: Sequence[float]) -> None:
+        from prometheus_client import Counter, Gauge, Histogram
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(name, doc, ["broker", "stream"], namespace=namespace, registry=registry)
+
+        def gauge(name: str, doc: str, labels: Sequence[str] = ("broker",)) -> Any:
+            return Gauge(name, doc, list(labels), namespace=namespace, registry=registry)
+
+        self.published = counter("messages_published", "Messages published to a broker.")
+        self.failed = counter("messages_failed", "Publishes refused; retried after a backoff.")
+        self.abandoned = counter("messages_abandoned", "Messages abandoned (attempts exhausted).")
+        self.latency = Histogram(
+            "publish_latency_seconds",
+            "From the message's occurred-at header (commit) to its publish.",
+            ["broker"],
+            namespace=namespace,
+            registry=registry,
+            buckets=list(buckets),
+        )
+        self.pending = gauge("pending_messages", "Messages waiting for their first publish.")
+        self.oldest_age = gauge(
+            "oldest_pending_age_seconds", "Age of the oldest pending message (0: none)."
+        )
+        self.abandoned_now = gauge("abandoned_messages", "Abandoned messages in the table.")
+        self.processor_up = gauge(
+            "processor_up", "1 while this process runs the broker's processor."
+        )
+        self.database_up = gauge("database_up", "1 when the last refresh reached the database.", ())
+
+
+_REGISTRIES: weakref.WeakKeyDictionary[Any, dict[str, _Metrics]] = weakref.WeakKeyDictionary()
+
+
+def _metrics_for(registry: Any, namespace: str, buckets: Sequence[float]) -> _Metrics:
+    by_namespace = _REGISTRIES.setdefault(registry, {})
+    if namespace not in by_namespace:
+        by_namespace[namespace] = _Metrics(registry, namespace, buckets)
+    return by_namespace[namespace]
+
+
+class PrometheusInstrumentation(Instrumentation):
+    """Dispatcher hooks feeding Prometheus collectors on ``registry`` (default: the
+    global ``prometheus_client.REGISTRY``)."""
+
+    def __init__(
+        self,
+        registry: Any = None,
+        *,
+        namespace: str = "outbox",
+        latency_buckets: Sequence[float] = LATENCY_BUCKETS_SECONDS,
+        refresh_interval_seconds: float = REFRESH_INTERVAL_SECONDS,
+        tracer_provider: Any = None,
+        tracing: bool = True,
+    ) -> None:
+        super().__init__(tracer_provider=tracer_provider, tracing=tracing)
+        try:
+            import prometheus_client
+        except ImportError as exc:  # pragma: no cover - depends on the environment
+            raise exceptions.ConfigurationError(
+                "PrometheusInstrumentation needs prometheus-client: "
+                "pip install 'fastapi-outbox[prometheus]'"
+            ) from exc
+        self.registry = registry if registry is not None else prometheus_client.REGISTRY
+        self.metrics = _metrics_for(self.registry, namespace, latency_buckets)
+        self.refresh_interval_seconds = refresh_interval_seconds
+        self._refreshed_at: float | None = None
+        self._refresh_lock = anyio.Lock()
+
+    # -- dispatcher hooks (hot path: one label lookup per stream and batch) --------------------
+
+    def published(self, broker: str, envelopes: Sequence[Envelope]) -> None:
+        m = self.metrics
+        for stream, n in Tally(e.stream for e in envelopes).items():
+            m.published.labels(broker, stream).inc(n)
+        histogram = m.latency.labels(broker)
+        now = time.time()
+        for envelope in envelopes:
+            occurred = envelope.headers.get(HEADER_OCCURRED_AT)
+            if not occurred:
+                continue
+            try:
+                at = dt.datetime.fromisoformat(occurred).timestamp()
+            except ValueError:
+                continue
+            histogram.observe(max(0.0, now - at))
+
+    def failed(self, broker: str, envelopes: Sequence[Envelope]) -> None:
+        for stream, n in Tally(e.stream for e in envelopes).items():
+            self.metrics.failed.labels(broker, stream).inc(n)
+
+    def abandoned(self, broker: str, envelopes: Sequence[Envelope]) -> None:
+        for stream, n in Tally(e.stream for e in envelopes).items():
+            self.metrics.abandoned.labels(broker, stream).inc(n)
+
+    # -- gauges ------------------------------------------------------------------------------
+
+    async def refresh(self, outbox: Outbox, *, force: bool = False) -> None:
+        """Set the gauges from the table (cached for ``refresh_interval_seconds``). A
+        database that cannot be reached sets ``database_up`` to 0 and keeps the last
+        values: a scrape never fails because of it."""
+        async with self._refresh_lock:
+            now = time.monotonic()
+            if (
+                not force
+                and self._refreshed_at is not None
+                and now - self._refreshed_at < self.refresh_interval_seconds
+            ):
+                return
+            m = self.metrics
+            for name in outbox.all_brokers:
+                processor = outbox.processors.get(name) if outbox.started else None
+                m.processor_up.labels(name).set(1 if processor and processor.running else 0)
+            try:
+                with anyio.fail_after(REFRESH_TIMEOUT_SECONDS):
+                    stats = await outbox.store.stats(outbox.all_brokers)
+            except Exception:
+                m.database_up.set(0)
+            else:
+                m.database_up.set(1)
+                for name, s in stats.items():
+                    m.pending.labels(name).set(s.pending)
+                    m.oldest_age.labels(name).set(s.oldest_pending_age_seconds or 0.0)
+                    m.abandoned_now.labels(name).set(s.abandoned)
+            self._refreshed_at = time.monotonic()
+
+    def render(self, accept: str | None = None) -> tuple[bytes, str]:
+        """The exposition of the registry and its content type (OpenMetrics when the
+        scraper asks for it)."""
+        from prometheus_client.exposition import choose_encoder
+
+        encoder, content_type = choose_encoder(accept or "")
+        return encoder(self.registry), content_type
+
+
+def _instrumentation_of(outbox: Outbox) -> PrometheusInstrumentation:
+    instrumentation = outbox.instrumentation
+    if not isinstance(instrumentation, PrometheusInstrumentation):
+        raise exceptions.ConfigurationError(
+            "metrics need Outbox(..., instrumentation=PrometheusInstrumentation()); this "
+            f"Outbox has {type(instrumentation).__name__}"
+        )
+    return instrumentation
+
+
+def metrics_router(outbox: Outbox, *, path: str = "/metrics") -> APIRouter:
+    """An ``APIRouter`` serving the Prometheus exposition at ``path`` (not in the OpenAPI
+    schema)."""
+    instrumentation = _instrumentation_of(outbox)
+    router = APIRouter(tags=["outbox"])
+
+    @router.get(path, include_in_schema=False)
+    async def metrics(request: Request) -> Response:
+        await instrumentation.refresh(outbox)
+        body, content_type = instrumentation.render(request.headers.get("accept"))
+        return Response(content=body, media_type=content_type)
+
+    return router
+
+
+def mount_metrics(app: Any, outbox: Outbox, *, path: str = "/metrics") -> None:
+    """``app.include_router(metrics_router(outbox, path=path))``."""
+    app.include_router(metrics_router(outbox, path=path))

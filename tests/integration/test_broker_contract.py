@@ -1,0 +1,404 @@
+"""One contract, every broker: MemoryBroker, RedisStreamsBroker and NatsJetStreamBroker.
+
+Each broker is driven through the ``Broker`` protocol only, and what it published is read
+back from the real server (XRANGE on Redis, the JetStream stream on NATS), never from the
+broker object itself. Broker-specific guarantees (stream creation and acknowledgement on
+NATS, MAXLEN on Redis, URL parsing) follow the shared contract.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats
+import nats.js.errors
+import pytest
+import redis.asyncio as aioredis
+
+from fastapi_outbox import exceptions
+from fastapi_outbox.brokers import (
+    Broker,
+    MemoryBroker,
+    NatsJetStreamBroker,
+    RedisStreamsBroker,
+    broker_from_url,
+)
+from fastapi_outbox.brokers.nats import stream_name_for
+from fastapi_outbox.events import Envelope, uuid7
+from tests.conftest import unique
+
+TWO_MB = 2 * 1024 * 1024
+
+
+@dataclass
+class Received:
+    """A message as a consumer of the real stream sees it."""
+
+    id: str
+    type: str
+    key: str | None
+    headers: dict[str, str]
+    payload: bytes
+
+
+@dataclass
+class Harness:
+    """A broker under test, plus ways to look into its server."""
+
+    kind: str
+    broker: Broker
+    #: Everything on ``stream``, in stream order, read from the server.
+    read: Callable[[str], Awaitable[list[Received]]]
+    #: A new broker object for the same server (a restarted dispatcher process).
+    fresh: Callable[[], Broker]
+    #: An envelope this broker refuses on its own (the rest of its batch still goes out).
+    poison: Callable[[], Awaitable[Envelope]]
+    streams: list[str] = field(default_factory=list)
+
+    def stream(self) -> str:
+        name = unique("orders")
+        self.streams.append(name)
+        return name
+
+
+def envelope(
+    stream: str, n: int, *, key: str | None = None, payload: bytes | None = None
+) -> Envelope:
+    message_id = str(uuid7())
+    return Envelope(
+        id=message_id,
+        stream=stream,
+        type="OrderPlaced",
+        key=key,
+        payload=payload if payload is not None else json.dumps({"n": n}).encode(),
+        headers={
+            "message-id": message_id,
+            "type": "OrderPlaced",
+            "correlation-id": f"corr-{n}",
+            "x-tenant": "acme",
+        },
+    )
+
+
+async def memory_harness() -> AsyncIterator[Harness]:
+    broker = MemoryBroker(
+        reject=lambda e: (
+            exceptions.MessageRejected(f"message {e.id} refused") if e.type == "Poison" else None
+        )
+    )
+
+    async def read(stream: str) -> list[Received]:
+        return [
+            Received(e.id, e.type, e.key, e.headers, e.payload) for e in broker.on_stream(stream)
+        ]
+
+    async def poison() -> Envelope:
+        e = envelope(unique("poison"), 0)
+        e.type = "Poison"
+        return e
+
+    yield Harness("memory", broker, read, lambda: broker, poison)
+
+
+async def redis_harness(url: str) -> AsyncIterator[Harness]:
+    client = aioredis.Redis.from_url(url)
+    harness: Harness
+
+    async def read(stream: str) -> list[Received]:
+        out = []
+        for _entry_id, raw in await client.xrange(stream, "-", "+"):
+            fields = {k.decode(): v for k, v in raw.items()}
+            out.append(
+                Received(
+                    id=fields["id"].decode(),
+                    type=fields["type"].decode(),
+                    key=fields["key"].decode() or None,
+                    headers=json.loads(fields["headers"]),
+                    payload=fields["payload"],
+                )
+            )
+        return out
+
+    async def poison() -> Envelope:
+        # A key of the wrong type: XADD answers WRONGTYPE for this message only.
+        stream = harness.stream()
+        await client.set(stream, "not a stream")
+        return envelope(stream, 0)
+
+    harness = Harness(
+        "redis", RedisStreamsBroker(url), read, lambda: RedisStreamsBroker(url), poison
+    )
+    try:
+        yield harness
+    finally:
+        await harness.broker.aclose()
+        for stream in harness.streams:
+            await client.delete(stream)
+            async for k in client.scan_iter(match=f"outbox:dedup:{{{stream}}}:*", count=1000):
+                await client.delete(k)
+        await client.aclose()
+
+
+async def nats_harness(url: str) -> AsyncIterator[Harness]:
+    nc = await nats.connect(url)
+    jsm = nc.jsm()
+
+    async def read(stream: str) -> list[Received]:
+        name = await jsm.find_stream_name_by_subject(stream)
+        info = await jsm.stream_info(name)
+        out = []
+        for seq in range(info.state.first_seq, info.state.last_seq + 1):
+            msg = await jsm.get_msg(name, seq)
+            headers = dict(msg.headers or {})
+            assert headers.pop("Nats-Msg-Id") == headers["message-id"]
+            key = headers.pop("key", None)
+            assert msg.data is not None
+            out.append(Received(headers["message-id"], headers["type"], key, headers, msg.data))
+        return out
+
+    async def poison() -> Envelope:
+        return envelope(harness.stream(), 0, payload=b"x" * TWO_MB)
+
+    harness = Harness(
+        "nats", NatsJetStreamBroker(url), read, lambda: NatsJetStreamBroker(url), poison
+    )
+    try:
+        yield harness
+    finally:
+        await harness.broker.aclose()
+        for stream in harness.streams:
+            with contextlib.suppress(nats.js.errors.NotFoundError):
+                await jsm.delete_stream(stream_name_for(stream))
+        await nc.close()
+
+
+@pytest.fixture(params=["memory", "redis", "nats"])
+async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
+    gen: AsyncIterator[Harness]
+    if request.param == "memory":
+        gen = memory_harness()
+    elif request.param == "redis":
+        gen = redis_harness(request.getfixturevalue("redis_url"))
+    else:
+        gen = nats_harness(request.getfixturevalue("nats_url"))
+    h = await anext(gen)
+    try:
+        yield h
+    finally:
+        await anext(gen, None)
+
+
+def assert_landed(received: list[Received], sent: list[Envelope]) -> None:
+    assert [r.id for r in received] == [e.id for e in sent]
+    for r, e in zip(received, sent, strict=True):
+        assert r.type == e.type
+        assert r.key == e.key
+        assert r.headers == e.headers
+        assert json.loads(r.payload) == json.loads(e.payload)
+
+
+# -- the shared contract ----------------------------------------------------------------------
+
+
+async def test_batch_gives_one_result_per_message_and_lands_in_order(harness: Harness) -> None:
+    a, b = harness.stream(), harness.stream()
+    batch = [envelope(a, 0, key="k1"), envelope(b, 1), envelope(a, 2, key="k2"), envelope(a, 3)]
+    await harness.broker.connect()
+
+    results = await harness.broker.publish(batch)
+
+    assert results == [None, None, None, None]
+    assert_landed(await harness.read(a), [batch[0], batch[2], batch[3]])
+    assert_landed(await harness.read(b), [batch[1]])
+    assert await harness.broker.publish([]) == []
+
+
+async def test_republishing_an_envelope_adds_no_duplicate(harness: Harness) -> None:
+    stream = harness.stream()
+    batch = [envelope(stream, n, key="k") for n in range(3)]
+    await harness.broker.connect()
+    assert await harness.broker.publish(batch) == [None] * 3
+
+    # The dispatcher crashed before marking: the same envelopes come again, from the same
+    # broker object and from a new one (a restarted process), partly mixed with a new one.
+    again = await harness.broker.publish(batch[1:])
+    other = harness.fresh()
+    try:
+        await other.connect()
+        extra = envelope(stream, 3)
+        from_new_process = await other.publish([batch[0], extra])
+    finally:
+        if other is not harness.broker:
+            await other.aclose()
+
+    assert again == [None, None]  # a duplicate is a success, not an error
+    assert from_new_process == [None, None]
+    assert_landed(await harness.read(stream), [*batch, extra])
+
+
+async def test_a_refused_message_fails_alone(harness: Harness) -> None:
+    stream = harness.stream()
+    poison = await harness.poison()
+    batch = [envelope(stream, 0), poison, envelope(stream, 2)]
+    await harness.broker.connect()
+
+    results = await harness.broker.publish(batch)
+
+    assert results[0] is None
+    assert isinstance(results[1], exceptions.MessageRejected)
+    assert poison.id in str(results[1])  # the error names the message, never its payload
+    assert results[2] is None
+    assert_landed(await harness.read(stream), [batch[0], batch[2]])
+
+
+async def test_connect_and_aclose_are_idempotent(harness: Harness) -> None:
+    broker = harness.broker
+    stream = harness.stream()
+    await broker.ping()  # before connect: the broker connects to answer
+    await broker.connect()
+    await broker.connect()
+    await broker.ping()
+    await broker.aclose()
+    await broker.aclose()
+    await broker.connect()  # usable again after a close (a lifespan restarted)
+    first = envelope(stream, 0)
+    assert await broker.publish([first]) == [None]
+    await broker.aclose()
+    second = envelope(stream, 1)
+    assert await broker.publish([second]) == [None]  # publish connects on demand
+    assert_landed(await harness.read(stream), [first, second])
+
+
+async def test_broker_satisfies_the_protocol(harness: Harness) -> None:
+    assert isinstance(harness.broker, Broker)
+
+
+# -- URLs ---------------------------------------------------------------------------------------
+
+
+def test_broker_from_url_picks_the_implementation() -> None:
+    assert isinstance(broker_from_url("memory://"), MemoryBroker)
+    redis_broker = broker_from_url("redis://:secret@127.0.0.1:6379/0", maxlen=10)
+    assert isinstance(redis_broker, RedisStreamsBroker)
+    assert redis_broker.maxlen == 10
+    assert "secret" not in repr(redis_broker)
+    assert isinstance(broker_from_url("rediss://127.0.0.1:6380/1"), RedisStreamsBroker)
+    nats_broker = broker_from_url("nats://user:secret@127.0.0.1:4222", create_streams=False)
+    assert isinstance(nats_broker, NatsJetStreamBroker)
+    assert nats_broker.create_streams is False
+    assert "secret" not in repr(nats_broker)
+
+
+@pytest.mark.parametrize(
+    "url", ["kafka://broker:9092", "http://:secret@localhost", "localhost:6379", ""]
+)
+def test_broker_from_url_refuses_other_schemes(url: str) -> None:
+    with pytest.raises(exceptions.ConfigurationError, match="unsupported broker URL") as info:
+        broker_from_url(url)
+    assert "memory://" in str(info.value)  # says what is supported
+    assert "secret" not in str(info.value)
+
+
+# -- NATS JetStream -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def jsm(nats_url: str) -> AsyncIterator[Any]:
+    nc = await nats.connect(nats_url)
+    try:
+        yield nc.jsm()
+    finally:
+        await nc.close()
+
+
+async def test_nats_creates_a_stream_with_a_long_enough_duplicate_window(
+    nats_url: str, jsm: Any
+) -> None:
+    subject = unique("orders")
+    broker = NatsJetStreamBroker(nats_url)
+    broker.configure(dedup_window_seconds=4321.0)  # what the Outbox passes: lease + backoff
+    try:
+        assert await broker.publish([envelope(subject, 0)]) == [None]
+        name = await jsm.find_stream_name_by_subject(subject)
+        info = await jsm.stream_info(name)
+        assert subject in info.config.subjects
+        assert info.config.duplicate_window >= 4321.0
+        assert info.state.messages == 1
+    finally:
+        await broker.aclose()
+        await jsm.delete_stream(stream_name_for(subject))
+
+
+async def test_nats_publish_no_stream_acknowledges_is_a_failure(nats_url: str, jsm: Any) -> None:
+    subject = unique("uncaptured")
+    broker = NatsJetStreamBroker(nats_url, create_streams=False, ack_timeout_seconds=3)
+    try:
+        results = await broker.publish([envelope(subject, 0), envelope(subject, 1)])
+    finally:
+        await broker.aclose()
+    assert all(isinstance(r, exceptions.MessageRejected) for r in results), results
+    assert subject in str(results[0])
+    with pytest.raises(nats.js.errors.NotFoundError):
+        await jsm.find_stream_name_by_subject(subject)  # and none was created behind our back
+
+
+async def test_nats_user_header_cannot_replace_the_dedup_id(nats_url: str, jsm: Any) -> None:
+    subject = unique("orders")
+    broker = NatsJetStreamBroker(nats_url)
+    first, second = envelope(subject, 0), envelope(subject, 1)
+    # Both claim the same Nats-Msg-Id through a user header: JetStream would drop the
+    # second if the header won over the envelope id.
+    first.headers["Nats-Msg-Id"] = second.headers["Nats-Msg-Id"] = "same"
+    try:
+        assert await broker.publish([first, second]) == [None, None]
+        info = await jsm.stream_info(stream_name_for(subject))
+        assert info.state.messages == 2
+    finally:
+        await broker.aclose()
+        await jsm.delete_stream(stream_name_for(subject))
+
+
+# -- Redis Streams ------------------------------------------------------------------------------
+
+
+async def test_redis_maxlen_trims_the_stream(redis_url: str) -> None:
+    stream = unique("orders")
+    broker = RedisStreamsBroker(redis_url, maxlen=10)
+    client = aioredis.Redis.from_url(redis_url)
+    total = 600
+    try:
+        for start in range(0, total, 200):
+            batch = [envelope(stream, n) for n in range(start, start + 200)]
+            assert await broker.publish(batch) == [None] * 200
+        length = await client.xlen(stream)
+        # MAXLEN ~ trims whole stream nodes (100 entries each by default): approximate,
+        # but bounded far below what was written.
+        assert 10 <= length <= 10 + 200
+        last = await client.xrevrange(stream, "+", "-", count=1)
+        assert json.loads(last[0][1][b"payload"]) == {"n": total - 1}  # the newest are kept
+    finally:
+        await broker.aclose()
+        await client.delete(stream)
+        async for k in client.scan_iter(match=f"outbox:dedup:{{{stream}}}:*", count=1000):
+            await client.delete(k)
+        await client.aclose()
+
+
+async def test_redis_dedup_keys_expire_after_the_configured_window(redis_url: str) -> None:
+    stream = unique("orders")
+    broker = RedisStreamsBroker(redis_url)
+    broker.configure(dedup_window_seconds=777.0)
+    client = aioredis.Redis.from_url(redis_url)
+    e = envelope(stream, 0)
+    try:
+        assert await broker.publish([e]) == [None]
+        ttl = await client.ttl(f"outbox:dedup:{{{stream}}}:{e.id}")
+        assert 700 < ttl <= 777
+    finally:
+        await broker.aclose()
+        await client.delete(stream, f"outbox:dedup:{{{stream}}}:{e.id}")
+        await client.aclose()

@@ -1,0 +1,171 @@
+"""Retention: bounded batches, only finished rows, and dispatch keeps going meanwhile."""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+from typing import Any
+
+import anyio
+import pytest
+from sqlalchemy import event, func, select, update
+
+from fastapi_outbox import Message, Outbox, OutboxSettings
+from fastapi_outbox.brokers import MemoryBroker
+from fastapi_outbox.retention import Cleaner
+from tests.conftest import unique, wait_until
+
+HOUR = 3600.0
+
+
+async def publish(outbox: Outbox, stream: str, n: int) -> list[Any]:
+    async with outbox.unit_of_work() as uow:
+        return [
+            uow.publish(Message(stream=stream, type="Thing", payload={"i": i})) for i in range(n)
+        ]
+
+
+def count_purges(outbox: Outbox) -> list[tuple[int, int]]:
+    """Wrap ``store.purge_batch``; returns the list of (limit, deleted) per call."""
+    calls: list[tuple[int, int]] = []
+    purge_batch = outbox.store.purge_batch
+
+    async def wrapper(status: str, older_than_seconds: float, limit: int) -> int:
+        deleted = await purge_batch(status, older_than_seconds, limit)
+        calls.append((limit, deleted))
+        return deleted
+
+    outbox.store.purge_batch = wrapper  # type: ignore[method-assign]
+    return calls
+
+
+async def test_cleanup_deletes_only_old_finished_rows_in_bounded_batches(db_url: str) -> None:
+    stream = unique("orders")
+    settings = OutboxSettings(
+        run_dispatchers=False,
+        cleanup_batch_size=4,
+        published_retention_seconds=HOUR,
+        abandoned_retention_seconds=HOUR,
+    )
+    outbox = Outbox(db_url, settings=settings)
+    await outbox.create_tables()
+    t = outbox.table
+    now = dt.datetime.now(dt.UTC)
+    old, recent = now - dt.timedelta(days=2), now - dt.timedelta(minutes=5)
+    plan = {  # (status, finished at) → rows
+        ("published", old): 25,
+        ("published", recent): 3,
+        ("abandoned", old): 7,
+        ("abandoned", recent): 2,
+        # Rows that still need work, with old finish times on purpose: never deleted.
+        ("pending", old): 3,
+        ("failed", old): 3,
+        ("processing", old): 3,
+    }
+    survivors = set()
+    try:
+        for (status, at), n in plan.items():
+            ids = await publish(outbox, stream, n)
+            async with outbox.engine.begin() as conn:
+                await conn.execute(
+                    update(t)
+                    .where(t.c.id.in_(ids))
+                    .values(status=status, published_at=at, abandoned_at=at, created_at=at)
+                )
+            if not (status in ("published", "abandoned") and at == old):
+                survivors.update(ids)
+
+        calls = count_purges(outbox)
+        statements: list[str] = []
+
+        def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+            if statement.lstrip().upper().startswith("DELETE"):
+                statements.append(statement)
+
+        event.listen(outbox.engine.sync_engine, "before_cursor_execute", record)
+        try:
+            deleted = await Cleaner(outbox.store, settings).run_once()
+        finally:
+            event.remove(outbox.engine.sync_engine, "before_cursor_execute", record)
+
+        assert deleted == 25 + 7
+        # Several short statements, each bounded by cleanup_batch_size: never one
+        # table-wide DELETE.
+        assert len(calls) >= math.ceil(25 / 4) + math.ceil(7 / 4)
+        assert all(limit <= 4 and n <= limit for limit, n in calls)
+        assert len(statements) == len(calls)
+        assert all("LIMIT" in s.upper() for s in statements)
+
+        async with outbox.engine.connect() as conn:
+            left = set((await conn.execute(select(t.c.id))).scalars())
+        assert left == survivors
+    finally:
+        await outbox.aclose()
+
+
+@pytest.mark.postgres
+async def test_dispatch_goes_on_while_a_large_cleanup_runs(pg_url: str) -> None:
+    old_rows, batch = 50_000, 500
+    stream = unique("orders")
+    broker = MemoryBroker()
+    settings = OutboxSettings(
+        cleanup_batch_size=batch,
+        published_retention_seconds=HOUR,
+        cleanup_interval_seconds=HOUR,
+    )
+    outbox = Outbox(pg_url, brokers={"default": broker}, settings=settings)
+    await outbox.create_tables()
+    t = outbox.table.name
+    async with outbox.engine.begin() as conn:
+        await conn.exec_driver_sql(
+            f"INSERT INTO {t} (id, broker, stream, type, payload, headers, status, attempts, "
+            "next_attempt_at, created_at, published_at) "
+            "SELECT gen_random_uuid(), 'default', 'old', 'Thing', '{}'::jsonb, '{}'::jsonb, "
+            "'published', 1, now(), now() - interval '3 days', now() - interval '2 days' "
+            f"FROM generate_series(1, {old_rows})"
+        )
+
+    purge_batch = outbox.store.purge_batch
+    calls: list[int] = []
+    started = anyio.Event()
+    new_published = anyio.Event()
+
+    async def observed(status: str, older_than_seconds: float, limit: int) -> int:
+        deleted = await purge_batch(status, older_than_seconds, limit)
+        calls.append(deleted)
+        started.set()
+        if len(calls) == 40:
+            # A safety gate, not the test: however fast this machine deletes, the
+            # cleanup cannot finish before the new messages had their chance.
+            with anyio.fail_after(30):
+                await new_published.wait()
+        return deleted
+
+    outbox.store.purge_batch = observed  # type: ignore[method-assign]
+    try:
+        async with outbox.dispatcher():
+            with anyio.fail_after(30):
+                await started.wait()
+            cleaner = outbox.cleaner
+            published_during_cleanup = 0
+            for round_ in range(3):
+                await publish(outbox, stream, 5)
+                await broker.wait_for(5 * (round_ + 1), timeout=10)
+                if cleaner.last_run is None:  # run_once has not returned yet
+                    published_during_cleanup += 5
+            in_flight_batches = len(calls)
+            new_published.set()
+            await wait_until(lambda: cleaner.last_run is not None, timeout=60)
+
+        assert published_during_cleanup == 15
+        assert in_flight_batches < old_rows // batch  # the cleanup was mid-way
+        assert sum(calls) == old_rows
+        assert len(calls) >= old_rows // batch
+        assert max(calls) <= batch
+        async with outbox.engine.connect() as conn:
+            left = await conn.execute(
+                select(outbox.table.c.stream, func.count()).group_by(outbox.table.c.stream)
+            )
+            assert dict(left.all()) == {stream: 15}  # the new ones, published and kept
+    finally:
+        await outbox.aclose()

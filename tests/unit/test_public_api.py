@@ -1,0 +1,168 @@
+"""The public surface of DESIGN §2: names, ``__all__``, ``py.typed``, ``Event`` keywords."""
+
+from __future__ import annotations
+
+import subprocess
+import typing
+from pathlib import Path
+
+import pytest
+
+import fastapi_outbox
+from fastapi_outbox import (
+    AggregateRoot,
+    Event,
+    EventDefinitionError,
+    Message,
+    Outbox,
+    OutboxSettings,
+    UnitOfWork,
+    UnitOfWorkDep,
+    unit_of_work,
+)
+from fastapi_outbox import brokers as brokers_module
+from fastapi_outbox.brokers import MemoryBroker, NatsJetStreamBroker, RedisStreamsBroker
+
+PACKAGE_DIR = Path(fastapi_outbox.__file__).parent
+
+EXPECTED_ALL = {
+    "AggregateRoot",
+    "BrokerUnavailable",
+    "ConfigurationError",
+    "Envelope",
+    "Event",
+    "EventDefinitionError",
+    "Message",
+    "MessageRejected",
+    "MessageStatus",
+    "Outbox",
+    "OutboxError",
+    "OutboxSettings",
+    "PayloadTooLarge",
+    "PublishError",
+    "SerializationError",
+    "UnitOfWork",
+    "UnitOfWorkDep",
+    "UnitOfWorkError",
+    "UnknownBroker",
+    "__version__",
+    "build_table",
+    "metadata",
+    "outbox_table",
+    "unit_of_work",
+    "uuid7",
+}
+
+
+def test_design_names_are_importable() -> None:
+    # The import block at the top is the contract of DESIGN §2; these are the objects.
+    assert isinstance(Outbox, type) and isinstance(OutboxSettings, type)
+    assert isinstance(UnitOfWork, type) and callable(unit_of_work)
+    assert issubclass(Event, object) and isinstance(AggregateRoot, type)
+    assert {MemoryBroker, RedisStreamsBroker, NatsJetStreamBroker} <= {
+        getattr(brokers_module, n) for n in brokers_module.__all__
+    }
+
+
+def test_all_is_exact_and_every_name_resolves() -> None:
+    assert set(fastapi_outbox.__all__) == EXPECTED_ALL
+    assert len(fastapi_outbox.__all__) == len(EXPECTED_ALL)  # no duplicates
+    for name in fastapi_outbox.__all__:
+        assert getattr(fastapi_outbox, name) is not None, name
+    assert set(brokers_module.__all__) == {
+        "Broker",
+        "MemoryBroker",
+        "NatsJetStreamBroker",
+        "PublishResults",
+        "RedisStreamsBroker",
+        "broker_from_url",
+    }
+    for name in brokers_module.__all__:
+        getattr(brokers_module, name)
+
+
+def test_py_typed_is_shipped() -> None:
+    marker = PACKAGE_DIR / "py.typed"
+    assert marker.is_file()
+    # Tracked by git and not ignored: hatchling builds the wheel from the package
+    # directory and honours .gitignore, so this is what keeps py.typed in the wheel.
+    root = PACKAGE_DIR.parent
+    tracked = subprocess.run(
+        ["git", "ls-files", "--error-unmatch", "fastapi_outbox/py.typed"],
+        cwd=root,
+        capture_output=True,
+        check=False,
+    )
+    assert tracked.returncode == 0, tracked.stderr
+    ignored = subprocess.run(
+        ["git", "check-ignore", "-q", "fastapi_outbox/py.typed"], cwd=root, check=False
+    )
+    assert ignored.returncode == 1  # 1 = not ignored
+    pyproject = (root / "pyproject.toml").read_text()
+    assert 'packages = ["fastapi_outbox"]' in pyproject
+    assert '"Typing :: Typed"' in pyproject
+
+
+def test_event_class_keywords() -> None:
+    class OrderPlaced(Event, stream="orders", key="order_id", external=True):
+        order_id: int
+        total: float
+
+    class Internal(Event, stream="audit"):
+        what: str
+
+    message = OrderPlaced(order_id=3, total=9.5).to_message()
+    assert (message.stream, message.type, message.key, message.external) == (
+        "orders",
+        "OrderPlaced",
+        "3",
+        True,
+    )
+    assert message.payload == {"order_id": 3, "total": 9.5}
+    internal = Internal(what="x").to_message()
+    assert (internal.key, internal.external) == (None, False)
+
+
+def test_event_without_stream_is_refused_at_definition_naming_stream() -> None:
+    with pytest.raises(EventDefinitionError) as info:
+
+        class Orphan(Event):
+            x: int
+
+    assert "stream" in str(info.value) and "Orphan" in str(info.value)
+
+
+@pytest.mark.parametrize("stream", ["", "   "])
+def test_event_with_empty_stream_is_refused(stream: str) -> None:
+    with pytest.raises(EventDefinitionError, match="stream"):
+
+        class Blank(Event, stream=stream):
+            x: int
+
+
+def test_message_is_the_explicit_envelope_for_publish() -> None:
+    message = Message(stream="orders", type="Custom", payload={"a": 1}, key="k", headers={"h": "v"})
+    assert (message.stream, message.type, message.payload, message.key, message.headers) == (
+        "orders",
+        "Custom",
+        {"a": 1},
+        "k",
+        {"h": "v"},
+    )
+
+
+def test_unit_of_work_dep_is_an_annotated_alias_of_the_dependency() -> None:
+    assert typing.get_origin(UnitOfWorkDep) is typing.Annotated
+    origin, depends = typing.get_args(UnitOfWorkDep)
+    assert origin is UnitOfWork
+    assert depends.dependency is unit_of_work
+
+
+def test_publish_signature_matches_the_contract() -> None:
+    import inspect
+
+    params = inspect.signature(UnitOfWork.publish).parameters
+    assert list(params) == ["self", "event", "key", "headers", "broker"]
+    for name in ("key", "headers", "broker"):
+        assert params[name].kind is inspect.Parameter.KEYWORD_ONLY
+        assert params[name].default is None

@@ -1,0 +1,176 @@
+"""``OutboxSettings``: contract field names, defaults, and errors that name the setting.
+
+Two paths, two error types (decided here, DESIGN §2 "fail at startup naming the setting"):
+
+* ``OutboxSettings(batch_size=0)`` (the caller passes values) raises pydantic's
+  ``ValidationError`` (a ``ValueError``) whose text names the field;
+* ``OutboxSettings.from_env()``, which ``Outbox(settings=None)`` uses, raises
+  ``ConfigurationError`` naming the environment variable ``OUTBOX_<FIELD>``.
+"""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from fastapi_outbox import ConfigurationError, Outbox, OutboxSettings, build_table
+
+CONTRACT_DEFAULTS = {
+    "table_name": "outbox_messages",
+    "batch_size": 100,
+    "workers": 2,
+    "lease_seconds": 30,
+    "poll_interval_seconds": 1.0,
+    "max_attempts": 10,
+    "retry_base_delay_seconds": 1,
+    "retry_multiplier": 2,
+    "retry_max_delay_seconds": 300,
+    "retry_jitter": 0.25,
+    "ordered": False,
+    "published_retention_seconds": 7 * 24 * 3600,
+    "abandoned_retention_seconds": 30 * 24 * 3600,
+    "cleanup_interval_seconds": 3600,
+    "health_max_pending_age_seconds": 60,
+}
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No OUTBOX_<field> variable of the outer environment leaks into these tests."""
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("OUTBOX_") and name[7:].lower() in OutboxSettings.model_fields:
+            monkeypatch.delenv(name)
+
+
+def test_contract_field_names_and_defaults() -> None:
+    settings = OutboxSettings()
+    for name, default in CONTRACT_DEFAULTS.items():
+        assert getattr(settings, name) == default, name
+
+
+def test_none_retention_keeps_forever() -> None:
+    settings = OutboxSettings(published_retention_seconds=None, abandoned_retention_seconds=None)
+    assert settings.published_retention_seconds is None
+    assert settings.abandoned_retention_seconds is None
+
+
+def test_env_variables_use_the_outbox_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OUTBOX_LEASE_SECONDS", "3")
+    monkeypatch.setenv("OUTBOX_BATCH_SIZE", "7")
+    monkeypatch.setenv("OUTBOX_ORDERED", "true")
+    monkeypatch.setenv("OUTBOX_PUBLISHED_RETENTION_SECONDS", "60")
+    settings = OutboxSettings.from_env()
+    assert settings.lease_seconds == 3.0
+    assert settings.batch_size == 7
+    assert settings.ordered is True
+    assert settings.published_retention_seconds == 60.0
+    # keyword overrides beat the environment
+    assert OutboxSettings.from_env(batch_size=9).batch_size == 9
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("batch_size", 0),
+        ("workers", 0),
+        ("lease_seconds", -1),
+        ("poll_interval_seconds", 0),
+        ("max_attempts", 0),
+        ("retry_jitter", 2),
+        ("retry_multiplier", 0.5),
+        ("max_payload_bytes", 0),
+    ],
+)
+def test_invalid_value_in_constructor_names_the_field(field: str, value: object) -> None:
+    with pytest.raises(ValidationError) as info:
+        OutboxSettings(**{field: value})  # type: ignore[arg-type]
+    assert field in str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+def test_max_poll_below_poll_names_both_settings() -> None:
+    with pytest.raises(ValidationError) as info:
+        OutboxSettings(poll_interval_seconds=5, max_poll_interval_seconds=1)
+    text = str(info.value)
+    assert "max_poll_interval_seconds" in text and "poll_interval_seconds" in text
+
+
+def test_max_poll_below_poll_from_env_names_both_variables(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("OUTBOX_POLL_INTERVAL_SECONDS", "5")
+    monkeypatch.setenv("OUTBOX_MAX_POLL_INTERVAL_SECONDS", "1")
+    with pytest.raises(ConfigurationError) as info:
+        OutboxSettings.from_env()
+    text = str(info.value)
+    assert "OUTBOX_MAX_POLL_INTERVAL_SECONDS" in text and "OUTBOX_POLL_INTERVAL_SECONDS" in text
+    # a cross-field error points at no invented variable
+    assert "OUTBOX_SETTINGS" not in text
+
+
+def test_retry_max_below_base_is_refused() -> None:
+    with pytest.raises(ValidationError, match="retry_max_delay_seconds"):
+        OutboxSettings(retry_base_delay_seconds=10, retry_max_delay_seconds=1)
+
+
+def test_invalid_env_value_raises_configuration_error_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("OUTBOX_LEASE_SECONDS", "-1")
+    with pytest.raises(ConfigurationError) as info:
+        OutboxSettings.from_env()
+    assert "OUTBOX_LEASE_SECONDS" in str(info.value)
+    assert "lease_seconds" in str(info.value)
+
+
+def test_non_numeric_env_value_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OUTBOX_BATCH_SIZE", "lots")
+    with pytest.raises(ConfigurationError, match="OUTBOX_BATCH_SIZE"):
+        OutboxSettings.from_env()
+
+
+def test_outbox_without_settings_reads_env_and_fails_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("OUTBOX_LEASE_SECONDS", "-1")
+    with pytest.raises(ConfigurationError, match="OUTBOX_LEASE_SECONDS"):
+        Outbox("sqlite+aiosqlite://", settings=None)
+
+
+def test_outbox_without_settings_reads_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OUTBOX_LEASE_SECONDS", "3")
+    monkeypatch.setenv("OUTBOX_TABLE_NAME", "events_out")
+    outbox = Outbox("sqlite+aiosqlite://")
+    assert outbox.settings.lease_seconds == 3.0
+    assert outbox.table.name == "events_out"
+
+
+@pytest.mark.parametrize(
+    "name", ["orders; drop table x", "1orders", "orders-out", "a" * 64, "", 'x"y', "ordérs"]
+)
+def test_table_name_must_be_a_plain_identifier(name: str) -> None:
+    with pytest.raises(ValidationError, match="table_name"):
+        OutboxSettings(table_name=name)
+    with pytest.raises(ConfigurationError, match="table_name"):
+        build_table(name)
+
+
+def test_table_name_from_env_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OUTBOX_TABLE_NAME", "orders; drop table x")
+    with pytest.raises(ConfigurationError, match="OUTBOX_TABLE_NAME"):
+        OutboxSettings.from_env()
+
+
+def test_settings_are_frozen_and_reject_unknown_fields() -> None:
+    settings = OutboxSettings()
+    with pytest.raises(ValidationError):
+        settings.batch_size = 5
+    with pytest.raises(ValidationError, match="batch_sise"):
+        OutboxSettings(batch_sise=5)  # type: ignore[call-arg]
+
+
+def test_dedup_window_outlasts_lease_and_longest_backoff() -> None:
+    settings = OutboxSettings(lease_seconds=30, retry_max_delay_seconds=300)
+    assert settings.dedup_window_seconds > 330
