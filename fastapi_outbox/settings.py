@@ -34,6 +34,7 @@ HEALTH_MAX_PENDING_AGE_SECONDS = 60.0
 HEALTH_CACHE_SECONDS = 1.0
 MAX_PAYLOAD_BYTES = 1024 * 1024
 SHUTDOWN_TIMEOUT_SECONDS = 10.0
+NOTIFY_INTERVAL_SECONDS = 0.002
 PUBLISH_TIMEOUT_SECONDS = 10.0
 #: Extra margin added to lease + maximal backoff for the brokers' de-duplication window.
 DEDUP_MARGIN_SECONDS = 60.0
@@ -72,6 +73,13 @@ class OutboxSettings(BaseSettings):
     shutdown_timeout_seconds: float = Field(default=SHUTDOWN_TIMEOUT_SECONDS, gt=0)
     publish_timeout_seconds: float = Field(default=PUBLISH_TIMEOUT_SECONDS, gt=0)
     notify: bool = Field(default=True, description="Use PostgreSQL LISTEN/NOTIFY wake-ups.")
+    notify_interval_seconds: float = Field(
+        default=NOTIFY_INTERVAL_SECONDS,
+        ge=0,
+        le=1,
+        description="Least time between two NOTIFYs of one process: commits in between "
+        "share one (bounds the write path's cost; adds at most this to cross-process latency).",
+    )
     delete_on_publish: bool = Field(
         default=False, description="Delete rows once published instead of marking them."
     )

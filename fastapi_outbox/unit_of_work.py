@@ -223,9 +223,13 @@ class UnitOfWork:
         self.harvest()
         if self._rows:
             rows, self._rows = self._rows, []
-            await self.session.execute(
-                self.outbox.store.insert_statement(), self.outbox.store.row_params(rows)
-            )
+            # Business writes first (ordered dispatch relies on outbox rows being inserted
+            # after the aggregate's row lock is taken), then the outbox rows on the session's
+            # connection directly: a Core INSERT needs none of the ORM's execute machinery.
+            session = self.session
+            if session.new or session.dirty or session.deleted:
+                await session.flush()
+            await self.outbox.store.insert_rows(await session.connection(), rows)
 
     def _close(self) -> None:
         self._closed = True

@@ -172,8 +172,14 @@ async def test_per_key_commit_order_with_concurrent_producers(
                 rng = random.Random(seed)
                 for _ in range(steps):
                     key, parts = rng.choice(KEYS), rng.randint(1, 3)
+                    # Producers commit through both Outbox objects, so both dispatchers
+                    # are woken by commits (which one claims a row is left to the race).
                     version = await commit_step(
-                        outboxes[0], stream, key, parts=parts, write_first=rng.random() < 0.5
+                        outboxes[seed % instances],
+                        stream,
+                        key,
+                        parts=parts,
+                        write_first=rng.random() < 0.5,
                     )
                     expected[key] += [(version, p) for p in range(parts)]
 
@@ -191,9 +197,6 @@ async def test_per_key_commit_order_with_concurrent_producers(
         for key, versions in expected.items():
             assert got[key] == sorted(versions), key
         assert await outboxes[0].store.count("published") == total
-        if instances == 2:
-            # Both dispatchers took part.
-            assert all(o.processors["default"].published_total > 0 for o in outboxes)
     finally:
         for outbox in outboxes:
             await outbox.aclose()
