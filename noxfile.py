@@ -16,7 +16,7 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    session.install("ruff>=0.8")
+    session.install("ruff>=0.17")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
 

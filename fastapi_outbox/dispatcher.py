@@ -18,7 +18,6 @@ be reached makes workers retry with backoff while the app keeps serving.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import random
@@ -521,12 +520,13 @@ class Processor:
     def _envelope(self, row: ClaimedRow) -> Envelope:
         headers = row.headers
         return Envelope(
-            id=str(row.id),
-            stream=row.stream,
-            type=row.type,
-            key=row.key,
-            payload=row.payload.encode(),
-            headers=json.loads(headers) if isinstance(headers, str) else dict(headers),
+            str(row.id),
+            row.stream,
+            row.type,
+            row.key,
+            row.payload.encode(),
+            None if isinstance(headers, str) else dict(headers),
+            headers_json=headers if isinstance(headers, str) else None,
         )
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 import json
 import os
+import re
 import threading
 import time
 import uuid
@@ -45,6 +46,9 @@ HEADER_CORRELATION_ID = "correlation-id"
 HEADER_CAUSATION_ID = "causation-id"
 HEADER_TRACEPARENT = "traceparent"
 HEADER_TRACESTATE = "tracestate"
+# The message-id in headers JSON (ours, or PostgreSQL's JSONB rendering of it). A quote in
+# a header value is escaped as \", so no value can fake the `"message-id": "` sequence.
+_MESSAGE_ID = re.compile(r'"message-id":\s*"([^"]+)"')
 #: Headers that stay inside the organisation: not sent to external brokers.
 INTERNAL_HEADERS = frozenset(
     {HEADER_CORRELATION_ID, HEADER_CAUSATION_ID, HEADER_TRACEPARENT, HEADER_TRACESTATE}
@@ -176,20 +180,85 @@ class Message:
     external: bool = False
 
 
-@dataclass(slots=True)
 class Envelope:
     """What a broker publishes; built by the dispatcher from a claimed outbox row.
 
     ``id`` is the outbox row id (unique per target broker) and serves as the de-duplication
-    id; ``headers`` already holds ``message-id``, ``type``, ``occurred-at`` and friends.
+    id; ``headers`` holds ``message-id``, ``type``, ``occurred-at`` and friends. The
+    dispatcher passes the headers as the JSON text stored in the table (``headers_json``)
+    and they are decoded only when a broker asks for the dict: the Redis broker sends the
+    text as it is, so a message costs no JSON decode and re-encode on its way through.
     """
 
-    id: str
-    stream: str
-    type: str
-    key: str | None
-    payload: bytes
-    headers: dict[str, str]
+    __slots__ = ("_headers", "_headers_json", "id", "key", "payload", "stream", "type")
+
+    def __init__(
+        self,
+        id: str,
+        stream: str,
+        type: str,
+        key: str | None,
+        payload: bytes,
+        headers: dict[str, str] | None = None,
+        *,
+        headers_json: str | None = None,
+    ) -> None:
+        self.id = id
+        self.stream = stream
+        self.type = type
+        self.key = key
+        self.payload = payload
+        self._headers = headers
+        self._headers_json = headers_json
+        if headers is None and headers_json is None:
+            self._headers = {}
+
+    @property
+    def headers(self) -> dict[str, str]:
+        if self._headers is None:
+            self._headers = json.loads(self._headers_json or "{}")
+        return self._headers
+
+    @headers.setter
+    def headers(self, value: dict[str, str]) -> None:
+        self._headers, self._headers_json = value, None
+
+    @property
+    def headers_json(self) -> str:
+        """The headers as compact JSON text."""
+        if self._headers_json is None:
+            self._headers_json = json.dumps(self.headers, separators=(",", ":"))
+        return self._headers_json
+
+    @property
+    def message_id(self) -> str:
+        """The ``message-id`` header (the event's id, shared by its internal and external
+        rows), read without decoding all headers when they are still JSON text."""
+        if self._headers is None and self._headers_json is not None:
+            match = _MESSAGE_ID.search(self._headers_json)
+            if match is not None:
+                return match.group(1)
+        return self.headers.get(HEADER_MESSAGE_ID, self.id)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Envelope):
+            return NotImplemented
+        return (self.id, self.stream, self.type, self.key, self.payload, self.headers) == (
+            other.id,
+            other.stream,
+            other.type,
+            other.key,
+            other.payload,
+            other.headers,
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return (
+            f"Envelope(id={self.id!r}, stream={self.stream!r}, type={self.type!r}, "
+            f"key={self.key!r}, payload={len(self.payload)} bytes)"
+        )
 
     def json(self) -> Any:
         """The payload, decoded."""

@@ -114,6 +114,7 @@ class Outbox:
         self.started = False
         self._tracer: Any = None
         self._health_router: Any = None
+        self._dependency: Any = None
         self._router: Any = None
         Outbox._instances.add(self)
 
@@ -383,6 +384,17 @@ class Outbox:
         await self.aclose()
 
     # -- HTTP surface -----------------------------------------------------------------------------
+
+    @property
+    def dependency(self) -> Any:
+        """A FastAPI dependency giving a unit of work of *this* outbox (the module-level
+        ``unit_of_work`` serves the outbox the app was started with):
+        ``uow: UnitOfWork = Depends(billing_outbox.dependency)``."""
+        if self._dependency is None:
+            from fastapi_outbox.unit_of_work import dependency_for
+
+            self._dependency = dependency_for(self)
+        return self._dependency
 
     @property
     def health_router(self) -> Any:

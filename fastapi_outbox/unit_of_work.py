@@ -268,7 +268,11 @@ def _outbox_for(request: Request) -> Outbox:
 
 
 async def _request_unit_of_work(request: Request) -> AsyncIterator[UnitOfWork]:
-    outbox = _outbox_for(request)
+    async for uow in _serve(_outbox_for(request), request):
+        yield uow
+
+
+async def _serve(outbox: Outbox, request: Request) -> AsyncIterator[UnitOfWork]:
     try:
         correlation_id, traceparent = correlation_from_headers(request.headers)
     except ValueError as exc:
@@ -287,3 +291,23 @@ async def unit_of_work(
 
 
 UnitOfWorkDep = Annotated[UnitOfWork, Depends(unit_of_work)]
+
+
+def dependency_for(outbox: Outbox) -> Any:
+    """A ``unit_of_work`` dependency bound to ``outbox`` (several outboxes in one app):
+    ``uow: UnitOfWork = Depends(billing_outbox.dependency)``."""
+
+    async def scoped(request: Request) -> AsyncIterator[UnitOfWork]:
+        async for uow in _serve(outbox, request):
+            yield uow
+
+    async def bound_unit_of_work(uow: UnitOfWork) -> UnitOfWork:
+        return uow
+
+    # Real objects, not the strings of `from __future__ import annotations`: FastAPI
+    # resolves string annotations in the module's globals, where `scoped` is not.
+    bound_unit_of_work.__annotations__ = {
+        "uow": Annotated[UnitOfWork, Depends(scoped, scope="function")],
+        "return": UnitOfWork,
+    }
+    return bound_unit_of_work

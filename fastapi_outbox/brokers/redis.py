@@ -26,7 +26,6 @@ De-duplication (``dedup=``):
 
 from __future__ import annotations
 
-import json
 import logging
 import uuid
 from collections import defaultdict
@@ -81,10 +80,6 @@ return out
 """
 
 DedupMode = Literal["auto", "script", "idmp", "off"]
-
-
-def _dumps(headers: dict[str, str]) -> str:
-    return json.dumps(headers, separators=(",", ":"))
 
 
 class RedisStreamsBroker:
@@ -234,10 +229,10 @@ class RedisStreamsBroker:
                         e = batch[i]
                         keys.append(f"outbox:dedup:{{{stream}}}:{e.id}")
                         args += [
-                            e.headers.get("message-id", e.id),
+                            e.message_id,
                             e.type,
                             e.key or "",
-                            _dumps(e.headers),
+                            e.headers_json,
                             e.payload,
                         ]
                     await self._script(keys=keys, args=args, client=pipe)
@@ -273,8 +268,8 @@ class RedisStreamsBroker:
                         args += ["MAXLEN", "~", self.maxlen]
                     args += [
                         "*",
-                        *("id", e.headers.get("message-id", e.id), "type", e.type),
-                        *("key", e.key or "", "headers", _dumps(e.headers)),
+                        *("id", e.message_id, "type", e.type),
+                        *("key", e.key or "", "headers", e.headers_json),
                         *("payload", e.payload),
                     ]
                     pipe.execute_command(*args)
