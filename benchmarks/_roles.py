@@ -214,7 +214,9 @@ async def producer(opts: dict[str, Any]) -> None:
             elapsed = await produce()
             await asyncio.sleep(float(opts.get("linger", 2.0)))  # let the last ones go out
     else:
-        elapsed = await produce()
+        # As an API-only process's lifespan does: the coalesced NOTIFY sender runs.
+        async with outbox.notifying():
+            elapsed = await produce()
     await outbox.aclose()
     cpu = time.process_time()
     result = {"commits": commit_times, "elapsed": elapsed, "errors": errors, "cpu": cpu}
