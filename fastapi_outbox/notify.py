@@ -36,13 +36,15 @@ class Wakeup:
         self._pending = False
         self._waiters: deque[anyio.Event] = deque()
 
-    def set(self) -> None:
+    def set(self) -> bool:
+        """Wake one idle worker; returns False when none was idle (the signal is kept)."""
         while self._waiters:
             event = self._waiters.popleft()
             if not event.is_set():
                 event.set()
-                return
+                return True
         self._pending = True
+        return False
 
     def set_all(self) -> None:
         self._pending = True

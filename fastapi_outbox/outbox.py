@@ -209,10 +209,15 @@ class Outbox:
         is on PostgreSQL with ``notify`` on — the caller then sends the NOTIFY itself."""
         if not brokers:
             return False
+        handled_here = True
         for name in brokers:
             processor = self.processors.get(name)
-            if processor is not None:
-                processor.wakeup.set()
+            # An idle worker of this process takes the rows at once: no other process
+            # needs waking, and the commit costs no NOTIFY.
+            if processor is None or processor.stopping or not processor.wakeup.set():
+                handled_here = False
+        if handled_here:
+            return False
         if self.notifier is not None and self.notifier.running:
             self.notifier.signal()
             return False

@@ -114,6 +114,22 @@ async def test_notifier_of_a_running_dispatcher_wakes_another_process(
     assert [m.json() for m in relay_broker.messages] == [{"n": 7}]
 
 
+async def test_a_commit_taken_by_an_idle_local_worker_sends_no_notify(
+    pg_url: str, make_outbox: Any
+) -> None:
+    broker = MemoryBroker()
+    writer = await make_outbox(pg_url, broker, **SLOW_POLL)
+    stream = unique("orders")
+    async with writer.dispatcher():
+        await wait_until(lambda: idle(writer), timeout=5)
+        assert writer.notifier is not None
+        sent_before = writer.notifier.sent
+        await commit_one(writer, stream, 1)
+        await broker.wait_for(1, timeout=WAKE_WITHIN)
+        # The in-process wake-up sufficed: other processes were not disturbed.
+        assert writer.notifier.sent == sent_before
+
+
 def count_claims(outbox: Outbox) -> list[float]:
     times: list[float] = []
     claim = outbox.store.claim
