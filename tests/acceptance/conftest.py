@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +31,7 @@ import pytest
 
 from fastapi_outbox import Message, Outbox
 from tests.conftest import wait_until
+from tests.servers import answers, free_port, nats_argv, redis_argv
 
 REPO = Path(__file__).resolve().parents[2]
 APP = "tests.acceptance.crash_app:outbox"
@@ -43,22 +42,6 @@ READY_LINE = b"outbox dispatchers started"
 
 
 # -- ports and servers ------------------------------------------------------------------------
-
-
-def answers(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), 0.2):
-            return True
-    except OSError:
-        return False
-
-
-def free_port(ports: range) -> int:
-    """The first port of ``ports`` nobody listens on (ports are private to this suite)."""
-    for port in ports:
-        if not answers(port):
-            return port
-    pytest.fail(f"no free port in {ports.start}-{ports.stop - 1}")
 
 
 def wait_for_port(port: int, *, up: bool = True, timeout: float = 15.0) -> None:
@@ -112,13 +95,6 @@ class Server:
             proc.wait(5)
 
 
-def _binary(name: str, *fallbacks: str) -> str:
-    for candidate in (shutil.which(name), *fallbacks):
-        if candidate and Path(candidate).exists():
-            return candidate
-    pytest.skip(f"{name} is not installed")
-
-
 @pytest.fixture
 def private_redis(tmp_path: Path) -> Iterator[Server]:
     """A Redis of this test only: AOF with fsync on every write, so a SIGKILL loses
@@ -126,11 +102,7 @@ def private_redis(tmp_path: Path) -> Iterator[Server]:
     port = free_port(REDIS_PORTS)
     data = tmp_path / "redis"
     data.mkdir()
-    argv = [
-        _binary("redis-server", "/usr/bin/redis-server"),
-        *("--port", str(port), "--bind", "127.0.0.1", "--save", ""),
-        *("--appendonly", "yes", "--appendfsync", "always", "--dir", str(data)),
-    ]
+    argv = redis_argv(port, data, persistent=True)
     server = Server("redis", argv, port, f"redis://127.0.0.1:{port}/0", tmp_path / "redis.log")
     server.start()
     try:
@@ -145,10 +117,7 @@ def private_nats(tmp_path: Path) -> Iterator[Server]:
     port = free_port(NATS_PORTS)
     data = tmp_path / "jetstream"
     data.mkdir()
-    argv = [
-        _binary("nats-server", "/usr/sbin/nats-server"),
-        *("-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(data)),
-    ]
+    argv = nats_argv(port, data)
     server = Server("nats", argv, port, f"nats://127.0.0.1:{port}", tmp_path / "nats.log")
     server.start()
     try:

@@ -9,16 +9,11 @@ is down holds back nothing but its own rows, which follow once it is reachable.
 from __future__ import annotations
 
 import json
-import shutil
-import socket
-import subprocess
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import anyio
-import anyio.abc
 import nats
 import nats.js.errors
 import pytest
@@ -29,9 +24,9 @@ from fastapi_outbox.brokers import MemoryBroker, NatsJetStreamBroker, RedisStrea
 from fastapi_outbox.brokers.nats import stream_name_for
 from fastapi_outbox.events import INTERNAL_HEADERS, Message
 from tests.conftest import unique, wait_until
+from tests.servers import PrivateServer, private_nats_server
 
 PRIVATE_NATS_PORTS = range(4240, 4250)
-NATS_SERVER = shutil.which("nats-server") or "/usr/sbin/nats-server"
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
 
@@ -118,50 +113,9 @@ async def test_external_event_gets_a_row_per_external_broker_with_a_reduced_enve
 # -- a real external broker that is down, then up ------------------------------------------------
 
 
-def port_answers(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), 0.2):
-            return True
-    except OSError:
-        return False
-
-
-class PrivateNats:
-    """A nats-server with JetStream of this test's own (never the shared one)."""
-
-    def __init__(self, port: int, workdir: Path) -> None:
-        self.port = port
-        self.workdir = workdir
-        self.proc: anyio.abc.Process | None = None
-
-    @property
-    def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
-
-    async def start(self) -> None:
-        self.proc = await anyio.open_process(
-            [NATS_SERVER, "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(self.workdir)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        await wait_until(lambda: port_answers(self.port), timeout=10)
-
-    async def kill(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is not None and proc.returncode is None:
-            proc.kill()
-            with anyio.fail_after(5):
-                await proc.wait()
-
-
 @pytest.fixture
-async def private_nats(tmp_path: Path) -> AsyncIterator[PrivateNats]:
-    if shutil.which(NATS_SERVER) is None:
-        pytest.skip(f"{NATS_SERVER} is not installed")
-    port = next((p for p in PRIVATE_NATS_PORTS if not port_answers(p)), None)
-    if port is None:
-        pytest.skip("no free port in the private NATS range 4240-4249")
-    server = PrivateNats(port, tmp_path)  # not started: the test decides when
+async def private_nats(tmp_path: Path) -> AsyncIterator[PrivateServer]:
+    server = private_nats_server(PRIVATE_NATS_PORTS, tmp_path)  # not started: the test decides
     try:
         yield server
     finally:
@@ -169,7 +123,7 @@ async def private_nats(tmp_path: Path) -> AsyncIterator[PrivateNats]:
 
 
 async def test_a_down_external_broker_holds_back_only_its_own_rows(
-    pg_url: str, redis_url: str, private_nats: PrivateNats
+    pg_url: str, redis_url: str, private_nats: PrivateServer
 ) -> None:
     stream = unique("payments")
 

@@ -17,17 +17,13 @@ import contextlib
 import datetime as dt
 import itertools
 import json
-import os
-import shutil
 import socket
-import subprocess
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import anyio
 import httpx
 import nats
 import nats.js.errors
@@ -43,24 +39,15 @@ from fastapi_outbox.dispatcher import retry_delay
 from fastapi_outbox.events import Envelope, Message
 from fastapi_outbox.store import Failure
 from tests.conftest import unique, wait_until
+from tests.servers import PrivateServer, private_redis_server
 
 PRIVATE_REDIS_PORTS = range(6380, 6390)
-REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
-HAVE_REDIS_SERVER = os.path.exists(REDIS_SERVER)
 
 FAST = {
     "poll_interval_seconds": 0.05,
     "max_poll_interval_seconds": 0.2,
     "broker_backoff_max_seconds": 0.4,
 }
-
-
-def port_answers(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), 0.2):
-            return True
-    except OSError:
-        return False
 
 
 def free_port() -> int:
@@ -245,46 +232,9 @@ async def all_published(outbox: Outbox, ids: Sequence[uuid.UUID]) -> bool:
     return [r["status"] for r in await rows(outbox, ids)] == ["published"] * len(ids)
 
 
-class PrivateRedis:
-    """A redis-server of this test's own, to kill and restart (never the shared one)."""
-
-    def __init__(self, port: int, workdir: Path) -> None:
-        self.port = port
-        self.workdir = workdir
-        self.proc: anyio.abc.Process | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    async def start(self) -> None:
-        self.proc = await anyio.open_process(
-            [
-                REDIS_SERVER,
-                *("--port", str(self.port), "--bind", "127.0.0.1", "--save", ""),
-                *("--appendonly", "no", "--dir", str(self.workdir)),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        await wait_until(lambda: port_answers(self.port), timeout=5)
-
-    async def kill(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is not None and proc.returncode is None:
-            proc.kill()
-            with anyio.fail_after(5):
-                await proc.wait()
-
-
 @pytest.fixture
-async def private_redis(tmp_path: Path) -> AsyncIterator[PrivateRedis]:
-    if not HAVE_REDIS_SERVER:
-        pytest.skip(f"{REDIS_SERVER} is not installed")
-    port = next((p for p in PRIVATE_REDIS_PORTS if not port_answers(p)), None)
-    if port is None:
-        pytest.skip("no free port in the private Redis range 6380-6389")
-    server = PrivateRedis(port, tmp_path)
+async def private_redis(tmp_path: Path) -> AsyncIterator[PrivateServer]:
+    server = private_redis_server(PRIVATE_REDIS_PORTS, tmp_path)
     await server.start()
     try:
         yield server
@@ -293,7 +243,7 @@ async def private_redis(tmp_path: Path) -> AsyncIterator[PrivateRedis]:
 
 
 async def test_killed_redis_costs_no_attempts_and_messages_flow_once_it_is_back(
-    pg_url: str, private_redis: PrivateRedis
+    pg_url: str, private_redis: PrivateServer
 ) -> None:
     stream = unique("orders")
     broker = RedisStreamsBroker(private_redis.url, socket_timeout=1)

@@ -1,0 +1,91 @@
+"""Private broker servers for outage and crash tests: a redis-server or nats-server of one
+test's own, on a port range of its own, started, killed and restarted at will — never the
+shared services on 6379 / 4222."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+from pathlib import Path
+
+import anyio
+import anyio.abc
+import pytest
+
+from tests.conftest import wait_until
+
+REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
+NATS_SERVER = shutil.which("nats-server") or "/usr/sbin/nats-server"
+
+
+def answers(port: int) -> bool:
+    """Something listens on 127.0.0.1:``port``."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), 0.2):
+            return True
+    except OSError:
+        return False
+
+
+def free_port(ports: range) -> int:
+    """The first port of ``ports`` nobody listens on; skips the test when there is none."""
+    for port in ports:
+        if not answers(port):
+            return port
+    pytest.skip(f"no free port in the private range {ports.start}-{ports.stop - 1}")
+
+
+def binary(path: str) -> str:
+    if not Path(path).exists():
+        pytest.skip(f"{path} is not installed")
+    return path
+
+
+def redis_argv(port: int, data: Path, *, persistent: bool = False) -> list[str]:
+    """redis-server on ``port``; ``persistent``: AOF with fsync on every write, so a
+    SIGKILL loses nothing that was acknowledged."""
+    aof = ("yes", "--appendfsync", "always") if persistent else ("no",)
+    return [
+        binary(REDIS_SERVER),
+        *("--port", str(port), "--bind", "127.0.0.1", "--save", ""),
+        *("--appendonly", *aof, "--dir", str(data)),
+    ]
+
+
+def nats_argv(port: int, data: Path) -> list[str]:
+    """nats-server with JetStream on a file store in ``data``."""
+    return [binary(NATS_SERVER), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(data)]
+
+
+class PrivateServer:
+    """An async-managed server process: ``await start()``, ``await kill()`` (SIGKILL)."""
+
+    def __init__(self, argv: list[str], port: int, url: str) -> None:
+        self.argv = argv
+        self.port = port
+        self.url = url
+        self.proc: anyio.abc.Process | None = None
+
+    async def start(self) -> None:
+        self.proc = await anyio.open_process(
+            self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        await wait_until(lambda: answers(self.port), timeout=10)
+
+    async def kill(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.returncode is None:
+            proc.kill()
+            with anyio.fail_after(5):
+                await proc.wait()
+
+
+def private_redis_server(ports: range, data: Path) -> PrivateServer:
+    port = free_port(ports)
+    return PrivateServer(redis_argv(port, data), port, f"redis://127.0.0.1:{port}/0")
+
+
+def private_nats_server(ports: range, data: Path) -> PrivateServer:
+    port = free_port(ports)
+    return PrivateServer(nats_argv(port, data), port, f"nats://127.0.0.1:{port}")
