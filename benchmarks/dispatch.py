@@ -58,6 +58,8 @@ from benchmarks._common import (
     median,
     package_table,
     percentile,
+    pg_cpu,
+    proc_cpu,
     processes,
     py_spy,
     start_profile,
@@ -94,24 +96,6 @@ ACTIVE = "status IN ('pending', 'processing', 'failed')"
 
 
 # -- helpers ----------------------------------------------------------------------------------
-
-
-def proc_cpu(pid: int) -> float:
-    """CPU seconds (user + system) used so far by ``pid``; 0 when it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-async def pg_cpu(conn: Any) -> dict[int, float]:
-    """CPU seconds of the PostgreSQL backends serving this database (not our own)."""
-    rows = await conn.fetch(
-        "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
-        "AND pid <> pg_backend_pid()"
-    )
-    return {r["pid"]: proc_cpu(r["pid"]) for r in rows}
 
 
 def cpu_delta(before: dict[int, float], after: dict[int, float]) -> float:

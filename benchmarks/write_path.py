@@ -48,11 +48,15 @@ from benchmarks._common import (
     median,
     package_table,
     percentile,
+    proc_cpu,
     processes,
     py_spy,
     start_profile,
     summarize_profile,
     table,
+)
+from benchmarks._common import (
+    pg_cpu as pg_backend_cpu,
 )
 
 GOAL_RATIO = 0.85
@@ -204,24 +208,6 @@ def start_api(
     procs.append(proc)
     proc.wait_for("Application startup complete", timeout=60)
     return proc, f"http://127.0.0.1:{port}"
-
-
-def proc_cpu(pid: int) -> float:
-    """CPU seconds (user + system) used so far by process ``pid``; 0 when it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-async def pg_backend_cpu(conn: Any) -> dict[int, float]:
-    """CPU seconds of every PostgreSQL backend serving this database (the API's pool)."""
-    pids = await conn.fetch(
-        "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
-        "AND pid <> pg_backend_pid()"
-    )
-    return {r["pid"]: proc_cpu(r["pid"]) for r in pids}
 
 
 async def reset_tables(conn: Any) -> None:
