@@ -183,6 +183,9 @@ class Listener:
                 "listen connection down; polling until it is back",
                 extra={"action": "listen.lost", "error": raw_lost, "retry_in": delay},
             )
+            # Wake the pollers: one may be in a long idle wait sized for LISTEN; it now
+            # recomputes its interval without LISTEN (poll_interval_seconds).
+            self.on_notify()
             if not started:
                 started = True
                 task_status.started()
