@@ -9,10 +9,14 @@ it fails.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import subprocess
+import sys
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
@@ -23,6 +27,7 @@ PG_URL = os.environ.get("OUTBOX_TEST_PG_URL", "postgresql+asyncpg://postgres@127
 REDIS_URL = os.environ.get("OUTBOX_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 NATS_URL = os.environ.get("OUTBOX_TEST_NATS_URL", "nats://127.0.0.1:4222")
 REQUIRE = os.environ.get("OUTBOX_REQUIRE_SERVICES") == "1"
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _answers(url: str, default_port: int) -> bool:
@@ -125,3 +130,32 @@ async def wait_until(
             if result:
                 return
             await anyio.sleep(interval)
+
+
+@contextlib.asynccontextmanager
+async def asgi_client(app: Any) -> AsyncIterator[Any]:
+    """An httpx client on ``app`` with its lifespan running (``ASGITransport`` alone does
+    not run it); server errors come back as 500 responses, as a real client sees them."""
+    import httpx
+
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=transport, base_url="http://test") as client,
+    ):
+        yield client
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m fastapi_outbox ARGS`` from the repository root, without the caller's
+    OUTBOX_* variables (plus ``env``)."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    return subprocess.run(
+        [sys.executable, "-m", "fastapi_outbox", *args],
+        cwd=ROOT,
+        env={**clean, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )

@@ -14,6 +14,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from fastapi_outbox import AggregateRoot, Event, Outbox, OutboxSettings, UnitOfWorkDep
 from fastapi_outbox.brokers import MemoryBroker
+from tests.conftest import asgi_client
 
 
 class Base(DeclarativeBase):
@@ -69,12 +70,7 @@ async def setup(db_url: str) -> AsyncIterator[tuple[Outbox, MemoryBroker, httpx.
     async with outbox.engine.begin() as conn:
         await conn.run_sync(Base.metadata.create_all)
     await outbox.create_tables()
-    app = build_app(outbox)
-    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-    async with (
-        app.router.lifespan_context(app),
-        httpx.AsyncClient(transport=transport, base_url="http://test") as client,
-    ):
+    async with asgi_client(build_app(outbox)) as client:
         yield outbox, broker, client
     await outbox.aclose()
 

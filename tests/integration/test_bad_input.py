@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-import os
-import subprocess
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -32,8 +29,8 @@ from fastapi_outbox import (
     UnknownBroker,
 )
 from fastapi_outbox.brokers import MemoryBroker, RedisStreamsBroker
+from tests.conftest import asgi_client, run_cli
 
-ROOT = Path(__file__).parents[2]
 SECRET = "s3cretPW"
 
 
@@ -160,12 +157,7 @@ def build_app(outbox: Outbox) -> FastAPI:
 
 @pytest.fixture
 async def client(outbox: Outbox) -> AsyncIterator[httpx.AsyncClient]:
-    app = build_app(outbox)
-    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-    async with (
-        app.router.lifespan_context(app),
-        httpx.AsyncClient(transport=transport, base_url="http://test") as http,
-    ):
+    async with asgi_client(build_app(outbox)) as http:
         yield http
 
 
@@ -230,19 +222,6 @@ def test_bad_database_url_is_a_configuration_error_without_the_password(url: str
     assert SECRET not in str(info.value)
     assert "***" in str(info.value)
     assert info.value.__cause__ is None or SECRET not in str(info.value.__cause__)
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
-    return subprocess.run(
-        [sys.executable, "-m", "fastapi_outbox", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
 
 
 def test_cli_unreachable_database_hides_the_password() -> None:

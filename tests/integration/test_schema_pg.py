@@ -5,11 +5,7 @@ table full of published rows."""
 from __future__ import annotations
 
 import datetime as dt
-import os
-import subprocess
-import sys
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import asyncpg
 import pytest
@@ -18,8 +14,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from fastapi_outbox import Message, Outbox, OutboxSettings
 from fastapi_outbox.brokers import MemoryBroker
+from tests.conftest import run_cli
 
-ROOT = Path(__file__).parents[2]
 ACTIVE = ("pending", "processing", "failed")
 
 
@@ -63,19 +59,6 @@ async def test_create_tables_with_a_custom_table_name(db_url: str) -> None:
         assert await outbox.store.count() == 1
     finally:
         await outbox.aclose()
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
-    return subprocess.run(
-        [sys.executable, "-m", "fastapi_outbox", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
 
 
 def plain(url: str) -> str:

@@ -29,6 +29,7 @@ from fastapi_outbox import (
 )
 from fastapi_outbox.brokers import MemoryBroker
 from fastapi_outbox.testing import drain
+from tests.conftest import asgi_client
 
 
 class Base(DeclarativeBase):
@@ -119,12 +120,7 @@ def build_app(outbox: Outbox) -> FastAPI:
 
 @pytest.fixture
 async def client(outbox: Outbox) -> AsyncIterator[httpx.AsyncClient]:
-    app = build_app(outbox)
-    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-    async with (
-        app.router.lifespan_context(app),
-        httpx.AsyncClient(transport=transport, base_url="http://test") as http,
-    ):
+    async with asgi_client(build_app(outbox)) as http:
         yield http
 
 
