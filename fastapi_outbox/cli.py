@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib
 import logging
 import os
@@ -145,6 +146,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--broker-url",
         help=f"broker of --url (redis://, nats://; else {BROKER_URL_ENV}); --app brings its own",
     )
+    dispatch.add_argument(
+        "--http",
+        metavar="HOST:PORT",
+        type=_host_port,
+        help="also serve GET /outbox/health (and /metrics with PrometheusInstrumentation) "
+        "on HOST:PORT, for probes of a dispatcher-only process (needs uvicorn)",
+    )
 
     from fastapi_outbox import admin
 
@@ -202,7 +210,9 @@ async def _run(args: argparse.Namespace) -> int:
             print(f"created table {outbox.table.name} on {redact_url(str(outbox.engine.url))}")
             return EXIT_OK
         if args.command == "dispatch":
-            return await dispatch(outbox, explicit_broker=bool(args.app or args.broker_url))
+            return await dispatch(
+                outbox, explicit_broker=bool(args.app or args.broker_url), http=args.http
+            )
         return await admin.run(args, outbox)
     finally:
         await outbox.aclose()
@@ -257,7 +267,54 @@ async def _guard(coro: Any, outbox: Any) -> Any:
         raise
 
 
-async def dispatch(outbox: Any, *, explicit_broker: bool = True) -> int:
+def _host_port(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(
+            f"--http takes HOST:PORT, e.g. 127.0.0.1:9100, not {text!r}"
+        )
+    return host or "127.0.0.1", int(port)
+
+
+def _probe_app(outbox: Any) -> Any:
+    """The HTTP surface of a dispatcher-only process: health, and metrics when the outbox
+    reports to Prometheus."""
+    from fastapi import FastAPI
+
+    app = FastAPI(title="fastapi-outbox dispatcher", openapi_url=None)
+    app.include_router(outbox.health_router)
+    try:
+        from fastapi_outbox.metrics import PrometheusInstrumentation, mount_metrics
+    except ImportError:  # the prometheus extra is not installed
+        return app
+    if isinstance(outbox.instrumentation, PrometheusInstrumentation):
+        mount_metrics(app, outbox)
+    return app
+
+
+async def _serve_probes(outbox: Any, host: str, port: int, stop: asyncio.Event) -> None:
+    try:
+        import uvicorn
+    except ImportError as exc:
+        raise CliError("--http needs uvicorn: pip install 'fastapi-outbox[examples]'") from exc
+    config = uvicorn.Config(
+        _probe_app(outbox), host=host, port=port, log_level="warning", lifespan="off"
+    )
+    server = uvicorn.Server(config)
+    # Signals belong to the dispatcher: it stops the server when it stops.
+    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
+    serving = asyncio.ensure_future(server.serve())
+    logger.info("serving health", extra={"action": "dispatch.http", "address": f"{host}:{port}"})
+    try:
+        await stop.wait()
+    finally:
+        server.should_exit = True
+        await serving
+
+
+async def dispatch(
+    outbox: Any, *, explicit_broker: bool = True, http: tuple[str, int] | None = None
+) -> int:
     """Run the processors until SIGTERM/SIGINT, then shut down cleanly (exit 0)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -278,7 +335,10 @@ async def dispatch(outbox: Any, *, explicit_broker: bool = True) -> int:
         },
     )
     async with outbox.dispatcher():
-        await stop.wait()
+        if http is not None:
+            await _serve_probes(outbox, *http, stop)
+        else:
+            await stop.wait()
         logger.info("signal received, shutting down", extra={"action": "dispatch.stop"})
     return EXIT_OK
 

@@ -437,3 +437,62 @@ async def test_dispatch_publishes_and_exits_on_sigterm(
         await client.delete(by_app, by_url)
         await client.aclose()
         await other.aclose()
+
+
+async def test_dispatch_serves_health_for_probes_and_stops_on_sigterm(
+    outbox: Outbox, pg_url: str, redis_url: str, tmp_path: Path
+) -> None:
+    """``dispatch --http HOST:PORT``: a dispatcher-only process answers GET /outbox/health
+    (for liveness/readiness probes) while it dispatches, and still exits 0 on SIGTERM."""
+    import httpx
+
+    from tests.servers import answers, free_port
+
+    port = free_port(range(18100, 18120))
+    stream = unique("probed")
+    await publish(outbox, stream, 2)
+    proc = await anyio.open_process(
+        [*MODULE, "dispatch", "--url", pg_url, "--http", f"127.0.0.1:{port}"],
+        env=env(OUTBOX_BROKER_URL=redis_url),
+        cwd=tmp_path,
+    )
+    output = Output(proc)
+    try:
+        await output.until(b"serving health")
+        await wait_until(lambda: answers(port), timeout=10)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+
+            async def drained() -> bool:
+                body = (await http.get("/outbox/health")).json()
+                return bool(body["processors"][0]["pending"] == 0)
+
+            await wait_until(drained, timeout=20)
+            response = await http.get("/outbox/health")
+        assert response.status_code == 200
+        body = response.json()
+        assert body["dispatchers_running"] is True
+        assert body["processors"][0]["running"] is True
+        assert await outbox.store.count("published") == 2
+        proc.send_signal(signal.SIGTERM)
+        with anyio.fail_after(20):
+            code = await proc.wait()
+        assert code == 0, await output.rest()
+        assert not answers(port)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await proc.aclose()
+
+
+def test_dispatch_http_option_is_validated() -> None:
+    result = subprocess.run(
+        [*MODULE, "dispatch", "--url", "sqlite+aiosqlite:///x.db", "--http", "nowhere"],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert "--http takes HOST:PORT" in result.stderr
