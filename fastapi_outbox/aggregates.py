@@ -18,6 +18,10 @@ _PENDING = "_outbox_pending_events"
 #: identity map holds objects weakly, so an aggregate the handler no longer references
 #: could vanish, with its events, before the unit of work harvests them.
 RAISED_KEY = "fastapi_outbox.raised"
+#: ``session.info`` key: a callable publishing an event in the session's unit of work at
+#: once (set by :mod:`fastapi_outbox.session_events`); it returns False when no unit of work
+#: is open on the session, and the event then waits on the instance.
+PUBLISH_KEY = "fastapi_outbox.publish"
 
 
 class AggregateRoot:
@@ -26,16 +30,24 @@ class AggregateRoot:
     __slots__ = ()
 
     def raise_event(self, event: Event | Message) -> None:
-        """Queue ``event``; it is written to the outbox when the unit of work commits."""
+        """Queue ``event``; it is written to the outbox with the transaction that commits.
+
+        On an instance its session's unit of work tracks, the event is published at once
+        into the current transaction (or savepoint), so a rollback of that transaction drops
+        it; otherwise it waits on the instance until the unit of work meets it."""
         if not isinstance(event, Event | Message):
             raise TypeError(f"raise_event() takes an Event or Message, not {type(event).__name__}")
+        session = object_session(self)
+        if session is not None:
+            publish = session.info.get(PUBLISH_KEY)
+            if publish is not None and publish(event):
+                return
         pending: list[Event | Message] | None = self.__dict__.get(_PENDING)
         if pending is None:
             pending = []
             # Bypass SQLAlchemy's instrumented __setattr__: this is not a mapped attribute.
             object.__setattr__(self, _PENDING, pending)
         pending.append(event)
-        session = object_session(self)
         if session is not None:
             _hold(session, self)
 

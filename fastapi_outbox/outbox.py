@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 import anyio
 from sqlalchemy import MetaData, event
+from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
     AsyncSession,
@@ -175,7 +176,16 @@ class Outbox:
         traceparent: str | None = None,
         session: AsyncSession | None = None,
     ) -> AsyncIterator[UnitOfWork]:
-        """``async with outbox.unit_of_work() as uow:`` — commits on exit, rolls back on error."""
+        """``async with outbox.unit_of_work() as uow:`` — commits on exit, rolls back on error.
+
+        The block may commit the session itself: events go with the transaction that commits
+        them (:mod:`fastapi_outbox.session_events`).
+
+        ``session=``: join the caller's session instead. The block runs in a savepoint: when
+        it raises, its business writes and its events are undone together and the caller's
+        transaction stays usable; when it succeeds, its rows are written in the caller's
+        transaction, and the caller's commit or rollback decides for both — this never
+        commits or rolls back the caller's transaction."""
         own = session is None
         sess = self.session_factory() if session is None else session
         uow = UnitOfWork(
@@ -185,21 +195,31 @@ class Outbox:
             causation_id=causation_id,
             traceparent=traceparent,
         )
+        uow._open()
         try:
-            if own or not sess.in_transaction():
-                async with sess.begin():
+            if own:
+                try:
                     yield uow
-                    await uow.flush()
+                    await sess.commit()
+                except BaseException:
+                    with anyio.CancelScope(shield=True):
+                        await sess.rollback()
+                    raise
             else:
-                yield uow
-                await uow.flush()
-                await sess.commit()
+                async with sess.begin_nested():
+                    yield uow
         finally:
             uow._close()
             if own:
-                await sess.close()
-        if self.committed(uow.brokers):
+                with anyio.CancelScope(shield=True):
+                    await sess.close()
+        for _ in uow._state.take_notify():
             await self._notify_after_commit()
+
+    def write_rows(self, connection: Connection, rows: list[dict[str, Any]]) -> None:
+        """Insert outbox rows on a session's connection (called by the session's
+        ``before_commit``; see :mod:`fastapi_outbox.session_events`)."""
+        self.store.insert_rows_sync(connection, rows)
 
     def committed(self, brokers: frozenset[str] | set[str]) -> bool:
         """Wake the dispatchers after a commit that wrote rows for ``brokers``.

@@ -41,8 +41,10 @@ from sqlalchemy import (
     tuple_,
     update,
 )
+from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.sql.elements import ColumnElement
+from sqlalchemy.util import await_only
 
 from fastapi_outbox.events import MessageStatus
 from fastapi_outbox.schema import ACTIVE_STATUSES, UtcDateTime
@@ -246,7 +248,12 @@ class Store:
         return rows
 
     async def insert_rows(self, conn: AsyncConnection, rows: list[dict[str, Any]]) -> None:
-        """Insert outbox rows in ``conn``'s transaction.
+        """Insert outbox rows in ``conn``'s transaction (see :meth:`insert_rows_sync`)."""
+        await conn.run_sync(self.insert_rows_sync, rows)
+
+    def insert_rows_sync(self, conn: Connection, rows: list[dict[str, Any]]) -> None:
+        """Insert outbox rows in ``conn``'s transaction, from SQLAlchemy's sync API (the
+        session's ``before_commit`` event, run inside the async engine's greenlet).
 
         On asyncpg, once the transaction has begun, the INSERT — compiled by SQLAlchemy
         Core once — runs on the driver connection itself: the write path then pays one
@@ -254,18 +261,17 @@ class Store:
         costs about as much CPU as the business INSERT it follows)."""
         params = self.row_params(rows)
         if self.is_postgres and conn.dialect.driver == "asyncpg":
-            raw = await conn.get_raw_connection()
-            driver = raw.driver_connection
+            driver = conn.connection.driver_connection
             if driver is not None and driver.is_in_transaction():
                 sql, keys = self._compiled_insert(conn)
                 if len(params) == 1:
-                    await driver.execute(sql, *[params[0][k] for k in keys])
+                    await_only(driver.execute(sql, *[params[0][k] for k in keys]))
                 else:
-                    await driver.executemany(sql, [[p[k] for k in keys] for p in params])
+                    await_only(driver.executemany(sql, [[p[k] for k in keys] for p in params]))
                 return
-        await conn.execute(self.insert_statement(), params[0] if len(params) == 1 else params)
+        conn.execute(self.insert_statement(), params[0] if len(params) == 1 else params)
 
-    def _compiled_insert(self, conn: AsyncConnection) -> tuple[str, list[str]]:
+    def _compiled_insert(self, conn: Connection | AsyncConnection) -> tuple[str, list[str]]:
         if self._insert_sql is None:
             compiled = self.insert_statement().compile(
                 dialect=conn.dialect, column_keys=list(INSERT_KEYS)

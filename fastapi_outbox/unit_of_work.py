@@ -1,9 +1,10 @@
 """``UnitOfWork`` and the request-scoped ``unit_of_work`` dependency.
 
-A unit of work is one ``AsyncSession`` in one transaction. Events published on it, or
-raised on aggregates the session tracks, become outbox rows written in that transaction;
-the transaction commits when the handler returns, **before** the response is sent. If the
-handler raises or the commit fails, everything rolls back and the client gets an error.
+A unit of work is one ``AsyncSession``: events published on it, or raised on aggregates the
+session tracks, become outbox rows written in the transaction that commits them — however the
+code commits (see :mod:`fastapi_outbox.session_events`). The request's unit of work commits
+when the handler returns, **before** the response is sent. If the handler raises or the
+commit fails, everything not yet committed rolls back and the client gets an error.
 
 FastAPI ends a yield dependency of the default scope after the response is sent, so a
 failing commit there would still answer 200. ``unit_of_work`` therefore depends on an
@@ -24,7 +25,6 @@ from fastapi import Depends, HTTPException, Request
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from fastapi_outbox import exceptions
-from fastapi_outbox.aggregates import collect_events, held_aggregates
 from fastapi_outbox.events import (
     HEADER_CAUSATION_ID,
     HEADER_CORRELATION_ID,
@@ -36,6 +36,7 @@ from fastapi_outbox.events import (
     Message,
     uuid7,
 )
+from fastapi_outbox.session_events import state_of
 
 if TYPE_CHECKING:
     from fastapi_outbox.outbox import Outbox
@@ -97,18 +98,14 @@ class UnitOfWork:
         self.correlation_id = correlation_id or str(uuid7())
         self.causation_id = causation_id
         self.traceparent = traceparent
-        self._rows: list[dict[str, Any]] = []
-        self._brokers: set[str] = set()
+        self._state = state_of(session.sync_session)
         self._closed = False
 
     @property
     def pending(self) -> int:
-        """Outbox rows this unit of work will write."""
-        return len(self._rows)
-
-    @property
-    def brokers(self) -> frozenset[str]:
-        return frozenset(self._brokers)
+        """Outbox rows queued on the session, not yet written (they are written by the
+        next commit, or by :meth:`flush`)."""
+        return self._state.count(self.outbox)
 
     def publish(
         self,
@@ -193,8 +190,9 @@ class UnitOfWork:
         if external:
             public = {k: v for k, v in internal_headers.items() if k not in INTERNAL_HEADERS}
             targets += [(name, uuid7(), public) for name in outbox.external_brokers]
+        rows = []
         for broker_name, row_id, row_headers in targets:
-            self._rows.append(
+            rows.append(
                 {
                     "id": row_id,
                     "broker": broker_name,
@@ -205,34 +203,28 @@ class UnitOfWork:
                     "headers": json.dumps(row_headers, separators=(",", ":")),
                 }
             )
-            self._brokers.add(broker_name)
+        self._state.queue(self.session.sync_session, self.outbox, rows)
         return message_id
 
+    def _publish_raised(self, event: Event | Message) -> None:
+        """Publisher of events raised on the session's aggregates (``raise_event``)."""
+        self.publish(event)
+
     def harvest(self) -> int:
-        """Publish the events raised on aggregates the session tracks; returns how many."""
-        sync = self.session.sync_session
-        harvested = 0
-        for instance in (*held_aggregates(sync), *sync.new, *sync.identity_map.values()):
-            for event in collect_events(instance):
-                self.publish(event)
-                harvested += 1
-        return harvested
+        """Publish the events pending on aggregates the session tracks; returns how many."""
+        return self._state.harvest(self.session.sync_session)
 
     async def flush(self) -> None:
-        """Write the queued outbox rows in the current transaction (also done at commit)."""
-        self.harvest()
-        if self._rows:
-            rows, self._rows = self._rows, []
-            # Business writes first (ordered dispatch relies on outbox rows being inserted
-            # after the aggregate's row lock is taken), then the outbox rows on the session's
-            # connection directly: a Core INSERT needs none of the ORM's execute machinery.
-            session = self.session
-            if session.new or session.dirty or session.deleted:
-                await session.flush()
-            await self.outbox.store.insert_rows(await session.connection(), rows)
+        """Flush the session and write the queued outbox rows in the current transaction
+        (or savepoint) now, instead of at commit."""
+        await self.session.run_sync(self._state.write)
+
+    def _open(self) -> None:
+        self._state.push_publisher(self._publish_raised)
 
     def _close(self) -> None:
         self._closed = True
+        self._state.pop_publisher(self._publish_raised)
 
 
 def _check_headers(headers: dict[str, str] | None, type_name: str) -> dict[str, str]:

@@ -58,7 +58,7 @@ def make_uow(outbox: Outbox, **kwargs: Any) -> UnitOfWork:
 
 
 def rows(uow: UnitOfWork) -> list[dict[str, Any]]:
-    return uow._rows
+    return [row for _, _, row in uow._state.queued]
 
 
 def test_event_becomes_one_row_with_the_contract_headers(outbox: Outbox) -> None:

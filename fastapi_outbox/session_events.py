@@ -1,0 +1,245 @@
+"""The session is the unit of work: outbox rows follow the transaction that commits them.
+
+Outbox rows are queued on the SQLAlchemy ``Session`` (in ``session.info``), each tagged with
+the savepoint that was innermost when it was queued, and written by SQLAlchemy's own session
+events rather than by a transaction tracker of ours:
+
+``before_commit``
+    fires for the root transaction and for every savepoint being released. The session is
+    flushed first (so ORM hooks such as ``after_insert`` or ``before_flush`` that raise events
+    run, and business rows precede outbox rows — ordered dispatch relies on that), then every
+    queued row is written on the session's connection. Rows written inside a savepoint are
+    undone by the database if an enclosing transaction rolls back: no bookkeeping of ours.
+``after_soft_rollback``
+    fires for every rollback, savepoints included: rows queued inside the transaction (or
+    savepoint) that rolled back, and in the savepoints nested in it, are dropped.
+``after_commit``
+    (root only) tells the outbox which brokers got rows, to wake their dispatchers.
+``after_transaction_end``
+    (root only) drops whatever is still queued: a transaction that ended without a commit
+    writes nothing.
+
+So a handler may call ``session.commit()`` itself (its events go with that commit, later ones
+with the next), savepoints drop their own events, events raised in ORM hooks are collected,
+and a session passed in by the caller gets its rows in the caller's transaction.
+
+A ``Sink`` (the :class:`~fastapi_outbox.outbox.Outbox`) knows how to write its rows and what to
+do after a commit; a session may carry rows for several outboxes (several tables).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from sqlalchemy import event as sa_event
+from sqlalchemy.engine import Connection
+from sqlalchemy.orm import Session, SessionTransaction
+
+from fastapi_outbox.aggregates import PUBLISH_KEY, collect_events, held_aggregates
+from fastapi_outbox.events import Event, Message
+
+__all__ = ["STATE_KEY", "SessionState", "Sink", "state_of"]
+
+#: ``session.info`` key of the :class:`SessionState`.
+STATE_KEY = "fastapi_outbox.state"
+
+
+class Sink(Protocol):
+    """Where queued rows go: the outbox they belong to."""
+
+    def write_rows(self, connection: Connection, rows: list[dict[str, Any]]) -> None:
+        """Insert ``rows`` on ``connection`` (sync API, called inside SQLAlchemy's greenlet)."""
+
+    def committed(self, brokers: frozenset[str] | set[str]) -> bool:
+        """Wake dispatchers; True when a NOTIFY must still be sent by the caller."""
+
+
+class SessionState:
+    """Outbox rows queued on one session, and the publishers of its aggregates' events."""
+
+    __slots__ = ("_publishers", "notify", "queued", "written")
+
+    def __init__(self) -> None:
+        #: ``(savepoint or None, sink, row)``; ``None`` is the root transaction's level.
+        self.queued: list[tuple[SessionTransaction | None, Sink, dict[str, Any]]] = []
+        #: brokers of rows written in the current root transaction, per sink.
+        self.written: dict[Sink, set[str]] = {}
+        #: sinks whose commit still needs a NOTIFY from an async caller.
+        self.notify: list[Sink] = []
+        self._publishers: list[Callable[[Event | Message], object]] = []
+
+    # -- queueing ---------------------------------------------------------------------------
+
+    def queue(self, session: Session, sink: Sink, rows: list[dict[str, Any]]) -> None:
+        tag = session.get_nested_transaction()
+        self.queued.extend((tag, sink, row) for row in rows)
+
+    def count(self, sink: Sink) -> int:
+        return sum(1 for _, s, _ in self.queued if s is sink)
+
+    def push_publisher(self, publish: Callable[[Event | Message], object]) -> None:
+        self._publishers.append(publish)
+
+    def pop_publisher(self, publish: Callable[[Event | Message], object]) -> None:
+        for i in range(len(self._publishers) - 1, -1, -1):
+            if self._publishers[i] == publish:
+                del self._publishers[i]
+                break
+
+    @property
+    def publisher(self) -> Callable[[Event | Message], object] | None:
+        return self._publishers[-1] if self._publishers else None
+
+    def harvest(self, session: Session) -> int:
+        """Publish the events pending on aggregates the session tracks (raised before they
+        were added to it); returns how many."""
+        publish = self.publisher
+        if publish is None:
+            return 0
+        harvested = 0
+        for instance in (*held_aggregates(session), *session.new, *session.identity_map.values()):
+            for event in collect_events(instance):
+                publish(event)
+                harvested += 1
+        return harvested
+
+    # -- writing ------------------------------------------------------------------------------
+
+    def write(self, session: Session) -> None:
+        """Flush the session, then write the queued rows of the current transaction level
+        (the innermost savepoint, or everything at the root) on its connection."""
+        self.harvest(session)
+        if session.new or session.dirty or session.deleted:
+            session.flush()  # ORM hooks may raise events here
+            self.harvest(session)
+        if not self.queued:
+            return
+        # Inside a savepoint, only the rows queued in it (or in savepoints within it) are
+        # written: a row queued before the savepoint began must not be undone with it.
+        level = session.get_nested_transaction()
+        batches: dict[Sink, list[dict[str, Any]]] = {}
+        kept: list[tuple[SessionTransaction | None, Sink, dict[str, Any]]] = []
+        for queued in self.queued:
+            tag, sink, row = queued
+            if level is None or _within(tag, level):
+                batches.setdefault(sink, []).append(row)
+            else:
+                kept.append(queued)
+        if not batches:
+            return
+        connection = session.connection()
+        for sink, rows in batches.items():
+            sink.write_rows(connection, rows)
+            self.written.setdefault(sink, set()).update(row["broker"] for row in rows)
+        self.queued = kept
+
+    # -- transaction ends -----------------------------------------------------------------------
+
+    def drop(self, boundary: SessionTransaction | None) -> None:
+        """Forget rows queued in ``boundary`` (a savepoint) and the savepoints inside it;
+        ``None``: every row (the root transaction ended without commit)."""
+        if boundary is None:
+            self.queued.clear()
+            self.written.clear()
+            return
+        self.queued = [q for q in self.queued if not _within(q[0], boundary)]
+
+    def after_commit(self) -> None:
+        written, self.written = self.written, {}
+        for sink, brokers in written.items():
+            if brokers and sink.committed(brokers) and sink not in self.notify:
+                self.notify.append(sink)
+
+    def take_notify(self) -> list[Sink]:
+        sinks, self.notify = self.notify, []
+        return sinks
+
+
+def state_of(session: Session) -> SessionState:
+    """The session's :class:`SessionState`, created on first use; aggregates of this session
+    publish through it from then on."""
+    state: SessionState | None = session.info.get(STATE_KEY)
+    if state is None:
+        state = SessionState()
+        session.info[STATE_KEY] = state
+        session.info[PUBLISH_KEY] = _aggregate_publisher(state)
+    return state
+
+
+def _aggregate_publisher(state: SessionState) -> Callable[[Event | Message], bool]:
+    def publish(event: Event | Message) -> bool:
+        publisher = state.publisher
+        if publisher is None:
+            return False
+        publisher(event)
+        return True
+
+    return publish
+
+
+def _within(tag: SessionTransaction | None, boundary: SessionTransaction) -> bool:
+    """Whether a row tagged ``tag`` was queued inside savepoint ``boundary``."""
+    transaction = tag
+    while transaction is not None:
+        if transaction is boundary:
+            return True
+        transaction = transaction.parent
+    return False
+
+
+def _rolled_back_boundary(transaction: SessionTransaction) -> SessionTransaction | None:
+    """The savepoint a rollback of ``transaction`` undid in the database (``None``: the root
+    transaction). A failed flush rolls back an internal sub-transaction, which undoes the
+    enclosing savepoint or root transaction."""
+    current: SessionTransaction | None = transaction
+    while current is not None:
+        if current.nested:
+            return current
+        if current.parent is None:
+            return None
+        current = current.parent
+    return None
+
+
+# -- SQLAlchemy's session events ---------------------------------------------------------------
+
+
+@sa_event.listens_for(Session, "before_commit")
+def _before_commit(session: Session) -> None:
+    state: SessionState | None = session.info.get(STATE_KEY)
+    if state is not None:
+        state.write(session)
+
+
+@sa_event.listens_for(Session, "before_flush")
+def _before_flush(session: Session, flush_context: Any, instances: Any) -> None:
+    # Aggregates that raised events before ``session.add``: publish them now, in the
+    # savepoint they are flushed in.
+    state: SessionState | None = session.info.get(STATE_KEY)
+    if state is None or state.publisher is None:
+        return
+    for instance in session.new:
+        for event in collect_events(instance):
+            state.publisher(event)
+
+
+@sa_event.listens_for(Session, "after_commit")
+def _after_commit(session: Session) -> None:
+    state: SessionState | None = session.info.get(STATE_KEY)
+    if state is not None and session.get_nested_transaction() is None:
+        state.after_commit()
+
+
+@sa_event.listens_for(Session, "after_soft_rollback")
+def _after_soft_rollback(session: Session, previous_transaction: SessionTransaction) -> None:
+    state: SessionState | None = session.info.get(STATE_KEY)
+    if state is not None:
+        state.drop(_rolled_back_boundary(previous_transaction))
+
+
+@sa_event.listens_for(Session, "after_transaction_end")
+def _after_transaction_end(session: Session, transaction: SessionTransaction) -> None:
+    state: SessionState | None = session.info.get(STATE_KEY)
+    if state is not None and transaction.parent is None and not transaction.nested:
+        state.drop(None)
