@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import importlib
 import logging
-import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -92,9 +91,8 @@ def resolve_outbox(args: argparse.Namespace) -> Any:
     if not url:
         raise CliError("no database: pass --url, --app module:outbox or set OUTBOX_DATABASE_URL")
     brokers = None
-    broker_url = getattr(args, "broker_url", None) or (
-        os.environ.get(BROKER_URL_ENV) if args.command == "dispatch" else None
-    )
+    # Without --broker-url, Outbox() takes OUTBOX_BROKER_URL from the settings.
+    broker_url = getattr(args, "broker_url", None)
     try:
         if broker_url:
             from fastapi_outbox.brokers import broker_from_url
@@ -210,9 +208,7 @@ async def _run(args: argparse.Namespace) -> int:
             print(f"created table {outbox.table.name} on {redact_url(str(outbox.engine.url))}")
             return EXIT_OK
         if args.command == "dispatch":
-            return await dispatch(
-                outbox, explicit_broker=bool(args.app or args.broker_url), http=args.http
-            )
+            return await dispatch(outbox, http=args.http)
         return await admin.run(args, outbox)
     finally:
         await outbox.aclose()
@@ -312,20 +308,16 @@ async def _serve_probes(outbox: Any, host: str, port: int, stop: asyncio.Event) 
         await serving
 
 
-async def dispatch(
-    outbox: Any, *, explicit_broker: bool = True, http: tuple[str, int] | None = None
-) -> int:
+async def dispatch(outbox: Any, *, http: tuple[str, int] | None = None) -> int:
     """Run the processors until SIGTERM/SIGINT, then shut down cleanly (exit 0)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    if not explicit_broker:
-        logger.warning(
-            "no broker given: publishing to an in-process memory broker "
-            f"(pass --broker-url or set {BROKER_URL_ENV})",
-            extra={"action": "dispatch.memory_broker"},
-        )
+    if not outbox.brokers:
+        from fastapi_outbox.outbox import NO_BROKER
+
+        raise CliError(NO_BROKER)
     logger.info(
         "dispatching",
         extra={

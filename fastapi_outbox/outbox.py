@@ -25,7 +25,6 @@ from sqlalchemy.pool import StaticPool
 
 from fastapi_outbox import exceptions, schema
 from fastapi_outbox.brokers.base import Broker, redact_url
-from fastapi_outbox.brokers.memory import MemoryBroker
 from fastapi_outbox.dispatcher import Processor, instance_id
 from fastapi_outbox.instrumentation import Instrumentation
 from fastapi_outbox.notify import Listener, Notifier, channel_name
@@ -38,6 +37,12 @@ logger = logging.getLogger("fastapi_outbox")
 
 _BROKER_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 DEFAULT_BROKER = "default"
+NO_BROKER = (
+    "no broker to dispatch to: pass brokers={'default': RedisStreamsBroker(...)} to Outbox "
+    "(MemoryBroker() for tests and the embedded default), --broker-url to "
+    "`fastapi-outbox dispatch`, or set OUTBOX_BROKER_URL (redis://, nats://, memory://); "
+    "an API-only process sets run_dispatchers=False"
+)
 #: Bound on the NOTIFY an API-only process sends after a commit.
 NOTIFY_TIMEOUT_SECONDS = 2.0
 
@@ -78,9 +83,17 @@ class Outbox:
             raise exceptions.ConfigurationError(
                 f"unsupported database {self.engine.dialect.name!r}: use PostgreSQL or SQLite"
             )
-        self.brokers: dict[str, Broker] = (
-            dict(brokers) if brokers else {DEFAULT_BROKER: MemoryBroker()}
-        )
+        # No silent sink: without brokers (and without OUTBOX_BROKER_URL) this outbox can
+        # write rows for the "default" broker (an API-only process needs no broker
+        # connection) but refuses to dispatch. A memory broker only when asked for by name.
+        if brokers:
+            self.brokers: dict[str, Broker] = dict(brokers)
+        elif self.settings.broker_url:
+            from fastapi_outbox.brokers import broker_from_url
+
+            self.brokers = {DEFAULT_BROKER: broker_from_url(self.settings.broker_url)}
+        else:
+            self.brokers = {}
         self.external_brokers: dict[str, Broker] = dict(external_brokers or {})
         for name in (*self.brokers, *self.external_brokers):
             if not isinstance(name, str) or not _BROKER_NAME.match(name):
@@ -93,7 +106,9 @@ class Outbox:
                 f"broker names used as internal and external: {', '.join(sorted(clash))}"
             )
         self.default_broker = (
-            DEFAULT_BROKER if DEFAULT_BROKER in self.brokers else next(iter(self.brokers))
+            next(iter(self.brokers))
+            if self.brokers and DEFAULT_BROKER not in self.brokers
+            else DEFAULT_BROKER
         )
         for broker in self.all_brokers.values():
             broker.configure(dedup_window_seconds=self.settings.dedup_window_seconds)
@@ -147,7 +162,7 @@ class Outbox:
     def resolve_broker(self, name: str | None) -> str:
         if name is None:
             return self.default_broker
-        if name not in self.brokers:
+        if name not in self.brokers and not (name == DEFAULT_BROKER and not self.brokers):
             hint = (
                 " (it is external: mark the event external=True)"
                 if name in self.external_brokers
@@ -274,6 +289,8 @@ class Outbox:
         """Run the processors (and wake-ups, retention) while the block runs."""
         if self.started:
             raise exceptions.ConfigurationError("this Outbox's dispatchers are already running")
+        if not self.brokers:
+            raise exceptions.ConfigurationError(NO_BROKER)
         self.started = True
         settings = self.settings
         try:

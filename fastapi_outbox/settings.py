@@ -48,7 +48,15 @@ class OutboxSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="OUTBOX_", extra="forbid", frozen=True)
 
     database_url: str | None = Field(
-        default=None, description="Database URL used by the CLI when no --url/--app is given."
+        default=None,
+        repr=False,
+        description="Database URL used by the CLI when no --url/--app is given.",
+    )
+    broker_url: str | None = Field(
+        default=None,
+        repr=False,
+        description="URL of the default broker (redis://, nats://, memory://) when an Outbox "
+        "is given no brokers= (and for `fastapi-outbox dispatch` without --broker-url).",
     )
     table_name: str = Field(default=TABLE_NAME, description="Name of the outbox table.")
     batch_size: int = Field(default=BATCH_SIZE, ge=1, le=10_000)

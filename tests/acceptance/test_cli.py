@@ -22,6 +22,7 @@ from sqlalchemy import inspect, select, update
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from fastapi_outbox import Message, Outbox, OutboxSettings
+from fastapi_outbox.brokers import MemoryBroker
 from tests.conftest import unique, wait_until
 
 SCRIPT = [str(Path(sys.executable).parent / "fastapi-outbox")]
@@ -131,7 +132,7 @@ async def test_status_list_and_show(outbox: Outbox, pg_url: str) -> None:
     orders, audit = unique("orders"), unique("audit")
     box = Outbox(
         pg_url,
-        brokers={"default": outbox.brokers["default"], "audit": outbox.brokers["default"]},
+        brokers={"default": MemoryBroker(), "audit": MemoryBroker()},
         settings=OutboxSettings(run_dispatchers=False),
     )
     try:

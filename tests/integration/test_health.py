@@ -120,7 +120,9 @@ async def test_counts_status_and_openapi(db_url: str) -> None:
 
 async def test_app_starts_and_serves_while_database_is_down() -> None:
     url = f"postgresql+asyncpg://app:{PASSWORD}@127.0.0.1:{closed_port()}/app"
-    outbox = Outbox(url, settings=OutboxSettings(health_cache_seconds=0))
+    outbox = Outbox(
+        url, brokers={"default": MemoryBroker()}, settings=OutboxSettings(health_cache_seconds=0)
+    )
     app = build_app(outbox)
     try:
         with anyio.fail_after(10):  # startup neither hangs nor crashes
@@ -140,7 +142,11 @@ async def test_app_starts_and_serves_while_database_is_down() -> None:
 
 
 async def test_dead_processor_is_503(sqlite_url: str) -> None:
-    outbox = Outbox(sqlite_url, settings=OutboxSettings(health_cache_seconds=0))
+    outbox = Outbox(
+        sqlite_url,
+        brokers={"default": MemoryBroker()},
+        settings=OutboxSettings(health_cache_seconds=0),
+    )
     await outbox.create_tables()
     app = build_app(outbox)
     try:
@@ -172,6 +178,7 @@ async def test_old_pending_message_is_503_but_a_failing_one_is_not(db_url: str) 
     stream = unique("orders")
     outbox = Outbox(
         db_url,
+        brokers={"default": MemoryBroker()},
         settings=OutboxSettings(
             health_cache_seconds=0, health_max_pending_age_seconds=30, run_dispatchers=False
         ),

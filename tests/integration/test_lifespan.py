@@ -316,7 +316,11 @@ async def test_shutdown_lets_an_in_flight_batch_finish_within_the_timeout(
 
 
 async def test_idle_shutdown_is_prompt(pg_url: str) -> None:
-    outbox = Outbox(pg_url, settings=OutboxSettings(shutdown_timeout_seconds=5))
+    outbox = Outbox(
+        pg_url,
+        brokers={"default": MemoryBroker()},
+        settings=OutboxSettings(shutdown_timeout_seconds=5),
+    )
     await outbox.create_tables()
     app = FastAPI()
     app.include_router(outbox.router)
