@@ -46,9 +46,11 @@ HEADER_CORRELATION_ID = "correlation-id"
 HEADER_CAUSATION_ID = "causation-id"
 HEADER_TRACEPARENT = "traceparent"
 HEADER_TRACESTATE = "tracestate"
-# The message-id in headers JSON (ours, or PostgreSQL's JSONB rendering of it). A quote in
-# a header value is escaped as \", so no value can fake the `"message-id": "` sequence.
-_MESSAGE_ID = re.compile(r'"message-id":\s*"([^"]+)"')
+# The message-id in headers JSON (ours, or PostgreSQL's JSONB rendering of it), read as a
+# *key*: right after `{` or `,`. Inside a JSON string a quote is escaped as \", so neither a
+# value nor another key (`"\"message-id"`, which contains `"message-id":"`) can fake it;
+# header names are also restricted to HTTP tokens (unit_of_work), which have no quote.
+_MESSAGE_ID = re.compile(r'[{,]\s*"message-id":\s*"([^"]+)"')
 #: Headers that stay inside the organisation: not sent to external brokers.
 INTERNAL_HEADERS = frozenset(
     {HEADER_CORRELATION_ID, HEADER_CAUSATION_ID, HEADER_TRACEPARENT, HEADER_TRACESTATE}

@@ -110,8 +110,9 @@ class Outbox:
             if self.brokers and DEFAULT_BROKER not in self.brokers
             else DEFAULT_BROKER
         )
-        for broker in self.all_brokers.values():
+        for broker_name, broker in self.all_brokers.items():
             broker.configure(dedup_window_seconds=self.settings.dedup_window_seconds)
+            _check_dedup_window(broker_name, broker, self.settings)
         name = self.settings.table_name
         self.table = schema.build_table(
             name, schema.metadata if name == schema.outbox_table.name else MetaData()
@@ -457,6 +458,20 @@ class Outbox:
             router.include_router(self.health_router)
             self._router = router
         return self._router
+
+
+def _check_dedup_window(name: str, broker: Broker, settings: OutboxSettings) -> None:
+    """Refuse a broker whose de-duplication window (set on the broker itself) is shorter
+    than a republish can come late: after a lease expires or after the longest backoff."""
+    window = getattr(broker, "dedup_window_seconds", None)
+    needed = settings.lease_seconds + settings.retry_max_delay_seconds
+    if isinstance(window, int | float) and window < needed:
+        raise exceptions.ConfigurationError(
+            f"broker {name!r}: its de-duplication window ({window:g} s) is shorter than "
+            f"lease_seconds + retry_max_delay_seconds ({needed:g} s), so a message "
+            "republished after a lease expiry or the longest backoff would appear twice: "
+            "raise the broker's dedup_window_seconds or lower those settings"
+        )
 
 
 def _create_engine(url: str, options: dict[str, Any]) -> AsyncEngine:

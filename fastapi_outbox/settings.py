@@ -38,6 +38,11 @@ NOTIFY_INTERVAL_SECONDS = 0.002
 PUBLISH_TIMEOUT_SECONDS = 10.0
 #: Extra margin added to lease + maximal backoff for the brokers' de-duplication window.
 DEDUP_MARGIN_SECONDS = 60.0
+#: ``lease_seconds`` must be at least this many times ``publish_timeout_seconds``: a claim
+#: must outlive its slowest publish plus the mark that follows, or another dispatcher
+#: takes the rows while they are being published (a duplicate for the de-duplication to
+#: absorb at best).
+LEASE_PUBLISH_MARGIN = 1.5
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 
@@ -108,6 +113,14 @@ class OutboxSettings(BaseSettings):
                 "max_poll_interval_seconds (OUTBOX_MAX_POLL_INTERVAL_SECONDS) must be >= "
                 "poll_interval_seconds (OUTBOX_POLL_INTERVAL_SECONDS) "
                 f"({self.max_poll_interval_seconds} < {self.poll_interval_seconds})"
+            )
+        if self.lease_seconds < self.publish_timeout_seconds * LEASE_PUBLISH_MARGIN:
+            raise ValueError(
+                "lease_seconds (OUTBOX_LEASE_SECONDS) must be at least "
+                f"{LEASE_PUBLISH_MARGIN} x publish_timeout_seconds "
+                "(OUTBOX_PUBLISH_TIMEOUT_SECONDS), so a claim outlives its slowest publish "
+                f"and the mark after it ({self.lease_seconds} < "
+                f"{LEASE_PUBLISH_MARGIN} x {self.publish_timeout_seconds})"
             )
         if self.retry_max_delay_seconds < self.retry_base_delay_seconds:
             raise ValueError(

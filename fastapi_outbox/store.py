@@ -163,7 +163,9 @@ class Store:
         producer that waited for another one's lock inserts after that one committed."""
         if self.is_postgres:
             return (alias.c.seq,)
-        return (literal_column(f"{alias.name}.rowid"),)
+        # Quoted: the table may carry an SQL keyword's name (``order``).
+        quoted = self.engine.dialect.identifier_preparer.quote(alias.name)
+        return (literal_column(f"{quoted}.rowid"),)
 
     # -- the dispatcher's hot statements on asyncpg ---------------------------------------
     #

@@ -49,6 +49,16 @@ _CORRELATION_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}$")
 _STREAM = re.compile(r"^[^\s\x00]{1,255}$")
 _RESERVED = frozenset({HEADER_MESSAGE_ID, HEADER_TYPE, HEADER_OCCURRED_AT})
+#: Header names are HTTP tokens (RFC 9110 ``tchar``): no quote, colon, space or non-ASCII, so a
+#: name cannot smuggle JSON syntax or break a broker's header block.
+_HEADER_NAME = re.compile(r"^[A-Za-z0-9!#$%&'*+\-.^_`|~]{1,128}$")
+#: Prefix of the headers NATS interprets (``Nats-Msg-Id``, ``Nats-Expected-Stream``, ...).
+_NATS_PREFIX = "nats-"
+
+
+def normalise_header_name(name: str) -> str:
+    """How reserved names are compared: case-insensitively, ``_`` as ``-``."""
+    return name.lower().replace("_", "-")
 
 
 def valid_correlation_id(value: str) -> bool:
@@ -237,12 +247,21 @@ def _check_headers(headers: dict[str, str] | None, type_name: str) -> dict[str, 
             raise exceptions.PublishError(
                 f"header {name!r} of {type_name}: names and values must be strings"
             )
-        if name.lower() in _RESERVED:
+        if not _HEADER_NAME.match(name):
+            raise exceptions.PublishError(
+                f"invalid header name {name!r} on {type_name}: 1-128 characters among "
+                "letters, digits and !#$%&'*+-.^_`|~"
+            )
+        normalised = normalise_header_name(name)
+        if normalised in _RESERVED:
             raise exceptions.PublishError(
                 f"header {name!r} of {type_name} is set by the outbox and cannot be overridden"
             )
-        if not name or len(name) > 128 or any(c.isspace() or c == ":" for c in name):
-            raise exceptions.PublishError(f"invalid header name {name!r} on {type_name}")
+        if normalised.startswith(_NATS_PREFIX):
+            raise exceptions.PublishError(
+                f"header {name!r} of {type_name}: Nats-* headers are interpreted by NATS "
+                "(de-duplication, expectations) and cannot be set by users"
+            )
         if len(value) > 4096 or "\r" in value or "\n" in value:
             raise exceptions.PublishError(
                 f"header {name!r} of {type_name}: value over 4096 characters or with a newline"

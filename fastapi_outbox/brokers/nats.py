@@ -29,6 +29,11 @@ from fastapi_outbox.events import Envelope
 logger = logging.getLogger("fastapi_outbox.brokers.nats")
 
 DEDUP_WINDOW_SECONDS = 390.0
+#: Limits of the streams the broker creates (an unbounded stream grows until the disk is
+#: full): messages older than this are removed...
+STREAM_MAX_AGE_SECONDS = 7 * 24 * 3600.0
+#: ...and the oldest go once the stream holds this many bytes (JetStream's "discard old").
+STREAM_MAX_BYTES = 1024**3
 ACK_TIMEOUT_SECONDS = 10.0
 CONNECT_TIMEOUT_SECONDS = 2.0
 MSG_ID_HEADER = "Nats-Msg-Id"
@@ -56,8 +61,23 @@ class NatsJetStreamBroker:
         ack_timeout_seconds: float = ACK_TIMEOUT_SECONDS,
         connect_timeout_seconds: float = CONNECT_TIMEOUT_SECONDS,
         stream_config: dict[str, Any] | None = None,
+        stream_max_age_seconds: float | None = STREAM_MAX_AGE_SECONDS,
+        stream_max_bytes: int | None = STREAM_MAX_BYTES,
     ) -> None:
+        """``stream_max_age_seconds`` / ``stream_max_bytes``: limits of the streams this
+        broker creates (``None``: unlimited); ``stream_config``: any other
+        ``StreamConfig`` field, which wins over both."""
+        for option, value in (
+            ("stream_max_age_seconds", stream_max_age_seconds),
+            ("stream_max_bytes", stream_max_bytes),
+        ):
+            if value is not None and value <= 0:
+                raise exceptions.ConfigurationError(
+                    f"NatsJetStreamBroker {option} must be > 0 or None, not {value!r}"
+                )
         self.url = url
+        self.stream_max_age_seconds = stream_max_age_seconds
+        self.stream_max_bytes = stream_max_bytes
         self.create_streams = create_streams
         self.ack_timeout_seconds = ack_timeout_seconds
         self.stream_config = dict(stream_config or {})
@@ -75,7 +95,18 @@ class NatsJetStreamBroker:
 
     @property
     def dedup_window_seconds(self) -> float:
+        configured = self.stream_config.get("duplicate_window")
+        if configured is not None:
+            return float(configured)
         return self._window if self._window is not None else DEDUP_WINDOW_SECONDS
+
+    def _new_stream_config(self) -> dict[str, Any]:
+        config: dict[str, Any] = {"duplicate_window": self.dedup_window_seconds}
+        if self.stream_max_age_seconds is not None:
+            config["max_age"] = self.stream_max_age_seconds
+        if self.stream_max_bytes is not None:
+            config["max_bytes"] = self.stream_max_bytes
+        return {**config, **self.stream_config}
 
     def configure(self, *, dedup_window_seconds: float) -> None:
         if not self._window_explicit:
@@ -180,7 +211,7 @@ class NatsJetStreamBroker:
             if not self.create_streams:
                 return  # the publish fails with "no stream", naming the subject
             name = stream_name_for(subject)
-            config = {"duplicate_window": self.dedup_window_seconds, **self.stream_config}
+            config = self._new_stream_config()
             try:
                 await self._js.add_stream(name=name, subjects=[subject], **config)
             except nats.js.errors.BadRequestError as exc:
@@ -193,7 +224,9 @@ class NatsJetStreamBroker:
                     "action": "broker.stream_created",
                     "stream": name,
                     "subject": subject,
-                    "duplicate_window_seconds": self.dedup_window_seconds,
+                    "duplicate_window_seconds": config["duplicate_window"],
+                    "max_age_seconds": config.get("max_age"),
+                    "max_bytes": config.get("max_bytes"),
                 },
             )
         else:

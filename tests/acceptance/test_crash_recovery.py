@@ -46,7 +46,7 @@ FAST = {
     "broker_backoff_max_seconds": 0.5,
     "retry_base_delay_seconds": 0.1,
     "retry_max_delay_seconds": 1,
-    "publish_timeout_seconds": 0.8,
+    "publish_timeout_seconds": 0.6,
     "shutdown_timeout_seconds": 2,
     "batch_size": 50,
 }

@@ -333,6 +333,41 @@ async def test_nats_creates_a_stream_with_a_long_enough_duplicate_window(
         await jsm.delete_stream(stream_name_for(subject))
 
 
+async def test_nats_created_stream_has_explicit_limits_and_logs_them(
+    nats_url: str, jsm: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    subject = unique("limited")
+    broker = NatsJetStreamBroker(nats_url, stream_max_age_seconds=3600, stream_max_bytes=2**20)
+    caplog.set_level("INFO", logger="fastapi_outbox.brokers.nats")
+    try:
+        assert await broker.publish([envelope(subject, 0)]) == [None]
+        info = await jsm.stream_info(stream_name_for(subject))
+        assert info.config.max_age == 3600 and info.config.max_bytes == 2**20
+        [record] = [
+            r for r in caplog.records if r.__dict__.get("action") == "broker.stream_created"
+        ]
+        assert record.__dict__["max_age_seconds"] == 3600
+        assert record.__dict__["max_bytes"] == 2**20
+    finally:
+        await broker.aclose()
+        await jsm.delete_stream(stream_name_for(subject))
+
+
+async def test_nats_default_stream_limits_are_bounded(nats_url: str, jsm: Any) -> None:
+    from fastapi_outbox.brokers.nats import STREAM_MAX_AGE_SECONDS, STREAM_MAX_BYTES
+
+    subject = unique("bounded")
+    broker = NatsJetStreamBroker(nats_url)
+    try:
+        assert await broker.publish([envelope(subject, 0)]) == [None]
+        info = await jsm.stream_info(stream_name_for(subject))
+        assert info.config.max_age == STREAM_MAX_AGE_SECONDS
+        assert info.config.max_bytes == STREAM_MAX_BYTES
+    finally:
+        await broker.aclose()
+        await jsm.delete_stream(stream_name_for(subject))
+
+
 async def test_nats_publish_no_stream_acknowledges_is_a_failure(nats_url: str, jsm: Any) -> None:
     subject = unique("uncaptured")
     broker = NatsJetStreamBroker(nats_url, create_streams=False, ack_timeout_seconds=3)

@@ -80,6 +80,7 @@ def ordered_settings(**overrides: Any) -> OutboxSettings:
         "poll_interval_seconds": 0.05,
         "max_poll_interval_seconds": 0.5,
         "lease_seconds": 10,
+        "publish_timeout_seconds": 5,
         "retry_base_delay_seconds": 0.02,
         "retry_max_delay_seconds": 0.1,
         "retry_jitter": 0,

@@ -10,6 +10,8 @@ Two paths, two error types (decided here, DESIGN §2 "fail at startup naming the
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from pydantic import ValidationError
 
@@ -58,6 +60,7 @@ def test_none_retention_keeps_forever() -> None:
 
 def test_env_variables_use_the_outbox_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OUTBOX_LEASE_SECONDS", "3")
+    monkeypatch.setenv("OUTBOX_PUBLISH_TIMEOUT_SECONDS", "2")
     monkeypatch.setenv("OUTBOX_BATCH_SIZE", "7")
     monkeypatch.setenv("OUTBOX_ORDERED", "true")
     monkeypatch.setenv("OUTBOX_PUBLISHED_RETENTION_SECONDS", "60")
@@ -141,6 +144,7 @@ def test_outbox_without_settings_reads_env_and_fails_naming_the_variable(
 
 def test_outbox_without_settings_reads_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OUTBOX_LEASE_SECONDS", "3")
+    monkeypatch.setenv("OUTBOX_PUBLISH_TIMEOUT_SECONDS", "2")
     monkeypatch.setenv("OUTBOX_TABLE_NAME", "events_out")
     outbox = Outbox("sqlite+aiosqlite://")
     assert outbox.settings.lease_seconds == 3.0
@@ -174,3 +178,44 @@ def test_settings_are_frozen_and_reject_unknown_fields() -> None:
 def test_dedup_window_outlasts_lease_and_longest_backoff() -> None:
     settings = OutboxSettings(lease_seconds=30, retry_max_delay_seconds=300)
     assert settings.dedup_window_seconds > 330
+
+
+def test_lease_must_outlive_the_publish_timeout_with_a_margin() -> None:
+    with pytest.raises(ConfigurationError) as info:
+        OutboxSettings.from_env(lease_seconds=10, publish_timeout_seconds=8)
+    message = str(info.value)
+    assert "lease_seconds" in message and "publish_timeout_seconds" in message
+    assert OutboxSettings(lease_seconds=12, publish_timeout_seconds=8).lease_seconds == 12
+
+
+def test_lease_rule_reads_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OUTBOX_LEASE_SECONDS", "2")
+    with pytest.raises(ConfigurationError, match="OUTBOX_PUBLISH_TIMEOUT_SECONDS"):
+        OutboxSettings.from_env()
+
+
+@pytest.mark.parametrize("kind", ["redis", "nats"])
+def test_broker_dedup_window_shorter_than_lease_plus_backoff_is_refused(kind: str) -> None:
+    from fastapi_outbox.brokers import NatsJetStreamBroker, RedisStreamsBroker
+
+    broker: Any = (
+        RedisStreamsBroker("redis://127.0.0.1:1", dedup_window_seconds=100)
+        if kind == "redis"
+        else NatsJetStreamBroker("nats://127.0.0.1:1", stream_config={"duplicate_window": 100})
+    )
+    settings = OutboxSettings(lease_seconds=30, retry_max_delay_seconds=300)
+    with pytest.raises(ConfigurationError) as info:
+        Outbox("sqlite+aiosqlite://", brokers={"default": broker}, settings=settings)
+    message = str(info.value)
+    assert "'default'" in message and "dedup_window_seconds" in message
+    assert "lease_seconds + retry_max_delay_seconds (330 s)" in message
+    # A window that covers lease + longest backoff is accepted.
+    broker = RedisStreamsBroker("redis://127.0.0.1:1", dedup_window_seconds=330)
+    Outbox("sqlite+aiosqlite://", brokers={"default": broker}, settings=settings)
+
+
+def test_nats_stream_limits_are_validated() -> None:
+    from fastapi_outbox.brokers import NatsJetStreamBroker
+
+    with pytest.raises(ConfigurationError, match="stream_max_bytes"):
+        NatsJetStreamBroker(stream_max_bytes=0)
