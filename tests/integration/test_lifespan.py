@@ -236,6 +236,7 @@ async def hanging(
         settings=OutboxSettings(
             shutdown_timeout_seconds=SHUTDOWN_TIMEOUT,
             publish_timeout_seconds=60,
+            lease_seconds=90,
             poll_interval_seconds=0.05,
         ),
     )
