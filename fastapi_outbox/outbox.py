@@ -25,6 +25,7 @@ from sqlalchemy.pool import StaticPool
 
 from fastapi_outbox import exceptions, schema
 from fastapi_outbox.brokers.base import Broker, redact_url
+from fastapi_outbox.capture import Capture, TableCapture
 from fastapi_outbox.dispatcher import Processor, instance_id
 from fastapi_outbox.instrumentation import Instrumentation
 from fastapi_outbox.notify import Listener, Notifier, channel_name
@@ -118,6 +119,7 @@ class Outbox:
             name, schema.metadata if name == schema.outbox_table.name else MetaData()
         )
         self.store = Store(self.engine, self.table)
+        self.capture: Capture = TableCapture(self.store)
         self.session_factory = session_factory or async_sessionmaker(
             self.engine, expire_on_commit=False
         )
@@ -233,9 +235,10 @@ class Outbox:
             await self._notify_after_commit()
 
     def write_rows(self, connection: Connection, rows: list[dict[str, Any]]) -> None:
-        """Insert outbox rows on a session's connection (called by the session's
-        ``before_commit``; see :mod:`fastapi_outbox.session_events`)."""
-        self.store.insert_rows_sync(connection, rows)
+        """Record outbox messages on a session's connection, through this outbox's capture
+        (called by the session's ``before_commit``; see
+        :mod:`fastapi_outbox.session_events`)."""
+        self.capture.write(connection, rows)
 
     def committed(self, brokers: frozenset[str] | set[str]) -> bool:
         """Wake the dispatchers after a commit that wrote rows for ``brokers``.
