@@ -31,6 +31,13 @@ def typecheck(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Benchmarks on the local services; pass a script name to run only that one."""
     session.install("-e", ".[test]", "py-spy")  # py-spy: hot spots when a goal is missed
-    scripts = session.posargs or ["write_path", "dispatch", "health"]
+    scripts = session.posargs or ["write_path", "dispatch", "health", "ordered_claim", "dashboard"]
     for script in scripts:
         session.run("python", f"benchmarks/{script}.py")
+
+
+@nox.session
+def screenshots(session: nox.Session) -> None:
+    """Regenerate the dashboard screenshots of the README (needs: apt-get install chromium)."""
+    session.install("-e", ".[test]")
+    session.run("python", "docs/screenshots.py")

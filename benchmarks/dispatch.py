@@ -3,7 +3,8 @@
 (a) **Drain**: a backlog (100,000 rows; ``--quick`` 10,000) inserted in one
 ``INSERT … SELECT generate_series`` is drained to Redis Streams and to NATS JetStream by
 the library's dispatcher (``python -m fastapi_outbox dispatch --app
-benchmarks.bench_app:outbox``; batch_size 500, workers 2 and 1; de-duplication on: the
+benchmarks.bench_app:outbox``; default settings — adaptive claims of 25 up to 500 rows,
+workers 2 — and workers 1; de-duplication on: the
 Redis script, ``Nats-Msg-Id``) with 1 and 2 processes, and by a minimal hand-written
 batched relay (``benchmarks/_roles.py``) with 1 and 2 processes, in alternating rounds.
 Rate = rows / (last ``published_at`` - commit of the backlog), both on the database clock;
@@ -345,7 +346,9 @@ async def drain_suite(
     url = loopback(REDIS_URL if kind == "redis" else NATS_URL)
     results: list[Drain] = []
     profiles: list[tuple[str, Path, Drain]] = []
-    lib_settings = {"OUTBOX_BATCH_SIZE": "500", "OUTBOX_WORKERS": "2"}
+    # The library runs on its defaults (adaptive claims of 25 up to 500 rows, 2 workers):
+    # what a user gets without tuning. ``--library-env`` adds OUTBOX_* settings.
+    lib_settings = dict(kv.split("=", 1) for kv in args.library_env)
     for nproc in (1, 2):
         with processes() as procs:
             groups = [
@@ -564,7 +567,7 @@ async def latency_suite(
                     "default",
                     workdir,
                     count=1,
-                    settings={},
+                    settings=dict(kv.split("=", 1) for kv in args.library_env),
                 )
             producer = Proc(
                 f"producer_{tag}",
@@ -804,6 +807,13 @@ async def main(args: argparse.Namespace) -> int:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smoke run with small sizes")
+    p.add_argument(
+        "--library-env",
+        nargs="*",
+        default=[],
+        metavar="OUTBOX_X=V",
+        help="settings of the library's dispatcher processes (default: none, the defaults)",
+    )
     p.add_argument("--backlog", type=int, help="drain backlog (default 100,000; quick 10,000)")
     p.add_argument("--rounds", type=int, help="drain rounds per relay (default 2; quick 1)")
     p.add_argument("--brokers", nargs="+", choices=["redis", "nats"], default=["redis", "nats"])

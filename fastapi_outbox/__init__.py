@@ -10,6 +10,7 @@ from __future__ import annotations
 from fastapi_outbox.aggregates import AggregateRoot
 from fastapi_outbox.events import Envelope, Event, Message, MessageStatus, uuid7
 from fastapi_outbox.exceptions import (
+    BrokerRefusing,
     BrokerUnavailable,
     ConfigurationError,
     EventDefinitionError,
@@ -30,6 +31,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AggregateRoot",
+    "BrokerRefusing",
     "BrokerUnavailable",
     "ConfigurationError",
     "Envelope",

@@ -1,4 +1,6 @@
-"""Admin commands of the CLI: ``status``, ``list``, ``show``, ``replay``, ``purge``.
+"""Admin commands of the CLI: ``status``, ``list``, ``show``, ``replay``, ``abandon``,
+``purge`` — thin wrappers over :mod:`fastapi_outbox.operations`, which the dashboard
+calls too.
 
 Long operations (``purge``, ``replay --abandoned``) run in bounded batches and report
 ``done/total (pct%)`` on stderr: on a terminal by default, on demand with ``--progress``
@@ -18,15 +20,12 @@ import uuid
 from collections.abc import Callable
 from typing import Any, TextIO
 
+from fastapi_outbox import exceptions, operations
 from fastapi_outbox.events import MessageStatus
 
 EXIT_OK = 0
 EXIT_FAILED = 1
 
-#: Rows moved back to pending per statement by ``replay --abandoned``.
-REPLAY_BATCH_SIZE = 1000
-#: Statuses ``replay ID…`` accepts: abandoned, or failed (retry now, skipping the backoff).
-REPLAYABLE = (MessageStatus.ABANDONED.value, MessageStatus.FAILED.value)
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
 _UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -60,7 +59,7 @@ def add_commands(
 
     ls = sub.add_parser("list", help="list messages, newest first (no payloads)")
     common(ls)
-    ls.add_argument("--status", choices=[s.value for s in MessageStatus])
+    ls.add_argument("--status", choices=list(operations.STATUS_FILTERS))
     ls.add_argument("--stream")
     ls.add_argument("--broker")
     ls.add_argument("--limit", type=int, default=50)
@@ -78,6 +77,19 @@ def add_commands(
     replay.add_argument("ids", nargs="*", type=parse_uuid, metavar="ID")
     replay.add_argument("--abandoned", action="store_true", help="every abandoned message")
     replay.add_argument("--stream", help="with --abandoned: only this stream")
+
+    abandon = sub.add_parser(
+        "abandon", help="stop retrying pending or failed messages (not held by a dispatcher)"
+    )
+    common(abandon)
+    abandon.add_argument("ids", nargs="+", type=parse_uuid, metavar="ID")
+    abandon.add_argument("--reason", help="recorded in last_error")
+
+    cancel = sub.add_parser(
+        "cancel", help="cancel pending (delayed) messages no dispatcher has claimed yet"
+    )
+    common(cancel)
+    cancel.add_argument("ids", nargs="+", type=parse_uuid, metavar="ID")
 
     purge = sub.add_parser("purge", help="delete finished messages in batches")
     common(purge)
@@ -144,7 +156,12 @@ async def run(args: argparse.Namespace, outbox: Any) -> int:
 
     command = args.command
     if command == "status":
-        stats = await _guard(outbox.store.stats(outbox.all_brokers, published_totals=True), outbox)
+        stats = await _guard(
+            outbox.store.stats(
+                outbox.all_brokers, published_totals=True, ordered=outbox.settings.ordered
+            ),
+            outbox,
+        )
         rows = [dataclasses.asdict(s) for s in stats.values()]
         if args.json:
             print(json.dumps(rows, indent=2, default=str))
@@ -159,6 +176,7 @@ async def run(args: argparse.Namespace, outbox: Any) -> int:
                         "failed",
                         "abandoned",
                         "published",
+                        "scheduled",
                         "oldest_pending_age_seconds",
                         "published_last_minute",
                     ],
@@ -168,12 +186,11 @@ async def run(args: argparse.Namespace, outbox: Any) -> int:
     if command == "list":
         if args.limit < 1:
             raise CliError("--limit must be at least 1")
-        rows = await _guard(
-            outbox.store.list_messages(
-                status=args.status, stream=args.stream, broker=args.broker, limit=args.limit
-            ),
-            outbox,
-        )
+        where = operations.MessageFilter(status=args.status, stream=args.stream, broker=args.broker)
+        try:
+            rows = await _guard(operations.list_messages(outbox, where, limit=args.limit), outbox)
+        except exceptions.OperationError as exc:
+            raise CliError(str(exc)) from exc
         if args.json:
             print(json.dumps([dict(r) for r in rows], indent=2, default=str))
         else:
@@ -195,16 +212,18 @@ async def run(args: argparse.Namespace, outbox: Any) -> int:
             )
         return EXIT_OK
     if command == "show":
-        row = await _guard(outbox.store.get(args.id), outbox)
-        if row is None:
-            raise CliError(f"no outbox message with id {args.id}", EXIT_FAILED)
-        data = {k: v for k, v in dict(row).items() if k not in ("payload", "headers", "txid")}
-        data["headers"] = json.loads(row["headers"])
-        data["payload"] = json.loads(row["payload"])
+        try:
+            data = await _guard(operations.show(outbox, args.id), outbox)
+        except exceptions.MessageNotFound as exc:
+            raise CliError(str(exc), EXIT_FAILED) from exc
         print(json.dumps(data, indent=2, default=str))
         return EXIT_OK
     if command == "replay":
         return await _replay(args, outbox)
+    if command == "abandon":
+        return await _abandon(args, outbox)
+    if command == "cancel":
+        return await _cancel(args, outbox)
     if command == "purge":
         return await _purge(args, outbox)
     raise CliError(f"unknown command {command!r}")
@@ -212,7 +231,6 @@ async def run(args: argparse.Namespace, outbox: Any) -> int:
 
 async def _replay(args: argparse.Namespace, outbox: Any) -> int:
     from fastapi_outbox.cli import CliError, _guard
-    from fastapi_outbox.store import ABANDONED
 
     if not args.ids and not args.abandoned:
         raise CliError("replay needs message ids or --abandoned")
@@ -221,44 +239,60 @@ async def _replay(args: argparse.Namespace, outbox: Any) -> int:
     if args.stream and not args.abandoned:
         raise CliError("--stream goes with --abandoned")
     if args.ids:
-        moved = set(await _guard(outbox.store.replay(args.ids, statuses=REPLAYABLE), outbox))
-        problems = []
-        for mid in dict.fromkeys(args.ids):  # keep the order given, once each
-            if mid in moved:
-                continue
-            row = await _guard(outbox.store.get(mid), outbox)
-            if row is None:
-                problems.append(f"no outbox message with id {mid}")
-            else:
-                problems.append(
-                    f"message {mid} is {row['status']}: only abandoned or failed messages "
-                    "can be replayed"
-                )
-        print(f"replayed {len(moved)} message(s)")
-        if problems:
-            raise CliError("; ".join(problems), EXIT_FAILED)
+        outcome = await _guard(operations.replay(outbox, args.ids, operator=_operator()), outbox)
+        print(f"replayed {outcome.count} message(s)")
+        if outcome.problems:
+            raise CliError("; ".join(outcome.problems), EXIT_FAILED)
         return EXIT_OK
-    total = await _guard(outbox.store.count_matching(ABANDONED, stream=args.stream), outbox)
+    total = await _guard(
+        outbox.store.count_matching(MessageStatus.ABANDONED.value, stream=args.stream), outbox
+    )
     where = f" on stream {args.stream}" if args.stream else ""
     progress = Progress(f"replayed abandoned{where}", total, enabled=args.progress)
-    replayed = 0
-    # Bounded: each round moves rows out of 'abandoned', so at most total/batch + a few
-    # rounds (rows abandoned meanwhile are taken too, up to twice the initial count).
-    for _ in range(2 * (total // REPLAY_BATCH_SIZE) + 3):
-        moved = await _guard(
-            outbox.store.replay(stream=args.stream, limit=REPLAY_BATCH_SIZE), outbox
-        )
-        replayed += len(moved)
-        progress.advance(len(moved))
-        if len(moved) < REPLAY_BATCH_SIZE:
-            break
+    replayed = await _guard(
+        operations.replay_abandoned(
+            outbox, stream=args.stream, operator=_operator(), progress=progress.advance
+        ),
+        outbox,
+    )
     progress.finish()
     print(f"replayed {replayed} message(s)")
     return EXIT_OK
 
 
+async def _abandon(args: argparse.Namespace, outbox: Any) -> int:
+    from fastapi_outbox.cli import CliError, _guard
+
+    outcome = await _guard(
+        operations.abandon(outbox, args.ids, operator=_operator(), reason=args.reason), outbox
+    )
+    print(f"abandoned {outcome.count} message(s)")
+    if outcome.problems:
+        raise CliError("; ".join(outcome.problems), EXIT_FAILED)
+    return EXIT_OK
+
+
+async def _cancel(args: argparse.Namespace, outbox: Any) -> int:
+    from fastapi_outbox.cli import CliError, _guard
+
+    outcome = await _guard(operations.cancel(outbox, args.ids, operator=_operator()), outbox)
+    print(f"cancelled {outcome.count} message(s)")
+    if outcome.problems:
+        raise CliError("; ".join(outcome.problems), EXIT_FAILED)
+    return EXIT_OK
+
+
+def _operator() -> str:
+    """Who runs the CLI, for the operations' log records."""
+    import getpass
+
+    try:
+        return f"cli:{getpass.getuser()}"
+    except Exception:
+        return "cli"
+
+
 async def _purge(args: argparse.Namespace, outbox: Any) -> int:
-    from fastapi_outbox import retention
     from fastapi_outbox.cli import CliError, _guard
     from fastapi_outbox.store import ABANDONED, PUBLISHED
 
@@ -278,11 +312,12 @@ async def _purge(args: argparse.Namespace, outbox: Any) -> int:
         )
         progress = Progress(f"purged {status}", total, enabled=args.progress)
         deleted[status] = await _guard(
-            retention.purge(
-                outbox.store,
+            operations.purge(
+                outbox,
                 status,
                 age,
                 batch_size=args.batch_size,
+                operator=_operator(),
                 progress=progress.advance,
             ),
             outbox,

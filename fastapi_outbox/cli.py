@@ -221,7 +221,8 @@ def _print_ddl(args: argparse.Namespace) -> int:
     from fastapi_outbox.settings import OutboxSettings
 
     try:
-        table = build_table(args.table or OutboxSettings.from_env().table_name)
+        settings = OutboxSettings.from_env()
+        table = build_table(args.table or settings.table_name, ordered=settings.ordered)
     except exceptions.ConfigurationError as exc:  # bad --table or OUTBOX_* variable
         raise CliError(str(exc)) from exc
     module = sqlite if args.dialect == "sqlite" else postgresql

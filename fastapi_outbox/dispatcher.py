@@ -18,6 +18,7 @@ be reached makes workers retry with backoff while the app keeps serving.
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import logging
 import os
 import random
@@ -92,12 +93,20 @@ class Processor:
         self._broker_connected = False
         self._connect_lock = anyio.Lock()
         self._next_due: float | None = None
+        self._due_changed = anyio.Event()
+        #: Rows the next claim asks for: adapts to the backlog (see ``_adapt_claim``).
+        self.claim_size = settings.smallest_claim
         self._rng = random.Random()
         # Health.
         self.running = False
         self.last_tick: float | None = None  # wall clock of the last successful claim
         self.database_ok = True
         self.broker_ok = True
+        #: Wall clock of the first failure of the current broker outage (None: broker up).
+        self.broker_down_since: float | None = None
+        #: The outage is the broker refusing every message (out of memory, read-only, …)
+        #: rather than being unreachable.
+        self.broker_refusing = False
         self.last_error: str | None = None
         self.published_total = 0
         self.failed_total = 0
@@ -105,6 +114,13 @@ class Processor:
 
     def __repr__(self) -> str:
         return f"Processor(broker={self.broker_name!r})"
+
+    @property
+    def _db_bound(self) -> float:
+        """Client-side bound of one database step (a claim, recording a batch's outcome):
+        the server-side statement timeout plus a margin, for a server that cannot even
+        enforce its own timeout (frozen, or unreachable mid-statement)."""
+        return self.settings.statement_timeout_seconds * 2 + 1.0
 
     # -- control -----------------------------------------------------------------------
 
@@ -156,6 +172,48 @@ class Processor:
                 "processor stopped", extra={"action": "processor.stop", "broker": self.broker_name}
             )
 
+    def schedule(self, delay_seconds: float) -> None:
+        """A delayed message of this broker is due in ``delay_seconds``: the idle poller
+        looks no later than that (and claims nothing before)."""
+        due = time.monotonic() + delay_seconds
+        if self._next_due is None or due < self._next_due:
+            self._next_due = due
+            self._due_changed.set()
+
+    async def _learn_next_due(self) -> None:
+        """Ask the database when the next row of this broker becomes due."""
+        try:
+            with anyio.fail_after(self._db_bound):
+                due_in = await self.store.next_due_in(self.broker_name)
+        except Exception:
+            return  # the claim reports the database; polling goes on
+        if due_in is not None:
+            self.schedule(due_in)
+
+    async def _idle_wait(self, timeout: float) -> str:
+        """Wait for a wake-up ("woken"), the timeout ("timeout"), or an earlier due time
+        ("rescheduled": wait again, for less)."""
+        outcome = "timeout"
+        async with anyio.create_task_group() as tg:
+
+            async def woken() -> None:
+                nonlocal outcome
+                if await self.wakeup.wait(timeout):
+                    outcome = "woken"
+                tg.cancel_scope.cancel()
+
+            async def rescheduled() -> None:
+                nonlocal outcome
+                await self._due_changed.wait()
+                outcome = "rescheduled"
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(woken)
+            tg.start_soon(rescheduled)
+        if self._due_changed.is_set():
+            self._due_changed = anyio.Event()
+        return outcome
+
     async def _sleep(self, seconds: float) -> None:
         """Sleep, but return early when the processor stops."""
         with anyio.move_on_after(max(0.0, seconds)):
@@ -177,10 +235,15 @@ class Processor:
         )
         pause *= 1 + self._rng.uniform(0, 0.25)
         self._paused_until = time.monotonic() + pause
+        if self.broker_down_since is None:
+            self.broker_down_since = time.time()
         self.broker_ok = False
+        self.broker_refusing = isinstance(exc, exceptions.BrokerRefusing)
         self.last_error = safe_error(exc)
         logger.warning(
-            "broker unavailable; processor backing off",
+            "broker refusing messages; processor backing off"
+            if self.broker_refusing
+            else "broker unavailable; processor backing off",
             extra={
                 "action": "broker.unavailable",
                 "broker": self.broker_name,
@@ -197,6 +260,8 @@ class Processor:
             )
         self._broker_failures = 0
         self.broker_ok = True
+        self.broker_down_since = None
+        self.broker_refusing = False
 
     # -- the worker loop ---------------------------------------------------------------------
 
@@ -217,14 +282,16 @@ class Processor:
                 first.set()
                 continue
             token = f"{self.instance}:{index}:{next(self._claims)}"
+            size = self.claim_size
             try:
-                batch = await self.store.claim(
-                    self.broker_name,
-                    settings.batch_size,
-                    token,
-                    settings.lease_seconds,
-                    ordered=settings.ordered,
-                )
+                with anyio.fail_after(self._db_bound):
+                    batch = await self.store.claim(
+                        self.broker_name,
+                        size,
+                        token,
+                        settings.lease_seconds,
+                        ordered=settings.ordered,
+                    )
             except Exception as exc:
                 first.set()
                 if self.database_ok:
@@ -250,32 +317,44 @@ class Processor:
                 )
             self.database_ok = True
             self.last_tick = time.time()
+            self._adapt_claim(len(batch), size)
             if not batch:
                 if self._stopping:
                     # stop() came during the claim. Its wake-up is one coalesced signal
                     # that another worker may already have taken: waiting now could last
                     # a poll interval (or, for a non-polling worker, until cancelled).
                     break
-                timeout: float | None = None
-                if poller:
+                if not poller:
+                    await self.wakeup.wait(None)
+                    continue
+                # The poller sleeps until the next row is due (a delayed message, a
+                # backoff, a lease: asked of the database, so rows of other processes
+                # count too) or the poll interval, whichever comes first; a delayed
+                # message committed meanwhile in this process moves that time earlier
+                # without a claim before it is due.
+                await self._learn_next_due()
+                woke = False
+                while not self._stopping:
                     timeout = idle
                     if self._next_due is not None:
                         timeout = max(0.0, min(timeout, self._next_due - time.monotonic()))
-                woke = await self.wakeup.wait(timeout)
-                if poller:
-                    if self._next_due is not None and self._next_due <= time.monotonic():
-                        self._next_due = None
-                    # Idle polls back off while LISTEN delivers wake-ups; without LISTEN
-                    # they stay at poll_interval_seconds.
-                    cap = (
-                        settings.max_poll_interval_seconds
-                        if self._listening()
-                        else settings.poll_interval_seconds
-                    )
-                    idle = settings.poll_interval_seconds if woke else min(idle * 2, cap)
+                    outcome = await self._idle_wait(timeout)
+                    if outcome != "rescheduled":
+                        woke = outcome == "woken"
+                        break
+                if self._next_due is not None and self._next_due <= time.monotonic():
+                    self._next_due = None
+                # Idle polls back off while LISTEN delivers wake-ups; without LISTEN
+                # they stay at poll_interval_seconds.
+                cap = (
+                    settings.max_poll_interval_seconds
+                    if self._listening()
+                    else settings.poll_interval_seconds
+                )
+                idle = settings.poll_interval_seconds if woke else min(idle * 2, cap)
                 continue
             idle = settings.poll_interval_seconds
-            if len(batch) >= settings.batch_size:
+            if len(batch) >= size:
                 self.wakeup.set()  # more work is likely waiting: bring another worker in
             try:
                 await self._process(batch, token)
@@ -298,6 +377,21 @@ class Processor:
                 )
                 await self._sleep(db_delay)
                 db_delay = min(db_delay * 2, DB_BACKOFF_MAX_SECONDS)
+
+    def _adapt_claim(self, got: int, asked: int) -> None:
+        """Size the next claim to the backlog: double it (up to ``batch_size``) when a
+        claim came back full, halve it (down to ``min_batch_size``) when one came back
+        under a quarter full. An idle dispatcher claims a few rows at a time, so a trickle
+        of commits is spread over the workers; a backlog is drained in claims of
+        ``batch_size``, where the claim, the publish round trip and the mark cost the
+        least per message. The lease does not grow with the claim: each step of a batch
+        is bounded on its own (one broker call by ``publish_timeout_seconds``, each
+        statement by the statement timeout), whatever its size, and the settings refuse a
+        lease shorter than those bounds."""
+        if got >= asked:
+            self.claim_size = min(asked * 2, self.settings.batch_size)
+        elif got < asked // 4:
+            self.claim_size = max(asked // 2, self.settings.smallest_claim)
 
     async def _process(self, batch: list[ClaimedRow], token: str) -> None:
         """Publish a claimed batch and record the outcome; gives the batch back when
@@ -325,6 +419,13 @@ class Processor:
         live = [r for r in batch if r.attempts <= settings.max_attempts]
         if exhausted:
             await self._abandon_exhausted(exhausted, token)
+        if settings.retry_deadline_seconds is not None:
+            cutoff = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=settings.retry_deadline_seconds)
+            expired = [r for r in live if r.created_at is not None and r.created_at < cutoff]
+            if expired:
+                gone = {r.id for r in expired}
+                live = [r for r in live if r.id not in gone]
+                await self._abandon_expired(expired, token)
         if not live:
             return
         envelopes = [self._envelope(r) for r in live]
@@ -351,7 +452,8 @@ class Processor:
             error = exceptions.MessageRejected(f"broker raised {type(exc).__name__}")
             results = [error] * len(envelopes)
         self._broker_up()
-        await self._record(live, envelopes, results, token)
+        with anyio.fail_after(self._db_bound):
+            await self._record(live, envelopes, results, token)
 
     async def _send(self, envelopes: list[Envelope]) -> PublishResults:
         """One broker call (ordered: one per round) between the instrumentation's
@@ -470,6 +572,29 @@ class Processor:
         if skipped:
             await self.store.release([r.id for r in skipped], token)
 
+    async def _abandon_expired(self, rows: list[ClaimedRow], token: str) -> None:
+        deadline = self.settings.retry_deadline_seconds
+        await self.store.abandon(
+            [r.id for r in rows],
+            token,
+            f"retry deadline of {deadline:g}s passed (retry_deadline_seconds): not published "
+            "that long after its commit",
+        )
+        self.abandoned_total += len(rows)
+        self._hook(
+            self.instrumentation.abandoned, self.broker_name, [self._envelope(r) for r in rows]
+        )
+        for r in rows:
+            logger.error(
+                "message abandoned: retry deadline passed",
+                extra={
+                    "action": "publish.abandoned",
+                    "broker": self.broker_name,
+                    "message_id": str(r.id),
+                    "attempts": r.attempts,
+                },
+            )
+
     async def _abandon_exhausted(self, rows: list[ClaimedRow], token: str) -> None:
         error = (
             f"claimed {rows[0].attempts} times (max_attempts={self.settings.max_attempts}) "
@@ -493,19 +618,32 @@ class Processor:
 
     async def _publish_ordered(self, envelopes: list[Envelope]) -> PublishResults:
         """Per-key order inside a batch: publish in rounds (the n-th message of every key in
-        round n) and stop a key at its first failure; its later messages are given back."""
+        round n) and stop a key at its first failure; its later messages are given back.
+
+        Rounds are one broker call each, so a deep key costs one round trip per message.
+        They run within a time budget (half of ``publish_timeout_seconds``): once it is
+        spent no new round starts, what was sent is marked and the rest is given back with
+        its attempt refunded and claimed again at once. A key whose queue is deeper than
+        one publish timeout allows therefore drains batch after batch instead of timing
+        out whole and being re-sent from its first message forever."""
         results: PublishResults = [None] * len(envelopes)
         # A message without a key is a queue of its own.
         queues: dict[tuple[str, str] | tuple[None, int], list[int]] = {}
         for i, e in enumerate(envelopes):
             queues.setdefault(("key", e.key) if e.key is not None else (None, i), []).append(i)
         blocked: set[tuple[str, str] | tuple[None, int]] = set()
+        budget_ends = time.monotonic() + self.settings.publish_timeout_seconds / 2
         depth = 0
         while True:
             round_ = [
                 (k, q[depth]) for k, q in queues.items() if len(q) > depth and k not in blocked
             ]
             if not round_:
+                break
+            if depth and time.monotonic() >= budget_ends:
+                for k, _first in round_:
+                    for later in queues[k][depth:]:
+                        results[later] = _NotAttempted()
                 break
             out = await self.broker.publish([envelopes[i] for _, i in round_])
             for (k, i), res in zip(round_, out, strict=True):

@@ -15,8 +15,13 @@ errors raised by the library name the setting, broker, table or message id invol
     ├── UnitOfWorkError             the unit of work was used wrongly (closed, nested, no outbox)
     ├── BrokerError                 raised by brokers
     │   ├── BrokerUnavailable       the broker cannot be reached: back off as a whole
+    │   │   └── BrokerRefusing      it answers but refuses every message for a reason of its
+    │   │                           own (out of memory, read-only replica, loading, JetStream
+    │   │                           without resources or leader): an outage, not the message
     │   └── MessageRejected         the broker refused one message: retry that message only
-    └── MessageNotFound             an admin command named a message id that does not exist
+    ├── MessageNotFound             an admin command named a message id that does not exist
+    ├── OperationError              an operator's request is malformed (a filter, a limit)
+    └── TooLate                     a cancel came after a dispatcher claimed the message
 """
 
 from __future__ import annotations
@@ -65,9 +70,23 @@ class BrokerUnavailable(BrokerError):
     """The broker cannot be reached; the processor backs off without burning attempts."""
 
 
+class BrokerRefusing(BrokerUnavailable):
+    """The broker answers but refuses every message for a reason of its own (out of memory,
+    read-only replica, still loading, JetStream without resources or leader): the processor
+    backs off as a whole, attempts refunded, and resumes by itself."""
+
+
 class MessageRejected(BrokerError):
     """The broker refused this message; it is retried on its own with backoff."""
 
 
 class MessageNotFound(OutboxError, LookupError):
     """No outbox message has that id."""
+
+
+class OperationError(OutboxError, ValueError):
+    """An operator's request (CLI or dashboard) is malformed."""
+
+
+class TooLate(OutboxError, RuntimeError):
+    """The message was claimed (or published) before it could be cancelled."""

@@ -1,11 +1,15 @@
 """``GET /outbox/health``: is the outbox moving?
 
 The body says ``ok``, ``degraded`` or ``down`` and, per processor, whether it runs, when it
-last claimed, its counts and the oldest pending age. HTTP 503 when ``down``: the database
-cannot be reached, a processor of this process has died, or the oldest pending message is
-older than ``health_max_pending_age_seconds``. ``degraded`` (HTTP 200): a broker cannot be
-reached, or messages are failing or abandoned. Counts come from the partial indexes and
-are cached for ``health_cache_seconds``; when the database cannot be reached they are
+last claimed, its counts and how long the longest-waiting due message has waited. HTTP 503
+when ``down`` — only for what a restart of *this* process can cure: the database cannot be
+reached, a processor of this process has died, or a due message has waited longer than
+``health_max_pending_age_seconds`` for a processor of this process that could take it (its
+broker reachable). ``degraded`` (HTTP 200): a broker is unreachable or refusing messages
+(with how long), messages are failing or abandoned, or messages wait too long in a process
+that runs no processor for them (an API-only process: restarting it would cure nothing).
+Counts come from the partial indexes and are cached for ``health_cache_seconds``; when
+the database cannot be reached they are
 ``null`` (unknown), and the check gives up after ``HEALTH_TIMEOUT_SECONDS`` so a database
 that hangs makes the endpoint answer 503, not hang. The body holds no payloads and no
 credentials: errors are reduced to their type or passed through ``log.safe_error``.
@@ -39,13 +43,21 @@ class ProcessorHealth(BaseModel):
     external: bool = Field(description="Publishes to an external broker.")
     running: bool = Field(description="Its workers run in this process.")
     broker_available: bool | None = Field(description="None when not running here.")
+    broker_down_since: dt.datetime | None = Field(
+        default=None,
+        description="Start of the current broker outage (unreachable or refusing), UTC.",
+    )
+    broker_down_seconds: float | None = Field(
+        default=None, description="How long the broker has been down; None when it is up."
+    )
     last_tick: dt.datetime | None = Field(description="Last successful claim (UTC).")
     pending: int | None = Field(description="None when the database cannot be reached.")
     processing: int | None
     failed: int | None
     abandoned: int | None
     oldest_pending_age_seconds: float | None = Field(
-        description="Age of the oldest pending message; None when there is none."
+        description="How long the longest-waiting due pending message has waited for a "
+        "dispatcher (from its commit, or from when it was given back); None when none waits."
     )
     published_last_minute: int | None
     last_error: str | None = Field(default=None, description="Last error, without data.")
@@ -67,7 +79,7 @@ async def compute_health(outbox: Outbox) -> OutboxHealth:
     stats: dict[str, BrokerStats] = {}
     try:
         with anyio.fail_after(HEALTH_TIMEOUT_SECONDS):
-            stats = await outbox.store.stats(outbox.all_brokers)
+            stats = await outbox.store.stats(outbox.all_brokers, ordered=settings.ordered)
         database_ok = True
     except Exception as exc:
         database_ok = False
@@ -82,15 +94,26 @@ async def compute_health(outbox: Outbox) -> OutboxHealth:
         if outbox.started and (p is None or not p.running):
             down = True
             reasons.append(f"processor {name!r} is not running")
-        if p is not None and p.running and not p.broker_ok:
+        broker_down = p is not None and p.running and not p.broker_ok
+        down_for: float | None = None
+        if broker_down and p is not None:
             degraded = True
-            reasons.append(f"broker {name!r} unreachable")
+            down_for = time.time() - (p.broker_down_since or time.time())
+            what = "refusing messages" if p.broker_refusing else "unreachable"
+            reasons.append(f"broker {name!r} {what} for {down_for:.0f}s")
         age = s.oldest_pending_age_seconds if s else None
         if age is not None and age > settings.health_max_pending_age_seconds:
-            down = True
+            # A restart cures a stuck processor of this process, not a broker outage (the
+            # processor is paused on purpose) nor an API-only process's view of the table.
+            stuck_here = p is not None and p.running and not broker_down
+            if stuck_here:
+                down = True
+            else:
+                degraded = True
             reasons.append(
-                f"oldest pending message of {name!r} is {age:.0f}s old "
+                f"a due message of {name!r} has waited {age:.0f}s "
                 f"(> health_max_pending_age_seconds={settings.health_max_pending_age_seconds:g})"
+                + ("" if stuck_here else "; no processor here could take it")
             )
         if s and (s.failed or s.abandoned):
             degraded = True
@@ -104,6 +127,12 @@ async def compute_health(outbox: Outbox) -> OutboxHealth:
                 external=name in outbox.external_brokers,
                 running=bool(p and p.running),
                 broker_available=None if p is None else p.broker_ok,
+                broker_down_since=(
+                    dt.datetime.fromtimestamp(p.broker_down_since, dt.UTC)
+                    if p is not None and p.broker_down_since is not None
+                    else None
+                ),
+                broker_down_seconds=None if down_for is None else round(down_for, 3),
                 last_tick=(
                     dt.datetime.fromtimestamp(p.last_tick, dt.UTC)
                     if p is not None and p.last_tick is not None

@@ -190,7 +190,9 @@ class PrometheusInstrumentation(Instrumentation):
                 m.processor_up.labels(name).set(1 if processor and processor.running else 0)
             try:
                 with anyio.fail_after(REFRESH_TIMEOUT_SECONDS):
-                    stats = await outbox.store.stats(outbox.all_brokers)
+                    stats = await outbox.store.stats(
+                        outbox.all_brokers, ordered=outbox.settings.ordered
+                    )
             except Exception:
                 m.database_up.set(0)
             else:

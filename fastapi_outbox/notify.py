@@ -61,6 +61,10 @@ class Wakeup:
         try:
             with anyio.move_on_after(timeout):
                 await event.wait()
+        except BaseException:
+            if event.is_set():
+                self._pending = True  # cancelled right after a signal: keep it for the next
+            raise
         finally:
             if not event.is_set():
                 with contextlib.suppress(ValueError):

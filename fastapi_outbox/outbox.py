@@ -8,8 +8,9 @@ import asyncio
 import contextlib
 import logging
 import re
+import uuid
 import weakref
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import anyio
@@ -68,6 +69,7 @@ class Outbox:
         session_factory: async_sessionmaker[AsyncSession] | None = None,
         instrumentation: Instrumentation | None = None,
         engine_options: Mapping[str, Any] | None = None,
+        dashboard_dependencies: Sequence[Any] | None = None,
     ) -> None:
         self.settings = settings if settings is not None else OutboxSettings.from_env()
         if isinstance(database, AsyncEngine):
@@ -115,10 +117,16 @@ class Outbox:
             broker.configure(dedup_window_seconds=self.settings.dedup_window_seconds)
             _check_dedup_window(broker_name, broker, self.settings)
         name = self.settings.table_name
+        # The shared ``schema.metadata`` (Alembic's) holds the default layout; an ordered
+        # outbox builds its table, with the ordered index, on a MetaData of its own.
+        shared = name == schema.outbox_table.name and not self.settings.ordered
         self.table = schema.build_table(
-            name, schema.metadata if name == schema.outbox_table.name else MetaData()
+            name, schema.metadata if shared else MetaData(), ordered=self.settings.ordered
         )
         self.store = Store(self.engine, self.table)
+        self.store.set_timeouts(
+            self.settings.statement_timeout_seconds, self.settings.lock_timeout_seconds
+        )
         self.capture: Capture = TableCapture(self.store)
         self.session_factory = session_factory or async_sessionmaker(
             self.engine, expire_on_commit=False
@@ -135,6 +143,10 @@ class Outbox:
         self._health_router: Any = None
         self._dependency: Any = None
         self._router: Any = None
+        self._dashboard_router: Any = None
+        self.dashboard_dependencies = (
+            None if dashboard_dependencies is None else list(dashboard_dependencies)
+        )
         Outbox._instances.add(self)
 
     def __repr__(self) -> str:
@@ -240,20 +252,28 @@ class Outbox:
         :mod:`fastapi_outbox.session_events`)."""
         self.capture.write(connection, rows)
 
-    def committed(self, brokers: frozenset[str] | set[str]) -> bool:
-        """Wake the dispatchers after a commit that wrote rows for ``brokers``.
+    def committed(self, brokers: Mapping[str, float]) -> bool:
+        """Wake the dispatchers after a commit that wrote rows for ``brokers`` (each with
+        the earliest delay of its rows: 0 for rows due now).
 
-        Returns True when other processes still have to be told: this process runs no
-        :class:`Notifier` (an API-only process, ``run_dispatchers=False``) but the outbox
-        is on PostgreSQL with ``notify`` on — the caller then sends the NOTIFY itself."""
+        Rows due now wake an idle worker of this process; delayed rows only tell its
+        poller when to look (no claim before they are due). Returns True when other
+        processes still have to be told: this process runs no :class:`Notifier` (an
+        API-only process, ``run_dispatchers=False``) but the outbox is on PostgreSQL with
+        ``notify`` on — the caller then sends the NOTIFY itself."""
         if not brokers:
             return False
         handled_here = True
-        for name in brokers:
+        for name, delay in brokers.items():
             processor = self.processors.get(name)
+            if processor is None or processor.stopping:
+                handled_here = False
+            elif delay > 0:
+                processor.schedule(delay)
+                handled_here = False  # other processes may poll later than it is due
             # An idle worker of this process takes the rows at once: no other process
             # needs waking, and the commit costs no NOTIFY.
-            if processor is None or processor.stopping or not processor.wakeup.set():
+            elif not processor.wakeup.set():
                 handled_here = False
         if handled_here:
             return False
@@ -276,6 +296,22 @@ class Outbox:
                 "notify after commit failed; dispatchers fall back to polling",
                 extra={"action": "notify.failed", "error": type(exc).__name__},
             )
+
+    async def cancel(self, message_id: uuid.UUID) -> None:
+        """Cancel a pending message (a delayed one, typically) before a dispatcher claims it.
+
+        Raises :class:`~fastapi_outbox.exceptions.MessageNotFound` for an unknown id and
+        :class:`~fastapi_outbox.exceptions.TooLate` when it was claimed or published first
+        (the cancel is fenced against a concurrent claim)."""
+        from fastapi_outbox import operations
+
+        outcome = await operations.cancel(self, [message_id])
+        if outcome.count:
+            return
+        problem = outcome.problems[0]
+        if problem.startswith("no outbox message"):
+            raise exceptions.MessageNotFound(problem)
+        raise exceptions.TooLate(problem)
 
     # -- schema -------------------------------------------------------------------------------
 
@@ -450,6 +486,24 @@ class Outbox:
 
             self._health_router = build_health_router(self)
         return self._health_router
+
+    @property
+    def dashboard_router(self) -> Any:
+        """The operator dashboard at ``/outbox/dashboard`` (:mod:`fastapi_outbox.dashboard`),
+        guarded by ``dashboard_dependencies``. Refused without a guard, so no deployment
+        exposes replay and abandon by accident: pass ``dashboard_dependencies=[]`` to serve
+        it unguarded on purpose (a trusted network)."""
+        if self.dashboard_dependencies is None:
+            raise exceptions.ConfigurationError(
+                "outbox.dashboard_router has no guard: pass Outbox(..., "
+                "dashboard_dependencies=[Depends(require_admin)]) to protect every page and "
+                "action, or dashboard_dependencies=[] to serve it unguarded on purpose"
+            )
+        if self._dashboard_router is None:
+            from fastapi_outbox.dashboard import build_dashboard_router
+
+            self._dashboard_router = build_dashboard_router(self, self.dashboard_dependencies)
+        return self._dashboard_router
 
     @property
     def router(self) -> Any:

@@ -97,18 +97,25 @@ class JsonText(TypeDecorator[str]):
         return None  # keep the JSON text
 
 
-def build_table(name: str = "outbox_messages", metadata_: MetaData | None = None) -> Table:
+def build_table(
+    name: str = "outbox_messages", metadata_: MetaData | None = None, *, ordered: bool = False
+) -> Table:
     """The outbox table called ``name`` on ``metadata_`` (a new ``MetaData`` when None).
 
     ``name`` must be a plain identifier (see ``OutboxSettings.table_name``): it is also
-    part of the index names and of the NOTIFY channel."""
+    part of the index names and of the NOTIFY channel. ``ordered`` adds the index that
+    serves the ordered claim (``OutboxSettings(ordered=True)``); unordered outboxes do
+    without it, which spares every insert one index entry."""
     try:
         check_table_name(name)
     except ValueError as exc:
         raise exceptions.ConfigurationError(str(exc)) from None
     md = metadata_ if metadata_ is not None else MetaData()
     if name in md.tables:
-        return md.tables[name]
+        table = md.tables[name]
+        if ordered:
+            _add_ordered_index(table)
+        return table
     table = Table(
         name,
         md,
@@ -167,7 +174,34 @@ def build_table(name: str = "outbox_messages", metadata_: MetaData | None = None
         postgresql_where=text("status = 'abandoned'"),
         sqlite_where=text("status = 'abandoned'"),
     )
+    if ordered:
+        _add_ordered_index(table)
     return table
+
+
+def ordered_index_name(table_name: str) -> str:
+    return f"ix_{table_name}_ordered"
+
+
+def _add_ordered_index(table: Table) -> None:
+    """The ordered claim walks a broker's active rows in insert order and stops after a
+    batch: ``(broker, seq)`` over the active rows serves it without sorting the backlog
+    (on SQLite an index on ``broker`` holds its entries in rowid order, which is SQLite's
+    insert order)."""
+    name = ordered_index_name(table.name)
+    if any(index.name == name for index in table.indexes):
+        return
+    Index(
+        name,
+        table.c.broker,
+        table.c.seq,
+        postgresql_where=text(_ACTIVE_SQL),
+    ).ddl_if(dialect="postgresql")
+    Index(
+        f"{name}_sqlite",
+        table.c.broker,
+        sqlite_where=text(_ACTIVE_SQL),
+    ).ddl_if(dialect="sqlite")
 
 
 #: The default ``MetaData`` with the default table, for Alembic's ``target_metadata``.
@@ -181,5 +215,6 @@ def ddl(table: Table, dialect: DialectT) -> str:
     statements += [
         str(CreateIndex(index).compile(dialect=dialect)).strip()
         for index in sorted(table.indexes, key=lambda i: i.name or "")
+        if index._ddl_if is None or index._ddl_if.dialect in (None, dialect.name)
     ]
     return ";\n\n".join(statements) + ";\n"

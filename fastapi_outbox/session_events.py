@@ -29,7 +29,7 @@ do after a commit; a session may carry rows for several outboxes (several tables
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from sqlalchemy import event as sa_event
@@ -51,8 +51,10 @@ class Sink(Protocol):
     def write_rows(self, connection: Connection, rows: list[dict[str, Any]]) -> None:
         """Insert ``rows`` on ``connection`` (sync API, called inside SQLAlchemy's greenlet)."""
 
-    def committed(self, brokers: frozenset[str] | set[str]) -> bool:
-        """Wake dispatchers; True when a NOTIFY must still be sent by the caller."""
+    def committed(self, brokers: Mapping[str, float]) -> bool:
+        """Wake (or, for delayed rows, schedule) dispatchers: ``brokers`` maps each broker
+        that got rows to the earliest delay among them (0: due now). True when a NOTIFY
+        must still be sent by the caller."""
 
 
 class SessionState:
@@ -63,8 +65,9 @@ class SessionState:
     def __init__(self) -> None:
         #: ``(savepoint or None, sink, row)``; ``None`` is the root transaction's level.
         self.queued: list[tuple[SessionTransaction | None, Sink, dict[str, Any]]] = []
-        #: brokers of rows written in the current root transaction, per sink.
-        self.written: dict[Sink, set[str]] = {}
+        #: brokers of rows written in the current root transaction, per sink, with the
+        #: earliest delay (seconds) of their rows.
+        self.written: dict[Sink, dict[str, float]] = {}
         #: sinks whose commit still needs a NOTIFY from an async caller.
         self.notify: list[Sink] = []
         self._publishers: list[Callable[[Event | Message], object]] = []
@@ -130,8 +133,12 @@ class SessionState:
             return
         connection = session.connection()
         for sink, rows in batches.items():
+            written = self.written.setdefault(sink, {})
+            for row in rows:
+                delay = row["delay"].total_seconds()
+                broker = row["broker"]
+                written[broker] = min(delay, written.get(broker, delay))
             sink.write_rows(connection, rows)
-            self.written.setdefault(sink, set()).update(row["broker"] for row in rows)
         self.queued = kept
 
     # -- transaction ends -----------------------------------------------------------------------

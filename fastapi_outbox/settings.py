@@ -15,7 +15,10 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from fastapi_outbox import exceptions
 
 TABLE_NAME = "outbox_messages"
-BATCH_SIZE = 100
+#: Largest claim of one worker (``batch_size``): claims grow to it while the backlog lasts.
+BATCH_SIZE = 500
+#: Claim size of an idle dispatcher (``min_batch_size``).
+MIN_BATCH_SIZE = 25
 WORKERS = 2
 LEASE_SECONDS = 30.0
 POLL_INTERVAL_SECONDS = 1.0
@@ -36,6 +39,12 @@ MAX_PAYLOAD_BYTES = 1024 * 1024
 SHUTDOWN_TIMEOUT_SECONDS = 10.0
 NOTIFY_INTERVAL_SECONDS = 0.002
 PUBLISH_TIMEOUT_SECONDS = 10.0
+#: Furthest ahead a delayed message may be due (30 days).
+MAX_DELAY_SECONDS = 30 * 86400.0
+#: Bound of each dispatcher statement (server side: statement_timeout, and client side).
+DB_STATEMENT_TIMEOUT_SECONDS = 10.0
+#: Bound of a dispatcher's wait for a lock (the ordered claimers' turn, a row lock).
+DB_LOCK_TIMEOUT_SECONDS = 5.0
 #: Extra margin added to lease + maximal backoff for the brokers' de-duplication window.
 DEDUP_MARGIN_SECONDS = 60.0
 #: ``lease_seconds`` must be at least this many times ``publish_timeout_seconds``: a claim
@@ -64,7 +73,20 @@ class OutboxSettings(BaseSettings):
         "is given no brokers= (and for `fastapi-outbox dispatch` without --broker-url).",
     )
     table_name: str = Field(default=TABLE_NAME, description="Name of the outbox table.")
-    batch_size: int = Field(default=BATCH_SIZE, ge=1, le=10_000)
+    batch_size: int = Field(
+        default=BATCH_SIZE,
+        ge=1,
+        le=10_000,
+        description="Largest claim of one worker. Claims start at min_batch_size, double "
+        "while they come back full and halve when they come back under a quarter full.",
+    )
+    min_batch_size: int = Field(
+        default=MIN_BATCH_SIZE,
+        ge=1,
+        le=10_000,
+        description="Claim size of an idle dispatcher (capped by batch_size; equal to it: "
+        "every claim asks for batch_size rows).",
+    )
     workers: int = Field(default=WORKERS, ge=1, le=64, description="Workers per processor.")
     lease_seconds: float = Field(default=LEASE_SECONDS, gt=0)
     poll_interval_seconds: float = Field(default=POLL_INTERVAL_SECONDS, gt=0)
@@ -74,6 +96,17 @@ class OutboxSettings(BaseSettings):
     retry_multiplier: float = Field(default=RETRY_MULTIPLIER, ge=1)
     retry_max_delay_seconds: float = Field(default=RETRY_MAX_DELAY_SECONDS, ge=0)
     retry_jitter: float = Field(default=RETRY_JITTER, ge=0, le=1)
+    max_delay_seconds: float = Field(
+        default=MAX_DELAY_SECONDS,
+        gt=0,
+        description="Furthest ahead a delayed message (publish(delay=…/deliver_at=…)) may be due.",
+    )
+    retry_deadline_seconds: float | None = Field(
+        default=None,
+        gt=0,
+        description="A message still unpublished this long after its commit is abandoned, "
+        "even with attempts left (None: only max_attempts ends retries).",
+    )
     broker_backoff_max_seconds: float = Field(default=BROKER_BACKOFF_MAX_SECONDS, gt=0)
     ordered: bool = False
     published_retention_seconds: float | None = Field(default=PUBLISHED_RETENTION_SECONDS, ge=0)
@@ -85,6 +118,20 @@ class OutboxSettings(BaseSettings):
     max_payload_bytes: int = Field(default=MAX_PAYLOAD_BYTES, ge=1)
     shutdown_timeout_seconds: float = Field(default=SHUTDOWN_TIMEOUT_SECONDS, gt=0)
     publish_timeout_seconds: float = Field(default=PUBLISH_TIMEOUT_SECONDS, gt=0)
+    db_statement_timeout_seconds: float | None = Field(
+        default=None,
+        gt=0,
+        description="Bound of each dispatcher database statement (PostgreSQL "
+        "statement_timeout / idle_in_transaction_session_timeout, and the driver's command "
+        "timeout): a frozen database or dispatcher cannot hold a claim or the ordered lock. "
+        "None: 10 s, or a third of lease_seconds when that is shorter.",
+    )
+    db_lock_timeout_seconds: float | None = Field(
+        default=None,
+        gt=0,
+        description="Bound of a dispatcher's wait for a lock (PostgreSQL lock_timeout). "
+        "None: half the statement timeout.",
+    )
     notify: bool = Field(default=True, description="Use PostgreSQL LISTEN/NOTIFY wake-ups.")
     notify_interval_seconds: float = Field(
         default=NOTIFY_INTERVAL_SECONDS,
@@ -95,6 +142,11 @@ class OutboxSettings(BaseSettings):
     )
     delete_on_publish: bool = Field(
         default=False, description="Delete rows once published instead of marking them."
+    )
+    dashboard_show_payloads: bool = Field(
+        default=True,
+        description="The dashboard shows message payloads (False: for data that must not be "
+        "shown to operators).",
     )
     run_dispatchers: bool = Field(
         default=True, description="Start dispatchers in the app lifespan (False: API only)."
@@ -122,6 +174,23 @@ class OutboxSettings(BaseSettings):
                 f"and the mark after it ({self.lease_seconds} < "
                 f"{LEASE_PUBLISH_MARGIN} x {self.publish_timeout_seconds})"
             )
+        if self.statement_timeout_seconds >= self.lease_seconds:
+            raise ValueError(
+                "db_statement_timeout_seconds (OUTBOX_DB_STATEMENT_TIMEOUT_SECONDS) must be "
+                "below lease_seconds (OUTBOX_LEASE_SECONDS): a claim must be recorded while "
+                f"its lease holds ({self.statement_timeout_seconds} >= {self.lease_seconds})"
+            )
+        if self.lock_timeout_seconds > self.statement_timeout_seconds:
+            raise ValueError(
+                "db_lock_timeout_seconds (OUTBOX_DB_LOCK_TIMEOUT_SECONDS) must be <= "
+                "db_statement_timeout_seconds (OUTBOX_DB_STATEMENT_TIMEOUT_SECONDS) "
+                f"({self.lock_timeout_seconds} > {self.statement_timeout_seconds})"
+            )
+        if "min_batch_size" in self.model_fields_set and self.min_batch_size > self.batch_size:
+            raise ValueError(
+                "min_batch_size (OUTBOX_MIN_BATCH_SIZE) must be <= batch_size "
+                f"(OUTBOX_BATCH_SIZE) ({self.min_batch_size} > {self.batch_size})"
+            )
         if self.retry_max_delay_seconds < self.retry_base_delay_seconds:
             raise ValueError(
                 "retry_max_delay_seconds (OUTBOX_RETRY_MAX_DELAY_SECONDS) must be >= "
@@ -129,6 +198,25 @@ class OutboxSettings(BaseSettings):
                 f"({self.retry_max_delay_seconds} < {self.retry_base_delay_seconds})"
             )
         return self
+
+    @property
+    def smallest_claim(self) -> int:
+        """Claim size of an idle dispatcher: ``min_batch_size``, at most ``batch_size``."""
+        return min(self.min_batch_size, self.batch_size)
+
+    @property
+    def statement_timeout_seconds(self) -> float:
+        """The effective ``db_statement_timeout_seconds``."""
+        if self.db_statement_timeout_seconds is not None:
+            return self.db_statement_timeout_seconds
+        return min(DB_STATEMENT_TIMEOUT_SECONDS, self.lease_seconds / 3)
+
+    @property
+    def lock_timeout_seconds(self) -> float:
+        """The effective ``db_lock_timeout_seconds``."""
+        if self.db_lock_timeout_seconds is not None:
+            return self.db_lock_timeout_seconds
+        return min(DB_LOCK_TIMEOUT_SECONDS, self.statement_timeout_seconds / 2)
 
     @classmethod
     def from_env(cls, **overrides: Any) -> OutboxSettings:

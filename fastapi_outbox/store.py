@@ -13,12 +13,15 @@ parameter vs. an expanding IN) and the ordering column (``seq`` vs. ``rowid``).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import datetime as dt
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any
 
+import anyio
 from sqlalchemy import (
     ARRAY,
     Interval,
@@ -57,6 +60,14 @@ ABANDONED = MessageStatus.ABANDONED.value
 _ACTIVE = [s.value for s in ACTIVE_STATUSES]
 
 
+def _age(now: dt.datetime, since: Any) -> float | None:
+    """Seconds from ``since`` (a due time) to ``now``; None while it is not yet due."""
+    if isinstance(since, str):  # SQLite aggregates return the stored text
+        since = dt.datetime.fromisoformat(since).replace(tzinfo=dt.UTC)
+    seconds = (now - since).total_seconds()
+    return seconds if seconds >= 0 else None
+
+
 def _active(alias: Any) -> ColumnElement[bool]:
     """``status IN ('pending', 'processing', 'failed')`` with the values in the SQL text:
     the partial indexes serve a statement only when its WHERE provably implies their
@@ -82,6 +93,8 @@ class ClaimedRow:
     payload: str
     headers: str
     attempts: int
+    #: When the producing transaction began (retry deadline).
+    created_at: dt.datetime | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -105,6 +118,8 @@ class BrokerStats:
     abandoned: int = 0
     oldest_pending_age_seconds: float | None = None
     published_last_minute: int = 0
+    #: Pending rows not due yet (delayed messages); included in ``pending``.
+    scheduled: int = 0
     #: Only with ``stats(published_totals=True)``.
     published: int | None = None
 
@@ -128,6 +143,19 @@ class Store:
         self._insert: Any = None
         self._insert_sql: tuple[str, list[str]] | None = None
         self._driver_statements: dict[str, tuple[str, list[str], dict[str, Any]]] = {}
+        #: Dispatcher statement bounds (seconds): see :meth:`set_timeouts`.
+        self.statement_timeout: float | None = None
+        self.lock_timeout: float | None = None
+
+    def set_timeouts(self, statement_seconds: float, lock_seconds: float) -> None:
+        """Bound the dispatcher's statements: the driver-level ones (claim, mark) get a
+        client-side command timeout (asyncpg then cancels the query on the server), and
+        the dispatcher's transactions (the ordered claim, recording failures) set
+        ``statement_timeout``, ``lock_timeout`` and ``idle_in_transaction_session_timeout``
+        locally, so neither a frozen database nor a frozen dispatcher holding the ordered
+        claimers' lock can stall dispatch for longer than that."""
+        self.statement_timeout = statement_seconds
+        self.lock_timeout = lock_seconds
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -175,6 +203,19 @@ class Store:
     # caching, parameter processing, result wrapping), which on a busy relay costs as much
     # CPU as the publish. Any other driver takes the SQLAlchemy path.
 
+    def _local_timeouts(self) -> list[Any]:
+        """``set_config(…, is_local => true)`` of the dispatcher's bounds for the current
+        transaction (nothing when :meth:`set_timeouts` was not called)."""
+        if self.statement_timeout is None or self.lock_timeout is None:
+            return []
+        statement = f"{int(self.statement_timeout * 1000)}ms"
+        lock = f"{int(self.lock_timeout * 1000)}ms"
+        return [
+            func.set_config("statement_timeout", statement, True),
+            func.set_config("lock_timeout", lock, True),
+            func.set_config("idle_in_transaction_session_timeout", statement, True),
+        ]
+
     def _driver_args(self, name: str, stmt: Any, params: dict[str, Any]) -> tuple[str, list[Any]]:
         """SQL text and positional arguments: values bound when the statement was built
         (statuses, NULLs) come from the compiled statement, the rest from ``params``."""
@@ -193,22 +234,41 @@ class Store:
         if self.engine.dialect.driver != "asyncpg":
             async with self._autocommit.connect() as conn:
                 return (await conn.execute(stmt, params)).all()
-        sql, args = self._driver_args(name, stmt, params)
-        async with self._autocommit.connect() as conn:
-            raw = await conn.get_raw_connection()
-            return await raw.driver_connection.fetch(sql, *args)  # type: ignore[union-attr]
+        return await self._driver_call("fetch", name, stmt, params)
 
     async def _driver_execute(self, name: str, stmt: Any, params: dict[str, Any]) -> int:
         """Run a DML statement; returns the row count."""
         if self.engine.dialect.driver != "asyncpg":
             async with self._autocommit.begin() as conn:
                 return int((await conn.execute(stmt, params)).rowcount)
-        sql, args = self._driver_args(name, stmt, params)
-        async with self._autocommit.connect() as conn:
-            raw = await conn.get_raw_connection()
-            status = await raw.driver_connection.execute(sql, *args)  # type: ignore[union-attr]
+        status = await self._driver_call("execute", name, stmt, params)
         # asyncpg returns the command tag: "UPDATE 42" / "DELETE 42".
         return int(status.rsplit(" ", 1)[-1])
+
+    async def _driver_call(self, method: str, name: str, stmt: Any, params: dict[str, Any]) -> Any:
+        """``fetch``/``execute`` of one statement on the asyncpg connection, in autocommit,
+        bounded by the statement timeout (see :meth:`_driver_connection`)."""
+        sql, args = self._driver_args(name, stmt, params)
+        async with self._driver_connection() as driver:
+            return await getattr(driver, method)(sql, *args, timeout=self.statement_timeout)
+
+    @contextlib.asynccontextmanager
+    async def _driver_connection(self) -> AsyncIterator[Any]:
+        """The asyncpg connection under a pooled SQLAlchemy connection, for the dispatcher's
+        statements. SQLAlchemy does not see what runs on it, so this is where a connection
+        whose state is unknown is dropped: one that died (backend terminated, server
+        restarted), timed out, or was cancelled mid-statement (a shutdown, the dispatcher's
+        own bound on a step) is invalidated, never handed out again by the pool."""
+        async with self._autocommit.connect() as conn:
+            raw = await conn.get_raw_connection()
+            driver: Any = raw.driver_connection
+            try:
+                yield driver
+            except BaseException as exc:
+                if isinstance(exc, TimeoutError | asyncio.CancelledError) or driver.is_closed():
+                    with anyio.CancelScope(shield=True):
+                        await conn.invalidate()
+                raise
 
     async def ping(self) -> None:
         """Raise if the database cannot be reached."""
@@ -231,21 +291,30 @@ class Store:
 
     def insert_statement(self) -> Any:
         """INSERT for the unit of work (built once); timestamps come from the database
-        clock on PostgreSQL, so created_at and the first due time agree with the claim's
-        now()."""
+        clock on PostgreSQL, so they agree with the claim's now(). ``created_at`` is the
+        transaction's start (when the event happened); the first due time is the INSERT's
+        own clock, at the commit (the unit of work writes its rows in ``before_commit``):
+        how long a row waits for a dispatcher is counted from then, not from the start of
+        a long producer transaction."""
         if self._insert is None:
             stmt = insert(self.table)
             if self.is_postgres:
-                stmt = stmt.values(created_at=func.now(), next_attempt_at=func.now())
+                # A delayed message (``publish(delay=…)``) is due that long after its commit.
+                stmt = stmt.values(
+                    created_at=func.now(),
+                    next_attempt_at=func.statement_timestamp()
+                    + bindparam("delay", type_=Interval()),
+                )
             self._insert = stmt
         return self._insert
 
     def row_params(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Complete the unit of work's row dicts for the INSERT (``delay``: a timedelta)."""
         if not self.is_postgres:
             now = dt.datetime.now(dt.UTC)
             for row in rows:
                 row["created_at"] = now
-                row["next_attempt_at"] = now
+                row["next_attempt_at"] = now + row.pop("delay")
                 row["seq"] = 0  # no identity columns on SQLite: the rowid gives insert order
         return rows
 
@@ -276,7 +345,7 @@ class Store:
     def _compiled_insert(self, conn: Connection | AsyncConnection) -> tuple[str, list[str]]:
         if self._insert_sql is None:
             compiled = self.insert_statement().compile(
-                dialect=conn.dialect, column_keys=list(INSERT_KEYS)
+                dialect=conn.dialect, column_keys=[*INSERT_KEYS, "delay"]
             )
             self._insert_sql = (compiled.string, list(compiled.positiontup or ()))
         return self._insert_sql
@@ -387,6 +456,7 @@ class Store:
                 cast(t.c.payload, Text),  # the stored JSON text, sent as is
                 cast(t.c.headers, Text),
                 t.c.attempts,
+                t.c.created_at,
                 *self._order_columns(t),
             )
         )
@@ -410,6 +480,8 @@ class Store:
         if self.is_postgres and not ordered:
             # One statement in autocommit: one round trip, no BEGIN/COMMIT.
             rows = await self._driver_fetch(f"claim:{broker}:{limit}", stmt, params)
+        elif self.is_postgres and self.engine.dialect.driver == "asyncpg":
+            rows = await self._ordered_claim_asyncpg(broker, limit, stmt, params)
         else:
             async with self.engine.connect() as conn:
                 if self.is_postgres:
@@ -424,13 +496,34 @@ class Store:
                         # is a prefix of every key's queue and no two batches hold rows of
                         # one key. SQLite claims are serialised by its write lock already.
                         lock = func.hashtext(f"{self._lock_key}:{broker}")
-                        await conn.execute(select(func.pg_advisory_xact_lock(lock)))
+                        await conn.execute(
+                            select(*self._local_timeouts(), func.pg_advisory_xact_lock(lock))
+                        )
                     rows = (await conn.execute(stmt, params)).all()
-        claimed = [ClaimedRow(*row[:7]) for row in rows]
+        claimed = [ClaimedRow(*row[:8]) for row in rows]
         if ordered:
-            order = {row[0]: tuple(row[7:]) for row in rows}
+            order = {row[0]: tuple(row[8:]) for row in rows}
             claimed.sort(key=lambda r: order[r.id])
         return claimed
+
+    async def _ordered_claim_asyncpg(
+        self, broker: str, limit: int, stmt: Any, params: dict[str, Any]
+    ) -> Any:
+        """The ordered claim's transaction on the asyncpg connection: the claimers' turn
+        (an advisory lock, bounded by ``lock_timeout``) and the claim, in READ COMMITTED so
+        the claim sees what the previous turn committed (see :meth:`claim`)."""
+        lock = select(
+            *self._local_timeouts(),
+            func.pg_advisory_xact_lock(func.hashtext(f"{self._lock_key}:{broker}")),
+        )
+        lock_sql, lock_args = self._driver_args(f"ordered_lock:{broker}", lock, {})
+        sql, args = self._driver_args(f"claim_ordered:{broker}:{limit}", stmt, params)
+        async with (
+            self._driver_connection() as driver,
+            driver.transaction(isolation="read_committed"),
+        ):
+            await driver.execute(lock_sql, *lock_args, timeout=self.statement_timeout)
+            return await driver.fetch(sql, *args, timeout=self.statement_timeout)
 
     async def mark_published(
         self, ids: Sequence[uuid.UUID], token: str, *, delete_rows: bool = False
@@ -508,12 +601,25 @@ class Store:
             else:
                 param["due_at"] = clock + delay
             params.append(param)
+        if self.is_postgres and self.engine.dialect.driver == "asyncpg":
+            # One transaction on the asyncpg connection (bounded, dropped when in doubt);
+            # asyncpg's executemany reports no row count, and the count is how a caller
+            # learns that a lease was lost: refusals are few, so one statement each.
+            marked = 0
+            async with self._driver_connection() as driver, driver.transaction():
+                bounds = select(*self._local_timeouts())
+                if self.statement_timeout is not None:
+                    sql, args = self._driver_args("local_timeouts", bounds, {})
+                    await driver.execute(sql, *args, timeout=self.statement_timeout)
+                for param in params:
+                    sql, args = self._driver_args("mark_failed", stmt, param)
+                    status = await driver.execute(sql, *args, timeout=self.statement_timeout)
+                    marked += int(status.rsplit(" ", 1)[-1])
+            return marked
         async with self.engine.begin() as conn:
             if not self.is_postgres:
                 result = await conn.execute(stmt, params)
                 return int(result.rowcount)
-            # asyncpg's executemany reports no row count (-1), and the count is how a
-            # caller learns that a lease was lost; refusals are few, so one statement each.
             marked = 0
             for param in params:
                 marked += int((await conn.execute(stmt, param)).rowcount)
@@ -538,8 +644,12 @@ class Store:
                 attempts=t.c.attempts - (1 if refund_attempt else 0),
             )
         )
+        params = {"ids": list(ids), "token": token}
+        if self.is_postgres:
+            name = "release_refund" if refund_attempt else "release"
+            return await self._driver_execute(name, stmt, params)
         async with self._autocommit.begin() as conn:
-            result = await conn.execute(stmt, {"ids": list(ids), "token": token})
+            result = await conn.execute(stmt, params)
         return int(result.rowcount)
 
     # -- observation -------------------------------------------------------------------------
@@ -559,10 +669,19 @@ class Store:
         keeps (``benchmarks/health.py`` prints their plans)."""
         t = self.table
         return {
-            # ix_<table>_due holds exactly the pending/processing/failed rows.
-            "active": select(t.c.broker, t.c.status, func.count(), func.min(t.c.created_at))
+            # ix_<table>_due holds exactly the pending/processing/failed rows. For pending
+            # rows the earliest due time tells how long a due row has waited.
+            "active": select(t.c.broker, t.c.status, func.count(), func.min(t.c.next_attempt_at))
             .where(self._status_is(*_ACTIVE))
             .group_by(t.c.broker, t.c.status),
+            # Ordered dispatch: the earliest due pending row that is not held back by an
+            # earlier row of its key (failing, or in flight): those wait for that row,
+            # not for a dispatcher. Served by ix_<table>_key.
+            "waiting_ordered": self._waiting_ordered(),
+            # Delayed messages not due yet: a range of ix_<table>_due past now.
+            "scheduled": select(t.c.broker, func.count())
+            .where(self._status_is(PENDING), t.c.next_attempt_at > self._now())
+            .group_by(t.c.broker),
             # ix_<table>_abandoned holds the abandoned rows.
             "abandoned": select(t.c.broker, func.count())
             .where(self._status_is(ABANDONED))
@@ -577,16 +696,42 @@ class Store:
             .group_by(t.c.broker),
         }
 
+    def _waiting_ordered(self) -> Any:
+        t = self.table
+        o, e = t.alias("o"), t.alias("e")
+        held = exists().where(
+            e.c.broker == o.c.broker,
+            e.c.key == o.c.key,
+            _active(e),
+            e.c.status != PENDING,
+            tuple_(*self._order_columns(e)) < tuple_(*self._order_columns(o)),
+        )
+        return (
+            select(o.c.broker, func.min(o.c.next_attempt_at))
+            .where(
+                o.c.status.in_([literal_column(f"'{PENDING}'")]),
+                o.c.next_attempt_at <= self._now(),
+                or_(o.c.key.is_(None), ~held),
+            )
+            .group_by(o.c.broker)
+        )
+
     async def stats(
-        self, brokers: Iterable[str] = (), *, published_totals: bool = False
+        self,
+        brokers: Iterable[str] = (),
+        *,
+        published_totals: bool = False,
+        ordered: bool = False,
     ) -> dict[str, BrokerStats]:
         """Counts per broker, from the partial indexes (cheap on a table of published rows).
 
-        ``oldest_pending_age_seconds`` is the age of the oldest *pending* row: one that no
-        attempt has refused yet (new, or given back while the broker was unreachable). A
-        failing message has its own count and backoff and does not make the outbox look
-        stalled. ``published_totals`` adds the count of published rows, which costs a
-        scan of all of them (the CLI's ``status``, never the health endpoint)."""
+        ``oldest_pending_age_seconds`` is how long the longest-waiting due *pending* row has
+        waited for a dispatcher: counted from its due time (its commit, or when it was given
+        back while the broker was unreachable), not from its producer's transaction start.
+        A failing message has its own count and backoff and does not make the outbox look
+        stalled; with ``ordered`` neither do the rows of its key behind it.
+        ``published_totals`` adds the count of published rows, which costs a scan of all
+        of them (the CLI's ``status``, never the health endpoint)."""
         out: dict[str, BrokerStats] = {name: BrokerStats(name) for name in brokers}
 
         def entry(name: str) -> BrokerStats:
@@ -600,10 +745,16 @@ class Store:
             for broker, status, count, oldest in await conn.execute(statements["active"]):
                 s = entry(broker)
                 setattr(s, status, int(count))
-                if status == PENDING and oldest is not None:
-                    s.oldest_pending_age_seconds = max(0.0, (db_now - oldest).total_seconds())
+                if status == PENDING and oldest is not None and not ordered:
+                    s.oldest_pending_age_seconds = _age(db_now, oldest)
+            if ordered:
+                for broker, oldest in await conn.execute(statements["waiting_ordered"]):
+                    if oldest is not None:
+                        entry(broker).oldest_pending_age_seconds = _age(db_now, oldest)
             for broker, count in await conn.execute(statements["abandoned"]):
                 entry(broker).abandoned = int(count)
+            for broker, count in await conn.execute(statements["scheduled"]):
+                entry(broker).scheduled = int(count)
             for broker, count in await conn.execute(statements["recent"]):
                 entry(broker).published_last_minute = int(count)
             if published_totals:
@@ -649,20 +800,118 @@ class Store:
         status: str | None = None,
         stream: str | None = None,
         broker: str | None = None,
+        type_: str | None = None,
+        key: str | None = None,
+        since: dt.datetime | None = None,
+        until: dt.datetime | None = None,
+        before_id: uuid.UUID | None = None,
         limit: int = 50,
+        scheduled: bool = False,
     ) -> list[Mapping[str, Any]]:
-        """Rows without payloads, newest first."""
+        """Rows without payloads, newest first (by id: UUIDv7 ids are time-ordered).
+
+        Keyset pagination: the next page is ``before_id=<last id of this page>``, one
+        primary-key range scan however deep the page — never OFFSET over millions of rows.
+        ``since``/``until`` bound ``created_at``; ``scheduled``: pending rows not yet due."""
         t = self.table
         cols = [c for c in t.c if c.name not in ("payload", "headers", "seq")]
         stmt = select(*cols).order_by(t.c.id.desc()).limit(limit)
-        if status is not None:
-            stmt = stmt.where(t.c.status == status)
-        if stream is not None:
-            stmt = stmt.where(t.c.stream == stream)
-        if broker is not None:
-            stmt = stmt.where(t.c.broker == broker)
+        if scheduled:  # pending and not due yet: delayed messages
+            stmt = stmt.where(self._status_is(PENDING), t.c.next_attempt_at > self._now())
+        elif status is not None:
+            stmt = stmt.where(self._status_is(status))
+        for column, value in ((t.c.stream, stream), (t.c.broker, broker), (t.c.type, type_)):
+            if value is not None:
+                stmt = stmt.where(column == value)
+        if key is not None:
+            stmt = stmt.where(t.c.key == key)
+        if since is not None:
+            stmt = stmt.where(t.c.created_at >= since)
+        if until is not None:
+            stmt = stmt.where(t.c.created_at < until)
+        if before_id is not None:
+            stmt = stmt.where(t.c.id < before_id)
         async with self.engine.connect() as conn:
             return [dict(r) for r in (await conn.execute(stmt)).mappings().all()]
+
+    async def stream_stats(self) -> list[dict[str, Any]]:
+        """Counts per (broker, stream) of the rows that need work and of the abandoned ones,
+        with the oldest due pending row per stream: from the partial indexes (the dashboard's
+        overview; cheap on a table of published rows)."""
+        t = self.table
+        active = (
+            select(
+                t.c.broker,
+                t.c.stream,
+                t.c.status,
+                func.count(),
+                func.min(t.c.next_attempt_at),
+            )
+            .where(self._status_is(*_ACTIVE))
+            .group_by(t.c.broker, t.c.stream, t.c.status)
+        )
+        abandoned = (
+            select(t.c.broker, t.c.stream, func.count())
+            .where(self._status_is(ABANDONED))
+            .group_by(t.c.broker, t.c.stream)
+        )
+        out: dict[tuple[str, str], dict[str, Any]] = {}
+
+        def entry(broker: str, stream: str) -> dict[str, Any]:
+            return out.setdefault(
+                (broker, stream),
+                {
+                    "broker": broker,
+                    "stream": stream,
+                    PENDING: 0,
+                    PROCESSING: 0,
+                    FAILED: 0,
+                    ABANDONED: 0,
+                    "oldest_pending_age_seconds": None,
+                },
+            )
+
+        async with self._autocommit.connect() as conn:
+            db_now = (await conn.execute(select(self._now()))).scalar_one()
+            if isinstance(db_now, str):
+                db_now = dt.datetime.fromisoformat(db_now).replace(tzinfo=dt.UTC)
+            for broker, stream, status, count, oldest in await conn.execute(active):
+                e = entry(broker, stream)
+                e[status] = int(count)
+                if status == PENDING and oldest is not None:
+                    e["oldest_pending_age_seconds"] = _age(db_now, oldest)
+            for broker, stream, count in await conn.execute(abandoned):
+                entry(broker, stream)[ABANDONED] = int(count)
+        return sorted(out.values(), key=lambda e: (e["broker"], e["stream"]))
+
+    async def published_per_minute(self, minutes: int = 60) -> list[tuple[dt.datetime, int]]:
+        """Published rows per minute over the last ``minutes`` (a range scan of the
+        published index), oldest first, minutes without any included as 0."""
+        t = self.table
+        if self.is_postgres:
+            bucket: Any = func.date_trunc("minute", t.c.published_at)
+        else:
+            bucket = func.strftime("%Y-%m-%dT%H:%M", t.c.published_at)
+        stmt = (
+            select(bucket.label("minute"), func.count())
+            .where(self._status_is(PUBLISHED), t.c.published_at > self._later(-60.0 * minutes))
+            .group_by(bucket)
+        )
+        async with self._autocommit.connect() as conn:
+            db_now = (await conn.execute(select(self._now()))).scalar_one()
+            if isinstance(db_now, str):
+                db_now = dt.datetime.fromisoformat(db_now).replace(tzinfo=dt.UTC)
+            counts: dict[dt.datetime, int] = {}
+            for minute, count in await conn.execute(stmt):
+                if isinstance(minute, str):
+                    minute = dt.datetime.fromisoformat(minute).replace(tzinfo=dt.UTC)
+                counts[minute.replace(second=0, microsecond=0)] = int(count)
+        end = db_now.replace(second=0, microsecond=0)
+        start = end - dt.timedelta(minutes=minutes - 1)
+        return [
+            (start + dt.timedelta(minutes=i), counts.get(start + dt.timedelta(minutes=i), 0))
+            for i in range(minutes)
+        ]
 
     # -- administration ------------------------------------------------------------------------
 
@@ -704,6 +953,66 @@ class Store:
         async with self.engine.begin() as conn:
             return list((await conn.execute(stmt)).scalars().all())
 
+    async def next_due_in(self, broker: str) -> float | None:
+        """Seconds until the earliest row of ``broker`` that needs work becomes due (a
+        delayed message, a backoff, a lease), None when there is none: the idle poller
+        sleeps that long at most. One read of ix_<table>_due."""
+        t = self.table
+        stmt = select(func.min(t.c.next_attempt_at)).where(
+            t.c.broker == broker, self._status_is(*_ACTIVE), t.c.next_attempt_at > self._now()
+        )
+        async with self._autocommit.connect() as conn:
+            db_now = (await conn.execute(select(self._now()))).scalar_one()
+            due = (await conn.execute(stmt)).scalar_one()
+        if due is None:
+            return None
+        if isinstance(db_now, str):
+            db_now = dt.datetime.fromisoformat(db_now).replace(tzinfo=dt.UTC)
+        if isinstance(due, str):
+            due = dt.datetime.fromisoformat(due).replace(tzinfo=dt.UTC)
+        seconds: float = (due - db_now).total_seconds()
+        return max(0.0, seconds)
+
+    async def cancel_unclaimed(self, ids: Sequence[uuid.UUID]) -> list[uuid.UUID]:
+        """Delete pending rows no dispatcher holds (fenced against a concurrent claim: the
+        claim's row lock is waited for, then the status is checked again). Returns the ids
+        cancelled."""
+        t = self.table
+        stmt = (
+            delete(t)
+            .where(
+                t.c.id.in_(list(ids)),
+                t.c.status.in_([PENDING]),
+                t.c.locked_by.is_(None),
+            )
+            .returning(t.c.id)
+        )
+        async with self.engine.begin() as conn:
+            return list((await conn.execute(stmt)).scalars().all())
+
+    async def abandon_unclaimed(self, ids: Sequence[uuid.UUID], error: str) -> list[uuid.UUID]:
+        """An operator's abandon: stop retrying pending or failed rows that no dispatcher
+        holds (fenced: a row claimed meanwhile is left to its claim). Returns the ids
+        abandoned."""
+        t = self.table
+        stmt = (
+            update(t)
+            .where(
+                t.c.id.in_(list(ids)),
+                t.c.status.in_([PENDING, FAILED]),
+                t.c.locked_by.is_(None),
+            )
+            .values(
+                status=ABANDONED,
+                abandoned_at=self._now(),
+                last_error=error[:ERROR_MAX_CHARS],
+                next_attempt_at=self._now(),
+            )
+            .returning(t.c.id)
+        )
+        async with self.engine.begin() as conn:
+            return list((await conn.execute(stmt)).scalars().all())
+
     async def purge_batch(self, status: str, older_than_seconds: float, limit: int) -> int:
         """Delete up to ``limit`` rows of ``status`` (published or abandoned) finished more
         than ``older_than_seconds`` ago. One short transaction: no long locks."""
@@ -722,7 +1031,8 @@ class Store:
         return int(result.rowcount)
 
     async def abandon(self, ids: Sequence[uuid.UUID], token: str, error: str) -> int:
-        """Abandon claimed rows without publishing (attempts exhausted by crashes)."""
+        """Abandon claimed rows without publishing (attempts exhausted by crashes, retry
+        deadline passed)."""
         return await self.mark_failed(
             [Failure(id=i, error=error, delay_seconds=0.0, abandon=True) for i in ids], token
         )

@@ -124,11 +124,16 @@ class UnitOfWork:
         key: str | None = None,
         headers: dict[str, str] | None = None,
         broker: str | None = None,
+        delay: float | dt.timedelta | None = None,
+        deliver_at: dt.datetime | None = None,
     ) -> uuid.UUID:
         """Queue ``event`` for the outbox; returns its message id.
 
-        Raises :class:`~fastapi_outbox.exceptions.PublishError` here, where the mistake is
-        made (unknown broker, payload not serialisable or too large, bad headers)."""
+        ``delay`` (seconds or a timedelta, counted from the commit) or ``deliver_at`` (a
+        timezone-aware datetime): the message is not published before then; at most
+        ``max_delay_seconds`` ahead. Raises :class:`~fastapi_outbox.exceptions.PublishError`
+        here, where the mistake is made (unknown broker, payload not serialisable or too
+        large, bad headers, a bad delay)."""
         if self._closed:
             raise exceptions.UnitOfWorkError(
                 "this unit of work has already committed or rolled back"
@@ -185,6 +190,7 @@ class UnitOfWork:
         if key is not None and len(key) > 255:
             raise exceptions.PublishError(f"key of {type_name} is longer than 255 characters")
         user_headers = _check_headers(extra_headers, type_name)
+        due_in = _delay(delay, deliver_at, outbox.settings.max_delay_seconds, type_name)
         message_id = uuid7()
         base = {
             HEADER_MESSAGE_ID: str(message_id),
@@ -211,6 +217,7 @@ class UnitOfWork:
                     "key": key,
                     "payload": payload,
                     "headers": json.dumps(row_headers, separators=(",", ":")),
+                    "delay": due_in,
                 }
             )
         self._state.queue(self.session.sync_session, self.outbox, rows)
@@ -235,6 +242,47 @@ class UnitOfWork:
     def _close(self) -> None:
         self._closed = True
         self._state.pop_publisher(self._publish_raised)
+
+
+_NO_DELAY = dt.timedelta(0)
+
+
+def _delay(
+    delay: float | dt.timedelta | None,
+    deliver_at: dt.datetime | None,
+    horizon: float,
+    type_name: str,
+) -> dt.timedelta:
+    """The delay of a message from ``publish(delay=…)`` / ``publish(deliver_at=…)``."""
+    if delay is None and deliver_at is None:
+        return _NO_DELAY
+    if delay is not None and deliver_at is not None:
+        raise exceptions.PublishError(f"{type_name}: give delay or deliver_at, not both")
+    if deliver_at is not None:
+        if not isinstance(deliver_at, dt.datetime) or deliver_at.tzinfo is None:
+            raise exceptions.PublishError(
+                f"{type_name}: deliver_at must be a timezone-aware datetime "
+                f"(e.g. datetime.now(UTC) + timedelta(minutes=5)), not {deliver_at!r}"
+            )
+        # A time already past is due at once.
+        seconds = max(0.0, (deliver_at - dt.datetime.now(dt.UTC)).total_seconds())
+    else:
+        if isinstance(delay, dt.timedelta):
+            seconds = delay.total_seconds()
+        elif isinstance(delay, int | float) and not isinstance(delay, bool):
+            seconds = float(delay)
+        else:
+            raise exceptions.PublishError(
+                f"{type_name}: delay must be seconds or a timedelta, not {delay!r}"
+            )
+        if not seconds >= 0:  # negative or NaN
+            raise exceptions.PublishError(f"{type_name}: delay must be >= 0, not {delay!r}")
+    if seconds > horizon:
+        raise exceptions.PublishError(
+            f"{type_name}: due in {seconds:.0f} s, beyond max_delay_seconds={horizon:g} "
+            "(OUTBOX_MAX_DELAY_SECONDS)"
+        )
+    return dt.timedelta(seconds=seconds)
 
 
 def _check_headers(headers: dict[str, str] | None, type_name: str) -> dict[str, str]:

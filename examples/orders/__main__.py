@@ -7,7 +7,7 @@ import os
 
 import uvicorn
 
-from examples.orders.app import BROKER_URL, DATABASE_URL, app
+from examples.orders.app import BROKER_URL, DASHBOARD_TOKEN, DATABASE_URL, app
 from fastapi_outbox.brokers import redact_url
 
 
@@ -22,6 +22,10 @@ def main() -> None:
     )
     print(f"  see it published: curl -s http://{host}:{port}/published")
     print(f"  outbox health:    curl -s http://{host}:{port}/outbox/health")
+    print(
+        f"  dashboard:        http://{host}:{port}/outbox/dashboard "
+        f"(user admin, password {DASHBOARD_TOKEN}; set DASHBOARD_TOKEN to choose it)"
+    )
     uvicorn.run(app, host=host, port=port, log_level="info")
 
 

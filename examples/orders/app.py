@@ -7,10 +7,12 @@ With no configuration it runs on a local SQLite file and the in-memory broker; s
 
 from __future__ import annotations
 
+import base64
 import os
+import secrets
 from typing import Any
 
-from fastapi import FastAPI, HTTPException
+from fastapi import Depends, FastAPI, HTTPException, Request
 from pydantic import BaseModel, Field
 from sqlalchemy import ForeignKey, String, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -59,8 +61,35 @@ class NewOrder(BaseModel):
     skus: list[str] = Field(default_factory=list, max_length=100)
 
 
+#: The dashboard's token: DASHBOARD_TOKEN, or one made up at start (printed by __main__).
+DASHBOARD_TOKEN = os.environ.get("DASHBOARD_TOKEN") or secrets.token_urlsafe(16)
+
+
+def require_dashboard_token(request: Request) -> None:
+    """The dashboard's guard: ``Authorization: Bearer <token>``, or HTTP basic auth with the
+    token as password (what a browser asks for); the user name is logged with actions."""
+    scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
+    user, token = "api", ""
+    if scheme.lower() == "bearer":
+        token = credentials
+    elif scheme.lower() == "basic":
+        try:
+            user, _, token = base64.b64decode(credentials).decode().partition(":")
+        except ValueError:
+            token = ""
+    if not secrets.compare_digest(token.encode(), DASHBOARD_TOKEN.encode()):
+        raise HTTPException(
+            401, "dashboard token required", headers={"WWW-Authenticate": 'Basic realm="outbox"'}
+        )
+    request.state.outbox_operator = user or "admin"
+
+
 broker = broker_from_url(BROKER_URL) if BROKER_URL != "memory://" else MemoryBroker()
-outbox = Outbox(DATABASE_URL, brokers={"default": broker})
+outbox = Outbox(
+    DATABASE_URL,
+    brokers={"default": broker},
+    dashboard_dependencies=[Depends(require_dashboard_token)],
+)
 
 
 async def _lifespan_tables() -> None:
@@ -81,6 +110,7 @@ def create_app() -> FastAPI:
 
     app = FastAPI(title="orders (fastapi-outbox example)", lifespan=lifespan)
     app.include_router(outbox.health_router)
+    app.include_router(outbox.dashboard_router)
 
     @app.post("/orders", status_code=201)
     async def place_order(body: NewOrder, uow: UnitOfWorkDep) -> dict[str, Any]:

@@ -43,9 +43,85 @@ KEY_HEADER = "key"
 _HEADER_OVERHEAD = 64
 
 
+#: JetStream error codes (``err_code``) that refuse every message for a reason of the
+#: server's own: insufficient resources, cluster not available, JetStream not enabled or
+#: temporarily unavailable, stream offline. Outages, not faults of a message.
+REFUSAL_ERR_CODES = frozenset({10008, 10023, 10039, 10076, 10118})
+_REFUSAL_PHRASES = ("insufficient resources", "offline", "no leader", "not available")
+
+
+def refusal_reason(error: BaseException, *, stream_known: bool) -> str | None:
+    """Why ``error`` (a JetStream publish or API failure) is a broker-wide refusal, else
+    None: the one place where JetStream errors are told apart.
+
+    A 503 or one of :data:`REFUSAL_ERR_CODES` is one. So is "no responders" for a subject
+    a stream was known to capture (``stream_known``): the stream or its leader is not
+    there right now. For a subject no stream was ever found for, "no responders" means no
+    stream captures it: a failure of that message (never a silent drop)."""
+    import nats.errors
+    import nats.js.errors
+
+    if isinstance(error, type):  # nats-py sets some exceptions as classes
+        error = error()
+    if isinstance(error, nats.js.errors.NoStreamResponseError | nats.errors.NoRespondersError):
+        return "no responders for a captured subject" if stream_known else None
+    if isinstance(error, nats.js.errors.APIError):
+        if error.code == 503 or error.err_code in REFUSAL_ERR_CODES:
+            return f"JetStream {error.code}/{error.err_code}: {error.description}"
+        text = (error.description or "").lower()
+        if any(phrase in text for phrase in _REFUSAL_PHRASES):
+            return f"JetStream {error.code}/{error.err_code}: {error.description}"
+    return None
+
+
 def stream_name_for(subject: str) -> str:
     """A valid JetStream stream name for ``subject`` (``orders.eu`` → ``orders_eu``)."""
     return re.sub(r"[^A-Za-z0-9_-]", "_", subject)
+
+
+def _wire_size(payload: bytes, headers: dict[str, str]) -> int:
+    """Bytes of a message with ``headers`` as NATS sends them (``Name: value\\r\\n``)."""
+    return len(payload) + sum(len(f"{k}: {v}\r\n".encode()) for k, v in headers.items())
+
+
+def _too_large(e: Envelope, headers: dict[str, str], limit: int) -> bool:
+    """Whether ``e`` exceeds the server's ``max_payload``. Cheap for the usual message:
+    the stored headers' JSON text bounds their wire form (``"k":"v",`` is longer than
+    ``k: v\\r\\n``; x4 covers any UTF-8 encoding), so the exact size is computed only
+    near the limit."""
+    bound = len(e.payload) + _HEADER_OVERHEAD + 4 * (len(e.headers_json) + len(e.id) + 64)
+    if e.key is not None:
+        bound += 4 * len(e.key)
+    if bound <= limit:
+        return False
+    return _wire_size(e.payload, headers) + _HEADER_OVERHEAD > limit
+
+
+def _deliver_ack_errors(js: Any) -> None:
+    """Make a JetStream error reply fail its ``publish_async`` future.
+
+    nats-py (2.16) builds the error of an error reply with ``APIError.from_error``, which
+    *raises* it inside the reply callback: the future never completes and the refusal
+    (insufficient resources, stream offline, …) would look like a missing ack after
+    ``ack_timeout_seconds``. This wraps the callback — before the first ``publish_async``
+    subscribes it — so the error reaches the future at once."""
+    import nats.js.errors
+
+    original = getattr(js, "_handle_async_reply", None)
+    futures = getattr(js, "_publish_async_futures", None)
+    if original is None or futures is None:
+        return
+
+    async def handle(msg: Any) -> None:
+        try:
+            await original(msg)
+        except nats.js.errors.APIError as exc:
+            token = msg.subject[len(js._nc._inbox_prefix) + 22 + 2 :]
+            future = js._publish_async_futures.get(token)
+            if future is not None and not future.done():
+                future.set_exception(exc)
+
+    js._handle_async_reply = handle
 
 
 class NatsJetStreamBroker:
@@ -160,6 +236,7 @@ class NatsJetStreamBroker:
                     raise self._unavailable(exc) from exc
                 self._nc = nc
             self._js = self._nc.jetstream(timeout=self.ack_timeout_seconds)
+            _deliver_ack_errors(self._js)
             logger.info(
                 "nats broker connected",
                 extra={"action": "broker.connect", "broker_url": redact_url(self.url)},
@@ -190,6 +267,7 @@ class NatsJetStreamBroker:
         if subject in self._known_subjects:
             return
         import nats.errors
+        import nats.js.errors
 
         try:
             await self._ensure_stream(subject)
@@ -199,6 +277,13 @@ class NatsJetStreamBroker:
             nats.errors.NoRespondersError,
         ) as exc:
             raise self._unavailable(exc) from exc
+        except nats.js.errors.APIError as exc:
+            reason = refusal_reason(exc, stream_known=True)
+            if reason is None:
+                raise
+            raise exceptions.BrokerRefusing(
+                f"NATS at {redact_url(self.url)} refuses messages: {reason}"
+            ) from exc
 
     async def _ensure_stream(self, subject: str) -> None:
         import nats.js.errors
@@ -261,55 +346,87 @@ class NatsJetStreamBroker:
                     if e.stream == subject:
                         results[i] = exc
         limit = self._nc.max_payload
+        publish_async = self._js.publish_async
         futures: dict[int, asyncio.Future[Any]] = {}
-        for i, e in enumerate(batch):
-            if results[i] is not None:
-                continue
-            headers = dict(e.headers)
-            if e.key is not None:
-                headers[KEY_HEADER] = e.key  # the ordering key, like Redis's ``key`` field
-            # Last, so that no user header can replace the de-duplication id.
-            headers[MSG_ID_HEADER] = e.id
-            size = len(e.payload) + sum(len(f"{k}: {v}\r\n".encode()) for k, v in headers.items())
-            if size + _HEADER_OVERHEAD > limit:
-                results[i] = exceptions.MessageRejected(
-                    f"message {e.id} ({size} bytes) exceeds the NATS server's "
-                    f"max_payload of {limit} bytes"
-                )
-                continue
-            try:
-                futures[i] = await self._js.publish_async(e.stream, e.payload, headers=headers)
-            except (nats.errors.ConnectionClosedError, nats.errors.OutboundBufferLimitError) as exc:
-                for f in futures.values():
-                    f.cancel()
-                raise self._unavailable(exc) from exc
-            except Exception as exc:
-                results[i] = exceptions.MessageRejected(f"NATS refused message {e.id}: {exc}")
-        if futures:
-            done, pending = await asyncio.wait(futures.values(), timeout=self.ack_timeout_seconds)
-            for f in pending:
-                f.cancel()
-            if pending and not done:
-                raise self._unavailable(
-                    f"no ack for {len(pending)} messages in {self.ack_timeout_seconds}s"
-                )
-            for i, f in futures.items():
-                if f.cancelled():
+        try:
+            for i, e in enumerate(batch):
+                if results[i] is not None:
+                    continue
+                headers = dict(e.headers)
+                if e.key is not None:
+                    headers[KEY_HEADER] = e.key  # the ordering key, like Redis's ``key`` field
+                # Last, so that no user header can replace the de-duplication id.
+                headers[MSG_ID_HEADER] = e.id
+                if _too_large(e, headers, limit):
                     results[i] = exceptions.MessageRejected(
-                        f"no JetStream ack for message {batch[i].id} "
-                        f"within {self.ack_timeout_seconds}s"
+                        f"message {e.id} ({_wire_size(e.payload, headers)} bytes) exceeds "
+                        f"the NATS server's max_payload of {limit} bytes"
                     )
                     continue
-                error = f.exception()
-                if error is not None:
-                    results[i] = exceptions.MessageRejected(
-                        f"JetStream refused message {batch[i].id} on subject "
-                        f"{batch[i].stream!r}: {type(error).__name__}: "
-                        f"{error or 'no stream captures it'}"
+                try:
+                    futures[i] = await publish_async(e.stream, e.payload, headers=headers)
+                except (
+                    nats.errors.ConnectionClosedError,
+                    nats.errors.OutboundBufferLimitError,
+                ) as exc:
+                    for f in futures.values():
+                        f.cancel()
+                    raise self._unavailable(exc) from exc
+                except Exception as exc:
+                    if refusal_reason(exc, stream_known=True) is not None:
+                        for f in futures.values():
+                            f.cancel()
+                        raise exceptions.BrokerRefusing(
+                            f"NATS at {redact_url(self.url)} refuses messages: {exc}"
+                        ) from exc
+                    results[i] = exceptions.MessageRejected(f"NATS refused message {e.id}: {exc}")
+            if futures:
+                # gather (not asyncio.wait): one done-callback per future and nothing to
+                # remove afterwards; on the timeout it cancels the futures still waiting,
+                # and those that were acknowledged keep their result.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(
+                        asyncio.gather(*futures.values(), return_exceptions=True),
+                        self.ack_timeout_seconds,
                     )
-                    # The stream may have been deleted: look it up again next time.
-                    self._known_subjects.discard(batch[i].stream)
-        return results
+                if all(f.cancelled() for f in futures.values()):
+                    raise self._unavailable(
+                        f"no ack for {len(futures)} messages in {self.ack_timeout_seconds}s"
+                    )
+                for i, f in futures.items():
+                    if f.cancelled():
+                        results[i] = exceptions.MessageRejected(
+                            f"no JetStream ack for message {batch[i].id} "
+                            f"within {self.ack_timeout_seconds}s"
+                        )
+                        continue
+                    error = f.exception()
+                    if error is not None:
+                        reason = refusal_reason(
+                            error, stream_known=batch[i].stream in self._known_subjects
+                        )
+                        if reason is not None:
+                            # The stream is found (or created) again before the next try.
+                            self._known_subjects.discard(batch[i].stream)
+                            raise exceptions.BrokerRefusing(
+                                f"NATS at {redact_url(self.url)} refuses messages: {reason}"
+                            )
+                        results[i] = exceptions.MessageRejected(
+                            f"JetStream refused message {batch[i].id} on subject "
+                            f"{batch[i].stream!r}: {type(error).__name__}: "
+                            f"{error or 'no stream captures it'}"
+                        )
+                        # The stream may have been deleted: look it up again next time.
+                        self._known_subjects.discard(batch[i].stream)
+            return results
+        finally:
+            # However this ends — an ack timeout, a refusal, or the caller's own timeout
+            # cancelling this task — no ack future outlives the call: nats-py releases the
+            # publish_async slot of a future when it completes, so a future left pending
+            # after every frozen-server episode would exhaust them.
+            for f in futures.values():
+                if not f.done():
+                    f.cancel()
 
     async def __aenter__(self) -> NatsJetStreamBroker:
         await self.connect()

@@ -81,6 +81,39 @@ return out
 
 DedupMode = Literal["auto", "script", "idmp", "off"]
 
+#: Error codes with which Redis refuses *every* write for a reason of its own: out of
+#: memory, a read-only replica (after a failover), a failed RDB save (``MISCONF``), a
+#: dataset still loading, a busy script, a cluster without quorum or mid-resharding. They
+#: are outages of the broker, not faults of a message: the processor backs off as a whole
+#: and no attempt is charged.
+REFUSAL_CODES = frozenset(
+    {
+        "OOM",
+        "READONLY",
+        "MISCONF",
+        "LOADING",
+        "BUSY",
+        "CLUSTERDOWN",
+        "TRYAGAIN",
+        "MASTERDOWN",
+        "NOREPLICAS",
+        "NOTREADY",
+    }
+)
+
+
+def refusal_code(error: BaseException | str) -> str | None:
+    """The code of a broker-wide refusal in ``error``, else None: the one place where
+    Redis errors are told apart. ``error`` is a reply error from redis-py (which strips
+    known codes from the text into ``status_code``) or the ``"!<error>"`` text the
+    publish script returns for an XADD that Redis refused."""
+    code = getattr(error, "status_code", None)
+    if not code:
+        text = str(error).lstrip("!").lstrip()
+        code = text.split(" ", 1)[0]
+    code = str(code)  # Redis error codes are upper case: "oom" in a text is not one
+    return code if code in REFUSAL_CODES else None
+
 
 class RedisStreamsBroker:
     """Publishes to Redis Streams (``redis.asyncio``), pipelined and de-duplicated."""
@@ -211,6 +244,11 @@ class RedisStreamsBroker:
                 await self._publish_script(batch, by_stream, results)
         except (rexc.ConnectionError, rexc.TimeoutError, OSError) as exc:
             raise self._unavailable(exc) from exc
+        for result in results:
+            if isinstance(result, exceptions.BrokerRefusing):
+                # Some messages of the batch may be in the stream already: the whole batch
+                # comes back later and the de-duplication returns their first entries.
+                raise result
         return results
 
     async def _publish_script(
@@ -242,17 +280,12 @@ class RedisStreamsBroker:
             if isinstance(reply, BaseException):
                 self._raise_if_unreachable(reply)
                 for i in chunk:
-                    results[i] = exceptions.MessageRejected(
-                        f"Redis refused message {batch[i].id}: {reply}"
-                    )
+                    results[i] = self._rejected(batch[i], reply)
                 continue
             for i, entry in zip(chunk, reply, strict=True):
                 text = entry.decode() if isinstance(entry, bytes) else str(entry)
                 if text.startswith("!"):
-                    results[i] = exceptions.MessageRejected(
-                        f"Redis refused message {batch[i].id} on stream "
-                        f"{batch[i].stream!r}: {text[1:]}"
-                    )
+                    results[i] = self._rejected(batch[i], text[1:])
 
     async def _publish_idmp(
         self, batch: Sequence[Envelope], by_stream: dict[str, list[int]], results: PublishResults
@@ -278,9 +311,20 @@ class RedisStreamsBroker:
         for i, reply in zip(order, replies, strict=True):
             if isinstance(reply, BaseException):
                 self._raise_if_unreachable(reply)
-                results[i] = exceptions.MessageRejected(
-                    f"Redis refused message {batch[i].id}: {reply}"
-                )
+                results[i] = self._rejected(batch[i], reply)
+
+    def _rejected(self, envelope: Envelope, error: BaseException | str) -> BaseException:
+        """The result for a message Redis refused: :class:`MessageRejected`, or
+        :class:`BrokerRefusing` when the error's code says Redis refuses every write
+        (``publish`` then raises it for the whole batch)."""
+        code = refusal_code(error)
+        if code is not None:
+            return exceptions.BrokerRefusing(
+                f"Redis at {redact_url(self.url)} refuses writes ({code}): {error}"
+            )
+        return exceptions.MessageRejected(
+            f"Redis refused message {envelope.id} on stream {envelope.stream!r}: {error}"
+        )
 
     def _raise_if_unreachable(self, reply: BaseException) -> None:
         import redis.exceptions as rexc

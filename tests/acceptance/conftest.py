@@ -83,10 +83,21 @@ class Server:
         self.kills += 1
         wait_for_port(self.port, up=False)
 
+    def freeze(self) -> None:
+        """SIGSTOP: the server keeps its sockets open and answers nothing."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        """SIGCONT after :meth:`freeze`."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
     def stop(self) -> None:
         proc, self.proc = self.proc, None
         if proc is None or proc.poll() is not None:
             return
+        proc.send_signal(signal.SIGCONT)  # a frozen server cannot act on SIGTERM
         proc.terminate()
         try:
             proc.wait(5)

@@ -497,3 +497,25 @@ def test_dispatch_http_option_is_validated() -> None:
     )
     assert result.returncode == 2
     assert "--http takes HOST:PORT" in result.stderr
+
+
+async def test_abandon(outbox: Outbox, pg_url: str) -> None:
+    stream = unique("a")
+    pending = await publish(outbox, stream, 2)
+    done = await publish(outbox, stream, 1)
+    await set_status(outbox, done, "published")
+
+    ok, refused = await run_all(
+        (SCRIPT, "abandon", str(pending[0]), "--reason", "obsolete", "--url", pg_url),
+        (MODULE, "abandon", str(done[0]), str(pending[1]), "--url", pg_url),
+    )
+    assert ok.returncode == 0, out(ok)
+    assert "abandoned 1 message(s)" in ok.stdout.decode()
+    first = await row(outbox, pending[0])
+    assert first["status"] == "abandoned" and "obsolete" in first["last_error"]
+    assert "by cli:" in first["last_error"]  # the operator, as the CLI knows it
+    # One published (refused, named), one pending (abandoned): exit 1 for the refusal.
+    assert refused.returncode == 1
+    assert f"message {done[0]} is published" in refused.stderr.decode()
+    assert (await row(outbox, pending[1]))["status"] == "abandoned"
+    assert (await row(outbox, done[0]))["status"] == "published"

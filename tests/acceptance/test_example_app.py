@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -147,6 +148,16 @@ async def test_embedded_default_sqlite_and_memory_broker(
         await assert_healthy(client, service)
         orders = (await client.get(f"{service.base_url}/orders")).json()
         assert [o["id"] for o in orders if o["customer"] == customer] == [order_id]
+
+        # The dashboard: guarded by the token the service printed at start.
+        dashboard = f"{service.base_url}/outbox/dashboard"
+        assert (await client.get(dashboard)).status_code == 401
+        printed = re.search(r"user admin, password (\S+);", service.output())
+        assert printed is not None, service.output()
+        page = await client.get(dashboard, auth=("admin", printed.group(1)))
+        assert page.status_code == 200 and "Published per minute" in page.text
+        bearer = {"Authorization": f"Bearer {printed.group(1)}"}
+        assert (await client.get(f"{dashboard}/api/overview", headers=bearer)).status_code == 200
     assert (tmp_path / "orders.db").is_file()  # the embedded database, in the cwd
 
 

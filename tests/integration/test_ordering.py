@@ -428,3 +428,49 @@ async def test_a_due_row_locked_by_someone_else_holds_back_its_key(
         assert [r.key for r in claimed] == ["other"]
     claimed = await outbox.store.claim("default", 10, "t2", 30, ordered=True)
     assert [r.id for r in claimed] == [rows[0]["id"], rows[1]["id"]]
+
+
+class SlowBroker(MemoryBroker):
+    """Takes ``delay`` seconds per call, however many messages it carries."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.delay = delay
+
+    async def publish(self, batch: Any) -> Any:
+        await anyio.sleep(self.delay)
+        return await super().publish(batch)
+
+
+async def test_a_key_deeper_than_one_publish_timeout_still_drains_in_order(db_url: str) -> None:
+    """60 messages of one key, 50 ms per broker call, a 1 s publish timeout: a batch is
+    more rounds than one timeout allows. It used to time out whole, be given back and be
+    re-sent from its first message forever; now each publish round has a time budget."""
+    broker = SlowBroker(0.05)
+    outbox = Outbox(
+        db_url,
+        brokers={"default": broker},
+        settings=ordered_settings(
+            workers=1, batch_size=100, publish_timeout_seconds=1, lease_seconds=5
+        ),
+    )
+    await outbox.create_tables()
+    stream = unique("orders")
+    try:
+        async with outbox.unit_of_work() as uow:
+            ids = [
+                str(uow.publish(Message(stream, "Step", {"n": n}), key="deep")) for n in range(60)
+            ]
+        async with outbox.dispatcher():
+            await broker.wait_for(60, timeout=30)
+            processor = outbox.processors["default"]
+            assert processor.broker_ok  # slow is not an outage
+        assert [m.id for m in broker.messages] == ids  # in order, each once
+        assert broker.duplicates == 0
+        t = outbox.table
+        async with outbox.engine.connect() as conn:
+            found = (await conn.execute(select(t.c.status, t.c.attempts))).all()
+        assert {r.status for r in found} == {"published"}
+        assert {r.attempts for r in found} == {1}  # a round given back costs no attempt
+    finally:
+        await outbox.aclose()

@@ -27,6 +27,7 @@ PACKAGE_DIR = Path(fastapi_outbox.__file__).parent
 
 EXPECTED_ALL = {
     "AggregateRoot",
+    "BrokerRefusing",
     "BrokerUnavailable",
     "ConfigurationError",
     "Envelope",
@@ -162,7 +163,9 @@ def test_publish_signature_matches_the_contract() -> None:
     import inspect
 
     params = inspect.signature(UnitOfWork.publish).parameters
-    assert list(params) == ["self", "event", "key", "headers", "broker"]
-    for name in ("key", "headers", "broker"):
+    assert list(params) == [
+        "self", "event", "key", "headers", "broker", "delay", "deliver_at"
+    ]  # fmt: skip
+    for name in ("key", "headers", "broker", "delay", "deliver_at"):
         assert params[name].kind is inspect.Parameter.KEYWORD_ONLY
         assert params[name].default is None

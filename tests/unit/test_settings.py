@@ -19,7 +19,8 @@ from fastapi_outbox import ConfigurationError, Outbox, OutboxSettings, build_tab
 
 CONTRACT_DEFAULTS = {
     "table_name": "outbox_messages",
-    "batch_size": 100,
+    "batch_size": 500,  # the largest claim; claims adapt from min_batch_size (25)
+    "min_batch_size": 25,
     "workers": 2,
     "lease_seconds": 30,
     "poll_interval_seconds": 1.0,

@@ -1,0 +1,303 @@
+"""Operator actions on the outbox: one set, called by the CLI and by the dashboard.
+
+``list_messages``, ``show``, ``replay``, ``replay_abandoned``, ``abandon``, ``cancel``,
+``purge``, ``overview``. The SQL stays in :mod:`fastapi_outbox.store` (retention's batched delete in
+:mod:`fastapi_outbox.retention`); this module validates what an operator asked for, runs
+it, explains refusals per message id, and logs every change with the operator's identity
+(``operator=``: who asked, as the dashboard's guard or the CLI's user knows it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+import logging
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from fastapi_outbox import exceptions
+from fastapi_outbox.events import MessageStatus
+
+if TYPE_CHECKING:
+    from fastapi_outbox.outbox import Outbox
+
+logger = logging.getLogger("fastapi_outbox.operations")
+
+#: Statuses a single-message replay accepts: abandoned, or failed (retry now, no backoff).
+REPLAYABLE = (MessageStatus.ABANDONED.value, MessageStatus.FAILED.value)
+#: Statuses an operator may abandon: not yet published and not held by a dispatcher.
+ABANDONABLE = (MessageStatus.PENDING.value, MessageStatus.FAILED.value)
+#: Statuses of messages that can still be cancelled (when no dispatcher holds them).
+CANCELLABLE = (MessageStatus.PENDING.value,)
+#: Rows moved back to pending per statement by ``replay_abandoned``.
+REPLAY_BATCH_SIZE = 1000
+#: ``status`` filters: the stored statuses, and ``scheduled`` (pending, not yet due).
+STATUS_FILTERS = (*(s.value for s in MessageStatus), "scheduled")
+#: Most messages one list page shows.
+MAX_PAGE_SIZE = 500
+
+
+@dataclasses.dataclass(slots=True)
+class Outcome:
+    """What an action changed: ``changed`` ids, and a sentence per id it left alone."""
+
+    changed: list[uuid.UUID]
+    problems: list[str]
+
+    @property
+    def count(self) -> int:
+        return len(self.changed)
+
+
+@dataclasses.dataclass(slots=True)
+class MessageFilter:
+    """Filters of ``list_messages``; ``None`` means any."""
+
+    status: str | None = None
+    stream: str | None = None
+    broker: str | None = None
+    type: str | None = None
+    key: str | None = None
+    since: dt.datetime | None = None
+    until: dt.datetime | None = None
+
+    def __post_init__(self) -> None:
+        if self.status is not None and self.status not in STATUS_FILTERS:
+            raise exceptions.OperationError(
+                f"status: {self.status!r} is not one of " + ", ".join(STATUS_FILTERS)
+            )
+        for name in ("since", "until"):
+            value = getattr(self, name)
+            if value is not None and value.tzinfo is None:
+                setattr(self, name, value.replace(tzinfo=dt.UTC))
+
+
+async def list_messages(
+    outbox: Outbox,
+    where: MessageFilter,
+    *,
+    before_id: uuid.UUID | None = None,
+    limit: int = 50,
+) -> list[Mapping[str, Any]]:
+    """A page of messages without payloads, newest first; the next page is
+    ``before_id=<last id>`` (keyset pagination)."""
+    if not 1 <= limit <= MAX_PAGE_SIZE:
+        raise exceptions.OperationError(f"limit: must be 1 to {MAX_PAGE_SIZE}, not {limit}")
+    return await outbox.store.list_messages(
+        status=where.status,
+        scheduled=where.status == "scheduled",
+        stream=where.stream,
+        broker=where.broker,
+        type_=where.type,
+        key=where.key,
+        since=where.since,
+        until=where.until,
+        before_id=before_id,
+        limit=limit,
+    )
+
+
+async def show(outbox: Outbox, message_id: uuid.UUID) -> dict[str, Any]:
+    """One message with its headers and payload decoded; MessageNotFound when absent."""
+    row = await outbox.store.get(message_id)
+    if row is None:
+        raise exceptions.MessageNotFound(f"no outbox message with id {message_id}")
+    data = {k: v for k, v in dict(row).items() if k not in ("payload", "headers")}
+    data["headers"] = json.loads(row["headers"])
+    data["payload"] = json.loads(row["payload"])
+    return data
+
+
+async def replay(
+    outbox: Outbox, ids: Sequence[uuid.UUID], *, operator: str | None = None
+) -> Outcome:
+    """Move abandoned (or failed) messages back to pending with attempts reset."""
+    moved = await outbox.store.replay(list(dict.fromkeys(ids)), statuses=REPLAYABLE)
+    outcome = Outcome(moved, await _problems(outbox, ids, moved, REPLAYABLE, "replayed"))
+    _log("replay", outcome, operator)
+    return outcome
+
+
+async def replay_abandoned(
+    outbox: Outbox,
+    *,
+    stream: str | None = None,
+    operator: str | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> int:
+    """Move every abandoned message (of ``stream``) back to pending, in bounded batches."""
+    total = await outbox.store.count_matching(MessageStatus.ABANDONED.value, stream=stream)
+    replayed = 0
+    # Bounded: each round moves rows out of 'abandoned', so at most total/batch + a few
+    # rounds (rows abandoned meanwhile are taken too, up to twice the initial count).
+    for _ in range(2 * (total // REPLAY_BATCH_SIZE) + 3):
+        moved = await outbox.store.replay(stream=stream, limit=REPLAY_BATCH_SIZE)
+        replayed += len(moved)
+        if progress is not None:
+            progress(len(moved))
+        if len(moved) < REPLAY_BATCH_SIZE:
+            break
+    logger.info(
+        "abandoned messages replayed",
+        extra={
+            "action": "operator.replay_abandoned",
+            "stream": stream,
+            "count": replayed,
+            "operator": operator,
+        },
+    )
+    return replayed
+
+
+async def abandon(
+    outbox: Outbox,
+    ids: Sequence[uuid.UUID],
+    *,
+    operator: str | None = None,
+    reason: str | None = None,
+) -> Outcome:
+    """Stop retrying pending or failed messages that no dispatcher holds right now."""
+    who = f" by {operator}" if operator else ""
+    error = f"abandoned by an operator{who}" + (f": {reason}" if reason else "")
+    changed = await outbox.store.abandon_unclaimed(list(dict.fromkeys(ids)), error)
+    outcome = Outcome(changed, await _problems(outbox, ids, changed, ABANDONABLE, "abandoned"))
+    _log("abandon", outcome, operator)
+    return outcome
+
+
+async def cancel(
+    outbox: Outbox, ids: Sequence[uuid.UUID], *, operator: str | None = None
+) -> Outcome:
+    """Cancel pending messages (delayed ones, typically) that no dispatcher has claimed:
+    their rows are deleted. Fenced against a concurrent claim: a message claimed first
+    is too late to cancel, and the answer says so."""
+    changed = await outbox.store.cancel_unclaimed(list(dict.fromkeys(ids)))
+    problems = [
+        p.replace(": only pending messages can be cancelled", "")
+        .replace("message ", "too late: message ", 1)
+        .replace(" is held by a dispatcher right now: not cancelled", " is being published")
+        if not p.startswith("no outbox message")
+        else p
+        for p in await _problems(outbox, ids, changed, CANCELLABLE, "cancelled")
+    ]
+    outcome = Outcome(changed, problems)
+    _log("cancel", outcome, operator)
+    return outcome
+
+
+async def purge(
+    outbox: Outbox,
+    status: str,
+    older_than_seconds: float,
+    *,
+    batch_size: int,
+    operator: str | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> int:
+    """Delete finished (published or abandoned) messages older than that, in batches."""
+    from fastapi_outbox import retention
+
+    deleted = await retention.purge(
+        outbox.store, status, older_than_seconds, batch_size=batch_size, progress=progress
+    )
+    logger.info(
+        "messages purged",
+        extra={
+            "action": "operator.purge",
+            "status": status,
+            "count": deleted,
+            "operator": operator,
+        },
+    )
+    return deleted
+
+
+@dataclasses.dataclass(slots=True)
+class Overview:
+    """What the dashboard's overview shows."""
+
+    streams: list[dict[str, Any]]
+    per_minute: list[tuple[dt.datetime, int]]
+    database_ok: bool
+    brokers: list[dict[str, Any]]
+    consumers: list[Any]
+
+
+async def overview(outbox: Outbox) -> Overview:
+    """Counts per broker and stream, published per minute over the last hour, and the
+    status of the database and of each broker's processor in this process."""
+    try:
+        streams = await outbox.store.stream_stats()
+        per_minute = await outbox.store.published_per_minute(60)
+        database_ok = True
+    except Exception as exc:
+        logger.warning(
+            "overview: database unreachable",
+            extra={"action": "operations.overview", "error": type(exc).__name__},
+        )
+        streams, per_minute, database_ok = [], [], False
+    brokers = []
+    for name in outbox.all_brokers:
+        p = outbox.processors.get(name) if outbox.started else None
+        brokers.append(
+            {
+                "broker": name,
+                "external": name in outbox.external_brokers,
+                "running": bool(p and p.running),
+                "available": None if p is None else p.broker_ok,
+                "refusing": bool(p and p.broker_refusing),
+                "down_since": (
+                    dt.datetime.fromtimestamp(p.broker_down_since, dt.UTC)
+                    if p is not None and p.broker_down_since is not None
+                    else None
+                ),
+                "last_error": p.last_error if p is not None else None,
+            }
+        )
+    consumers: list[Any] = []
+    consumers_status = getattr(outbox, "consumers_status", None)
+    if consumers_status is not None:
+        consumers = list(await consumers_status())
+    return Overview(streams, per_minute, database_ok, brokers, consumers)
+
+
+async def _problems(
+    outbox: Outbox,
+    asked: Sequence[uuid.UUID],
+    changed: Sequence[uuid.UUID],
+    allowed: Sequence[str],
+    verb: str,
+) -> list[str]:
+    """A sentence for every asked id that was not changed: unknown, or in a state the
+    action does not apply to."""
+    done = set(changed)
+    problems = []
+    for mid in dict.fromkeys(asked):  # keep the order given, once each
+        if mid in done:
+            continue
+        row = await outbox.store.get(mid)
+        if row is None:
+            problems.append(f"no outbox message with id {mid}")
+        elif row["status"] in allowed:
+            problems.append(f"message {mid} is held by a dispatcher right now: not {verb}")
+        else:
+            problems.append(
+                f"message {mid} is {row['status']}: only {' or '.join(allowed)} messages "
+                f"can be {verb}"
+            )
+    return problems
+
+
+def _log(action: str, outcome: Outcome, operator: str | None) -> None:
+    logger.info(
+        f"operator {action}",
+        extra={
+            "action": f"operator.{action}",
+            "count": outcome.count,
+            "message_ids": [str(i) for i in outcome.changed][:100],
+            "refused": len(outcome.problems),
+            "operator": operator,
+        },
+    )

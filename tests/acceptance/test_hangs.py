@@ -1,0 +1,148 @@
+"""Hangs end: a broker frozen with SIGSTOP, ten times in a row, while producers commit.
+
+Each cycle freezes a private Redis or NATS server (never the shared ones) for three times
+``publish_timeout_seconds``, then resumes it. After every resume the dispatcher is back
+within ``RECOVERY_BOUND_SECONDS`` (a message committed after the resume is published by
+then); nothing leaks across cycles (Redis client connections, NATS ack futures and
+publish slots, asyncio tasks); at the end every committed message is in the stream once.
+
+The bound: a publish in flight when the server froze ends at ``publish_timeout_seconds``
+(0.3 s here), the processor then pauses at most ``broker_backoff_max_seconds`` (0.4 s) per
+try, and the next claim and publish take milliseconds: about 1 s; the assertion allows 5 s
+for a loaded 2-core machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import anyio
+import pytest
+
+from fastapi_outbox import Message, Outbox, OutboxSettings
+from fastapi_outbox.brokers import NatsJetStreamBroker, RedisStreamsBroker
+from tests.acceptance.conftest import Server, exactly_once, nats_ids, redis_ids, wait_drained
+from tests.conftest import unique, wait_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.postgres]
+
+CYCLES = 10
+PUBLISH_TIMEOUT = 0.3
+RECOVERY_BOUND_SECONDS = 5.0
+SETTINGS = {
+    "publish_timeout_seconds": PUBLISH_TIMEOUT,
+    "lease_seconds": 2,
+    "poll_interval_seconds": 0.05,
+    "max_poll_interval_seconds": 0.2,
+    "broker_backoff_max_seconds": 0.4,
+    "shutdown_timeout_seconds": 2,
+}
+
+
+async def commit(outbox: Outbox, stream: str, n: int, ids: list[str]) -> list[str]:
+    async with outbox.unit_of_work() as uow:
+        made = [str(uow.publish(Message(stream, "Tick", {"i": i}))) for i in range(n)]
+    ids.extend(made)
+    return made
+
+
+async def freeze_cycles(
+    outbox: Outbox, server: Server, stream: str, delivered: Any, leaks: Any
+) -> list[str]:
+    committed: list[str] = []
+    processor = outbox.processors["default"]
+    await commit(outbox, stream, 20, committed)
+    await wait_drained(outbox, 20, lambda: "warm-up")
+    baseline = await leaks()
+    recoveries = []
+    for cycle in range(CYCLES):
+        server.freeze()
+        try:
+            # Producers keep committing while the broker hangs.
+            await commit(outbox, stream, 10, committed)
+            await wait_until(lambda: not processor.broker_ok, timeout=10)
+            frozen_until = (processor.broker_down_since or time.time()) + 3 * PUBLISH_TIMEOUT
+            await wait_until(lambda: time.time() >= frozen_until, timeout=10)  # noqa: B023
+            await commit(outbox, stream, 10, committed)
+        finally:
+            server.thaw()
+        resumed = time.monotonic()
+        probe = await commit(outbox, stream, 1, committed)
+
+        async def probe_published(message_id: str = probe[0]) -> bool:
+            return message_id in await delivered()
+
+        try:
+            await wait_until(probe_published, timeout=RECOVERY_BOUND_SECONDS, interval=0.05)
+        except TimeoutError:
+            pytest.fail(f"cycle {cycle}: not recovered {RECOVERY_BOUND_SECONDS}s after resume")
+        recoveries.append(time.monotonic() - resumed)
+    await wait_drained(outbox, 30, lambda: f"after the cycles: {processor.last_error}")
+    print(f"recovery after resume: max {max(recoveries):.2f}s, cycles {CYCLES}")
+    after = await leaks()
+    for name, before in baseline.items():
+        assert after[name] <= before + 2, f"{name} grew across cycles: {before} -> {after[name]}"
+    return committed
+
+
+def task_count() -> int:
+    return len(asyncio.all_tasks())
+
+
+async def test_frozen_redis_ten_times(pg_url: str, private_redis: Server) -> None:
+    import redis.asyncio as aioredis
+
+    stream = unique("orders")
+    broker = RedisStreamsBroker(private_redis.url, socket_timeout=1)
+    outbox = Outbox(pg_url, brokers={"default": broker}, settings=OutboxSettings(**SETTINGS))
+    await outbox.create_tables()
+    admin = aioredis.Redis.from_url(private_redis.url, socket_timeout=2)
+
+    async def delivered() -> list[str]:
+        return await redis_ids(private_redis.url, stream)
+
+    async def leaks() -> dict[str, int]:
+        clients = await admin.client_list()
+        return {"redis connections": len(clients) - 1, "asyncio tasks": task_count()}
+
+    try:
+        async with outbox.dispatcher():
+            committed = await freeze_cycles(outbox, private_redis, stream, delivered, leaks)
+        exactly_once(committed, await delivered())
+    finally:
+        await admin.aclose()
+        await outbox.aclose()
+
+
+@pytest.mark.nats
+async def test_frozen_nats_ten_times(pg_url: str, private_nats: Server) -> None:
+    stream = unique("orders")
+    broker = NatsJetStreamBroker(
+        private_nats.url, ack_timeout_seconds=PUBLISH_TIMEOUT * 2, connect_timeout_seconds=1
+    )
+    outbox = Outbox(pg_url, brokers={"default": broker}, settings=OutboxSettings(**SETTINGS))
+    await outbox.create_tables()
+    seen: set[str] = set()
+
+    async def delivered() -> set[str]:
+        # Read through a separate connection, only while the server answers.
+        seen.update(await nats_ids(private_nats.url, stream))
+        return seen
+
+    async def leaks() -> dict[str, int]:
+        js: Any = broker._js
+        return {
+            "pending ack futures": len(js._publish_async_futures),
+            "publish slots taken": 4000 - js._publish_async_pending_semaphore._value,
+            "asyncio tasks": task_count(),
+        }
+
+    try:
+        async with outbox.dispatcher():
+            committed = await freeze_cycles(outbox, private_nats, stream, delivered, leaks)
+        with anyio.fail_after(30):
+            exactly_once(committed, await nats_ids(private_nats.url, stream))
+    finally:
+        await outbox.aclose()
