@@ -345,6 +345,10 @@ class NatsJetStreamBroker:
                 for i, e in enumerate(batch):
                     if e.stream == subject:
                         results[i] = exc
+        # Subjects a stream captured when this call began: for them "no responders" means
+        # the stream went away mid-call (an outage), whatever a concurrent call of another
+        # worker did to ``_known_subjects`` meanwhile.
+        captured = {e.stream for e in batch if e.stream in self._known_subjects}
         limit = self._nc.max_payload
         publish_async = self._js.publish_async
         futures: dict[int, asyncio.Future[Any]] = {}
@@ -402,9 +406,7 @@ class NatsJetStreamBroker:
                         continue
                     error = f.exception()
                     if error is not None:
-                        reason = refusal_reason(
-                            error, stream_known=batch[i].stream in self._known_subjects
-                        )
+                        reason = refusal_reason(error, stream_known=batch[i].stream in captured)
                         if reason is not None:
                             # The stream is found (or created) again before the next try.
                             self._known_subjects.discard(batch[i].stream)
