@@ -76,7 +76,14 @@ async def run_through_refusal(
             await wait_until(lambda: _down_for(processor) > 1.0, timeout=15)
             assert await outbox.store.count("abandoned") == 0
             assert await outbox.store.count("failed") == 0
-            assert await unfinished(outbox) > 0
+            left = await unfinished(outbox)
+            if left == 0:  # say what the server was doing: the refusal must hold here
+                role = (await admin.info("replication")).get("role")
+                length = await admin.xlen(stream)
+                pytest.fail(
+                    f"all published while refusing: role={role}, xlen={length}, "
+                    f"committed={len(committed)}, last_error={processor.last_error}"
+                )
 
             await accept(admin)
             await wait_drained(outbox, 30, lambda: f"after the refusal: {processor.last_error}")
