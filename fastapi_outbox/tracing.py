@@ -17,7 +17,7 @@ no span at all and only a valid incoming ``traceparent`` is passed along.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi_outbox.events import (
     HEADER_CORRELATION_ID,
@@ -25,7 +25,9 @@ from fastapi_outbox.events import (
     HEADER_TRACESTATE,
     Envelope,
 )
-from fastapi_outbox.instrumentation import PublishFinisher, PublishOutcome
+
+if TYPE_CHECKING:  # annotations only: instrumentation imports this module lazily
+    from fastapi_outbox.instrumentation import PublishFinisher, PublishOutcome
 
 TRACER_NAME = "fastapi_outbox"
 
