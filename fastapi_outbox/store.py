@@ -835,9 +835,8 @@ class Store:
             return [dict(r) for r in (await conn.execute(stmt)).mappings().all()]
 
     async def stream_stats(self) -> list[dict[str, Any]]:
-        """Counts per (broker, stream) of the rows that need work, of the scheduled ones
-        (delayed, not due yet: also counted in pending) and of the abandoned ones, with the
-        oldest due pending row per stream: from the partial indexes (the dashboard's
+        """Counts per (broker, stream) of the rows that need work and of the abandoned ones,
+        with the oldest due pending row per stream: from the partial indexes (the dashboard's
         overview; cheap on a table of published rows)."""
         t = self.table
         active = (
@@ -856,12 +855,6 @@ class Store:
             .where(self._status_is(ABANDONED))
             .group_by(t.c.broker, t.c.stream)
         )
-        # Delayed messages: the range of ix_<table>_due past now.
-        scheduled = (
-            select(t.c.broker, t.c.stream, func.count())
-            .where(self._status_is(PENDING), t.c.next_attempt_at > self._now())
-            .group_by(t.c.broker, t.c.stream)
-        )
         out: dict[tuple[str, str], dict[str, Any]] = {}
 
         def entry(broker: str, stream: str) -> dict[str, Any]:
@@ -874,7 +867,6 @@ class Store:
                     PROCESSING: 0,
                     FAILED: 0,
                     ABANDONED: 0,
-                    "scheduled": 0,
                     "oldest_pending_age_seconds": None,
                 },
             )
@@ -890,8 +882,6 @@ class Store:
                     e["oldest_pending_age_seconds"] = _age(db_now, oldest)
             for broker, stream, count in await conn.execute(abandoned):
                 entry(broker, stream)[ABANDONED] = int(count)
-            for broker, stream, count in await conn.execute(scheduled):
-                entry(broker, stream)["scheduled"] = int(count)
         return sorted(out.values(), key=lambda e: (e["broker"], e["stream"]))
 
     async def published_per_minute(self, minutes: int = 60) -> list[tuple[dt.datetime, int]]:

@@ -145,7 +145,7 @@ def build_dashboard_router(outbox: Outbox, dependencies: list[Any]) -> APIRouter
         peak = max((count for _, count in view.per_minute), default=0)
         totals = {
             status: sum(int(s[status]) for s in view.streams)
-            for status in ("pending", "scheduled", "processing", "failed", "abandoned")
+            for status in ("pending", "processing", "failed", "abandoned")
         }
         return {
             "view": view,
