@@ -222,7 +222,16 @@ def _print_ddl(args: argparse.Namespace) -> int:
 
     try:
         settings = OutboxSettings.from_env()
-        table = build_table(args.table or settings.table_name, ordered=settings.ordered)
+        if settings.partitioning is not None and args.dialect == "sqlite":
+            raise CliError(
+                f"partitioning={settings.partitioning!r} (OUTBOX_PARTITIONING) needs "
+                "PostgreSQL: SQLite keeps one plain table"
+            )
+        table = build_table(
+            args.table or settings.table_name,
+            ordered=settings.ordered,
+            partitioning=settings.partitioning,
+        )
     except exceptions.ConfigurationError as exc:  # bad --table or OUTBOX_* variable
         raise CliError(str(exc)) from exc
     module = sqlite if args.dialect == "sqlite" else postgresql
