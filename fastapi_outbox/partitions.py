@@ -134,14 +134,6 @@ def _q(name: str) -> str:
 # -- reading the catalogue ------------------------------------------------------------------
 
 
-def is_partitioned(conn: Connection, table: str) -> bool:
-    row = conn.execute(
-        text("SELECT c.relkind FROM pg_class c WHERE c.oid = to_regclass(:name)"),
-        {"name": _q(table)},
-    ).first()
-    return row is not None and row[0] == "p"
-
-
 def list_partitions(conn: Connection, table: str) -> list[Partition]:
     """The partitions of ``table``, by start (DEFAULT last). The bounds are read in UTC."""
     conn.execute(text("SET LOCAL TimeZone = 'UTC'"))
@@ -170,14 +162,18 @@ def _db_now(conn: Connection) -> dt.datetime:
 
 
 def wanted_ranges(
-    now: dt.datetime, interval: dt.timedelta, existing: list[Partition]
+    now: dt.datetime,
+    interval: dt.timedelta,
+    existing: list[Partition],
+    *,
+    ahead: float = AHEAD_SECONDS,
 ) -> list[tuple[dt.datetime, dt.datetime]]:
-    """Ranges to create so partitions cover ``now`` .. ``now + AHEAD_SECONDS`` (at least two
-    intervals), aligned on ``interval`` from the Unix epoch in UTC, clipped around existing
-    partitions (an attached legacy table may end at any time)."""
+    """Ranges to create so partitions cover ``now`` .. ``now + ahead`` seconds (at least
+    two intervals), aligned on ``interval`` from the Unix epoch in UTC, clipped around
+    existing partitions (an attached legacy table may end at any time)."""
     step = interval.total_seconds()
     first = _EPOCH + dt.timedelta(seconds=(now - _EPOCH).total_seconds() // step * step)
-    horizon = now + max(dt.timedelta(seconds=AHEAD_SECONDS), 2 * interval)
+    horizon = now + max(dt.timedelta(seconds=ahead), 2 * interval)
     ranges = [p for p in existing if not p.is_default]
     out = []
     start = first

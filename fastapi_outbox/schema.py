@@ -163,6 +163,7 @@ def build_table(
     )
     if interval is not None:
         table.info["partitioning"] = interval
+        table.info["partitioning_setting"] = partitioning
         partitions.install(table, interval)
     # The claim index: only rows that still need work, in due order per broker.
     Index(
