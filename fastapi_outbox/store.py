@@ -855,6 +855,12 @@ class Store:
             .where(self._status_is(ABANDONED))
             .group_by(t.c.broker, t.c.stream)
         )
+        # Delayed messages not due yet (included in pending): a range of ix_<table>_due.
+        scheduled = (
+            select(t.c.broker, t.c.stream, func.count())
+            .where(self._status_is(PENDING), t.c.next_attempt_at > self._now())
+            .group_by(t.c.broker, t.c.stream)
+        )
         out: dict[tuple[str, str], dict[str, Any]] = {}
 
         def entry(broker: str, stream: str) -> dict[str, Any]:
@@ -867,6 +873,7 @@ class Store:
                     PROCESSING: 0,
                     FAILED: 0,
                     ABANDONED: 0,
+                    "scheduled": 0,
                     "oldest_pending_age_seconds": None,
                 },
             )
@@ -882,6 +889,8 @@ class Store:
                     e["oldest_pending_age_seconds"] = _age(db_now, oldest)
             for broker, stream, count in await conn.execute(abandoned):
                 entry(broker, stream)[ABANDONED] = int(count)
+            for broker, stream, count in await conn.execute(scheduled):
+                entry(broker, stream)["scheduled"] = int(count)
         return sorted(out.values(), key=lambda e: (e["broker"], e["stream"]))
 
     async def published_per_minute(self, minutes: int = 60) -> list[tuple[dt.datetime, int]]:
