@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -321,3 +322,65 @@ def test_cli_db_sql_and_create_with_partitioning(pg_url: str) -> None:
     status = run_cli("status", "--url", url, "--json", env=env)
     assert status.returncode == 0, status.stderr
     json.loads(status.stdout)
+
+
+async def test_the_readme_procedure_moves_a_plain_table_to_partitions(pg_url: str) -> None:
+    """The README's SQL, as written (the cut-over moved to tomorrow): rows of the old table
+    stay where they are and are still dispatched; new rows go to the new partitions."""
+    import asyncpg
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    block = readme.split("```sql\n-- Move outbox_messages to daily partitions")[1]
+    script = block.split("\n", 1)[1].split("```")[0]  # from the line after the title
+    tomorrow = midnight(dt.datetime.now(dt.UTC)) + DAY
+    script = script.replace("2026-11-26 00:00+00", tomorrow.strftime("%Y-%m-%d %H:%M+00"))
+    step1, step2 = script.split("-- 2. The switch, one transaction:")
+
+    plain = Outbox(
+        pg_url, brokers={"default": MemoryBroker()}, settings=OutboxSettings(run_dispatchers=False)
+    )
+    stream = unique("orders")
+    try:
+        await plain.create_tables()
+        old_pending = await publish(plain, stream, 5)
+        old_done = await publish(plain, stream, 3)
+        await age_rows(plain, old_done, status="published", published_at=dt.datetime.now(dt.UTC))
+    finally:
+        await plain.aclose()
+
+    conn = await asyncpg.connect(pg_url.replace("+asyncpg", ""))
+    try:
+        for statement in step1.split(";\n"):
+            if statement.strip():
+                await conn.execute(statement)
+        await conn.execute(step2)  # BEGIN … COMMIT: one transaction
+    finally:
+        await conn.close()
+    env = {"OUTBOX_PARTITIONING": "daily"}
+    upgraded = run_cli("db", "upgrade", "--url", pg_url, env=env)
+    assert upgraded.returncode == 0, upgraded.stdout + upgraded.stderr
+    doctor = run_cli("doctor", "--url", pg_url, env=env)
+    assert doctor.returncode == 0, doctor.stdout
+
+    outbox = partitioned(pg_url)
+    try:
+        new = await publish(outbox, stream, 4)
+        placed = await where_rows(outbox)
+        assert {placed[i] for i in [*old_pending, *old_done]} == {"outbox_messages_legacy"}
+        # Today is before the cut-over: new rows still go to the old table, now a partition.
+        assert {placed[i] for i in new} == {"outbox_messages_legacy"}
+        seqs = {
+            r["id"]: r["seq"]
+            for r in [await outbox.store.get(i) for i in [*old_pending, *new]]
+            if r
+        }
+        assert min(seqs[i] for i in new) > max(seqs[i] for i in old_pending)
+        assert await drain(outbox) == 9
+        broker = outbox.brokers["default"]
+        assert isinstance(broker, MemoryBroker)
+        assert {uuid.UUID(m.id) for m in broker.messages} == {*old_pending, *new}
+        names = [p.name for p in await outbox.partitions.partitions()]  # type: ignore[union-attr]
+        assert names[0] == "outbox_messages_legacy"
+        assert partitions.partition_name("outbox_messages", tomorrow) in names
+    finally:
+        await outbox.aclose()
