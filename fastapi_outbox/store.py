@@ -1025,6 +1025,13 @@ class Store:
     async def purge_batch(self, status: str, older_than_seconds: float, limit: int) -> int:
         """Delete up to ``limit`` rows of ``status`` (published or abandoned) finished more
         than ``older_than_seconds`` ago. One short transaction: no long locks."""
+        stmt = self.purge_statement(status, older_than_seconds, limit)
+        async with self._autocommit.begin() as conn:
+            result = await conn.execute(stmt)
+        return int(result.rowcount)
+
+    def purge_statement(self, status: str, older_than_seconds: float, limit: int) -> Any:
+        """The DELETE of :meth:`purge_batch` (``benchmarks/scale.py`` measures its WAL)."""
         t = self.table
         column = t.c.published_at if status == PUBLISHED else t.c.abandoned_at
         victims = (
@@ -1034,10 +1041,7 @@ class Store:
         )
         if self.is_postgres:
             victims = victims.with_for_update(skip_locked=True)
-        stmt = delete(t).where(t.c.id.in_(victims.scalar_subquery()))
-        async with self._autocommit.begin() as conn:
-            result = await conn.execute(stmt)
-        return int(result.rowcount)
+        return delete(t).where(t.c.id.in_(victims.scalar_subquery()))
 
     async def abandon(self, ids: Sequence[uuid.UUID], token: str, error: str) -> int:
         """Abandon claimed rows without publishing (attempts exhausted by crashes, retry
