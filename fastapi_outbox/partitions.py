@@ -214,8 +214,12 @@ def ranges_to_create(
     conn: Connection, table: str, interval: dt.timedelta
 ) -> list[tuple[dt.datetime, dt.datetime]]:
     """The DEFAULT partition (created here when missing), then the ranges still to create."""
-    create_default_sync(conn, table)
-    return wanted_ranges(_db_now(conn), interval, list_partitions(conn, table))
+    if not _try_lock(conn, table):
+        return []  # another process is maintaining the table right now
+    existing = list_partitions(conn, table)
+    if not any(p.is_default for p in existing):
+        create_default_sync(conn, table)
+    return wanted_ranges(_db_now(conn), interval, existing)
 
 
 def create_partition_sync(
@@ -225,6 +229,14 @@ def create_partition_sync(
     partition already holds rows of that range (the job did not run in time): those rows
     stay there and are cleaned by the batched DELETE."""
     name = partition_name(table, lo)
+    # Every dispatcher process runs this: one at a time, the others skip what is done.
+    if (
+        not _try_lock(conn, table)
+        or conn.execute(
+            text("SELECT to_regclass(:name) IS NOT NULL"), {"name": _q(name)}
+        ).scalar_one()
+    ):
+        return None
     taken = conn.execute(
         text(
             f"SELECT EXISTS (SELECT 1 FROM {_q(default_name(table))} "
@@ -312,6 +324,8 @@ def expired_candidates(
     abandoned_retention_seconds: float | None,
 ) -> list[str]:
     """Partitions whose range is over and whose rows are all finished and past retention."""
+    if not _try_lock(conn, table):
+        return []  # another process is maintaining the table right now
     now = _db_now(conn)
     published_cutoff, abandoned_cutoff = _cutoffs(
         now, published_retention_seconds, abandoned_retention_seconds
@@ -326,8 +340,21 @@ def expired_candidates(
     ]
 
 
+def _try_lock(conn: Connection, table: str) -> bool:
+    """The table's maintenance lock (transaction-scoped, advisory), without waiting: every
+    dispatcher process runs the maintenance, one at a time does it. (Two ATTACHes at once
+    deadlock: each holds what the other's needs — the DEFAULT partition, the parent.)"""
+    key = f"fastapi_outbox:partitions:{table}"
+    return bool(
+        conn.execute(
+            text("SELECT pg_try_advisory_xact_lock(hashtext(:key))"), {"key": key}
+        ).scalar_one()
+    )
+
+
 class Reactivated(Exception):
-    """A row of a partition about to be dropped needs work again (a replay)."""
+    """A row of a partition about to be dropped needs work again (a replay), or another
+    process is dropping it: the transaction rolls back and the partition is left as is."""
 
 
 def drop_partition_sync(conn: Connection, table: str, name: str) -> None:
@@ -336,6 +363,12 @@ def drop_partition_sync(conn: Connection, table: str, name: str) -> None:
     row is active again (the transaction must roll back: the partition stays attached).
     Only finished rows can change meanwhile, and only through replay: no new row gets an
     old ``created_at``."""
+    gone = (
+        not _try_lock(conn, table)
+        or conn.execute(text("SELECT to_regclass(:name) IS NULL"), {"name": _q(name)}).scalar_one()
+    )
+    if gone:  # another process is dropping it, or has
+        raise Reactivated(name)
     conn.execute(text(f"ALTER TABLE {_q(table)} DETACH PARTITION {_q(name)}"))
     active = conn.execute(
         text(f"SELECT EXISTS (SELECT 1 FROM {_q(name)} WHERE {_ACTIVE_SQL})")

@@ -384,3 +384,36 @@ async def test_the_readme_procedure_moves_a_plain_table_to_partitions(pg_url: st
         assert partitions.partition_name("outbox_messages", tomorrow) in names
     finally:
         await outbox.aclose()
+
+
+async def test_dispatcher_processes_maintaining_at_once_do_not_trip_over_each_other(
+    pg_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every dispatcher process runs the maintenance: each partition is created or dropped
+    by one of them, the others skip it quietly."""
+    import asyncio
+
+    one, two = partitioned(pg_url), partitioned(pg_url)
+    table = one.table.name
+    lo = midnight(dt.datetime.now(dt.UTC)) - 5 * DAY
+    try:
+        await one.create_tables()
+        async with one.engine.begin() as conn:
+            for p in await conn.run_sync(partitions.list_partitions, table):
+                if not p.is_default:
+                    await conn.execute(text(f"DROP TABLE {p.name}"))
+            await conn.run_sync(partitions.create_partition_sync, table, lo, lo + DAY)
+        assert one.partitions is not None and two.partitions is not None
+        created = await asyncio.gather(one.partitions.ensure_ahead(), two.partitions.ensure_ahead())
+        names = [*created[0], *created[1]]
+        assert not [r.__dict__ for r in caplog.records if r.levelname == "WARNING"]
+        assert len(names) == len(set(names)) >= 3
+        dropped = await asyncio.gather(
+            one.partitions.drop_expired(86400.0, 86400.0),
+            two.partitions.drop_expired(86400.0, 86400.0),
+        )
+        assert [*dropped[0], *dropped[1]] == [partitions.partition_name(table, lo)]
+        assert not [r.__dict__ for r in caplog.records if r.levelname == "WARNING"]
+    finally:
+        await one.aclose()
+        await two.aclose()
