@@ -46,16 +46,33 @@ def midnight(at: dt.datetime) -> dt.datetime:
     return at.replace(hour=0, minute=0, second=0, microsecond=0)
 
 
-def fill_sql(table_name: str, status: str, first: int, count: int, days: int, **kw: Any) -> str:
+#: Heap order of the done rows: ``time`` (oldest first, as a fresh table fills: one day's
+#: rows are contiguous) or ``interleaved`` (every page holds rows of every day: the steady
+#: state of a table whose DELETE-based retention frees space that new rows then reuse).
+ORDERS = ("time", "interleaved")
+
+
+def fill_sql(
+    table_name: str, status: str, first: int, count: int, days: int, order: str = "time", **kw: Any
+) -> str:
     """Rows ``first .. first + count`` of a fill: done rows spread evenly over the ``days``
-    calendar days before today (day ``1 + g % days`` ago), created at a second of that day
-    and published at the same instant; pending rows created and due now. Ids are
-    UUIDv7-like: the creation time in milliseconds, then hash bits."""
-    if status == "published":
+    calendar days before today, created at a second of their day and published at the same
+    instant, in heap order ``order`` (see :data:`ORDERS`); pending rows created and due now.
+    Ids are UUIDv7-like: the creation time in milliseconds, then hash bits."""
+    if status == "published" and order == "interleaved":
         created = (
             f"(date_trunc('day', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC' "
             f"- make_interval(days => 1 + g % {days}) "
             f"+ make_interval(secs => (g / {days}) % 86000))"
+        )
+        published = created
+    elif status == "published":
+        per_day = -(-count // days)
+        index = f"(g - {first})"
+        created = (
+            f"(date_trunc('day', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC' "
+            f"- make_interval(days => {days} - {index} / {per_day}) "
+            f"+ make_interval(secs => ({index} % {per_day}) * 86000.0 / {per_day}))"
         )
         published = created
     else:
@@ -91,7 +108,7 @@ async def scalar_rows(outbox: Any, statement: str) -> list[Any]:
         return list((await conn.exec_driver_sql(statement)).all())
 
 
-async def measure(outbox: Any, rounds: int = 30) -> tuple[float, float]:
+async def measure(outbox: Any, rounds: int = 60) -> tuple[float, float]:
     """Median ms of a 500-row claim (released again, so the pending rows stay) and of
     ``Store.stats``."""
     store = outbox.store
@@ -211,12 +228,15 @@ def mb(value: float) -> str:
     return f"{value / 1e6:,.1f} MB"
 
 
-async def main(rows: int, days: int, backlog: int) -> None:
+async def main(rows: int, days: int, backlog: int, order: str) -> None:
     from fastapi_outbox import Outbox, OutboxSettings
     from fastapi_outbox.brokers import RedisStreamsBroker
 
     loopback(REDIS_URL)
-    banner(f"outbox at scale: {rows:,} done rows over {days} days ({machine_note()})")
+    banner(
+        f"outbox at scale: {rows:,} done rows over {days} days, heap order {order} "
+        f"({machine_note()})"
+    )
     # Retention keeps days - 1 calendar days: the oldest day is past it.
     now = dt.datetime.now(dt.UTC)
     cutoff = midnight(now) - (days - 1) * DAY
@@ -263,7 +283,8 @@ async def main(rows: int, days: int, backlog: int) -> None:
                     if step > done:
                         t0 = time.perf_counter()
                         await run_sql(
-                            outbox, fill_sql(name, "published", done + 1, step - done, days)
+                            outbox,
+                            fill_sql(name, "published", done + 1, step - done, days, order),
                         )
                         fills[f"{layout} {done:,} → {step:,}"] = time.perf_counter() - t0
                         done = step
@@ -368,8 +389,11 @@ if __name__ == "__main__":
     parser.add_argument(
         "--backlog", type=int, default=600_000, help="pending rows drained during retention"
     )
+    parser.add_argument(
+        "--order", choices=ORDERS, default="time", help="heap order of the done rows"
+    )
     parser.add_argument("--quick", action="store_true", help="200,000 rows: a smoke run")
     args = parser.parse_args()
     if args.quick:
         args.rows, args.days, args.backlog = 200_000, 4, 100_000
-    asyncio.run(main(args.rows, args.days, args.backlog))
+    asyncio.run(main(args.rows, args.days, args.backlog, args.order))
