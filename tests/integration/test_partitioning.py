@@ -417,3 +417,39 @@ async def test_dispatcher_processes_maintaining_at_once_do_not_trip_over_each_ot
     finally:
         await one.aclose()
         await two.aclose()
+
+
+async def test_dispatchers_on_a_partitioned_table_deliver_to_redis(
+    pg_url: str, redis_url: str
+) -> None:
+    """The whole path on a partitioned table: the lifespan's cleaner keeps the partitions,
+    the dispatcher claims across them, messages reach a real Redis stream."""
+    import redis.asyncio as aioredis
+
+    from fastapi_outbox.brokers import RedisStreamsBroker
+    from tests.conftest import wait_until
+
+    stream = unique("orders")
+    outbox = Outbox(
+        pg_url,
+        brokers={"default": RedisStreamsBroker(redis_url)},
+        settings=OutboxSettings(partitioning="hourly"),
+    )
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        await outbox.create_tables()
+        async with outbox.dispatcher():
+            ids = await publish(outbox, stream, 50)
+
+            async def arrived() -> bool:
+                return int(await client.xlen(stream)) == 50
+
+            await wait_until(arrived, timeout=10)
+        entries = await client.xrange(stream, "-", "+")
+        assert {uuid.UUID(fields[b"id"].decode()) for _, fields in entries} == set(ids)
+        found = await outbox.partitions.partitions()  # type: ignore[union-attr]
+        assert len([p for p in found if not p.is_default]) >= 48  # two days of hours
+        assert await outbox.store.count("published") == 50
+    finally:
+        await client.aclose()
+        await outbox.aclose()
