@@ -137,6 +137,17 @@ def build_parser() -> argparse.ArgumentParser:
     sql.add_argument(
         "--dialect", choices=["postgresql", "sqlite"], help="dialect when no --url is given"
     )
+    upgrade = db_sub.add_parser(
+        "upgrade",
+        help="bring a table made by an earlier release to the current layout (idempotent)",
+    )
+    _common(upgrade)
+    doctor = sub.add_parser(
+        "doctor",
+        help="compare the live table with the expected layout and print the SQL that fixes "
+        "it (exit 1 on a mismatch)",
+    )
+    _common(doctor)
 
     dispatch = sub.add_parser("dispatch", help="run the dispatchers without a web server")
     _common(dispatch)
@@ -204,14 +215,57 @@ async def _run(args: argparse.Namespace) -> int:
 
                 print(ddl(outbox.table, outbox.engine.dialect), end="")
                 return EXIT_OK
+            if args.db_command == "upgrade":
+                return await _upgrade(outbox)
             await _guard(outbox.create_tables(), outbox)
             print(f"created table {outbox.table.name} on {redact_url(str(outbox.engine.url))}")
             return EXIT_OK
         if args.command == "dispatch":
             return await dispatch(outbox, http=args.http)
+        if args.command == "doctor":
+            return await _doctor(outbox)
         return await admin.run(args, outbox)
     finally:
         await outbox.aclose()
+
+
+async def _doctor(outbox: Any) -> int:
+    """Print each difference between the live table and the expected layout with its fix."""
+    from fastapi_outbox import doctor
+
+    findings = await _guard(doctor.examine(outbox.engine, outbox.table), outbox)
+    where = redact_url(str(outbox.engine.url))
+    mismatches = [f for f in findings if f.mismatch]
+    for finding in findings:
+        print(f"{'MISMATCH' if finding.mismatch else 'advice'}: {finding.what}")
+        for statement in finding.fix:
+            print(f"  fix: {statement};" if not statement.startswith("--") else f"  {statement}")
+        if finding.automatic:
+            print("  (or run: fastapi-outbox db upgrade)")
+    if mismatches:
+        print(f"table {outbox.table.name} on {where}: {len(mismatches)} mismatch(es)")
+        return EXIT_FAILED
+    print(f"table {outbox.table.name} on {where}: matches the expected layout")
+    return EXIT_OK
+
+
+async def _upgrade(outbox: Any) -> int:
+    from fastapi_outbox import doctor
+
+    applied, left = await _guard(doctor.upgrade(outbox.engine, outbox.table), outbox)
+    for finding in applied:
+        print(f"fixed: {finding.what}")
+    for finding in left:
+        print(f"left for you: {finding.what}")
+        for statement in finding.fix:
+            print(f"  {statement}")
+    where = redact_url(str(outbox.engine.url))
+    if left:
+        print(f"table {outbox.table.name} on {where}: {len(left)} change(s) need you")
+        return EXIT_FAILED
+    verb = f"upgraded ({len(applied)} change(s))" if applied else "already up to date"
+    print(f"table {outbox.table.name} on {where}: {verb}")
+    return EXIT_OK
 
 
 def _print_ddl(args: argparse.Namespace) -> int:
@@ -222,7 +276,16 @@ def _print_ddl(args: argparse.Namespace) -> int:
 
     try:
         settings = OutboxSettings.from_env()
-        table = build_table(args.table or settings.table_name, ordered=settings.ordered)
+        if settings.partitioning is not None and args.dialect == "sqlite":
+            raise CliError(
+                f"partitioning={settings.partitioning!r} (OUTBOX_PARTITIONING) needs "
+                "PostgreSQL: SQLite keeps one plain table"
+            )
+        table = build_table(
+            args.table or settings.table_name,
+            ordered=settings.ordered,
+            partitioning=settings.partitioning,
+        )
     except exceptions.ConfigurationError as exc:  # bad --table or OUTBOX_* variable
         raise CliError(str(exc)) from exc
     module = sqlite if args.dialect == "sqlite" else postgresql

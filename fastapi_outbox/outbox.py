@@ -24,7 +24,7 @@ from sqlalchemy.ext.asyncio import (
 )
 from sqlalchemy.pool import StaticPool
 
-from fastapi_outbox import exceptions, schema
+from fastapi_outbox import exceptions, partitions, schema
 from fastapi_outbox.brokers.base import Broker, redact_url
 from fastapi_outbox.capture import Capture, TableCapture
 from fastapi_outbox.dispatcher import Processor, instance_id
@@ -119,9 +119,18 @@ class Outbox:
         name = self.settings.table_name
         # The shared ``schema.metadata`` (Alembic's) holds the default layout; an ordered
         # outbox builds its table, with the ordered index, on a MetaData of its own.
-        shared = name == schema.outbox_table.name and not self.settings.ordered
+        partitioning = self.settings.partitioning
+        if partitioning is not None and self.engine.dialect.name != "postgresql":
+            raise exceptions.ConfigurationError(
+                f"partitioning={partitioning!r} (OUTBOX_PARTITIONING) needs PostgreSQL; "
+                f"{self.engine.dialect.name} keeps one plain table: leave partitioning unset"
+            )
+        shared = name == schema.outbox_table.name and not self.settings.ordered and not partitioning
         self.table = schema.build_table(
-            name, schema.metadata if shared else MetaData(), ordered=self.settings.ordered
+            name,
+            schema.metadata if shared else MetaData(),
+            ordered=self.settings.ordered,
+            partitioning=partitioning,
         )
         self.store = Store(self.engine, self.table)
         self.store.set_timeouts(
@@ -137,7 +146,13 @@ class Outbox:
         self.processors: dict[str, Processor] = {}
         self.notifier: Notifier | None = None
         self.listener: Listener | None = None
-        self.cleaner = Cleaner(self.store, self.settings)
+        #: Partition upkeep of a partitioned table (``settings.partitioning``), else None.
+        self.partitions: partitions.Maintainer | None = None
+        if "partitioning" in self.table.info:
+            self.partitions = partitions.Maintainer(
+                self.engine, self.table, self.table.info["partitioning"]
+            )
+        self.cleaner = Cleaner(self.store, self.settings, self.partitions)
         self.started = False
         self._tracer: Any = None
         self._health_router: Any = None
@@ -316,8 +331,11 @@ class Outbox:
     # -- schema -------------------------------------------------------------------------------
 
     async def create_tables(self) -> None:
-        """Create the outbox table and its indexes (never the user's tables)."""
+        """Create the outbox table and its indexes (never the user's tables); partitioned:
+        also the DEFAULT partition and the partitions of the coming days."""
         await self.store.create_table()
+        if self.partitions is not None:
+            await self.partitions.ensure_ahead()
 
     async def drop_tables(self) -> None:
         await self.store.drop_table()

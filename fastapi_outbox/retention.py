@@ -13,6 +13,7 @@ from typing import Any
 
 import anyio
 
+from fastapi_outbox.partitions import Maintainer
 from fastapi_outbox.settings import OutboxSettings
 from fastapi_outbox.store import ABANDONED, PUBLISHED, Store
 
@@ -51,9 +52,16 @@ async def purge(
 class Cleaner:
     """The periodic retention task started with the dispatchers."""
 
-    def __init__(self, store: Store, settings: OutboxSettings) -> None:
+    def __init__(
+        self, store: Store, settings: OutboxSettings, partitions: Maintainer | None = None
+    ) -> None:
         self.store = store
         self.settings = settings
+        #: A partitioned table's upkeep: partitions ahead created and expired ones dropped
+        #: before the batched DELETE (which then only meets the DEFAULT partition's rows
+        #: and partitions still holding a row that needs work).
+        self.partitions = partitions
+        self.dropped_partitions: list[str] = []
         self.last_run: float | None = None
         self.deleted_total = 0
         # Made by run(): the Outbox (and this cleaner) may be built outside an event loop,
@@ -71,6 +79,12 @@ class Cleaner:
 
     async def run_once(self) -> int:
         deleted = 0
+        if self.partitions is not None:
+            _, dropped = await self.partitions.run_once(
+                self.settings.published_retention_seconds,
+                self.settings.abandoned_retention_seconds,
+            )
+            self.dropped_partitions += dropped
         for status, retention in (
             (PUBLISHED, self.settings.published_retention_seconds),
             (ABANDONED, self.settings.abandoned_retention_seconds),
@@ -102,6 +116,7 @@ class Cleaner:
         if (
             self.settings.published_retention_seconds is None
             and self.settings.abandoned_retention_seconds is None
+            and self.partitions is None
         ):
             return
         while not stop.is_set():

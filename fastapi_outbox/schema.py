@@ -45,7 +45,7 @@ from sqlalchemy.engine.interfaces import Dialect as DialectT
 from sqlalchemy.schema import CreateIndex, CreateTable
 from sqlalchemy.types import DateTime, TypeDecorator, TypeEngine
 
-from fastapi_outbox import exceptions
+from fastapi_outbox import exceptions, partitions
 from fastapi_outbox.events import MessageStatus
 from fastapi_outbox.settings import check_table_name
 
@@ -98,16 +98,27 @@ class JsonText(TypeDecorator[str]):
 
 
 def build_table(
-    name: str = "outbox_messages", metadata_: MetaData | None = None, *, ordered: bool = False
+    name: str = "outbox_messages",
+    metadata_: MetaData | None = None,
+    *,
+    ordered: bool = False,
+    partitioning: str | None = None,
 ) -> Table:
     """The outbox table called ``name`` on ``metadata_`` (a new ``MetaData`` when None).
 
     ``name`` must be a plain identifier (see ``OutboxSettings.table_name``): it is also
     part of the index names and of the NOTIFY channel. ``ordered`` adds the index that
     serves the ordered claim (``OutboxSettings(ordered=True)``); unordered outboxes do
-    without it, which spares every insert one index entry."""
+    without it, which spares every insert one index entry. ``partitioning`` (``"daily"``,
+    ``"6h"``…; PostgreSQL only) makes it range-partitioned by ``created_at``, with the
+    primary key ``(id, created_at)``; ``table.create()`` then also creates the DEFAULT
+    partition and the partitions ahead (see :mod:`fastapi_outbox.partitions`)."""
+    interval = None
     try:
         check_table_name(name)
+        if partitioning is not None:
+            interval = partitions.parse_interval(partitioning)
+            partitions.check_table_name(name)
     except ValueError as exc:
         raise exceptions.ConfigurationError(str(exc)) from None
     md = metadata_ if metadata_ is not None else MetaData()
@@ -132,7 +143,7 @@ def build_table(
         Column("locked_by", String(80), nullable=True, comment="claim token (fence)"),
         Column("locked_until", UtcDateTime(), nullable=True),
         Column("last_error", Text, nullable=True),
-        Column("created_at", UtcDateTime(), nullable=False),
+        Column("created_at", UtcDateTime(), nullable=False, primary_key=interval is not None),
         Column("published_at", UtcDateTime(), nullable=True),
         Column("abandoned_at", UtcDateTime(), nullable=True),
         Column(
@@ -142,7 +153,18 @@ def build_table(
             nullable=False,
             comment="insert order, for ordered dispatch",
         ),
+        # Autovacuum follows a queue's churn, not its size (partitions get these too:
+        # PostgreSQL takes no storage parameters on a partitioned table).
+        **(
+            {"postgresql_partition_by": "RANGE (created_at)"}
+            if interval is not None
+            else {"postgresql_with": partitions.AUTOVACUUM}
+        ),
     )
+    if interval is not None:
+        table.info["partitioning"] = interval
+        table.info["partitioning_setting"] = partitioning
+        partitions.install(table, interval)
     # The claim index: only rows that still need work, in due order per broker.
     Index(
         f"ix_{name}_due",
@@ -210,11 +232,17 @@ outbox_table = build_table("outbox_messages", metadata)
 
 
 def ddl(table: Table, dialect: DialectT) -> str:
-    """``CREATE TABLE`` and ``CREATE INDEX`` statements of ``table`` for ``dialect``."""
+    """``CREATE TABLE`` and ``CREATE INDEX`` statements of ``table`` for ``dialect`` (and
+    for a partitioned table, its DEFAULT partition and the partitions ahead)."""
     statements = [str(CreateTable(table).compile(dialect=dialect)).strip()]
     statements += [
         str(CreateIndex(index).compile(dialect=dialect)).strip()
         for index in sorted(table.indexes, key=lambda i: i.name or "")
         if index._ddl_if is None or index._ddl_if.dialect in (None, dialect.name)
     ]
+    interval = table.info.get("partitioning")
+    if interval is not None and dialect.name == "postgresql":
+        # The DEFAULT partition and the partitions of the coming days, as of now.
+        now = dt.datetime.now(dt.UTC)
+        statements += partitions.statements(table.name, interval, now)
     return ";\n\n".join(statements) + ";\n"

@@ -109,6 +109,12 @@ class OutboxSettings(BaseSettings):
     )
     broker_backoff_max_seconds: float = Field(default=BROKER_BACKOFF_MAX_SECONDS, gt=0)
     ordered: bool = False
+    partitioning: str | None = Field(
+        default=None,
+        description="PostgreSQL: range-partition the outbox table by created_at, one "
+        "partition per interval ('daily', 'hourly', '6h', '2d'); retention then drops "
+        "whole partitions (see fastapi_outbox.partitions). None: one plain table.",
+    )
     published_retention_seconds: float | None = Field(default=PUBLISHED_RETENTION_SECONDS, ge=0)
     abandoned_retention_seconds: float | None = Field(default=ABANDONED_RETENTION_SECONDS, ge=0)
     cleanup_interval_seconds: float = Field(default=CLEANUP_INTERVAL_SECONDS, gt=0)
@@ -157,6 +163,15 @@ class OutboxSettings(BaseSettings):
     def _plain_identifier(cls, value: str) -> str:
         return check_table_name(value)
 
+    @field_validator("partitioning")
+    @classmethod
+    def _interval(cls, value: str | None) -> str | None:
+        if value is not None:
+            from fastapi_outbox.partitions import parse_interval
+
+            parse_interval(value)
+        return value
+
     @model_validator(mode="after")
     def _consistent(self) -> OutboxSettings:
         # Both names and both variables: the error is on neither field alone.
@@ -191,6 +206,10 @@ class OutboxSettings(BaseSettings):
                 "min_batch_size (OUTBOX_MIN_BATCH_SIZE) must be <= batch_size "
                 f"(OUTBOX_BATCH_SIZE) ({self.min_batch_size} > {self.batch_size})"
             )
+        if self.partitioning is not None:
+            from fastapi_outbox.partitions import check_table_name as check_partitioned
+
+            check_partitioned(self.table_name)
         if self.retry_max_delay_seconds < self.retry_base_delay_seconds:
             raise ValueError(
                 "retry_max_delay_seconds (OUTBOX_RETRY_MAX_DELAY_SECONDS) must be >= "

@@ -855,6 +855,12 @@ class Store:
             .where(self._status_is(ABANDONED))
             .group_by(t.c.broker, t.c.stream)
         )
+        # Delayed messages not due yet (included in pending): a range of ix_<table>_due.
+        scheduled = (
+            select(t.c.broker, t.c.stream, func.count())
+            .where(self._status_is(PENDING), t.c.next_attempt_at > self._now())
+            .group_by(t.c.broker, t.c.stream)
+        )
         out: dict[tuple[str, str], dict[str, Any]] = {}
 
         def entry(broker: str, stream: str) -> dict[str, Any]:
@@ -867,6 +873,7 @@ class Store:
                     PROCESSING: 0,
                     FAILED: 0,
                     ABANDONED: 0,
+                    "scheduled": 0,
                     "oldest_pending_age_seconds": None,
                 },
             )
@@ -882,6 +889,8 @@ class Store:
                     e["oldest_pending_age_seconds"] = _age(db_now, oldest)
             for broker, stream, count in await conn.execute(abandoned):
                 entry(broker, stream)[ABANDONED] = int(count)
+            for broker, stream, count in await conn.execute(scheduled):
+                entry(broker, stream)["scheduled"] = int(count)
         return sorted(out.values(), key=lambda e: (e["broker"], e["stream"]))
 
     async def published_per_minute(self, minutes: int = 60) -> list[tuple[dt.datetime, int]]:
@@ -1016,6 +1025,13 @@ class Store:
     async def purge_batch(self, status: str, older_than_seconds: float, limit: int) -> int:
         """Delete up to ``limit`` rows of ``status`` (published or abandoned) finished more
         than ``older_than_seconds`` ago. One short transaction: no long locks."""
+        stmt = self.purge_statement(status, older_than_seconds, limit)
+        async with self._autocommit.begin() as conn:
+            result = await conn.execute(stmt)
+        return int(result.rowcount)
+
+    def purge_statement(self, status: str, older_than_seconds: float, limit: int) -> Any:
+        """The DELETE of :meth:`purge_batch` (``benchmarks/scale.py`` measures its WAL)."""
         t = self.table
         column = t.c.published_at if status == PUBLISHED else t.c.abandoned_at
         victims = (
@@ -1025,10 +1041,7 @@ class Store:
         )
         if self.is_postgres:
             victims = victims.with_for_update(skip_locked=True)
-        stmt = delete(t).where(t.c.id.in_(victims.scalar_subquery()))
-        async with self._autocommit.begin() as conn:
-            result = await conn.execute(stmt)
-        return int(result.rowcount)
+        return delete(t).where(t.c.id.in_(victims.scalar_subquery()))
 
     async def abandon(self, ids: Sequence[uuid.UUID], token: str, error: str) -> int:
         """Abandon claimed rows without publishing (attempts exhausted by crashes, retry

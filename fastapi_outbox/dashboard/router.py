@@ -145,7 +145,7 @@ def build_dashboard_router(outbox: Outbox, dependencies: list[Any]) -> APIRouter
         peak = max((count for _, count in view.per_minute), default=0)
         totals = {
             status: sum(int(s[status]) for s in view.streams)
-            for status in ("pending", "processing", "failed", "abandoned")
+            for status in ("pending", "processing", "failed", "abandoned", "scheduled")
         }
         return {
             "view": view,
@@ -221,7 +221,7 @@ def build_dashboard_router(outbox: Outbox, dependencies: list[Any]) -> APIRouter
             "messages.html",
             rows=rows,
             filters=filters,
-            statuses=[s.value for s in MessageStatus],
+            statuses=[*(s.value for s in MessageStatus), "scheduled"],
             next_page=next_page,
             first_page=query if before else None,
         )

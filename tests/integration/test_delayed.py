@@ -4,7 +4,9 @@ counts, and ``outbox.cancel()`` fenced against a concurrent claim."""
 from __future__ import annotations
 
 import datetime as dt
+import json
 import math
+import re
 import time
 import uuid
 from typing import Any
@@ -162,5 +164,51 @@ async def test_cancel_before_the_claim_and_too_late_after_it(db_url: str) -> Non
         assert row is not None and row["locked_by"] == "worker:1"
         with pytest.raises(MessageNotFound):
             await outbox.cancel(uuid.uuid4())
+    finally:
+        await outbox.aclose()
+
+
+async def test_scheduled_messages_in_status_list_dashboard_and_cli_cancel(pg_url: str) -> None:
+    """A delayed message shows as scheduled in ``status``, ``list --status scheduled`` and
+    the dashboard, and ``fastapi-outbox cancel ID`` cancels it (then: not found, exit 1)."""
+    from fastapi import FastAPI
+
+    from tests.conftest import asgi_client, run_cli
+
+    outbox = Outbox(
+        pg_url,
+        brokers={"default": MemoryBroker()},
+        settings=OutboxSettings(run_dispatchers=False),
+        dashboard_dependencies=[],
+    )
+    await outbox.create_tables()
+    stream = unique("reminders")
+    try:
+        async with outbox.unit_of_work() as uow:
+            later = uow.publish(msg(stream, 1), delay=3600)
+            uow.publish(msg(stream, 2))
+        status = run_cli("status", "--url", pg_url, "--json")
+        assert status.returncode == 0, status.stderr
+        [row] = json.loads(status.stdout)
+        assert (row["pending"], row["scheduled"]) == (2, 1)
+        listed = run_cli("list", "--url", pg_url, "--status", "scheduled", "--json")
+        assert [r["id"] for r in json.loads(listed.stdout)] == [str(later)]
+
+        app = FastAPI()
+        app.include_router(outbox.dashboard_router)
+        async with asgi_client(app) as client:
+            page = await client.get("/outbox/dashboard")
+            assert re.search(r'Scheduled</div><div class="value"><a [^>]*>1</a>', page.text)
+            scheduled = await client.get("/outbox/dashboard/messages?status=scheduled")
+            assert scheduled.status_code == 200
+            assert str(later) in scheduled.text and "due " in scheduled.text
+            stream_row = (await client.get("/outbox/dashboard/api/overview")).json()["streams"]
+            assert [(s["stream"], s["scheduled"]) for s in stream_row] == [(stream, 1)]
+
+        cancelled = run_cli("cancel", "--url", pg_url, str(later))
+        assert cancelled.returncode == 0 and "cancelled 1 message(s)" in cancelled.stdout
+        again = run_cli("cancel", "--url", pg_url, str(later))
+        assert again.returncode == 1 and str(later) in again.stderr
+        assert await outbox.store.get(later) is None
     finally:
         await outbox.aclose()

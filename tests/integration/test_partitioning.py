@@ -1,0 +1,455 @@
+"""A partitioned outbox (PostgreSQL, ``OutboxSettings(partitioning="daily")``): layout,
+claims served by every partition's partial index, partitions created ahead, retention by
+dropping partitions that hold only finished rows, and a DEFAULT partition that keeps
+producers going when maintenance did not run."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import text, update
+
+from fastapi_outbox import (
+    ConfigurationError,
+    Message,
+    Outbox,
+    OutboxSettings,
+    build_table,
+    partitions,
+)
+from fastapi_outbox.brokers import MemoryBroker
+from fastapi_outbox.testing import drain
+from tests.conftest import run_cli, unique
+
+DAY = dt.timedelta(days=1)
+
+
+def partitioned(url: str, **overrides: Any) -> Outbox:
+    settings = OutboxSettings(
+        run_dispatchers=False,
+        partitioning="daily",
+        published_retention_seconds=86400.0,
+        abandoned_retention_seconds=86400.0,
+        **overrides,
+    )
+    return Outbox(url, brokers={"default": MemoryBroker()}, settings=settings)
+
+
+async def publish(outbox: Outbox, stream: str, n: int) -> list[uuid.UUID]:
+    async with outbox.unit_of_work() as uow:
+        return [
+            uow.publish(Message(stream=stream, type="Thing", payload={"i": i})) for i in range(n)
+        ]
+
+
+async def where_rows(outbox: Outbox) -> dict[uuid.UUID, str]:
+    """Row id → the partition holding it."""
+    async with outbox.engine.connect() as conn:
+        rows = await conn.execute(
+            text(f"SELECT id, tableoid::regclass::text FROM {outbox.table.name}")
+        )
+        return {row[0]: row[1] for row in rows}
+
+
+def midnight(at: dt.datetime) -> dt.datetime:
+    return at.replace(hour=0, minute=0, second=0, microsecond=0)
+
+
+async def test_partitioned_layout_created_ahead_with_the_partial_indexes(pg_url: str) -> None:
+    outbox = partitioned(pg_url)
+    try:
+        await outbox.create_tables()
+        await outbox.create_tables()  # idempotent
+        found = await outbox.partitions.partitions()  # type: ignore[union-attr]
+        table = outbox.table.name
+        assert found[-1].is_default and found[-1].name == f"{table}_default"
+        today = midnight(dt.datetime.now(dt.UTC))
+        ranges = [(p.start, p.end) for p in found if not p.is_default]
+        # Today and the next two days at least, one day each, contiguous.
+        assert ranges[:3] == [(today + i * DAY, today + (i + 1) * DAY) for i in range(3)]
+        async with outbox.engine.connect() as conn:
+            pk = await conn.execute(
+                text(
+                    "SELECT a.attname FROM pg_index i JOIN pg_attribute a ON "
+                    "a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey) "
+                    f"WHERE i.indrelid = '{table}'::regclass AND i.indisprimary"
+                )
+            )
+            assert sorted(r[0] for r in pk) == ["created_at", "id"]
+            # Every partition (DEFAULT included) carries the claim's partial index.
+            due = await conn.execute(
+                text(
+                    "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
+                    f"WHERE i.inhparent = '{table}'::regclass AND NOT EXISTS ("
+                    "SELECT 1 FROM pg_index x WHERE x.indrelid = c.oid AND "
+                    "pg_get_expr(x.indpred, x.indrelid) LIKE '%pending%processing%failed%')"
+                )
+            )
+            assert due.all() == []
+            options = await conn.execute(
+                text(f"SELECT reloptions FROM pg_class WHERE relname = '{table}_default'")
+            )
+            assert "autovacuum_vacuum_scale_factor=0.0" in options.scalar_one()
+    finally:
+        await outbox.aclose()
+
+
+async def test_claims_are_index_served_across_partitions_and_messages_arrive(
+    pg_url: str,
+) -> None:
+    outbox = partitioned(pg_url)
+    table = outbox.table.name
+    try:
+        await outbox.create_tables()
+        async with outbox.engine.begin() as conn:
+            # 20,000 published rows in today's partition, so the planner has a real choice.
+            await conn.execute(
+                text(
+                    f"INSERT INTO {table} (id, broker, stream, type, payload, headers, status, "
+                    "next_attempt_at, created_at, published_at) SELECT gen_random_uuid(), "
+                    "'default', 's', 'T', '{}', '{}', 'published', now(), now(), now() "
+                    "FROM generate_series(1, 20000)"
+                )
+            )
+            await conn.execute(text(f"ANALYZE {table}"))
+        ids = await publish(outbox, unique("orders"), 30)
+        placed = await where_rows(outbox)
+        today = midnight(dt.datetime.now(dt.UTC))
+        assert {placed[i] for i in ids} == {partitions.partition_name(table, today)}
+
+        store = outbox.store
+        stmt = store._claim_statement("default", 100, False)
+        sql, args = store._driver_args("explain", stmt, {"token": "t", "lease": dt.timedelta(30)})
+        async with store._driver_connection() as driver:
+            plan = "\n".join(r[0] for r in await driver.fetch("EXPLAIN " + sql, *args))
+        # The partition holding rows is read through its partial claim index and its
+        # primary key only (empty partitions may be scanned: they have no pages).
+        part = partitions.partition_name(table, today)
+        assert f"Seq Scan on {part}" not in plan, plan
+        assert f"Index Scan using {part}_broker_next_attempt_at_id_idx on {part}" in plan, plan
+        assert f"Index Scan using {part}_pkey on {part}" in plan, plan
+
+        broker = outbox.brokers["default"]
+        assert isinstance(broker, MemoryBroker)
+        assert await drain(outbox) == 30
+        got = {uuid.UUID(m.id) for m in broker.messages}
+        assert got == set(ids)
+        assert await outbox.store.count("published") == 20030
+    finally:
+        await outbox.aclose()
+
+
+async def age_rows(outbox: Outbox, ids: list[uuid.UUID], **values: Any) -> None:
+    """Give rows old times (a row whose created_at changes moves to its partition)."""
+    t = outbox.table
+    async with outbox.engine.begin() as conn:
+        await conn.execute(update(t).where(t.c.id.in_(ids)).values(**values))
+
+
+async def test_retention_drops_only_partitions_whose_rows_are_all_done(pg_url: str) -> None:
+    outbox = partitioned(pg_url)
+    table = outbox.table.name
+    stream = unique("orders")
+    now = dt.datetime.now(dt.UTC)
+    today = midnight(now)
+    try:
+        await outbox.create_tables()
+        async with outbox.engine.begin() as conn:
+            for days in (5, 4, 3):
+                lo = today - days * DAY
+                await conn.run_sync(partitions.create_partition_sync, table, lo, lo + DAY)
+        done = dict(status="published", locked_by=None)
+        # 5 days ago: everything published 5 days ago → the partition goes.
+        expired = await publish(outbox, stream, 10)
+        await age_rows(
+            outbox, expired, created_at=now - 5 * DAY, published_at=now - 5 * DAY, **done
+        )
+        # 4 days ago: published rows and one still pending → kept; the batched DELETE
+        # takes its published rows, the pending one stays and is dispatched later.
+        mixed_done = await publish(outbox, stream, 6)
+        await age_rows(
+            outbox, mixed_done, created_at=now - 4 * DAY, published_at=now - 4 * DAY, **done
+        )
+        [still_pending] = await publish(outbox, stream, 1)
+        await age_rows(outbox, [still_pending], created_at=now - 4 * DAY)
+        # 3 days ago, published an hour ago: within retention → kept whole.
+        recent = await publish(outbox, stream, 4)
+        await age_rows(
+            outbox,
+            recent,
+            created_at=now - 3 * DAY,
+            published_at=now - dt.timedelta(hours=1),
+            **done,
+        )
+        # 30 days ago, no partition: in DEFAULT; the finished row is deleted by the batched
+        # DELETE, the failed one stays.
+        default_done = await publish(outbox, stream, 2)
+        await age_rows(
+            outbox,
+            default_done,
+            created_at=now - 30 * DAY,
+            status="abandoned",
+            abandoned_at=now - 30 * DAY,
+        )
+        [default_failed] = await publish(outbox, stream, 1)
+        await age_rows(outbox, [default_failed], created_at=now - 30 * DAY, status="failed")
+        placed = await where_rows(outbox)
+        assert {placed[i] for i in default_done} == {f"{table}_default"}
+        assert placed[expired[0]] == partitions.partition_name(table, today - 5 * DAY)
+
+        await outbox.cleaner.run_once()
+
+        assert outbox.cleaner.dropped_partitions == [
+            partitions.partition_name(table, today - 5 * DAY)
+        ]
+        names = {p.name for p in await outbox.partitions.partitions()}  # type: ignore[union-attr]
+        assert partitions.partition_name(table, today - 4 * DAY) in names
+        assert partitions.partition_name(table, today - 3 * DAY) in names
+        left = await where_rows(outbox)
+        assert set(left) == {still_pending, default_failed, *recent}
+        # The rows that still needed work are published after all.
+        assert await drain(outbox) == 2
+        broker = outbox.brokers["default"]
+        assert isinstance(broker, MemoryBroker)
+        assert {uuid.UUID(m.id) for m in broker.messages} == {still_pending, default_failed}
+    finally:
+        await outbox.aclose()
+
+
+async def test_a_partition_whose_row_is_replayed_meanwhile_is_not_dropped(pg_url: str) -> None:
+    """The re-check under the detach's lock: a candidate chosen while all its rows were done
+    is kept when one of them needs work again by the time it is detached."""
+    outbox = partitioned(pg_url)
+    table = outbox.table.name
+    now = dt.datetime.now(dt.UTC)
+    lo = midnight(now) - 5 * DAY
+    name = partitions.partition_name(table, lo)
+    try:
+        await outbox.create_tables()
+        async with outbox.engine.begin() as conn:
+            await conn.run_sync(partitions.create_partition_sync, table, lo, lo + DAY)
+        ids = await publish(outbox, unique("orders"), 3)
+        await age_rows(
+            outbox, ids, created_at=now - 5 * DAY, status="abandoned", abandoned_at=now - 5 * DAY
+        )
+        maintainer = outbox.partitions
+        assert maintainer is not None
+        async with outbox.engine.begin() as conn:
+            chosen = await conn.run_sync(partitions.expired_candidates, table, 86400.0, 86400.0)
+        assert chosen == [name]
+        await outbox.store.replay([ids[0]])  # between the choice and the drop
+        original = partitions.expired_candidates
+        try:
+            partitions.expired_candidates = lambda *a: chosen  # type: ignore[assignment]
+            assert await maintainer.drop_expired(86400.0, 86400.0) == []
+        finally:
+            partitions.expired_candidates = original  # type: ignore[assignment]
+        assert name in {p.name for p in await maintainer.partitions()}
+        assert set(await where_rows(outbox)) == set(ids)
+        assert await drain(outbox) == 1
+    finally:
+        await outbox.aclose()
+
+
+async def test_default_partition_takes_rows_when_maintenance_is_late(pg_url: str) -> None:
+    outbox = partitioned(pg_url)
+    table = outbox.table.name
+    today = midnight(dt.datetime.now(dt.UTC))
+    try:
+        await outbox.create_tables()
+        async with outbox.engine.begin() as conn:  # as if the job never ran: no partitions
+            for p in await conn.run_sync(partitions.list_partitions, table):
+                if not p.is_default:
+                    await conn.execute(text(f"DROP TABLE {p.name}"))
+        ids = await publish(outbox, unique("orders"), 5)  # the producer does not fail
+        assert set((await where_rows(outbox)).values()) == {f"{table}_default"}
+        created = await outbox.partitions.ensure_ahead()  # type: ignore[union-attr]
+        # Today's range has rows in DEFAULT: left there; the coming days are created.
+        assert partitions.partition_name(table, today) not in created
+        assert partitions.partition_name(table, today + DAY) in created
+        assert await drain(outbox) == 5
+        assert set(await where_rows(outbox)) == set(ids)
+    finally:
+        await outbox.aclose()
+
+
+async def test_build_table_create_makes_the_partitions_for_migrations(pg_url: str) -> None:
+    """What a hand-written Alembic migration runs: ``build_table(...).create(bind)``."""
+    outbox = partitioned(pg_url)
+    table = build_table("events_outbox", partitioning="6h")
+    try:
+        async with outbox.engine.begin() as conn:
+            await conn.run_sync(table.create)
+            found = await conn.run_sync(partitions.list_partitions, "events_outbox")
+        spans = {p.end - p.start for p in found if p.start and p.end}
+        assert spans == {dt.timedelta(hours=6)}
+        assert len(found) >= 9  # 2 days ahead in 6 h partitions, and DEFAULT
+    finally:
+        await outbox.aclose()
+
+
+def test_partitioning_refused_on_sqlite_and_bad_intervals(tmp_path: Any) -> None:
+    with pytest.raises(ConfigurationError, match=r"partitioning.*PostgreSQL"):
+        Outbox(
+            f"sqlite+aiosqlite:///{tmp_path}/o.db",
+            settings=OutboxSettings(partitioning="daily"),
+        )
+    with pytest.raises(ConfigurationError, match="partitioning"):
+        OutboxSettings.from_env(partitioning="5h")
+    with pytest.raises(ConfigurationError, match="partitioning"):
+        OutboxSettings.from_env(partitioning="fortnightly")
+    with pytest.raises(ConfigurationError, match="too long for partitioning"):
+        OutboxSettings.from_env(partitioning="daily", table_name="x" * 60)
+
+
+def test_cli_db_sql_and_create_with_partitioning(pg_url: str) -> None:
+    env = {"OUTBOX_PARTITIONING": "daily"}
+    sql = run_cli("db", "sql", env=env)
+    assert sql.returncode == 0, sql.stderr
+    assert "PARTITION BY RANGE (created_at)" in sql.stdout
+    assert "PRIMARY KEY (id, created_at)" in sql.stdout
+    assert "outbox_messages_default PARTITION OF outbox_messages" in sql.stdout.replace('"', "")
+    refused = run_cli("db", "sql", "--dialect", "sqlite", env=env)
+    assert refused.returncode == 2 and "partitioning" in refused.stderr
+    url = pg_url
+    created = run_cli("db", "create", "--url", url, env=env)
+    assert created.returncode == 0, created.stderr
+    status = run_cli("status", "--url", url, "--json", env=env)
+    assert status.returncode == 0, status.stderr
+    json.loads(status.stdout)
+
+
+async def test_the_readme_procedure_moves_a_plain_table_to_partitions(pg_url: str) -> None:
+    """The README's SQL, as written (the cut-over moved to tomorrow): rows of the old table
+    stay where they are and are still dispatched; new rows go to the new partitions."""
+    import asyncpg
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    block = readme.split("```sql\n-- Move outbox_messages to daily partitions")[1]
+    script = block.split("\n", 1)[1].split("```")[0]  # from the line after the title
+    tomorrow = midnight(dt.datetime.now(dt.UTC)) + DAY
+    script = script.replace("2026-11-26 00:00+00", tomorrow.strftime("%Y-%m-%d %H:%M+00"))
+    step1, step2 = script.split("-- 2. The switch, one transaction:")
+
+    plain = Outbox(
+        pg_url, brokers={"default": MemoryBroker()}, settings=OutboxSettings(run_dispatchers=False)
+    )
+    stream = unique("orders")
+    try:
+        await plain.create_tables()
+        old_pending = await publish(plain, stream, 5)
+        old_done = await publish(plain, stream, 3)
+        await age_rows(plain, old_done, status="published", published_at=dt.datetime.now(dt.UTC))
+    finally:
+        await plain.aclose()
+
+    conn = await asyncpg.connect(pg_url.replace("+asyncpg", ""))
+    try:
+        for statement in step1.split(";\n"):
+            if statement.strip():
+                await conn.execute(statement)
+        await conn.execute(step2)  # BEGIN … COMMIT: one transaction
+    finally:
+        await conn.close()
+    env = {"OUTBOX_PARTITIONING": "daily"}
+    upgraded = run_cli("db", "upgrade", "--url", pg_url, env=env)
+    assert upgraded.returncode == 0, upgraded.stdout + upgraded.stderr
+    doctor = run_cli("doctor", "--url", pg_url, env=env)
+    assert doctor.returncode == 0, doctor.stdout
+
+    outbox = partitioned(pg_url)
+    try:
+        new = await publish(outbox, stream, 4)
+        placed = await where_rows(outbox)
+        assert {placed[i] for i in [*old_pending, *old_done]} == {"outbox_messages_legacy"}
+        # Today is before the cut-over: new rows still go to the old table, now a partition.
+        assert {placed[i] for i in new} == {"outbox_messages_legacy"}
+        seqs = {
+            r["id"]: r["seq"]
+            for r in [await outbox.store.get(i) for i in [*old_pending, *new]]
+            if r
+        }
+        assert min(seqs[i] for i in new) > max(seqs[i] for i in old_pending)
+        assert await drain(outbox) == 9
+        broker = outbox.brokers["default"]
+        assert isinstance(broker, MemoryBroker)
+        assert {uuid.UUID(m.id) for m in broker.messages} == {*old_pending, *new}
+        names = [p.name for p in await outbox.partitions.partitions()]  # type: ignore[union-attr]
+        assert names[0] == "outbox_messages_legacy"
+        assert partitions.partition_name("outbox_messages", tomorrow) in names
+    finally:
+        await outbox.aclose()
+
+
+async def test_dispatcher_processes_maintaining_at_once_do_not_trip_over_each_other(
+    pg_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every dispatcher process runs the maintenance: each partition is created or dropped
+    by one of them, the others skip it quietly."""
+    import asyncio
+
+    one, two = partitioned(pg_url), partitioned(pg_url)
+    table = one.table.name
+    lo = midnight(dt.datetime.now(dt.UTC)) - 5 * DAY
+    try:
+        await one.create_tables()
+        async with one.engine.begin() as conn:
+            for p in await conn.run_sync(partitions.list_partitions, table):
+                if not p.is_default:
+                    await conn.execute(text(f"DROP TABLE {p.name}"))
+            await conn.run_sync(partitions.create_partition_sync, table, lo, lo + DAY)
+        assert one.partitions is not None and two.partitions is not None
+        created = await asyncio.gather(one.partitions.ensure_ahead(), two.partitions.ensure_ahead())
+        names = [*created[0], *created[1]]
+        assert not [r.__dict__ for r in caplog.records if r.levelname == "WARNING"]
+        assert len(names) == len(set(names)) >= 3
+        dropped = await asyncio.gather(
+            one.partitions.drop_expired(86400.0, 86400.0),
+            two.partitions.drop_expired(86400.0, 86400.0),
+        )
+        assert [*dropped[0], *dropped[1]] == [partitions.partition_name(table, lo)]
+        assert not [r.__dict__ for r in caplog.records if r.levelname == "WARNING"]
+    finally:
+        await one.aclose()
+        await two.aclose()
+
+
+async def test_dispatchers_on_a_partitioned_table_deliver_to_redis(
+    pg_url: str, redis_url: str
+) -> None:
+    """The whole path on a partitioned table: the lifespan's cleaner keeps the partitions,
+    the dispatcher claims across them, messages reach a real Redis stream."""
+    import redis.asyncio as aioredis
+
+    from fastapi_outbox.brokers import RedisStreamsBroker
+    from tests.conftest import wait_until
+
+    stream = unique("orders")
+    outbox = Outbox(
+        pg_url,
+        brokers={"default": RedisStreamsBroker(redis_url)},
+        settings=OutboxSettings(partitioning="hourly"),
+    )
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        await outbox.create_tables()
+        async with outbox.dispatcher():
+            ids = await publish(outbox, stream, 50)
+
+            async def arrived() -> bool:
+                return int(await client.xlen(stream)) == 50
+
+            await wait_until(arrived, timeout=10)
+        entries = await client.xrange(stream, "-", "+")
+        assert {uuid.UUID(fields[b"id"].decode()) for _, fields in entries} == set(ids)
+        found = await outbox.partitions.partitions()  # type: ignore[union-attr]
+        assert len([p for p in found if not p.is_default]) >= 48  # two days of hours
+        assert await outbox.store.count("published") == 50
+    finally:
+        await client.aclose()
+        await outbox.aclose()
