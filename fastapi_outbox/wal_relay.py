@@ -67,6 +67,9 @@ logger = logging.getLogger("fastapi_outbox.wal")
 #: Bound of one read of the slot (it decodes WAL from ``restart_lsn``).
 PEEK_TIMEOUT_SECONDS = 60.0
 DB_BACKOFF_MIN_SECONDS = 0.2
+#: SQLSTATE object_in_use: the slot is being read by another backend right now.
+SLOT_IN_USE = "55006"
+SLOT_IN_USE_PAUSE_SECONDS = 0.1
 DB_BACKOFF_MAX_SECONDS = 10.0
 
 _Item = tuple[Transaction, WalMessage]
@@ -243,7 +246,15 @@ class WalRelay:
         settings = self.settings
         size = settings.wal_batch_size
         while not self._stopping:
-            transactions, nrows, safe = await self.slot.peek(driver, size, PEEK_TIMEOUT_SECONDS)
+            try:
+                transactions, nrows, safe = await self.slot.peek(driver, size, PEEK_TIMEOUT_SECONDS)
+            except Exception as exc:
+                if getattr(exc, "sqlstate", None) != SLOT_IN_USE:
+                    raise
+                # Someone else is reading the slot for a moment (an operator's `status`,
+                # or the backend of a reader that just died and still holds it): wait.
+                await self._sleep(SLOT_IN_USE_PAUSE_SECONDS)
+                continue
             self.last_tick = time.time()
             self.database_ok = True
             items = [(t, m) for t in transactions for m in t.messages]

@@ -250,10 +250,41 @@ class WalSlot:
     async def pending_messages(self, limit: int = 100_000) -> int:
         """Messages of our prefix the slot still holds (a peek: decodes WAL, not for a hot
         path; fails while a relay is reading the slot)."""
+        return (await self.backlog(limit))[0]
+
+    async def backlog(self, limit: int = 100_000) -> tuple[int, float | None]:
+        """How many messages of our prefix the slot holds (reading at most about ``limit``
+        pgoutput rows) and the commit time (Unix seconds) of the oldest; for operators
+        (``status``): it decodes WAL, and fails with SQLSTATE 55006 while a relay is
+        reading the slot at that very moment."""
         async with self.engine.connect() as conn:
             driver = await self._driver(conn)
             datas = await driver.fetch(PEEK_SQL, self.name, limit, self.publication)
-        return sum(len(t.messages) for t in decode((r["data"] for r in datas), self.prefix))
+        transactions = [t for t in decode((r["data"] for r in datas), self.prefix) if t.messages]
+        count = sum(len(t.messages) for t in transactions)
+        return count, transactions[0].commit_time if transactions else None
+
+    async def report(self) -> dict[str, Any]:
+        """What operators see (``status``): the slot's state, lag and retained WAL, and
+        its backlog of messages (None while a relay happens to be reading the slot)."""
+        stats = await self.stats()
+        out: dict[str, Any] = {"slot": self.name, "exists": stats is not None}
+        if stats is None:
+            return out
+        out.update(dataclasses.asdict(stats))
+        try:
+            count, oldest = await self.backlog()
+        except Exception as exc:
+            if getattr(exc, "sqlstate", None) != "55006":
+                raise
+            count, oldest = None, None
+        out["backlog_messages"] = count
+        out["oldest_unrelayed_age_seconds"] = (
+            None
+            if oldest is None
+            else round(max(0.0, dt.datetime.now(dt.UTC).timestamp() - oldest), 3)
+        )
+        return out
 
     # -- the relay's statements (on its dedicated asyncpg connection) ----------------------------
 
