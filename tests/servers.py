@@ -95,7 +95,7 @@ PG_BIN = Path("/usr/lib/postgresql/15/bin")
 #: Settings of the private PostgreSQL cluster of the WAL capture tests.
 LOGICAL_PG_OPTIONS = (
     "-c wal_level=logical -c max_replication_slots=20 -c max_wal_senders=20 -c fsync=off "
-    "-c synchronous_commit=off -c full_page_writes=off -c max_connections=200"
+    "-c full_page_writes=off -c max_connections=200"
 )
 
 
