@@ -107,6 +107,8 @@ class WalRelay:
         self._paused_until = 0.0
         self._rng = random.Random()
         self._confirmed: int | None = None
+        self._fail_on_outage = False
+        self._drained = 0
         # Health.
         self.running = False
         #: This relay holds the slot (the others are standbys).
@@ -243,11 +245,9 @@ class WalRelay:
                     await conn.invalidate()
 
     async def _lead(self, driver: Any) -> None:
-        settings = self.settings
-        size = settings.wal_batch_size
         while not self._stopping:
             try:
-                transactions, nrows, safe = await self.slot.peek(driver, size, PEEK_TIMEOUT_SECONDS)
+                more = await self._step(driver)
             except Exception as exc:
                 if getattr(exc, "sqlstate", None) != SLOT_IN_USE:
                     raise
@@ -255,37 +255,68 @@ class WalRelay:
                 # or the backend of a reader that just died and still holds it): wait.
                 await self._sleep(SLOT_IN_USE_PAUSE_SECONDS)
                 continue
-            self.last_tick = time.time()
-            self.database_ok = True
-            items = [(t, m) for t in transactions for m in t.messages]
-            target = transactions[-1].end_lsn if transactions else None
-            full = nrows >= size
-            if not full and safe is not None:
-                # Everything up to the WAL position taken before the read was read: past
-                # the last transaction of ours, the slot may move over other WAL too, so
-                # it retains (and re-decodes) no more than it must.
-                target = max(target or 0, safe)
-            if items:
-                self.oldest_unrelayed = items[0][0].commit_time
-                await self._relay(items)
-                self.last_relayed_at = time.time()
-            if target is not None and (self._confirmed is None or target > self._confirmed):
-                with anyio.fail_after(self._db_bound):
-                    await self.slot.advance(driver, target, self._db_bound)
-                self._confirmed = target
-                logger.debug(
-                    "slot confirmed",
-                    extra={
-                        "action": "wal.confirmed",
-                        "slot": self.slot.name,
-                        "lsn": format_lsn(target),
-                        "count": len(items),
-                    },
-                )
-            self.oldest_unrelayed = None
-            if full or items:
-                continue  # more may be waiting: read again at once
-            await self.wakeup.wait(settings.poll_interval_seconds)
+            if not more:
+                await self.wakeup.wait(self.settings.poll_interval_seconds)
+
+    async def _step(self, driver: Any) -> bool:
+        """One read of the slot, its publish and its confirm; True when more may be
+        waiting (the read was full, or found messages: read again at once)."""
+        size = self.settings.wal_batch_size
+        transactions, nrows, safe = await self.slot.peek(driver, size, PEEK_TIMEOUT_SECONDS)
+        self.last_tick = time.time()
+        self.database_ok = True
+        items = [(t, m) for t in transactions for m in t.messages]
+        target = transactions[-1].end_lsn if transactions else None
+        full = nrows >= size
+        if not full and safe is not None:
+            # Everything up to the WAL position taken before the read was read: past the
+            # last transaction of ours, the slot may move over other WAL too, so it
+            # retains (and re-decodes) no more than it must.
+            target = max(target or 0, safe)
+        if items:
+            self.oldest_unrelayed = items[0][0].commit_time
+            await self._relay(items)
+            self.last_relayed_at = time.time()
+        if target is not None and (self._confirmed is None or target > self._confirmed):
+            with anyio.fail_after(self._db_bound):
+                await self.slot.advance(driver, target, self._db_bound)
+            self._confirmed = target
+            logger.debug(
+                "slot confirmed",
+                extra={
+                    "action": "wal.confirmed",
+                    "slot": self.slot.name,
+                    "lsn": format_lsn(target),
+                    "count": len(items),
+                },
+            )
+        self.oldest_unrelayed = None
+        self._drained += len(items)
+        return full or bool(items)
+
+    async def drain(self) -> int:
+        """Relay everything the slot holds now, in the calling task, and return how many
+        messages were read (``fastapi_outbox.testing.drain``). Raises
+        :class:`~fastapi_outbox.exceptions.BrokerUnavailable` on a broker outage (the slot
+        stays where it was) and :class:`~fastapi_outbox.exceptions.UnitOfWorkError` when a
+        running relay holds the slot."""
+        self._fail_on_outage = True
+        self._drained = 0
+        async with self.store.autocommit_engine.connect() as conn:
+            try:
+                raw = await conn.get_raw_connection()
+                driver: Any = raw.driver_connection
+                if not await self.slot.try_lock(driver):
+                    raise exceptions.UnitOfWorkError(
+                        f"a running WAL relay holds the slot {self.slot.name!r}: stop the "
+                        "dispatchers before draining by hand"
+                    )
+                while await self._step(driver):
+                    pass
+            finally:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(2):
+                    await conn.invalidate()
+        return self._drained
 
     # -- publishing ------------------------------------------------------------------------------
 
@@ -314,6 +345,10 @@ class WalRelay:
                 batch = queue[start : start + chunk]
                 if await self._publish(name, broker, batch):
                     start += len(batch)
+                elif self._fail_on_outage:
+                    raise exceptions.BrokerUnavailable(
+                        f"broker {name!r} is down: {self.last_error}"
+                    )
 
     async def _publish(self, name: str, broker: Broker, batch: list[_Item]) -> bool:
         """One broker call; False when the broker is down (the reader pauses)."""

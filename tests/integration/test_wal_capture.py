@@ -300,3 +300,22 @@ async def test_message_with_another_prefix_is_ignored(
 
 def _load(payload: Any) -> Any:
     return payload if isinstance(payload, dict) else json.loads(payload)
+
+
+async def test_testing_drain_relays_the_slot(wal_outbox: tuple[Outbox, MemoryBroker]) -> None:
+    from fastapi_outbox.testing import drain
+
+    outbox, broker = wal_outbox
+    async with outbox.unit_of_work() as uow:
+        for value in (1, 2, 3):
+            uow.publish(Counted(counter=1, value=value))
+    assert await drain(outbox) == 3
+    assert values(broker) == [1, 2, 3]
+    assert await drain(outbox) == 0
+    # While a relay holds the slot, a drain by hand is refused.
+    async with outbox.dispatcher():
+        relay = outbox.wal_relay
+        assert relay is not None
+        await wait_until(lambda: relay.leader)
+        with pytest.raises(exceptions.UnitOfWorkError, match="holds the slot"):
+            await drain(outbox)
