@@ -217,6 +217,8 @@ class WalRelay:
             try:
                 raw = await conn.get_raw_connection()
                 driver: Any = raw.driver_connection
+                with anyio.fail_after(self._db_bound):
+                    await self.slot.prepare_session(driver)
                 while True:
                     if self._stopping:
                         raise _Stopped()
