@@ -225,10 +225,90 @@ async def bench_drain(url: str, kinds: list[str], rounds: int, backlog: int, per
     print(table(["broker", "table msg/s", "wal msg/s", "wal / table"], rows))
 
 
+async def latency_round(url: str, capture: str, rate: float, seconds: float) -> list[float]:
+    """Commit → XREAD latencies (ms) at ``rate`` commits/s of one message each, the
+    dispatcher in this process (woken by the in-process signal after each commit)."""
+    import redis.asyncio as aioredis
+
+    from benchmarks._common import REDIS_URL
+    from fastapi_outbox import Message, Outbox, OutboxSettings
+    from fastapi_outbox.brokers import RedisStreamsBroker
+
+    stream = unique("wallat")
+    outbox = Outbox(
+        url,
+        brokers={"default": RedisStreamsBroker(REDIS_URL)},
+        settings=OutboxSettings(capture=capture, table_name=unique("lat")),
+    )
+    reader = aioredis.Redis.from_url(REDIS_URL)
+    committed: dict[str, float] = {}
+    received: dict[str, float] = {}
+    try:
+        await outbox.create_tables()
+        async with outbox.dispatcher():
+            stop = asyncio.Event()
+
+            async def consume() -> None:
+                last = "$"
+                while not stop.is_set():
+                    answer = await reader.xread({stream: last}, block=200, count=1000)
+                    now = time.perf_counter()
+                    for _name, entries in answer:
+                        for entry_id, fields in entries:
+                            received[fields[b"id"].decode()] = now
+                            last = entry_id
+
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(consume())
+                await asyncio.sleep(0.3)
+                start = time.perf_counter()
+                n = 0
+                while (elapsed := time.perf_counter() - start) < seconds:
+                    async with outbox.unit_of_work() as uow:
+                        message_id = uow.publish(Message(stream, "Tick", {"n": n}))
+                    committed[str(message_id)] = time.perf_counter()
+                    n += 1
+                    await asyncio.sleep(max(0.0, n / rate - elapsed))
+                for _ in range(200):  # at most 10 s for the last ones to arrive
+                    if len(received) >= len(committed):
+                        break
+                    await asyncio.sleep(0.05)
+                stop.set()
+        return [(received[i] - t) * 1000 for i, t in committed.items() if i in received]
+    finally:
+        if outbox.wal_slot is not None:
+            with contextlib.suppress(Exception):
+                await outbox.wal_slot.drop()
+        await outbox.aclose()
+        await reader.delete(stream)
+        await reader.aclose()
+
+
+async def bench_latency(url: str, rounds: int, rate: float, seconds: float) -> None:
+    from benchmarks._common import percentile
+
+    banner(f"(c) commit → XREAD latency at {rate:g} commits/s, dispatcher in-process")
+    got: dict[str, list[float]] = {"table": [], "wal": []}
+    for r in range(rounds):
+        for capture in ("table", "wal"):
+            values = await latency_round(url, capture, rate, seconds)
+            got[capture].extend(values)
+            print(
+                f"  round {r + 1} {capture}: p50 {percentile(values, 50):.1f} ms, "
+                f"p99 {percentile(values, 99):.1f} ms ({len(values)} messages)",
+                flush=True,
+            )
+    rows = [
+        (c, fmt(percentile(v, 50), 1), fmt(percentile(v, 99), 1), len(v)) for c, v in got.items()
+    ]
+    print(table(["capture", "p50 ms", "p99 ms", "messages"], rows))
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
-    parser.add_argument("--only", nargs="*", choices=["write", "drain"], default=["write", "drain"])
+    parts = ["write", "drain", "latency"]
+    parser.add_argument("--only", nargs="*", choices=parts, default=parts)
     parser.add_argument(
         "--brokers", nargs="*", choices=["redis", "nats"], default=["redis", "nats"]
     )
@@ -237,6 +317,7 @@ async def main() -> None:
     parser.add_argument("--connections", type=int, default=8)
     parser.add_argument("--backlog", type=int, default=50_000)
     parser.add_argument("--per-txn", type=int, default=10)
+    parser.add_argument("--rate", type=float, default=500.0, help="commits/s of (c)")
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.seconds, args.backlog = 1, 2.0, 5_000
@@ -256,6 +337,8 @@ async def main() -> None:
             await bench_writes(url, args.rounds, args.seconds, args.connections)
         if "drain" in args.only:
             await bench_drain(url, args.brokers, args.rounds, args.backlog, args.per_txn)
+        if "latency" in args.only:
+            await bench_latency(url, args.rounds, args.rate, args.seconds)
     finally:
         cluster.stop()
     print(f"\nload average after: {os.getloadavg()[0]:.2f}")
