@@ -249,7 +249,7 @@ async def latency_round(url: str, capture: str, rate: float, seconds: float) -> 
             stop = asyncio.Event()
 
             async def consume() -> None:
-                last = "$"
+                last = "0-0"  # a new stream: "$" would miss entries added between two calls
                 while not stop.is_set():
                     answer = await reader.xread({stream: last}, block=200, count=1000)
                     now = time.perf_counter()
