@@ -398,6 +398,7 @@ class Outbox:
                         settings=settings,
                         instance=self.instance,
                         instrumentation=self.instrumentation,
+                        listening=(lambda: bool(listener and listener.listening)),
                     )
                     await tg.start(self.wal_relay.run)
                 await tg.start(self.cleaner.run)

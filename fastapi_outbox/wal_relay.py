@@ -91,8 +91,11 @@ class WalRelay:
         settings: OutboxSettings,
         instance: str,
         instrumentation: Instrumentation | None = None,
+        listening: Any = None,
     ) -> None:
         self.store = store
+        #: True while LISTEN/NOTIFY wake-ups reach this process: idle reads back off.
+        self._listening = listening or (lambda: False)
         self.slot = slot
         self.brokers = dict(brokers)
         self.settings = settings
@@ -247,6 +250,8 @@ class WalRelay:
                     await conn.invalidate()
 
     async def _lead(self, driver: Any) -> None:
+        settings = self.settings
+        idle = settings.poll_interval_seconds
         while not self._stopping:
             try:
                 more = await self._step(driver)
@@ -257,8 +262,19 @@ class WalRelay:
                 # or the backend of a reader that just died and still holds it): wait.
                 await self._sleep(SLOT_IN_USE_PAUSE_SECONDS)
                 continue
-            if not more:
-                await self.wakeup.wait(self.settings.poll_interval_seconds)
+            if more:
+                idle = settings.poll_interval_seconds
+                continue
+            # Each read decodes WAL again from the slot's restart_lsn: on a database busy
+            # with other writes an idle read is not free. While LISTEN/NOTIFY delivers
+            # wake-ups, idle reads back off (up to max_poll_interval_seconds).
+            woken = await self.wakeup.wait(idle)
+            cap = (
+                settings.max_poll_interval_seconds
+                if self._listening()
+                else settings.poll_interval_seconds
+            )
+            idle = settings.poll_interval_seconds if woken else min(idle * 2, cap)
 
     async def _step(self, driver: Any) -> bool:
         """One read of the slot, its publish and its confirm; True when more may be
