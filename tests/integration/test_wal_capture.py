@@ -12,6 +12,7 @@ from typing import Any
 import anyio
 import asyncpg
 import pytest
+from fastapi import FastAPI
 from sqlalchemy import Integer, func, select, update
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -93,6 +94,17 @@ async def test_server_without_logical_wal_level_is_refused_at_startup(pg_url: st
             async with outbox.dispatcher():
                 pass
         assert not outbox.started
+        api_only = Outbox(
+            pg_url,
+            brokers={"default": MemoryBroker()},
+            settings=wal_settings(run_dispatchers=False),
+        )
+        try:
+            with pytest.raises(exceptions.ConfigurationError, match="wal_level=logical"):
+                async with api_only.lifespan(FastAPI()):
+                    pass
+        finally:
+            await api_only.aclose()
     finally:
         await outbox.aclose()
 
