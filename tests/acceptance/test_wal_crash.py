@@ -9,7 +9,7 @@ id absorbs it: every committed message is in the stream exactly once.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import anyio
 import pytest
@@ -21,6 +21,7 @@ from tests.acceptance.conftest import (
     chaos_rng,
     dispatcher_env,
     exactly_once,
+    nats_ids,
     new_table,
     produce,
     redis_ids,
@@ -58,17 +59,27 @@ async def producing_outbox(url: str, table: str) -> Outbox:
 
 
 async def wait_delivered(
-    url: str, stream: str, ids: list[str], describe: Callable[[], str]
+    url: str,
+    stream: str,
+    ids: list[str],
+    describe: Callable[[], str],
+    read: Callable[[str, str], Awaitable[list[str]]] = redis_ids,
 ) -> None:
     wanted = set(ids)
 
+    async def delivered() -> set[str]:
+        try:
+            return set(await read(url, stream))
+        except Exception:  # no stream yet
+            return set()
+
     async def all_there() -> bool:
-        return wanted <= set(await redis_ids(url, stream))
+        return wanted <= await delivered()
 
     try:
-        await wait_until(all_there, timeout=30, interval=0.1)
+        await wait_until(all_there, timeout=30, interval=0.2)
     except TimeoutError:
-        missing = len(wanted - set(await redis_ids(url, stream)))
+        missing = len(wanted - await delivered())
         pytest.fail(f"{missing} committed messages not delivered\n{describe()}")
 
 
@@ -83,12 +94,18 @@ def leaders(group: Dispatchers) -> list[int]:
     return out
 
 
+@pytest.mark.parametrize("kind", ["redis", "nats"])
 async def test_relays_killed_repeatedly_lose_and_duplicate_nothing(
-    wal_pg_url: str, redis_url: str, dispatchers: Callable[..., Dispatchers]
+    kind: str,
+    wal_pg_url: str,
+    request: pytest.FixtureRequest,
+    dispatchers: Callable[..., Dispatchers],
 ) -> None:
+    broker_url: str = request.getfixturevalue(f"{kind}_url")
+    read = redis_ids if kind == "redis" else nats_ids
     stream, table = unique("walcrash"), new_table()
     outbox = await producing_outbox(wal_pg_url, table)
-    group = dispatchers(2, dispatcher_env(wal_pg_url, redis_url, table, **FAST))
+    group = dispatchers(2, dispatcher_env(wal_pg_url, broker_url, table, **FAST))
     rng = chaos_rng()
     try:
         with anyio.fail_after(75):
@@ -115,8 +132,8 @@ async def test_relays_killed_repeatedly_lose_and_duplicate_nothing(
                 await wait_until(lambda: group.kills >= 10, timeout=25)
                 stop.set()
             group.restart_exited()
-            await wait_delivered(redis_url, stream, ids, tail_of(group))
-        delivered = await redis_ids(redis_url, stream)
+            await wait_delivered(broker_url, stream, ids, tail_of(group), read)
+        delivered = await read(broker_url, stream)
         exactly_once(ids, delivered)
         assert group.kills >= 10
         # Nothing went through the table.
