@@ -54,16 +54,18 @@ class WalCapture:
         driver = connection.connection.driver_connection
         if connection.dialect.driver == "asyncpg" and driver is not None:
             if not self._checked:
-                level, exists = await_only(driver.fetchrow(wal_slot.CHECK_SQL, self.slot.name))
-                wal_slot.check_ready(level, exists, self.slot.name, slot=True)
+                version, level, exists = await_only(
+                    driver.fetchrow(wal_slot.CHECK_SQL, self.slot.name)
+                )
+                wal_slot.check_ready(version, level, exists, self.slot.name, slot=True)
                 self._checked = True
             await_only(driver.execute(EMIT_SQL, self.prefix, content))
             return
         if not self._checked:
-            level, exists = connection.execute(
+            version, level, exists = connection.execute(
                 text(wal_slot.CHECK_SQL.replace("$1", ":slot")), {"slot": self.slot.name}
             ).one()
-            wal_slot.check_ready(level, exists, self.slot.name, slot=True)
+            wal_slot.check_ready(version, level, exists, self.slot.name, slot=True)
             self._checked = True
         connection.execute(
             text("SELECT pg_logical_emit_message(true, :prefix, CAST(:content AS text))"),

@@ -45,6 +45,9 @@ CONTENT_VERSION = 1
 #: PostgreSQL's epoch (2000-01-01) in Unix seconds: pgoutput times count from it.
 _PG_EPOCH = dt.datetime(2000, 1, 1, tzinfo=dt.UTC).timestamp()
 
+#: pgoutput decodes logical messages from PostgreSQL 14 on.
+MIN_SERVER_VERSION = 140000
+
 WAL_LEVEL_HINT = (
     "set wal_level = logical in postgresql.conf (or ALTER SYSTEM SET wal_level = logical) "
     "and restart PostgreSQL; max_replication_slots must allow one more slot"
@@ -195,8 +198,8 @@ class WalSlot:
         database where the slot was not created): messages emitted there would be lost."""
         async with self.engine.connect() as conn:
             driver = await self._driver(conn)
-            level, exists = await driver.fetchrow(CHECK_SQL, self.name)
-        check_ready(level, exists, self.name, slot=slot)
+            version, level, exists = await driver.fetchrow(CHECK_SQL, self.name)
+        check_ready(version, level, exists, self.name, slot=slot)
 
     async def create(self) -> bool:
         """Create the publication and the slot when missing; True when the slot was new.
@@ -330,7 +333,14 @@ class WalSlot:
         await driver.execute(ADVANCE_SQL, self.name, lsn, timeout=timeout)
 
 
-def check_ready(level: str, exists: bool, slot_name: str, *, slot: bool) -> None:
+def check_ready(version: int, level: str, exists: bool, slot_name: str, *, slot: bool) -> None:
+    """Raise unless the server can carry ``capture="wal"`` (and, with ``slot``, the slot
+    exists): PostgreSQL 14+ (pgoutput's ``messages`` option), ``wal_level=logical``."""
+    if version < MIN_SERVER_VERSION:
+        raise exceptions.ConfigurationError(
+            f"capture='wal' needs PostgreSQL 14 or later (pgoutput's 'messages' option), "
+            f"this server is {version // 10000}: use capture='table'"
+        )
     if level != "logical":
         raise exceptions.ConfigurationError(
             f"capture='wal' needs PostgreSQL with wal_level=logical, this server has "
@@ -349,7 +359,7 @@ SLOT_EXISTS_SQL = (
     "WHERE slot_name = $1 AND database = current_database())"
 )
 CHECK_SQL = (
-    "SELECT current_setting('wal_level'), "
+    "SELECT current_setting('server_version_num')::int, current_setting('wal_level'), "
     "EXISTS (SELECT FROM pg_replication_slots "
     "WHERE slot_name = $1 AND database = current_database() AND plugin = 'pgoutput')"
 )

@@ -100,3 +100,15 @@ def test_capture_settings() -> None:
         OutboxSettings.from_env(capture="binlog")
     with pytest.raises(exceptions.ConfigurationError, match="wal_slot_name"):
         OutboxSettings.from_env(wal_slot_name="Bad-Name")
+
+
+def test_server_checks_say_what_to_do() -> None:
+    from fastapi_outbox.wal_slot import check_ready
+
+    with pytest.raises(exceptions.ConfigurationError, match="PostgreSQL 14 or later"):
+        check_ready(130011, "logical", True, "s", slot=True)
+    with pytest.raises(exceptions.ConfigurationError, match=r"wal_level=logical.*restart"):
+        check_ready(150004, "replica", True, "s", slot=True)
+    with pytest.raises(exceptions.ConfigurationError, match="db create"):
+        check_ready(150004, "logical", False, "s", slot=True)
+    check_ready(150004, "logical", False, "s", slot=False)
