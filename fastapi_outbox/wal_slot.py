@@ -275,6 +275,9 @@ class WalSlot:
         if stats is None:
             return out
         out.update(dataclasses.asdict(stats))
+        if stats.lost:  # invalidated: its messages cannot be read any more
+            out["backlog_messages"] = out["oldest_unrelayed_age_seconds"] = None
+            return out
         try:
             count, oldest = await self.backlog()
         except Exception as exc:

@@ -117,6 +117,10 @@ async def _invalidated(
     assert response.status_code == 503
     reasons = " ".join(response.json()["reasons"])
     assert "invalidated" in reasons and "max_slot_wal_keep_size" in reasons
+    # `status` still reports it (its messages cannot be read any more).
+    assert outbox.wal_slot is not None
+    report = await outbox.wal_slot.report()
+    assert report["wal_status"] == "lost" and report["backlog_messages"] is None
 
 
 async def test_prometheus_gauges_show_the_slot(wal_pg_url: str) -> None:
