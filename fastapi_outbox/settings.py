@@ -55,7 +55,7 @@ LEASE_PUBLISH_MARGIN = 1.5
 
 #: Rows of pgoutput (a transaction is a begin, its messages, a commit) one read of the
 #: logical replication slot asks for in ``capture="wal"`` (``wal_batch_size``).
-WAL_BATCH_SIZE = 3000
+WAL_BATCH_SIZE = 10_000
 #: How often a standby WAL relay tries to take over the slot (``wal_standby_poll_seconds``).
 WAL_STANDBY_POLL_SECONDS = 1.0
 
