@@ -331,3 +331,44 @@ async def test_testing_drain_relays_the_slot(wal_outbox: tuple[Outbox, MemoryBro
         await wait_until(lambda: relay.leader)
         with pytest.raises(exceptions.UnitOfWorkError, match="holds the slot"):
             await drain(outbox)
+
+
+# -- wake-ups ------------------------------------------------------------------------------------
+
+SLOW_POLL = {"poll_interval_seconds": 30.0, "max_poll_interval_seconds": 30.0}
+
+
+async def test_commits_wake_the_reader_in_process_and_across_processes(wal_pg_url: str) -> None:
+    """Polling every 30 s: a message that arrives within seconds was woken, by the signal
+    after a commit of the reader's own process, or by the NOTIFY of an API-only process."""
+    broker = MemoryBroker()
+    reader = Outbox(
+        wal_pg_url, brokers={"default": broker}, settings=OutboxSettings(capture="wal", **SLOW_POLL)
+    )
+    api = Outbox(
+        wal_pg_url,
+        brokers={"default": MemoryBroker()},
+        settings=OutboxSettings(capture="wal", run_dispatchers=False, **SLOW_POLL),
+    )
+    await reader.create_tables()
+    try:
+        async with reader.dispatcher():
+            relay = reader.wal_relay
+            listener = reader.listener
+            assert relay is not None and listener is not None
+
+            def waiting() -> bool:
+                return relay.leader and listener.listening and len(relay.wakeup._waiters) == 1
+
+            await wait_until(waiting)
+            async with reader.unit_of_work() as uow:
+                uow.publish(Counted(counter=1, value=1))
+            await broker.wait_for(1, timeout=3)
+            await wait_until(waiting)
+            async with api.unit_of_work() as uow:  # NOTIFY after the commit
+                uow.publish(Counted(counter=1, value=2))
+            await broker.wait_for(2, timeout=3)
+        assert values(broker) == [1, 2]
+    finally:
+        await api.aclose()
+        await reader.aclose()
