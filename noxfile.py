@@ -38,6 +38,7 @@ def bench(session: nox.Session) -> None:
         "ordered_claim",
         "dashboard",
         "scale",
+        "wal",
     ]
     for script in scripts:
         session.run("python", f"benchmarks/{script}.py")

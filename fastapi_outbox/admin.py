@@ -163,7 +163,12 @@ async def run(args: argparse.Namespace, outbox: Any) -> int:
             outbox,
         )
         rows = [dataclasses.asdict(s) for s in stats.values()]
-        if args.json:
+        slot = None
+        if outbox.wal_slot is not None:  # capture="wal": the replication slot too
+            slot = await _guard(outbox.wal_slot.report(), outbox)
+        if args.json and slot is not None:
+            print(json.dumps({"brokers": rows, "wal_slot": slot}, indent=2, default=str))
+        elif args.json:
             print(json.dumps(rows, indent=2, default=str))
         else:
             print(
@@ -182,6 +187,9 @@ async def run(args: argparse.Namespace, outbox: Any) -> int:
                     ],
                 )
             )
+            if slot is not None:
+                print("\nreplication slot (capture='wal'):")
+                print("  " + ", ".join(f"{k}={v}" for k, v in slot.items()))
         return EXIT_OK
     if command == "list":
         if args.limit < 1:

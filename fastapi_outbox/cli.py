@@ -132,6 +132,15 @@ def build_parser() -> argparse.ArgumentParser:
     db_sub = db.add_subparsers(dest="db_command", required=True, metavar="ACTION")
     create = db_sub.add_parser("create", help="create the outbox table and indexes")
     _common(create)
+    drop_slot = db_sub.add_parser(
+        "drop-slot",
+        help="drop the replication slot and publication of capture='wal' (refused while "
+        "the slot still holds messages, unless --force)",
+    )
+    _common(drop_slot)
+    drop_slot.add_argument(
+        "--force", action="store_true", help="drop it even with unrelayed messages (lost)"
+    )
     sql = db_sub.add_parser("sql", help="print the DDL")
     _common(sql)
     sql.add_argument(
@@ -217,8 +226,12 @@ async def _run(args: argparse.Namespace) -> int:
                 return EXIT_OK
             if args.db_command == "upgrade":
                 return await _upgrade(outbox)
+            if args.db_command == "drop-slot":
+                return await _drop_slot(outbox, force=args.force)
             await _guard(outbox.create_tables(), outbox)
             print(f"created table {outbox.table.name} on {redact_url(str(outbox.engine.url))}")
+            if outbox.wal_slot is not None:
+                print(f"replication slot and publication {outbox.wal_slot.name} ready")
             return EXIT_OK
         if args.command == "dispatch":
             return await dispatch(outbox, http=args.http)
@@ -265,6 +278,52 @@ async def _upgrade(outbox: Any) -> int:
         return EXIT_FAILED
     verb = f"upgraded ({len(applied)} change(s))" if applied else "already up to date"
     print(f"table {outbox.table.name} on {where}: {verb}")
+    return EXIT_OK
+
+
+async def _drop_slot(outbox: Any, *, force: bool) -> int:
+    """``db drop-slot``: after switching back to capture='table' (README: switching modes)."""
+    from fastapi_outbox.wal_slot import WalSlot
+
+    slot = outbox.wal_slot or WalSlot(
+        outbox.engine, outbox.settings.slot_name, outbox.settings.table_name
+    )
+    if not outbox.store.is_postgres:
+        raise CliError("capture='wal' replication slots exist on PostgreSQL only")
+    stats = await _guard(slot.stats(), outbox)
+    if stats is None:
+        print(f"no replication slot {slot.name}")
+        await _guard(slot.drop(), outbox)  # a publication left behind
+        return EXIT_OK
+    if not force and not stats.lost:
+        try:
+            count, _ = await _guard(slot.backlog(), outbox)
+        except Exception as exc:
+            if _sqlstate(exc) == "55006" or getattr(exc, "sqlstate", None) == "55006":
+                raise CliError(
+                    f"replication slot {slot.name} is being read by a WAL relay: stop the "
+                    "dispatchers (or restart them with capture='table') first",
+                    EXIT_FAILED,
+                ) from exc
+            raise
+        if count:
+            raise CliError(
+                f"replication slot {slot.name} still holds {count} unrelayed message(s): "
+                "let a dispatcher with capture='wal' relay them first, or pass --force to "
+                "drop them",
+                EXIT_FAILED,
+            )
+    try:
+        await _guard(slot.drop(), outbox)
+    except Exception as exc:
+        if getattr(exc, "sqlstate", None) == "55006":
+            raise CliError(
+                f"replication slot {slot.name} is in use by a WAL relay: stop the "
+                "dispatchers first",
+                EXIT_FAILED,
+            ) from exc
+        raise
+    print(f"dropped replication slot and publication {slot.name}")
     return EXIT_OK
 
 

@@ -63,6 +63,37 @@ class ProcessorHealth(BaseModel):
     last_error: str | None = Field(default=None, description="Last error, without data.")
 
 
+class WalHealth(BaseModel):
+    """``capture="wal"``: the replication slot and its relay."""
+
+    slot: str
+    exists: bool | None = Field(description="None when the database cannot be reached.")
+    wal_status: str | None = Field(
+        default=None,
+        description="pg_replication_slots.wal_status: reserved, extended, unreserved, or "
+        "lost (invalidated by max_slot_wal_keep_size: messages were lost).",
+    )
+    lag_bytes: int | None = Field(
+        default=None, description="WAL written since the slot's confirmed position."
+    )
+    retained_bytes: int | None = Field(
+        default=None, description="WAL the slot keeps the server from recycling."
+    )
+    safe_wal_size: int | None = Field(
+        default=None, description="Bytes of WAL left before max_slot_wal_keep_size bites."
+    )
+    relay_running: bool = Field(description="A WAL relay runs in this process.")
+    reader_here: bool = Field(description="This process's relay holds the slot.")
+    lag_seconds: float | None = Field(
+        default=None,
+        description="Age of the oldest message read from the slot and not yet confirmed "
+        "(0 when caught up); None when the reader is in another process.",
+    )
+    last_relayed_at: dt.datetime | None = None
+    broker_available: bool | None = None
+    last_error: str | None = None
+
+
 class OutboxHealth(BaseModel):
     """Overall outbox health."""
 
@@ -71,6 +102,7 @@ class OutboxHealth(BaseModel):
     dispatchers_running: bool = Field(description="Dispatchers run in this process.")
     reasons: list[str] = Field(default_factory=list, description="Why the status is not ok.")
     processors: list[ProcessorHealth] = Field(default_factory=list)
+    wal: WalHealth | None = Field(default=None, description='capture="wal" only.')
 
 
 async def compute_health(outbox: Outbox) -> OutboxHealth:
@@ -147,6 +179,11 @@ async def compute_health(outbox: Outbox) -> OutboxHealth:
                 last_error=p.last_error if p is not None else None,
             )
         )
+    wal = None
+    if outbox.wal_slot is not None:
+        wal, wal_down, wal_degraded = await _wal_health(outbox, reasons, database_ok)
+        down = down or wal_down
+        degraded = degraded or wal_degraded
     status: Status = "down" if down else "degraded" if degraded else "ok"
     return OutboxHealth(
         status=status,
@@ -154,7 +191,84 @@ async def compute_health(outbox: Outbox) -> OutboxHealth:
         dispatchers_running=outbox.started,
         reasons=reasons,
         processors=processors,
+        wal=wal,
     )
+
+
+async def _wal_health(
+    outbox: Outbox, reasons: list[str], database_ok: bool
+) -> tuple[WalHealth, bool, bool]:
+    """The slot's health: (report, down, degraded). Down: the slot is missing or was
+    invalidated (messages lost: a restart cures nothing, but nothing must look fine), the
+    relay of this process died, or the reader here is stuck; degraded: its broker is
+    down, or the slot's WAL is about to exceed max_slot_wal_keep_size."""
+    slot = outbox.wal_slot
+    assert slot is not None
+    settings = outbox.settings
+    relay = outbox.wal_relay if outbox.started else None
+    stats = None
+    down = degraded = False
+    if database_ok:
+        try:
+            with anyio.fail_after(HEALTH_TIMEOUT_SECONDS):
+                stats = await slot.stats()
+        except Exception as exc:
+            database_ok = False
+            reasons.append(f"replication slot unreadable ({type(exc).__name__})")
+            down = True
+    if database_ok and stats is None:
+        down = True
+        reasons.append(
+            f"replication slot {slot.name!r} does not exist: messages committed now are "
+            "lost; run `fastapi-outbox db create` with capture='wal'"
+        )
+    elif stats is not None and stats.lost:
+        down = True
+        reasons.append(
+            f"replication slot {slot.name!r} was invalidated (wal_status=lost: it retained "
+            "more WAL than max_slot_wal_keep_size); messages it had not relayed are lost: "
+            "drop and recreate it (`fastapi-outbox db drop-slot --force`, `db create`)"
+        )
+    elif stats is not None and stats.wal_status == "unreserved":
+        degraded = True
+        reasons.append(
+            f"replication slot {slot.name!r} is about to be invalidated "
+            "(wal_status=unreserved): its relay is far behind"
+        )
+    if outbox.started and (relay is None or not relay.running):
+        down = True
+        reasons.append("the WAL relay is not running")
+    lag = None
+    if relay is not None and relay.leader:
+        lag = relay.lag_seconds
+        if not relay.broker_ok:
+            degraded = True
+            reasons.append("WAL relay paused: broker down")
+        elif lag > settings.health_max_pending_age_seconds:
+            down = True
+            reasons.append(
+                f"the WAL relay's oldest unconfirmed message has waited {lag:.0f}s "
+                f"(> health_max_pending_age_seconds={settings.health_max_pending_age_seconds:g})"
+            )
+    report = WalHealth(
+        slot=slot.name,
+        exists=None if not database_ok else stats is not None,
+        wal_status=stats.wal_status if stats else None,
+        lag_bytes=stats.lag_bytes if stats else None,
+        retained_bytes=stats.retained_bytes if stats else None,
+        safe_wal_size=stats.safe_wal_size if stats else None,
+        relay_running=bool(relay and relay.running),
+        reader_here=bool(relay and relay.leader),
+        lag_seconds=None if lag is None else round(lag, 3),
+        last_relayed_at=(
+            dt.datetime.fromtimestamp(relay.last_relayed_at, dt.UTC)
+            if relay is not None and relay.last_relayed_at is not None
+            else None
+        ),
+        broker_available=None if relay is None else relay.broker_ok,
+        last_error=None if relay is None else relay.last_error,
+    )
+    return report, down, degraded
 
 
 def build_health_router(outbox: Outbox) -> APIRouter:

@@ -104,6 +104,23 @@ class _Metrics:
             "processor_up", "1 while this process runs the broker's processor."
         )
         self.database_up = gauge("database_up", "1 when the last refresh reached the database.", ())
+        # capture="wal": the replication slot.
+        self.wal_lag_bytes = gauge(
+            "wal_lag_bytes", "WAL written since the slot's confirmed position.", ("slot",)
+        )
+        self.wal_retained_bytes = gauge(
+            "wal_retained_bytes", "WAL the slot keeps from being recycled.", ("slot",)
+        )
+        self.wal_lag_seconds = gauge(
+            "wal_lag_seconds",
+            "Age of the oldest message read from the slot and not confirmed (reader here).",
+            ("slot",),
+        )
+        self.wal_slot_lost = gauge(
+            "wal_slot_lost",
+            "1 when the slot is missing or invalidated (wal_status=lost).",
+            ("slot",),
+        )
 
 
 _REGISTRIES: weakref.WeakKeyDictionary[Any, dict[str, _Metrics]] = weakref.WeakKeyDictionary()
@@ -201,7 +218,26 @@ class PrometheusInstrumentation(Instrumentation):
                     m.pending.labels(name).set(s.pending)
                     m.oldest_age.labels(name).set(s.oldest_pending_age_seconds or 0.0)
                     m.abandoned_now.labels(name).set(s.abandoned)
+            if outbox.wal_slot is not None:
+                await self._refresh_wal(outbox)
             self._refreshed_at = time.monotonic()
+
+    async def _refresh_wal(self, outbox: Outbox) -> None:
+        slot = outbox.wal_slot
+        assert slot is not None
+        m = self.metrics
+        relay = outbox.wal_relay
+        if relay is not None and relay.leader:
+            m.wal_lag_seconds.labels(slot.name).set(relay.lag_seconds)
+        try:
+            with anyio.fail_after(REFRESH_TIMEOUT_SECONDS):
+                stats = await slot.stats()
+        except Exception:
+            return
+        m.wal_slot_lost.labels(slot.name).set(1 if stats is None or stats.lost else 0)
+        if stats is not None:
+            m.wal_lag_bytes.labels(slot.name).set(stats.lag_bytes or 0)
+            m.wal_retained_bytes.labels(slot.name).set(stats.retained_bytes or 0)
 
     def render(self, accept: str | None = None) -> tuple[bytes, str]:
         """The exposition of the registry and its content type (OpenMetrics when the

@@ -34,6 +34,8 @@ from fastapi_outbox.retention import Cleaner
 from fastapi_outbox.settings import OutboxSettings
 from fastapi_outbox.store import Store
 from fastapi_outbox.unit_of_work import UnitOfWork
+from fastapi_outbox.wal_relay import WalRelay
+from fastapi_outbox.wal_slot import WalSlot
 
 logger = logging.getLogger("fastapi_outbox")
 
@@ -137,6 +139,11 @@ class Outbox:
             self.settings.statement_timeout_seconds, self.settings.lock_timeout_seconds
         )
         self.capture: Capture = TableCapture(self.store)
+        #: ``capture="wal"``: the replication slot, and its relay while dispatchers run.
+        self.wal_slot: WalSlot | None = None
+        self.wal_relay: WalRelay | None = None
+        if self.settings.capture == "wal":
+            self._setup_wal()
         self.session_factory = session_factory or async_sessionmaker(
             self.engine, expire_on_commit=False
         )
@@ -163,6 +170,18 @@ class Outbox:
             None if dashboard_dependencies is None else list(dashboard_dependencies)
         )
         Outbox._instances.add(self)
+
+    def _setup_wal(self) -> None:
+        from fastapi_outbox.wal_capture import WalCapture
+
+        if not self.store.is_postgres or self.engine.dialect.driver != "asyncpg":
+            raise exceptions.ConfigurationError(
+                f"capture='wal' (OUTBOX_CAPTURE) needs PostgreSQL through asyncpg "
+                f"(postgresql+asyncpg://…), not {self.engine.dialect.name}+"
+                f"{self.engine.dialect.driver}: use capture='table'"
+            )
+        self.wal_slot = WalSlot(self.engine, self.settings.slot_name, self.settings.table_name)
+        self.capture = WalCapture(self.store, self.wal_slot)
 
     def __repr__(self) -> str:
         return f"Outbox({redact_url(str(self.engine.url))!r}, brokers={list(self.all_brokers)})"
@@ -279,7 +298,14 @@ class Outbox:
         if not brokers:
             return False
         handled_here = True
+        relay = self.wal_relay
         for name, delay in brokers.items():
+            if relay is not None and delay <= 0:
+                # capture="wal": messages due now are in the slot, not in the table.
+                if not (relay.leader and not relay.stopping):
+                    handled_here = False
+                relay.wakeup.set()
+                continue
             processor = self.processors.get(name)
             if processor is None or processor.stopping:
                 handled_here = False
@@ -336,6 +362,8 @@ class Outbox:
         await self.store.create_table()
         if self.partitions is not None:
             await self.partitions.ensure_ahead()
+        if self.wal_slot is not None:
+            await self.wal_slot.create()
 
     async def drop_tables(self) -> None:
         await self.store.drop_table()
@@ -349,6 +377,8 @@ class Outbox:
             raise exceptions.ConfigurationError("this Outbox's dispatchers are already running")
         if not self.brokers:
             raise exceptions.ConfigurationError(NO_BROKER)
+        if self.wal_slot is not None:
+            await self.wal_slot.check_server(slot=True)
         self.started = True
         settings = self.settings
         try:
@@ -378,6 +408,17 @@ class Outbox:
                     await tg.start(listener.run)
                 for processor in self.processors.values():
                     await tg.start(processor.run)
+                if self.wal_slot is not None:
+                    self.wal_relay = WalRelay(
+                        store=self.store,
+                        slot=self.wal_slot,
+                        brokers=self.all_brokers,
+                        settings=settings,
+                        instance=self.instance,
+                        instrumentation=self.instrumentation,
+                        listening=(lambda: bool(listener and listener.listening)),
+                    )
+                    await tg.start(self.wal_relay.run)
                 await tg.start(self.cleaner.run)
                 logger.info(
                     "outbox dispatchers started",
@@ -396,6 +437,7 @@ class Outbox:
             self.started = False
             self.notifier = None
             self.listener = None
+            self.wal_relay = None
             with anyio.CancelScope(shield=True):
                 await self._close_brokers()
 
@@ -403,11 +445,15 @@ class Outbox:
         for processor in self.processors.values():
             processor.stop()
         self.cleaner.stop()
+        if self.wal_relay is not None:
+            self.wal_relay.stop()
         with anyio.CancelScope(shield=True):
             with anyio.move_on_after(self.settings.shutdown_timeout_seconds):
                 for processor in self.processors.values():
                     if processor.running:
                         await processor.stopped.wait()
+                if self.wal_relay is not None and self.wal_relay.running:
+                    await self.wal_relay.stopped.wait()
                 # Let a running purge batch finish rather than cancel it mid-query.
                 if self.cleaner.stopped is not None:
                     await self.cleaner.stopped.wait()
@@ -436,12 +482,16 @@ class Outbox:
     def _wake_all(self) -> None:
         for processor in self.processors.values():
             processor.wakeup.set()
+        if self.wal_relay is not None:
+            self.wal_relay.wakeup.set()
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Any) -> AsyncIterator[None]:
         """FastAPI lifespan: ``FastAPI(lifespan=outbox.lifespan)``."""
         app.state.fastapi_outbox = self
         if not self.settings.run_dispatchers:
+            if self.wal_slot is not None:
+                await self.wal_slot.check_server(slot=True)
             async with self.notifying():
                 yield
             return

@@ -7,7 +7,7 @@ values fail when the settings are built, with a message naming the setting.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -53,7 +53,14 @@ DEDUP_MARGIN_SECONDS = 60.0
 #: absorb at best).
 LEASE_PUBLISH_MARGIN = 1.5
 
+#: Rows of pgoutput (a transaction is a begin, its messages, a commit) one read of the
+#: logical replication slot asks for in ``capture="wal"`` (``wal_batch_size``).
+WAL_BATCH_SIZE = 10_000
+#: How often a standby WAL relay tries to take over the slot (``wal_standby_poll_seconds``).
+WAL_STANDBY_POLL_SECONDS = 1.0
+
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+_SLOT_NAME = re.compile(r"^[a-z0-9_]{1,63}$")
 
 
 class OutboxSettings(BaseSettings):
@@ -157,6 +164,29 @@ class OutboxSettings(BaseSettings):
     run_dispatchers: bool = Field(
         default=True, description="Start dispatchers in the app lifespan (False: API only)."
     )
+    capture: Literal["table", "wal"] = Field(
+        default="table",
+        description="How the unit of work records messages: 'table' (outbox rows) or 'wal' "
+        "(PostgreSQL with wal_level=logical: pg_logical_emit_message in the business "
+        "transaction, relayed from a logical replication slot; see fastapi_outbox.wal_relay).",
+    )
+    wal_slot_name: str | None = Field(
+        default=None,
+        description="Logical replication slot (and publication) of capture='wal'; None: "
+        "'fastapi_outbox_<table_name>' in lower case.",
+    )
+    wal_batch_size: int = Field(
+        default=WAL_BATCH_SIZE,
+        ge=3,
+        le=100_000,
+        description="pgoutput rows (about 2 + messages per transaction) one read of the slot "
+        "asks for; whole transactions are always read.",
+    )
+    wal_standby_poll_seconds: float = Field(
+        default=WAL_STANDBY_POLL_SECONDS,
+        gt=0,
+        description="How often a standby WAL relay tries to take the slot over.",
+    )
 
     @field_validator("table_name")
     @classmethod
@@ -171,6 +201,23 @@ class OutboxSettings(BaseSettings):
 
             parse_interval(value)
         return value
+
+    @field_validator("wal_slot_name")
+    @classmethod
+    def _slot_name(cls, value: str | None) -> str | None:
+        if value is not None and not _SLOT_NAME.match(value):
+            raise ValueError(
+                f"wal_slot_name {value!r} is not a valid replication slot name "
+                "(lower-case letters, digits and _, at most 63 characters)"
+            )
+        return value
+
+    @property
+    def slot_name(self) -> str:
+        """The effective ``wal_slot_name``."""
+        if self.wal_slot_name is not None:
+            return self.wal_slot_name
+        return f"fastapi_outbox_{self.table_name.lower()}"[:63]
 
     @model_validator(mode="after")
     def _consistent(self) -> OutboxSettings:
@@ -215,6 +262,13 @@ class OutboxSettings(BaseSettings):
                 "retry_max_delay_seconds (OUTBOX_RETRY_MAX_DELAY_SECONDS) must be >= "
                 "retry_base_delay_seconds (OUTBOX_RETRY_BASE_DELAY_SECONDS) "
                 f"({self.retry_max_delay_seconds} < {self.retry_base_delay_seconds})"
+            )
+        if self.capture == "wal" and self.ordered:
+            raise ValueError(
+                "capture='wal' (OUTBOX_CAPTURE) cannot be combined with ordered=True "
+                "(OUTBOX_ORDERED): the WAL relay publishes in commit order by itself, but a "
+                "message the broker refuses leaves that order for the table's retries, so "
+                "the per-key blocking of ordered=True cannot be kept"
             )
         return self
 

@@ -350,6 +350,21 @@ class Store:
             self._insert_sql = (compiled.string, list(compiled.positiontup or ()))
         return self._insert_sql
 
+    async def insert_failed(self, rows: Sequence[dict[str, Any]]) -> int:
+        """Insert messages the WAL relay (``capture="wal"``) could not publish because the
+        broker refused them, as ``failed`` rows due again at ``next_attempt_at`` (or
+        ``abandoned`` ones): from there the table's retry, abandon and replay path takes
+        over. A row that is already there — a relay that crashed after inserting it reads
+        the slot again — is left as it is. Returns how many rows were inserted."""
+        if not rows:
+            return 0
+        from sqlalchemy.dialects import postgresql
+
+        stmt = postgresql.insert(self.table).on_conflict_do_nothing()
+        async with self.engine.begin() as conn:
+            result = await conn.execute(stmt, list(rows))
+            return int(result.rowcount)
+
     # -- dispatch --------------------------------------------------------------------------
 
     def _claim_statement(self, broker: str, limit: int, ordered: bool) -> Any:

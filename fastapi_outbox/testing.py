@@ -24,9 +24,25 @@ __all__ = ["drain", "memory_broker", "sqlite_outbox"]
 
 
 async def drain(outbox: Outbox, *, broker: str | None = None, max_batches: int = 1000) -> int:
-    """Publish every due message (of ``broker``, or of all brokers); returns the count."""
+    """Publish every due message (of ``broker``, or of all brokers); returns the count.
+
+    With ``capture="wal"`` the messages waiting in the replication slot are relayed first
+    (to all their brokers, whatever ``broker`` says), as the WAL relay would."""
     names = [broker] if broker is not None else list(outbox.all_brokers)
     published = 0
+    if outbox.wal_slot is not None:
+        from fastapi_outbox.wal_relay import WalRelay
+
+        relay = WalRelay(
+            store=outbox.store,
+            slot=outbox.wal_slot,
+            brokers=outbox.all_brokers,
+            settings=outbox.settings,
+            instance=outbox.instance + ":drain",
+            instrumentation=outbox.instrumentation,
+        )
+        await relay.drain()
+        published += relay.relayed_total
     for name in names:
         processor = Processor(
             store=outbox.store,

@@ -159,3 +159,72 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
         timeout=60,
         check=False,
     )
+
+
+# -- capture="wal": a private PostgreSQL cluster with wal_level=logical --------------------------
+
+
+@pytest.fixture(scope="session")
+def logical_pg() -> Iterator[Any]:
+    """A PostgreSQL cluster of this test session with ``wal_level=logical`` (started on
+    first use, stopped at the end of the session): see ``tests.servers.PrivatePostgres``."""
+    from tests.servers import PrivatePostgres
+
+    cluster = PrivatePostgres(range(56400, 56500))
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def _cluster_sql(url: str, *statements: str, drop_database: str | None = None) -> None:
+    import asyncio
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import asyncpg
+
+    async def run() -> None:
+        conn = await asyncpg.connect(url.replace("+asyncpg", ""))
+        try:
+            for statement in statements:
+                await conn.execute(statement)
+            if drop_database is None:
+                return
+            # A relay's backend may take a moment to exit and release its slot.
+            deadline = time.monotonic() + 10
+            while True:
+                await conn.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE datname = $1 AND pid <> pg_backend_pid()",
+                    drop_database,
+                )
+                try:
+                    await conn.execute(
+                        "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
+                        "WHERE database = $1",
+                        drop_database,
+                    )
+                    await conn.execute(f"DROP DATABASE IF EXISTS {drop_database} WITH (FORCE)")
+                    return
+                except asyncpg.PostgresError:
+                    if time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(0.05)
+        finally:
+            await conn.close()
+
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, run()).result()
+
+
+@pytest.fixture
+def wal_pg_url(logical_pg: Any) -> Iterator[str]:
+    """A database of this test's own on the ``wal_level=logical`` cluster (slots are per
+    database); its slots are dropped with it."""
+    name = unique("wal_test")
+    _cluster_sql(logical_pg.url, f"CREATE DATABASE {name}")
+    base, _, _ = logical_pg.url.rpartition("/")
+    yield f"{base}/{name}"
+    _cluster_sql(logical_pg.url, drop_database=name)

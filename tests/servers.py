@@ -89,3 +89,70 @@ def private_redis_server(ports: range, data: Path) -> PrivateServer:
 def private_nats_server(ports: range, data: Path) -> PrivateServer:
     port = free_port(ports)
     return PrivateServer(nats_argv(port, data), port, f"nats://127.0.0.1:{port}")
+
+
+PG_BIN = Path("/usr/lib/postgresql/15/bin")
+#: Settings of the private PostgreSQL cluster of the WAL capture tests.
+LOGICAL_PG_OPTIONS = (
+    "-c wal_level=logical -c max_replication_slots=20 -c max_wal_senders=20 -c fsync=off "
+    "-c full_page_writes=off -c max_connections=200"
+)
+
+
+class PrivatePostgres:
+    """A PostgreSQL cluster of the test session's own (``initdb`` into a temporary directory
+    owned by the postgres user, trust authentication, loopback only), with
+    ``wal_level=logical``: the shared server on 5432 is never reconfigured."""
+
+    def __init__(self, ports: range, options: str = LOGICAL_PG_OPTIONS) -> None:
+        self.ports = ports
+        self.options = options
+        self.port = 0
+        self.directory: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"postgresql+asyncpg://postgres@127.0.0.1:{self.port}/postgres"
+
+    def _as_postgres(self, *argv: str) -> None:
+        import os
+
+        command = list(argv)
+        if os.geteuid() == 0:
+            command = ["runuser", "-u", "postgres", "--", *command]
+        subprocess.run(command, check=True, capture_output=True, timeout=120)
+
+    def start(self) -> None:
+        import os
+        import pwd
+        import tempfile
+
+        initdb = binary(str(PG_BIN / "initdb"))
+        try:
+            postgres_user = pwd.getpwnam("postgres")
+        except KeyError:
+            pytest.skip("no postgres user to run a private PostgreSQL cluster")
+        self.port = free_port(self.ports)
+        self.directory = Path(tempfile.mkdtemp(prefix="outbox-pg-"))
+        if os.geteuid() == 0:
+            os.chown(self.directory, postgres_user.pw_uid, postgres_user.pw_gid)
+        data = self.directory / "data"
+        self._as_postgres(initdb, "-D", str(data), "-A", "trust", "-U", "postgres", "--no-sync")
+        self._as_postgres(
+            str(PG_BIN / "pg_ctl"),
+            *("-D", str(data), "-l", str(self.directory / "log"), "-w", "start"),
+            "-o",
+            f"-p {self.port} -k {self.directory} -c listen_addresses=127.0.0.1 {self.options}",
+        )
+
+    def stop(self) -> None:
+        import shutil as sh
+
+        if self.directory is None:
+            return
+        try:
+            data = str(self.directory / "data")
+            self._as_postgres(str(PG_BIN / "pg_ctl"), "-D", data, "-m", "immediate", "stop")
+        finally:
+            sh.rmtree(self.directory, ignore_errors=True)
+            self.directory = None

@@ -1,0 +1,391 @@
+"""The logical replication slot of ``capture="wal"``: its SQL and its format, in one place.
+
+The unit of work writes each transaction's messages with ``pg_logical_emit_message(true,
+<prefix>, <json>)`` (:mod:`fastapi_outbox.wal_capture`); the relay
+(:mod:`fastapi_outbox.wal_relay`) reads them back from a logical replication slot of the
+built-in ``pgoutput`` plugin with ``messages 'true'``, through the SQL slot functions:
+
+``pg_logical_slot_peek_binary_changes``
+    decodes the WAL from the slot's ``restart_lsn`` and returns whole committed
+    transactions, in commit order, *without* moving the slot: what the relay then fails to
+    publish is read again by the next peek (or by the next reader after a crash).
+``pg_replication_slot_advance``
+    moves the slot's ``confirmed_flush_lsn`` once the broker acknowledged: the commit LSN
+    of the last transaction published, so the next peek starts after it.
+
+pgoutput needs a publication: an empty one (``CREATE PUBLICATION name``, no table) so no
+table change is decoded into the output, only the messages. Transactions that emitted no
+message produce no row at all (PostgreSQL 15 skips empty transactions).
+
+Each row of a peek is one pgoutput protocol message (``data``): ``B`` (begin: final LSN,
+commit time, xid), ``M`` (flags, LSN, prefix, length, content) and ``C`` (flags, commit
+LSN, end LSN, commit time). :func:`decode` keeps the ``M`` records of our prefix, grouped
+by transaction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+import logging
+import struct
+from collections.abc import Iterable
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from fastapi_outbox import exceptions
+
+logger = logging.getLogger("fastapi_outbox.wal")
+
+#: Version of the JSON content of a message (``{"v": 1, "m": [[id, broker, stream, type,
+#: key, headers, payload], ...]}``).
+CONTENT_VERSION = 1
+#: PostgreSQL's epoch (2000-01-01) in Unix seconds: pgoutput times count from it.
+_PG_EPOCH = dt.datetime(2000, 1, 1, tzinfo=dt.UTC).timestamp()
+
+#: pgoutput decodes logical messages from PostgreSQL 14 on.
+MIN_SERVER_VERSION = 140000
+
+WAL_LEVEL_HINT = (
+    "set wal_level = logical in postgresql.conf (or ALTER SYSTEM SET wal_level = logical) "
+    "and restart PostgreSQL; max_replication_slots must allow one more slot"
+)
+
+
+def message_prefix(table_name: str) -> str:
+    """The ``pg_logical_emit_message`` prefix of an outbox: other outboxes (and other
+    programs) emitting messages on the same database are ignored by its relay."""
+    return f"fastapi_outbox:{table_name}"
+
+
+def format_lsn(lsn: int) -> str:
+    return f"{lsn >> 32:X}/{lsn & 0xFFFFFFFF:X}"
+
+
+def parse_lsn(text: str) -> int:
+    high, _, low = text.partition("/")
+    return (int(high, 16) << 32) | int(low, 16)
+
+
+@dataclasses.dataclass(slots=True)
+class WalMessage:
+    """One message read from the slot (one outbox row's worth)."""
+
+    id: str
+    broker: str
+    stream: str
+    type: str
+    key: str | None
+    headers: str
+    payload: str
+
+
+@dataclasses.dataclass(slots=True)
+class Transaction:
+    """A committed transaction's messages of our prefix, in emission order."""
+
+    end_lsn: int
+    commit_time: float  # Unix seconds
+    messages: list[WalMessage]
+
+
+@dataclasses.dataclass(slots=True)
+class SlotStats:
+    """``pg_replication_slots`` of the slot, with its lag."""
+
+    slot: str
+    wal_status: str | None  # reserved, extended, unreserved, lost
+    active_pid: int | None
+    lag_bytes: int | None  # current WAL position - confirmed_flush_lsn
+    retained_bytes: int | None  # current WAL position - restart_lsn
+    safe_wal_size: int | None  # bytes before max_slot_wal_keep_size invalidates it
+
+    @property
+    def lost(self) -> bool:
+        return self.wal_status == "lost"
+
+
+def encode(rows: Iterable[dict[str, Any]]) -> str:
+    """The content of one ``pg_logical_emit_message``: a transaction's due messages."""
+    return json.dumps(
+        {
+            "v": CONTENT_VERSION,
+            "m": [
+                [
+                    str(r["id"]),
+                    r["broker"],
+                    r["stream"],
+                    r["type"],
+                    r["key"],
+                    r["headers"],
+                    r["payload"],
+                ]
+                for r in rows
+            ],
+        },
+        separators=(",", ":"),
+    )
+
+
+def decode(datas: Iterable[bytes], prefix: str) -> list[Transaction]:
+    """pgoutput rows (``data`` of a peek) → our transactions, in commit order. A transaction
+    with no message of ``prefix`` is kept (empty): its end LSN still moves the slot."""
+    wanted = prefix.encode()
+    out: list[Transaction] = []
+    messages: list[WalMessage] = []
+    commit_time = 0.0
+    for data in datas:
+        kind = data[:1]
+        if kind == b"B":
+            # Int64 final LSN, Int64 commit time (µs since 2000-01-01), Int32 xid.
+            (micros,) = struct.unpack_from(">q", data, 9)
+            commit_time = _PG_EPOCH + micros / 1e6
+            messages = []
+        elif kind == b"M":
+            # Int8 flags, Int64 LSN, String prefix, Int32 length, Byte[n] content.
+            end = data.index(b"\0", 10)
+            if data[10:end] != wanted:
+                continue
+            (length,) = struct.unpack_from(">i", data, end + 1)
+            content = data[end + 5 : end + 5 + length]
+            (lsn,) = struct.unpack_from(">Q", data, 2)
+            messages.extend(_messages(content, lsn))
+        elif kind == b"C":
+            # Int8 flags, Int64 commit LSN, Int64 end LSN, Int64 commit time.
+            (end_lsn,) = struct.unpack_from(">Q", data, 10)
+            out.append(Transaction(end_lsn, commit_time, messages))
+            messages = []
+        # Other records (relations, origins, …) carry nothing for us.
+    return out
+
+
+def _messages(content: bytes, lsn: int) -> list[WalMessage]:
+    try:
+        document = json.loads(content)
+        if document.get("v") != CONTENT_VERSION:
+            raise ValueError(f"content version {document.get('v')!r}")
+        return [WalMessage(*entry) for entry in document["m"]]
+    except Exception as exc:
+        # Not ours after all (another program using our prefix) or from a newer version:
+        # never guess, say where it is.
+        logger.error(
+            "undecodable WAL message skipped",
+            extra={"action": "wal.undecodable", "lsn": format_lsn(lsn), "error": repr(exc)[:200]},
+        )
+        return []
+
+
+class WalSlot:
+    """The slot and publication of one outbox, on one database."""
+
+    def __init__(self, engine: AsyncEngine, slot_name: str, table_name: str) -> None:
+        self.engine = engine
+        self.name = slot_name
+        self.publication = slot_name
+        self.prefix = message_prefix(table_name)
+        self.lock_key = f"fastapi_outbox.wal:{slot_name}"
+
+    # -- checks and DDL (on any connection) -----------------------------------------------------
+
+    async def _driver(self, conn: Any) -> Any:
+        raw = await conn.get_raw_connection()
+        return raw.driver_connection
+
+    async def check_server(self, *, slot: bool = False) -> None:
+        """Refuse a server whose ``wal_level`` is not ``logical`` (and, with ``slot``, a
+        database where the slot was not created): messages emitted there would be lost."""
+        async with self.engine.connect() as conn:
+            driver = await self._driver(conn)
+            version, level, exists = await driver.fetchrow(CHECK_SQL, self.name)
+        check_ready(version, level, exists, self.name, slot=slot)
+
+    async def create(self) -> bool:
+        """Create the publication and the slot when missing; True when the slot was new.
+
+        The slot sees only WAL written after it exists: create it before the first
+        producer with ``capture="wal"`` commits (``db create`` / ``create_tables()``)."""
+        await self.check_server()
+        async with self.engine.connect() as conn:
+            driver = await self._driver(conn)
+            if not await driver.fetchval(
+                "SELECT EXISTS (SELECT FROM pg_publication WHERE pubname = $1)", self.publication
+            ):
+                # No table: only the messages reach pgoutput's output.
+                await driver.execute(f'CREATE PUBLICATION "{self.publication}"')
+            if await driver.fetchval(SLOT_EXISTS_SQL, self.name):
+                return False
+            await driver.execute(
+                "SELECT pg_create_logical_replication_slot($1, 'pgoutput')", self.name
+            )
+            logger.info(
+                "replication slot created", extra={"action": "wal.slot_created", "slot": self.name}
+            )
+            return True
+
+    async def drop(self) -> bool:
+        """Drop the slot and its publication; False when there was no slot."""
+        async with self.engine.connect() as conn:
+            driver = await self._driver(conn)
+            existed = bool(await driver.fetchval(SLOT_EXISTS_SQL, self.name))
+            if existed:
+                await driver.execute("SELECT pg_drop_replication_slot($1)", self.name)
+            await driver.execute(f'DROP PUBLICATION IF EXISTS "{self.publication}"')
+            return existed
+
+    async def stats(self) -> SlotStats | None:
+        """The slot's state and lag; None when it does not exist."""
+        async with self.engine.connect() as conn:
+            driver = await self._driver(conn)
+            row = await driver.fetchrow(STATS_SQL, self.name)
+        if row is None:
+            return None
+        return SlotStats(
+            slot=self.name,
+            wal_status=row["wal_status"],
+            active_pid=row["active_pid"],
+            lag_bytes=None if row["lag_bytes"] is None else int(row["lag_bytes"]),
+            retained_bytes=None if row["retained_bytes"] is None else int(row["retained_bytes"]),
+            safe_wal_size=None if row["safe_wal_size"] is None else int(row["safe_wal_size"]),
+        )
+
+    async def pending_messages(self, limit: int = 100_000) -> int:
+        """Messages of our prefix the slot still holds (a peek: decodes WAL, not for a hot
+        path; fails while a relay is reading the slot)."""
+        return (await self.backlog(limit))[0]
+
+    async def backlog(self, limit: int = 100_000) -> tuple[int, float | None]:
+        """How many messages of our prefix the slot holds (reading at most about ``limit``
+        pgoutput rows) and the commit time (Unix seconds) of the oldest; for operators
+        (``status``): it decodes WAL, and fails with SQLSTATE 55006 while a relay is
+        reading the slot at that very moment."""
+        async with self.engine.connect() as conn:
+            driver = await self._driver(conn)
+            datas = await driver.fetch(PEEK_SQL, self.name, limit, self.publication)
+        transactions = [t for t in decode((r["data"] for r in datas), self.prefix) if t.messages]
+        count = sum(len(t.messages) for t in transactions)
+        return count, transactions[0].commit_time if transactions else None
+
+    async def report(self) -> dict[str, Any]:
+        """What operators see (``status``): the slot's state, lag and retained WAL, and
+        its backlog of messages (None while a relay happens to be reading the slot)."""
+        stats = await self.stats()
+        out: dict[str, Any] = {"slot": self.name, "exists": stats is not None}
+        if stats is None:
+            return out
+        out.update(dataclasses.asdict(stats))
+        if stats.lost:  # invalidated: its messages cannot be read any more
+            out["backlog_messages"] = out["oldest_unrelayed_age_seconds"] = None
+            return out
+        try:
+            count, oldest = await self.backlog()
+        except Exception as exc:
+            if getattr(exc, "sqlstate", None) != "55006":
+                raise
+            count, oldest = None, None
+        out["backlog_messages"] = count
+        out["oldest_unrelayed_age_seconds"] = (
+            None
+            if oldest is None
+            else round(max(0.0, dt.datetime.now(dt.UTC).timestamp() - oldest), 3)
+        )
+        return out
+
+    # -- the relay's statements (on its dedicated asyncpg connection) ----------------------------
+
+    async def prepare_session(self, driver: Any) -> None:
+        """Settings of a relay's dedicated connection: a name for operators, and server-side
+        TCP keepalives, so that the server notices a reader cut off by the network within
+        about half a minute and releases its lock to a standby (the default would take
+        the kernel's two hours)."""
+        await driver.execute(
+            "SELECT set_config('application_name', 'fastapi-outbox wal relay', false), "
+            "set_config('tcp_keepalives_idle', '10', false), "
+            "set_config('tcp_keepalives_interval', '5', false), "
+            "set_config('tcp_keepalives_count', '3', false)"
+        )
+
+    async def try_lock(self, driver: Any) -> bool:
+        """Take the reader's session-level advisory lock (held until the connection ends)."""
+        return bool(
+            await driver.fetchval(
+                "SELECT pg_try_advisory_lock(hashtextextended($1, 0))", self.lock_key
+            )
+        )
+
+    async def peek(
+        self, driver: Any, nchanges: int, timeout: float
+    ) -> tuple[list[Transaction], int, int | None]:
+        """Read up to about ``nchanges`` rows (whole transactions) without moving the slot.
+
+        Returns the transactions, the number of rows read, and a position the slot may
+        be moved to when everything read is published and the read was not cut short:
+        the WAL insert position taken *before* the read, when the flush position had
+        already reached it (every record that starts before it then ended before the
+        read's end, so none of its commits was missed). None when that is not known."""
+        boundary = await driver.fetchrow(BOUNDARY_SQL)
+        rows = await driver.fetch(PEEK_SQL, self.name, nchanges, self.publication, timeout=timeout)
+        insert_lsn = parse_lsn(boundary["insert_lsn"])
+        safe = insert_lsn if parse_lsn(boundary["flush_lsn"]) >= insert_lsn else None
+        return decode((r["data"] for r in rows), self.prefix), len(rows), safe
+
+    async def advance(self, driver: Any, lsn: int, timeout: float) -> None:
+        """Confirm everything before ``lsn`` (never backwards)."""
+        # asyncpg passes a pg_lsn as an integer.
+        await driver.execute(ADVANCE_SQL, self.name, lsn, timeout=timeout)
+
+
+def check_ready(version: int, level: str, exists: bool, slot_name: str, *, slot: bool) -> None:
+    """Raise unless the server can carry ``capture="wal"`` (and, with ``slot``, the slot
+    exists): PostgreSQL 14+ (pgoutput's ``messages`` option), ``wal_level=logical``."""
+    if version < MIN_SERVER_VERSION:
+        raise exceptions.ConfigurationError(
+            f"capture='wal' needs PostgreSQL 14 or later (pgoutput's 'messages' option), "
+            f"this server is {version // 10000}: use capture='table'"
+        )
+    if level != "logical":
+        raise exceptions.ConfigurationError(
+            f"capture='wal' needs PostgreSQL with wal_level=logical, this server has "
+            f"wal_level={level}: {WAL_LEVEL_HINT} — or use capture='table'"
+        )
+    if slot and not exists:
+        raise exceptions.ConfigurationError(
+            f"capture='wal': the replication slot {slot_name!r} does not exist in this "
+            "database, so messages written now would be lost: run `fastapi-outbox db create` "
+            "(or await outbox.create_tables()) with capture='wal' first"
+        )
+
+
+SLOT_EXISTS_SQL = (
+    "SELECT EXISTS (SELECT FROM pg_replication_slots "
+    "WHERE slot_name = $1 AND database = current_database())"
+)
+CHECK_SQL = (
+    "SELECT current_setting('server_version_num')::int, current_setting('wal_level'), "
+    "EXISTS (SELECT FROM pg_replication_slots "
+    "WHERE slot_name = $1 AND database = current_database() AND plugin = 'pgoutput')"
+)
+# Taken before a peek: see WalSlot.peek.
+BOUNDARY_SQL = (
+    "SELECT pg_current_wal_insert_lsn()::text AS insert_lsn, "
+    "pg_current_wal_flush_lsn()::text AS flush_lsn"
+)
+PEEK_SQL = (
+    "SELECT data FROM pg_logical_slot_peek_binary_changes("
+    "$1, NULL, $2, "  # slot, no LSN bound, about this many rows (whole transactions)
+    "'proto_version', '1', 'publication_names', $3, "  # the empty publication: no table rows
+    "'messages', 'true')"  # pg_logical_emit_message records
+)
+# pg_replication_slot_advance refuses to move backwards; GREATEST makes a repeated confirm
+# (a relay retrying after a lost answer) a no-op.
+ADVANCE_SQL = (
+    "SELECT pg_replication_slot_advance(s.slot_name, GREATEST(s.confirmed_flush_lsn, $2::pg_lsn)) "
+    "FROM pg_replication_slots s WHERE s.slot_name = $1"
+)
+STATS_SQL = (
+    "SELECT wal_status, active_pid, safe_wal_size, "
+    "pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn) AS lag_bytes, "
+    "pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn) AS retained_bytes "
+    "FROM pg_replication_slots WHERE slot_name = $1 AND database = current_database()"
+)
