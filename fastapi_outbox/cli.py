@@ -203,9 +203,13 @@ async def _run(args: argparse.Namespace) -> int:
                 from fastapi_outbox.schema import ddl
 
                 print(ddl(outbox.table, outbox.engine.dialect), end="")
+                print("\n" + ddl(outbox.inbox.table, outbox.engine.dialect), end="")
                 return EXIT_OK
             await _guard(outbox.create_tables(), outbox)
-            print(f"created table {outbox.table.name} on {redact_url(str(outbox.engine.url))}")
+            print(
+                f"created table {outbox.table.name} and inbox table {outbox.inbox.table.name} "
+                f"on {redact_url(str(outbox.engine.url))}"
+            )
             return EXIT_OK
         if args.command == "dispatch":
             return await dispatch(outbox, http=args.http)
@@ -217,17 +221,20 @@ async def _run(args: argparse.Namespace) -> int:
 def _print_ddl(args: argparse.Namespace) -> int:
     from sqlalchemy.dialects import postgresql, sqlite
 
+    from fastapi_outbox.inbox import build_inbox_table
     from fastapi_outbox.schema import build_table, ddl
     from fastapi_outbox.settings import OutboxSettings
 
     try:
         settings = OutboxSettings.from_env()
         table = build_table(args.table or settings.table_name, ordered=settings.ordered)
+        inbox = build_inbox_table(settings.inbox_table_name)
     except exceptions.ConfigurationError as exc:  # bad --table or OUTBOX_* variable
         raise CliError(str(exc)) from exc
     module = sqlite if args.dialect == "sqlite" else postgresql
     dialect = module.dialect()
     print(ddl(table, dialect), end="")
+    print("\n" + ddl(inbox, dialect), end="")
     return EXIT_OK
 
 

@@ -8,12 +8,17 @@ cannot be reached, ``reject`` refuses chosen messages.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import anyio
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.brokers.base import PublishResults
 from fastapi_outbox.events import Envelope
+
+if TYPE_CHECKING:
+    from fastapi_outbox.brokers.consumer import ConsumerConfig
+    from fastapi_outbox.brokers.memory_consumer import MemoryConsumer
 
 
 class MemoryBroker:
@@ -60,8 +65,7 @@ class MemoryBroker:
                 self._seen.add(envelope.id)
                 self.messages.append(envelope)
             results.append(None)
-        self._changed.set()
-        self._changed = anyio.Event()
+        self._changed_now()
         return results
 
     def on_stream(self, stream: str) -> list[Envelope]:
@@ -73,6 +77,16 @@ class MemoryBroker:
             while len(self.messages) < count:
                 await self._changed.wait()
         return list(self.messages)
+
+    def consumer(self, config: ConsumerConfig) -> MemoryConsumer:
+        """The consumer side (``@outbox.subscriber`` on a memory broker)."""
+        from fastapi_outbox.brokers.memory_consumer import MemoryConsumer
+
+        return MemoryConsumer(self, config)
+
+    def _changed_now(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
 
     def clear(self) -> None:
         self.messages.clear()
