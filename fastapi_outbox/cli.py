@@ -155,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     from fastapi_outbox import admin
 
     admin.add_commands(sub, _common, _progress_option)
+    from fastapi_outbox import consumers_cli
+
+    consumers_cli.add_commands(sub, _common)
     return parser
 
 

@@ -365,6 +365,13 @@ class Outbox:
 
         return decorate
 
+    async def consumers_status(self) -> list[Any]:
+        """Every subscriber's consumer group: lag, pending, dead letters, last handled
+        (:func:`fastapi_outbox.operations.consumers`; the dashboard's consumers table)."""
+        from fastapi_outbox import operations
+
+        return await operations.consumers(self)
+
     # -- schema -------------------------------------------------------------------------------
 
     async def create_tables(self) -> None:

@@ -40,6 +40,7 @@ released to the broker for redelivery.
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import inspect
 import json
 import logging
@@ -51,7 +52,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
-from pydantic import ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.brokers.consumer import (
@@ -74,7 +75,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("fastapi_outbox.subscribers")
 
-__all__ = ["DEAD_LETTER_TEMPLATE", "Subscriber", "SubscriberStats"]
+__all__ = ["DEAD_LETTER_TEMPLATE", "ConsumerStatus", "Subscriber", "SubscriberStats"]
 
 #: Default dead-letter stream / subject of a (stream, group).
 DEAD_LETTER_TEMPLATE = "{stream}.{group}.dlq"
@@ -109,6 +110,29 @@ class SubscriberStats:
     failures: int = 0
     dead_lettered: int = 0
     last_handled_at: float | None = None
+    last_error: str | None = None
+
+
+class ConsumerStatus(BaseModel):
+    """One subscriber's consumer group, as health, the CLI and the dashboard show it."""
+
+    stream: str
+    group: str
+    broker: str
+    handler: str
+    dead_letter_stream: str
+    running: bool = Field(description="Its consumer runs in this process.")
+    broker_available: bool | None = Field(default=None, description="None: not running here.")
+    lag: int | None = Field(
+        default=None, description="Messages not delivered to the group yet (None: unknown)."
+    )
+    pending: int | None = Field(default=None, description="Delivered, not acknowledged yet.")
+    dead_letters: int | None = Field(default=None, description="In the dead-letter stream.")
+    handled: int | None = Field(default=None, description="Inbox rows of the group.")
+    last_handled_at: dt.datetime | None = Field(
+        default=None, description="Newest inbox row of the group (any process), UTC."
+    )
+    failures: int = Field(default=0, description="Handler failures in this process.")
     last_error: str | None = None
 
 
