@@ -214,3 +214,38 @@ async def test_a_raw_subscriber_gets_foreign_messages_and_unique_names(sqlite_ur
             uow.publish(Message(stream=stream, type="Ping", payload={"x": 1}))
         await wait_until(lambda: a == ["Ping"] and b == ["Ping"], timeout=5)
     await outbox.aclose()
+
+
+async def test_dashboard_overview_lists_the_consumers(sqlite_url: str) -> None:
+    outbox = Outbox(
+        sqlite_url,
+        brokers={"default": MemoryBroker()},
+        settings=OutboxSettings(**FAST),
+        dashboard_dependencies=[],
+    )
+    await outbox.create_tables()
+
+    @outbox.subscriber("shipments", group="tracking", start="all")
+    async def track(event: Shipped) -> None:
+        if event.order_id == 13:
+            raise ValueError("unlucky")
+
+    app = FastAPI(lifespan=outbox.lifespan)
+    app.include_router(outbox.dashboard_router)
+    app.include_router(outbox.health_router)
+    async with asgi_client(app) as client:
+        async with outbox.unit_of_work() as uow:
+            uow.publish(Shipped(order_id=1, step=0))
+            uow.publish(Shipped(order_id=13, step=0))
+        sub = outbox.subscribers[0]
+        await wait_until(lambda: sub.stats.handled == 1 and sub.stats.dead_lettered == 1)
+        data = (await client.get("/outbox/dashboard/api/overview")).json()
+        [row] = data["consumers"]
+        assert (row["group"], row["stream"], row["dead_letters"]) == ("tracking", "shipments", 1)
+        assert row["lag"] == 0 and row["pending"] == 0 and row["last_handled_at"]
+        page = await client.get("/outbox/dashboard")
+        assert "<h2>Consumers</h2>" in page.text and "tracking" in page.text
+        health = (await client.get("/outbox/health")).json()
+        assert health["status"] == "degraded"
+        assert health["consumers"][0]["dead_letter_stream"] == "shipments.tracking.dlq"
+    await outbox.aclose()
