@@ -111,6 +111,23 @@ class Inbox:
         )
         return int(result.rowcount) == 1
 
+    async def record_many(
+        self, session: AsyncSession, group: str, messages: list[tuple[str, str]]
+    ) -> set[str]:
+        """Record ``(message_id, stream)`` pairs for ``group`` in one statement of the
+        session's transaction (a batch of a subscriber); returns the ids that are new."""
+        if not messages:
+            return set()
+        now = dt.datetime.now(dt.UTC)
+        result = await session.execute(
+            self._record.returning(self.table.c.message_id),
+            [
+                {"group": group, "message_id": m, "stream": s, "handled_at": now}
+                for m, s in messages
+            ],
+        )
+        return set(result.scalars().all())
+
     async def contains(self, group: str, message_id: str) -> bool:
         t = self.table
         stmt = select(t.c.message_id).where(t.c.group == group, t.c.message_id == message_id)

@@ -337,13 +337,16 @@ class Outbox:
         retry_max_delay_seconds: float | None = None,
         dead_letter: str | None = None,
         start: str = "new",
+        batch: bool = True,
     ) -> Any:
         """``@outbox.subscriber("orders", group="billing")`` on ``async def handler(event:
         OrderPlaced, uow: UnitOfWork)``: consume ``stream`` as consumer ``group`` with the
         handler's effects applied once (:mod:`fastapi_outbox.subscribers`). Started and
         stopped with the dispatchers (``lifespan``, ``dispatcher()``, ``fastapi-outbox
         dispatch``). Options left None come from the ``consumer_*`` settings;
-        ``dead_letter`` is a template (default ``{stream}.{group}.dlq``)."""
+        ``dead_letter`` is a template (default ``{stream}.{group}.dlq``); ``batch``: handle
+        each fetched batch in one transaction (falls back to one transaction per message
+        when anything in it fails; not with ``ordered``)."""
         from fastapi_outbox import subscribers
 
         def decorate(handler: Handler) -> Handler:
@@ -359,6 +362,7 @@ class Outbox:
                 retry_max_delay_seconds=retry_max_delay_seconds,
                 dead_letter=dead_letter,
                 start=start,
+                batch=batch,
             )
             subscribers.register(self, handler, stream, group, options)
             return handler

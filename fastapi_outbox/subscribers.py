@@ -53,6 +53,8 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 from pydantic import BaseModel, Field, ValidationError
+from sqlalchemy import event as sa_event
+from sqlalchemy.orm import Session
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.brokers.consumer import (
@@ -90,6 +92,18 @@ DRAIN_SHARE = 0.7
 _GROUP = __import__("re").compile(r"^[A-Za-z0-9_\-]{1,200}$")
 
 Handler = Callable[..., Awaitable[Any]]
+#: ``session.info`` key set while a batch's handlers run: a handler's own commit is refused
+#: then (the batch's inbox rows were inserted up front), and the batch goes one by one.
+_BATCH_OPEN = "fastapi_outbox.batch_open"
+
+
+@sa_event.listens_for(Session, "before_commit")
+def _refuse_commit_inside_a_batch(session: Session) -> None:
+    if session.info.get(_BATCH_OPEN):
+        raise exceptions.UnitOfWorkError(
+            "a handler committed inside a batch transaction; its batch is handled message "
+            "by message instead (or declare the subscriber with batch=False)"
+        )
 
 
 class _Undeliverable(Exception):
@@ -179,6 +193,7 @@ class Subscriber:
         retry_max_delay_seconds: float,
         dead_letter: str,
         start: str,
+        batch: bool = True,
     ) -> None:
         where = f"subscriber {getattr(handler, '__qualname__', handler)!r}"
         if not inspect.iscoroutinefunction(handler):
@@ -221,6 +236,8 @@ class Subscriber:
         self.retry_max_delay_seconds = retry_max_delay_seconds
         self.dead_letter = dead_letter_name(dead_letter, stream, group)
         self.start = start
+        #: One transaction per fetched batch (not for ordered subscribers).
+        self.batch = batch and not ordered
         self._message_param, self._accepts, self._uow_params = self._inspect(handler, where)
         self._types: dict[str, type[Event]] | None = None
         self.stats = SubscriberStats()
@@ -446,8 +463,9 @@ class Subscriber:
         stop = self._stop
         set_up = False
         failures = 0
+        limit = self.concurrency * (self.batch_size if self.batch else 1)
         while not stop.is_set():
-            free = self.concurrency - len(self._inflight)
+            free = limit - len(self._inflight)
             if free <= 0:
                 await self._wait_slot(FETCH_TIMEOUT_SECONDS)
                 continue
@@ -473,9 +491,14 @@ class Subscriber:
             failures = 0
             self.broker_ok = True
             self.paused_since = None
+            now = time.monotonic()
             for d in batch:
-                self._inflight[d.entry_id] = (d, time.monotonic())
-                handlers.start_soon(self._handle, d)
+                self._inflight[d.entry_id] = (d, now)
+            if self.batch and len(batch) > 1:
+                handlers.start_soon(self._handle_batch, batch)
+            else:
+                for d in batch:
+                    handlers.start_soon(self._handle, d)
 
     async def _paused(self, exc: BaseException, failures: int, stop: anyio.Event) -> None:
         if self.broker_ok is not False:
@@ -518,6 +541,106 @@ class Subscriber:
         finally:
             self._inflight.pop(d.entry_id, None)
             self._free_slot()
+
+    async def _handle_batch(self, batch: list[Delivery]) -> None:
+        """A fetched batch in one transaction: one multi-row inbox insert, the handlers one
+        after the other (each with a unit of work of its own on the shared session, so its
+        events carry its message as cause), one commit, one ack. When anything fails, the
+        transaction rolls back and every message of the batch goes the per-message way
+        (its own transaction, retries, dead letter): one poison message costs its batch
+        one extra pass, never an effect."""
+        try:
+            todo: list[tuple[Delivery, Any]] = []
+            for d in batch:
+                if d.attempt > self.max_attempts:  # dead-lettered on the careful path
+                    await self._process(d, in_place=False)
+                    continue
+                try:
+                    todo.append((d, self._decode(d)))
+                except (_Undeliverable, _NotForHandler):
+                    await self._process(d, in_place=False)
+            if not todo:
+                return
+            try:
+                new, duplicates = await self._run_batch(todo)
+            except Exception as exc:
+                logger.info(
+                    "batch failed, handling its messages one by one",
+                    extra=self._log_extra(
+                        "consumer.batch_failed", count=len(todo), error=repr(exc)[:200]
+                    ),
+                )
+                for d, _ in todo:
+                    await self._process(d, in_place=False)
+                return
+            self.stats.handled += new
+            self.stats.duplicates += duplicates
+            self.stats.last_handled_at = time.time()
+            assert self.consumer is not None
+            try:
+                await self.consumer.ack([d for d, _ in todo])
+            except Exception as exc:
+                logger.warning(
+                    "ack failed; the messages will be redelivered and skipped",
+                    extra=self._log_extra("consumer.ack_failed", error=repr(exc)[:300]),
+                )
+        finally:
+            for d in batch:
+                self._inflight.pop(d.entry_id, None)
+            self._free_slot()
+
+    async def _run_batch(self, todo: list[tuple[Delivery, Any]]) -> tuple[int, int]:
+        """(handled, duplicates) of one batch transaction."""
+        from fastapi_outbox.session_events import state_of
+
+        outbox = self.outbox
+        session = outbox.session_factory()
+        session.info[_BATCH_OPEN] = True
+        ran: set[str] = set()
+        try:
+            fresh = await outbox.inbox.record_many(
+                session, self.group, list(dict.fromkeys((d.message_id, d.stream) for d, _ in todo))
+            )
+            for d, message in todo:
+                if d.message_id not in fresh or d.message_id in ran:
+                    continue
+                ran.add(d.message_id)
+                correlation, causation, traceparent = self._context(d)
+                uow = UnitOfWork(
+                    outbox,
+                    session,
+                    correlation_id=correlation,
+                    causation_id=causation,
+                    traceparent=traceparent,
+                )
+                uow._open()
+                try:
+                    await self.handler(message, **{name: uow for name in self._uow_params})
+                    uow.harvest()
+                finally:
+                    uow._close()
+            del session.info[_BATCH_OPEN]
+            await session.commit()
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await session.rollback()
+            raise
+        finally:
+            session.info.pop(_BATCH_OPEN, None)
+            with anyio.CancelScope(shield=True):
+                await session.close()
+        for _ in state_of(session.sync_session).take_notify():
+            await outbox._notify_after_commit()
+        return len(ran), len(todo) - len(ran)
+
+    def _context(self, d: Delivery) -> tuple[str | None, str | None, str | None]:
+        """(correlation id carried over, causation id = the message id, traceparent)."""
+        headers = d.headers
+        correlation = headers.get(HEADER_CORRELATION_ID)
+        if correlation is not None and not valid_correlation_id(correlation):
+            correlation = None
+        causation = d.message_id if valid_correlation_id(d.message_id) else None
+        return correlation, causation, headers.get(HEADER_TRACEPARENT)
 
     def _lock_for(self, key: str) -> anyio.Lock:
         lock, users = self._key_locks.get(key, (None, 0))
@@ -616,15 +739,9 @@ class Subscriber:
 
     async def _run_handler(self, d: Delivery, message: Any) -> bool:
         """One transaction: inbox row, then the handler; True when the message was new."""
-        headers = d.headers
-        correlation = headers.get(HEADER_CORRELATION_ID)
-        if correlation is not None and not valid_correlation_id(correlation):
-            correlation = None
-        causation = d.message_id if valid_correlation_id(d.message_id) else None
+        correlation, causation, traceparent = self._context(d)
         async with self.outbox.unit_of_work(
-            correlation_id=correlation,
-            causation_id=causation,
-            traceparent=headers.get(HEADER_TRACEPARENT),
+            correlation_id=correlation, causation_id=causation, traceparent=traceparent
         ) as uow:
             new = await self.outbox.inbox.record(uow.session, self.group, d.message_id, d.stream)
             if new:

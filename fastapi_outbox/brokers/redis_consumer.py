@@ -165,6 +165,8 @@ class RedisStreamsConsumer:
             count=min(count, AUTOCLAIM_COUNT),
         )
         self._autoclaim_cursor = _text(reply[0])
+        if self._autoclaim_cursor != "0-0":
+            self._next_autoclaim = 0.0  # more stale entries: take the next page at once
         entries = [(e, f) for e, f in reply[1] if f]
         gone += [_text(e) for e, f in reply[1] if not f]
         if len(reply) > 2:

@@ -321,12 +321,15 @@ async def test_poison_is_dead_lettered_and_others_are_handled(harness: Harness) 
         assert by_type["Mystery"].attempts == 1
         assert await subscriber.consumer.count_dead_letters() == 2
         assert set(await effects(outbox)) == {str(i) for i in range(8) if i != 3}
-        assert attempts[3] == 3
+        # Three deliveries; the first may also have run once inside its batch's
+        # transaction, which rolled back before the batch went message by message.
+        assert 3 <= attempts[3] <= 4
+        runs = attempts[3]
         # Re-drive the poison once it is cured: handled once, and gone from the dead letters.
         cured = True
         replayed = await subscriber.consumer.replay_dead_letters([by_type["OrderPlaced"].entry_id])
         assert replayed == 1
-        await wait_until(lambda: attempts[3] == 4, timeout=15)
+        await wait_until(lambda: attempts[3] == runs + 1, timeout=15)
         await wait_until(lambda: subscriber.stats.handled == 8, timeout=10)
         assert [d.type for d in await subscriber.consumer.dead_letters()] == ["Mystery"]
     assert await effects(outbox) == {str(i): 1 for i in range(8)}
