@@ -249,3 +249,28 @@ async def test_dashboard_overview_lists_the_consumers(sqlite_url: str) -> None:
         assert health["status"] == "degraded"
         assert health["consumers"][0]["dead_letter_stream"] == "shipments.tracking.dlq"
     await outbox.aclose()
+
+
+async def test_a_handler_that_commits_itself_is_handled_message_by_message(
+    sqlite_url: str,
+) -> None:
+    """A batch's inbox rows are inserted up front, so a handler's own commit inside a batch
+    is refused; the batch then goes one message per transaction, where committing is fine."""
+    outbox = await new_outbox(sqlite_url)
+    calls: list[int] = []
+
+    @outbox.subscriber("shipments", group="committer", start="all")
+    async def commits(event: Shipped, uow: UnitOfWork) -> None:
+        calls.append(event.order_id)
+        await uow.session.commit()
+
+    sub = outbox.subscribers[0]
+    async with outbox.unit_of_work() as uow:
+        for order in range(5):
+            uow.publish(Shipped(order_id=order, step=0))
+    async with outbox.dispatcher():
+        await wait_until(lambda: sub.stats.handled == 5, timeout=10)
+    for order in range(5):
+        assert calls.count(order) in (1, 2)  # once in the refused batch, once for real
+    assert (await outbox.inbox.group_stats(["committer"]))["committer"].handled == 5
+    await outbox.aclose()
