@@ -31,7 +31,14 @@ def typecheck(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Benchmarks on the local services; pass a script name to run only that one."""
     session.install("-e", ".[test]", "py-spy")  # py-spy: hot spots when a goal is missed
-    scripts = session.posargs or ["write_path", "dispatch", "health", "ordered_claim", "dashboard"]
+    scripts = session.posargs or [
+        "write_path",
+        "dispatch",
+        "health",
+        "ordered_claim",
+        "dashboard",
+        "consume",
+    ]
     for script in scripts:
         session.run("python", f"benchmarks/{script}.py")
 

@@ -86,6 +86,11 @@ class Inbox:
         self._record = dialect_insert(table).on_conflict_do_nothing(
             index_elements=[table.c.group, table.c.message_id]
         )
+        self._record_many_sql = (
+            f'INSERT INTO "{table.name}" ("group", message_id, stream, handled_at) '
+            "SELECT $1, m, s, $4 FROM unnest($2::varchar[], $3::varchar[]) AS u(m, s) "
+            'ON CONFLICT ("group", message_id) DO NOTHING RETURNING message_id'
+        )
 
     async def create_table(self) -> None:
         async with self.engine.begin() as conn:
@@ -119,6 +124,17 @@ class Inbox:
         if not messages:
             return set()
         now = dt.datetime.now(dt.UTC)
+        if self.is_postgres and self.engine.dialect.driver == "asyncpg":
+            # One statement for the whole batch: arrays instead of a VALUES row per message,
+            # no SQLAlchemy work per row. Through the session's connection (not the raw
+            # asyncpg one): that starts the session's transaction if it has not begun, so
+            # the rows commit or roll back with the handlers' effects.
+            connection = await session.connection()
+            result: Any = await connection.exec_driver_sql(
+                self._record_many_sql,
+                (group, [m for m, _ in messages], [s for _, s in messages], now),
+            )
+            return {r[0] for r in result}
         result = await session.execute(
             self._record.returning(self.table.c.message_id),
             [

@@ -100,23 +100,27 @@ class RedisStreamsConsumer:
                 )
 
     def _delivery(self, entry_id: Any, fields: dict[Any, Any], attempt: int) -> Delivery:
-        get = {_text(k): v for k, v in fields.items()}
+        get = fields.get  # bytes keys (the client does not decode responses)
         entry = _text(entry_id)
-        try:
-            headers = json.loads(get.get("headers") or "{}")
-            if not isinstance(headers, dict):
-                headers = {}
-        except ValueError:
-            headers = {}
-        headers = {str(k): str(v) for k, v in headers.items()}
-        payload = get.get("payload", b"")
-        key = _text(get["key"]) if get.get("key") else None
+        raw_headers = get(b"headers")
+        headers: dict[str, str] = {}
+        if raw_headers:
+            try:
+                decoded = json.loads(raw_headers)
+            except ValueError:
+                decoded = None
+            if isinstance(decoded, dict):
+                headers = decoded
+        payload = get(b"payload", b"")
+        key = get(b"key")
+        message_id = get(b"id") or headers.get("message-id") or entry
+        type_ = get(b"type") or headers.get("type") or ""
         return Delivery(
             stream=self.config.stream,
             entry_id=entry,
-            message_id=_text(get.get("id") or headers.get("message-id") or entry),
-            type=_text(get.get("type") or headers.get("type") or ""),
-            key=key,
+            message_id=_text(message_id),
+            type=_text(type_),
+            key=_text(key) if key else None,
             headers=headers,
             payload=payload if isinstance(payload, bytes) else str(payload).encode(),
             attempt=attempt,

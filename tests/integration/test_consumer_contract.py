@@ -92,6 +92,7 @@ async def _redis(url: str, db_url: str) -> AsyncIterator[Harness]:
             if keys:
                 await client.delete(*keys)
         await client.aclose()
+        await harness.broker.aclose()
 
 
 @contextlib.asynccontextmanager
@@ -126,6 +127,7 @@ async def _nats(url: str, db_url: str) -> AsyncIterator[Harness]:
                 with contextlib.suppress(Exception):
                     await js.delete_stream(info.config.name)
         await nc.close()
+        await broker.aclose()
 
 
 @contextlib.asynccontextmanager

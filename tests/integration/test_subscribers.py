@@ -10,8 +10,10 @@ import anyio
 import pytest
 from fastapi import FastAPI
 from sqlalchemy import insert, select
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from fastapi_outbox import (
+    AggregateRoot,
     ConfigurationError,
     Event,
     Message,
@@ -273,4 +275,52 @@ async def test_a_handler_that_commits_itself_is_handled_message_by_message(
     for order in range(5):
         assert calls.count(order) in (1, 2)  # once in the refused batch, once for real
     assert (await outbox.inbox.group_stats(["committer"]))["committer"].handled == 5
+    await outbox.aclose()
+
+
+class _Base(DeclarativeBase):
+    pass
+
+
+class Parcel(_Base, AggregateRoot):
+    __tablename__ = "parcels"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    order_id: Mapped[int]
+
+
+class ParcelCreated(Event, stream="parcels"):
+    order_id: int
+
+
+async def test_events_raised_on_new_aggregates_carry_their_own_message_as_cause(
+    sqlite_url: str,
+) -> None:
+    """In a batch, each handler's aggregates (raised before ``session.add``, or after a
+    flush of its own) publish with that handler's incoming message as causation id."""
+    outbox = await new_outbox(sqlite_url)
+    async with outbox.engine.begin() as conn:
+        await conn.run_sync(_Base.metadata.create_all)
+    sent: dict[int, str] = {}
+    got: list[Message] = []
+
+    @outbox.subscriber("shipments", group="parcels", start="all")
+    async def pack(event: Shipped, uow: UnitOfWork) -> None:
+        parcel = Parcel(order_id=event.order_id)
+        parcel.raise_event(ParcelCreated(order_id=event.order_id))
+        if event.order_id % 2:
+            uow.session.add(Parcel(order_id=-1))
+            await uow.session.flush()  # earlier new objects stop being new
+        uow.session.add(parcel)
+
+    @outbox.subscriber("parcels", group="audit", start="all")
+    async def audit(message: Message) -> None:
+        got.append(message)
+
+    async with outbox.unit_of_work() as uow:
+        for order in range(6):
+            sent[order] = str(uow.publish(Shipped(order_id=order, step=0)))
+    async with outbox.dispatcher():
+        await wait_until(lambda: len(got) == 6, timeout=10)
+    assert {m.payload["order_id"]: m.headers["causation-id"] for m in got} == sent
     await outbox.aclose()
