@@ -8,7 +8,7 @@ cannot be reached, ``reject`` refuses chosen messages.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -35,6 +35,8 @@ class MemoryBroker:
         self.available = True
         self.reject = reject
         self._seen: set[str] = set()
+        #: Consumer groups of ``consumer()``: (stream, group) → state (memory_consumer.py).
+        self._consumer_groups: dict[tuple[str, str], Any] = {}
         self._changed = anyio.Event()
 
     def configure(self, *, dedup_window_seconds: float) -> None:

@@ -42,9 +42,7 @@ class MemoryConsumer:
         self.config = config
 
     def _group(self) -> _Group:
-        groups: dict[tuple[str, str], _Group] = self.broker.__dict__.setdefault(
-            "_consumer_groups", {}
-        )
+        groups: dict[tuple[str, str], _Group] = self.broker._consumer_groups
         key = (self.config.stream, self.config.group)
         if key not in groups:
             start = 0 if self.config.start == "all" else len(self.broker.messages)

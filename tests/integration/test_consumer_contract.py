@@ -336,3 +336,31 @@ async def test_poison_is_dead_lettered_and_others_are_handled(harness: Harness) 
         assert [d.type for d in await subscriber.consumer.dead_letters()] == ["Mystery"]
     assert await effects(outbox) == {str(i): 1 for i in range(8)}
     await outbox.aclose()
+
+
+async def test_ordered_keeps_each_key_in_stream_order(harness: Harness) -> None:
+    h = harness
+    orders = h.stream()
+    OrderPlaced, _ = events_for(orders)
+    outbox = await make_outbox(h)
+    seen: list[int] = []
+    failed = False
+
+    async def track(event: Any, uow: UnitOfWork) -> None:
+        nonlocal failed
+        if event.order_id == 0 and not failed:
+            failed = True  # the first message of the key fails once: later ones wait for it
+            raise RuntimeError("try again")
+        seen.append(event.order_id)
+
+    track.__annotations__["event"] = OrderPlaced
+    outbox.subscriber(orders, group="tracking", start="all", ordered=True)(track)
+    async with outbox.dispatcher():
+        async with outbox.unit_of_work() as uow:
+            for i in range(6):
+                # One key for all six: they must be handled in this order.
+                uow.publish(OrderPlaced(order_id=i), key="k")
+        await wait_until(lambda: len(seen) == 6, timeout=15)
+    assert seen == list(range(6))
+    assert outbox.subscribers[0].stats.failures == 1
+    await outbox.aclose()
