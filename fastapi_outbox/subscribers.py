@@ -256,6 +256,7 @@ class Subscriber:
         self.retry_base_delay_seconds = retry_base_delay_seconds
         self.retry_max_delay_seconds = retry_max_delay_seconds
         self.dead_letter = dead_letter_name(dead_letter, stream, group)
+        self.dead_letter_shared = "{group}" not in dead_letter
         self.start = start
         #: One transaction per fetched batch (not for ordered subscribers).
         self.batch = batch and not ordered
@@ -386,6 +387,7 @@ class Subscriber:
             claim_idle_seconds=self.claim_idle_seconds,
             max_attempts=self.max_attempts,
             start=self.start,
+            dead_letter_shared=self.dead_letter_shared,
         )
 
     def make_consumer(self) -> Consumer:

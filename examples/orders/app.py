@@ -62,6 +62,7 @@ class Invoice(Base):
 
     id: Mapped[int] = mapped_column(primary_key=True)
     order_id: Mapped[int]
+    customer: Mapped[str] = mapped_column(String(100))
     amount: Mapped[float]
 
 
@@ -112,7 +113,7 @@ outbox = Outbox(
 async def bill(event: OrderPlaced, uow: UnitOfWork) -> None:
     """Billing: an invoice per placed order, and InvoiceIssued raised in the same
     transaction (its causation id is the OrderPlaced message id)."""
-    invoice = Invoice(order_id=event.order_id, amount=event.total)
+    invoice = Invoice(order_id=event.order_id, customer=event.customer, amount=event.total)
     uow.session.add(invoice)
     await uow.session.flush()
     uow.publish(InvoiceIssued(order_id=event.order_id, invoice_id=invoice.id, amount=event.total))
@@ -171,7 +172,10 @@ def create_app() -> FastAPI:
     @app.get("/invoices")
     async def list_invoices(uow: UnitOfWorkDep) -> list[dict[str, Any]]:
         rows = await uow.session.execute(select(Invoice).order_by(Invoice.id.desc()).limit(100))
-        return [{"id": i.id, "order_id": i.order_id, "amount": i.amount} for i in rows.scalars()]
+        return [
+            {"id": i.id, "order_id": i.order_id, "customer": i.customer, "amount": i.amount}
+            for i in rows.scalars()
+        ]
 
     @app.get("/published")
     async def published() -> list[dict[str, Any]]:

@@ -68,6 +68,9 @@ class ConsumerConfig:
     #: Where a new group starts: "new" (messages added from now on) or "all" (from the
     #: beginning of the stream).
     start: str = "new"
+    #: Other groups' dead letters share the dead-letter stream (its name template has no
+    #: ``{group}``): counting then means reading the entries.
+    dead_letter_shared: bool = False
 
 
 @dataclasses.dataclass(slots=True)

@@ -41,8 +41,9 @@ logger = logging.getLogger("fastapi_outbox.brokers.nats")
 #: Deliveries JetStream makes beyond ``max_attempts``: room to dead-letter a message that
 #: crashed the consumer on each of its attempts.
 MAX_DELIVER_MARGIN = 3
-#: Dead letters read for listing, counting and replay.
-DEAD_LETTER_SCAN = 10_000
+#: Dead letters read (one request each) for listing, replay and counting a shared
+#: dead-letter subject.
+DEAD_LETTER_SCAN = 1_000
 API_TIMEOUT_SECONDS = 5.0
 
 
@@ -229,6 +230,16 @@ class NatsJetStreamConsumer:
         return out
 
     async def count_dead_letters(self) -> int:
+        import nats.js.errors
+
+        if not self.config.dead_letter_shared:  # the group's own stream: its size
+            async with self._calls() as js:
+                try:
+                    name = await js.find_stream_name_by_subject(self.config.dead_letter)
+                    info = await js.stream_info(name)
+                except nats.js.errors.NotFoundError:
+                    return 0
+            return int(info.state.messages)
         return len(await self._dead_messages(DEAD_LETTER_SCAN))
 
     async def replay_dead_letters(self, entry_ids: Sequence[str] | None = None) -> int:

@@ -299,6 +299,9 @@ class RedisStreamsConsumer:
         return out
 
     async def count_dead_letters(self) -> int:
+        if not self.config.dead_letter_shared:  # the group's own stream: its length
+            async with self._calls() as client:
+                return int(await client.xlen(self.dead_key))
         return len(await self._dead_entries(DEAD_LETTER_SCAN))
 
     async def replay_dead_letters(self, entry_ids: Sequence[str] | None = None) -> int:
