@@ -39,6 +39,7 @@ def bench(session: nox.Session) -> None:
         "dashboard",
         "scale",
         "wal",
+        "consume",
     ]
     for script in scripts:
         session.run("python", f"benchmarks/{script}.py")

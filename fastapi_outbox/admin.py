@@ -77,6 +77,9 @@ def add_commands(
     replay.add_argument("ids", nargs="*", type=parse_uuid, metavar="ID")
     replay.add_argument("--abandoned", action="store_true", help="every abandoned message")
     replay.add_argument("--stream", help="with --abandoned: only this stream")
+    from fastapi_outbox import consumers_cli
+
+    consumers_cli.add_replay_arguments(replay)
 
     abandon = sub.add_parser(
         "abandon", help="stop retrying pending or failed messages (not held by a dispatcher)"
@@ -234,12 +237,20 @@ async def run(args: argparse.Namespace, outbox: Any) -> int:
         return await _cancel(args, outbox)
     if command == "purge":
         return await _purge(args, outbox)
+    if command == "consumers":
+        from fastapi_outbox import consumers_cli
+
+        return await consumers_cli.run(args, outbox)
     raise CliError(f"unknown command {command!r}")
 
 
 async def _replay(args: argparse.Namespace, outbox: Any) -> int:
     from fastapi_outbox.cli import CliError, _guard
 
+    if getattr(args, "dead_letter", None):
+        from fastapi_outbox import consumers_cli
+
+        return await consumers_cli.replay(args, outbox)
     if not args.ids and not args.abandoned:
         raise CliError("replay needs message ids or --abandoned")
     if args.ids and args.abandoned:

@@ -175,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     from fastapi_outbox import admin
 
     admin.add_commands(sub, _common, _progress_option)
+    from fastapi_outbox import consumers_cli
+
+    consumers_cli.add_commands(sub, _common)
     return parser
 
 
@@ -223,13 +226,17 @@ async def _run(args: argparse.Namespace) -> int:
                 from fastapi_outbox.schema import ddl
 
                 print(ddl(outbox.table, outbox.engine.dialect), end="")
+                print("\n" + ddl(outbox.inbox.table, outbox.engine.dialect), end="")
                 return EXIT_OK
             if args.db_command == "upgrade":
                 return await _upgrade(outbox)
             if args.db_command == "drop-slot":
                 return await _drop_slot(outbox, force=args.force)
             await _guard(outbox.create_tables(), outbox)
-            print(f"created table {outbox.table.name} on {redact_url(str(outbox.engine.url))}")
+            print(
+                f"created table {outbox.table.name} and inbox table {outbox.inbox.table.name} "
+                f"on {redact_url(str(outbox.engine.url))}"
+            )
             if outbox.wal_slot is not None:
                 print(f"replication slot and publication {outbox.wal_slot.name} ready")
             return EXIT_OK
@@ -330,6 +337,7 @@ async def _drop_slot(outbox: Any, *, force: bool) -> int:
 def _print_ddl(args: argparse.Namespace) -> int:
     from sqlalchemy.dialects import postgresql, sqlite
 
+    from fastapi_outbox.inbox import build_inbox_table
     from fastapi_outbox.schema import build_table, ddl
     from fastapi_outbox.settings import OutboxSettings
 
@@ -345,11 +353,13 @@ def _print_ddl(args: argparse.Namespace) -> int:
             ordered=settings.ordered,
             partitioning=settings.partitioning,
         )
+        inbox = build_inbox_table(settings.inbox_table_name)
     except exceptions.ConfigurationError as exc:  # bad --table or OUTBOX_* variable
         raise CliError(str(exc)) from exc
     module = sqlite if args.dialect == "sqlite" else postgresql
     dialect = module.dialect()
     print(ddl(table, dialect), end="")
+    print("\n" + ddl(inbox, dialect), end="")
     return EXIT_OK
 
 

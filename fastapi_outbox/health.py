@@ -26,6 +26,7 @@ from fastapi import APIRouter, Response
 from pydantic import BaseModel, Field
 
 from fastapi_outbox.store import BrokerStats
+from fastapi_outbox.subscribers import ConsumerStatus
 
 if TYPE_CHECKING:
     from fastapi_outbox.outbox import Outbox
@@ -103,6 +104,9 @@ class OutboxHealth(BaseModel):
     reasons: list[str] = Field(default_factory=list, description="Why the status is not ok.")
     processors: list[ProcessorHealth] = Field(default_factory=list)
     wal: WalHealth | None = Field(default=None, description='capture="wal" only.')
+    consumers: list[ConsumerStatus] = Field(
+        default_factory=list, description="The subscribers' consumer groups."
+    )
 
 
 async def compute_health(outbox: Outbox) -> OutboxHealth:
@@ -184,8 +188,12 @@ async def compute_health(outbox: Outbox) -> OutboxHealth:
         wal, wal_down, wal_degraded = await _wal_health(outbox, reasons, database_ok)
         down = down or wal_down
         degraded = degraded or wal_degraded
+    consumers, consumers_down, consumers_degraded = await _consumers_health(outbox, reasons)
+    down = down or consumers_down
+    degraded = degraded or consumers_degraded
     status: Status = "down" if down else "degraded" if degraded else "ok"
     return OutboxHealth(
+        consumers=consumers,
         status=status,
         database="ok" if database_ok else "down",
         dispatchers_running=outbox.started,
@@ -269,6 +277,34 @@ async def _wal_health(
         last_error=None if relay is None else relay.last_error,
     )
     return report, down, degraded
+
+
+async def _consumers_health(
+    outbox: Outbox, reasons: list[str]
+) -> tuple[list[ConsumerStatus], bool, bool]:
+    """(statuses, down, degraded): a subscriber of this process that stopped running is
+    down (a restart cures it); a paused one (broker unreachable) or dead letters waiting
+    degrade the status."""
+    if not outbox.subscribers:
+        return [], False, False
+    from fastapi_outbox import operations
+
+    statuses: list[ConsumerStatus] = await operations.consumers(outbox)
+    down = degraded = False
+    for c in statuses:
+        where = f"consumer group {c.group!r} on {c.stream!r}"
+        if outbox.started and not c.running:
+            down = True
+            reasons.append(f"{where} is not running")
+        elif c.running and c.broker_available is False:
+            degraded = True
+            reasons.append(f"{where}: broker {c.broker!r} unavailable")
+        if c.dead_letters:
+            degraded = True
+            reasons.append(
+                f"{c.dead_letters} dead letter(s) of {where} in {c.dead_letter_stream!r}"
+            )
+    return statuses, down, degraded
 
 
 def build_health_router(outbox: Outbox) -> APIRouter:

@@ -1,7 +1,8 @@
 """Operator actions on the outbox: one set, called by the CLI and by the dashboard.
 
 ``list_messages``, ``show``, ``replay``, ``replay_abandoned``, ``abandon``, ``cancel``,
-``purge``, ``overview``. The SQL stays in :mod:`fastapi_outbox.store` (retention's batched delete in
+``purge``, ``overview``; for consumers ``consumers``, ``dead_letters``,
+``replay_dead_letters``. The SQL stays in :mod:`fastapi_outbox.store` (retention's batched delete in
 :mod:`fastapi_outbox.retention`); this module validates what an operator asked for, runs
 it, explains refusals per message id, and logs every change with the operator's identity
 (``operator=``: who asked, as the dashboard's guard or the CLI's user knows it).
@@ -301,3 +302,117 @@ def _log(action: str, outcome: Outcome, operator: str | None) -> None:
             "operator": operator,
         },
     )
+
+
+# -- consumers ---------------------------------------------------------------------------------
+
+#: Bound of the broker calls of one consumers view (lag, dead letters).
+CONSUMER_QUERY_TIMEOUT_SECONDS = 3.0
+
+
+async def consumers(outbox: Outbox, *, counts: bool = False) -> list[Any]:
+    """Every ``@outbox.subscriber`` with its lag, pending and dead letters (from the
+    broker), its last handling time (from the inbox, so any process's work shows) and,
+    when it runs here, its state. ``counts``: also the inbox rows per group (reads every
+    row of the groups: the CLI asks for it, health and the dashboard do not). A broker or
+    database that does not answer leaves its figures None."""
+    import anyio
+
+    from fastapi_outbox.subscribers import ConsumerStatus
+
+    subscribers = list(getattr(outbox, "subscribers", []))
+    if not subscribers:
+        return []
+    inbox: dict[str, Any] | None = None
+    try:
+        with anyio.fail_after(CONSUMER_QUERY_TIMEOUT_SECONDS):
+            inbox = await outbox.inbox.group_stats(
+                sorted({s.group for s in subscribers}), counts=counts
+            )
+    except Exception as exc:
+        logger.warning(
+            "consumers: inbox unreadable",
+            extra={"action": "operations.consumers", "error": type(exc).__name__},
+        )
+    out = []
+    for sub in subscribers:
+        status = ConsumerStatus(
+            stream=sub.stream,
+            group=sub.group,
+            broker=sub.broker_name,
+            handler=sub.name,
+            dead_letter_stream=sub.dead_letter,
+            running=sub.running,
+            broker_available=sub.broker_ok if sub.running else None,
+            failures=sub.stats.failures,
+            last_error=sub.stats.last_error,
+        )
+        if inbox is not None:  # else the database did not answer: unknown
+            stats = inbox.get(sub.group)
+            status.handled = (stats.handled if stats else 0) if counts else None
+            status.last_handled_at = stats.last_handled_at if stats else None
+        try:
+            consumer = sub.consumer or sub.make_consumer()
+            with anyio.fail_after(CONSUMER_QUERY_TIMEOUT_SECONDS):
+                lag = await consumer.lag()
+                status.lag, status.pending = lag.lag, lag.pending
+                status.dead_letters = await consumer.count_dead_letters()
+        except Exception as exc:
+            logger.warning(
+                "consumers: broker unreadable",
+                extra={
+                    "action": "operations.consumers",
+                    "group": sub.group,
+                    "stream": sub.stream,
+                    "error": type(exc).__name__,
+                },
+            )
+        out.append(status)
+    return out
+
+
+def find_subscriber(outbox: Outbox, stream: str, group: str) -> Any:
+    """The subscriber of (``stream``, ``group``); OperationError naming the known ones."""
+    for sub in getattr(outbox, "subscribers", []):
+        if sub.stream == stream and sub.group == group:
+            return sub
+    known = ", ".join(f"{s.stream}/{s.group}" for s in getattr(outbox, "subscribers", []))
+    raise exceptions.OperationError(
+        f"no subscriber for stream {stream!r} and group {group!r} "
+        f"(declared: {known or 'none; pass --app module:outbox of the consuming service'})"
+    )
+
+
+async def dead_letters(outbox: Outbox, stream: str, group: str, *, limit: int = 100) -> list[Any]:
+    """Dead letters of a (stream, group), oldest first."""
+    sub = find_subscriber(outbox, stream, group)
+    consumer = sub.consumer or sub.make_consumer()
+    return list(await consumer.dead_letters(limit))
+
+
+async def replay_dead_letters(
+    outbox: Outbox,
+    stream: str,
+    group: str,
+    entry_ids: Sequence[str] | None = None,
+    *,
+    operator: str | None = None,
+) -> int:
+    """Put dead letters of (``stream``, ``group``) back on the stream (all, or the entries
+    ``entry_ids``); the group handles them again, other groups skip them through their
+    inbox. Returns how many were re-driven."""
+    sub = find_subscriber(outbox, stream, group)
+    consumer = sub.consumer or sub.make_consumer()
+    count = int(await consumer.replay_dead_letters(entry_ids))
+    logger.info(
+        "operator replay_dead_letters",
+        extra={
+            "action": "operator.replay_dead_letters",
+            "stream": stream,
+            "group": group,
+            "count": count,
+            "entry_ids": list(entry_ids or [])[:100],
+            "operator": operator,
+        },
+    )
+    return count

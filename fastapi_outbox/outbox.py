@@ -28,11 +28,13 @@ from fastapi_outbox import exceptions, partitions, schema
 from fastapi_outbox.brokers.base import Broker, redact_url
 from fastapi_outbox.capture import Capture, TableCapture
 from fastapi_outbox.dispatcher import Processor, instance_id
+from fastapi_outbox.inbox import Inbox, build_inbox_table
 from fastapi_outbox.instrumentation import Instrumentation
 from fastapi_outbox.notify import Listener, Notifier, channel_name
 from fastapi_outbox.retention import Cleaner
 from fastapi_outbox.settings import OutboxSettings
 from fastapi_outbox.store import Store
+from fastapi_outbox.subscribers import Handler, Subscriber
 from fastapi_outbox.unit_of_work import UnitOfWork
 from fastapi_outbox.wal_relay import WalRelay
 from fastapi_outbox.wal_slot import WalSlot
@@ -153,13 +155,18 @@ class Outbox:
         self.processors: dict[str, Processor] = {}
         self.notifier: Notifier | None = None
         self.listener: Listener | None = None
+        # The consumers' inbox, on the outbox table's MetaData (the shared one by default).
+        self.inbox = Inbox(
+            self.engine, build_inbox_table(self.settings.inbox_table_name, self.table.metadata)
+        )
+        self.subscribers: list[Subscriber] = []
         #: Partition upkeep of a partitioned table (``settings.partitioning``), else None.
         self.partitions: partitions.Maintainer | None = None
         if "partitioning" in self.table.info:
             self.partitions = partitions.Maintainer(
                 self.engine, self.table, self.table.info["partitioning"]
             )
-        self.cleaner = Cleaner(self.store, self.settings, self.partitions)
+        self.cleaner = Cleaner(self.store, self.settings, self.partitions, inbox=self.inbox)
         self.started = False
         self._tracer: Any = None
         self._health_router: Any = None
@@ -354,12 +361,70 @@ class Outbox:
             raise exceptions.MessageNotFound(problem)
         raise exceptions.TooLate(problem)
 
+    # -- consumers ----------------------------------------------------------------------------
+
+    def subscriber(
+        self,
+        stream: str,
+        *,
+        group: str,
+        broker: str | None = None,
+        concurrency: int | None = None,
+        ordered: bool = False,
+        max_attempts: int | None = None,
+        batch_size: int | None = None,
+        claim_idle_seconds: float | None = None,
+        retry_base_delay_seconds: float | None = None,
+        retry_max_delay_seconds: float | None = None,
+        dead_letter: str | None = None,
+        start: str = "new",
+        batch: bool = True,
+    ) -> Any:
+        """``@outbox.subscriber("orders", group="billing")`` on ``async def handler(event:
+        OrderPlaced, uow: UnitOfWork)``: consume ``stream`` as consumer ``group`` with the
+        handler's effects applied once (:mod:`fastapi_outbox.subscribers`). Started and
+        stopped with the dispatchers (``lifespan``, ``dispatcher()``, ``fastapi-outbox
+        dispatch``). Options left None come from the ``consumer_*`` settings;
+        ``dead_letter`` is a template (default ``{stream}.{group}.dlq``); ``batch``: handle
+        each fetched batch in one transaction (falls back to one transaction per message
+        when anything in it fails; not with ``ordered``)."""
+        from fastapi_outbox import subscribers
+
+        def decorate(handler: Handler) -> Handler:
+            options = subscribers.subscriber_options(
+                self,
+                broker=broker,
+                concurrency=concurrency,
+                ordered=ordered,
+                max_attempts=max_attempts,
+                batch_size=batch_size,
+                claim_idle_seconds=claim_idle_seconds,
+                retry_base_delay_seconds=retry_base_delay_seconds,
+                retry_max_delay_seconds=retry_max_delay_seconds,
+                dead_letter=dead_letter,
+                start=start,
+                batch=batch,
+            )
+            subscribers.register(self, handler, stream, group, options)
+            return handler
+
+        return decorate
+
+    async def consumers_status(self) -> list[Any]:
+        """Every subscriber's consumer group: lag, pending, dead letters, last handled
+        (:func:`fastapi_outbox.operations.consumers`; the dashboard's consumers table)."""
+        from fastapi_outbox import operations
+
+        return await operations.consumers(self)
+
     # -- schema -------------------------------------------------------------------------------
 
     async def create_tables(self) -> None:
-        """Create the outbox table and its indexes (never the user's tables); partitioned:
-        also the DEFAULT partition and the partitions of the coming days."""
+        """Create the outbox table, the consumers' inbox table and their indexes (never the
+        user's tables); partitioned: also the DEFAULT partition and the partitions of the
+        coming days; capture="wal": the replication slot and its publication."""
         await self.store.create_table()
+        await self.inbox.create_table()
         if self.partitions is not None:
             await self.partitions.ensure_ahead()
         if self.wal_slot is not None:
@@ -367,6 +432,7 @@ class Outbox:
 
     async def drop_tables(self) -> None:
         await self.store.drop_table()
+        await self.inbox.drop_table()
 
     # -- running -------------------------------------------------------------------------------
 
@@ -419,6 +485,8 @@ class Outbox:
                         listening=(lambda: bool(listener and listener.listening)),
                     )
                     await tg.start(self.wal_relay.run)
+                for sub in self.subscribers:
+                    await tg.start(sub.run)
                 await tg.start(self.cleaner.run)
                 logger.info(
                     "outbox dispatchers started",
@@ -442,6 +510,8 @@ class Outbox:
                 await self._close_brokers()
 
     async def _shutdown(self, tg: anyio.abc.TaskGroup) -> None:
+        from fastapi_outbox.subscribers import stop_all
+
         for processor in self.processors.values():
             processor.stop()
         self.cleaner.stop()
@@ -449,6 +519,8 @@ class Outbox:
             self.wal_relay.stop()
         with anyio.CancelScope(shield=True):
             with anyio.move_on_after(self.settings.shutdown_timeout_seconds):
+                # Subscribers first: events their handlers commit still get published.
+                await stop_all(self.subscribers)
                 for processor in self.processors.values():
                     if processor.running:
                         await processor.stopped.wait()

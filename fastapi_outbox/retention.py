@@ -13,6 +13,7 @@ from typing import Any
 
 import anyio
 
+from fastapi_outbox.inbox import Inbox
 from fastapi_outbox.partitions import Maintainer
 from fastapi_outbox.settings import OutboxSettings
 from fastapi_outbox.store import ABANDONED, PUBLISHED, Store
@@ -53,7 +54,12 @@ class Cleaner:
     """The periodic retention task started with the dispatchers."""
 
     def __init__(
-        self, store: Store, settings: OutboxSettings, partitions: Maintainer | None = None
+        self,
+        store: Store,
+        settings: OutboxSettings,
+        partitions: Maintainer | None = None,
+        *,
+        inbox: Inbox | None = None,
     ) -> None:
         self.store = store
         self.settings = settings
@@ -62,6 +68,7 @@ class Cleaner:
         #: and partitions still holding a row that needs work).
         self.partitions = partitions
         self.dropped_partitions: list[str] = []
+        self.inbox = inbox
         self.last_run: float | None = None
         self.deleted_total = 0
         # Made by run(): the Outbox (and this cleaner) may be built outside an event loop,
@@ -100,9 +107,30 @@ class Cleaner:
                     extra={"action": "retention.deleted", "status": status, "count": n},
                 )
             deleted += n
+        deleted += await self._purge_inbox()
         self.deleted_total += deleted
         self.last_run = anyio.current_time()
         return deleted
+
+    async def _purge_inbox(self) -> int:
+        """Inbox rows past ``inbox_retention_seconds``, in bounded batches."""
+        retention = self.settings.inbox_retention_seconds
+        if self.inbox is None or retention is None:
+            return 0
+        total = 0
+        batch = self.settings.cleanup_batch_size
+        while True:
+            n = await self.inbox.purge_batch(retention, batch)
+            total += n
+            if n < batch:
+                break
+            await anyio.sleep(BATCH_PAUSE_SECONDS)
+        if total:
+            logger.info(
+                "inbox retention cleanup",
+                extra={"action": "retention.inbox_deleted", "count": total},
+            )
+        return total
 
     async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         self._stop, self.stopped = anyio.Event(), anyio.Event()
@@ -117,6 +145,7 @@ class Cleaner:
             self.settings.published_retention_seconds is None
             and self.settings.abandoned_retention_seconds is None
             and self.partitions is None
+            and (self.inbox is None or self.settings.inbox_retention_seconds is None)
         ):
             return
         while not stop.is_set():

@@ -52,6 +52,15 @@ DEDUP_MARGIN_SECONDS = 60.0
 #: takes the rows while they are being published (a duplicate for the de-duplication to
 #: absorb at best).
 LEASE_PUBLISH_MARGIN = 1.5
+#: Consumers (``@outbox.subscriber``): see :mod:`fastapi_outbox.subscribers`.
+INBOX_TABLE_NAME = "outbox_inbox"
+INBOX_RETENTION_SECONDS = 14 * 24 * 3600.0
+CONSUMER_BATCH_SIZE = 100
+CONSUMER_CONCURRENCY = 16
+CONSUMER_MAX_ATTEMPTS = 5
+CONSUMER_RETRY_BASE_DELAY_SECONDS = 0.5
+CONSUMER_RETRY_MAX_DELAY_SECONDS = 30.0
+CONSUMER_CLAIM_IDLE_SECONDS = 60.0
 
 #: Rows of pgoutput (a transaction is a begin, its messages, a commit) one read of the
 #: logical replication slot asks for in ``capture="wal"`` (``wal_batch_size``).
@@ -187,8 +196,43 @@ class OutboxSettings(BaseSettings):
         gt=0,
         description="How often a standby WAL relay tries to take the slot over.",
     )
+    # -- consumers (@outbox.subscriber) and their inbox ---------------------------------------
+    inbox_table_name: str = Field(
+        default=INBOX_TABLE_NAME, description="Name of the consumers' inbox table."
+    )
+    inbox_retention_seconds: float | None = Field(
+        default=INBOX_RETENTION_SECONDS,
+        gt=0,
+        description="Inbox rows older than this are deleted by the cleanup (None: kept "
+        "forever). Must exceed the longest redelivery or replay window: a message "
+        "redelivered after its inbox row is gone is handled again.",
+    )
+    consumer_batch_size: int = Field(
+        default=CONSUMER_BATCH_SIZE, ge=1, le=10_000, description="Messages read per fetch."
+    )
+    consumer_concurrency: int = Field(
+        default=CONSUMER_CONCURRENCY,
+        ge=1,
+        le=1024,
+        description="Messages a subscriber handles at once (each in its own transaction).",
+    )
+    consumer_max_attempts: int = Field(
+        default=CONSUMER_MAX_ATTEMPTS,
+        ge=1,
+        description="Deliveries of a message before it is dead-lettered.",
+    )
+    consumer_retry_base_delay_seconds: float = Field(
+        default=CONSUMER_RETRY_BASE_DELAY_SECONDS, ge=0
+    )
+    consumer_retry_max_delay_seconds: float = Field(default=CONSUMER_RETRY_MAX_DELAY_SECONDS, ge=0)
+    consumer_claim_idle_seconds: float = Field(
+        default=CONSUMER_CLAIM_IDLE_SECONDS,
+        gt=0,
+        description="A delivered message not acknowledged for this long goes to another "
+        "consumer: Redis XAUTOCLAIM min-idle-time, NATS ack_wait.",
+    )
 
-    @field_validator("table_name")
+    @field_validator("table_name", "inbox_table_name")
     @classmethod
     def _plain_identifier(cls, value: str) -> str:
         return check_table_name(value)
@@ -270,7 +314,34 @@ class OutboxSettings(BaseSettings):
                 "message the broker refuses leaves that order for the table's retries, so "
                 "the per-key blocking of ordered=True cannot be kept"
             )
+        self._consistent_consumers()
         return self
+
+    def _consistent_consumers(self) -> None:
+        if self.consumer_retry_max_delay_seconds >= self.consumer_claim_idle_seconds:
+            raise ValueError(
+                "consumer_retry_max_delay_seconds (OUTBOX_CONSUMER_RETRY_MAX_DELAY_SECONDS) "
+                "must be below consumer_claim_idle_seconds "
+                "(OUTBOX_CONSUMER_CLAIM_IDLE_SECONDS): a message waiting for its retry "
+                "would be claimed by another consumer "
+                f"({self.consumer_retry_max_delay_seconds} >= {self.consumer_claim_idle_seconds})"
+            )
+        if (
+            self.inbox_retention_seconds is not None
+            and self.inbox_retention_seconds < self.consumer_redelivery_window_seconds
+        ):
+            raise ValueError(
+                "inbox_retention_seconds (OUTBOX_INBOX_RETENTION_SECONDS) must exceed the "
+                "longest redelivery window, consumer_claim_idle_seconds x "
+                "(consumer_max_attempts + 1), or a late redelivery is handled twice "
+                f"({self.inbox_retention_seconds} < {self.consumer_redelivery_window_seconds})"
+            )
+
+    @property
+    def consumer_redelivery_window_seconds(self) -> float:
+        """How long after its first delivery a message can still be redelivered by the
+        broker on its own (not counting replays of dead letters)."""
+        return self.consumer_claim_idle_seconds * (self.consumer_max_attempts + 1)
 
     @property
     def smallest_claim(self) -> int:

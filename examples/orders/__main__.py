@@ -21,6 +21,7 @@ def main() -> None:
         '-H \'content-type: application/json\' -d \'{"customer": "ada", "total": 42}\''
     )
     print(f"  see it published: curl -s http://{host}:{port}/published")
+    print(f"  its invoice:      curl -s http://{host}:{port}/invoices")
     print(f"  outbox health:    curl -s http://{host}:{port}/outbox/health")
     print(
         f"  dashboard:        http://{host}:{port}/outbox/dashboard "

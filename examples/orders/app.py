@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field
 from sqlalchemy import ForeignKey, String, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from fastapi_outbox import AggregateRoot, Event, Outbox, UnitOfWorkDep
+from fastapi_outbox import AggregateRoot, Event, Outbox, UnitOfWork, UnitOfWorkDep
 from fastapi_outbox.brokers import MemoryBroker, broker_from_url
 
 DATABASE_URL = os.environ.get("DATABASE_URL", "sqlite+aiosqlite:///./orders.db")
@@ -55,6 +55,23 @@ class OrderCancelled(Event, stream="orders", key="order_id", external=False):
     order_id: int
 
 
+class Invoice(Base):
+    """Written by the billing subscriber, once per order (the inbox skips redeliveries)."""
+
+    __tablename__ = "invoices"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    order_id: Mapped[int]
+    customer: Mapped[str] = mapped_column(String(100))
+    amount: Mapped[float]
+
+
+class InvoiceIssued(Event, stream="invoices", key="order_id"):
+    order_id: int
+    invoice_id: int
+    amount: float
+
+
 class NewOrder(BaseModel):
     customer: str = Field(min_length=1, max_length=100)
     total: float = Field(ge=0)
@@ -90,6 +107,16 @@ outbox = Outbox(
     brokers={"default": broker},
     dashboard_dependencies=[Depends(require_dashboard_token)],
 )
+
+
+@outbox.subscriber("orders", group="billing")
+async def bill(event: OrderPlaced, uow: UnitOfWork) -> None:
+    """Billing: an invoice per placed order, and InvoiceIssued raised in the same
+    transaction (its causation id is the OrderPlaced message id)."""
+    invoice = Invoice(order_id=event.order_id, customer=event.customer, amount=event.total)
+    uow.session.add(invoice)
+    await uow.session.flush()
+    uow.publish(InvoiceIssued(order_id=event.order_id, invoice_id=invoice.id, amount=event.total))
 
 
 async def _lifespan_tables() -> None:
@@ -140,6 +167,14 @@ def create_app() -> FastAPI:
         rows = (await uow.session.execute(select(Order).order_by(Order.id).limit(100))).scalars()
         return [
             {"id": o.id, "customer": o.customer, "total": o.total, "status": o.status} for o in rows
+        ]
+
+    @app.get("/invoices")
+    async def list_invoices(uow: UnitOfWorkDep) -> list[dict[str, Any]]:
+        rows = await uow.session.execute(select(Invoice).order_by(Invoice.id.desc()).limit(100))
+        return [
+            {"id": i.id, "order_id": i.order_id, "customer": i.customer, "amount": i.amount}
+            for i in rows.scalars()
         ]
 
     @app.get("/published")

@@ -8,12 +8,17 @@ cannot be reached, ``reject`` refuses chosen messages.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.brokers.base import PublishResults
 from fastapi_outbox.events import Envelope
+
+if TYPE_CHECKING:
+    from fastapi_outbox.brokers.consumer import ConsumerConfig
+    from fastapi_outbox.brokers.memory_consumer import MemoryConsumer
 
 
 class MemoryBroker:
@@ -30,6 +35,8 @@ class MemoryBroker:
         self.available = True
         self.reject = reject
         self._seen: set[str] = set()
+        #: Consumer groups of ``consumer()``: (stream, group) → state (memory_consumer.py).
+        self._consumer_groups: dict[tuple[str, str], Any] = {}
         self._changed = anyio.Event()
 
     def configure(self, *, dedup_window_seconds: float) -> None:
@@ -60,8 +67,7 @@ class MemoryBroker:
                 self._seen.add(envelope.id)
                 self.messages.append(envelope)
             results.append(None)
-        self._changed.set()
-        self._changed = anyio.Event()
+        self._changed_now()
         return results
 
     def on_stream(self, stream: str) -> list[Envelope]:
@@ -73,6 +79,16 @@ class MemoryBroker:
             while len(self.messages) < count:
                 await self._changed.wait()
         return list(self.messages)
+
+    def consumer(self, config: ConsumerConfig) -> MemoryConsumer:
+        """The consumer side (``@outbox.subscriber`` on a memory broker)."""
+        from fastapi_outbox.brokers.memory_consumer import MemoryConsumer
+
+        return MemoryConsumer(self, config)
+
+    def _changed_now(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
 
     def clear(self) -> None:
         self.messages.clear()

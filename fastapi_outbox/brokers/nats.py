@@ -20,11 +20,14 @@ import contextlib
 import logging
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.brokers.base import PublishResults, redact_url
 from fastapi_outbox.events import Envelope
+
+if TYPE_CHECKING:
+    from fastapi_outbox.brokers.consumer import ConsumerConfig
 
 logger = logging.getLogger("fastapi_outbox.brokers.nats")
 
@@ -429,6 +432,12 @@ class NatsJetStreamBroker:
             for f in futures.values():
                 if not f.done():
                     f.cancel()
+
+    def consumer(self, config: ConsumerConfig) -> Any:
+        """The consumer side of ``@outbox.subscriber`` (``nats_consumer.py``)."""
+        from fastapi_outbox.brokers.nats_consumer import NatsJetStreamConsumer
+
+        return NatsJetStreamConsumer(self, config)
 
     async def __aenter__(self) -> NatsJetStreamBroker:
         await self.connect()

@@ -30,11 +30,14 @@ import logging
 import uuid
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.brokers.base import PublishResults, redact_url
 from fastapi_outbox.events import Envelope
+
+if TYPE_CHECKING:
+    from fastapi_outbox.brokers.consumer import ConsumerConfig
 
 logger = logging.getLogger("fastapi_outbox.brokers.redis")
 
@@ -331,6 +334,12 @@ class RedisStreamsBroker:
 
         if isinstance(reply, rexc.ConnectionError | rexc.TimeoutError | OSError):
             raise self._unavailable(reply)
+
+    def consumer(self, config: ConsumerConfig) -> Any:
+        """The consumer side of ``@outbox.subscriber`` (``redis_consumer.py``)."""
+        from fastapi_outbox.brokers.redis_consumer import RedisStreamsConsumer
+
+        return RedisStreamsConsumer(self, config)
 
     async def __aenter__(self) -> RedisStreamsBroker:
         await self.connect()

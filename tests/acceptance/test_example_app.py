@@ -114,6 +114,22 @@ def customer_of(fields: dict[str, str]) -> str | None:
     return payload.get("customer") if isinstance(payload, dict) else None
 
 
+async def invoice_of(client: httpx.AsyncClient, service: Service, customer: str) -> dict[str, Any]:
+    """The invoice the billing subscriber wrote for the (unique) ``customer``'s order, exactly
+    one. (With a real broker the shared "orders" stream also carries other tests' orders, whose
+    ids repeat across databases: the customer names this test's order.)"""
+    found: list[dict[str, Any]] = []
+
+    async def billed() -> bool:
+        response = await client.get(f"{service.base_url}/invoices")
+        found[:] = [i for i in response.json() if i["customer"] == customer]
+        return bool(found)
+
+    await wait_until(billed, timeout=15, interval=0.05)
+    [invoice] = found
+    return invoice
+
+
 async def assert_healthy(client: httpx.AsyncClient, service: Service) -> None:
     async def ok() -> bool:
         response = await client.get(f"{service.base_url}/outbox/health")
@@ -146,6 +162,23 @@ async def test_embedded_default_sqlite_and_memory_broker(
         assert message["stream"] == "orders" and message["key"] == str(order_id)
         assert message["payload"] == {"order_id": order_id, "customer": customer, "total": 42.0}
         await assert_healthy(client, service)
+        # The billing subscriber, in the same process on the memory broker: an invoice,
+        # and InvoiceIssued raised with the OrderPlaced message as its cause.
+        invoice = await invoice_of(client, service, customer)
+        assert (invoice["order_id"], invoice["amount"]) == (order_id, 42.0)
+        issued: list[dict[str, Any]] = []
+
+        async def raised() -> bool:
+            response = await client.get(f"{service.base_url}/published")
+            issued[:] = [m for m in response.json() if m["type"] == "InvoiceIssued"]
+            return bool(issued)
+
+        await wait_until(raised, timeout=10)
+        assert issued[0]["payload"] == {
+            "order_id": order_id,
+            "invoice_id": invoice["id"],
+            "amount": 42.0,
+        }
         orders = (await client.get(f"{service.base_url}/orders")).json()
         assert [o["id"] for o in orders if o["customer"] == customer] == [order_id]
 
@@ -197,6 +230,9 @@ async def test_postgresql_and_redis(
             assert headers["type"] == "OrderPlaced"
             # the memory-broker view of the example is empty with a real broker
             assert (await client.get(f"{service.base_url}/published")).json() == []
+            # Billing consumed the order from the Redis stream.
+            invoice = await invoice_of(client, service, customer)
+            assert (invoice["order_id"], invoice["amount"]) == (order_id, 42.0)
             await assert_healthy(client, service)
     finally:
         await redis.aclose()

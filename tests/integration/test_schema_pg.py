@@ -33,13 +33,14 @@ async def table_names(outbox: Outbox) -> set[str]:
         return set(await conn.run_sync(lambda c: inspect(c).get_table_names()))
 
 
-async def test_create_tables_creates_only_the_outbox_table(db_url: str) -> None:
+async def test_create_tables_creates_only_the_outbox_tables(db_url: str) -> None:
     assert "customers" in Base.metadata.tables  # the user's models are declared...
     outbox = Outbox(db_url, brokers={"default": MemoryBroker()}, settings=OutboxSettings())
     try:
         await outbox.create_tables()
         await outbox.create_tables()  # idempotent
-        assert await table_names(outbox) == {"outbox_messages"}  # ...and never created
+        # ...and never created; the consumers' inbox is one of the outbox's tables.
+        assert await table_names(outbox) == {"outbox_messages", "outbox_inbox"}
         async with outbox.engine.connect() as conn:
             indexes = await conn.run_sync(
                 lambda c: {i["name"] for i in inspect(c).get_indexes("outbox_messages")}
@@ -53,7 +54,7 @@ async def test_create_tables_with_a_custom_table_name(db_url: str) -> None:
     outbox = Outbox(db_url, settings=OutboxSettings(table_name="shop_outbox"))
     try:
         await outbox.create_tables()
-        assert await table_names(outbox) == {"shop_outbox"}
+        assert await table_names(outbox) == {"shop_outbox", "outbox_inbox"}
         async with outbox.unit_of_work() as uow:
             uow.publish(Message(stream="orders", type="T", payload={}))
         assert await outbox.store.count() == 1
@@ -80,7 +81,7 @@ async def test_cli_db_create_and_db_sql_on_postgresql(pg_url: str, pg: asyncpg.C
         r["tablename"]
         for r in await pg.fetch("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")
     }
-    assert tables == {"outbox_messages"}
+    assert tables == {"outbox_messages", "outbox_inbox"}
     types = {
         r["column_name"]: r["data_type"]
         for r in await pg.fetch(
@@ -99,6 +100,8 @@ async def test_cli_db_create_and_db_sql_on_postgresql(pg_url: str, pg: asyncpg.C
         assert "id UUID NOT NULL" in result.stdout
         assert "payload JSONB NOT NULL" in result.stdout
         assert "headers JSONB NOT NULL" in result.stdout
+        assert "CREATE TABLE outbox_inbox" in result.stdout
+        assert 'PRIMARY KEY ("group", message_id)' in result.stdout
         assert (
             "ix_outbox_messages_due ON outbox_messages (broker, next_attempt_at, id) "
             "WHERE status IN ('pending', 'processing', 'failed')" in result.stdout

@@ -22,9 +22,12 @@ ALEMBIC_ENV = Path(__file__).parents[2] / "examples" / "alembic" / "env.py"
 ACTIVE = "WHERE status IN ('pending', 'processing', 'failed')"
 
 
-def test_default_metadata_holds_exactly_the_outbox_table() -> None:
-    assert list(metadata.tables) == ["outbox_messages"]
+def test_default_metadata_holds_exactly_the_outbox_and_inbox_tables() -> None:
+    from fastapi_outbox.inbox import inbox_table
+
+    assert list(metadata.tables) == ["outbox_messages", "outbox_inbox"]
     assert metadata.tables["outbox_messages"] is outbox_table
+    assert metadata.tables["outbox_inbox"] is inbox_table
     assert fastapi_outbox.metadata is metadata
 
 
@@ -165,4 +168,4 @@ def test_alembic_example_env_targets_the_outbox_metadata() -> None:
     targets = seen["target_metadata"]
     assert metadata in targets
     tables = {name for md in targets for name in md.tables}
-    assert tables == {"orders", "outbox_messages"}
+    assert tables == {"orders", "outbox_messages", "outbox_inbox"}

@@ -1,0 +1,347 @@
+"""Consume: handled messages/s of ``@outbox.subscriber`` (inbox, effects once) against a
+minimal hand-written consumer, on Redis Streams and NATS JetStream.
+
+Each round fills a new stream with N messages in the outbox's publish format (the
+library's own broker ``publish``), then drains it into PostgreSQL:
+
+* **library**: ``Outbox`` + ``@outbox.subscriber(stream, group=…, start="all")`` whose
+  handler adds one ORM object per message (``session.add(Effect(…))``); default settings
+  (batch transactions, ``consumer_concurrency=16``, ``consumer_batch_size=100``);
+* **baseline**: ``--loops`` (default 4) concurrent loops, each: read a batch of 100
+  (``XREADGROUP`` / pull ``fetch``), one asyncpg transaction inserting the processed ids
+  (``INSERT … SELECT unnest … ON CONFLICT DO NOTHING RETURNING``) and the effects of the new
+  ones (``INSERT … SELECT unnest``), then ack the batch (``XACK`` / ``msg.ack()``).
+
+* **baseline (ORM effects)**: the same loops, the transaction through a SQLAlchemy
+  ``AsyncSession`` with the effects as ORM objects (``session.add_all``), as the library's
+  handler writes them: the ratio against it is the library's own overhead.
+
+Rate = N / (time from start until the last message is handled). Rounds alternate
+(A B C, C B A, …); the table prints medians and the ratios library / baseline.
+
+    python benchmarks/consume.py              # N=20,000, 3 rounds per broker
+    python benchmarks/consume.py --quick      # N=3,000, 2 rounds
+    python benchmarks/consume.py --brokers redis
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from sqlalchemy import BigInteger, Text
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from benchmarks._common import (
+    NATS_URL,
+    REDIS_URL,
+    asyncpg_dsn,
+    banner,
+    bench_database,
+    fmt,
+    loopback,
+    machine_note,
+    median,
+    table,
+    unique,
+)
+from fastapi_outbox import Event, Outbox, OutboxSettings, UnitOfWork, uuid7
+from fastapi_outbox.brokers import broker_from_url
+from fastapi_outbox.events import Envelope
+
+BASELINE_BATCH = 100
+TIMEOUT_SECONDS = 300.0
+
+
+class Tick(Event, stream="bench_ticks"):
+    n: int
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Effect(Base):
+    __tablename__ = "effects"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    n: Mapped[int]
+    message_id: Mapped[str] = mapped_column(Text)
+
+
+def envelopes(stream: str, count: int) -> list[Envelope]:
+    out = []
+    for n in range(count):
+        mid = str(uuid7())
+        out.append(
+            Envelope(
+                mid,
+                stream,
+                "Tick",
+                None,
+                json.dumps({"n": n}).encode(),
+                {"message-id": mid, "type": "Tick", "correlation-id": "bench"},
+            )
+        )
+    return out
+
+
+async def fill(url: str, stream: str, count: int) -> None:
+    broker = broker_from_url(url)
+    await broker.connect()
+    try:
+        batch = envelopes(stream, count)
+        for start in range(0, count, 500):
+            results = await broker.publish(batch[start : start + 500])
+            assert all(r is None for r in results), results
+    finally:
+        await broker.aclose()
+
+
+async def cleanup(kind: str, url: str, stream: str) -> None:
+    if kind == "redis":
+        import redis.asyncio as aioredis
+
+        client = aioredis.Redis.from_url(url)
+        keys = [k async for k in client.scan_iter(match=f"*{stream}*")]
+        for start in range(0, len(keys), 1000):
+            await client.delete(*keys[start : start + 1000])
+        await client.aclose()
+    else:
+        import nats
+
+        from fastapi_outbox.brokers.nats import stream_name_for
+
+        nc = await nats.connect(url)
+        js = nc.jetstream()
+        for info in await js.streams_info():
+            if info.config.name.startswith(stream_name_for(stream)):
+                await js.delete_stream(info.config.name)
+        await nc.close()
+
+
+async def run_library(db_url: str, url: str, stream: str, count: int) -> float:
+    outbox = Outbox(
+        db_url,
+        brokers={"default": broker_from_url(url)},
+        settings=OutboxSettings(),
+        engine_options={"pool_size": 20, "max_overflow": 0},
+    )
+
+    @outbox.subscriber(stream, group="bench", start="all")
+    async def handle(tick: Tick, uow: UnitOfWork) -> None:
+        uow.session.add(Effect(n=tick.n, message_id=uow.causation_id))
+
+    sub = outbox.subscribers[0]
+    try:
+        started = time.perf_counter()
+        async with outbox.dispatcher():
+            deadline = started + TIMEOUT_SECONDS
+            while sub.stats.handled < count:
+                if time.perf_counter() > deadline:
+                    raise SystemExit(f"library: {sub.stats.handled}/{count} after timeout")
+                await asyncio.sleep(0.005)
+            elapsed = time.perf_counter() - started
+    finally:
+        await outbox.aclose()
+    return count / elapsed
+
+
+_PROCESSED = (
+    "INSERT INTO processed (grp, message_id) SELECT $1, unnest($2::text[]) "
+    "ON CONFLICT DO NOTHING RETURNING message_id"
+)
+_EFFECTS = "INSERT INTO effects (n, message_id) SELECT * FROM unnest($1::int[], $2::text[])"
+
+
+async def _store(pool: Any, ids: list[str], ns: list[int]) -> None:
+    """asyncpg: processed ids and effects, two array statements in one transaction."""
+    async with pool.acquire() as conn, conn.transaction():
+        new = {r[0] for r in await conn.fetch(_PROCESSED, "baseline", ids)}
+        keep = [(n, m) for n, m in zip(ns, ids, strict=True) if m in new]
+        if keep:
+            await conn.execute(_EFFECTS, [n for n, _ in keep], [m for _, m in keep])
+
+
+def _orm_store(sessions: Any) -> Any:
+    """The same transaction with the effects as ORM objects (what the library's handler
+    does): separates the library's own cost from the ORM's."""
+    from sqlalchemy import text
+
+    processed = text(
+        "INSERT INTO processed (grp, message_id) SELECT 'baseline', unnest(CAST(:ids AS text[])) "
+        "ON CONFLICT DO NOTHING RETURNING message_id"
+    )
+
+    async def store(_pool: Any, ids: list[str], ns: list[int]) -> None:
+        async with sessions() as session, session.begin():
+            new = set((await session.execute(processed, {"ids": ids})).scalars())
+            session.add_all(
+                Effect(n=n, message_id=m) for n, m in zip(ns, ids, strict=True) if m in new
+            )
+
+    return store
+
+
+async def run_baseline_redis(
+    pool: Any, url: str, stream: str, count: int, loops: int, store: Any = _store
+) -> float:
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis.from_url(url)
+    await client.xgroup_create(stream, "baseline", id="0", mkstream=True)
+    done = 0
+
+    async def loop(i: int) -> None:
+        nonlocal done
+        while done < count:
+            reply = await client.xreadgroup(
+                "baseline", f"c{i}", {stream: ">"}, count=BASELINE_BATCH, block=100
+            )
+            if not reply:
+                continue
+            entries = reply[0][1]
+            ids = [f[b"id"].decode() for _, f in entries]
+            ns = [json.loads(f[b"payload"])["n"] for _, f in entries]
+            await store(pool, ids, ns)
+            await client.xack(stream, "baseline", *[e for e, _ in entries])
+            done += len(entries)
+
+    started = time.perf_counter()
+    try:
+        await asyncio.wait_for(asyncio.gather(*(loop(i) for i in range(loops))), TIMEOUT_SECONDS)
+    finally:
+        await client.aclose()
+    return count / (time.perf_counter() - started)
+
+
+async def run_baseline_nats(
+    pool: Any, url: str, stream: str, count: int, loops: int, store: Any = _store
+) -> float:
+    import nats
+    import nats.errors
+    import nats.js.api as api
+
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    name = await js.find_stream_name_by_subject(stream)
+    config = api.ConsumerConfig(
+        durable_name="baseline",
+        ack_policy=api.AckPolicy.EXPLICIT,
+        deliver_policy=api.DeliverPolicy.ALL,
+        filter_subject=stream,
+        max_ack_pending=-1,
+    )
+    subs = [
+        await js.pull_subscribe(stream, durable="baseline", stream=name, config=config)
+        for _ in range(loops)
+    ]
+    done = 0
+
+    async def loop(psub: Any) -> None:
+        nonlocal done
+        while done < count:
+            try:
+                msgs = await psub.fetch(BASELINE_BATCH, timeout=0.5)
+            except (nats.errors.TimeoutError, TimeoutError):
+                continue
+            ids = [m.headers["message-id"] for m in msgs]
+            ns = [json.loads(m.data)["n"] for m in msgs]
+            await store(pool, ids, ns)
+            await asyncio.gather(*(m.ack() for m in msgs))
+            done += len(msgs)
+
+    started = time.perf_counter()
+    try:
+        await asyncio.wait_for(asyncio.gather(*(loop(s) for s in subs)), TIMEOUT_SECONDS)
+    finally:
+        await nc.close()
+    return count / (time.perf_counter() - started)
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="N=3,000, 2 rounds")
+    parser.add_argument("--messages", type=int, help="messages per round")
+    parser.add_argument("--rounds", type=int, help="rounds per broker and side")
+    parser.add_argument("--loops", type=int, default=4, help="baseline's concurrent loops")
+    parser.add_argument("--brokers", default="redis,nats", help="redis,nats")
+    args = parser.parse_args()
+    count = args.messages or (3_000 if args.quick else 20_000)
+    rounds = args.rounds or (2 if args.quick else 3)
+    urls = {"redis": loopback(REDIS_URL), "nats": loopback(NATS_URL)}
+    import asyncpg
+
+    banner(f"consume: {count} messages per round, {rounds} rounds per side — {machine_note()}")
+    rows = []
+    async with bench_database("consume") as db_url:
+        setup = await asyncpg.connect(asyncpg_dsn(db_url))
+        await setup.execute(
+            "CREATE TABLE effects (id bigserial PRIMARY KEY, n int NOT NULL, "
+            "message_id text NOT NULL)"
+        )
+        await setup.execute(
+            "CREATE TABLE processed (grp text, message_id text, PRIMARY KEY (grp, message_id))"
+        )
+        await setup.close()
+        await Outbox(db_url, settings=OutboxSettings()).create_tables()
+        pool = await asyncpg.create_pool(asyncpg_dsn(db_url), min_size=args.loops, max_size=8)
+        from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
+
+        orm_engine = create_async_engine(db_url, pool_size=args.loops, max_overflow=0)
+        orm_store = _orm_store(async_sessionmaker(orm_engine, expire_on_commit=False))
+        sides = ["library", "baseline", "baseline_orm"]
+        try:
+            for kind in args.brokers.split(","):
+                url = urls[kind]
+                rates: dict[str, list[float]] = {side: [] for side in sides}
+                for r in range(rounds):
+                    order = sides if r % 2 == 0 else sides[::-1]
+                    for side in order:
+                        store = orm_store if side == "baseline_orm" else _store
+                        stream = unique(f"consume_{side}")
+                        await fill(url, stream, count)
+                        try:
+                            if side == "library":
+                                rate = await run_library(db_url, url, stream, count)
+                            elif kind == "redis":
+                                rate = await run_baseline_redis(
+                                    pool, url, stream, count, args.loops, store
+                                )
+                            else:
+                                rate = await run_baseline_nats(
+                                    pool, url, stream, count, args.loops, store
+                                )
+                        finally:
+                            await cleanup(kind, url, stream)
+                        rates[side].append(rate)
+                        print(f"  {kind} round {r + 1} {side}: {fmt(rate)} msg/s", flush=True)
+                lib, base = median(rates["library"]), median(rates["baseline"])
+                orm = median(rates["baseline_orm"])
+                rows.append(
+                    [kind, fmt(lib), fmt(base), f"{lib / base:.2f}", fmt(orm), f"{lib / orm:.2f}"]
+                )
+        finally:
+            await pool.close()
+            await orm_engine.dispose()
+    print()
+    headers = [
+        "broker",
+        "library msg/s",
+        "hand-written (asyncpg) msg/s",
+        "ratio",
+        "hand-written (ORM effects) msg/s",
+        "ratio",
+    ]
+    print(table(headers, rows))
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,165 @@
+"""The consumer side of a broker: the ``Consumer`` protocol every transport implements.
+
+A subscriber (:mod:`fastapi_outbox.subscribers`) drives one consumer per (stream, group):
+
+* ``setup()`` creates the group / durable consumer when missing;
+* ``fetch(n, timeout)`` returns up to n :class:`Delivery` objects — new messages, stale ones
+  of dead consumers reclaimed after ``claim_idle_seconds``, and this consumer's own retries
+  that are due — each with its delivery count (attempt) from the broker;
+* ``ack``, after the handler's transaction committed;
+* ``retry(delivery, delay)``: deliver it again after ``delay`` (NATS ``nak(delay)``);
+* ``touch``: keep deliveries this consumer still works on from being reclaimed;
+* ``release``: give deliveries back at shutdown (redelivered at once where the broker can);
+* ``dead_letter(delivery, error)``: move it to the dead-letter stream with the error and
+  the original headers, and acknowledge it, so it never blocks the others;
+* ``lag()``, ``dead_letters()`` and ``replay_dead_letters()`` for health and the CLI.
+
+Messages are decoded from the format the publish side writes (see ``redis.py`` and
+``nats.py``): message id, type, key, JSON headers and the JSON payload. Failures of the
+broker itself raise :class:`~fastapi_outbox.exceptions.BrokerUnavailable`: the subscriber
+pauses, and no handler attempt is charged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = [
+    "DEAD_LETTER_ERROR",
+    "DEAD_LETTER_GROUP",
+    "Consumer",
+    "ConsumerConfig",
+    "ConsumerLag",
+    "DeadLetter",
+    "Delivery",
+    "dead_letter_name",
+]
+
+#: Headers added to a dead letter (besides the original ones).
+DEAD_LETTER_ERROR = "dead-letter-error"
+DEAD_LETTER_GROUP = "dead-letter-group"
+DEAD_LETTER_ATTEMPTS = "dead-letter-attempts"
+DEAD_LETTER_STREAM = "dead-letter-stream"
+#: Longest error text kept in a dead letter.
+ERROR_MAX_CHARS = 2000
+
+
+def dead_letter_name(template: str, stream: str, group: str) -> str:
+    """The dead-letter stream of (``stream``, ``group``): ``template`` with ``{stream}`` and
+    ``{group}`` filled in (default ``{stream}.{group}.dlq``)."""
+    return template.format(stream=stream, group=group)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ConsumerConfig:
+    """What a subscriber asks of its consumer."""
+
+    stream: str
+    group: str
+    #: One name per process (Redis consumer name; NATS uses the group as durable name).
+    consumer_name: str
+    dead_letter: str
+    claim_idle_seconds: float
+    max_attempts: int
+    #: Where a new group starts: "new" (messages added from now on) or "all" (from the
+    #: beginning of the stream).
+    start: str = "new"
+    #: Other groups' dead letters share the dead-letter stream (its name template has no
+    #: ``{group}``): counting then means reading the entries.
+    dead_letter_shared: bool = False
+
+
+@dataclasses.dataclass(slots=True)
+class Delivery:
+    """One delivery of a message to this consumer."""
+
+    stream: str
+    #: The broker's handle of this entry: Redis entry id, NATS stream sequence.
+    entry_id: str
+    message_id: str
+    type: str
+    key: str | None
+    headers: dict[str, str]
+    payload: bytes
+    #: Delivery count from the broker (1 on the first delivery).
+    attempt: int
+    #: Broker object needed to ack it (the NATS ``Msg``).
+    handle: Any = None
+
+    def json(self) -> Any:
+        return json.loads(self.payload)
+
+
+@dataclasses.dataclass(slots=True)
+class ConsumerLag:
+    """How far a group is behind (None: the broker cannot say)."""
+
+    #: Messages in the stream the group has not been given yet.
+    lag: int | None
+    #: Delivered and not acknowledged yet.
+    pending: int | None
+
+
+@dataclasses.dataclass(slots=True)
+class DeadLetter:
+    """One entry of a dead-letter stream."""
+
+    entry_id: str
+    message_id: str
+    type: str
+    stream: str
+    group: str
+    error: str
+    attempts: int | None
+    dead_lettered_at: dt.datetime | None
+
+
+@runtime_checkable
+class Consumer(Protocol):
+    """One consumer group's reader of one stream."""
+
+    config: ConsumerConfig
+
+    async def setup(self) -> None:
+        """Create the group / durable consumer when missing (idempotent)."""
+
+    async def fetch(self, max_messages: int, timeout: float) -> list[Delivery]:
+        """Up to ``max_messages`` deliveries, waiting at most ``timeout`` s for the first."""
+
+    async def ack(self, deliveries: Sequence[Delivery]) -> None:
+        """Acknowledge: the group is done with them."""
+
+    async def retry(self, delivery: Delivery, delay: float) -> None:
+        """Deliver ``delivery`` again (with its count raised) after ``delay`` seconds."""
+
+    async def touch(self, deliveries: Sequence[Delivery]) -> None:
+        """Still working on them: do not hand them to another consumer yet."""
+
+    async def release(self, deliveries: Sequence[Delivery]) -> None:
+        """Shutdown: give back deliveries not handled (redelivered without waiting where
+        the broker allows it)."""
+
+    async def dead_letter(self, delivery: Delivery, error: str) -> None:
+        """Move to the dead-letter stream with ``error`` and the original headers; ack."""
+
+    async def lag(self) -> ConsumerLag: ...
+
+    async def dead_letters(self, limit: int = 100) -> list[DeadLetter]:
+        """Dead letters of this group, oldest first."""
+
+    async def count_dead_letters(self) -> int: ...
+
+    async def replay_dead_letters(self, entry_ids: Sequence[str] | None = None) -> int:
+        """Put dead letters (all, or those of ``entry_ids``) back on the stream and remove
+        them from the dead-letter stream; returns how many. Other groups skip them (their
+        inbox has the message id); this group handles them again."""
+
+    async def aclose(self) -> None: ...
+
+
+def truncate_error(error: str) -> str:
+    return error if len(error) <= ERROR_MAX_CHARS else error[: ERROR_MAX_CHARS - 3] + "..."

@@ -1,0 +1,324 @@
+"""``RedisStreamsConsumer``: consumer groups on Redis Streams.
+
+* ``setup``: ``XGROUP CREATE <stream> <group> $|0 MKSTREAM`` (``BUSYGROUP`` = exists).
+* ``fetch``: first this consumer's retries that are due (``XCLAIM`` to itself, which
+  raises the delivery count), then, at most every quarter of ``claim_idle_seconds``,
+  entries other consumers left pending for ``claim_idle_seconds`` (``XAUTOCLAIM``; their
+  delivery counts come from the pending entries list, ``XPENDING``), then new entries
+  (``XREADGROUP … >``, blocking up to the timeout). One consumer name per process.
+* ``ack``: ``XACK``, after the handler's transaction committed.
+* ``dead_letter``: ``XADD`` to the dead-letter stream (the original fields plus error,
+  group, attempts, original stream and entry id) and ``XACK``, in one ``MULTI``.
+* ``release`` at shutdown: ``XCLAIM … IDLE <claim_idle> JUSTID`` makes the entries look
+  stale at once, so the next consumer's ``XAUTOCLAIM`` takes them without waiting.
+
+Entries are decoded from the fields the publish side writes: ``id`` (message id), ``type``,
+``key``, ``headers`` (JSON), ``payload``. Connection failures and broker-wide refusals
+(``refusal_code``) raise BrokerUnavailable / BrokerRefusing, as on the publish side.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from fastapi_outbox import exceptions
+from fastapi_outbox.brokers import consumer as consumer_mod
+from fastapi_outbox.brokers.base import redact_url
+from fastapi_outbox.brokers.consumer import ConsumerConfig, ConsumerLag, DeadLetter, Delivery
+from fastapi_outbox.brokers.redis import refusal_code
+
+if TYPE_CHECKING:
+    from fastapi_outbox.brokers.redis import RedisStreamsBroker
+
+logger = logging.getLogger("fastapi_outbox.brokers.redis")
+
+#: Most entries one XAUTOCLAIM takes.
+AUTOCLAIM_COUNT = 100
+#: Dead letters scanned for one group's count.
+DEAD_LETTER_SCAN = 10_000
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class RedisStreamsConsumer:
+    def __init__(self, broker: RedisStreamsBroker, config: ConsumerConfig) -> None:
+        self.broker = broker
+        self.config = config
+        self.key = broker._stream_key(config.stream)
+        self.dead_key = broker._stream_key(config.dead_letter)
+        self._idle_ms = max(1, int(config.claim_idle_seconds * 1000))
+        #: (due monotonic time, entry id, attempt so far) of this consumer's retries.
+        self._retries: list[tuple[float, str, int]] = []
+        self._next_autoclaim = 0.0
+        self._autoclaim_cursor = "0-0"
+
+    @contextlib.asynccontextmanager
+    async def _calls(self) -> AsyncIterator[Any]:
+        """The client; Redis failures become BrokerUnavailable / BrokerRefusing."""
+        import redis.exceptions as rexc
+
+        await self.broker.connect()
+        try:
+            yield self.broker.client
+        except (rexc.ConnectionError, rexc.TimeoutError, OSError) as exc:
+            raise self.broker._unavailable(exc) from exc
+        except rexc.ResponseError as exc:
+            code = refusal_code(exc)
+            if code is not None:
+                raise exceptions.BrokerRefusing(
+                    f"Redis at {redact_url(self.broker.url)} refuses commands ({code}): {exc}"
+                ) from exc
+            raise
+
+    async def setup(self) -> None:
+        import redis.exceptions as rexc
+
+        start = "0" if self.config.start == "all" else "$"
+        async with self._calls() as client:
+            try:
+                await client.xgroup_create(self.key, self.config.group, id=start, mkstream=True)
+            except rexc.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+            else:
+                logger.info(
+                    "redis consumer group created",
+                    extra={
+                        "action": "consumer.group_created",
+                        "stream": self.key,
+                        "group": self.config.group,
+                        "start": start,
+                    },
+                )
+
+    def _delivery(self, entry_id: Any, fields: dict[Any, Any], attempt: int) -> Delivery:
+        get = fields.get  # bytes keys (the client does not decode responses)
+        entry = _text(entry_id)
+        raw_headers = get(b"headers")
+        headers: dict[str, str] = {}
+        if raw_headers:
+            try:
+                decoded = json.loads(raw_headers)
+            except ValueError:
+                decoded = None
+            if isinstance(decoded, dict):
+                headers = decoded
+        payload = get(b"payload", b"")
+        key = get(b"key")
+        message_id = get(b"id") or headers.get("message-id") or entry
+        type_ = get(b"type") or headers.get("type") or ""
+        return Delivery(
+            stream=self.config.stream,
+            entry_id=entry,
+            message_id=_text(message_id),
+            type=_text(type_),
+            key=_text(key) if key else None,
+            headers=headers,
+            payload=payload if isinstance(payload, bytes) else str(payload).encode(),
+            attempt=attempt,
+        )
+
+    async def fetch(self, max_messages: int, timeout: float) -> list[Delivery]:
+        out: list[Delivery] = []
+        gone: list[str] = []
+        group, me = self.config.group, self.config.consumer_name
+        async with self._calls() as client:
+            now = time.monotonic()
+            due = [r for r in self._retries if r[0] <= now][:max_messages]
+            if due:
+                for item in due:
+                    self._retries.remove(item)
+                attempts = {entry: attempt for _, entry, attempt in due}
+                claimed = await client.xclaim(self.key, group, me, 0, list(attempts))
+                for entry_id, fields in claimed:
+                    if fields:
+                        out.append(self._delivery(entry_id, fields, attempts[_text(entry_id)] + 1))
+                returned = {_text(e) for e, _ in claimed}
+                gone += [e for e in attempts if e not in returned]
+            if len(out) < max_messages and now >= self._next_autoclaim:
+                self._next_autoclaim = now + max(0.05, self.config.claim_idle_seconds / 4)
+                out += await self._autoclaim(client, max_messages - len(out), gone)
+            if len(out) < max_messages:
+                block = None if out else max(1, int(timeout * 1000))
+                reply = await client.xreadgroup(
+                    group, me, {self.key: ">"}, count=max_messages - len(out), block=block
+                )
+                for _stream, entries in reply or []:
+                    for entry_id, fields in entries:
+                        out.append(self._delivery(entry_id, fields, 1))
+            if gone:  # trimmed or deleted while pending: nothing left to handle
+                await client.xack(self.key, group, *gone)
+        return out
+
+    async def _autoclaim(self, client: Any, count: int, gone: list[str]) -> list[Delivery]:
+        group, me = self.config.group, self.config.consumer_name
+        reply = await client.xautoclaim(
+            self.key,
+            group,
+            me,
+            self._idle_ms,
+            start_id=self._autoclaim_cursor,
+            count=min(count, AUTOCLAIM_COUNT),
+        )
+        self._autoclaim_cursor = _text(reply[0])
+        if self._autoclaim_cursor != "0-0":
+            self._next_autoclaim = 0.0  # more stale entries: take the next page at once
+        entries = [(e, f) for e, f in reply[1] if f]
+        gone += [_text(e) for e, f in reply[1] if not f]
+        if len(reply) > 2:
+            gone += [_text(e) for e in reply[2]]
+        if not entries:
+            return []
+        # Delivery counts from the pending entries list (XAUTOCLAIM raised them).
+        async with client.pipeline(transaction=False) as pipe:
+            for entry_id, _ in entries:
+                pipe.xpending_range(self.key, group, min=entry_id, max=entry_id, count=1)
+            counts = await pipe.execute()
+        out = []
+        for (entry_id, fields), pending in zip(entries, counts, strict=True):
+            attempt = int(pending[0]["times_delivered"]) if pending else 1
+            out.append(self._delivery(entry_id, fields, attempt))
+        logger.info(
+            "reclaimed stale entries",
+            extra={
+                "action": "consumer.reclaimed",
+                "stream": self.key,
+                "group": group,
+                "count": len(out),
+            },
+        )
+        return out
+
+    async def ack(self, deliveries: Sequence[Delivery]) -> None:
+        if not deliveries:
+            return
+        async with self._calls() as client:
+            await client.xack(self.key, self.config.group, *[d.entry_id for d in deliveries])
+
+    async def retry(self, delivery: Delivery, delay: float) -> None:
+        self._retries.append((time.monotonic() + delay, delivery.entry_id, delivery.attempt))
+
+    async def touch(self, deliveries: Sequence[Delivery]) -> None:
+        if not deliveries:
+            return
+        async with self._calls() as client:
+            await client.xclaim(
+                self.key,
+                self.config.group,
+                self.config.consumer_name,
+                0,
+                [d.entry_id for d in deliveries],
+                justid=True,
+            )
+
+    async def release(self, deliveries: Sequence[Delivery]) -> None:
+        ids = [d.entry_id for d in deliveries] + [entry for _, entry, _ in self._retries]
+        self._retries.clear()
+        if not ids:
+            return
+        async with self._calls() as client:
+            await client.xclaim(
+                self.key,
+                self.config.group,
+                self.config.consumer_name,
+                0,
+                ids,
+                idle=self._idle_ms,
+                justid=True,
+            )
+
+    async def dead_letter(self, delivery: Delivery, error: str) -> None:
+        fields = {
+            "id": delivery.message_id,
+            "type": delivery.type,
+            "key": delivery.key or "",
+            "headers": json.dumps(delivery.headers, separators=(",", ":")),
+            "payload": delivery.payload,
+            "error": consumer_mod.truncate_error(error),
+            "group": self.config.group,
+            "attempts": str(delivery.attempt),
+            "stream": self.config.stream,
+            "entry": delivery.entry_id,
+            "at": dt.datetime.now(dt.UTC).isoformat(),
+        }
+        async with self._calls() as client, client.pipeline(transaction=True) as pipe:
+            pipe.xadd(self.dead_key, fields)
+            pipe.xack(self.key, self.config.group, delivery.entry_id)
+            await pipe.execute()
+
+    async def lag(self) -> ConsumerLag:
+        import redis.exceptions as rexc
+
+        async with self._calls() as client:
+            try:
+                groups = await client.xinfo_groups(self.key)
+            except rexc.ResponseError:  # no such stream yet
+                return ConsumerLag(lag=None, pending=None)
+        for info in groups:
+            if _text(info.get("name")) == self.config.group:
+                lag = info.get("lag")
+                return ConsumerLag(
+                    lag=None if lag is None else int(lag), pending=int(info.get("pending", 0))
+                )
+        return ConsumerLag(lag=None, pending=None)
+
+    async def _dead_entries(self, count: int) -> list[tuple[str, dict[str, Any]]]:
+        async with self._calls() as client:
+            entries = await client.xrange(self.dead_key, "-", "+", count=count)
+        out = []
+        for entry_id, fields in entries:
+            get = {_text(k): v for k, v in fields.items()}
+            if _text(get.get("group", "")) == self.config.group:
+                out.append((_text(entry_id), get))
+        return out
+
+    async def dead_letters(self, limit: int = 100) -> list[DeadLetter]:
+        out = []
+        for entry_id, get in (await self._dead_entries(DEAD_LETTER_SCAN))[:limit]:
+            at = _text(get.get("at", ""))
+            out.append(
+                DeadLetter(
+                    entry_id=entry_id,
+                    message_id=_text(get.get("id", "")),
+                    type=_text(get.get("type", "")),
+                    stream=_text(get.get("stream", self.config.stream)),
+                    group=self.config.group,
+                    error=_text(get.get("error", "")),
+                    attempts=int(_text(get.get("attempts", "0")) or 0),
+                    dead_lettered_at=dt.datetime.fromisoformat(at) if at else None,
+                )
+            )
+        return out
+
+    async def count_dead_letters(self) -> int:
+        if not self.config.dead_letter_shared:  # the group's own stream: its length
+            async with self._calls() as client:
+                return int(await client.xlen(self.dead_key))
+        return len(await self._dead_entries(DEAD_LETTER_SCAN))
+
+    async def replay_dead_letters(self, entry_ids: Sequence[str] | None = None) -> int:
+        wanted = None if entry_ids is None else set(entry_ids)
+        replayed = 0
+        for entry_id, get in await self._dead_entries(DEAD_LETTER_SCAN):
+            if wanted is not None and entry_id not in wanted:
+                continue
+            fields = {name: get.get(name, b"") for name in ("id", "type", "key", "headers")}
+            fields["payload"] = get.get("payload", b"")
+            target = self.broker._stream_key(_text(get.get("stream", self.config.stream)))
+            async with self._calls() as client, client.pipeline(transaction=True) as pipe:
+                pipe.xadd(target, fields)
+                pipe.xdel(self.dead_key, entry_id)
+                await pipe.execute()
+            replayed += 1
+        return replayed
+
+    async def aclose(self) -> None:
+        pass

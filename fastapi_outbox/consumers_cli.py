@@ -1,0 +1,127 @@
+"""CLI commands of the consumers: ``consumers`` (each subscriber's group with its lag,
+pending, dead letters, inbox count and last handled; ``--dead-letters`` lists them) and
+``replay --dead-letter STREAM --group G [--entry ID…]``. They need ``--app module:outbox``:
+the subscribers are declared in the consuming service's code. Thin wrappers over
+:mod:`fastapi_outbox.operations`, which the dashboard and health call too."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from collections.abc import Callable
+from typing import Any
+
+from fastapi_outbox import exceptions, operations
+
+EXIT_OK = 0
+
+
+def add_commands(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> None:
+    consumers = sub.add_parser(
+        "consumers", help="subscribers' consumer groups: lag, pending, dead letters (needs --app)"
+    )
+    common(consumers)
+    consumers.add_argument("--json", action="store_true", help="machine-readable output")
+    consumers.add_argument(
+        "--dead-letters", action="store_true", help="also list each group's dead letters"
+    )
+
+
+def add_replay_arguments(replay: argparse.ArgumentParser) -> None:
+    replay.add_argument(
+        "--dead-letter",
+        metavar="STREAM",
+        help="re-drive dead letters of the subscriber of STREAM (with --group; needs --app)",
+    )
+    replay.add_argument("--group", help="with --dead-letter: the consumer group")
+    replay.add_argument(
+        "--entry",
+        action="append",
+        metavar="ENTRY_ID",
+        help="with --dead-letter: only this dead-letter entry (repeatable; default: all)",
+    )
+
+
+def _need_app(args: argparse.Namespace, what: str) -> None:
+    from fastapi_outbox.cli import CliError
+
+    if not getattr(args, "app", None):
+        raise CliError(
+            f"{what} needs --app module:outbox: the subscribers are declared in the "
+            "consuming service's code"
+        )
+
+
+async def run(args: argparse.Namespace, outbox: Any) -> int:
+    from fastapi_outbox.admin import _table
+    from fastapi_outbox.cli import _guard
+
+    _need_app(args, "consumers")
+    statuses = await _guard(operations.consumers(outbox, counts=True), outbox)
+    dead: dict[tuple[str, str], list[Any]] = {}
+    if args.dead_letters:
+        for c in statuses:
+            dead[(c.stream, c.group)] = await operations.dead_letters(outbox, c.stream, c.group)
+    if args.json:
+        rows = [c.model_dump(mode="json") for c in statuses]
+        if args.dead_letters:
+            for row in rows:
+                row["dead_letter_entries"] = [
+                    dataclasses.asdict(d) for d in dead[(row["stream"], row["group"])]
+                ]
+        print(json.dumps(rows, indent=2, default=str))
+        return EXIT_OK
+    columns = [
+        "stream",
+        "group",
+        "broker",
+        "running",
+        "lag",
+        "pending",
+        "dead_letters",
+        "handled",
+        "last_handled_at",
+    ]
+    print(_table([c.model_dump() for c in statuses], columns))
+    for (stream, group), letters in dead.items():
+        print(f"\ndead letters of {group} on {stream}:")
+        print(
+            _table(
+                [dataclasses.asdict(d) for d in letters],
+                ["entry_id", "message_id", "type", "attempts", "dead_lettered_at", "error"],
+            )
+        )
+    return EXIT_OK
+
+
+async def replay(args: argparse.Namespace, outbox: Any) -> int:
+    from fastapi_outbox.admin import _operator
+    from fastapi_outbox.cli import CliError, _guard
+
+    _need_app(args, "replay --dead-letter")
+    if not args.group:
+        raise CliError("replay --dead-letter STREAM needs --group GROUP")
+    if args.ids or args.abandoned:
+        raise CliError(
+            "replay --dead-letter takes --entry ENTRY_ID, not message ids or --abandoned"
+        )
+    try:
+        count = await _guard(
+            operations.replay_dead_letters(
+                outbox, args.dead_letter, args.group, args.entry, operator=_operator()
+            ),
+            outbox,
+        )
+    except exceptions.OperationError as exc:
+        raise CliError(str(exc)) from exc
+    except exceptions.BrokerUnavailable as exc:
+        raise CliError(str(exc), 3) from exc
+    print(f"replayed {count} dead letter(s) of {args.group} onto {args.dead_letter}")
+    if args.entry and count < len(set(args.entry)):
+        raise CliError(
+            f"{len(set(args.entry)) - count} of the given entries are not dead letters of "
+            f"{args.group} on {args.dead_letter}",
+            1,
+        )
+    return EXIT_OK

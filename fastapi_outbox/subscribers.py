@@ -1,0 +1,851 @@
+"""Subscribers: consume events with their effects applied once.
+
+::
+
+    @outbox.subscriber("orders", group="billing")
+    async def bill(event: OrderPlaced, uow: UnitOfWork) -> None:
+        uow.session.add(Invoice(order_id=event.order_id))
+        uow.publish(InvoiceIssued(order_id=event.order_id))
+
+Each message is handled in a unit of work of its own (``outbox.unit_of_work`` with
+causation id = the incoming message id and the correlation id carried over), which first
+records the message id in the inbox (:mod:`fastapi_outbox.inbox`): a message the group
+handled before is skipped. The broker ack follows the commit. So a crash anywhere — before
+the commit (nothing happened: redelivered, handled), between commit and ack (redelivered,
+skipped) — leaves each effect applied exactly once, and events the handler publishes go to
+the outbox in that same transaction.
+
+Failures:
+
+* the handler raises → retried with exponential backoff (the broker's delivery count is
+  the attempt), dead-lettered after ``max_attempts`` with the error and the original
+  headers; other messages go on meanwhile (a poison message never blocks the others);
+* a message of a type no ``Event`` subclass declares, or whose payload does not validate,
+  is dead-lettered at once (no retry can fix it); a type the handler does not take but
+  that another ``Event`` of the stream declares is acknowledged and skipped;
+* a delivery whose count is already past ``max_attempts`` (the consumer crashed on it
+  every time) is dead-lettered without running the handler;
+* the broker unreachable or refusing → the subscriber pauses with backoff, no attempt is
+  charged; the database unreachable → the message is retried in place (touched so no
+  other consumer takes it), no attempt is charged.
+
+``ordered=True``: messages of one key are handled one at a time in stream order (a failing
+one is retried in place, holding back later messages of its key only).
+
+Shutdown (``stop``): no new fetch; in-flight messages get ``shutdown_timeout_seconds`` (a
+share of it) to finish, the rest are cancelled — their transactions roll back — and
+released to the broker for redelivery.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import inspect
+import json
+import logging
+import random
+import time
+import types
+import typing
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from pydantic import BaseModel, Field, ValidationError
+from sqlalchemy import event as sa_event
+from sqlalchemy.orm import Session
+
+from fastapi_outbox import exceptions
+from fastapi_outbox.brokers.consumer import (
+    Consumer,
+    ConsumerConfig,
+    ConsumerLag,
+    Delivery,
+    dead_letter_name,
+)
+from fastapi_outbox.events import (
+    HEADER_CORRELATION_ID,
+    HEADER_TRACEPARENT,
+    Event,
+    Message,
+)
+from fastapi_outbox.unit_of_work import UnitOfWork, valid_correlation_id
+
+if TYPE_CHECKING:
+    from fastapi_outbox.outbox import Outbox
+
+logger = logging.getLogger("fastapi_outbox.subscribers")
+
+__all__ = ["DEAD_LETTER_TEMPLATE", "ConsumerStatus", "Subscriber", "SubscriberStats"]
+
+#: Default dead-letter stream / subject of a (stream, group).
+DEAD_LETTER_TEMPLATE = "{stream}.{group}.dlq"
+#: Longest wait of one fetch: bounds how long a stop waits for the fetch loop.
+FETCH_TIMEOUT_SECONDS = 1.0
+#: Backoff of a paused subscriber (broker or database unreachable).
+PAUSE_MIN_SECONDS = 0.2
+PAUSE_MAX_SECONDS = 10.0
+#: Share of ``shutdown_timeout_seconds`` in-flight handlers get to finish; the rest of it
+#: is for releasing what did not finish.
+DRAIN_SHARE = 0.7
+_GROUP = __import__("re").compile(r"^[A-Za-z0-9_\-]{1,200}$")
+
+Handler = Callable[..., Awaitable[Any]]
+#: ``session.info`` key set while a batch's handlers run: a handler's own commit is refused
+#: then (the batch's inbox rows were inserted up front), and the batch goes one by one.
+_BATCH_OPEN = "fastapi_outbox.batch_open"
+
+
+@sa_event.listens_for(Session, "before_commit")
+def _refuse_commit_inside_a_batch(session: Session) -> None:
+    if session.info.get(_BATCH_OPEN):
+        raise exceptions.UnitOfWorkError(
+            "a handler committed inside a batch transaction; its batch is handled message "
+            "by message instead (or declare the subscriber with batch=False)"
+        )
+
+
+class _Undeliverable(Exception):
+    """The message can never be handled (unknown type, invalid payload): dead-letter now."""
+
+
+class _NotForHandler(Exception):
+    """A type of the stream this handler does not take: acknowledge and skip."""
+
+
+@dataclasses.dataclass(slots=True)
+class SubscriberStats:
+    """Counters of one subscriber in this process."""
+
+    handled: int = 0
+    duplicates: int = 0
+    skipped: int = 0
+    failures: int = 0
+    dead_lettered: int = 0
+    last_handled_at: float | None = None
+    last_error: str | None = None
+
+
+class ConsumerStatus(BaseModel):
+    """One subscriber's consumer group, as health, the CLI and the dashboard show it."""
+
+    stream: str
+    group: str
+    broker: str
+    handler: str
+    dead_letter_stream: str
+    running: bool = Field(description="Its consumer runs in this process.")
+    broker_available: bool | None = Field(default=None, description="None: not running here.")
+    lag: int | None = Field(
+        default=None, description="Messages not delivered to the group yet (None: unknown)."
+    )
+    pending: int | None = Field(default=None, description="Delivered, not acknowledged yet.")
+    dead_letters: int | None = Field(default=None, description="In the dead-letter stream.")
+    handled: int | None = Field(default=None, description="Inbox rows of the group.")
+    last_handled_at: dt.datetime | None = Field(
+        default=None, description="Newest inbox row of the group (any process), UTC."
+    )
+    failures: int = Field(default=0, description="Handler failures in this process.")
+    last_error: str | None = None
+
+
+def _event_classes() -> list[type[Event]]:
+    out: list[type[Event]] = []
+    todo: list[type[Event]] = [Event]
+    while todo:
+        cls = todo.pop()
+        for sub in cls.__subclasses__():
+            todo.append(sub)
+            if not sub.__outbox_abstract__:
+                out.append(sub)
+    return out
+
+
+def _harvest_added(uow: UnitOfWork, before: list[Any]) -> list[Any]:
+    """Publish, in ``uow``, the events pending on aggregates held by its session or added
+    to it by the handler that just ran (``before``: the session's new objects before it):
+    ``uow.harvest()`` limited to what this handler added, so a batch of n handlers calls
+    ``collect_events`` O(n) times, not O(n²). When the handler flushed (the earlier new
+    objects are no longer new) every new object is looked at. Aggregates attached to the
+    session publish their events at once when raised. Returns the new objects now."""
+    from fastapi_outbox.aggregates import collect_events, held_aggregates
+
+    session = uow.session.sync_session
+    candidates = held_aggregates(session)
+    new = list(session.new)
+    n = len(before)
+    kept = n == 0 or (len(new) >= n and new[n - 1] is before[-1])
+    candidates += new[n:] if kept else new
+    for instance in candidates:
+        for event in collect_events(instance):
+            uow.publish(event)
+    return new
+
+
+def _is_database_outage(exc: BaseException) -> bool:
+    """The database could not be reached (not a fault of the message)."""
+    from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+
+    if isinstance(exc, OSError | ConnectionError):
+        return True
+    if isinstance(exc, OperationalError | InterfaceError):
+        return True
+    return isinstance(exc, DBAPIError) and bool(exc.connection_invalidated)
+
+
+class Subscriber:
+    """One ``@outbox.subscriber``: a handler, its (stream, group) and its runtime."""
+
+    def __init__(
+        self,
+        outbox: Outbox,
+        handler: Handler,
+        *,
+        stream: str,
+        group: str,
+        broker: str,
+        concurrency: int,
+        ordered: bool,
+        max_attempts: int,
+        batch_size: int,
+        claim_idle_seconds: float,
+        retry_base_delay_seconds: float,
+        retry_max_delay_seconds: float,
+        dead_letter: str,
+        start: str,
+        batch: bool = True,
+    ) -> None:
+        where = f"subscriber {getattr(handler, '__qualname__', handler)!r}"
+        if not inspect.iscoroutinefunction(handler):
+            raise exceptions.ConfigurationError(f"{where}: the handler must be an async def")
+        if not isinstance(stream, str) or not stream.strip() or any(c.isspace() for c in stream):
+            raise exceptions.ConfigurationError(f"{where}: invalid stream {stream!r}")
+        if not isinstance(group, str) or not _GROUP.match(group):
+            raise exceptions.ConfigurationError(
+                f"{where}: group {group!r} must be 1-200 letters, digits, '_' or '-'"
+            )
+        for name, value, low in (
+            ("concurrency", concurrency, 1),
+            ("max_attempts", max_attempts, 1),
+            ("batch_size", batch_size, 1),
+        ):
+            if not isinstance(value, int) or value < low:
+                raise exceptions.ConfigurationError(f"{where}: {name} must be >= {low}")
+        if start not in ("new", "all"):
+            raise exceptions.ConfigurationError(
+                f"{where}: start must be 'new' (messages added from now on) or 'all' "
+                f"(from the beginning of the stream), not {start!r}"
+            )
+        if retry_max_delay_seconds >= claim_idle_seconds:
+            raise exceptions.ConfigurationError(
+                f"{where}: retry_max_delay_seconds ({retry_max_delay_seconds:g}) must be below "
+                f"claim_idle_seconds ({claim_idle_seconds:g})"
+            )
+        self.outbox = outbox
+        self.handler = handler
+        self.name = f"{getattr(handler, '__module__', '?')}.{getattr(handler, '__qualname__', '?')}"
+        self.stream = stream
+        self.group = group
+        self.broker_name = broker
+        self.concurrency = concurrency
+        self.ordered = ordered
+        self.max_attempts = max_attempts
+        self.batch_size = batch_size
+        self.claim_idle_seconds = claim_idle_seconds
+        self.retry_base_delay_seconds = retry_base_delay_seconds
+        self.retry_max_delay_seconds = retry_max_delay_seconds
+        self.dead_letter = dead_letter_name(dead_letter, stream, group)
+        self.dead_letter_shared = "{group}" not in dead_letter
+        self.start = start
+        #: One transaction per fetched batch (not for ordered subscribers).
+        self.batch = batch and not ordered
+        self._message_param, self._accepts, self._uow_params = self._inspect(handler, where)
+        self._types: dict[str, type[Event]] | None = None
+        self.stats = SubscriberStats()
+        self.consumer: Consumer | None = None
+        self.running = False
+        self.broker_ok: bool | None = None
+        self.paused_since: float | None = None
+        self._stop: anyio.Event | None = None
+        self.stopped: anyio.Event | None = None
+        self._inflight: dict[str, tuple[Delivery, float]] = {}
+        self._slot_freed: anyio.Event | None = None
+        self._key_locks: dict[str, tuple[anyio.Lock, int]] = {}
+        self._rng = random.Random()
+
+    def __repr__(self) -> str:
+        return f"Subscriber({self.stream!r}, group={self.group!r}, handler={self.name})"
+
+    # -- the handler's signature -------------------------------------------------------------
+
+    @staticmethod
+    def _inspect(
+        handler: Handler, where: str
+    ) -> tuple[str, tuple[type[Event], ...] | None, list[str]]:
+        """(message parameter, Event classes it takes or None for ``Message``, names of
+        the parameters annotated ``UnitOfWork``)."""
+        try:
+            hints = typing.get_type_hints(handler)
+        except Exception as exc:
+            raise exceptions.ConfigurationError(
+                f"{where}: cannot resolve the handler's annotations: {exc}"
+            ) from exc
+        params = list(inspect.signature(handler).parameters.values())
+        if not params:
+            raise exceptions.ConfigurationError(
+                f"{where}: the handler takes no parameter; its first parameter receives the "
+                "message (an Event subclass or Message)"
+            )
+        first = params[0]
+        annotation = hints.get(first.name)
+        if annotation is None:
+            raise exceptions.ConfigurationError(
+                f"{where}: annotate the first parameter {first.name!r} with an Event subclass "
+                "(or a union of them) or Message"
+            )
+        accepts: tuple[type[Event], ...] | None
+        if annotation is Message:
+            accepts = None
+        else:
+            members = (
+                typing.get_args(annotation)
+                if typing.get_origin(annotation) in (typing.Union, types.UnionType)
+                else (annotation,)
+            )
+            if not all(isinstance(m, type) and issubclass(m, Event) for m in members):
+                raise exceptions.ConfigurationError(
+                    f"{where}: the first parameter {first.name!r} must be annotated with an "
+                    f"Event subclass, a union of them or Message, not {annotation!r}"
+                )
+            accepts = tuple(members)
+        uow_params = [p.name for p in params[1:] if hints.get(p.name) is UnitOfWork]
+        others = [
+            p.name
+            for p in params[1:]
+            if p.name not in uow_params and p.default is inspect.Parameter.empty
+        ]
+        if others:
+            raise exceptions.ConfigurationError(
+                f"{where}: parameters {others} have no default and are not annotated "
+                "UnitOfWork; the handler receives the message and, optionally, its unit of work"
+            )
+        return first.name, accepts, uow_params
+
+    def _event_types(self) -> dict[str, type[Event]]:
+        """Event type name → class, among the classes declared when first needed."""
+        if self._types is None:
+            self._types = {cls.__outbox_type__: cls for cls in _event_classes()}
+        return self._types
+
+    def _decode(self, d: Delivery) -> Any:
+        if self._accepts is None:
+            try:
+                payload = json.loads(d.payload) if d.payload else {}
+            except ValueError as exc:
+                raise _Undeliverable(
+                    f"message {d.message_id} on {d.stream!r}: payload is not JSON: {exc}"
+                ) from exc
+            return Message(
+                stream=d.stream,
+                type=d.type,
+                payload=payload if isinstance(payload, dict) else {"value": payload},
+                key=d.key,
+                headers=dict(d.headers),
+            )
+        cls = next((c for c in self._accepts if c.__outbox_type__ == d.type), None)
+        if cls is None:
+            known = self._event_types()
+            if d.type not in known:
+                self._types = None  # classes may have been declared since: look again
+                known = self._event_types()
+            if d.type in known:
+                raise _NotForHandler(d.type)
+            accepted = ", ".join(c.__outbox_type__ for c in self._accepts)
+            raise _Undeliverable(
+                f"unknown event type {d.type!r} of message {d.message_id} on stream "
+                f"{d.stream!r}: no Event subclass declares it (handler {self.name} takes "
+                f"{accepted})"
+            )
+        try:
+            return cls.model_validate_json(d.payload)
+        except ValidationError as exc:
+            raise _Undeliverable(
+                f"message {d.message_id} on {d.stream!r} is not a valid {d.type}: "
+                f"{exc.error_count()} error(s): "
+                + "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            ) from exc
+
+    # -- the consumer ------------------------------------------------------------------------
+
+    def consumer_config(self) -> ConsumerConfig:
+        return ConsumerConfig(
+            stream=self.stream,
+            group=self.group,
+            consumer_name=self.outbox.instance.replace(":", "-"),
+            dead_letter=self.dead_letter,
+            claim_idle_seconds=self.claim_idle_seconds,
+            max_attempts=self.max_attempts,
+            start=self.start,
+            dead_letter_shared=self.dead_letter_shared,
+        )
+
+    def make_consumer(self) -> Consumer:
+        broker = self.outbox.brokers.get(self.broker_name)
+        if broker is None:
+            raise exceptions.ConfigurationError(
+                f"{self!r}: no broker named {self.broker_name!r}; "
+                f"configured: {', '.join(self.outbox.brokers) or 'none'}"
+            )
+        factory = getattr(broker, "consumer", None)
+        if factory is None:
+            raise exceptions.ConfigurationError(
+                f"{self!r}: broker {self.broker_name!r} ({type(broker).__name__}) cannot consume"
+            )
+        consumer: Consumer = factory(self.consumer_config())
+        return consumer
+
+    async def lag(self) -> ConsumerLag:
+        consumer = self.consumer or self.make_consumer()
+        return await consumer.lag()
+
+    # -- running -----------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop is not None and self._stop.is_set()
+
+    def _log_extra(self, action: str, d: Delivery | None = None, **more: Any) -> dict[str, Any]:
+        extra: dict[str, Any] = {"action": action, "stream": self.stream, "group": self.group}
+        if d is not None:
+            extra.update(message_id=d.message_id, entry_id=d.entry_id, attempt=d.attempt)
+        extra.update(more)
+        return extra
+
+    def _pause_for(self, failures: int) -> float:
+        return float(min(PAUSE_MAX_SECONDS, PAUSE_MIN_SECONDS * 2.0 ** min(failures, 10)))
+
+    async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+        """Fetch and handle until :meth:`stop`. Reports started at once: a broker that is
+        down at start pauses the subscriber, it does not hold up the app's start."""
+        self._stop, self.stopped = anyio.Event(), anyio.Event()
+        self._slot_freed = anyio.Event()
+        self._inflight.clear()
+        self.consumer = consumer = self.make_consumer()
+        self.running = True
+        task_status.started()
+        try:
+            async with anyio.create_task_group() as handlers:
+                handlers.start_soon(self._heartbeat)
+                await self._fetch_loop(consumer, handlers)
+                budget = self.outbox.settings.shutdown_timeout_seconds * DRAIN_SHARE
+                with anyio.move_on_after(budget):
+                    while self._inflight:
+                        await self._wait_slot(1.0)
+                handlers.cancel_scope.cancel()
+            left = [d for d, _ in self._inflight.values()]
+            if left:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(2.0):
+                    try:
+                        await consumer.release(left)
+                    except Exception as exc:
+                        logger.warning(
+                            "release failed",
+                            extra=self._log_extra("consumer.release_failed", error=repr(exc)),
+                        )
+                logger.info(
+                    "released unfinished messages",
+                    extra=self._log_extra("consumer.released", count=len(left)),
+                )
+        finally:
+            self.running = False
+            self._inflight.clear()
+            with anyio.CancelScope(shield=True):
+                try:
+                    await consumer.aclose()
+                except Exception:
+                    logger.debug("consumer close failed", exc_info=True)
+            self.stopped.set()
+
+    async def _wait_slot(self, timeout: float) -> None:
+        assert self._slot_freed is not None
+        with anyio.move_on_after(timeout):
+            await self._slot_freed.wait()
+
+    def _free_slot(self) -> None:
+        assert self._slot_freed is not None
+        self._slot_freed.set()
+        self._slot_freed = anyio.Event()
+
+    async def _fetch_loop(self, consumer: Consumer, handlers: anyio.abc.TaskGroup) -> None:
+        assert self._stop is not None
+        stop = self._stop
+        set_up = False
+        failures = 0
+        limit = self.concurrency * (self.batch_size if self.batch else 1)
+        while not stop.is_set():
+            free = limit - len(self._inflight)
+            if free <= 0:
+                await self._wait_slot(FETCH_TIMEOUT_SECONDS)
+                continue
+            try:
+                if not set_up:
+                    await consumer.setup()
+                    set_up = True
+                batch = await consumer.fetch(min(free, self.batch_size), FETCH_TIMEOUT_SECONDS)
+            except exceptions.BrokerUnavailable as exc:
+                failures += 1
+                await self._paused(exc, failures, stop)
+                continue
+            except Exception as exc:
+                failures += 1
+                logger.exception(
+                    "consumer fetch failed",
+                    extra=self._log_extra("consumer.fetch_failed", error=repr(exc)[:300]),
+                )
+                await self._paused(exc, failures, stop)
+                continue
+            if failures:
+                logger.info("broker reachable again", extra=self._log_extra("consumer.resumed"))
+            failures = 0
+            self.broker_ok = True
+            self.paused_since = None
+            now = time.monotonic()
+            for d in batch:
+                self._inflight[d.entry_id] = (d, now)
+            if self.batch and len(batch) > 1:
+                handlers.start_soon(self._handle_batch, batch)
+            else:
+                for d in batch:
+                    handlers.start_soon(self._handle, d)
+
+    async def _paused(self, exc: BaseException, failures: int, stop: anyio.Event) -> None:
+        if self.broker_ok is not False:
+            logger.warning(
+                "broker unavailable, consumer paused",
+                extra=self._log_extra("consumer.paused", error=str(exc)[:300]),
+            )
+            self.paused_since = time.time()
+        self.broker_ok = False
+        self.stats.last_error = f"{type(exc).__name__}: {exc}"[:300]
+        with anyio.move_on_after(self._pause_for(failures)):
+            await stop.wait()
+
+    async def _heartbeat(self) -> None:
+        """Touch deliveries handled for long, so no other consumer reclaims them."""
+        every = max(0.05, self.claim_idle_seconds / 3)
+        while True:
+            await anyio.sleep(every)
+            cutoff = time.monotonic() - every
+            old = [d for d, since in list(self._inflight.values()) if since <= cutoff]
+            if old and self.consumer is not None:
+                try:
+                    await self.consumer.touch(old)
+                except Exception as exc:
+                    logger.debug("touch failed: %r", exc)
+
+    # -- one message -------------------------------------------------------------------------
+
+    async def _handle(self, d: Delivery) -> None:
+        try:
+            if self.ordered and d.key is not None:
+                lock = self._lock_for(d.key)
+                try:
+                    async with lock:
+                        await self._process(d, in_place=True)
+                finally:
+                    self._unlock_for(d.key)
+            else:
+                await self._process(d, in_place=False)
+        finally:
+            self._inflight.pop(d.entry_id, None)
+            self._free_slot()
+
+    async def _handle_batch(self, batch: list[Delivery]) -> None:
+        """A fetched batch in one transaction: one multi-row inbox insert, the handlers one
+        after the other (each with a unit of work of its own on the shared session, so its
+        events carry its message as cause), one commit, one ack. When anything fails, the
+        transaction rolls back and every message of the batch goes the per-message way
+        (its own transaction, retries, dead letter): one poison message costs its batch
+        one extra pass, never an effect."""
+        try:
+            todo: list[tuple[Delivery, Any]] = []
+            for d in batch:
+                if d.attempt > self.max_attempts:  # dead-lettered on the careful path
+                    await self._process(d, in_place=False)
+                    continue
+                try:
+                    todo.append((d, self._decode(d)))
+                except (_Undeliverable, _NotForHandler):
+                    await self._process(d, in_place=False)
+            if not todo:
+                return
+            try:
+                new, duplicates = await self._run_batch(todo)
+            except Exception as exc:
+                logger.info(
+                    "batch failed, handling its messages one by one",
+                    extra=self._log_extra(
+                        "consumer.batch_failed", count=len(todo), error=repr(exc)[:200]
+                    ),
+                )
+                for d, _ in todo:
+                    await self._process(d, in_place=False)
+                return
+            self.stats.handled += new
+            self.stats.duplicates += duplicates
+            self.stats.last_handled_at = time.time()
+            assert self.consumer is not None
+            try:
+                await self.consumer.ack([d for d, _ in todo])
+            except Exception as exc:
+                logger.warning(
+                    "ack failed; the messages will be redelivered and skipped",
+                    extra=self._log_extra("consumer.ack_failed", error=repr(exc)[:300]),
+                )
+        finally:
+            for d in batch:
+                self._inflight.pop(d.entry_id, None)
+            self._free_slot()
+
+    async def _run_batch(self, todo: list[tuple[Delivery, Any]]) -> tuple[int, int]:
+        """(handled, duplicates) of one batch transaction."""
+        from fastapi_outbox.session_events import state_of
+
+        outbox = self.outbox
+        session = outbox.session_factory()
+        session.info[_BATCH_OPEN] = True
+        ran: set[str] = set()
+        before: list[Any] = []  # new objects on the session before the current handler
+        try:
+            fresh = await outbox.inbox.record_many(
+                session, self.group, list(dict.fromkeys((d.message_id, d.stream) for d, _ in todo))
+            )
+            for d, message in todo:
+                if d.message_id not in fresh or d.message_id in ran:
+                    continue
+                ran.add(d.message_id)
+                correlation, causation, traceparent = self._context(d)
+                uow = UnitOfWork(
+                    outbox,
+                    session,
+                    correlation_id=correlation,
+                    causation_id=causation,
+                    traceparent=traceparent,
+                )
+                uow._open()
+                try:
+                    await self.handler(message, **{name: uow for name in self._uow_params})
+                    before = _harvest_added(uow, before)
+                finally:
+                    uow._close()
+            del session.info[_BATCH_OPEN]
+            await session.commit()
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await session.rollback()
+            raise
+        finally:
+            session.info.pop(_BATCH_OPEN, None)
+            with anyio.CancelScope(shield=True):
+                await session.close()
+        for _ in state_of(session.sync_session).take_notify():
+            await outbox._notify_after_commit()
+        return len(ran), len(todo) - len(ran)
+
+    def _context(self, d: Delivery) -> tuple[str | None, str | None, str | None]:
+        """(correlation id carried over, causation id = the message id, traceparent)."""
+        headers = d.headers
+        correlation = headers.get(HEADER_CORRELATION_ID)
+        if correlation is not None and not valid_correlation_id(correlation):
+            correlation = None
+        causation = d.message_id if valid_correlation_id(d.message_id) else None
+        return correlation, causation, headers.get(HEADER_TRACEPARENT)
+
+    def _lock_for(self, key: str) -> anyio.Lock:
+        lock, users = self._key_locks.get(key, (None, 0))
+        if lock is None:
+            lock = anyio.Lock()
+        self._key_locks[key] = (lock, users + 1)
+        return lock
+
+    def _unlock_for(self, key: str) -> None:
+        lock, users = self._key_locks[key]
+        if users <= 1:
+            del self._key_locks[key]
+        else:
+            self._key_locks[key] = (lock, users - 1)
+
+    def _retry_delay(self, attempt: int) -> float:
+        delay = float(self.retry_base_delay_seconds * 2.0 ** max(0, attempt - 1))
+        delay = min(delay, self.retry_max_delay_seconds)
+        return max(0.0, delay * (1 + self._rng.uniform(-0.25, 0.25)))
+
+    async def _process(self, d: Delivery, *, in_place: bool) -> None:
+        assert self.consumer is not None
+        consumer = self.consumer
+        attempt = d.attempt
+        if attempt > self.max_attempts:
+            await self._dead_letter(
+                d,
+                f"delivered {attempt} times, more than max_attempts={self.max_attempts}, without "
+                "being acknowledged: the consumer crashed or stalled on it every time",
+            )
+            return
+        try:
+            message = self._decode(d)
+        except _Undeliverable as exc:
+            await self._dead_letter(d, str(exc))
+            return
+        except _NotForHandler:
+            self.stats.skipped += 1
+            await self._ack(d)
+            return
+        outages = 0
+        while True:
+            try:
+                new = await self._run_handler(d, message)
+            except Exception as exc:
+                if _is_database_outage(exc) and not self.stopping:
+                    outages += 1
+                    self.stats.last_error = f"database unreachable: {type(exc).__name__}"
+                    logger.warning(
+                        "database unreachable, retrying the message in place",
+                        extra=self._log_extra("consumer.db_unavailable", d, error=repr(exc)[:200]),
+                    )
+                    await anyio.sleep(self._pause_for(outages))
+                    continue
+                self.stats.failures += 1
+                error = f"{type(exc).__name__}: {exc}"
+                self.stats.last_error = error[:300]
+                if attempt >= self.max_attempts:
+                    logger.warning(
+                        "handler failed, dead-lettering",
+                        extra=self._log_extra("consumer.failed", d, error=error[:300]),
+                        exc_info=True,
+                    )
+                    await self._dead_letter(
+                        d, f"handler {self.name} failed on attempt {attempt}: {error}"
+                    )
+                    return
+                delay = self._retry_delay(attempt)
+                logger.warning(
+                    "handler failed, will retry",
+                    extra=self._log_extra(
+                        "consumer.failed", d, error=error[:300], retry_in_seconds=round(delay, 3)
+                    ),
+                )
+                if not in_place:
+                    try:
+                        await consumer.retry(d, delay)
+                    except Exception as retry_exc:  # redelivered after claim_idle anyway
+                        logger.warning(
+                            "retry request failed",
+                            extra=self._log_extra(
+                                "consumer.retry_failed", d, error=repr(retry_exc)
+                            ),
+                        )
+                    return
+                attempt += 1
+                await anyio.sleep(delay)
+                continue
+            if new:
+                self.stats.handled += 1
+            else:
+                self.stats.duplicates += 1
+            self.stats.last_handled_at = time.time()
+            await self._ack(d)
+            return
+
+    async def _run_handler(self, d: Delivery, message: Any) -> bool:
+        """One transaction: inbox row, then the handler; True when the message was new."""
+        correlation, causation, traceparent = self._context(d)
+        async with self.outbox.unit_of_work(
+            correlation_id=correlation, causation_id=causation, traceparent=traceparent
+        ) as uow:
+            new = await self.outbox.inbox.record(uow.session, self.group, d.message_id, d.stream)
+            if new:
+                kwargs = {name: uow for name in self._uow_params}
+                await self.handler(message, **kwargs)
+        return new
+
+    async def _ack(self, d: Delivery) -> None:
+        assert self.consumer is not None
+        try:
+            await self.consumer.ack([d])
+        except Exception as exc:
+            # Committed: a redelivery will find the inbox row and be skipped.
+            logger.warning(
+                "ack failed; the message will be redelivered and skipped",
+                extra=self._log_extra("consumer.ack_failed", d, error=repr(exc)[:300]),
+            )
+
+    async def _dead_letter(self, d: Delivery, error: str) -> None:
+        assert self.consumer is not None
+        try:
+            await self.consumer.dead_letter(d, error)
+        except Exception as exc:
+            logger.error(
+                "dead-lettering failed; the message will be redelivered",
+                extra=self._log_extra("consumer.dead_letter_failed", d, error=repr(exc)[:300]),
+            )
+            return
+        self.stats.dead_lettered += 1
+        self.stats.last_error = error[:300]
+        logger.error(
+            "message dead-lettered",
+            extra=self._log_extra(
+                "consumer.dead_lettered", d, dead_letter=self.dead_letter, error=error[:300]
+            ),
+        )
+
+
+def subscriber_options(outbox: Outbox, **given: Any) -> dict[str, Any]:
+    """Decorator options with the settings' defaults filled in."""
+    s = outbox.settings
+    defaults = {
+        "concurrency": s.consumer_concurrency,
+        "max_attempts": s.consumer_max_attempts,
+        "batch_size": s.consumer_batch_size,
+        "claim_idle_seconds": s.consumer_claim_idle_seconds,
+        "retry_base_delay_seconds": s.consumer_retry_base_delay_seconds,
+        "retry_max_delay_seconds": s.consumer_retry_max_delay_seconds,
+        "dead_letter": DEAD_LETTER_TEMPLATE,
+    }
+    return {
+        k: (defaults[k] if given.get(k) is None and k in defaults else v) for k, v in given.items()
+    }
+
+
+def register(
+    outbox: Outbox, handler: Handler, stream: str, group: str, options: dict[str, Any]
+) -> Subscriber:
+    broker = options.pop("broker", None) or outbox.default_broker
+    if outbox.brokers and broker not in outbox.brokers:
+        raise exceptions.ConfigurationError(
+            f"@outbox.subscriber({stream!r}, group={group!r}): no broker named {broker!r}; "
+            f"configured: {', '.join(outbox.brokers)}"
+        )
+    for existing in outbox.subscribers:
+        if (existing.stream, existing.group, existing.broker_name) == (stream, group, broker):
+            raise exceptions.ConfigurationError(
+                f"two subscribers for stream {stream!r}, group {group!r} on broker {broker!r} "
+                f"({existing.name} and {handler.__qualname__}): a group has one handler per "
+                "stream; use another group name to receive the messages twice"
+            )
+    sub = Subscriber(outbox, handler, stream=stream, group=group, broker=broker, **options)
+    outbox.subscribers.append(sub)
+    return sub
+
+
+async def stop_all(subscribers: Sequence[Subscriber]) -> None:
+    """Stop subscribers and wait for them (the caller bounds the wait)."""
+    for sub in subscribers:
+        sub.stop()
+    for sub in subscribers:
+        if sub.running and sub.stopped is not None:
+            await sub.stopped.wait()

@@ -1,0 +1,93 @@
+"""A consumer service for the SIGKILL acceptance test, run as
+``fastapi-outbox dispatch --app tests.acceptance.consumer_app:outbox``.
+
+Environment: ``DATABASE_URL``, ``BROKER_URL``, ``CONSUMER_STREAM``; chaos: ``KILL_DIR`` (one
+marker file per kill already done, so each kill happens once) and ``KILL_BEFORE_COMMIT`` /
+``KILL_AFTER_COMMIT`` (comma-separated ``n`` of messages on which the process SIGKILLs
+itself: inside the handler after its effect is flushed, or after the commit but before the
+broker ack). Each message's effect is one row of ``effects`` (no unique constraint: a
+double effect would show as two rows).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Sequence
+from pathlib import Path
+
+from sqlalchemy import String
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from fastapi_outbox import Event, Outbox, UnitOfWork
+from fastapi_outbox.brokers import broker_from_url
+from fastapi_outbox.brokers.consumer import Delivery
+
+STREAM = os.environ.get("CONSUMER_STREAM", "ticks")
+KILL_DIR = Path(os.environ.get("KILL_DIR", "."))
+
+
+def _numbers(name: str) -> set[int]:
+    return {int(n) for n in os.environ.get(name, "").split(",") if n.strip()}
+
+
+KILL_BEFORE_COMMIT = _numbers("KILL_BEFORE_COMMIT")
+KILL_AFTER_COMMIT = _numbers("KILL_AFTER_COMMIT")
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Effect(Base):
+    __tablename__ = "effects"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    n: Mapped[int]
+    message_id: Mapped[str] = mapped_column(String(64))
+
+
+class Tick(Event, stream=STREAM):
+    n: int
+
+
+def kill_once(when: str, n: int) -> None:
+    marker = KILL_DIR / f"{when}-{n}"
+    if marker.exists():
+        return
+    marker.touch()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+broker = broker_from_url(os.environ.get("BROKER_URL", "memory://"))
+outbox = Outbox(
+    os.environ.get("DATABASE_URL", "sqlite+aiosqlite:///./consumer.db"),
+    brokers={"default": broker},
+)
+
+
+@outbox.subscriber(STREAM, group="effects", start="all", concurrency=16)
+async def apply(tick: Tick, uow: UnitOfWork) -> None:
+    uow.session.add(Effect(n=tick.n, message_id=uow.causation_id or ""))
+    if tick.n in KILL_BEFORE_COMMIT:
+        await uow.session.flush()  # the effect is written, not committed
+        kill_once("before", tick.n)
+
+
+def _kill_between_commit_and_ack(consumer_class: type) -> None:
+    real_ack = consumer_class.ack
+
+    async def ack(self: object, deliveries: Sequence[Delivery]) -> None:
+        for d in deliveries:
+            n = json.loads(d.payload).get("n")
+            if n in KILL_AFTER_COMMIT:
+                kill_once("after", n)
+        await real_ack(self, deliveries)
+
+    consumer_class.ack = ack
+
+
+if KILL_AFTER_COMMIT:
+    consumer = broker.consumer(outbox.subscribers[0].consumer_config())  # type: ignore[attr-defined]
+    _kill_between_commit_and_ack(type(consumer))
