@@ -36,7 +36,7 @@ from fastapi_outbox.brokers.base import Broker, PublishResults
 from fastapi_outbox.events import Envelope
 from fastapi_outbox.instrumentation import Instrumentation
 from fastapi_outbox.log import safe_error, stack
-from fastapi_outbox.notify import Wakeup
+from fastapi_outbox.relay_loop import RelayLoop
 from fastapi_outbox.settings import OutboxSettings
 from fastapi_outbox.store import ERROR_MAX_CHARS, ClaimedRow, Failure, Store
 
@@ -62,7 +62,7 @@ def retry_delay(attempts: int, settings: OutboxSettings, rng: random.Random | No
     return max(0.0, min(delay, settings.retry_max_delay_seconds))
 
 
-class Processor:
+class Processor(RelayLoop):
     """Moves one broker's rows from the outbox table to the broker."""
 
     def __init__(
@@ -76,63 +76,28 @@ class Processor:
         listening: Any = None,
         instrumentation: Instrumentation | None = None,
     ) -> None:
+        super().__init__(settings)
         self.store = store
         self.broker_name = broker_name
         self.broker = broker
-        self.settings = settings
         self.instance = instance
-        self.wakeup = Wakeup()
         self.instrumentation = instrumentation or Instrumentation()
         self._listening = listening or (lambda: False)
         self._claims = count(1)
-        self._stopping = False
-        self._stop_event = anyio.Event()
-        self.stopped = anyio.Event()
-        self._paused_until = 0.0
-        self._broker_failures = 0
         self._broker_connected = False
         self._connect_lock = anyio.Lock()
         self._next_due: float | None = None
         self._due_changed = anyio.Event()
         #: Rows the next claim asks for: adapts to the backlog (see ``_adapt_claim``).
         self.claim_size = settings.smallest_claim
-        self._rng = random.Random()
-        # Health.
-        self.running = False
+        # Health (the broker outage state is RelayLoop's).
         self.last_tick: float | None = None  # wall clock of the last successful claim
-        self.database_ok = True
-        self.broker_ok = True
-        #: Wall clock of the first failure of the current broker outage (None: broker up).
-        self.broker_down_since: float | None = None
-        #: The outage is the broker refusing every message (out of memory, read-only, …)
-        #: rather than being unreachable.
-        self.broker_refusing = False
-        self.last_error: str | None = None
         self.published_total = 0
         self.failed_total = 0
         self.abandoned_total = 0
 
     def __repr__(self) -> str:
         return f"Processor(broker={self.broker_name!r})"
-
-    @property
-    def _db_bound(self) -> float:
-        """Client-side bound of one database step (a claim, recording a batch's outcome):
-        the server-side statement timeout plus a margin, for a server that cannot even
-        enforce its own timeout (frozen, or unreachable mid-statement)."""
-        return self.settings.statement_timeout_seconds * 2 + 1.0
-
-    # -- control -----------------------------------------------------------------------
-
-    def stop(self) -> None:
-        """Stop claiming; workers finish (or give back) their batch and return."""
-        self._stopping = True
-        self._stop_event.set()
-        self.wakeup.set_all()
-
-    @property
-    def stopping(self) -> bool:
-        return self._stopping
 
     async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         """Run the workers until :meth:`stop` (or cancellation)."""
@@ -214,11 +179,6 @@ class Processor:
             self._due_changed = anyio.Event()
         return outcome
 
-    async def _sleep(self, seconds: float) -> None:
-        """Sleep, but return early when the processor stops."""
-        with anyio.move_on_after(max(0.0, seconds)):
-            await self._stop_event.wait()
-
     async def _ensure_broker(self) -> None:
         if self._broker_connected:
             return
@@ -228,40 +188,19 @@ class Processor:
                 self._broker_connected = True
 
     def _broker_down(self, exc: BaseException) -> None:
-        self._broker_failures += 1
-        pause = min(
-            self.settings.broker_backoff_max_seconds,
-            self.settings.poll_interval_seconds * 2 ** min(self._broker_failures - 1, 16),
-        )
-        pause *= 1 + self._rng.uniform(0, 0.25)
-        self._paused_until = time.monotonic() + pause
-        if self.broker_down_since is None:
-            self.broker_down_since = time.time()
-        self.broker_ok = False
-        self.broker_refusing = isinstance(exc, exceptions.BrokerRefusing)
-        self.last_error = safe_error(exc)
-        logger.warning(
+        self._outage(
+            exc,
             "broker refusing messages; processor backing off"
-            if self.broker_refusing
+            if isinstance(exc, exceptions.BrokerRefusing)
             else "broker unavailable; processor backing off",
-            extra={
-                "action": "broker.unavailable",
-                "broker": self.broker_name,
-                "pause_seconds": round(pause, 3),
-                "error": self.last_error,
-            },
+            action="broker.unavailable",
+            broker=self.broker_name,
         )
 
     def _broker_up(self) -> None:
-        if not self.broker_ok:
-            logger.info(
-                "broker available again",
-                extra={"action": "broker.recovered", "broker": self.broker_name},
-            )
-        self._broker_failures = 0
-        self.broker_ok = True
-        self.broker_down_since = None
-        self.broker_refusing = False
+        self._recovered(
+            "broker available again", action="broker.recovered", broker=self.broker_name
+        )
 
     # -- the worker loop ---------------------------------------------------------------------
 
@@ -473,19 +412,7 @@ class Processor:
         return results
 
     def _hook(self, hook: Any, *args: Any) -> Any:
-        """Call an instrumentation hook; a failing hook is logged, never fatal."""
-        try:
-            return hook(*args)
-        except Exception as exc:
-            logger.warning(
-                "instrumentation hook failed",
-                extra={
-                    "action": "instrumentation.failed",
-                    "broker": self.broker_name,
-                    "error": safe_error(exc),
-                },
-            )
-            return None
+        return self._call_hook(hook, *args, broker=self.broker_name)
 
     async def _record(
         self,

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-import random
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -57,7 +56,7 @@ from fastapi_outbox.dispatcher import retry_delay
 from fastapi_outbox.events import Envelope, MessageStatus
 from fastapi_outbox.instrumentation import Instrumentation
 from fastapi_outbox.log import safe_error, stack
-from fastapi_outbox.notify import Wakeup
+from fastapi_outbox.relay_loop import RelayLoop
 from fastapi_outbox.settings import OutboxSettings
 from fastapi_outbox.store import ERROR_MAX_CHARS, Store
 from fastapi_outbox.wal_slot import Transaction, WalMessage, WalSlot, format_lsn
@@ -79,7 +78,7 @@ class _Stopped(Exception):
     """Internal: the relay stopped with a batch not fully published (the slot stays)."""
 
 
-class WalRelay:
+class WalRelay(RelayLoop):
     """Reads the outbox's replication slot and publishes its messages."""
 
     def __init__(
@@ -93,38 +92,25 @@ class WalRelay:
         instrumentation: Instrumentation | None = None,
         listening: Any = None,
     ) -> None:
+        super().__init__(settings)
         self.store = store
         #: True while LISTEN/NOTIFY wake-ups reach this process: idle reads back off.
         self._listening = listening or (lambda: False)
         self.slot = slot
         self.brokers = dict(brokers)
-        self.settings = settings
         self.instance = instance
         self.instrumentation = instrumentation or Instrumentation()
-        self.wakeup = Wakeup()
-        self._stopping = False
-        self._stop_event = anyio.Event()
-        self.stopped = anyio.Event()
         self._connected: set[str] = set()
-        self._broker_failures = 0
-        self._paused_until = 0.0
-        self._rng = random.Random()
         self._confirmed: int | None = None
         self._fail_on_outage = False
         self._drained = 0
-        # Health.
-        self.running = False
+        # Health (the broker outage state is RelayLoop's).
         #: This relay holds the slot (the others are standbys).
         self.leader = False
         self.last_tick: float | None = None  # wall clock of the last read of the slot
         self.last_relayed_at: float | None = None  # wall clock of the last confirmed batch
         #: Commit time of the oldest message read but not yet confirmed (None: caught up).
         self.oldest_unrelayed: float | None = None
-        self.database_ok = True
-        self.broker_ok = True
-        self.broker_down_since: float | None = None
-        self.broker_refusing = False
-        self.last_error: str | None = None
         self.relayed_total = 0
         self.refused_total = 0
 
@@ -138,25 +124,6 @@ class WalRelay:
         if self.oldest_unrelayed is None:
             return 0.0
         return max(0.0, time.time() - self.oldest_unrelayed)
-
-    @property
-    def _db_bound(self) -> float:
-        return self.settings.statement_timeout_seconds * 2 + 1.0
-
-    # -- control ---------------------------------------------------------------------------------
-
-    def stop(self) -> None:
-        self._stopping = True
-        self._stop_event.set()
-        self.wakeup.set_all()
-
-    @property
-    def stopping(self) -> bool:
-        return self._stopping
-
-    async def _sleep(self, seconds: float) -> None:
-        with anyio.move_on_after(max(0.0, seconds)):
-            await self._stop_event.wait()
 
     async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         """Stand for election and, once elected, relay until :meth:`stop`. Ready once the
@@ -481,49 +448,24 @@ class WalRelay:
             )
 
     def _broker_down(self, name: str, exc: BaseException) -> None:
-        self._broker_failures += 1
-        pause = min(
-            self.settings.broker_backoff_max_seconds,
-            self.settings.poll_interval_seconds * 2 ** min(self._broker_failures - 1, 16),
-        )
-        pause *= 1 + self._rng.uniform(0, 0.25)
-        self._paused_until = time.monotonic() + pause
-        if self.broker_down_since is None:
-            self.broker_down_since = time.time()
-        self.broker_ok = False
-        self.broker_refusing = isinstance(exc, exceptions.BrokerRefusing)
-        self.last_error = safe_error(exc)
-        logger.warning(
+        self._outage(
+            exc,
             "broker down; wal relay paused, slot not confirmed",
-            extra={
-                "action": "wal.broker_down",
-                "broker": name,
-                "slot": self.slot.name,
-                "pause_seconds": round(pause, 3),
-                "error": self.last_error,
-            },
+            action="wal.broker_down",
+            broker=name,
+            slot=self.slot.name,
         )
 
     def _broker_up(self, name: str) -> None:
-        if not self.broker_ok:
-            logger.info(
-                "broker available again; wal relay resumes",
-                extra={"action": "wal.broker_recovered", "broker": name, "slot": self.slot.name},
-            )
-        self._broker_failures = 0
-        self.broker_ok = True
-        self.broker_down_since = None
-        self.broker_refusing = False
+        self._recovered(
+            "broker available again; wal relay resumes",
+            action="wal.broker_recovered",
+            broker=name,
+            slot=self.slot.name,
+        )
 
     def _hook(self, hook: Any, *args: Any) -> Any:
-        try:
-            return hook(*args)
-        except Exception as exc:
-            logger.warning(
-                "instrumentation hook failed",
-                extra={"action": "instrumentation.failed", "error": safe_error(exc)},
-            )
-            return None
+        return self._call_hook(hook, *args)
 
 
 def _envelope(m: WalMessage) -> Envelope:
