@@ -93,14 +93,10 @@ class Inbox:
         )
 
     async def create_table(self) -> None:
-        async with self.engine.begin() as conn:
-            await conn.run_sync(self.table.create, checkfirst=True)
-            for index in self.table.indexes:
-                await conn.run_sync(index.create, checkfirst=True)
+        await schema.create_table(self.engine, self.table)
 
     async def drop_table(self) -> None:
-        async with self.engine.begin() as conn:
-            await conn.run_sync(self.table.drop, checkfirst=True)
+        await schema.drop_table(self.engine, self.table)
 
     async def record(self, session: AsyncSession, group: str, message_id: str, stream: str) -> bool:
         """Record ``message_id`` as handled by ``group`` in the session's transaction;

@@ -42,6 +42,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine.interfaces import Dialect as DialectT
+from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.schema import CreateIndex, CreateTable
 from sqlalchemy.types import DateTime, TypeDecorator, TypeEngine
 
@@ -246,3 +247,18 @@ def ddl(table: Table, dialect: DialectT) -> str:
         now = dt.datetime.now(dt.UTC)
         statements += partitions.statements(table.name, interval, now)
     return ";\n\n".join(statements) + ";\n"
+
+
+async def create_table(engine: AsyncEngine, table: Table) -> None:
+    """Create ``table`` and its indexes when missing (never any other table):
+    ``create(checkfirst)`` skips the indexes of an existing table, so each missing index
+    is added on its own."""
+    async with engine.begin() as conn:
+        await conn.run_sync(table.create, checkfirst=True)
+        for index in table.indexes:
+            await conn.run_sync(index.create, checkfirst=True)
+
+
+async def drop_table(engine: AsyncEngine, table: Table) -> None:
+    async with engine.begin() as conn:
+        await conn.run_sync(table.drop, checkfirst=True)

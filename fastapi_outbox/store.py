@@ -49,6 +49,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.util import await_only
 
+from fastapi_outbox import schema
 from fastapi_outbox.events import MessageStatus
 from fastapi_outbox.schema import ACTIVE_STATUSES, UtcDateTime
 
@@ -277,15 +278,10 @@ class Store:
 
     async def create_table(self) -> None:
         """Create the outbox table and its indexes (never any other table)."""
-        async with self.engine.begin() as conn:
-            await conn.run_sync(self.table.create, checkfirst=True)
-            # create(checkfirst) skips indexes of an existing table; add any missing one.
-            for index in self.table.indexes:
-                await conn.run_sync(index.create, checkfirst=True)
+        await schema.create_table(self.engine, self.table)
 
     async def drop_table(self) -> None:
-        async with self.engine.begin() as conn:
-            await conn.run_sync(self.table.drop, checkfirst=True)
+        await schema.drop_table(self.engine, self.table)
 
     # -- write path ------------------------------------------------------------------------
 
