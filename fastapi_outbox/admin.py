@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime as dt
 import json
 import re
 import sys
@@ -21,11 +20,15 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 from fastapi_outbox import exceptions, operations
+from fastapi_outbox.cli_support import (
+    EXIT_FAILED,
+    EXIT_OK,
+    CliError,
+    operator_name,
+    render_table,
+)
+from fastapi_outbox.cli_support import guard as _guard
 from fastapi_outbox.events import MessageStatus
-
-EXIT_OK = 0
-EXIT_FAILED = 1
-
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
 _UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -155,8 +158,6 @@ class Progress:
 
 
 async def run(args: argparse.Namespace, outbox: Any) -> int:
-    from fastapi_outbox.cli import CliError, _guard
-
     command = args.command
     if command == "status":
         stats = await _guard(
@@ -175,7 +176,7 @@ async def run(args: argparse.Namespace, outbox: Any) -> int:
             print(json.dumps(rows, indent=2, default=str))
         else:
             print(
-                _table(
+                render_table(
                     rows,
                     [
                         "broker",
@@ -206,7 +207,7 @@ async def run(args: argparse.Namespace, outbox: Any) -> int:
             print(json.dumps([dict(r) for r in rows], indent=2, default=str))
         else:
             print(
-                _table(
+                render_table(
                     [dict(r) for r in rows],
                     [
                         "id",
@@ -245,8 +246,6 @@ async def run(args: argparse.Namespace, outbox: Any) -> int:
 
 
 async def _replay(args: argparse.Namespace, outbox: Any) -> int:
-    from fastapi_outbox.cli import CliError, _guard
-
     if getattr(args, "dead_letter", None):
         from fastapi_outbox import consumers_cli
 
@@ -258,7 +257,9 @@ async def _replay(args: argparse.Namespace, outbox: Any) -> int:
     if args.stream and not args.abandoned:
         raise CliError("--stream goes with --abandoned")
     if args.ids:
-        outcome = await _guard(operations.replay(outbox, args.ids, operator=_operator()), outbox)
+        outcome = await _guard(
+            operations.replay(outbox, args.ids, operator=operator_name()), outbox
+        )
         print(f"replayed {outcome.count} message(s)")
         if outcome.problems:
             raise CliError("; ".join(outcome.problems), EXIT_FAILED)
@@ -270,7 +271,7 @@ async def _replay(args: argparse.Namespace, outbox: Any) -> int:
     progress = Progress(f"replayed abandoned{where}", total, enabled=args.progress)
     replayed = await _guard(
         operations.replay_abandoned(
-            outbox, stream=args.stream, operator=_operator(), progress=progress.advance
+            outbox, stream=args.stream, operator=operator_name(), progress=progress.advance
         ),
         outbox,
     )
@@ -280,10 +281,8 @@ async def _replay(args: argparse.Namespace, outbox: Any) -> int:
 
 
 async def _abandon(args: argparse.Namespace, outbox: Any) -> int:
-    from fastapi_outbox.cli import CliError, _guard
-
     outcome = await _guard(
-        operations.abandon(outbox, args.ids, operator=_operator(), reason=args.reason), outbox
+        operations.abandon(outbox, args.ids, operator=operator_name(), reason=args.reason), outbox
     )
     print(f"abandoned {outcome.count} message(s)")
     if outcome.problems:
@@ -292,27 +291,14 @@ async def _abandon(args: argparse.Namespace, outbox: Any) -> int:
 
 
 async def _cancel(args: argparse.Namespace, outbox: Any) -> int:
-    from fastapi_outbox.cli import CliError, _guard
-
-    outcome = await _guard(operations.cancel(outbox, args.ids, operator=_operator()), outbox)
+    outcome = await _guard(operations.cancel(outbox, args.ids, operator=operator_name()), outbox)
     print(f"cancelled {outcome.count} message(s)")
     if outcome.problems:
         raise CliError("; ".join(outcome.problems), EXIT_FAILED)
     return EXIT_OK
 
 
-def _operator() -> str:
-    """Who runs the CLI, for the operations' log records."""
-    import getpass
-
-    try:
-        return f"cli:{getpass.getuser()}"
-    except Exception:
-        return "cli"
-
-
 async def _purge(args: argparse.Namespace, outbox: Any) -> int:
-    from fastapi_outbox.cli import CliError, _guard
     from fastapi_outbox.store import ABANDONED, PUBLISHED
 
     if args.published_older_than is None and args.abandoned_older_than is None:
@@ -336,7 +322,7 @@ async def _purge(args: argparse.Namespace, outbox: Any) -> int:
                 status,
                 age,
                 batch_size=args.batch_size,
-                operator=_operator(),
+                operator=operator_name(),
                 progress=progress.advance,
             ),
             outbox,
@@ -348,26 +334,3 @@ async def _purge(args: argparse.Namespace, outbox: Any) -> int:
         + ")"
     )
     return EXIT_OK
-
-
-def _table(rows: list[dict[str, Any]], columns: list[str]) -> str:
-    if not rows:
-        return "(none)"
-
-    def cell(value: Any) -> str:
-        if value is None:
-            return "-"
-        if isinstance(value, float):
-            return f"{value:.1f}"
-        if isinstance(value, dt.datetime):
-            return value.astimezone(dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
-        text = " ".join(str(value).split())
-        return text if len(text) <= 60 else text[:57] + "..."
-
-    cells = [[cell(r.get(c)) for c in columns] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip()]
-    lines += [
-        "  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in cells
-    ]
-    return "\n".join(lines)

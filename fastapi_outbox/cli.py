@@ -24,28 +24,19 @@ from typing import Any
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.brokers.base import redact_url
+from fastapi_outbox.cli_support import (
+    EXIT_FAILED,
+    EXIT_OK,
+    CliError,
+)
+from fastapi_outbox.cli_support import guard as _guard
+from fastapi_outbox.cli_support import sqlstate as _sqlstate
 from fastapi_outbox.log import JsonFormatter, TextFormatter, redact, safe_error
-
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_USAGE = 2
-EXIT_UNREACHABLE = 3
 
 #: Broker of ``dispatch --url`` when no ``--broker-url`` is given.
 BROKER_URL_ENV = "OUTBOX_BROKER_URL"
 
 logger = logging.getLogger("fastapi_outbox.cli")
-
-# SQLSTATE classes meaning "could not get a usable connection": connection exception,
-# invalid authorization, invalid catalog (database) name, server shutting down/starting.
-_CONNECT_SQLSTATES = ("08", "28", "3D", "57P")
-_UNDEFINED_TABLE = "42P01"
-
-
-class CliError(Exception):
-    def __init__(self, message: str, code: int = EXIT_USAGE) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 def load_outbox(spec: str) -> Any:
@@ -361,39 +352,6 @@ def _print_ddl(args: argparse.Namespace) -> int:
     print(ddl(table, dialect), end="")
     print("\n" + ddl(inbox, dialect), end="")
     return EXIT_OK
-
-
-def _sqlstate(exc: BaseException) -> str:
-    orig = getattr(exc, "orig", None)
-    return str(getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None) or "")
-
-
-async def _guard(coro: Any, outbox: Any) -> Any:
-    """Await ``coro``; a database that cannot be reached becomes exit code 3 and a
-    missing outbox table exit code 1, both with a message naming the (redacted) URL."""
-    from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
-
-    where = redact_url(str(outbox.engine.url))
-    try:
-        return await coro
-    except (DBAPIError, OSError, TimeoutError) as exc:
-        state = _sqlstate(exc)
-        text = str(getattr(exc, "orig", exc))
-        if state == _UNDEFINED_TABLE or "no such table" in text:
-            raise CliError(
-                f"table {outbox.table.name} does not exist on {where}: "
-                "create it with `fastapi-outbox db create`",
-                EXIT_FAILED,
-            ) from exc
-        if (
-            isinstance(exc, OSError | TimeoutError | OperationalError | InterfaceError)
-            or state.startswith(_CONNECT_SQLSTATES)
-            or (isinstance(exc, DBAPIError) and exc.connection_invalidated)
-        ):
-            raise CliError(
-                f"database {where} unreachable: {safe_error(exc, 200)}", EXIT_UNREACHABLE
-            ) from exc
-        raise
 
 
 def _host_port(text: str) -> tuple[str, int]:

@@ -44,7 +44,7 @@ def add_replay_arguments(replay: argparse.ArgumentParser) -> None:
 
 
 def _need_app(args: argparse.Namespace, what: str) -> None:
-    from fastapi_outbox.cli import CliError
+    from fastapi_outbox.cli_support import CliError
 
     if not getattr(args, "app", None):
         raise CliError(
@@ -54,8 +54,8 @@ def _need_app(args: argparse.Namespace, what: str) -> None:
 
 
 async def run(args: argparse.Namespace, outbox: Any) -> int:
-    from fastapi_outbox.admin import _table
-    from fastapi_outbox.cli import _guard
+    from fastapi_outbox.cli_support import guard as _guard
+    from fastapi_outbox.cli_support import render_table as _table
 
     _need_app(args, "consumers")
     statuses = await _guard(operations.consumers(outbox, counts=True), outbox)
@@ -96,8 +96,9 @@ async def run(args: argparse.Namespace, outbox: Any) -> int:
 
 
 async def replay(args: argparse.Namespace, outbox: Any) -> int:
-    from fastapi_outbox.admin import _operator
-    from fastapi_outbox.cli import CliError, _guard
+    from fastapi_outbox.cli_support import CliError
+    from fastapi_outbox.cli_support import guard as _guard
+    from fastapi_outbox.cli_support import operator_name as _operator
 
     _need_app(args, "replay --dead-letter")
     if not args.group:

@@ -1,0 +1,98 @@
+"""What the CLI's command modules share (:mod:`fastapi_outbox.cli`, :mod:`fastapi_outbox.admin`,
+:mod:`fastapi_outbox.consumers_cli`): exit codes, the usage error, the database guard that
+turns an unreachable database or a missing table into an exit code with a clear message,
+and the plain-text table of listings.
+
+Exit codes: 0 success, 1 failure of the operation (unknown message id, missing table),
+2 usage or configuration error, 3 database unreachable.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from fastapi_outbox.brokers.base import redact_url
+from fastapi_outbox.log import safe_error
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_UNREACHABLE = 3
+
+# SQLSTATE classes meaning "could not get a usable connection": connection exception,
+# invalid authorization, invalid catalog (database) name, server shutting down/starting.
+_CONNECT_SQLSTATES = ("08", "28", "3D", "57P")
+_UNDEFINED_TABLE = "42P01"
+
+
+class CliError(Exception):
+    def __init__(self, message: str, code: int = EXIT_USAGE) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def sqlstate(exc: BaseException) -> str:
+    orig = getattr(exc, "orig", None)
+    return str(getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None) or "")
+
+
+async def guard(coro: Any, outbox: Any) -> Any:
+    """Await ``coro``; a database that cannot be reached becomes exit code 3 and a
+    missing outbox table exit code 1, both with a message naming the (redacted) URL."""
+    from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+
+    where = redact_url(str(outbox.engine.url))
+    try:
+        return await coro
+    except (DBAPIError, OSError, TimeoutError) as exc:
+        state = sqlstate(exc)
+        text = str(getattr(exc, "orig", exc))
+        if state == _UNDEFINED_TABLE or "no such table" in text:
+            raise CliError(
+                f"table {outbox.table.name} does not exist on {where}: "
+                "create it with `fastapi-outbox db create`",
+                EXIT_FAILED,
+            ) from exc
+        if (
+            isinstance(exc, OSError | TimeoutError | OperationalError | InterfaceError)
+            or state.startswith(_CONNECT_SQLSTATES)
+            or (isinstance(exc, DBAPIError) and exc.connection_invalidated)
+        ):
+            raise CliError(
+                f"database {where} unreachable: {safe_error(exc, 200)}", EXIT_UNREACHABLE
+            ) from exc
+        raise
+
+
+def operator_name() -> str:
+    """Who runs the CLI, for the operations' log records."""
+    import getpass
+
+    try:
+        return f"cli:{getpass.getuser()}"
+    except Exception:
+        return "cli"
+
+
+def render_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    if not rows:
+        return "(none)"
+
+    def cell(value: Any) -> str:
+        if value is None:
+            return "-"
+        if isinstance(value, float):
+            return f"{value:.1f}"
+        if isinstance(value, dt.datetime):
+            return value.astimezone(dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
+        text = " ".join(str(value).split())
+        return text if len(text) <= 60 else text[:57] + "..."
+
+    cells = [[cell(r.get(c)) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip()]
+    lines += [
+        "  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in cells
+    ]
+    return "\n".join(lines)
