@@ -9,9 +9,8 @@ import contextlib
 import logging
 import re
 import uuid
-import weakref
 from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import anyio
 from sqlalchemy import MetaData, event
@@ -35,7 +34,7 @@ from fastapi_outbox.retention import Cleaner
 from fastapi_outbox.settings import OutboxSettings
 from fastapi_outbox.store import Store
 from fastapi_outbox.subscribers import Handler, Subscriber
-from fastapi_outbox.unit_of_work import UnitOfWork
+from fastapi_outbox.unit_of_work import UnitOfWork, current_outbox, register_outbox
 from fastapi_outbox.wal_relay import WalRelay
 from fastapi_outbox.wal_slot import WalSlot
 
@@ -60,8 +59,6 @@ class Outbox:
     then ``FastAPI(lifespan=outbox.lifespan)`` and ``app.include_router(outbox.health_router)``
     (or ``app.include_router(outbox.router)``, which brings both).
     """
-
-    _instances: ClassVar[weakref.WeakSet[Outbox]] = weakref.WeakSet()
 
     def __init__(
         self,
@@ -176,7 +173,7 @@ class Outbox:
         self.dashboard_dependencies = (
             None if dashboard_dependencies is None else list(dashboard_dependencies)
         )
-        Outbox._instances.add(self)
+        register_outbox(self)
 
     def _setup_wal(self) -> None:
         from fastapi_outbox.wal_capture import WalCapture
@@ -199,17 +196,8 @@ class Outbox:
     def current(cls) -> Outbox:
         """The only Outbox of this process (used by the ``unit_of_work`` dependency when the
         app was not started with ``outbox.lifespan``)."""
-        instances = list(cls._instances)
-        if len(instances) == 1:
-            return instances[0]
-        if not instances:
-            raise exceptions.UnitOfWorkError(
-                "no Outbox exists: create one and start the app with lifespan=outbox.lifespan"
-            )
-        raise exceptions.UnitOfWorkError(
-            f"{len(instances)} Outbox instances exist: start the app with "
-            "lifespan=outbox.lifespan (or include outbox.router) so requests find theirs"
-        )
+        found: Outbox = current_outbox()
+        return found
 
     @property
     def all_brokers(self) -> dict[str, Broker]:
