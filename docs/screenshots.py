@@ -2,8 +2,9 @@
 ``python docs/screenshots.py`` (needs Chromium: ``apt-get install chromium``).
 
 Serves a demo outbox on SQLite (some published traffic over the last hour, a failing
-message, dead letters) on a free loopback port and saves ``docs/dashboard-overview.png``
-and ``docs/dashboard-message.png``.
+message, abandoned messages, scheduled ones, and a billing subscriber that handled orders
+and dead-lettered a poison one) on a free loopback port and saves
+``docs/dashboard-overview.png`` and ``docs/dashboard-message.png``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from sqlalchemy import update
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fastapi_outbox import Message, Outbox, OutboxSettings  # noqa: E402
+from fastapi_outbox import Message, Outbox, OutboxSettings, UnitOfWork  # noqa: E402
 from fastapi_outbox.brokers import MemoryBroker  # noqa: E402
 from tests.browser.conftest import CHROMIUM, browser_page, live_server  # noqa: E402
 
@@ -34,6 +35,7 @@ async def demo_outbox(path: Path) -> tuple[Outbox, str]:
         dashboard_dependencies=[],
     )
     await outbox.create_tables()
+    await run_billing(outbox)
     rng = random.Random(7)
     now = dt.datetime.now(dt.UTC)
     streams = ["orders", "invoices", "shipments"]
@@ -53,9 +55,23 @@ async def demo_outbox(path: Path) -> tuple[Outbox, str]:
             key="order-4711",
             broker="partner",
         )
+    async with outbox.unit_of_work() as uow:  # scheduled: delayed, not due yet
+        for i in range(4):
+            uow.publish(
+                Message("invoices", "PaymentReminder", {"invoice_id": i}),
+                delay=dt.timedelta(hours=2 + i),
+            )
     t = outbox.table
     async with outbox.engine.begin() as conn:
-        rows = (await conn.execute(t.select().with_only_columns(t.c.id))).scalars().all()
+        rows = (
+            (
+                await conn.execute(
+                    t.select().with_only_columns(t.c.id).where(t.c.status == "pending")
+                )
+            )
+            .scalars()
+            .all()
+        )
         for message_id in rows[:860]:
             at = now - dt.timedelta(minutes=rng.triangular(0, 60, 8))
             await conn.execute(
@@ -89,6 +105,29 @@ async def demo_outbox(path: Path) -> tuple[Outbox, str]:
             .values(status="failed", attempts=3, last_error="MessageRejected: timeout")
         )
     return outbox, str(dead)
+
+
+async def run_billing(outbox: Outbox) -> None:
+    """A billing subscriber handles 40 orders, one of them poison (dead-lettered)."""
+    handled: list[int] = []
+
+    @outbox.subscriber("orders", group="billing", max_attempts=1, start="all")
+    async def bill(message: Message, uow: UnitOfWork) -> None:
+        if message.payload["order_id"] == 13:
+            raise ValueError("order 13 has no customer")
+        handled.append(message.payload["order_id"])
+
+    async with outbox.unit_of_work() as uow:
+        for i in range(40):
+            uow.publish(Message("orders", "OrderPlaced", {"order_id": i, "total": 10.0}))
+    async with outbox.dispatcher():
+        for _ in range(500):  # bounded: 10 s
+            if len(handled) >= 39:
+                break
+            await asyncio.sleep(0.02)
+    t = outbox.table
+    async with outbox.engine.begin() as conn:  # the demo's chart is made below
+        await conn.execute(t.delete())
 
 
 async def main() -> None:

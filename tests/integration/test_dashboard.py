@@ -272,6 +272,8 @@ async def test_overview_counts_streams_and_the_last_hour(db_url: str) -> None:
     stream = unique("orders")
     ids = await publish(outbox, stream, 5)
     await set_status(outbox, ids[:1], "abandoned")
+    async with outbox.unit_of_work() as uow:  # a delayed message: scheduled, also pending
+        uow.publish(Message(stream, "Later", {"n": 0}), delay=dt.timedelta(hours=1))
     t = outbox.table
     async with outbox.engine.begin() as conn:
         await conn.execute(
@@ -283,7 +285,9 @@ async def test_overview_counts_streams_and_the_last_hour(db_url: str) -> None:
         async with asgi_client(app_for(outbox)) as client:
             data = (await client.get("/outbox/dashboard/api/overview")).json()
             (s,) = [s for s in data["streams"] if s["stream"] == stream]
-            assert (s["pending"], s["abandoned"]) == (2, 1)
+            assert (s["pending"], s["scheduled"], s["abandoned"]) == (3, 1, 1)
+            page = await client.get("/outbox/dashboard/fragments/overview")
+            assert f"status=scheduled&amp;stream={stream}" in page.text
             assert len(data["published_per_minute"]) == 60
             assert sum(p["count"] for p in data["published_per_minute"]) == 2
             assert data["database_ok"] is True
