@@ -471,6 +471,39 @@ async def test_nats_broker_on_a_callers_client_leaves_no_subscription(nats_url: 
         await nc.close()
 
 
+@pytest.mark.parametrize("path", ["HPUB batch", "nats-py publish"])
+async def test_nats_headers_on_the_wire_follow_nats_rules(
+    nats_url: str, jsm: Any, path: str
+) -> None:
+    """Both ways of sending (a batch of ``HPUB`` commands written to nats-py's buffer, and
+    its ``publish`` for a client without that buffer) put the same headers on the wire:
+    values trimmed, CR/LF turned into spaces (no protocol injection); a header name NATS
+    refuses fails that message only; a subject with whitespace is refused before sending."""
+    subject = unique("orders")
+    broker: Any = NatsJetStreamBroker(nats_url)
+    await broker.connect()
+    if path == "nats-py publish":
+        broker._raw = None
+    good, bad_name, bad_subject = envelope(subject, 0), envelope(subject, 1), envelope("a b", 2)
+    good.headers["x-note"] = "  two\r\nlines\r\nPUB evil 1\r\n "
+    bad_name.headers["bad name"] = "x"
+    try:
+        results = await broker.publish([good, bad_name, bad_subject])
+        assert results[0] is None
+        assert isinstance(results[1], exceptions.MessageRejected)
+        assert "bad name" in str(results[1])
+        assert isinstance(results[2], exceptions.MessageRejected)
+        assert "invalid NATS subject" in str(results[2])
+        msg = await jsm.get_last_msg(stream_name_for(subject), subject)
+        assert msg.headers["x-note"] == "two  lines  PUB evil 1"
+        assert msg.headers["Nats-Msg-Id"] == good.id and msg.headers["type"] == "OrderPlaced"
+        assert json.loads(msg.data) == {"n": 0}
+        assert (await jsm.stream_info(stream_name_for(subject))).state.messages == 1
+    finally:
+        await broker.aclose()
+        await jsm.delete_stream(stream_name_for(subject))
+
+
 async def jsm_delete(nats_url: str, stream: str) -> None:
     nc = await nats.connect(nats_url)
     try:
