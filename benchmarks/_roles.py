@@ -153,7 +153,7 @@ async def producer(opts: dict[str, Any]) -> None:
     from sqlalchemy.orm import Session
 
     from fastapi_outbox import Message, Outbox, OutboxSettings
-    from fastapi_outbox.brokers import RedisStreamsBroker
+    from fastapi_outbox.brokers import broker_from_url
 
     def committed(session: Session) -> None:
         session.info["committed_at"] = time.time()
@@ -162,7 +162,7 @@ async def producer(opts: dict[str, Any]) -> None:
     settings = OutboxSettings(run_dispatchers=opts["in_process"])
     outbox = Outbox(
         opts["db_url"],
-        brokers={"default": RedisStreamsBroker(opts["redis_url"])},
+        brokers={"default": broker_from_url(opts["broker_url"])},
         settings=settings,
         engine_options={"pool_size": 12, "max_overflow": 0},
     )
@@ -225,14 +225,44 @@ async def producer(opts: dict[str, Any]) -> None:
 
 
 async def consumer(opts: dict[str, Any]) -> None:
-    """Reads the stream with XREAD BLOCK and records when each message arrived."""
-    import redis.asyncio as aioredis
-
-    client = aioredis.Redis.from_url(opts["redis_url"])
+    """Reads the stream with XREAD BLOCK (NATS: subscribes to the subject) and records when
+    each message arrived."""
     stop = _stop_event()
     expected = int(opts["expected"])
     received: dict[str, float] = {}
     occurred: dict[str, str] = {}
+    if opts["broker_url"].startswith("nats"):
+        import nats
+
+        nc = await nats.connect(opts["broker_url"])
+        done = asyncio.Event()
+
+        async def on_msg(msg: Any) -> None:
+            now = time.time()
+            mid = msg.headers["Nats-Msg-Id"]
+            received.setdefault(mid, now)
+            occurred[mid] = msg.headers.get("occurred-at", "")
+            if len(received) >= expected:
+                done.set()
+
+        await nc.subscribe(opts["stream"], cb=on_msg)
+        await nc.flush()
+        print("READY", flush=True)
+        stopper = asyncio.ensure_future(stop.wait())
+        finished = asyncio.ensure_future(done.wait())
+        await asyncio.wait(
+            [stopper, finished], timeout=float(opts["timeout"]), return_when="FIRST_COMPLETED"
+        )
+        stopper.cancel()
+        finished.cancel()
+        await nc.close()
+        result = {"received": received, "occurred": occurred}
+        await asyncio.to_thread(Path(opts["out"]).write_text, json.dumps(result))
+        print(f"received {len(received)}", flush=True)
+        return
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis.from_url(opts["broker_url"])
     last = "0-0"
     deadline = time.monotonic() + float(opts["timeout"])
     print("READY", flush=True)

@@ -15,9 +15,10 @@ restarts. One more drain runs under py-spy for the library and the baseline (hot
 
 (b) **Latency**: one producer process commits one message per transaction through
 ``outbox.unit_of_work()`` at a steady 1,000 msg/s for 10 s (``--quick`` 3 s); a consumer
-process reads the Redis stream with XREAD BLOCK; latency = receipt - commit (the
-producer's ``after_commit`` time). Twice: with a separate dispatcher process (woken by
-LISTEN/NOTIFY) and with the dispatcher in the producer's process (in-process wake-up).
+process reads the Redis stream with XREAD BLOCK (``--latency-broker nats``: subscribes to
+the JetStream subject); latency = receipt - commit (the producer's ``after_commit`` time).
+Twice: with a separate dispatcher process (woken by LISTEN/NOTIFY) and with the dispatcher
+in the producer's process (in-process wake-up).
 
 (c) **Claim time**: ``Store.claim`` of 100 pending rows, 50 times, with 1,000,000 published
 rows in the table (``--quick`` 100,000) and with none; the raw SQL claim alongside.
@@ -531,11 +532,12 @@ async def latency_suite(
     conn: Any, brokers: Brokers, args: argparse.Namespace, workdir: Path, db_url: str
 ) -> list[Latency]:
     out: list[Latency] = []
-    redis_url = loopback(REDIS_URL)
+    kind = args.latency_broker
+    broker_url = loopback(REDIS_URL if kind == "redis" else NATS_URL)
     for mode in ("separate dispatcher process (LISTEN/NOTIFY)", "dispatcher in the producer"):
         in_process = mode.startswith("dispatcher in")
         stream = unique("bench_lat")
-        await brokers.prepare("redis", stream)
+        await brokers.prepare(kind, stream)
         await conn.execute(f"TRUNCATE {TABLE}")
         expected = int(args.rate * args.latency_seconds)
         tag = "inproc" if in_process else "separate"
@@ -546,7 +548,7 @@ async def latency_suite(
                     *(sys.executable, "-m", "benchmarks._roles", "consumer"),
                     json.dumps(
                         {
-                            "redis_url": redis_url,
+                            "broker_url": broker_url,
                             "stream": stream,
                             "expected": expected,
                             "timeout": args.latency_seconds + 60,
@@ -563,7 +565,7 @@ async def latency_suite(
                     procs,
                     "lat_dispatcher",
                     db_url,
-                    redis_url,
+                    broker_url,
                     "default",
                     workdir,
                     count=1,
@@ -576,7 +578,7 @@ async def latency_suite(
                     json.dumps(
                         {
                             "db_url": db_url,
-                            "redis_url": redis_url,
+                            "broker_url": broker_url,
                             "stream": stream,
                             "rate": args.rate,
                             "seconds": args.latency_seconds,
@@ -596,7 +598,7 @@ async def latency_suite(
             consumer.stop()
         prod = json.loads((workdir / f"producer_{tag}.json").read_text())
         cons = json.loads((workdir / f"consumer_{tag}.json").read_text())
-        await brokers.delete("redis", stream)
+        await brokers.delete(kind, stream)
         commits: dict[str, float] = prod["commits"]
         received: dict[str, float] = cons["received"]
         lat = [1000 * (received[m] - t) for m, t in commits.items() if m in received]
@@ -619,7 +621,8 @@ async def latency_suite(
 
 
 def print_latency(results: list[Latency], args: argparse.Namespace) -> None:
-    banner(f"(b) commit -> XADD latency at {args.rate:,.0f} msg/s for {args.latency_seconds:g} s")
+    verb = "XADD" if args.latency_broker == "redis" else "JetStream publish"
+    banner(f"(b) commit -> {verb} latency at {args.rate:,.0f} msg/s for {args.latency_seconds:g} s")
     print(
         table(
             [
@@ -755,7 +758,8 @@ async def main(args: argparse.Namespace) -> int:
     brokers = Brokers()
     started = time.monotonic()
     try:
-        await brokers.connect(list(args.brokers) + (["redis"] if "latency" in args.only else []))
+        latency = [args.latency_broker] if "latency" in args.only else []
+        await brokers.connect(list(dict.fromkeys([*args.brokers, *latency])))
         async with bench_database("bench_dispatch") as db_url:
             os.environ["BENCH_DATABASE_URL"] = db_url
             from benchmarks import bench_app
@@ -825,6 +829,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--rate", type=float, default=1000.0, help="latency: messages per second")
     p.add_argument("--latency-seconds", type=float, help="latency run (default 10; quick 3)")
+    p.add_argument(
+        "--latency-broker",
+        choices=["redis", "nats"],
+        default="redis",
+        help="latency: the broker published to (default redis)",
+    )
     p.add_argument("--filler", type=int, help="claim: published rows (default 1M; quick 100k)")
     p.add_argument("--claims", type=int, default=50, help="claim: timed claims per case")
     p.add_argument(

@@ -225,6 +225,14 @@ class Envelope:
     def headers(self, value: dict[str, str]) -> None:
         self._headers, self._headers_json = value, None
 
+    def headers_dict(self) -> dict[str, str]:
+        """A new dict of the headers, the caller's to change: decoded from the JSON text
+        when the headers are still text (nothing cached, nothing copied twice)."""
+        if self._headers is None:
+            decoded: dict[str, str] = json.loads(self._headers_json or "{}")
+            return decoded
+        return dict(self._headers)
+
     @property
     def headers_json(self) -> str:
         """The headers as compact JSON text."""

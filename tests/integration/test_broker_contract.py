@@ -14,7 +14,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
 import nats
+import nats.errors
 import nats.js.errors
 import pytest
 import redis.asyncio as aioredis
@@ -395,6 +397,119 @@ async def test_nats_user_header_cannot_replace_the_dedup_id(nats_url: str, jsm: 
     finally:
         await broker.aclose()
         await jsm.delete_stream(stream_name_for(subject))
+
+
+async def test_nats_a_reply_that_is_not_a_jetstream_ack_fails_the_message_at_once(
+    nats_url: str, jsm: Any
+) -> None:
+    """A plain NATS subscriber answering on an uncaptured subject is not JetStream: its
+    reply fails the message (well before the ack timeout), never counts as published; a
+    captured subject in the same batch is unaffected."""
+    captured, impostor = unique("captured"), unique("impostor")
+    await jsm.add_stream(name=stream_name_for(captured), subjects=[captured])
+    nc = await nats.connect(nats_url)
+
+    async def answer(msg: Any) -> None:
+        await msg.respond(b"ok")
+
+    await nc.subscribe(impostor, cb=answer)
+    await nc.flush()
+    broker: Any = NatsJetStreamBroker(nats_url, create_streams=False, ack_timeout_seconds=5)
+    try:
+        batch = [envelope(captured, 0), envelope(impostor, 1), envelope(captured, 2)]
+        with anyio.fail_after(2):
+            results = await broker.publish(batch)
+        assert results[0] is None and results[2] is None
+        assert isinstance(results[1], exceptions.MessageRejected)
+        assert "unexpected reply" in str(results[1]) and batch[1].id in str(results[1])
+        assert (await jsm.stream_info(stream_name_for(captured))).state.messages == 2
+        assert broker._awaiting == {}  # no ack left registered
+    finally:
+        await broker.aclose()
+        await nc.close()
+        await jsm.delete_stream(stream_name_for(captured))
+
+
+async def test_nats_cancelled_publish_leaves_no_ack_awaited(nats_url: str) -> None:
+    """A publish cancelled while it waits for acks (the dispatcher's publish timeout)
+    leaves nothing registered; the broker publishes normally afterwards."""
+    silent, subject = unique("silent"), unique("orders")
+    nc = await nats.connect(nats_url)
+    await nc.subscribe(silent)  # receives, never replies: no ack, no "no responders"
+    await nc.flush()
+    broker: Any = NatsJetStreamBroker(nats_url, create_streams=False, ack_timeout_seconds=30)
+    try:
+        with pytest.raises(TimeoutError):
+            with anyio.fail_after(0.5):
+                await broker.publish([envelope(silent, n) for n in range(50)])
+        assert broker._awaiting == {}
+        broker.create_streams = True
+        assert await broker.publish([envelope(subject, 0)]) == [None]
+        assert broker._awaiting == {}
+    finally:
+        await broker.aclose()
+        await nc.close()
+        with contextlib.suppress(Exception):
+            await jsm_delete(nats_url, stream_name_for(subject))
+
+
+async def test_nats_broker_on_a_callers_client_leaves_no_subscription(nats_url: str) -> None:
+    """The broker reads acks on a subscription of its own; on a client the caller passed
+    in, ``aclose`` removes it and leaves the client open."""
+    subject = unique("orders")
+    nc = await nats.connect(nats_url)
+    broker: Any = NatsJetStreamBroker(nats_url, client=nc)
+    try:
+        assert await broker.publish([envelope(subject, 0)]) == [None]
+        inbox = broker._ack_prefix + "probe"
+        await broker.aclose()
+        assert nc.is_connected
+        with pytest.raises(nats.errors.NoRespondersError):
+            await nc.request(inbox, b"", timeout=2)  # nobody listens there any more
+    finally:
+        await jsm_delete(nats_url, stream_name_for(subject))
+        await nc.close()
+
+
+@pytest.mark.parametrize("path", ["HPUB batch", "nats-py publish"])
+async def test_nats_headers_on_the_wire_follow_nats_rules(
+    nats_url: str, jsm: Any, path: str
+) -> None:
+    """Both ways of sending (a batch of ``HPUB`` commands written to nats-py's buffer, and
+    its ``publish`` for a client without that buffer) put the same headers on the wire:
+    values trimmed, CR/LF turned into spaces (no protocol injection); a header name NATS
+    refuses fails that message only; a subject with whitespace is refused before sending."""
+    subject = unique("orders")
+    broker: Any = NatsJetStreamBroker(nats_url)
+    await broker.connect()
+    if path == "nats-py publish":
+        broker._raw = None
+    good, bad_name, bad_subject = envelope(subject, 0), envelope(subject, 1), envelope("a b", 2)
+    good.headers["x-note"] = "  two\r\nlines\r\nPUB evil 1\r\n "
+    bad_name.headers["bad name"] = "x"
+    try:
+        results = await broker.publish([good, bad_name, bad_subject])
+        assert results[0] is None
+        assert isinstance(results[1], exceptions.MessageRejected)
+        assert "bad name" in str(results[1])
+        assert isinstance(results[2], exceptions.MessageRejected)
+        assert "invalid NATS subject" in str(results[2])
+        msg = await jsm.get_last_msg(stream_name_for(subject), subject)
+        assert msg.headers["x-note"] == "two  lines  PUB evil 1"
+        assert msg.headers["Nats-Msg-Id"] == good.id and msg.headers["type"] == "OrderPlaced"
+        assert json.loads(msg.data) == {"n": 0}
+        assert (await jsm.stream_info(stream_name_for(subject))).state.messages == 1
+    finally:
+        await broker.aclose()
+        await jsm.delete_stream(stream_name_for(subject))
+
+
+async def jsm_delete(nats_url: str, stream: str) -> None:
+    nc = await nats.connect(nats_url)
+    try:
+        await nc.jsm().delete_stream(stream)
+    finally:
+        await nc.close()
 
 
 # -- Redis Streams ------------------------------------------------------------------------------

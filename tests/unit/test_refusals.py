@@ -8,7 +8,7 @@ import nats.js.errors
 import pytest
 import redis.exceptions as rexc
 
-from fastapi_outbox.brokers.nats import refusal_reason
+from fastapi_outbox.brokers.nats import _ack_error, refusal_reason
 from fastapi_outbox.brokers.redis import refusal_code
 
 
@@ -84,3 +84,63 @@ def test_no_responders_is_an_outage_only_for_a_subject_a_stream_captured() -> No
 )
 def test_jetstream_message_errors_are_not_outages(error: BaseException) -> None:
     assert refusal_reason(error, stream_known=True) is None
+
+
+# -- JetStream publish replies: read by the broker's own ack subscription --------------------
+
+
+class _Reply:
+    """A reply as nats-py hands it to a subscription callback."""
+
+    def __init__(self, data: bytes, headers: dict[str, str] | None = None) -> None:
+        self.data = data
+        self.headers = headers
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b'{"stream":"orders","seq":42}',
+        b'{"stream":"orders","seq":42,"duplicate":true}',
+        b'{"stream":"error","seq":1}',  # a stream named "error" is still an ack
+        b'{"seq":7,"stream":"orders","domain":"hub"}',
+    ],
+)
+def test_jetstream_ack_replies_are_successes(data: bytes) -> None:
+    assert _ack_error(_Reply(data)) is None
+
+
+def test_jetstream_error_replies_become_the_matching_errors() -> None:
+    unavailable = _ack_error(
+        _Reply(b'{"error":{"code":503,"err_code":10039,"description":"jetstream not enabled"}}')
+    )
+    assert isinstance(unavailable, nats.js.errors.ServiceUnavailableError)
+    assert refusal_reason(unavailable, stream_known=False) is not None  # an outage
+    too_big = _ack_error(
+        _Reply(b'{"error":{"code":400,"err_code":10054,"description":"message size exceeds"}}')
+    )
+    assert isinstance(too_big, nats.js.errors.BadRequestError)
+    assert too_big.err_code == 10054
+    assert refusal_reason(too_big, stream_known=True) is None  # that message's fault
+    no_stream = _ack_error(_Reply(b"", {"Status": "503"}))
+    assert isinstance(no_stream, nats.js.errors.NoStreamResponseError)
+
+
+@pytest.mark.parametrize(
+    ("data", "headers"),
+    [
+        (b"", None),
+        (b"ok", None),
+        (b'{"seq":1}', None),
+        (b"[1, 2]", None),
+        (b'{"error":"text only"}', None),
+        (b"", {"Status": "408", "Description": "Request Timeout"}),
+    ],
+)
+def test_replies_that_are_not_jetstream_acks_are_errors(
+    data: bytes, headers: dict[str, str] | None
+) -> None:
+    """A reply from something other than JetStream (a plain subscriber on the subject)
+    must never count as published."""
+    error = _ack_error(_Reply(data, headers))
+    assert isinstance(error, nats.js.errors.APIError)
