@@ -293,6 +293,13 @@ class Processor(RelayLoop):
                 idle = settings.poll_interval_seconds if woke else min(idle * 2, cap)
                 continue
             idle = settings.poll_interval_seconds
+            if self._paused_until > time.monotonic():
+                # Another worker found the broker down while this claim ran: give the
+                # batch back (attempts refunded) rather than call a broker the processor
+                # is pausing for.
+                with anyio.CancelScope(shield=True), anyio.move_on_after(RELEASE_TIMEOUT_SECONDS):
+                    await self.store.release([r.id for r in batch], token)
+                continue
             if len(batch) >= size:
                 self.wakeup.set()  # more work is likely waiting: bring another worker in
             try:
