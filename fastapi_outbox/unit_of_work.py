@@ -126,8 +126,13 @@ class UnitOfWork:
         broker: str | None = None,
         delay: float | dt.timedelta | None = None,
         deliver_at: dt.datetime | None = None,
+        causation_id: str | None = None,
+        correlation_id: str | None = None,
     ) -> uuid.UUID:
         """Queue ``event`` for the outbox; returns its message id.
+
+        ``causation_id`` / ``correlation_id``: this event's, instead of the unit of work's
+        (a batch subscriber naming the incoming message that caused it).
 
         ``delay`` (seconds or a timedelta, counted from the commit) or ``deliver_at`` (a
         timezone-aware datetime): the message is not published before then; at most
@@ -138,6 +143,9 @@ class UnitOfWork:
             raise exceptions.UnitOfWorkError(
                 "this unit of work has already committed or rolled back"
             )
+        for name, given in (("causation_id", causation_id), ("correlation_id", correlation_id)):
+            if given is not None and not valid_correlation_id(given):
+                raise exceptions.PublishError(f"invalid {name} {given!r}")
         outbox = self.outbox
         target = outbox.resolve_broker(broker)
         if isinstance(event, Event):
@@ -196,10 +204,11 @@ class UnitOfWork:
             HEADER_MESSAGE_ID: str(message_id),
             HEADER_TYPE: type_name,
             HEADER_OCCURRED_AT: dt.datetime.now(dt.UTC).isoformat(),
-            HEADER_CORRELATION_ID: self.correlation_id,
+            HEADER_CORRELATION_ID: correlation_id or self.correlation_id,
         }
-        if self.causation_id is not None:
-            base[HEADER_CAUSATION_ID] = self.causation_id
+        causation_id = causation_id or self.causation_id
+        if causation_id is not None:
+            base[HEADER_CAUSATION_ID] = causation_id
         trace = outbox.trace_headers(self.traceparent)
         internal_headers = {**user_headers, **trace, **base}
         targets = [(target, message_id, internal_headers)]

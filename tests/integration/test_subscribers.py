@@ -187,6 +187,21 @@ async def test_declaration_mistakes_are_refused_with_names(sqlite_url: str) -> N
     outbox.subscriber("shipments", group="g")(fine)
     with pytest.raises(ConfigurationError, match="two subscribers for stream 'shipments'"):
         outbox.subscriber("shipments", group="g")(fine)
+
+    async def batch(events: list[Shipped]) -> None:
+        pass
+
+    async def batch_of_ints(events: list[int]) -> None:
+        pass
+
+    with pytest.raises(ConfigurationError, match="not with ordered=True or batch=False"):
+        outbox.subscriber("shipments", group="b", ordered=True)(batch)
+    with pytest.raises(ConfigurationError, match="not with ordered=True or batch=False"):
+        outbox.subscriber("shipments", group="b", batch=False)(batch)
+    with pytest.raises(ConfigurationError, match="must be annotated with an Event subclass"):
+        outbox.subscriber("shipments", group="b")(batch_of_ints)
+    assert outbox.subscriber("shipments", group="b")(batch) is batch
+    assert outbox.subscribers[-1].batch_handler
     with pytest.raises(ConfigurationError, match="OUTBOX_CONSUMER_RETRY_MAX_DELAY_SECONDS"):
         OutboxSettings.from_env(consumer_retry_max_delay_seconds=100)
     with pytest.raises(ConfigurationError, match="OUTBOX_INBOX_RETENTION_SECONDS"):
