@@ -36,7 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from sqlalchemy import BigInteger, Text
+from sqlalchemy import BigInteger, Text, insert, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from benchmarks._common import (
@@ -52,11 +52,12 @@ from benchmarks._common import (
     table,
     unique,
 )
-from fastapi_outbox import Event, Outbox, OutboxSettings, UnitOfWork, uuid7
+from fastapi_outbox import BatchUnitOfWork, Event, Outbox, OutboxSettings, UnitOfWork, uuid7
 from fastapi_outbox.brokers import broker_from_url
 from fastapi_outbox.events import Envelope
 
 BASELINE_BATCH = 100
+SIDES = ("library", "library_insert", "library_arrays", "baseline", "baseline_orm")
 TIMEOUT_SECONDS = 300.0
 
 
@@ -127,20 +128,47 @@ async def cleanup(kind: str, url: str, stream: str) -> None:
         await nc.close()
 
 
-async def run_library(db_url: str, url: str, stream: str, count: int) -> float:
+async def run_library(
+    db_url: str, url: str, stream: str, count: int, batch: str = "", concurrency: int = 16
+) -> float:
     outbox = Outbox(
         db_url,
         brokers={"default": broker_from_url(url)},
-        settings=OutboxSettings(),
-        engine_options={"pool_size": 20, "max_overflow": 0},
+        settings=OutboxSettings(consumer_concurrency=concurrency),
+        engine_options={"pool_size": concurrency + 4, "max_overflow": 0},
     )
 
-    @outbox.subscriber(stream, group="bench", start="all")
-    async def handle(tick: Tick, uow: UnitOfWork) -> None:
-        uow.session.add(Effect(n=tick.n, message_id=uow.causation_id))
+    if batch == "insert":
+
+        @outbox.subscriber(stream, group="bench", start="all")
+        async def handle_batch(ticks: list[Tick], uow: BatchUnitOfWork) -> None:
+            # SQLAlchemy's bulk insert: one statement, executemany.
+            await uow.session.execute(
+                insert(Effect),
+                [{"n": t.n, "message_id": m} for t, m in zip(ticks, uow.message_ids, strict=True)],
+            )
+    elif batch == "arrays":
+
+        @outbox.subscriber(stream, group="bench", start="all")
+        async def handle_arrays(ticks: list[Tick], uow: BatchUnitOfWork) -> None:
+            # One statement with PostgreSQL arrays, as the baseline writes the effects.
+            await uow.session.execute(
+                _BULK_EFFECTS, {"ns": [t.n for t in ticks], "ids": uow.message_ids}
+            )
+    else:
+
+        @outbox.subscriber(stream, group="bench", start="all")
+        async def handle(tick: Tick, uow: UnitOfWork) -> None:
+            uow.session.add(Effect(n=tick.n, message_id=uow.causation_id))
 
     sub = outbox.subscribers[0]
     try:
+        # Connections opened before the clock starts, as the baseline's pool has them.
+        async def warm() -> None:
+            async with outbox.engine.connect():
+                await asyncio.sleep(0.05)
+
+        await asyncio.gather(*(warm() for _ in range(concurrency + 2)))
         started = time.perf_counter()
         async with outbox.dispatcher():
             deadline = started + TIMEOUT_SECONDS
@@ -154,6 +182,10 @@ async def run_library(db_url: str, url: str, stream: str, count: int) -> float:
     return count / elapsed
 
 
+_BULK_EFFECTS = text(
+    "INSERT INTO effects (n, message_id) "
+    "SELECT * FROM unnest(CAST(:ns AS int[]), CAST(:ids AS text[]))"
+)
 _PROCESSED = (
     "INSERT INTO processed (grp, message_id) SELECT $1, unnest($2::text[]) "
     "ON CONFLICT DO NOTHING RETURNING message_id"
@@ -273,6 +305,14 @@ async def main() -> None:
     parser.add_argument("--rounds", type=int, help="rounds per broker and side")
     parser.add_argument("--loops", type=int, default=4, help="baseline's concurrent loops")
     parser.add_argument("--brokers", default="redis,nats", help="redis,nats")
+    parser.add_argument(
+        "--concurrency", type=int, default=16, help="library's consumer_concurrency"
+    )
+    parser.add_argument(
+        "--sides",
+        default=",".join(SIDES),
+        help=f"which consumers run, among {','.join(SIDES)} (ratios need them)",
+    )
     args = parser.parse_args()
     count = args.messages or (3_000 if args.quick else 20_000)
     rounds = args.rounds or (2 if args.quick else 3)
@@ -297,7 +337,7 @@ async def main() -> None:
 
         orm_engine = create_async_engine(db_url, pool_size=args.loops, max_overflow=0)
         orm_store = _orm_store(async_sessionmaker(orm_engine, expire_on_commit=False))
-        sides = ["library", "baseline", "baseline_orm"]
+        sides = [s for s in args.sides.split(",") if s]
         try:
             for kind in args.brokers.split(","):
                 url = urls[kind]
@@ -309,8 +349,15 @@ async def main() -> None:
                         stream = unique(f"consume_{side}")
                         await fill(url, stream, count)
                         try:
-                            if side == "library":
-                                rate = await run_library(db_url, url, stream, count)
+                            if side.startswith("library"):
+                                rate = await run_library(
+                                    db_url,
+                                    url,
+                                    stream,
+                                    count,
+                                    batch=side.removeprefix("library").strip("_"),
+                                    concurrency=args.concurrency,
+                                )
                             elif kind == "redis":
                                 rate = await run_baseline_redis(
                                     pool, url, stream, count, args.loops, store
@@ -323,24 +370,52 @@ async def main() -> None:
                             await cleanup(kind, url, stream)
                         rates[side].append(rate)
                         print(f"  {kind} round {r + 1} {side}: {fmt(rate)} msg/s", flush=True)
-                lib, base = median(rates["library"]), median(rates["baseline"])
-                orm = median(rates["baseline_orm"])
-                rows.append(
-                    [kind, fmt(lib), fmt(base), f"{lib / base:.2f}", fmt(orm), f"{lib / orm:.2f}"]
-                )
+                med = {side: median(r) if r else None for side, r in rates.items()}
+                rows += _rows(kind, med)
         finally:
             await pool.close()
             await orm_engine.dispose()
     print()
     headers = [
         "broker",
-        "library msg/s",
+        "library",
+        "msg/s",
         "hand-written (asyncpg) msg/s",
         "ratio",
         "hand-written (ORM effects) msg/s",
         "ratio",
     ]
     print(table(headers, rows))
+
+
+def _rows(kind: str, med: dict[str, float | None]) -> list[list[str]]:
+    """One table row per library side: its median and the ratios to the baselines."""
+
+    def ratio(a: float | None, b: float | None) -> str:
+        return f"{a / b:.2f}" if a and b else "-"
+
+    base, orm = med.get("baseline"), med.get("baseline_orm")
+    out = []
+    for side, label in (
+        ("library", "per message, session.add"),
+        ("library_insert", "batch, insert() executemany"),
+        ("library_arrays", "batch, unnest arrays"),
+    ):
+        lib = med.get(side)
+        if lib is None:
+            continue
+        out.append(
+            [
+                kind,
+                label,
+                fmt(lib),
+                fmt(base) if base else "-",
+                ratio(lib, base),
+                fmt(orm) if orm else "-",
+                ratio(lib, orm),
+            ]
+        )
+    return out
 
 
 if __name__ == "__main__":

@@ -285,6 +285,10 @@ class Subscriber:
         self._message_param, self._accepts, self._uow_params, self.batch_handler = self._inspect(
             handler, where
         )
+        #: Type name → class the handler takes (looked up once per message).
+        self._accepted: dict[str, type[Event]] = {
+            c.__outbox_type__: c for c in reversed(self._accepts or ())
+        }
         if self.batch_handler and (ordered or not batch):
             raise exceptions.ConfigurationError(
                 f"{where}: a batch handler (first parameter a list) takes whole batches in "
@@ -395,7 +399,7 @@ class Subscriber:
                 key=d.key,
                 headers=dict(d.headers),
             )
-        cls = next((c for c in self._accepts if c.__outbox_type__ == d.type), None)
+        cls = self._accepted.get(d.type)
         if cls is None:
             known = self._event_types()
             if d.type not in known:
