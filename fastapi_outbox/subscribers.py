@@ -58,6 +58,7 @@ from sqlalchemy import event as sa_event
 from sqlalchemy.orm import Session
 
 from fastapi_outbox import exceptions
+from fastapi_outbox.aggregates import collect_events, held_aggregates
 from fastapi_outbox.brokers.consumer import (
     Consumer,
     ConsumerConfig,
@@ -71,6 +72,7 @@ from fastapi_outbox.events import (
     Event,
     Message,
 )
+from fastapi_outbox.session_events import state_of
 from fastapi_outbox.unit_of_work import UnitOfWork, valid_correlation_id
 
 if TYPE_CHECKING:
@@ -193,11 +195,11 @@ def _harvest_added(uow: UnitOfWork, before: list[Any]) -> list[Any]:
     ``collect_events`` O(n) times, not O(n²). When the handler flushed (the earlier new
     objects are no longer new) every new object is looked at. Aggregates attached to the
     session publish their events at once when raised. Returns the new objects now."""
-    from fastapi_outbox.aggregates import collect_events, held_aggregates
-
     session = uow.session.sync_session
     candidates = held_aggregates(session)
-    new = list(session.new)
+    # The session's pending objects in the order added (``session.new`` builds an identity
+    # set of all of them on every call: quadratic over a batch).
+    new = list(session._new.values())
     n = len(before)
     kept = n == 0 or (len(new) >= n and new[n - 1] is before[-1])
     candidates += new[n:] if kept else new
@@ -700,8 +702,6 @@ class Subscriber:
 
     async def _run_batch(self, todo: list[tuple[Delivery, Any]]) -> tuple[int, int]:
         """(handled, duplicates) of one batch transaction."""
-        from fastapi_outbox.session_events import state_of
-
         outbox = self.outbox
         session = outbox.session_factory()
         session.info[_BATCH_OPEN] = True
