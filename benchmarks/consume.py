@@ -4,9 +4,15 @@ minimal hand-written consumer, on Redis Streams and NATS JetStream.
 Each round fills a new stream with N messages in the outbox's publish format (the
 library's own broker ``publish``), then drains it into PostgreSQL:
 
-* **library**: ``Outbox`` + ``@outbox.subscriber(stream, group=…, start="all")`` whose
-  handler adds one ORM object per message (``session.add(Effect(…))``); default settings
-  (batch transactions, ``consumer_concurrency=16``, ``consumer_batch_size=100``);
+* **library** (per message): ``Outbox`` + ``@outbox.subscriber(stream, group=…,
+  start="all")`` whose handler adds one ORM object per message (``session.add(Effect(…))``);
+  default settings (batch transactions, ``consumer_batch_size=100``), ``consumer_concurrency``
+  from ``--concurrency`` (default 16, the library's default);
+* **library_insert** / **library_arrays**: a batch handler (``ticks: list[Tick]``) writing
+  the batch's effects in one statement: ``session.execute(insert(Effect), [dicts])``
+  (executemany), or ``INSERT … SELECT unnest(:ns, :ids)`` (the baseline's statement);
+  the engine's connections are opened before the clock starts (the baseline's pool is
+  created before it too);
 * **baseline**: ``--loops`` (default 4) concurrent loops, each: read a batch of 100
   (``XREADGROUP`` / pull ``fetch``), one asyncpg transaction inserting the processed ids
   (``INSERT … SELECT unnest … ON CONFLICT DO NOTHING RETURNING``) and the effects of the new
@@ -20,6 +26,8 @@ Rate = N / (time from start until the last message is handled). Rounds alternate
 (A B C, C B A, …); the table prints medians and the ratios library / baseline.
 
     python benchmarks/consume.py              # N=20,000, 3 rounds per broker
+    python benchmarks/consume.py --concurrency 4   # as many handlers as baseline loops
+    python benchmarks/consume.py --sides library_arrays,baseline
     python benchmarks/consume.py --quick      # N=3,000, 2 rounds
     python benchmarks/consume.py --brokers redis
 """

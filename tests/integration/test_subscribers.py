@@ -4,6 +4,7 @@ inbox retention and the mistakes a declaration can make."""
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
@@ -14,11 +15,13 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from fastapi_outbox import (
     AggregateRoot,
+    BatchUnitOfWork,
     ConfigurationError,
     Event,
     Message,
     Outbox,
     OutboxSettings,
+    PublishError,
     UnitOfWork,
 )
 from fastapi_outbox.brokers import MemoryBroker
@@ -202,6 +205,16 @@ async def test_declaration_mistakes_are_refused_with_names(sqlite_url: str) -> N
         outbox.subscriber("shipments", group="b")(batch_of_ints)
     assert outbox.subscriber("shipments", group="b")(batch) is batch
     assert outbox.subscribers[-1].batch_handler
+
+    async def batch_seq(events: Sequence[Shipped], uow: BatchUnitOfWork) -> None:
+        pass
+
+    outbox.subscriber("shipments", group="c")(batch_seq)
+    assert outbox.subscribers[-1].batch_handler
+    assert outbox.subscribers[-1]._uow_params == ["uow"]
+    async with outbox.unit_of_work() as uow:
+        with pytest.raises(PublishError, match="invalid causation_id 'a b'"):
+            uow.publish(Shipped(order_id=1, step=1), causation_id="a b")
     with pytest.raises(ConfigurationError, match="OUTBOX_CONSUMER_RETRY_MAX_DELAY_SECONDS"):
         OutboxSettings.from_env(consumer_retry_max_delay_seconds=100)
     with pytest.raises(ConfigurationError, match="OUTBOX_INBOX_RETENTION_SECONDS"):
