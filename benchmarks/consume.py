@@ -22,7 +22,10 @@ library's own broker ``publish``), then drains it into PostgreSQL:
   ``AsyncSession`` with the effects as ORM objects (``session.add_all``), as the library's
   handler writes them: the ratio against it is the library's own overhead.
 
-Rate = N / (time from start until the last message is handled). Rounds alternate
+Each side first handles ``--warmup`` messages (default 2,000) of the stream; rate = the
+N messages after them / the time they took — every side in its steady state (the library
+builds its ``Outbox`` per round: its pool, prepared statements and type caches are cold at
+first, while the baseline's asyncpg pool lives through the whole run). Rounds alternate
 (A B C, C B A, …); the table prints medians and the ratios library / baseline.
 
     python benchmarks/consume.py              # N=20,000, 3 rounds per broker
@@ -85,6 +88,24 @@ class Effect(Base):
     message_id: Mapped[str] = mapped_column(Text)
 
 
+class Meter:
+    """Rate over the messages handled after the first ``warmup`` ones: every side is
+    measured in its steady state (pools, prepared statements, type caches warm)."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+        self.since: tuple[float, int] | None = (time.perf_counter(), 0) if warmup <= 0 else None
+
+    def seen(self, done: int) -> None:
+        if self.since is None and done >= self.warmup:
+            self.since = (time.perf_counter(), done)
+
+    def rate(self, done: int) -> float:
+        assert self.since is not None
+        started, base = self.since
+        return (done - base) / (time.perf_counter() - started)
+
+
 def envelopes(stream: str, count: int) -> list[Envelope]:
     out = []
     for n in range(count):
@@ -137,7 +158,13 @@ async def cleanup(kind: str, url: str, stream: str) -> None:
 
 
 async def run_library(
-    db_url: str, url: str, stream: str, count: int, batch: str = "", concurrency: int = 16
+    db_url: str,
+    url: str,
+    stream: str,
+    count: int,
+    batch: str = "",
+    concurrency: int = 16,
+    warmup: int = 0,
 ) -> float:
     outbox = Outbox(
         db_url,
@@ -177,17 +204,18 @@ async def run_library(
                 await asyncio.sleep(0.05)
 
         await asyncio.gather(*(warm() for _ in range(concurrency + 2)))
-        started = time.perf_counter()
+        meter = Meter(warmup)
         async with outbox.dispatcher():
-            deadline = started + TIMEOUT_SECONDS
+            deadline = time.perf_counter() + TIMEOUT_SECONDS
             while sub.stats.handled < count:
+                meter.seen(sub.stats.handled)
                 if time.perf_counter() > deadline:
                     raise SystemExit(f"library: {sub.stats.handled}/{count} after timeout")
                 await asyncio.sleep(0.005)
-            elapsed = time.perf_counter() - started
+            rate = meter.rate(sub.stats.handled)
     finally:
         await outbox.aclose()
-    return count / elapsed
+    return rate
 
 
 _BULK_EFFECTS = text(
@@ -231,7 +259,13 @@ def _orm_store(sessions: Any) -> Any:
 
 
 async def run_baseline_redis(
-    pool: Any, url: str, stream: str, count: int, loops: int, store: Any = _store
+    pool: Any,
+    url: str,
+    stream: str,
+    count: int,
+    loops: int,
+    store: Any = _store,
+    warmup: int = 0,
 ) -> float:
     import redis.asyncio as aioredis
 
@@ -253,17 +287,24 @@ async def run_baseline_redis(
             await store(pool, ids, ns)
             await client.xack(stream, "baseline", *[e for e, _ in entries])
             done += len(entries)
+            meter.seen(done)
 
-    started = time.perf_counter()
+    meter = Meter(warmup)
     try:
         await asyncio.wait_for(asyncio.gather(*(loop(i) for i in range(loops))), TIMEOUT_SECONDS)
+        return meter.rate(done)
     finally:
         await client.aclose()
-    return count / (time.perf_counter() - started)
 
 
 async def run_baseline_nats(
-    pool: Any, url: str, stream: str, count: int, loops: int, store: Any = _store
+    pool: Any,
+    url: str,
+    stream: str,
+    count: int,
+    loops: int,
+    store: Any = _store,
+    warmup: int = 0,
 ) -> float:
     import nats
     import nats.errors
@@ -297,13 +338,14 @@ async def run_baseline_nats(
             await store(pool, ids, ns)
             await asyncio.gather(*(m.ack() for m in msgs))
             done += len(msgs)
+            meter.seen(done)
 
-    started = time.perf_counter()
+    meter = Meter(warmup)
     try:
         await asyncio.wait_for(asyncio.gather(*(loop(s) for s in subs)), TIMEOUT_SECONDS)
+        return meter.rate(done)
     finally:
         await nc.close()
-    return count / (time.perf_counter() - started)
 
 
 async def main() -> None:
@@ -313,6 +355,12 @@ async def main() -> None:
     parser.add_argument("--rounds", type=int, help="rounds per broker and side")
     parser.add_argument("--loops", type=int, default=4, help="baseline's concurrent loops")
     parser.add_argument("--brokers", default="redis,nats", help="redis,nats")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=2_000,
+        help="messages handled before the clock starts, on every side (0: from the start)",
+    )
     parser.add_argument(
         "--concurrency", type=int, default=16, help="library's consumer_concurrency"
     )
@@ -327,7 +375,10 @@ async def main() -> None:
     urls = {"redis": loopback(REDIS_URL), "nats": loopback(NATS_URL)}
     import asyncpg
 
-    banner(f"consume: {count} messages per round, {rounds} rounds per side — {machine_note()}")
+    banner(
+        f"consume: {count} messages per round after a warm-up of {args.warmup}, {rounds} rounds "
+        f"per side, library concurrency {args.concurrency} — {machine_note()}"
+    )
     rows = []
     async with bench_database("consume") as db_url:
         setup = await asyncpg.connect(asyncpg_dsn(db_url))
@@ -355,24 +406,26 @@ async def main() -> None:
                     for side in order:
                         store = orm_store if side == "baseline_orm" else _store
                         stream = unique(f"consume_{side}")
-                        await fill(url, stream, count)
+                        total = count + args.warmup
+                        await fill(url, stream, total)
                         try:
                             if side.startswith("library"):
                                 rate = await run_library(
                                     db_url,
                                     url,
                                     stream,
-                                    count,
+                                    total,
                                     batch=side.removeprefix("library").strip("_"),
                                     concurrency=args.concurrency,
+                                    warmup=args.warmup,
                                 )
                             elif kind == "redis":
                                 rate = await run_baseline_redis(
-                                    pool, url, stream, count, args.loops, store
+                                    pool, url, stream, total, args.loops, store, args.warmup
                                 )
                             else:
                                 rate = await run_baseline_nats(
-                                    pool, url, stream, count, args.loops, store
+                                    pool, url, stream, total, args.loops, store, args.warmup
                                 )
                         finally:
                             await cleanup(kind, url, stream)
