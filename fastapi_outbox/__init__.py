@@ -25,14 +25,12 @@ from fastapi_outbox.exceptions import (
 from fastapi_outbox.outbox import Outbox
 from fastapi_outbox.schema import build_table, metadata, outbox_table
 from fastapi_outbox.settings import OutboxSettings
-from fastapi_outbox.subscribers import BatchUnitOfWork
 from fastapi_outbox.unit_of_work import UnitOfWork, UnitOfWorkDep, unit_of_work
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AggregateRoot",
-    "BatchUnitOfWork",
     "BrokerRefusing",
     "BrokerUnavailable",
     "ConfigurationError",

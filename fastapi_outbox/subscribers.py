@@ -48,6 +48,7 @@ import random
 import time
 import types
 import typing
+import uuid
 from collections import abc
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -130,6 +131,27 @@ class BatchUnitOfWork(UnitOfWork):
 
     message_ids: list[str]
     correlation_ids: list[str | None]
+
+    def publish(
+        self,
+        event: Event | Message,
+        *,
+        causation_id: str | None = None,
+        correlation_id: str | None = None,
+        **options: Any,
+    ) -> uuid.UUID:
+        """``UnitOfWork.publish`` (same options), with this event's own ``causation_id`` /
+        ``correlation_id`` instead of the last message's."""
+        for name, given in (("causation_id", causation_id), ("correlation_id", correlation_id)):
+            if given is not None and not valid_correlation_id(given):
+                raise exceptions.PublishError(f"invalid {name} {given!r}")
+        saved = self.causation_id, self.correlation_id
+        self.causation_id = causation_id or saved[0]
+        self.correlation_id = correlation_id or saved[1]
+        try:
+            return super().publish(event, **options)
+        finally:
+            self.causation_id, self.correlation_id = saved
 
 
 class _Undeliverable(Exception):

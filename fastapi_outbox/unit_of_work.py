@@ -18,6 +18,7 @@ import datetime as dt
 import json
 import re
 import uuid
+import weakref
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -126,13 +127,8 @@ class UnitOfWork:
         broker: str | None = None,
         delay: float | dt.timedelta | None = None,
         deliver_at: dt.datetime | None = None,
-        causation_id: str | None = None,
-        correlation_id: str | None = None,
     ) -> uuid.UUID:
         """Queue ``event`` for the outbox; returns its message id.
-
-        ``causation_id`` / ``correlation_id``: this event's, instead of the unit of work's
-        (a batch subscriber naming the incoming message that caused it).
 
         ``delay`` (seconds or a timedelta, counted from the commit) or ``deliver_at`` (a
         timezone-aware datetime): the message is not published before then; at most
@@ -143,9 +139,6 @@ class UnitOfWork:
             raise exceptions.UnitOfWorkError(
                 "this unit of work has already committed or rolled back"
             )
-        for name, given in (("causation_id", causation_id), ("correlation_id", correlation_id)):
-            if given is not None and not valid_correlation_id(given):
-                raise exceptions.PublishError(f"invalid {name} {given!r}")
         outbox = self.outbox
         target = outbox.resolve_broker(broker)
         if isinstance(event, Event):
@@ -204,11 +197,10 @@ class UnitOfWork:
             HEADER_MESSAGE_ID: str(message_id),
             HEADER_TYPE: type_name,
             HEADER_OCCURRED_AT: dt.datetime.now(dt.UTC).isoformat(),
-            HEADER_CORRELATION_ID: correlation_id or self.correlation_id,
+            HEADER_CORRELATION_ID: self.correlation_id,
         }
-        causation_id = causation_id or self.causation_id
-        if causation_id is not None:
-            base[HEADER_CAUSATION_ID] = causation_id
+        if self.causation_id is not None:
+            base[HEADER_CAUSATION_ID] = self.causation_id
         trace = outbox.trace_headers(self.traceparent)
         internal_headers = {**user_headers, **trace, **base}
         targets = [(target, message_id, internal_headers)]
@@ -326,12 +318,36 @@ def _check_headers(headers: dict[str, str] | None, type_name: str) -> dict[str, 
     return dict(headers)
 
 
-def _outbox_for(request: Request) -> Outbox:
-    from fastapi_outbox.outbox import Outbox
+#: Every live Outbox of this process (weakly): the request dependency falls back on the
+#: only one when the app was not started with ``outbox.lifespan``.
+_outboxes: weakref.WeakSet[Any] = weakref.WeakSet()
 
+
+def register_outbox(outbox: Outbox) -> None:
+    _outboxes.add(outbox)
+
+
+def current_outbox() -> Outbox:
+    """The only Outbox of this process; :class:`UnitOfWorkError` when there is none or
+    several."""
+    instances = list(_outboxes)
+    if len(instances) == 1:
+        found: Outbox = instances[0]
+        return found
+    if not instances:
+        raise exceptions.UnitOfWorkError(
+            "no Outbox exists: create one and start the app with lifespan=outbox.lifespan"
+        )
+    raise exceptions.UnitOfWorkError(
+        f"{len(instances)} Outbox instances exist: start the app with "
+        "lifespan=outbox.lifespan (or include outbox.router) so requests find theirs"
+    )
+
+
+def _outbox_for(request: Request) -> Outbox:
     outbox = getattr(request.app.state, "fastapi_outbox", None)
     if outbox is None:
-        outbox = Outbox.current()
+        outbox = current_outbox()
     return outbox
 
 

@@ -18,7 +18,6 @@ from sqlalchemy import String, func, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from fastapi_outbox import (
-    BatchUnitOfWork,
     Event,
     Message,
     Outbox,
@@ -28,6 +27,7 @@ from fastapi_outbox import (
 )
 from fastapi_outbox.brokers import Broker, MemoryBroker
 from fastapi_outbox.events import Envelope
+from fastapi_outbox.subscribers import BatchUnitOfWork
 from tests.conftest import unique, wait_until
 
 FAST = {
