@@ -91,20 +91,25 @@ class Effect(Base):
 
 class Meter:
     """Rate over the messages handled after the first ``warmup`` ones: every side is
-    measured in its steady state (pools, prepared statements, type caches warm)."""
+    measured in its steady state (pools, prepared statements, type caches warm). The clock
+    stops when the ``total``-th message is handled (not when idle loops notice it)."""
 
-    def __init__(self, warmup: int) -> None:
+    def __init__(self, warmup: int, total: int) -> None:
         self.warmup = warmup
+        self.total = total
         self.since: tuple[float, int] | None = (time.perf_counter(), 0) if warmup <= 0 else None
+        self.until: tuple[float, int] | None = None
 
     def seen(self, done: int) -> None:
         if self.since is None and done >= self.warmup:
             self.since = (time.perf_counter(), done)
+        if self.until is None and done >= self.total:
+            self.until = (time.perf_counter(), done)
 
-    def rate(self, done: int) -> float:
-        assert self.since is not None
-        started, base = self.since
-        return (done - base) / (time.perf_counter() - started)
+    def rate(self) -> float:
+        assert self.since is not None and self.until is not None
+        (started, base), (ended, done) = self.since, self.until
+        return (done - base) / (ended - started)
 
 
 def envelopes(stream: str, count: int) -> list[Envelope]:
@@ -205,15 +210,15 @@ async def run_library(
                 await asyncio.sleep(0.05)
 
         await asyncio.gather(*(warm() for _ in range(concurrency + 2)))
-        meter = Meter(warmup)
+        meter = Meter(warmup, count)
         async with outbox.dispatcher():
             deadline = time.perf_counter() + TIMEOUT_SECONDS
-            while sub.stats.handled < count:
+            while meter.until is None:
                 meter.seen(sub.stats.handled)
                 if time.perf_counter() > deadline:
                     raise SystemExit(f"library: {sub.stats.handled}/{count} after timeout")
                 await asyncio.sleep(0.005)
-            rate = meter.rate(sub.stats.handled)
+            rate = meter.rate()
     finally:
         await outbox.aclose()
     return rate
@@ -290,10 +295,10 @@ async def run_baseline_redis(
             done += len(entries)
             meter.seen(done)
 
-    meter = Meter(warmup)
+    meter = Meter(warmup, count)
     try:
         await asyncio.wait_for(asyncio.gather(*(loop(i) for i in range(loops))), TIMEOUT_SECONDS)
-        return meter.rate(done)
+        return meter.rate()
     finally:
         await client.aclose()
 
@@ -341,10 +346,10 @@ async def run_baseline_nats(
             done += len(msgs)
             meter.seen(done)
 
-    meter = Meter(warmup)
+    meter = Meter(warmup, count)
     try:
         await asyncio.wait_for(asyncio.gather(*(loop(s) for s in subs)), TIMEOUT_SECONDS)
-        return meter.rate(done)
+        return meter.rate()
     finally:
         await nc.close()
 
