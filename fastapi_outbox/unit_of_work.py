@@ -18,7 +18,6 @@ import datetime as dt
 import json
 import re
 import uuid
-import weakref
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -318,36 +317,12 @@ def _check_headers(headers: dict[str, str] | None, type_name: str) -> dict[str, 
     return dict(headers)
 
 
-#: Every live Outbox of this process (weakly): the request dependency falls back on the
-#: only one when the app was not started with ``outbox.lifespan``.
-_outboxes: weakref.WeakSet[Any] = weakref.WeakSet()
-
-
-def register_outbox(outbox: Outbox) -> None:
-    _outboxes.add(outbox)
-
-
-def current_outbox() -> Outbox:
-    """The only Outbox of this process; :class:`UnitOfWorkError` when there is none or
-    several."""
-    instances = list(_outboxes)
-    if len(instances) == 1:
-        found: Outbox = instances[0]
-        return found
-    if not instances:
-        raise exceptions.UnitOfWorkError(
-            "no Outbox exists: create one and start the app with lifespan=outbox.lifespan"
-        )
-    raise exceptions.UnitOfWorkError(
-        f"{len(instances)} Outbox instances exist: start the app with "
-        "lifespan=outbox.lifespan (or include outbox.router) so requests find theirs"
-    )
-
-
 def _outbox_for(request: Request) -> Outbox:
+    from fastapi_outbox.outbox import Outbox
+
     outbox = getattr(request.app.state, "fastapi_outbox", None)
     if outbox is None:
-        outbox = current_outbox()
+        outbox = Outbox.current()
     return outbox
 
 
