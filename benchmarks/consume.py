@@ -4,9 +4,15 @@ minimal hand-written consumer, on Redis Streams and NATS JetStream.
 Each round fills a new stream with N messages in the outbox's publish format (the
 library's own broker ``publish``), then drains it into PostgreSQL:
 
-* **library**: ``Outbox`` + ``@outbox.subscriber(stream, group=…, start="all")`` whose
-  handler adds one ORM object per message (``session.add(Effect(…))``); default settings
-  (batch transactions, ``consumer_concurrency=16``, ``consumer_batch_size=100``);
+* **library** (per message): ``Outbox`` + ``@outbox.subscriber(stream, group=…,
+  start="all")`` whose handler adds one ORM object per message (``session.add(Effect(…))``);
+  default settings (batch transactions, ``consumer_batch_size=100``), ``consumer_concurrency``
+  from ``--concurrency`` (default 16, the library's default);
+* **library_insert** / **library_arrays**: a batch handler (``ticks: list[Tick]``) writing
+  the batch's effects in one statement: ``session.execute(insert(Effect), [dicts])``
+  (executemany), or ``INSERT … SELECT unnest(:ns, :ids)`` (the baseline's statement);
+  the engine's connections are opened before the clock starts (the baseline's pool is
+  created before it too);
 * **baseline**: ``--loops`` (default 4) concurrent loops, each: read a batch of 100
   (``XREADGROUP`` / pull ``fetch``), one asyncpg transaction inserting the processed ids
   (``INSERT … SELECT unnest … ON CONFLICT DO NOTHING RETURNING``) and the effects of the new
@@ -16,10 +22,15 @@ library's own broker ``publish``), then drains it into PostgreSQL:
   ``AsyncSession`` with the effects as ORM objects (``session.add_all``), as the library's
   handler writes them: the ratio against it is the library's own overhead.
 
-Rate = N / (time from start until the last message is handled). Rounds alternate
+Each side first handles ``--warmup`` messages (default 2,000) of the stream; rate = the
+N messages after them / the time they took — every side in its steady state (the library
+builds its ``Outbox`` per round: its pool, prepared statements and type caches are cold at
+first, while the baseline's asyncpg pool lives through the whole run). Rounds alternate
 (A B C, C B A, …); the table prints medians and the ratios library / baseline.
 
     python benchmarks/consume.py              # N=20,000, 3 rounds per broker
+    python benchmarks/consume.py --concurrency 4   # as many handlers as baseline loops
+    python benchmarks/consume.py --sides library_arrays,baseline
     python benchmarks/consume.py --quick      # N=3,000, 2 rounds
     python benchmarks/consume.py --brokers redis
 """
@@ -36,7 +47,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from sqlalchemy import BigInteger, Text
+from sqlalchemy import BigInteger, Text, insert, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from benchmarks._common import (
@@ -55,8 +66,10 @@ from benchmarks._common import (
 from fastapi_outbox import Event, Outbox, OutboxSettings, UnitOfWork, uuid7
 from fastapi_outbox.brokers import broker_from_url
 from fastapi_outbox.events import Envelope
+from fastapi_outbox.subscribers import BatchUnitOfWork
 
 BASELINE_BATCH = 100
+SIDES = ("library", "library_insert", "library_arrays", "baseline", "baseline_orm")
 TIMEOUT_SECONDS = 300.0
 
 
@@ -74,6 +87,29 @@ class Effect(Base):
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     n: Mapped[int]
     message_id: Mapped[str] = mapped_column(Text)
+
+
+class Meter:
+    """Rate over the messages handled after the first ``warmup`` ones: every side is
+    measured in its steady state (pools, prepared statements, type caches warm). The clock
+    stops when the ``total``-th message is handled (not when idle loops notice it)."""
+
+    def __init__(self, warmup: int, total: int) -> None:
+        self.warmup = warmup
+        self.total = total
+        self.since: tuple[float, int] | None = (time.perf_counter(), 0) if warmup <= 0 else None
+        self.until: tuple[float, int] | None = None
+
+    def seen(self, done: int) -> None:
+        if self.since is None and done >= self.warmup:
+            self.since = (time.perf_counter(), done)
+        if self.until is None and done >= self.total:
+            self.until = (time.perf_counter(), done)
+
+    def rate(self) -> float:
+        assert self.since is not None and self.until is not None
+        (started, base), (ended, done) = self.since, self.until
+        return (done - base) / (ended - started)
 
 
 def envelopes(stream: str, count: int) -> list[Envelope]:
@@ -127,33 +163,71 @@ async def cleanup(kind: str, url: str, stream: str) -> None:
         await nc.close()
 
 
-async def run_library(db_url: str, url: str, stream: str, count: int) -> float:
+async def run_library(
+    db_url: str,
+    url: str,
+    stream: str,
+    count: int,
+    batch: str = "",
+    concurrency: int = 16,
+    warmup: int = 0,
+) -> float:
     outbox = Outbox(
         db_url,
         brokers={"default": broker_from_url(url)},
-        settings=OutboxSettings(),
-        engine_options={"pool_size": 20, "max_overflow": 0},
+        settings=OutboxSettings(consumer_concurrency=concurrency),
+        engine_options={"pool_size": concurrency + 4, "max_overflow": 0},
     )
 
-    @outbox.subscriber(stream, group="bench", start="all")
-    async def handle(tick: Tick, uow: UnitOfWork) -> None:
-        uow.session.add(Effect(n=tick.n, message_id=uow.causation_id))
+    if batch == "insert":
+
+        @outbox.subscriber(stream, group="bench", start="all")
+        async def handle_batch(ticks: list[Tick], uow: BatchUnitOfWork) -> None:
+            # SQLAlchemy's bulk insert: one statement, executemany.
+            await uow.session.execute(
+                insert(Effect),
+                [{"n": t.n, "message_id": m} for t, m in zip(ticks, uow.message_ids, strict=True)],
+            )
+    elif batch == "arrays":
+
+        @outbox.subscriber(stream, group="bench", start="all")
+        async def handle_arrays(ticks: list[Tick], uow: BatchUnitOfWork) -> None:
+            # One statement with PostgreSQL arrays, as the baseline writes the effects.
+            await uow.session.execute(
+                _BULK_EFFECTS, {"ns": [t.n for t in ticks], "ids": uow.message_ids}
+            )
+    else:
+
+        @outbox.subscriber(stream, group="bench", start="all")
+        async def handle(tick: Tick, uow: UnitOfWork) -> None:
+            uow.session.add(Effect(n=tick.n, message_id=uow.causation_id))
 
     sub = outbox.subscribers[0]
     try:
-        started = time.perf_counter()
+        # Connections opened before the clock starts, as the baseline's pool has them.
+        async def warm() -> None:
+            async with outbox.engine.connect():
+                await asyncio.sleep(0.05)
+
+        await asyncio.gather(*(warm() for _ in range(concurrency + 2)))
+        meter = Meter(warmup, count)
         async with outbox.dispatcher():
-            deadline = started + TIMEOUT_SECONDS
-            while sub.stats.handled < count:
+            deadline = time.perf_counter() + TIMEOUT_SECONDS
+            while meter.until is None:
+                meter.seen(sub.stats.handled)
                 if time.perf_counter() > deadline:
                     raise SystemExit(f"library: {sub.stats.handled}/{count} after timeout")
                 await asyncio.sleep(0.005)
-            elapsed = time.perf_counter() - started
+            rate = meter.rate()
     finally:
         await outbox.aclose()
-    return count / elapsed
+    return rate
 
 
+_BULK_EFFECTS = text(
+    "INSERT INTO effects (n, message_id) "
+    "SELECT * FROM unnest(CAST(:ns AS int[]), CAST(:ids AS text[]))"
+)
 _PROCESSED = (
     "INSERT INTO processed (grp, message_id) SELECT $1, unnest($2::text[]) "
     "ON CONFLICT DO NOTHING RETURNING message_id"
@@ -191,7 +265,13 @@ def _orm_store(sessions: Any) -> Any:
 
 
 async def run_baseline_redis(
-    pool: Any, url: str, stream: str, count: int, loops: int, store: Any = _store
+    pool: Any,
+    url: str,
+    stream: str,
+    count: int,
+    loops: int,
+    store: Any = _store,
+    warmup: int = 0,
 ) -> float:
     import redis.asyncio as aioredis
 
@@ -213,17 +293,24 @@ async def run_baseline_redis(
             await store(pool, ids, ns)
             await client.xack(stream, "baseline", *[e for e, _ in entries])
             done += len(entries)
+            meter.seen(done)
 
-    started = time.perf_counter()
+    meter = Meter(warmup, count)
     try:
         await asyncio.wait_for(asyncio.gather(*(loop(i) for i in range(loops))), TIMEOUT_SECONDS)
+        return meter.rate()
     finally:
         await client.aclose()
-    return count / (time.perf_counter() - started)
 
 
 async def run_baseline_nats(
-    pool: Any, url: str, stream: str, count: int, loops: int, store: Any = _store
+    pool: Any,
+    url: str,
+    stream: str,
+    count: int,
+    loops: int,
+    store: Any = _store,
+    warmup: int = 0,
 ) -> float:
     import nats
     import nats.errors
@@ -257,13 +344,14 @@ async def run_baseline_nats(
             await store(pool, ids, ns)
             await asyncio.gather(*(m.ack() for m in msgs))
             done += len(msgs)
+            meter.seen(done)
 
-    started = time.perf_counter()
+    meter = Meter(warmup, count)
     try:
         await asyncio.wait_for(asyncio.gather(*(loop(s) for s in subs)), TIMEOUT_SECONDS)
+        return meter.rate()
     finally:
         await nc.close()
-    return count / (time.perf_counter() - started)
 
 
 async def main() -> None:
@@ -273,13 +361,30 @@ async def main() -> None:
     parser.add_argument("--rounds", type=int, help="rounds per broker and side")
     parser.add_argument("--loops", type=int, default=4, help="baseline's concurrent loops")
     parser.add_argument("--brokers", default="redis,nats", help="redis,nats")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=2_000,
+        help="messages handled before the clock starts, on every side (0: from the start)",
+    )
+    parser.add_argument(
+        "--concurrency", type=int, default=16, help="library's consumer_concurrency"
+    )
+    parser.add_argument(
+        "--sides",
+        default=",".join(SIDES),
+        help=f"which consumers run, among {','.join(SIDES)} (ratios need them)",
+    )
     args = parser.parse_args()
     count = args.messages or (3_000 if args.quick else 20_000)
     rounds = args.rounds or (2 if args.quick else 3)
     urls = {"redis": loopback(REDIS_URL), "nats": loopback(NATS_URL)}
     import asyncpg
 
-    banner(f"consume: {count} messages per round, {rounds} rounds per side — {machine_note()}")
+    banner(
+        f"consume: {count} messages per round after a warm-up of {args.warmup}, {rounds} rounds "
+        f"per side, library concurrency {args.concurrency} — {machine_note()}"
+    )
     rows = []
     async with bench_database("consume") as db_url:
         setup = await asyncpg.connect(asyncpg_dsn(db_url))
@@ -297,7 +402,7 @@ async def main() -> None:
 
         orm_engine = create_async_engine(db_url, pool_size=args.loops, max_overflow=0)
         orm_store = _orm_store(async_sessionmaker(orm_engine, expire_on_commit=False))
-        sides = ["library", "baseline", "baseline_orm"]
+        sides = [s for s in args.sides.split(",") if s]
         try:
             for kind in args.brokers.split(","):
                 url = urls[kind]
@@ -307,40 +412,77 @@ async def main() -> None:
                     for side in order:
                         store = orm_store if side == "baseline_orm" else _store
                         stream = unique(f"consume_{side}")
-                        await fill(url, stream, count)
+                        total = count + args.warmup
+                        await fill(url, stream, total)
                         try:
-                            if side == "library":
-                                rate = await run_library(db_url, url, stream, count)
+                            if side.startswith("library"):
+                                rate = await run_library(
+                                    db_url,
+                                    url,
+                                    stream,
+                                    total,
+                                    batch=side.removeprefix("library").strip("_"),
+                                    concurrency=args.concurrency,
+                                    warmup=args.warmup,
+                                )
                             elif kind == "redis":
                                 rate = await run_baseline_redis(
-                                    pool, url, stream, count, args.loops, store
+                                    pool, url, stream, total, args.loops, store, args.warmup
                                 )
                             else:
                                 rate = await run_baseline_nats(
-                                    pool, url, stream, count, args.loops, store
+                                    pool, url, stream, total, args.loops, store, args.warmup
                                 )
                         finally:
                             await cleanup(kind, url, stream)
                         rates[side].append(rate)
                         print(f"  {kind} round {r + 1} {side}: {fmt(rate)} msg/s", flush=True)
-                lib, base = median(rates["library"]), median(rates["baseline"])
-                orm = median(rates["baseline_orm"])
-                rows.append(
-                    [kind, fmt(lib), fmt(base), f"{lib / base:.2f}", fmt(orm), f"{lib / orm:.2f}"]
-                )
+                med = {side: median(r) if r else None for side, r in rates.items()}
+                rows += _rows(kind, med)
         finally:
             await pool.close()
             await orm_engine.dispose()
     print()
     headers = [
         "broker",
-        "library msg/s",
+        "library",
+        "msg/s",
         "hand-written (asyncpg) msg/s",
         "ratio",
         "hand-written (ORM effects) msg/s",
         "ratio",
     ]
     print(table(headers, rows))
+
+
+def _rows(kind: str, med: dict[str, float | None]) -> list[list[str]]:
+    """One table row per library side: its median and the ratios to the baselines."""
+
+    def ratio(a: float | None, b: float | None) -> str:
+        return f"{a / b:.2f}" if a and b else "-"
+
+    base, orm = med.get("baseline"), med.get("baseline_orm")
+    out = []
+    for side, label in (
+        ("library", "per message, session.add"),
+        ("library_insert", "batch, insert() executemany"),
+        ("library_arrays", "batch, unnest arrays"),
+    ):
+        lib = med.get(side)
+        if lib is None:
+            continue
+        out.append(
+            [
+                kind,
+                label,
+                fmt(lib),
+                fmt(base) if base else "-",
+                ratio(lib, base),
+                fmt(orm) if orm else "-",
+                ratio(lib, orm),
+            ]
+        )
+    return out
 
 
 if __name__ == "__main__":

@@ -48,6 +48,8 @@ import random
 import time
 import types
 import typing
+import uuid
+from collections import abc
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +59,7 @@ from sqlalchemy import event as sa_event
 from sqlalchemy.orm import Session
 
 from fastapi_outbox import exceptions
+from fastapi_outbox.aggregates import collect_events, held_aggregates
 from fastapi_outbox.brokers.consumer import (
     Consumer,
     ConsumerConfig,
@@ -70,6 +73,7 @@ from fastapi_outbox.events import (
     Event,
     Message,
 )
+from fastapi_outbox.session_events import state_of
 from fastapi_outbox.unit_of_work import UnitOfWork, valid_correlation_id
 
 if TYPE_CHECKING:
@@ -77,7 +81,13 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("fastapi_outbox.subscribers")
 
-__all__ = ["DEAD_LETTER_TEMPLATE", "ConsumerStatus", "Subscriber", "SubscriberStats"]
+__all__ = [
+    "DEAD_LETTER_TEMPLATE",
+    "BatchUnitOfWork",
+    "ConsumerStatus",
+    "Subscriber",
+    "SubscriberStats",
+]
 
 #: Default dead-letter stream / subject of a (stream, group).
 DEAD_LETTER_TEMPLATE = "{stream}.{group}.dlq"
@@ -90,6 +100,9 @@ PAUSE_MAX_SECONDS = 10.0
 #: is for releasing what did not finish.
 DRAIN_SHARE = 0.7
 _GROUP = __import__("re").compile(r"^[A-Za-z0-9_\-]{1,200}$")
+#: Tries of a failing batch of a batch handler as a whole (the first, then retries after
+#: backoff) before its messages go one by one, each as a one-element list.
+BATCH_HANDLER_TRIES = 2
 
 Handler = Callable[..., Awaitable[Any]]
 #: ``session.info`` key set while a batch's handlers run: a handler's own commit is refused
@@ -104,6 +117,41 @@ def _refuse_commit_inside_a_batch(session: Session) -> None:
             "a handler committed inside a batch transaction; its batch is handled message "
             "by message instead (or declare the subscriber with batch=False)"
         )
+
+
+class BatchUnitOfWork(UnitOfWork):
+    """The unit of work a batch handler (first parameter ``list[SomeEvent]``) receives.
+
+    ``message_ids[i]`` / ``correlation_ids[i]``: the incoming message id / correlation id of
+    the i-th item of the handler's list. The unit of work's own ``causation_id`` and
+    ``correlation_id`` are those of the last message of the list: events published without
+    ``causation_id=`` name it as their cause; ``uow.publish(event,
+    causation_id=uow.message_ids[i], correlation_id=uow.correlation_ids[i])`` names the
+    exact one."""
+
+    message_ids: list[str]
+    correlation_ids: list[str | None]
+
+    def publish(
+        self,
+        event: Event | Message,
+        *,
+        causation_id: str | None = None,
+        correlation_id: str | None = None,
+        **options: Any,
+    ) -> uuid.UUID:
+        """``UnitOfWork.publish`` (same options), with this event's own ``causation_id`` /
+        ``correlation_id`` instead of the last message's."""
+        for name, given in (("causation_id", causation_id), ("correlation_id", correlation_id)):
+            if given is not None and not valid_correlation_id(given):
+                raise exceptions.PublishError(f"invalid {name} {given!r}")
+        saved = self.causation_id, self.correlation_id
+        self.causation_id = causation_id or saved[0]
+        self.correlation_id = correlation_id or saved[1]
+        try:
+            return super().publish(event, **options)
+        finally:
+            self.causation_id, self.correlation_id = saved
 
 
 class _Undeliverable(Exception):
@@ -169,11 +217,11 @@ def _harvest_added(uow: UnitOfWork, before: list[Any]) -> list[Any]:
     ``collect_events`` O(n) times, not O(n²). When the handler flushed (the earlier new
     objects are no longer new) every new object is looked at. Aggregates attached to the
     session publish their events at once when raised. Returns the new objects now."""
-    from fastapi_outbox.aggregates import collect_events, held_aggregates
-
     session = uow.session.sync_session
     candidates = held_aggregates(session)
-    new = list(session.new)
+    # The session's pending objects in the order added (``session.new`` builds an identity
+    # set of all of them on every call: quadratic over a batch).
+    new = list(session._new.values())
     n = len(before)
     kept = n == 0 or (len(new) >= n and new[n - 1] is before[-1])
     candidates += new[n:] if kept else new
@@ -258,9 +306,20 @@ class Subscriber:
         self.dead_letter = dead_letter_name(dead_letter, stream, group)
         self.dead_letter_shared = "{group}" not in dead_letter
         self.start = start
+        self._message_param, self._accepts, self._uow_params, self.batch_handler = self._inspect(
+            handler, where
+        )
+        #: Type name → class the handler takes (looked up once per message).
+        self._accepted: dict[str, type[Event]] = {
+            c.__outbox_type__: c for c in reversed(self._accepts or ())
+        }
+        if self.batch_handler and (ordered or not batch):
+            raise exceptions.ConfigurationError(
+                f"{where}: a batch handler (first parameter a list) takes whole batches in "
+                "one transaction: not with ordered=True or batch=False"
+            )
         #: One transaction per fetched batch (not for ordered subscribers).
         self.batch = batch and not ordered
-        self._message_param, self._accepts, self._uow_params = self._inspect(handler, where)
         self._types: dict[str, type[Event]] | None = None
         self.stats = SubscriberStats()
         self.consumer: Consumer | None = None
@@ -282,9 +341,10 @@ class Subscriber:
     @staticmethod
     def _inspect(
         handler: Handler, where: str
-    ) -> tuple[str, tuple[type[Event], ...] | None, list[str]]:
+    ) -> tuple[str, tuple[type[Event], ...] | None, list[str], bool]:
         """(message parameter, Event classes it takes or None for ``Message``, names of
-        the parameters annotated ``UnitOfWork``)."""
+        the parameters annotated ``UnitOfWork``, whether it takes a list of them: a batch
+        handler)."""
         try:
             hints = typing.get_type_hints(handler)
         except Exception as exc:
@@ -304,6 +364,15 @@ class Subscriber:
                 f"{where}: annotate the first parameter {first.name!r} with an Event subclass "
                 "(or a union of them) or Message"
             )
+        many = typing.get_origin(annotation) in (list, abc.Sequence)
+        if many:
+            args = typing.get_args(annotation)
+            if len(args) != 1:
+                raise exceptions.ConfigurationError(
+                    f"{where}: a batch handler's first parameter {first.name!r} is annotated "
+                    "list[SomeEvent] (or Sequence[...], a union of Events or Message inside)"
+                )
+            annotation = args[0]
         accepts: tuple[type[Event], ...] | None
         if annotation is Message:
             accepts = None
@@ -319,7 +388,8 @@ class Subscriber:
                     f"Event subclass, a union of them or Message, not {annotation!r}"
                 )
             accepts = tuple(members)
-        uow_params = [p.name for p in params[1:] if hints.get(p.name) is UnitOfWork]
+        uow_types = (UnitOfWork, BatchUnitOfWork) if many else (UnitOfWork,)
+        uow_params = [p.name for p in params[1:] if hints.get(p.name) in uow_types]
         others = [
             p.name
             for p in params[1:]
@@ -330,7 +400,7 @@ class Subscriber:
                 f"{where}: parameters {others} have no default and are not annotated "
                 "UnitOfWork; the handler receives the message and, optionally, its unit of work"
             )
-        return first.name, accepts, uow_params
+        return first.name, accepts, uow_params, many
 
     def _event_types(self) -> dict[str, type[Event]]:
         """Event type name → class, among the classes declared when first needed."""
@@ -353,7 +423,7 @@ class Subscriber:
                 key=d.key,
                 headers=dict(d.headers),
             )
-        cls = next((c for c in self._accepts if c.__outbox_type__ == d.type), None)
+        cls = self._accepted.get(d.type)
         if cls is None:
             known = self._event_types()
             if d.type not in known:
@@ -574,8 +644,11 @@ class Subscriber:
         one extra pass, never an effect."""
         try:
             todo: list[tuple[Delivery, Any]] = []
+            # A batch handler's redelivered messages go one by one: a poison message, back
+            # for another attempt, does not fail a whole batch again.
+            alone = 1 if self.batch_handler else self.max_attempts
             for d in batch:
-                if d.attempt > self.max_attempts:  # dead-lettered on the careful path
+                if d.attempt > alone:  # dead-lettered / retried on the careful path
                     await self._process(d, in_place=False)
                     continue
                 try:
@@ -585,7 +658,10 @@ class Subscriber:
             if not todo:
                 return
             try:
-                new, duplicates = await self._run_batch(todo)
+                if self.batch_handler:
+                    new, duplicates = await self._run_batch_retrying(todo)
+                else:
+                    new, duplicates = await self._run_batch(todo)
             except Exception as exc:
                 logger.info(
                     "batch failed, handling its messages one by one",
@@ -612,10 +688,42 @@ class Subscriber:
                 self._inflight.pop(d.entry_id, None)
             self._free_slot()
 
+    async def _run_batch_retrying(self, todo: list[tuple[Delivery, Any]]) -> tuple[int, int]:
+        """A batch handler's batch: retried as a whole with backoff (``BATCH_HANDLER_TRIES``
+        tries; the database unreachable costs no try), then the last error is raised and
+        the caller goes message by message."""
+        tries = outages = 0
+        while True:
+            try:
+                return await self._run_batch(todo)
+            except Exception as exc:
+                if _is_database_outage(exc) and not self.stopping:
+                    outages += 1
+                    self.stats.last_error = f"database unreachable: {type(exc).__name__}"
+                    logger.warning(
+                        "database unreachable, retrying the batch in place",
+                        extra=self._log_extra("consumer.db_unavailable", error=repr(exc)[:200]),
+                    )
+                    await anyio.sleep(self._pause_for(outages))
+                    continue
+                tries += 1
+                self.stats.last_error = f"{type(exc).__name__}: {exc}"[:300]
+                if tries >= BATCH_HANDLER_TRIES or self.stopping:
+                    raise
+                delay = self._retry_delay(tries)
+                logger.warning(
+                    "batch handler failed, retrying the batch",
+                    extra=self._log_extra(
+                        "consumer.batch_retry",
+                        count=len(todo),
+                        error=repr(exc)[:200],
+                        retry_in_seconds=round(delay, 3),
+                    ),
+                )
+                await anyio.sleep(delay)
+
     async def _run_batch(self, todo: list[tuple[Delivery, Any]]) -> tuple[int, int]:
         """(handled, duplicates) of one batch transaction."""
-        from fastapi_outbox.session_events import state_of
-
         outbox = self.outbox
         session = outbox.session_factory()
         session.info[_BATCH_OPEN] = True
@@ -625,7 +733,15 @@ class Subscriber:
             fresh = await outbox.inbox.record_many(
                 session, self.group, list(dict.fromkeys((d.message_id, d.stream) for d, _ in todo))
             )
-            for d, message in todo:
+            if self.batch_handler:
+                items = []
+                for d, message in todo:
+                    if d.message_id in fresh and d.message_id not in ran:
+                        ran.add(d.message_id)
+                        items.append((d, message))
+                if items:
+                    await self._call_batch_handler(session, items)
+            for d, message in [] if self.batch_handler else todo:
                 if d.message_id not in fresh or d.message_id in ran:
                     continue
                 ran.add(d.message_id)
@@ -656,6 +772,26 @@ class Subscriber:
         for _ in state_of(session.sync_session).take_notify():
             await outbox._notify_after_commit()
         return len(ran), len(todo) - len(ran)
+
+    async def _call_batch_handler(self, session: Any, items: list[tuple[Delivery, Any]]) -> None:
+        """The batch handler on the new messages of a batch, in the batch's transaction."""
+        contexts = [self._context(d) for d, _ in items]
+        correlation, causation, traceparent = contexts[-1]
+        uow = BatchUnitOfWork(
+            self.outbox,
+            session,
+            correlation_id=correlation,
+            causation_id=causation,
+            traceparent=traceparent,
+        )
+        uow.message_ids = [d.message_id for d, _ in items]
+        uow.correlation_ids = [c for c, _, _ in contexts]
+        uow._open()
+        try:
+            await self.handler([m for _, m in items], **{name: uow for name in self._uow_params})
+            _harvest_added(uow, [])
+        finally:
+            uow._close()
 
     def _context(self, d: Delivery) -> tuple[str | None, str | None, str | None]:
         """(correlation id carried over, causation id = the message id, traceparent)."""
@@ -763,6 +899,9 @@ class Subscriber:
 
     async def _run_handler(self, d: Delivery, message: Any) -> bool:
         """One transaction: inbox row, then the handler; True when the message was new."""
+        if self.batch_handler:  # a one-element list
+            new, _ = await self._run_batch([(d, message)])
+            return new > 0
         correlation, causation, traceparent = self._context(d)
         async with self.outbox.unit_of_work(
             correlation_id=correlation, causation_id=causation, traceparent=traceparent

@@ -105,8 +105,10 @@ class RedisStreamsConsumer:
         raw_headers = get(b"headers")
         headers: dict[str, str] = {}
         if raw_headers:
-            try:
-                decoded = json.loads(raw_headers)
+            try:  # decoded as UTF-8 first: json.loads(bytes) sniffs the encoding each time
+                decoded = json.loads(
+                    raw_headers.decode() if isinstance(raw_headers, bytes) else raw_headers
+                )
             except ValueError:
                 decoded = None
             if isinstance(decoded, dict):

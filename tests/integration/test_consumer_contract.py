@@ -17,9 +17,17 @@ import pytest
 from sqlalchemy import String, func, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from fastapi_outbox import Event, Message, Outbox, OutboxSettings, UnitOfWork, uuid7
+from fastapi_outbox import (
+    Event,
+    Message,
+    Outbox,
+    OutboxSettings,
+    UnitOfWork,
+    uuid7,
+)
 from fastapi_outbox.brokers import Broker, MemoryBroker
 from fastapi_outbox.events import Envelope
+from fastapi_outbox.subscribers import BatchUnitOfWork
 from tests.conftest import unique, wait_until
 
 FAST = {
@@ -363,4 +371,131 @@ async def test_ordered_keeps_each_key_in_stream_order(harness: Harness) -> None:
         await wait_until(lambda: len(seen) == 6, timeout=15)
     assert seen == list(range(6))
     assert outbox.subscribers[0].stats.failures == 1
+    await outbox.aclose()
+
+
+# -- batch handlers (first parameter a list) -----------------------------------------------
+
+
+async def test_batch_handler_effects_once_with_redelivery_duplicates_and_causation(
+    harness: Harness,
+) -> None:
+    h = harness
+    orders = h.stream()
+    invoices = orders + "_invoices"
+    h.streams.append(invoices)
+    OrderPlaced, InvoiceIssued = events_for(orders)
+    outbox = await make_outbox(h)
+    calls: list[list[int]] = []
+    seen: list[Message] = []
+
+    async def bill(events: Any, uow: BatchUnitOfWork) -> None:
+        calls.append([e.order_id for e in events])
+        assert len(uow.message_ids) == len(events) == len(uow.correlation_ids)
+        assert uow.causation_id == uow.message_ids[-1]
+        for event, mid, corr in zip(events, uow.message_ids, uow.correlation_ids, strict=True):
+            uow.session.add(Invoice(order_id=event.order_id, message_id=mid))
+            uow.publish(
+                InvoiceIssued(order_id=event.order_id), causation_id=mid, correlation_id=corr
+            )
+
+    async def audit(message: Message) -> None:
+        seen.append(message)
+
+    bill.__annotations__["events"] = list[OrderPlaced]  # type: ignore[valid-type]
+    outbox.subscriber(orders, group="billing", start="all")(bill)
+    outbox.subscriber(invoices, group="audit", start="all")(audit)
+    subscriber = outbox.subscribers[0]
+    assert subscriber.batch_handler
+    n = 30
+    ids = [str(uuid7()) for _ in range(n)]
+    for i, mid in enumerate(ids):  # on the stream before the subscriber starts: one batch
+        await h.inject(orders, mid, "OrderPlaced", {"order_id": i}, {"correlation-id": f"c{i}"})
+    dropped = False
+    async with outbox.dispatcher():
+        consumer = subscriber.consumer
+        assert consumer is not None
+        real_ack = consumer.ack
+
+        async def lose_first_ack(deliveries: Any) -> None:
+            nonlocal dropped
+            if not dropped:  # a crash between commit and ack: redelivered, then skipped
+                dropped = True
+                return
+            await real_ack(deliveries)
+
+        consumer.ack = lose_first_ack  # type: ignore[method-assign]
+        await wait_until(lambda: len(seen) >= n, timeout=20)
+        lost = len(calls[0])
+        await wait_until(lambda: subscriber.stats.duplicates >= lost, timeout=15)
+        # A duplicate of an order already handled: same message id, a new stream entry.
+        await h.inject(orders, ids[5], "OrderPlaced", {"order_id": 5}, {})
+        await wait_until(lambda: subscriber.stats.duplicates >= lost + 1, timeout=10)
+    assert dropped
+    assert max(len(c) for c in calls) > 1, calls  # whole batches reached the handler
+    assert sorted(i for c in calls for i in c) == list(range(n))  # each order once
+    assert all(c == sorted(c) for c in calls)  # in stream order
+    assert await effects(outbox) == {mid: 1 for mid in ids}
+    by_order = {m.payload["order_id"]: m for m in seen}
+    assert sorted(by_order) == list(range(n))
+    for i, m in by_order.items():
+        assert m.headers["causation-id"] == ids[i]
+        assert m.headers["correlation-id"] == f"c{i}"
+    await outbox.aclose()
+
+
+async def test_batch_handler_poison_is_isolated_and_dead_lettered(harness: Harness) -> None:
+    h = harness
+    orders = h.stream()
+    h.streams.append(f"{orders}.billing.dlq")
+    h.streams.append(orders + "_invoices")
+    OrderPlaced, InvoiceIssued = events_for(orders)
+    outbox = await make_outbox(h)
+    calls: list[list[int]] = []
+
+    async def bill(events: Any, uow: UnitOfWork) -> None:
+        calls.append([e.order_id for e in events])
+        for event in events:
+            uow.session.add(Invoice(order_id=event.order_id, message_id=str(event.order_id)))
+            # No causation_id given: the last message of the list is the cause.
+            uow.publish(InvoiceIssued(order_id=event.order_id))
+        if any(e.order_id == 3 for e in events):
+            raise RuntimeError("order 3 is poison")
+
+    bill.__annotations__["events"] = list[OrderPlaced]  # type: ignore[valid-type]
+    outbox.subscriber(orders, group="billing", start="all")(bill)
+    subscriber = outbox.subscribers[0]
+    for i in range(10):
+        await h.inject(orders, f"m{i}", "OrderPlaced", {"order_id": i}, {})
+    async with outbox.dispatcher():
+        await wait_until(
+            lambda: subscriber.stats.dead_lettered >= 1 and subscriber.stats.handled >= 9,
+            timeout=20,
+        )
+        assert subscriber.consumer is not None
+        dead = await subscriber.consumer.dead_letters()
+        assert [d.message_id for d in dead] == ["m3"]
+        assert "order 3 is poison" in dead[0].error
+        assert dead[0].attempts == 3
+    assert set(await effects(outbox)) == {str(i) for i in range(10) if i != 3}
+    assert sum(n for n in (await effects(outbox)).values()) == 9
+    # The whole batch was tried twice (with backoff), then each message alone.
+    assert calls[0] == calls[1] == list(range(10)), calls
+    assert [3] in calls[2:] and all(len(c) == 1 for c in calls[2:]), calls
+    # Published events of the rolled-back tries are gone; each invoice's event names the
+    # last message of its (one-element) list as its cause.
+    async with outbox.engine.connect() as conn:
+        rows = (
+            await conn.execute(
+                select(outbox.table.c.payload, outbox.table.c.headers).where(
+                    outbox.table.c.stream == orders + "_invoices"
+                )
+            )
+        ).all()
+
+    def loaded(value: Any) -> Any:  # JSON columns on PostgreSQL, text on SQLite
+        return value if isinstance(value, dict) else json.loads(value)
+
+    causes = sorted((loaded(p)["order_id"], loaded(hd)["causation-id"]) for p, hd in rows)
+    assert causes == [(i, f"m{i}") for i in range(10) if i != 3]
     await outbox.aclose()

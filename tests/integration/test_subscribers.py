@@ -4,6 +4,8 @@ inbox retention and the mistakes a declaration can make."""
 from __future__ import annotations
 
 import datetime as dt
+import json
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
@@ -19,9 +21,11 @@ from fastapi_outbox import (
     Message,
     Outbox,
     OutboxSettings,
+    PublishError,
     UnitOfWork,
 )
 from fastapi_outbox.brokers import MemoryBroker
+from fastapi_outbox.subscribers import BatchUnitOfWork
 from tests.conftest import asgi_client, unique, wait_until
 
 FAST = {
@@ -187,6 +191,40 @@ async def test_declaration_mistakes_are_refused_with_names(sqlite_url: str) -> N
     outbox.subscriber("shipments", group="g")(fine)
     with pytest.raises(ConfigurationError, match="two subscribers for stream 'shipments'"):
         outbox.subscriber("shipments", group="g")(fine)
+
+    async def batch(events: list[Shipped]) -> None:
+        pass
+
+    async def batch_of_ints(events: list[int]) -> None:
+        pass
+
+    with pytest.raises(ConfigurationError, match="not with ordered=True or batch=False"):
+        outbox.subscriber("shipments", group="b", ordered=True)(batch)
+    with pytest.raises(ConfigurationError, match="not with ordered=True or batch=False"):
+        outbox.subscriber("shipments", group="b", batch=False)(batch)
+    with pytest.raises(ConfigurationError, match="must be annotated with an Event subclass"):
+        outbox.subscriber("shipments", group="b")(batch_of_ints)
+    assert outbox.subscriber("shipments", group="b")(batch) is batch
+    assert outbox.subscribers[-1].batch_handler
+
+    async def batch_seq(events: Sequence[Shipped], uow: BatchUnitOfWork) -> None:
+        pass
+
+    outbox.subscriber("shipments", group="c")(batch_seq)
+    assert outbox.subscribers[-1].batch_handler
+    assert outbox.subscribers[-1]._uow_params == ["uow"]
+    await outbox.create_tables()
+    async with outbox.unit_of_work() as uow:
+        in_batch = BatchUnitOfWork(outbox, uow.session, causation_id="m1")
+        with pytest.raises(PublishError, match="invalid causation_id 'a b'"):
+            in_batch.publish(Shipped(order_id=1, step=1), causation_id="a b")
+        with pytest.raises(PublishError, match="invalid correlation_id 'a/b'"):
+            in_batch.publish(Shipped(order_id=1, step=1), correlation_id="a/b")
+        in_batch.publish(Shipped(order_id=1, step=1), causation_id="m0", key="k")
+        assert (in_batch.causation_id, in_batch.pending) == ("m1", 1)
+    async with outbox.engine.connect() as conn:
+        headers = (await conn.execute(select(outbox.table.c.headers))).scalar_one()
+    assert json.loads(headers)["causation-id"] == "m0"
     with pytest.raises(ConfigurationError, match="OUTBOX_CONSUMER_RETRY_MAX_DELAY_SECONDS"):
         OutboxSettings.from_env(consumer_retry_max_delay_seconds=100)
     with pytest.raises(ConfigurationError, match="OUTBOX_INBOX_RETENTION_SECONDS"):
