@@ -91,6 +91,12 @@ class Inbox:
             "SELECT $1, m, s, $4 FROM unnest($2::varchar[], $3::varchar[]) AS u(m, s) "
             'ON CONFLICT ("group", message_id) DO NOTHING RETURNING message_id'
         )
+        # The usual batch: every message from one stream (sent once, not once per row).
+        self._record_one_stream_sql = (
+            f'INSERT INTO "{table.name}" ("group", message_id, stream, handled_at) '
+            "SELECT $1, unnest($2::varchar[]), $3, $4 "
+            'ON CONFLICT ("group", message_id) DO NOTHING RETURNING message_id'
+        )
 
     async def create_table(self) -> None:
         await schema.create_table(self.engine, self.table)
@@ -126,10 +132,16 @@ class Inbox:
             # asyncpg one): that starts the session's transaction if it has not begun, so
             # the rows commit or roll back with the handlers' effects.
             connection = await session.connection()
-            result: Any = await connection.exec_driver_sql(
-                self._record_many_sql,
-                (group, [m for m, _ in messages], [s for _, s in messages], now),
-            )
+            stream = messages[0][1]
+            if all(s == stream for _, s in messages):
+                result: Any = await connection.exec_driver_sql(
+                    self._record_one_stream_sql, (group, [m for m, _ in messages], stream, now)
+                )
+            else:
+                result = await connection.exec_driver_sql(
+                    self._record_many_sql,
+                    (group, [m for m, _ in messages], [s for _, s in messages], now),
+                )
             return {r[0] for r in result}
         result = await session.execute(
             self._record.returning(self.table.c.message_id),
