@@ -438,7 +438,9 @@ class Subscriber:
                 f"{accepted})"
             )
         try:
-            return cls.model_validate_json(d.payload)
+            # The model's validator itself (what ``model_validate_json`` calls): half the cost
+            # per message without the Python wrapper.
+            return cls.__pydantic_validator__.validate_json(d.payload)
         except ValidationError as exc:
             raise _Undeliverable(
                 f"message {d.message_id} on {d.stream!r} is not a valid {d.type}: "
