@@ -231,6 +231,14 @@ def _harvest_added(uow: UnitOfWork, before: list[Any]) -> list[Any]:
     return new
 
 
+def _correlation_of(d: Delivery) -> str | None:
+    """The message's correlation id header when it is a valid one."""
+    correlation = d.headers.get(HEADER_CORRELATION_ID)
+    if correlation is not None and not valid_correlation_id(correlation):
+        return None
+    return correlation
+
+
 def _is_database_outage(exc: BaseException) -> bool:
     """The database could not be reached (not a fault of the message)."""
     from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
@@ -777,8 +785,9 @@ class Subscriber:
 
     async def _call_batch_handler(self, session: Any, items: list[tuple[Delivery, Any]]) -> None:
         """The batch handler on the new messages of a batch, in the batch's transaction."""
-        contexts = [self._context(d) for d, _ in items]
-        correlation, causation, traceparent = contexts[-1]
+        # Only the correlation ids per message; the rest from the last one.
+        correlation, causation, traceparent = self._context(items[-1][0])
+        correlations = [_correlation_of(d) for d, _ in items]
         uow = BatchUnitOfWork(
             self.outbox,
             session,
@@ -787,7 +796,7 @@ class Subscriber:
             traceparent=traceparent,
         )
         uow.message_ids = [d.message_id for d, _ in items]
-        uow.correlation_ids = [c for c, _, _ in contexts]
+        uow.correlation_ids = correlations
         uow._open()
         try:
             await self.handler([m for _, m in items], **{name: uow for name in self._uow_params})
@@ -797,12 +806,8 @@ class Subscriber:
 
     def _context(self, d: Delivery) -> tuple[str | None, str | None, str | None]:
         """(correlation id carried over, causation id = the message id, traceparent)."""
-        headers = d.headers
-        correlation = headers.get(HEADER_CORRELATION_ID)
-        if correlation is not None and not valid_correlation_id(correlation):
-            correlation = None
         causation = d.message_id if valid_correlation_id(d.message_id) else None
-        return correlation, causation, headers.get(HEADER_TRACEPARENT)
+        return _correlation_of(d), causation, d.headers.get(HEADER_TRACEPARENT)
 
     def _lock_for(self, key: str) -> anyio.Lock:
         lock, users = self._key_locks.get(key, (None, 0))
