@@ -137,8 +137,23 @@ class NatsJetStreamConsumer:
     async def _each(self, deliveries: Sequence[Delivery], method: str, **kwargs: Any) -> None:
         if not deliveries:
             return
+        # One after the other, not a task each: a JetStream ack / nak / in-progress is a
+        # publish into the client's write buffer, an await that does not wait on the
+        # server. Every delivery gets its call even when one fails; the first error is
+        # raised after.
+        error: BaseException | None = None
         async with self._calls():
-            await asyncio.gather(*(getattr(d.handle, method)(**kwargs) for d in deliveries))
+            for d in deliveries:
+                try:
+                    await getattr(d.handle, method)(**kwargs)
+                except Exception as exc:
+                    error = error or exc
+            # The client's flusher task, woken by the first of them, writes the buffer to
+            # the socket when this task yields: yield once so the calls leave now (as they
+            # did when gathered), not whenever this task next waits.
+            await asyncio.sleep(0)
+            if error is not None:
+                raise error
 
     async def ack(self, deliveries: Sequence[Delivery]) -> None:
         await self._each(deliveries, "ack")
