@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import functools
 import logging
 import os
 import random
@@ -101,38 +102,12 @@ class Processor(RelayLoop):
 
     async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         """Run the workers until :meth:`stop` (or cancellation)."""
-        self.running = True
-        first = anyio.Event()
-        started = False
+        workers = [functools.partial(self._worker, index) for index in range(self.settings.workers)]
         try:
-            async with anyio.create_task_group() as tg:
-                for index in range(self.settings.workers):
-                    tg.start_soon(self._worker, index, first)
-                # Ready once the first claim was attempted, whether or not the database
-                # answered: the app must start even when the database is down.
-                with anyio.move_on_after(self.settings.lease_seconds):
-                    await first.wait()
-                started = True
-                task_status.started()
-        except Exception as exc:
-            # A bug in a worker ends this processor only: raising would cancel the task
-            # group of the outbox and with it the app's lifespan. The health endpoint
-            # reports the dead processor (503) and the error.
-            self.last_error = f"processor crashed: {safe_error(exc)}"
-            logger.error(
-                "processor crashed",
-                extra={
-                    "action": "processor.crashed",
-                    "broker": self.broker_name,
-                    "error": self.last_error,
-                    "stack": stack(exc),
-                },
+            await self._supervise(
+                workers, task_status, name="processor", action="processor", broker=self.broker_name
             )
-            if not started:
-                task_status.started()
         finally:
-            self.running = False
-            self.stopped.set()
             logger.info(
                 "processor stopped", extra={"action": "processor.stop", "broker": self.broker_name}
             )

@@ -15,12 +15,13 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import anyio
 
 from fastapi_outbox import exceptions
-from fastapi_outbox.log import safe_error
+from fastapi_outbox.log import safe_error, stack
 from fastapi_outbox.notify import Wakeup
 from fastapi_outbox.settings import OutboxSettings
 
@@ -49,6 +50,49 @@ class RelayLoop:
         #: rather than being unreachable.
         self.broker_refusing = False
         self.last_error: str | None = None
+
+    async def _supervise(
+        self,
+        loops: Sequence[Callable[[anyio.Event], Coroutine[Any, Any, None]]],
+        task_status: Any,
+        *,
+        name: str,
+        action: str,
+        **extra: Any,
+    ) -> None:
+        """Run ``loops`` (each gets the ``first`` event) until they return. Ready once one
+        of them set ``first`` (its first database step was attempted, whether or not the
+        database answered: the app must start even when the database is down), or after
+        ``lease_seconds``. A bug in a loop ends this one only: raising would cancel the
+        outbox's task group and with it the app's lifespan; the health endpoint reports the
+        dead loop (503) and the error."""
+        self.running = True
+        first = anyio.Event()
+        started = False
+        try:
+            async with anyio.create_task_group() as tg:
+                for loop in loops:
+                    tg.start_soon(loop, first)
+                with anyio.move_on_after(self.settings.lease_seconds):
+                    await first.wait()
+                started = True
+                task_status.started()
+        except Exception as exc:
+            self.last_error = f"{name} crashed: {safe_error(exc)}"
+            logger.error(
+                f"{name} crashed",
+                extra={
+                    **extra,
+                    "action": f"{action}.crashed",
+                    "error": self.last_error,
+                    "stack": stack(exc),
+                },
+            )
+            if not started:
+                task_status.started()
+        finally:
+            self.running = False
+            self.stopped.set()
 
     @property
     def _db_bound(self) -> float:

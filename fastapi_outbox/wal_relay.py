@@ -128,33 +128,12 @@ class WalRelay(RelayLoop):
     async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         """Stand for election and, once elected, relay until :meth:`stop`. Ready once the
         first election was attempted (elected or not, database up or not)."""
-        self.running = True
-        first = anyio.Event()
-        started = False
         try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._loop, first)
-                with anyio.move_on_after(self.settings.lease_seconds):
-                    await first.wait()
-                started = True
-                task_status.started()
-        except Exception as exc:
-            self.last_error = f"relay crashed: {safe_error(exc)}"
-            logger.error(
-                "wal relay crashed",
-                extra={
-                    "action": "wal.crashed",
-                    "slot": self.slot.name,
-                    "error": self.last_error,
-                    "stack": stack(exc),
-                },
+            await self._supervise(
+                [self._loop], task_status, name="relay", action="wal", slot=self.slot.name
             )
-            if not started:
-                task_status.started()
         finally:
-            self.running = False
             self.leader = False
-            self.stopped.set()
 
     async def _loop(self, first: anyio.Event) -> None:
         delay = DB_BACKOFF_MIN_SECONDS
