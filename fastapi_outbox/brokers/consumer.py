@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 __all__ = [
@@ -44,6 +44,7 @@ DEAD_LETTER_ERROR = "dead-letter-error"
 DEAD_LETTER_GROUP = "dead-letter-group"
 DEAD_LETTER_ATTEMPTS = "dead-letter-attempts"
 DEAD_LETTER_STREAM = "dead-letter-stream"
+DEAD_LETTERED_AT = "dead-lettered-at"
 #: Longest error text kept in a dead letter.
 ERROR_MAX_CHARS = 2000
 
@@ -116,6 +117,28 @@ class DeadLetter:
     error: str
     attempts: int | None
     dead_lettered_at: dt.datetime | None
+
+    @classmethod
+    def from_headers(
+        cls,
+        entry_id: str,
+        message_id: str,
+        type: str,
+        headers: Mapping[str, str],
+        config: ConsumerConfig,
+    ) -> DeadLetter:
+        """A dead letter from the headers the consumer wrote when it moved the message."""
+        at = headers.get(DEAD_LETTERED_AT)
+        return cls(
+            entry_id=entry_id,
+            message_id=message_id,
+            type=type,
+            stream=headers.get(DEAD_LETTER_STREAM, config.stream),
+            group=config.group,
+            error=headers.get(DEAD_LETTER_ERROR, ""),
+            attempts=int(headers.get(DEAD_LETTER_ATTEMPTS, "0") or 0),
+            dead_lettered_at=dt.datetime.fromisoformat(at) if at else None,
+        )
 
 
 @runtime_checkable

@@ -145,7 +145,7 @@ class MemoryConsumer:
             consumer_mod.DEAD_LETTER_GROUP: self.config.group,
             consumer_mod.DEAD_LETTER_ATTEMPTS: str(delivery.attempt),
             consumer_mod.DEAD_LETTER_STREAM: delivery.stream,
-            "dead-lettered-at": dt.datetime.now(dt.UTC).isoformat(),
+            consumer_mod.DEAD_LETTERED_AT: dt.datetime.now(dt.UTC).isoformat(),
         }
         envelope = Envelope(
             str(uuid7()),
@@ -178,19 +178,7 @@ class MemoryConsumer:
         out = []
         for i, e in self._dead_entries()[:limit]:
             h = e.headers
-            at = h.get("dead-lettered-at")
-            out.append(
-                DeadLetter(
-                    entry_id=str(i),
-                    message_id=e.message_id,
-                    type=e.type,
-                    stream=h.get(consumer_mod.DEAD_LETTER_STREAM, self.config.stream),
-                    group=self.config.group,
-                    error=h.get(consumer_mod.DEAD_LETTER_ERROR, ""),
-                    attempts=int(h.get(consumer_mod.DEAD_LETTER_ATTEMPTS, "0") or 0),
-                    dead_lettered_at=dt.datetime.fromisoformat(at) if at else None,
-                )
-            )
+            out.append(DeadLetter.from_headers(str(i), e.message_id, e.type, h, self.config))
         return out
 
     async def count_dead_letters(self) -> int:
@@ -206,7 +194,7 @@ class MemoryConsumer:
             headers = {
                 k: v
                 for k, v in e.headers.items()
-                if not k.startswith("dead-letter") and k != "dead-lettered-at"
+                if not k.startswith("dead-letter") and k != consumer_mod.DEAD_LETTERED_AT
             }
             copy = Envelope(
                 str(uuid7()),

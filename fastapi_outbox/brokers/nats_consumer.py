@@ -176,7 +176,7 @@ class NatsJetStreamConsumer:
             consumer_mod.DEAD_LETTER_GROUP: self.config.group,
             consumer_mod.DEAD_LETTER_ATTEMPTS: str(delivery.attempt),
             consumer_mod.DEAD_LETTER_STREAM: self.config.stream,
-            "dead-lettered-at": dt.datetime.now(dt.UTC).isoformat(),
+            consumer_mod.DEAD_LETTERED_AT: dt.datetime.now(dt.UTC).isoformat(),
             MSG_ID_HEADER: f"dlq:{self.config.group}:{delivery.entry_id}",
         }
         if delivery.key is not None:
@@ -229,17 +229,9 @@ class NatsJetStreamConsumer:
         out = []
         for seq, raw in await self._dead_messages(limit):
             h = raw.headers or {}
-            at = h.get("dead-lettered-at")
             out.append(
-                DeadLetter(
-                    entry_id=seq,
-                    message_id=h.get(HEADER_MESSAGE_ID, ""),
-                    type=h.get(HEADER_TYPE, ""),
-                    stream=h.get(consumer_mod.DEAD_LETTER_STREAM, self.config.stream),
-                    group=self.config.group,
-                    error=h.get(consumer_mod.DEAD_LETTER_ERROR, ""),
-                    attempts=int(h.get(consumer_mod.DEAD_LETTER_ATTEMPTS, "0") or 0),
-                    dead_lettered_at=dt.datetime.fromisoformat(at) if at else None,
+                DeadLetter.from_headers(
+                    seq, h.get(HEADER_MESSAGE_ID, ""), h.get(HEADER_TYPE, ""), h, self.config
                 )
             )
         return out
