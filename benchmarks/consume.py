@@ -99,12 +99,20 @@ class Meter:
         self.total = total
         self.since: tuple[float, int] | None = (time.perf_counter(), 0) if warmup <= 0 else None
         self.until: tuple[float, int] | None = None
+        self.cpu = [time.process_time(), 0.0]
 
     def seen(self, done: int) -> None:
         if self.since is None and done >= self.warmup:
             self.since = (time.perf_counter(), done)
+            self.cpu[0] = time.process_time()
         if self.until is None and done >= self.total:
             self.until = (time.perf_counter(), done)
+            self.cpu[1] = time.process_time()
+
+    def cpu_us(self) -> float:
+        """This process's CPU time per message over the measured span, in µs."""
+        assert self.since is not None and self.until is not None
+        return 1e6 * (self.cpu[1] - self.cpu[0]) / (self.until[1] - self.since[1])
 
     def rate(self) -> float:
         assert self.since is not None and self.until is not None
@@ -219,6 +227,7 @@ async def run_library(
                     raise SystemExit(f"library: {sub.stats.handled}/{count} after timeout")
                 await asyncio.sleep(0.005)
             rate = meter.rate()
+            print(f"    cpu {meter.cpu_us():.2f} us/msg", flush=True)
     finally:
         await outbox.aclose()
     return rate
@@ -298,6 +307,7 @@ async def run_baseline_redis(
     meter = Meter(warmup, count)
     try:
         await asyncio.wait_for(asyncio.gather(*(loop(i) for i in range(loops))), TIMEOUT_SECONDS)
+        print(f"    cpu {meter.cpu_us():.2f} us/msg", flush=True)
         return meter.rate()
     finally:
         await client.aclose()
@@ -349,6 +359,7 @@ async def run_baseline_nats(
     meter = Meter(warmup, count)
     try:
         await asyncio.wait_for(asyncio.gather(*(loop(s) for s in subs)), TIMEOUT_SECONDS)
+        print(f"    cpu {meter.cpu_us():.2f} us/msg", flush=True)
         return meter.rate()
     finally:
         await nc.close()

@@ -86,16 +86,20 @@ class Inbox:
         self._record = dialect_insert(table).on_conflict_do_nothing(
             index_elements=[table.c.group, table.c.message_id]
         )
+        # The ids inserted come back as one array in one row (not a row each: a hundred
+        # result rows cost more than the statement).
         self._record_many_sql = (
-            f'INSERT INTO "{table.name}" ("group", message_id, stream, handled_at) '
+            f'WITH new AS (INSERT INTO "{table.name}" ("group", message_id, stream, handled_at) '
             "SELECT $1, m, s, $4 FROM unnest($2::varchar[], $3::varchar[]) AS u(m, s) "
-            'ON CONFLICT ("group", message_id) DO NOTHING RETURNING message_id'
+            'ON CONFLICT ("group", message_id) DO NOTHING RETURNING message_id) '
+            "SELECT array_agg(message_id) FROM new"
         )
         # The usual batch: every message from one stream (sent once, not once per row).
         self._record_one_stream_sql = (
-            f'INSERT INTO "{table.name}" ("group", message_id, stream, handled_at) '
+            f'WITH new AS (INSERT INTO "{table.name}" ("group", message_id, stream, handled_at) '
             "SELECT $1, unnest($2::varchar[]), $3, $4 "
-            'ON CONFLICT ("group", message_id) DO NOTHING RETURNING message_id'
+            'ON CONFLICT ("group", message_id) DO NOTHING RETURNING message_id) '
+            "SELECT array_agg(message_id) FROM new"
         )
 
     async def create_table(self) -> None:
@@ -119,11 +123,16 @@ class Inbox:
         return int(result.rowcount) == 1
 
     async def record_many(
-        self, session: AsyncSession, group: str, messages: list[tuple[str, str]]
+        self,
+        session: AsyncSession,
+        group: str,
+        message_ids: list[str],
+        streams: str | list[str],
     ) -> set[str]:
-        """Record ``(message_id, stream)`` pairs for ``group`` in one statement of the
-        session's transaction (a batch of a subscriber); returns the ids that are new."""
-        if not messages:
+        """Record ``message_ids`` (from ``streams``: one stream for all, or one per id) for
+        ``group`` in one statement of the session's transaction (a subscriber's batch);
+        returns the ids that are new. An id twice in the list is recorded once."""
+        if not message_ids:
             return set()
         now = dt.datetime.now(dt.UTC)
         if self.is_postgres and self.engine.dialect.driver == "asyncpg":
@@ -132,22 +141,23 @@ class Inbox:
             # asyncpg one): that starts the session's transaction if it has not begun, so
             # the rows commit or roll back with the handlers' effects.
             connection = await session.connection()
-            stream = messages[0][1]
-            if all(s == stream for _, s in messages):
-                result: Any = await connection.exec_driver_sql(
-                    self._record_one_stream_sql, (group, [m for m, _ in messages], stream, now)
+            result: Any
+            if isinstance(streams, str):
+                result = await connection.exec_driver_sql(
+                    self._record_one_stream_sql, (group, message_ids, streams, now)
                 )
             else:
                 result = await connection.exec_driver_sql(
-                    self._record_many_sql,
-                    (group, [m for m, _ in messages], [s for _, s in messages], now),
+                    self._record_many_sql, (group, message_ids, streams, now)
                 )
-            return {r[0] for r in result}
-        result = await session.execute(
+            return set(result.scalar() or ())
+        per_id = [streams] * len(message_ids) if isinstance(streams, str) else streams
+        rows = dict(zip(message_ids, per_id, strict=True))  # an id once: ON CONFLICT
+        result = await session.execute(  # cannot affect a row twice in one statement
             self._record.returning(self.table.c.message_id),
             [
                 {"group": group, "message_id": m, "stream": s, "handled_at": now}
-                for m, s in messages
+                for m, s in rows.items()
             ],
         )
         return set(result.scalars().all())

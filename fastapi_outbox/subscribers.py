@@ -130,7 +130,15 @@ class BatchUnitOfWork(UnitOfWork):
     exact one."""
 
     message_ids: list[str]
-    correlation_ids: list[str | None]
+    #: The deliveries of the list (their correlation ids are read when asked for).
+    _deliveries: list[Delivery]
+    _correlation_ids: list[str | None] | None = None
+
+    @property
+    def correlation_ids(self) -> list[str | None]:
+        if self._correlation_ids is None:
+            self._correlation_ids = [_correlation_of(d) for d in self._deliveries]
+        return self._correlation_ids
 
     def publish(
         self,
@@ -336,7 +344,7 @@ class Subscriber:
         self.paused_since: float | None = None
         self._stop: anyio.Event | None = None
         self.stopped: anyio.Event | None = None
-        self._inflight: dict[str, tuple[Delivery, float]] = {}
+        self._inflight: dict[str, Delivery] = {}
         self._slot_freed: anyio.Event | None = None
         self._key_locks: dict[str, tuple[anyio.Lock, int]] = {}
         self._rng = random.Random()
@@ -527,7 +535,7 @@ class Subscriber:
                     while self._inflight:
                         await self._wait_slot(1.0)
                 handlers.cancel_scope.cancel()
-            left = [d for d, _ in self._inflight.values()]
+            left = list(self._inflight.values())
             if left:
                 with anyio.CancelScope(shield=True), anyio.move_on_after(2.0):
                     try:
@@ -596,7 +604,8 @@ class Subscriber:
             self.paused_since = None
             now = time.monotonic()
             for d in batch:
-                self._inflight[d.entry_id] = (d, now)
+                d.fetched_at = now
+                self._inflight[d.entry_id] = d
             if self.batch and len(batch) > 1:
                 handlers.start_soon(self._handle_batch, batch)
             else:
@@ -621,7 +630,7 @@ class Subscriber:
         while True:
             await anyio.sleep(every)
             cutoff = time.monotonic() - every
-            old = [d for d, since in list(self._inflight.values()) if since <= cutoff]
+            old = [d for d in list(self._inflight.values()) if d.fetched_at <= cutoff]
             if old and self.consumer is not None:
                 try:
                     await self.consumer.touch(old)
@@ -653,7 +662,9 @@ class Subscriber:
         (its own transaction, retries, dead letter): one poison message costs its batch
         one extra pass, never an effect."""
         try:
-            todo: list[tuple[Delivery, Any]] = []
+            # Parallel lists (not a tuple per message: fewer objects for the collector).
+            todo: list[Delivery] = []
+            messages: list[Any] = []
             # A batch handler's redelivered messages go one by one: a poison message, back
             # for another attempt, does not fail a whole batch again.
             alone = 1 if self.batch_handler else self.max_attempts
@@ -662,16 +673,18 @@ class Subscriber:
                     await self._process(d, in_place=False)
                     continue
                 try:
-                    todo.append((d, self._decode(d)))
+                    messages.append(self._decode(d))
                 except (_Undeliverable, _NotForHandler):
                     await self._process(d, in_place=False)
+                else:
+                    todo.append(d)
             if not todo:
                 return
             try:
                 if self.batch_handler:
-                    new, duplicates = await self._run_batch_retrying(todo)
+                    new, duplicates = await self._run_batch_retrying(todo, messages)
                 else:
-                    new, duplicates = await self._run_batch(todo)
+                    new, duplicates = await self._run_batch(todo, messages)
             except Exception as exc:
                 logger.info(
                     "batch failed, handling its messages one by one",
@@ -679,15 +692,15 @@ class Subscriber:
                         "consumer.batch_failed", count=len(todo), error=repr(exc)[:200]
                     ),
                 )
-                for d, _ in todo:
+                for d in todo:
                     await self._process(d, in_place=False)
                 return
             self.stats.handled += new
             self.stats.duplicates += duplicates
             self.stats.last_handled_at = time.time()
             assert self.consumer is not None
-            try:
-                await self.consumer.ack([d for d, _ in todo])
+            try:  # the fetch loop fetches again at once (this batch frees its slots)
+                await self.consumer.ack_soon(todo)
             except Exception as exc:
                 logger.warning(
                     "ack failed; the messages will be redelivered and skipped",
@@ -698,14 +711,16 @@ class Subscriber:
                 self._inflight.pop(d.entry_id, None)
             self._free_slot()
 
-    async def _run_batch_retrying(self, todo: list[tuple[Delivery, Any]]) -> tuple[int, int]:
+    async def _run_batch_retrying(
+        self, todo: list[Delivery], messages: list[Any]
+    ) -> tuple[int, int]:
         """A batch handler's batch: retried as a whole with backoff (``BATCH_HANDLER_TRIES``
         tries; the database unreachable costs no try), then the last error is raised and
         the caller goes message by message."""
         tries = outages = 0
         while True:
             try:
-                return await self._run_batch(todo)
+                return await self._run_batch(todo, messages)
             except Exception as exc:
                 if _is_database_outage(exc) and not self.stopping:
                     outages += 1
@@ -732,26 +747,33 @@ class Subscriber:
                 )
                 await anyio.sleep(delay)
 
-    async def _run_batch(self, todo: list[tuple[Delivery, Any]]) -> tuple[int, int]:
-        """(handled, duplicates) of one batch transaction."""
+    async def _run_batch(self, todo: list[Delivery], messages: list[Any]) -> tuple[int, int]:
+        """(handled, duplicates) of one batch transaction (``messages[i]``: the decoded
+        message of ``todo[i]``)."""
         outbox = self.outbox
         session = outbox.session_factory()
         session.info[_BATCH_OPEN] = True
         ran: set[str] = set()
         before: list[Any] = []  # new objects on the session before the current handler
         try:
+            ids = [d.message_id for d in todo]
+            stream = todo[0].stream
+            same = all(d.stream == stream for d in todo)
             fresh = await outbox.inbox.record_many(
-                session, self.group, list(dict.fromkeys((d.message_id, d.stream) for d, _ in todo))
+                session, self.group, ids, stream if same else [d.stream for d in todo]
             )
             if self.batch_handler:
-                items = []
-                for d, message in todo:
-                    if d.message_id in fresh and d.message_id not in ran:
-                        ran.add(d.message_id)
-                        items.append((d, message))
-                if items:
-                    await self._call_batch_handler(session, items)
-            for d, message in [] if self.batch_handler else todo:
+                # The new messages, each once (a duplicate entry in the same batch too).
+                pick = []
+                for i, m in enumerate(ids):
+                    if m in fresh and m not in ran:
+                        ran.add(m)
+                        pick.append(i)
+                if pick:
+                    await self._call_batch_handler(
+                        session, [todo[i] for i in pick], [messages[i] for i in pick]
+                    )
+            for d, message in zip([] if self.batch_handler else todo, messages, strict=False):
                 if d.message_id not in fresh or d.message_id in ran:
                     continue
                 ran.add(d.message_id)
@@ -772,22 +794,24 @@ class Subscriber:
             del session.info[_BATCH_OPEN]
             await session.commit()
         except BaseException:
-            with anyio.CancelScope(shield=True):
-                await session.rollback()
-            raise
-        finally:
             session.info.pop(_BATCH_OPEN, None)
             with anyio.CancelScope(shield=True):
+                await session.rollback()
                 await session.close()
+            raise
+        # Committed: the connection went back to the pool with the transaction, so closing
+        # needs no shield.
+        await session.close()
         for _ in state_of(session.sync_session).take_notify():
             await outbox._notify_after_commit()
         return len(ran), len(todo) - len(ran)
 
-    async def _call_batch_handler(self, session: Any, items: list[tuple[Delivery, Any]]) -> None:
+    async def _call_batch_handler(
+        self, session: Any, deliveries: list[Delivery], messages: list[Any]
+    ) -> None:
         """The batch handler on the new messages of a batch, in the batch's transaction."""
-        # Only the correlation ids per message; the rest from the last one.
-        correlation, causation, traceparent = self._context(items[-1][0])
-        correlations = [_correlation_of(d) for d, _ in items]
+        # The context of the last message; the others' correlation ids when asked for.
+        correlation, causation, traceparent = self._context(deliveries[-1])
         uow = BatchUnitOfWork(
             self.outbox,
             session,
@@ -795,11 +819,11 @@ class Subscriber:
             causation_id=causation,
             traceparent=traceparent,
         )
-        uow.message_ids = [d.message_id for d, _ in items]
-        uow.correlation_ids = correlations
+        uow._deliveries = deliveries
+        uow.message_ids = [d.message_id for d in deliveries]
         uow._open()
         try:
-            await self.handler([m for _, m in items], **{name: uow for name in self._uow_params})
+            await self.handler(messages, **{name: uow for name in self._uow_params})
             _harvest_added(uow, [])
         finally:
             uow._close()
@@ -907,7 +931,7 @@ class Subscriber:
     async def _run_handler(self, d: Delivery, message: Any) -> bool:
         """One transaction: inbox row, then the handler; True when the message was new."""
         if self.batch_handler:  # a one-element list
-            new, _ = await self._run_batch([(d, message)])
+            new, _ = await self._run_batch([d], [message])
             return new > 0
         correlation, causation, traceparent = self._context(d)
         async with self.outbox.unit_of_work(

@@ -28,6 +28,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from pydantic_core import from_json
+
 __all__ = [
     "DEAD_LETTER_ERROR",
     "DEAD_LETTER_GROUP",
@@ -37,6 +39,7 @@ __all__ = [
     "DeadLetter",
     "Delivery",
     "dead_letter_name",
+    "parse_headers",
 ]
 
 #: Headers added to a dead letter (besides the original ones).
@@ -74,25 +77,82 @@ class ConsumerConfig:
     dead_letter_shared: bool = False
 
 
-@dataclasses.dataclass(slots=True)
-class Delivery:
-    """One delivery of a message to this consumer."""
+def parse_headers(raw: bytes | str | None) -> dict[str, str]:
+    """A JSON object of headers (the Redis ``headers`` field); {} when absent or invalid."""
+    if not raw:
+        return {}
+    try:  # pydantic-core's parser: one native call, ~4x faster than json.loads here
+        decoded = from_json(raw)
+    except ValueError:
+        return {}
+    return decoded if isinstance(decoded, dict) else {}
 
-    stream: str
-    #: The broker's handle of this entry: Redis entry id, NATS stream sequence.
-    entry_id: str
-    message_id: str
-    type: str
-    key: str | None
-    headers: dict[str, str]
-    payload: bytes
-    #: Delivery count from the broker (1 on the first delivery).
-    attempt: int
-    #: Broker object needed to ack it (the NATS ``Msg``).
-    handle: Any = None
+
+class Delivery:
+    """One delivery of a message to this consumer.
+
+    ``headers`` may be given parsed, or as the JSON text they came in (``raw_headers``),
+    parsed on first use: a batch handler that never reads them costs no parse and keeps
+    no dict per message."""
+
+    __slots__ = (
+        "_headers",
+        "attempt",
+        "entry_id",
+        "fetched_at",
+        "handle",
+        "key",
+        "message_id",
+        "payload",
+        "raw_headers",
+        "stream",
+        "type",
+    )
+
+    def __init__(
+        self,
+        *,
+        stream: str,
+        entry_id: str,
+        message_id: str,
+        type: str,
+        key: str | None,
+        payload: bytes,
+        attempt: int,
+        headers: dict[str, str] | None = None,
+        raw_headers: bytes | None = None,
+        handle: Any = None,
+    ) -> None:
+        self.stream = stream
+        #: The broker's handle of this entry: Redis entry id, NATS stream sequence.
+        self.entry_id = entry_id
+        self.message_id = message_id
+        self.type = type
+        self.key = key
+        self.payload = payload
+        #: Delivery count from the broker (1 on the first delivery).
+        self.attempt = attempt
+        self._headers = headers
+        self.raw_headers = raw_headers
+        #: Broker object needed to ack it (the NATS ``Msg``).
+        self.handle = handle
+        #: When the subscriber fetched it (``time.monotonic()``).
+        self.fetched_at = 0.0
+
+    @property
+    def headers(self) -> dict[str, str]:
+        if self._headers is None:
+            self._headers = parse_headers(self.raw_headers)
+        return self._headers
 
     def json(self) -> Any:
         return json.loads(self.payload)
+
+    def __repr__(self) -> str:
+        return (
+            f"Delivery(stream={self.stream!r}, entry_id={self.entry_id!r}, "
+            f"message_id={self.message_id!r}, type={self.type!r}, attempt={self.attempt})"
+        )
 
 
 @dataclasses.dataclass(slots=True)
@@ -155,6 +215,12 @@ class Consumer(Protocol):
 
     async def ack(self, deliveries: Sequence[Delivery]) -> None:
         """Acknowledge: the group is done with them."""
+
+    async def ack_soon(self, deliveries: Sequence[Delivery]) -> None:
+        """Acknowledge by the next ``fetch`` (which the caller's fetch loop is about to
+        make) where the transport can carry both in one round trip, else at once; what is
+        still waiting goes at ``aclose``. For callers that fetch again right away: a crash
+        before the ack went out means a redelivery, which the inbox skips."""
 
     async def retry(self, delivery: Delivery, delay: float) -> None:
         """Deliver ``delivery`` again (with its count raised) after ``delay`` seconds."""

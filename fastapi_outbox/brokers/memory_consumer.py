@@ -118,6 +118,9 @@ class MemoryConsumer:
         for d in deliveries:
             group.pending.pop(int(d.entry_id), None)
 
+    async def ack_soon(self, deliveries: Sequence[Delivery]) -> None:
+        await self.ack(deliveries)
+
     async def retry(self, delivery: Delivery, delay: float) -> None:
         self._group().retries.append((time.monotonic() + delay, int(delivery.entry_id)))
         self.broker._changed_now()

@@ -158,6 +158,9 @@ class NatsJetStreamConsumer:
     async def ack(self, deliveries: Sequence[Delivery]) -> None:
         await self._each(deliveries, "ack")
 
+    async def ack_soon(self, deliveries: Sequence[Delivery]) -> None:
+        await self.ack(deliveries)
+
     async def retry(self, delivery: Delivery, delay: float) -> None:
         await self._each([delivery], "nak", delay=delay)
 

@@ -16,6 +16,7 @@ import os
 import signal
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import String
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -76,16 +77,20 @@ async def apply(tick: Tick, uow: UnitOfWork) -> None:
 
 
 def _kill_between_commit_and_ack(consumer_class: type) -> None:
-    real_ack = consumer_class.ack
+    """Wrap ``ack`` and ``ack_soon`` (the batch path's): SIGKILL before the ack is sent."""
 
-    async def ack(self: object, deliveries: Sequence[Delivery]) -> None:
-        for d in deliveries:
-            n = json.loads(d.payload).get("n")
-            if n in KILL_AFTER_COMMIT:
-                kill_once("after", n)
-        await real_ack(self, deliveries)
+    def wrap(real: Any) -> Any:
+        async def ack(self: object, deliveries: Sequence[Delivery]) -> None:
+            for d in deliveries:
+                n = json.loads(d.payload).get("n")
+                if n in KILL_AFTER_COMMIT:
+                    kill_once("after", n)
+            await real(self, deliveries)
 
-    consumer_class.ack = ack
+        return ack
+
+    consumer_class.ack = wrap(consumer_class.ack)
+    consumer_class.ack_soon = wrap(consumer_class.ack_soon)
 
 
 if KILL_AFTER_COMMIT:

@@ -145,3 +145,55 @@ async def test_frozen_nats_ten_times(pg_url: str, private_nats: Server) -> None:
             exactly_once(committed, await nats_ids(private_nats.url, stream))
     finally:
         await outbox.aclose()
+
+
+async def test_frozen_redis_under_a_subscriber(pg_url: str, private_redis: Server) -> None:
+    """The fetch loop's reader has no socket timeout of its own (see ``redis_consumer``):
+    its reads are bounded by the consumer. Frozen while idle in a blocking read, the
+    subscriber pauses, then handles what comes after the resume; its connections do not
+    pile up."""
+    import redis.asyncio as aioredis
+
+    stream = unique("ticks")
+    broker = RedisStreamsBroker(private_redis.url, socket_timeout=PUBLISH_TIMEOUT)
+    outbox = Outbox(pg_url, brokers={"default": broker}, settings=OutboxSettings(**SETTINGS))
+    await outbox.create_tables()
+    handled: list[str] = []
+
+    @outbox.subscriber(stream, group="g", start="all")
+    async def handle(message: Message) -> None:
+        handled.append(str(message.payload["n"]))
+
+    sub = outbox.subscribers[0]
+    probe = aioredis.Redis.from_url(private_redis.url)
+
+    async def send(n: int) -> None:
+        await probe.xadd(stream, {"id": f"m-{n}", "type": "Tick", "payload": f'{{"n": {n}}}'})
+
+    async def clients() -> int:
+        return len(await probe.client_list())
+
+    try:
+        async with outbox.dispatcher():
+            await send(0)
+            await wait_until(lambda: handled == ["0"], timeout=10)
+            before = await clients()
+            for cycle in range(1, 4):
+                private_redis.freeze()
+                try:
+                    # Idle: the reader waits in a blocking XREADGROUP (1 s) when it froze.
+                    await wait_until(lambda: sub.broker_ok is False, timeout=10)
+                finally:
+                    private_redis.thaw()
+                resumed = time.monotonic()
+                await send(cycle)
+                await wait_until(
+                    lambda: str(cycle) in handled,  # noqa: B023
+                    timeout=RECOVERY_BOUND_SECONDS + 5,
+                )
+                print(f"cycle {cycle}: handled {time.monotonic() - resumed:.2f}s after resume")
+            assert handled == ["0", "1", "2", "3"]
+            assert await clients() <= before + 2
+    finally:
+        await probe.aclose()
+        await outbox.aclose()

@@ -1,0 +1,115 @@
+"""The Redis consumer's round-trip savings keep its promises.
+
+``ack_soon`` (what a subscriber's batch uses) lets the XACK ride with the fetch loop's next
+XREADGROUP: the entries must still leave the pending entries list — with that read, at
+close, at once while a read is blocked waiting — and a read that fails must not lose them.
+The fetch loop's own connection has no socket timeout (redis-py would send each command in
+a task of its own); its reads are bounded by the consumer instead.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import pytest
+
+from fastapi_outbox import exceptions
+from fastapi_outbox.brokers import RedisStreamsBroker
+from fastapi_outbox.brokers.consumer import ConsumerConfig
+from fastapi_outbox.brokers.redis_consumer import RedisStreamsConsumer
+from tests.conftest import unique, wait_until
+
+pytestmark = pytest.mark.redis
+
+
+@pytest.fixture
+async def setup(redis_url: str) -> AsyncIterator[tuple[Any, RedisStreamsConsumer, str]]:
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis.from_url(redis_url)
+    stream = unique("acks")
+    broker = RedisStreamsBroker(redis_url)
+    consumer = broker.consumer(
+        ConsumerConfig(
+            stream=stream,
+            group="g",
+            consumer_name="me",
+            dead_letter=f"{stream}.dlq",
+            claim_idle_seconds=30,
+            max_attempts=3,
+            start="all",
+        )
+    )
+    await consumer.setup()
+    try:
+        yield client, consumer, stream
+    finally:
+        await consumer.aclose()
+        await broker.aclose()
+        await client.delete(stream, f"{stream}.dlq")
+        await client.aclose()
+
+
+async def add(client: Any, stream: str, n: int) -> None:
+    for i in range(n):
+        await client.xadd(
+            stream,
+            {"id": f"m-{i}", "type": "T", "key": "", "headers": "{}", "payload": json.dumps(i)},
+        )
+
+
+async def pending(client: Any, stream: str) -> int:
+    return int((await client.xpending(stream, "g"))["pending"])
+
+
+async def test_ack_soon_rides_with_the_next_read(setup: Any) -> None:
+    client, consumer, stream = setup
+    await add(client, stream, 3)
+    got = await consumer.fetch(10, 0.5)
+    assert [d.message_id for d in got] == ["m-0", "m-1", "m-2"]
+    await consumer.ack_soon(got[:2])
+    assert await pending(client, stream) == 3  # waiting for the next read
+    assert await consumer.fetch(10, 0.0) == []  # nothing new; the XACK went with it
+    assert await pending(client, stream) == 1
+    await consumer.ack(got[2:])  # a plain ack goes at once
+    assert await pending(client, stream) == 0
+
+
+async def test_ack_soon_is_sent_at_close(setup: Any) -> None:
+    client, consumer, stream = setup
+    await add(client, stream, 2)
+    got = await consumer.fetch(10, 0.5)
+    await consumer.ack_soon(got)
+    assert await pending(client, stream) == 2
+    await consumer.aclose()
+    assert await pending(client, stream) == 0
+
+
+async def test_ack_soon_during_a_blocked_read_goes_at_once(setup: Any) -> None:
+    client, consumer, stream = setup
+    await add(client, stream, 2)
+    got = await consumer.fetch(10, 0.5)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(consumer.fetch, 10, 3.0)  # blocks: nothing new
+        await wait_until(lambda: consumer._blocked, timeout=5)
+        await consumer.ack_soon(got)
+        assert await pending(client, stream) == 0  # not held until the read ends
+        await add(client, stream, 1)  # ends the blocked read
+    assert await pending(client, stream) == 1
+
+
+async def test_acks_of_a_failed_read_go_with_the_next_one(setup: Any) -> None:
+    client, consumer, stream = setup
+    await add(client, stream, 2)
+    got = await consumer.fetch(10, 0.5)
+    await consumer.ack_soon(got)
+    # The reader's connection is killed by the server: the read carrying the acks fails.
+    await client.client_kill_filter(_type="normal", skipme=True)
+    with pytest.raises(exceptions.BrokerUnavailable):
+        await consumer.fetch(10, 0.0)
+    assert await pending(client, stream) == 2
+    assert await consumer.fetch(10, 0.0) == []
+    assert await pending(client, stream) == 0
