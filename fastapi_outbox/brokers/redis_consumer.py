@@ -144,10 +144,14 @@ class RedisStreamsConsumer:
             import redis.asyncio as aioredis
 
             pool = client.connection_pool
+            kwargs = {
+                k: v
+                for k, v in pool.connection_kwargs.items()
+                if k != "maint_notifications_pool_handler"  # the other pool's; one of its own
+            }
+            kwargs.update(socket_timeout=None, orig_socket_timeout=None)
             own = aioredis.ConnectionPool(
-                connection_class=pool.connection_class,
-                max_connections=4,
-                **{**pool.connection_kwargs, "socket_timeout": None},
+                connection_class=pool.connection_class, max_connections=4, **kwargs
             )
             reader = aioredis.Redis(connection_pool=own)
             reader.set_response_callback("XREADGROUP", _raw)
