@@ -22,16 +22,16 @@ library's own broker ``publish``), then drains it into PostgreSQL:
   ``AsyncSession`` with the effects as ORM objects (``session.add_all``), as the library's
   handler writes them: the ratio against it is the library's own overhead.
 
-Each side first handles ``--warmup`` messages (default 2,000) of the stream; rate = the
+Each side first handles ``--warmup`` messages (default 5,000) of the stream; rate = the
 N messages after them / the time they took — every side in its steady state (the library
 builds its ``Outbox`` per round: its pool, prepared statements and type caches are cold at
 first, while the baseline's asyncpg pool lives through the whole run). Rounds alternate
 (A B C, C B A, …); the table prints medians and the ratios library / baseline.
 
-    python benchmarks/consume.py              # N=20,000, 3 rounds per broker
+    python benchmarks/consume.py              # N=100,000, 3 rounds per broker
     python benchmarks/consume.py --concurrency 4   # as many handlers as baseline loops
     python benchmarks/consume.py --sides library_arrays,baseline
-    python benchmarks/consume.py --quick      # N=3,000, 2 rounds
+    python benchmarks/consume.py --quick      # N=5,000, 2 rounds
     python benchmarks/consume.py --brokers redis
 """
 
@@ -110,7 +110,8 @@ class Meter:
             self.cpu[1] = time.process_time()
 
     def cpu_us(self) -> float:
-        """This process's CPU time per message over the measured span, in µs."""
+        """This process's CPU time (``time.process_time``) per message over the measured
+        span, in µs: the library's own cost, less noisy than the rate on a shared machine."""
         assert self.since is not None and self.until is not None
         return 1e6 * (self.cpu[1] - self.cpu[0]) / (self.until[1] - self.since[1])
 
@@ -179,7 +180,7 @@ async def run_library(
     batch: str = "",
     concurrency: int = 16,
     warmup: int = 0,
-) -> float:
+) -> tuple[float, float]:
     outbox = Outbox(
         db_url,
         brokers={"default": broker_from_url(url)},
@@ -226,11 +227,10 @@ async def run_library(
                 if time.perf_counter() > deadline:
                     raise SystemExit(f"library: {sub.stats.handled}/{count} after timeout")
                 await asyncio.sleep(0.005)
-            rate = meter.rate()
-            print(f"    cpu {meter.cpu_us():.2f} us/msg", flush=True)
+            measured = meter.rate(), meter.cpu_us()
     finally:
         await outbox.aclose()
-    return rate
+    return measured
 
 
 _BULK_EFFECTS = text(
@@ -307,8 +307,7 @@ async def run_baseline_redis(
     meter = Meter(warmup, count)
     try:
         await asyncio.wait_for(asyncio.gather(*(loop(i) for i in range(loops))), TIMEOUT_SECONDS)
-        print(f"    cpu {meter.cpu_us():.2f} us/msg", flush=True)
-        return meter.rate()
+        return meter.rate(), meter.cpu_us()
     finally:
         await client.aclose()
 
@@ -359,15 +358,14 @@ async def run_baseline_nats(
     meter = Meter(warmup, count)
     try:
         await asyncio.wait_for(asyncio.gather(*(loop(s) for s in subs)), TIMEOUT_SECONDS)
-        print(f"    cpu {meter.cpu_us():.2f} us/msg", flush=True)
-        return meter.rate()
+        return meter.rate(), meter.cpu_us()
     finally:
         await nc.close()
 
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="N=3,000, 2 rounds")
+    parser.add_argument("--quick", action="store_true", help="N=5,000, 2 rounds")
     parser.add_argument("--messages", type=int, help="messages per round")
     parser.add_argument("--rounds", type=int, help="rounds per broker and side")
     parser.add_argument("--loops", type=int, default=4, help="baseline's concurrent loops")
@@ -375,7 +373,7 @@ async def main() -> None:
     parser.add_argument(
         "--warmup",
         type=int,
-        default=2_000,
+        default=5_000,
         help="messages handled before the clock starts, on every side (0: from the start)",
     )
     parser.add_argument(
@@ -387,7 +385,7 @@ async def main() -> None:
         help=f"which consumers run, among {','.join(SIDES)} (ratios need them)",
     )
     args = parser.parse_args()
-    count = args.messages or (3_000 if args.quick else 20_000)
+    count = args.messages or (5_000 if args.quick else 100_000)
     rounds = args.rounds or (2 if args.quick else 3)
     urls = {"redis": loopback(REDIS_URL), "nats": loopback(NATS_URL)}
     import asyncpg
@@ -396,7 +394,8 @@ async def main() -> None:
         f"consume: {count} messages per round after a warm-up of {args.warmup}, {rounds} rounds "
         f"per side, library concurrency {args.concurrency} — {machine_note()}"
     )
-    rows = []
+    rows: list[list[str]] = []
+    cpu_rows: list[list[str]] = []
     async with bench_database("consume") as db_url:
         setup = await asyncpg.connect(asyncpg_dsn(db_url))
         await setup.execute(
@@ -418,6 +417,7 @@ async def main() -> None:
             for kind in args.brokers.split(","):
                 url = urls[kind]
                 rates: dict[str, list[float]] = {side: [] for side in sides}
+                cpus: dict[str, list[float]] = {side: [] for side in sides}
                 for r in range(rounds):
                     order = sides if r % 2 == 0 else sides[::-1]
                     for side in order:
@@ -427,7 +427,7 @@ async def main() -> None:
                         await fill(url, stream, total)
                         try:
                             if side.startswith("library"):
-                                rate = await run_library(
+                                rate, cpu = await run_library(
                                     db_url,
                                     url,
                                     stream,
@@ -437,19 +437,25 @@ async def main() -> None:
                                     warmup=args.warmup,
                                 )
                             elif kind == "redis":
-                                rate = await run_baseline_redis(
+                                rate, cpu = await run_baseline_redis(
                                     pool, url, stream, total, args.loops, store, args.warmup
                                 )
                             else:
-                                rate = await run_baseline_nats(
+                                rate, cpu = await run_baseline_nats(
                                     pool, url, stream, total, args.loops, store, args.warmup
                                 )
                         finally:
                             await cleanup(kind, url, stream)
                         rates[side].append(rate)
-                        print(f"  {kind} round {r + 1} {side}: {fmt(rate)} msg/s", flush=True)
+                        cpus[side].append(cpu)
+                        print(
+                            f"  {kind} round {r + 1} {side}: {fmt(rate)} msg/s, "
+                            f"{cpu:.1f} µs of this process's CPU per message",
+                            flush=True,
+                        )
                 med = {side: median(r) if r else None for side, r in rates.items()}
                 rows += _rows(kind, med)
+                cpu_rows += [[kind, side, f"{median(c):.1f}"] for side, c in cpus.items() if c]
         finally:
             await pool.close()
             await orm_engine.dispose()
@@ -464,6 +470,11 @@ async def main() -> None:
         "ratio",
     ]
     print(table(headers, rows))
+    print()
+    print(
+        "CPU of this process per message handled (medians; PostgreSQL and the broker not counted):"
+    )
+    print(table(["broker", "side", "µs/msg"], cpu_rows))
 
 
 def _rows(kind: str, med: dict[str, float | None]) -> list[list[str]]:
