@@ -7,7 +7,7 @@ library's own broker ``publish``), then drains it into PostgreSQL:
 * **library** (per message): ``Outbox`` + ``@outbox.subscriber(stream, group=…,
   start="all")`` whose handler adds one ORM object per message (``session.add(Effect(…))``);
   default settings (batch transactions, ``consumer_batch_size=100``), ``consumer_concurrency``
-  from ``--concurrency`` (default 16, the library's default);
+  from ``--concurrency`` (default: the library's default, 8);
 * **library_insert** / **library_arrays**: a batch handler (``ticks: list[Tick]``) writing
   the batch's effects in one statement: ``session.execute(insert(Effect), [dicts])``
   (executemany), or ``INSERT … SELECT unnest(:ns, :ids)`` (the baseline's statement);
@@ -178,7 +178,7 @@ async def run_library(
     stream: str,
     count: int,
     batch: str = "",
-    concurrency: int = 16,
+    concurrency: int = 8,
     warmup: int = 0,
 ) -> tuple[float, float]:
     outbox = Outbox(
@@ -377,7 +377,10 @@ async def main() -> None:
         help="messages handled before the clock starts, on every side (0: from the start)",
     )
     parser.add_argument(
-        "--concurrency", type=int, default=16, help="library's consumer_concurrency"
+        "--concurrency",
+        type=int,
+        default=OutboxSettings().consumer_concurrency,
+        help="library's consumer_concurrency (default: the library's default)",
     )
     parser.add_argument(
         "--sides",

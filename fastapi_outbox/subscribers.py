@@ -44,6 +44,7 @@ import datetime as dt
 import inspect
 import json
 import logging
+import math
 import random
 import time
 import types
@@ -54,6 +55,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from pydantic import BaseModel, Field, ValidationError
 from sqlalchemy import event as sa_event
 from sqlalchemy.orm import Session
@@ -526,10 +528,16 @@ class Subscriber:
         self.consumer = consumer = self.make_consumer()
         self.running = True
         task_status.started()
+        # Work for the handler tasks: a fetched batch, or one delivery. A fixed set of
+        # ``concurrency`` tasks takes it (anyio spawns a task in ~25 µs, an item passes
+        # through the stream in ~2.5 µs).
+        send, receive = anyio.create_memory_object_stream[tuple[Handler, Any]](math.inf)
         try:
-            async with anyio.create_task_group() as handlers:
+            async with anyio.create_task_group() as handlers, send, receive:
                 handlers.start_soon(self._heartbeat)
-                await self._fetch_loop(consumer, handlers)
+                for _ in range(self.concurrency):
+                    handlers.start_soon(self._worker, receive)
+                await self._fetch_loop(consumer, send)
                 budget = self.outbox.settings.shutdown_timeout_seconds * DRAIN_SHARE
                 with anyio.move_on_after(budget):
                     while self._inflight:
@@ -569,7 +577,13 @@ class Subscriber:
         self._slot_freed.set()
         self._slot_freed = anyio.Event()
 
-    async def _fetch_loop(self, consumer: Consumer, handlers: anyio.abc.TaskGroup) -> None:
+    async def _worker(self, work: MemoryObjectReceiveStream[tuple[Handler, Any]]) -> None:
+        async for handle, item in work:
+            await handle(item)
+
+    async def _fetch_loop(
+        self, consumer: Consumer, work: MemoryObjectSendStream[tuple[Handler, Any]]
+    ) -> None:
         assert self._stop is not None
         stop = self._stop
         set_up = False
@@ -607,10 +621,10 @@ class Subscriber:
                 d.fetched_at = now
                 self._inflight[d.entry_id] = d
             if self.batch and len(batch) > 1:
-                handlers.start_soon(self._handle_batch, batch)
+                work.send_nowait((self._handle_batch, batch))
             else:
                 for d in batch:
-                    handlers.start_soon(self._handle, d)
+                    work.send_nowait((self._handle, d))
 
     async def _paused(self, exc: BaseException, failures: int, stop: anyio.Event) -> None:
         if self.broker_ok is not False:
@@ -762,7 +776,10 @@ class Subscriber:
             fresh = await outbox.inbox.record_many(
                 session, self.group, ids, stream if same else [d.stream for d in todo]
             )
-            if self.batch_handler:
+            if self.batch_handler and len(fresh) == len(ids):  # all new, each once
+                ran = fresh
+                await self._call_batch_handler(session, todo, messages)
+            elif self.batch_handler:
                 # The new messages, each once (a duplicate entry in the same batch too).
                 pick = []
                 for i, m in enumerate(ids):

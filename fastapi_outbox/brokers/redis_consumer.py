@@ -59,6 +59,10 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+#: The fields of an entry, in the order the publish script writes them.
+_PUBLISHED_FIELDS = [b"id", b"type", b"key", b"headers", b"payload"]
+
+
 def _raw(response: Any, **_options: Any) -> Any:
     """Response callback that keeps the reply as the parser built it."""
     return response
@@ -166,6 +170,19 @@ class RedisStreamsConsumer:
 
     def _delivery(self, entry_id: Any, fields: Any, attempt: int) -> Delivery:
         if isinstance(fields, list):  # a raw reply's flat [field, value, …]
+            if fields[::2] == _PUBLISHED_FIELDS:  # as the publish script writes them
+                message_id, type_, key, raw_headers, payload = fields[1::2]
+                if message_id and type_ and isinstance(payload, bytes):
+                    return Delivery(
+                        stream=self.config.stream,
+                        entry_id=entry_id.decode(),
+                        message_id=message_id.decode(),
+                        type=type_.decode(),
+                        key=key.decode() if key else None,
+                        raw_headers=raw_headers,
+                        payload=payload,
+                        attempt=attempt,
+                    )
             pairs = iter(fields)
             fields = dict(zip(pairs, pairs, strict=True))
         get = fields.get  # bytes keys (the client does not decode responses)
