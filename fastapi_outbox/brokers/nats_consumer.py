@@ -181,7 +181,20 @@ class NatsJetStreamConsumer:
                 raise error
 
     async def ack(self, deliveries: Sequence[Delivery]) -> None:
-        await self._each(deliveries, "ack")
+        raw = self.broker._raw
+        if raw is None or not deliveries:
+            await self._each(deliveries, "ack")
+            return
+        # An ack is an empty publish to the message's reply subject: the batch's ``PUB``
+        # commands go into nats-py's command buffer as they are (as the publish side
+        # writes its ``HPUB`` commands), one flush for all, without ``Msg.ack``'s
+        # ``Client.publish`` per message.
+        send, flush = raw
+        async with self._calls():
+            for d in deliveries:
+                await send(b"PUB %b 0\r\n\r\n" % d.handle.reply.encode())
+            await flush()
+            await asyncio.sleep(0)  # the flusher writes them before this returns
 
     async def ack_soon(self, deliveries: Sequence[Delivery]) -> None:
         await self.ack(deliveries)
