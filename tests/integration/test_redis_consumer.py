@@ -61,14 +61,21 @@ async def add(client: Any, stream: str, n: int) -> None:
         )
 
 
+async def fetched(client: Any, consumer: RedisStreamsConsumer, stream: str, n: int) -> list[Any]:
+    """Add ``n`` entries and fetch them."""
+    await add(client, stream, n)
+    got = await consumer.fetch(10, 0.5)
+    assert len(got) == n
+    return got
+
+
 async def pending(client: Any, stream: str) -> int:
     return int((await client.xpending(stream, "g"))["pending"])
 
 
 async def test_ack_soon_rides_with_the_next_read(setup: Any) -> None:
     client, consumer, stream = setup
-    await add(client, stream, 3)
-    got = await consumer.fetch(10, 0.5)
+    got = await fetched(client, consumer, stream, 3)
     assert [d.message_id for d in got] == ["m-0", "m-1", "m-2"]
     await consumer.ack_soon(got[:2])
     assert await pending(client, stream) == 3  # waiting for the next read
@@ -80,8 +87,7 @@ async def test_ack_soon_rides_with_the_next_read(setup: Any) -> None:
 
 async def test_ack_soon_is_sent_at_close(setup: Any) -> None:
     client, consumer, stream = setup
-    await add(client, stream, 2)
-    got = await consumer.fetch(10, 0.5)
+    got = await fetched(client, consumer, stream, 2)
     await consumer.ack_soon(got)
     assert await pending(client, stream) == 2
     await consumer.aclose()
@@ -90,8 +96,7 @@ async def test_ack_soon_is_sent_at_close(setup: Any) -> None:
 
 async def test_ack_soon_during_a_blocked_read_goes_at_once(setup: Any) -> None:
     client, consumer, stream = setup
-    await add(client, stream, 2)
-    got = await consumer.fetch(10, 0.5)
+    got = await fetched(client, consumer, stream, 2)
     async with anyio.create_task_group() as tg:
         tg.start_soon(consumer.fetch, 10, 3.0)  # blocks: nothing new
         await wait_until(lambda: consumer._blocked, timeout=5)
@@ -103,8 +108,7 @@ async def test_ack_soon_during_a_blocked_read_goes_at_once(setup: Any) -> None:
 
 async def test_acks_of_a_failed_read_go_with_the_next_one(setup: Any) -> None:
     client, consumer, stream = setup
-    await add(client, stream, 2)
-    got = await consumer.fetch(10, 0.5)
+    got = await fetched(client, consumer, stream, 2)
     await consumer.ack_soon(got)
     # The reader's connection is killed by the server: the read carrying the acks fails.
     await client.client_kill_filter(_type="normal", skipme=True)
