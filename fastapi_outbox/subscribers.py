@@ -533,7 +533,9 @@ class Subscriber:
         # through the stream in ~2.5 µs).
         send, receive = anyio.create_memory_object_stream[tuple[Handler, Any]](math.inf)
         try:
-            async with anyio.create_task_group() as handlers, send, receive:
+            # The streams close after the task group is done with them (not under workers
+            # still waiting on them when the fetch loop fails).
+            async with send, receive, anyio.create_task_group() as handlers:
                 handlers.start_soon(self._heartbeat)
                 for _ in range(self.concurrency):
                     handlers.start_soon(self._worker, receive)

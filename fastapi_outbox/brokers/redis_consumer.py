@@ -185,18 +185,20 @@ class RedisStreamsConsumer:
                     )
             pairs = iter(fields)
             fields = dict(zip(pairs, pairs, strict=True))
-        get = fields.get  # bytes keys (the client does not decode responses)
-        entry = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
-        raw_headers = get(b"headers")
-        message_id = get(b"id")
-        type_ = get(b"type")
+        # Field names as text: bytes from our clients, str from a client the application
+        # made with decode_responses=True.
+        get = {_text(k): v for k, v in fields.items()}.get
+        entry = _text(entry_id)
+        raw_headers = get("headers")
+        message_id = get("id")
+        type_ = get("type")
         headers = None
         if not message_id or not type_:  # not written by our publisher: from the headers
             headers = parse_headers(raw_headers)
             message_id = message_id or headers.get("message-id") or entry
             type_ = type_ or headers.get("type") or ""
-        payload = get(b"payload", b"")
-        key = get(b"key")
+        payload = get("payload", b"")
+        key = get("key")
         return Delivery(
             stream=self.config.stream,
             entry_id=entry,
