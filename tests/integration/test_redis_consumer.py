@@ -117,3 +117,34 @@ async def test_acks_of_a_failed_read_go_with_the_next_one(setup: Any) -> None:
     assert await pending(client, stream) == 2
     assert await consumer.fetch(10, 0.0) == []
     assert await pending(client, stream) == 0
+
+
+async def test_a_client_that_decodes_responses(redis_url: str) -> None:
+    """A broker on the application's own client made with ``decode_responses=True``:
+    deliveries still carry the message id and type (field names come back as text)."""
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    stream = unique("decoded")
+    broker = RedisStreamsBroker(redis_url, client=client)
+    consumer = broker.consumer(
+        ConsumerConfig(
+            stream=stream,
+            group="g",
+            consumer_name="me",
+            dead_letter=f"{stream}.dlq",
+            claim_idle_seconds=30,
+            max_attempts=3,
+            start="all",
+        )
+    )
+    try:
+        await consumer.setup()
+        got = await fetched(client, consumer, stream, 2)
+        assert [(d.message_id, d.type, d.json()) for d in got] == [("m-0", "T", 0), ("m-1", "T", 1)]
+        await consumer.ack(got)
+        assert await pending(client, stream) == 0
+    finally:
+        await consumer.aclose()
+        await client.delete(stream)
+        await client.aclose()
