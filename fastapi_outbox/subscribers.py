@@ -27,7 +27,8 @@ Failures:
   every time) is dead-lettered without running the handler;
 * the broker unreachable or refusing → the subscriber pauses with backoff, no attempt is
   charged; the database unreachable → the message is retried in place (touched so no
-  other consumer takes it), no attempt is charged.
+  other consumer takes it), no attempt is charged. A connection error of the handler's
+  own (an ``OSError`` while the database answers) is a handler failure like any other.
 
 ``ordered=True``: messages of one key are handled one at a time in stream order (a failing
 one is retried in place, holding back later messages of its key only).
@@ -95,6 +96,9 @@ __all__ = [
 DEAD_LETTER_TEMPLATE = "{stream}.{group}.dlq"
 #: Longest wait of one fetch: bounds how long a stop waits for the fetch loop.
 FETCH_TIMEOUT_SECONDS = 1.0
+#: Longest wait for the database's answer when telling an outage from a handler's own
+#: connection error.
+DATABASE_PING_SECONDS = 5.0
 #: Backoff of a paused subscriber (broker or database unreachable).
 PAUSE_MIN_SECONDS = 0.2
 PAUSE_MAX_SECONDS = 10.0
@@ -249,15 +253,28 @@ def _correlation_of(d: Delivery) -> str | None:
     return correlation
 
 
-def _is_database_outage(exc: BaseException) -> bool:
-    """The database could not be reached (not a fault of the message)."""
+async def _is_database_outage(exc: BaseException, engine: Any) -> bool:
+    """The database could not be reached (not a fault of the message): SQLAlchemy's
+    connection errors, or an ``OSError`` (asyncpg raises the socket's own when it cannot
+    connect) while the database does not answer ``SELECT 1`` either. An ``OSError`` of the
+    handler's own — a partner's API refusing the connection, a timeout — while the
+    database answers is the handler's failure: retried with backoff and dead-lettered,
+    not waited on forever."""
     from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
-    if isinstance(exc, OSError | ConnectionError):
-        return True
     if isinstance(exc, OperationalError | InterfaceError):
         return True
-    return isinstance(exc, DBAPIError) and bool(exc.connection_invalidated)
+    if isinstance(exc, DBAPIError):
+        return bool(exc.connection_invalidated)
+    if not isinstance(exc, OSError):
+        return False
+    try:
+        with anyio.fail_after(DATABASE_PING_SECONDS):
+            async with engine.connect() as conn:
+                await conn.exec_driver_sql("SELECT 1")
+    except Exception:
+        return True
+    return False
 
 
 class Subscriber:
@@ -738,7 +755,7 @@ class Subscriber:
             try:
                 return await self._run_batch(todo, messages)
             except Exception as exc:
-                if _is_database_outage(exc) and not self.stopping:
+                if not self.stopping and await _is_database_outage(exc, self.outbox.engine):
                     outages += 1
                     self.stats.last_error = f"database unreachable: {type(exc).__name__}"
                     logger.warning(
@@ -896,7 +913,7 @@ class Subscriber:
             try:
                 new = await self._run_handler(d, message)
             except Exception as exc:
-                if _is_database_outage(exc) and not self.stopping:
+                if not self.stopping and await _is_database_outage(exc, self.outbox.engine):
                     outages += 1
                     self.stats.last_error = f"database unreachable: {type(exc).__name__}"
                     logger.warning(

@@ -1,9 +1,12 @@
 """Private broker servers for outage and crash tests: a redis-server or nats-server of one
 test's own, on a port range of its own, started, killed and restarted at will — never the
-shared services on 6379 / 4222."""
+shared services on 6379 / 4222 — and a TCP proxy to PostgreSQL whose ``stop`` is a
+database outage for whoever connects through it."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import shutil
 import socket
 import subprocess
@@ -156,3 +159,56 @@ class PrivatePostgres:
         finally:
             sh.rmtree(self.directory, ignore_errors=True)
             self.directory = None
+
+
+def any_free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class TcpProxy:
+    """Forwards a local port to PostgreSQL; ``stop`` cuts every connection (an outage)."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = any_free_port()
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError, asyncio.IncompleteReadError):
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        writer.close()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        except OSError:
+            writer.close()
+            return
+        self._writers |= {writer, up_writer}
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)  # type: ignore[arg-type]
+        try:
+            await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
+        finally:
+            self._writers -= {writer, up_writer}
+            self._tasks.discard(task)  # type: ignore[arg-type]
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+        for w in list(self._writers):
+            w.transport.abort()
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=5)

@@ -97,6 +97,15 @@ class ReplayRequest(Ids):
     stream: str | None = Field(default=None, max_length=255)
 
 
+class DeadLetterReplay(BaseModel):
+    """Dead letters of one consumer group to put back on its stream: all of them, or the
+    entries ``entry_ids``."""
+
+    stream: str = Field(min_length=1, max_length=255)
+    group: str = Field(min_length=1, max_length=255)
+    entry_ids: list[str] | None = Field(default=None, max_length=1000)
+
+
 class ActionResult(BaseModel):
     """What an action changed."""
 
@@ -279,6 +288,23 @@ def build_dashboard_router(outbox: Outbox, dependencies: list[Any]) -> APIRouter
             outbox, body.ids, operator=operator(request), reason=body.reason
         )
         return ActionResult(changed=outcome.count, problems=outcome.problems)
+
+    @router.post(
+        "/api/replay-dead-letters",
+        response_model=ActionResult,
+        dependencies=[Depends(check_csrf)],
+        summary="Replay a consumer group's dead letters",
+    )
+    async def replay_dead_letters(request: Request, body: DeadLetterReplay) -> ActionResult:
+        try:
+            count = await operations.replay_dead_letters(
+                outbox, body.stream, body.group, body.entry_ids, operator=operator(request)
+            )
+        except exceptions.OperationError as exc:
+            raise HTTPException(400, str(exc)) from exc
+        except exceptions.BrokerUnavailable as exc:
+            raise HTTPException(503, str(exc)) from exc
+        return ActionResult(changed=count)
 
     @router.get("/static/{name}", include_in_schema=False)
     async def static(name: str) -> Response:

@@ -100,6 +100,52 @@ async def test_operator_replays_a_dead_letter_and_sees_it_published(
         await outbox.aclose()
 
 
+async def test_operator_puts_a_consumer_groups_dead_letter_back(pg_url: str, chromium: str) -> None:
+    """A subscriber dead-letters a message while its carrier is down; once it is back, the
+    operator clicks "Replay dead letters" on the group's row and the message is handled."""
+    outbox = Outbox(
+        pg_url,
+        brokers={"default": MemoryBroker()},
+        settings=OutboxSettings(
+            poll_interval_seconds=0.05, max_poll_interval_seconds=0.2, consumer_max_attempts=1
+        ),
+        dashboard_dependencies=[],
+    )
+    await outbox.create_tables()
+    stream = unique("shipments")
+    carrier_down = True
+    handled: list[int] = []
+
+    @outbox.subscriber(stream, group="tracking", start="all")
+    async def track(message: Message) -> None:
+        if carrier_down:
+            raise ConnectionRefusedError("carrier down")
+        handled.append(message.payload["n"])
+
+    async with outbox.unit_of_work() as uow:
+        uow.publish(Message(stream, "Shipped", {"n": 1}))
+    sub = outbox.subscribers[0]
+    try:
+        async with live_server(app_for(outbox)) as base, browser_page(chromium) as page:
+            await wait_until(lambda: sub.stats.dead_lettered == 1, timeout=10)
+            await page.goto(f"{base}/outbox/dashboard")
+            row = page.locator("tr", has_text="tracking")
+            await row.wait_for()
+            assert "1" in await row.locator("td.bad").inner_text()
+            carrier_down = False
+            await row.locator("button[data-action=replay-dead-letters]").click()
+            await page.locator("#flash").wait_for()
+            flash = await page.locator("#flash").inner_text()
+            assert "Put back on the stream 1 dead letter(s)." in flash
+            await wait_until(lambda: handled == [1], timeout=10)
+            await page.reload()
+            row = page.locator("tr", has_text="tracking")
+            await row.wait_for()
+            assert await row.locator("button[data-action=replay-dead-letters]").count() == 0
+    finally:
+        await outbox.aclose()
+
+
 async def _is(outbox: Outbox, message_id: Any, status: str) -> bool:
     return await status_of(outbox, message_id) == status
 

@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import datetime as dt
 import itertools
@@ -39,7 +38,7 @@ from fastapi_outbox.dispatcher import retry_delay
 from fastapi_outbox.events import Envelope, Message
 from fastapi_outbox.store import Failure
 from tests.conftest import unique, wait_until
-from tests.servers import PrivateServer, private_redis_server
+from tests.servers import PrivateServer, TcpProxy, private_redis_server
 
 PRIVATE_REDIS_PORTS = range(6380, 6390)
 
@@ -330,53 +329,6 @@ async def test_database_with_nothing_listening_keeps_workers_alive_and_the_app_s
             assert processor.running  # still alive after all that
     finally:
         await outbox.aclose()
-
-
-class TcpProxy:
-    """Forwards a local port to PostgreSQL; ``stop`` cuts every connection (an outage)."""
-
-    def __init__(self, target_port: int) -> None:
-        self.target_port = target_port
-        self.port = free_port()
-        self._server: asyncio.Server | None = None
-        self._writers: set[asyncio.StreamWriter] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
-
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(OSError, asyncio.IncompleteReadError):
-            while data := await reader.read(65536):
-                writer.write(data)
-                await writer.drain()
-        writer.close()
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
-        except OSError:
-            writer.close()
-            return
-        self._writers |= {writer, up_writer}
-        task = asyncio.current_task()
-        assert task is not None
-        self._tasks.add(task)  # type: ignore[arg-type]
-        try:
-            await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
-        finally:
-            self._writers -= {writer, up_writer}
-            self._tasks.discard(task)  # type: ignore[arg-type]
-
-    async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-            self._server = None
-        for w in list(self._writers):
-            w.transport.abort()
-        if self._tasks:
-            await asyncio.wait(set(self._tasks), timeout=5)
 
 
 async def test_database_outage_and_recovery_through_a_proxy(pg_url: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,10 +24,14 @@ from fastapi_outbox import (
     OutboxSettings,
     PublishError,
     UnitOfWork,
+    uuid7,
 )
 from fastapi_outbox.brokers import MemoryBroker
+from fastapi_outbox.dashboard import CSRF_HEADER
+from fastapi_outbox.events import Envelope
 from fastapi_outbox.subscribers import BatchUnitOfWork
 from tests.conftest import asgi_client, unique, wait_until
+from tests.servers import TcpProxy
 
 FAST = {
     "consumer_claim_idle_seconds": 1.0,
@@ -265,9 +270,11 @@ async def test_dashboard_overview_lists_the_consumers(sqlite_url: str) -> None:
     )
     await outbox.create_tables()
 
+    unlucky = {13}
+
     @outbox.subscriber("shipments", group="tracking", start="all")
     async def track(event: Shipped) -> None:
-        if event.order_id == 13:
+        if event.order_id in unlucky:
             raise ValueError("unlucky")
 
     app = FastAPI(lifespan=outbox.lifespan)
@@ -288,6 +295,27 @@ async def test_dashboard_overview_lists_the_consumers(sqlite_url: str) -> None:
         health = (await client.get("/outbox/health")).json()
         assert health["status"] == "degraded"
         assert health["consumers"][0]["dead_letter_stream"] == "shipments.tracking.dlq"
+
+        # The operator fixes the cause and puts the dead letter back from the dashboard.
+        assert 'data-action="replay-dead-letters"' in page.text
+        token = re.search(r'name="outbox-csrf" content="([^"]+)"', page.text)
+        assert token is not None
+        action = "/outbox/dashboard/api/replay-dead-letters"
+        body = {"stream": "shipments", "group": "tracking"}
+        refused = await client.post(action, json=body)  # no CSRF header
+        assert refused.status_code == 403
+        wrong = await client.post(
+            action, json={**body, "group": "nope"}, headers={CSRF_HEADER: token.group(1)}
+        )
+        assert wrong.status_code == 400 and "no subscriber for stream" in wrong.json()["detail"]
+        unlucky.clear()
+        done = await client.post(action, json=body, headers={CSRF_HEADER: token.group(1)})
+        assert done.status_code == 200 and done.json() == {"changed": 1, "problems": []}
+        await wait_until(lambda: sub.stats.handled == 2)
+        [row] = (await client.get("/outbox/dashboard/api/overview")).json()["consumers"]
+        assert row["dead_letters"] == 0
+        page = await client.get("/outbox/dashboard")
+        assert 'data-action="replay-dead-letters"' not in page.text
     await outbox.aclose()
 
 
@@ -362,3 +390,68 @@ async def test_events_raised_on_new_aggregates_carry_their_own_message_as_cause(
         await wait_until(lambda: len(got) == 6, timeout=10)
     assert {m.payload["order_id"]: m.headers["causation-id"] for m in got} == sent
     await outbox.aclose()
+
+
+async def test_a_handlers_own_connection_error_is_retried_then_dead_lettered(
+    sqlite_url: str,
+) -> None:
+    """A partner's API refusing the handler's connection (an ``OSError``) while the
+    database answers: a handler failure — retried, then dead-lettered — not a database
+    outage waited on forever."""
+    outbox = await new_outbox(sqlite_url, consumer_max_attempts=2)
+    calls: list[int] = []
+
+    @outbox.subscriber("shipments", group="carrier", start="all")
+    async def notify(event: Shipped) -> None:
+        calls.append(event.order_id)
+        raise ConnectionRefusedError("carrier API refused the connection")
+
+    sub = outbox.subscribers[0]
+    async with outbox.dispatcher():
+        async with outbox.unit_of_work() as uow:
+            uow.publish(Shipped(order_id=5, step=0))
+        await wait_until(lambda: sub.stats.dead_lettered == 1, timeout=10)
+        [letter] = await sub.make_consumer().dead_letters()
+        assert "ConnectionRefusedError" in letter.error and letter.attempts == 2
+    assert calls == [5, 5]
+    assert "database unreachable" not in (sub.stats.last_error or "")
+    await outbox.aclose()
+
+
+@pytest.mark.postgres
+async def test_a_database_outage_costs_no_attempt(pg_url: str) -> None:
+    """The database goes away (a proxy cut) under a subscriber with ``max_attempts=1``: the
+    message waits in place — a charged attempt would dead-letter it at once — and is
+    handled once the database is back."""
+    proxy = TcpProxy(5432)
+    await proxy.start()
+    broker = MemoryBroker()
+    outbox = Outbox(
+        pg_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}"),
+        brokers={"default": broker},
+        settings=OutboxSettings(**{**FAST, "consumer_max_attempts": 1}),
+    )
+    handled: list[int] = []
+
+    @outbox.subscriber(unique("shipments"), group="tracking", start="all")
+    async def track(message: Message) -> None:
+        handled.append(message.payload["n"])
+
+    sub = outbox.subscribers[0]
+    try:
+        await outbox.create_tables()
+        async with outbox.dispatcher():
+            await proxy.stop()
+            mid = str(uuid7())
+            headers = {"message-id": mid, "type": "Shipped"}
+            await broker.publish([Envelope(mid, sub.stream, "Shipped", None, b'{"n": 1}', headers)])
+            await wait_until(
+                lambda: "database unreachable" in (sub.stats.last_error or ""), timeout=10
+            )
+            assert sub.stats.dead_lettered == 0 and handled == []
+            await proxy.start()
+            await wait_until(lambda: handled == [1], timeout=15)
+            assert sub.stats.dead_lettered == 0
+    finally:
+        await outbox.aclose()
+        await proxy.stop()

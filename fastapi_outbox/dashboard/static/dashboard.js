@@ -45,7 +45,10 @@
     const button = event.target.closest("button[data-action]");
     if (!button) return;
     const body = {};
-    if (button.dataset.allAbandoned) {
+    if (button.dataset.action === "replay-dead-letters") {
+      body.stream = button.dataset.stream;
+      body.group = button.dataset.group;
+    } else if (button.dataset.allAbandoned) {
       body.all_abandoned = true;
       body.stream = button.dataset.stream || null;
     } else if (button.dataset.selection) {
@@ -69,8 +72,8 @@
         flash("Refused: " + (typeof data.detail === "string" ? data.detail : JSON.stringify(data.detail)), true);
         return;
       }
-      const verb = button.dataset.action === "replay" ? "Replayed" : "Abandoned";
-      let text = verb + " " + data.changed + " message(s).";
+      const verb = { "replay": "Replayed", "abandon": "Abandoned", "replay-dead-letters": "Put back on the stream" }[button.dataset.action];
+      let text = verb + " " + data.changed + (button.dataset.action === "replay-dead-letters" ? " dead letter(s)." : " message(s).");
       if (data.problems && data.problems.length) text += " Not changed: " + data.problems.join("; ");
       sessionStorage.setItem("outbox-flash", JSON.stringify({ text: text, bad: data.problems && data.problems.length > 0 }));
       window.location.reload();
