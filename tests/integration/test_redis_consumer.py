@@ -25,6 +25,20 @@ from tests.conftest import unique, wait_until
 pytestmark = pytest.mark.redis
 
 
+def consumer_of(broker: RedisStreamsBroker, stream: str) -> Any:
+    """Group "g" of ``stream``, from its start."""
+    config = ConsumerConfig(
+        stream=stream,
+        group="g",
+        consumer_name="me",
+        dead_letter=f"{stream}.dlq",
+        claim_idle_seconds=30,
+        max_attempts=3,
+        start="all",
+    )
+    return broker.consumer(config)
+
+
 @pytest.fixture
 async def setup(redis_url: str) -> AsyncIterator[tuple[Any, RedisStreamsConsumer, str]]:
     import redis.asyncio as aioredis
@@ -32,17 +46,7 @@ async def setup(redis_url: str) -> AsyncIterator[tuple[Any, RedisStreamsConsumer
     client = aioredis.Redis.from_url(redis_url)
     stream = unique("acks")
     broker = RedisStreamsBroker(redis_url)
-    consumer = broker.consumer(
-        ConsumerConfig(
-            stream=stream,
-            group="g",
-            consumer_name="me",
-            dead_letter=f"{stream}.dlq",
-            claim_idle_seconds=30,
-            max_attempts=3,
-            start="all",
-        )
-    )
+    consumer = consumer_of(broker, stream)
     await consumer.setup()
     try:
         yield client, consumer, stream
@@ -127,17 +131,7 @@ async def test_a_client_that_decodes_responses(redis_url: str) -> None:
     client = aioredis.Redis.from_url(redis_url, decode_responses=True)
     stream = unique("decoded")
     broker = RedisStreamsBroker(redis_url, client=client)
-    consumer = broker.consumer(
-        ConsumerConfig(
-            stream=stream,
-            group="g",
-            consumer_name="me",
-            dead_letter=f"{stream}.dlq",
-            claim_idle_seconds=30,
-            max_attempts=3,
-            start="all",
-        )
-    )
+    consumer = consumer_of(broker, stream)
     try:
         await consumer.setup()
         got = await fetched(client, consumer, stream, 2)
