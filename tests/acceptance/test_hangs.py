@@ -197,3 +197,63 @@ async def test_frozen_redis_under_a_subscriber(pg_url: str, private_redis: Serve
     finally:
         await probe.aclose()
         await outbox.aclose()
+
+
+async def test_redis_killed_and_restarted_under_a_busy_subscriber(
+    pg_url: str, private_redis: Server
+) -> None:
+    """Redis (AOF, fsync always) SIGKILLed twice and restarted while a subscriber works
+    through a stream: the fetch loop's own connections and the acks waiting to ride with
+    the next read come back with it; every message is handled, each once (the inbox skips
+    what a lost ack brings again). Entries whose XREADGROUP reply or XACK was lost with the
+    connection stay pending until ``consumer_claim_idle_seconds`` (1 s here), then come
+    back through XAUTOCLAIM."""
+    import redis.asyncio as aioredis
+
+    stream = unique("ticks")
+    broker = RedisStreamsBroker(private_redis.url, socket_timeout=PUBLISH_TIMEOUT)
+    settings = OutboxSettings(
+        **SETTINGS,
+        consumer_claim_idle_seconds=1,
+        consumer_retry_base_delay_seconds=0.05,
+        consumer_retry_max_delay_seconds=0.5,
+    )
+    outbox = Outbox(pg_url, brokers={"default": broker}, settings=settings)
+    await outbox.create_tables()
+    handled: list[int] = []
+
+    @outbox.subscriber(stream, group="g", start="all")
+    async def handle(messages: list[Message]) -> None:
+        handled.extend(int(m.payload["n"]) for m in messages)
+
+    sub = outbox.subscribers[0]
+
+    async def send(numbers: range) -> None:
+        client = aioredis.Redis.from_url(private_redis.url)
+        try:
+            async with client.pipeline(transaction=False) as pipe:
+                for n in numbers:
+                    pipe.xadd(stream, {"id": f"m-{n}", "type": "Tick", "payload": f'{{"n": {n}}}'})
+                await pipe.execute()
+        finally:
+            await client.aclose()
+
+    try:
+        async with outbox.dispatcher():
+            total = 0
+            for _ in range(2):
+                await send(range(total, total + 2000))
+                total += 2000
+                # Killed with most of the 2,000 still to handle.
+                await wait_until(lambda: len(set(handled)) >= total - 1900, timeout=15)  # noqa: B023
+                before_kill = len(set(handled))
+                private_redis.kill()
+                private_redis.start()
+                print(f"killed with {total - before_kill} of {total} messages not yet handled")
+            await send(range(total, total + 500))
+            total += 500
+            await wait_until(lambda: len(set(handled)) == total, timeout=30)
+            assert sub.stats.dead_lettered == 0
+        assert sorted(handled) == list(range(total))  # each once
+    finally:
+        await outbox.aclose()
