@@ -4,8 +4,10 @@
 * ``fetch``: first this consumer's retries that are due (``XCLAIM`` to itself, which
   raises the delivery count), then, at most every quarter of ``claim_idle_seconds``,
   entries other consumers left pending for ``claim_idle_seconds`` (``XAUTOCLAIM``; their
-  delivery counts come from the pending entries list, ``XPENDING``), then new entries
-  (``XREADGROUP … >``, blocking up to the timeout). One consumer name per process.
+  delivery counts come from the pending entries list, ``XPENDING``), after a connection
+  failure its own pending entries it is not working on (``XREADGROUP … 0``: a read whose
+  reply was lost, an ack that was), then new entries (``XREADGROUP … >``, blocking up to
+  the timeout). One consumer name per process.
 * ``ack``: ``XACK``, after the handler's transaction committed. ``ack_soon`` (the
   subscriber's batches): the acks ride with the fetch loop's next ``XREADGROUP`` (one
   pipeline: the ``XACK`` runs first, then the read; one round trip instead of two); while
@@ -97,6 +99,14 @@ class RedisStreamsConsumer:
         self._blocked = True
         #: (client the reader was made for, reader): see ``_reader_for``.
         self._reader: tuple[Any, Any] | None = None
+        #: Entry ids handed out by ``fetch`` and not finished yet (acked, retried, released
+        #: or dead-lettered): what this process is working on.
+        self._held: set[str] = set()
+        #: A call failed on the connection: the next fetch first reads this consumer's own
+        #: pending entries (``XREADGROUP … 0``) for those it never received or whose ack was
+        #: lost, instead of leaving them to ``XAUTOCLAIM`` after ``claim_idle_seconds``.
+        self._recover = False
+        self._recover_cursor = "0-0"
 
     @contextlib.asynccontextmanager
     async def _calls(self) -> AsyncIterator[Any]:
@@ -107,6 +117,7 @@ class RedisStreamsConsumer:
         try:
             yield self.broker.client
         except (rexc.ConnectionError, rexc.TimeoutError, OSError) as exc:
+            self._recover = True  # a reply or an ack may have been lost with it
             raise self.broker._unavailable(exc) from exc
         except rexc.ResponseError as exc:
             code = refusal_code(exc)
@@ -231,6 +242,8 @@ class RedisStreamsConsumer:
             if len(out) < max_messages and now >= self._next_autoclaim:
                 self._next_autoclaim = now + max(0.05, self.config.claim_idle_seconds / 4)
                 out += await self._autoclaim(client, max_messages - len(out), gone)
+            if len(out) < max_messages and self._recover:
+                out += await self._recover_own(client, max_messages - len(out), gone)
             if len(out) < max_messages:
                 for entry_id, fields in _entries(
                     await self._read(client, max_messages - len(out), None if out else timeout)
@@ -238,7 +251,54 @@ class RedisStreamsConsumer:
                     out.append(self._delivery(entry_id, fields, 1))
             if gone:  # trimmed or deleted while pending: nothing left to handle
                 await client.xack(self.key, group, *gone)
+        self._held.update(d.entry_id for d in out)
         return out
+
+    async def _recover_own(self, client: Any, count: int, gone: list[str]) -> list[Delivery]:
+        """After a failed call: this consumer's own pending entries that this process is not
+        working on — delivered by an ``XREADGROUP`` whose reply was lost, or handled with
+        their ``XACK`` lost (the inbox skips those) — one page per fetch until none is left."""
+        reader = await self._reader_for(client)
+        args: list[Any] = ["XREADGROUP", "GROUP", self.config.group, self.config.consumer_name]
+        args += ["COUNT", count, "STREAMS", self.key, self._recover_cursor]
+        with anyio.fail_after(self.broker._socket_timeout):
+            entries = _entries(await reader.execute_command(*args))
+        if not entries:
+            self._recover, self._recover_cursor = False, "0-0"
+            return []
+        busy = self._held | set(self._acks) | {entry for _, entry, _ in self._retries}
+        lost = [(e, f) for e, f in entries if _text(e) not in busy]
+        out = await self._with_counts(client, [(e, f) for e, f in lost if f])
+        # Past this page only once its deliveries are made: a failure reads it again.
+        self._recover_cursor = _text(entries[-1][0])
+        gone += [_text(e) for e, f in lost if not f]
+        if out:
+            logger.info(
+                "took back own pending entries after a connection failure",
+                extra={
+                    "action": "consumer.recovered",
+                    "stream": self.key,
+                    "group": self.config.group,
+                    "count": len(out),
+                },
+            )
+        return out
+
+    async def _with_counts(self, client: Any, entries: list[tuple[Any, Any]]) -> list[Delivery]:
+        """Deliveries of ``entries`` with their delivery counts from the pending entries
+        list (``XPENDING``, one pipeline)."""
+        if not entries:
+            return []
+        async with client.pipeline(transaction=False) as pipe:
+            for entry_id, _ in entries:
+                pipe.xpending_range(
+                    self.key, self.config.group, min=entry_id, max=entry_id, count=1
+                )
+            counts = await pipe.execute()
+        return [
+            self._delivery(entry_id, fields, int(pending[0]["times_delivered"]) if pending else 1)
+            for (entry_id, fields), pending in zip(entries, counts, strict=True)
+        ]
 
     async def _read(self, client: Any, count: int, timeout: float | None) -> Any:
         """``XREADGROUP … >``, after an ``XACK`` of the acks waiting for it in the same
@@ -296,15 +356,7 @@ class RedisStreamsConsumer:
             gone += [_text(e) for e in reply[2]]
         if not entries:
             return []
-        # Delivery counts from the pending entries list (XAUTOCLAIM raised them).
-        async with client.pipeline(transaction=False) as pipe:
-            for entry_id, _ in entries:
-                pipe.xpending_range(self.key, group, min=entry_id, max=entry_id, count=1)
-            counts = await pipe.execute()
-        out = []
-        for (entry_id, fields), pending in zip(entries, counts, strict=True):
-            attempt = int(pending[0]["times_delivered"]) if pending else 1
-            out.append(self._delivery(entry_id, fields, attempt))
+        out = await self._with_counts(client, entries)  # XAUTOCLAIM raised the counts
         logger.info(
             "reclaimed stale entries",
             extra={
@@ -316,14 +368,19 @@ class RedisStreamsConsumer:
         )
         return out
 
-    async def ack(self, deliveries: Sequence[Delivery]) -> None:
+    def _done(self, deliveries: Sequence[Delivery]) -> list[str]:
         ids = [d.entry_id for d in deliveries]
+        self._held.difference_update(ids)
+        return ids
+
+    async def ack(self, deliveries: Sequence[Delivery]) -> None:
+        ids = self._done(deliveries)
         if ids:
             await self._xack(ids)
 
     async def ack_soon(self, deliveries: Sequence[Delivery]) -> None:
         if not self._blocked:  # a fetch is on its way: ride with its XREADGROUP
-            self._acks += [d.entry_id for d in deliveries]
+            self._acks += self._done(deliveries)
             return
         await self.ack(deliveries)
 
@@ -342,6 +399,7 @@ class RedisStreamsConsumer:
                 raise
 
     async def retry(self, delivery: Delivery, delay: float) -> None:
+        self._done([delivery])
         self._retries.append((time.monotonic() + delay, delivery.entry_id, delivery.attempt))
 
     async def touch(self, deliveries: Sequence[Delivery]) -> None:
@@ -358,7 +416,7 @@ class RedisStreamsConsumer:
             )
 
     async def release(self, deliveries: Sequence[Delivery]) -> None:
-        ids = [d.entry_id for d in deliveries] + [entry for _, entry, _ in self._retries]
+        ids = self._done(deliveries) + [entry for _, entry, _ in self._retries]
         self._retries.clear()
         if not ids:
             return
@@ -374,6 +432,7 @@ class RedisStreamsConsumer:
             )
 
     async def dead_letter(self, delivery: Delivery, error: str) -> None:
+        self._done([delivery])
         fields = {
             "id": delivery.message_id,
             "type": delivery.type,

@@ -206,19 +206,14 @@ async def test_redis_killed_and_restarted_under_a_busy_subscriber(
     through a stream: the fetch loop's own connections and the acks waiting to ride with
     the next read come back with it; every message is handled, each once (the inbox skips
     what a lost ack brings again). Entries whose XREADGROUP reply or XACK was lost with the
-    connection stay pending until ``consumer_claim_idle_seconds`` (1 s here), then come
-    back through XAUTOCLAIM."""
+    connection are taken back from the consumer's own pending entries at the next fetch,
+    not left to XAUTOCLAIM after ``consumer_claim_idle_seconds`` (60 s)."""
     import redis.asyncio as aioredis
 
     stream = unique("ticks")
     broker = RedisStreamsBroker(private_redis.url, socket_timeout=PUBLISH_TIMEOUT)
-    settings = OutboxSettings(
-        **SETTINGS,
-        consumer_claim_idle_seconds=1,
-        consumer_retry_base_delay_seconds=0.05,
-        consumer_retry_max_delay_seconds=0.5,
-    )
-    outbox = Outbox(pg_url, brokers={"default": broker}, settings=settings)
+    # The default claim_idle_seconds (60): nothing here may wait for XAUTOCLAIM.
+    outbox = Outbox(pg_url, brokers={"default": broker}, settings=OutboxSettings(**SETTINGS))
     await outbox.create_tables()
     handled: list[int] = []
 

@@ -9,6 +9,7 @@ a task of its own); its reads are bounded by the consumer instead.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -142,3 +143,30 @@ async def test_a_client_that_decodes_responses(redis_url: str) -> None:
         await consumer.aclose()
         await client.delete(stream)
         await client.aclose()
+
+
+async def test_entries_of_a_lost_reply_come_back_after_a_failure(setup: Any) -> None:
+    """An XREADGROUP whose reply never arrived (here: made behind the consumer's back with
+    its name) leaves entries pending for this consumer. After the next connection failure
+    the consumer takes them back from its own pending entries — not the ones it is still
+    working on — instead of waiting ``claim_idle_seconds`` for XAUTOCLAIM."""
+    client, consumer, stream = setup
+    working = await fetched(client, consumer, stream, 1)  # handed out, not finished
+    await add(client, stream, 3)
+    lost = await client.xreadgroup("g", "me", {stream: ">"}, count=10)
+    assert len(lost[0][1]) == 3
+    assert await consumer.fetch(10, 0.0) == []  # nothing new; the lost ones are pending
+    await client.client_kill_filter(_type="normal", skipme=True)
+    with pytest.raises(exceptions.BrokerUnavailable):
+        await consumer.fetch(10, 0.0)
+    back: list[Any] = []
+    for _ in range(5):  # each of the consumer's connections finds out it was killed once
+        with contextlib.suppress(exceptions.BrokerUnavailable):
+            back = await consumer.fetch(10, 0.0)
+            break
+    assert [d.message_id for d in back] == ["m-0", "m-1", "m-2"]  # the second add's
+    assert all(d.attempt >= 2 for d in back)  # reading its own pending entries counts
+    assert working[0].entry_id not in {d.entry_id for d in back}
+    assert await consumer.fetch(10, 0.0) == []  # taken back once
+    await consumer.ack([*working, *back])
+    assert await pending(client, stream) == 0
