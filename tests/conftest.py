@@ -228,3 +228,15 @@ def wal_pg_url(logical_pg: Any) -> Iterator[str]:
     base, _, _ = logical_pg.url.rpartition("/")
     yield f"{base}/{name}"
     _cluster_sql(logical_pg.url, drop_database=name)
+
+
+async def slot_empty(slot: Any) -> bool:
+    """The WAL slot holds none of our messages. False while a relay is reading the slot at
+    that very moment (the peek then fails with SQLSTATE 55006, object in use): a condition
+    for ``wait_until`` while dispatchers run."""
+    try:
+        return bool(await slot.pending_messages() == 0)
+    except Exception as exc:
+        if getattr(exc, "sqlstate", None) == "55006":
+            return False
+        raise

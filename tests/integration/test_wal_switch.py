@@ -12,8 +12,7 @@ import anyio.abc
 
 from fastapi_outbox import Message, Outbox, OutboxSettings
 from fastapi_outbox.brokers import MemoryBroker
-from fastapi_outbox.wal_slot import WalSlot
-from tests.conftest import wait_until
+from tests.conftest import slot_empty, wait_until
 
 FAST = {"poll_interval_seconds": 0.05, "max_poll_interval_seconds": 0.2}
 
@@ -115,7 +114,7 @@ async def test_switching_table_to_wal_and_back_loses_nothing(wal_pg_url: str) ->
                 await producers.commits(20)
                 # 2: wait until the slot holds nothing any more: the relay confirmed past
                 # the last commit of a wal producer.
-                await wait_until(lambda: _slot_empty(slot), timeout=15)
+                await wait_until(lambda: slot_empty(slot), timeout=15)
                 # 3: dispatchers restart with capture='table'.
                 table_mode = await Running(table_dispatcher_again).start(tg)
                 await wal_mode.stop()
@@ -136,10 +135,3 @@ async def test_switching_table_to_wal_and_back_loses_nothing(wal_pg_url: str) ->
     finally:
         for outbox in everything:
             await outbox.aclose()
-
-
-async def _slot_empty(slot: WalSlot) -> bool:
-    try:
-        return await slot.pending_messages() == 0
-    except Exception:  # being read by the relay right now
-        return False
