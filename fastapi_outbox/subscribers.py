@@ -733,7 +733,9 @@ class Subscriber:
             self.stats.last_handled_at = time.time()
             assert self.consumer is not None
             try:  # the fetch loop fetches again at once (this batch frees its slots)
-                await self.consumer.ack_soon(todo)
+                # A consumer of another package may predate ack_soon: its plain ack.
+                ack = getattr(self.consumer, "ack_soon", None) or self.consumer.ack
+                await ack(todo)
             except Exception as exc:
                 logger.warning(
                     "ack failed; the messages will be redelivered and skipped",

@@ -455,3 +455,47 @@ async def test_a_database_outage_costs_no_attempt(pg_url: str) -> None:
     finally:
         await outbox.aclose()
         await proxy.stop()
+
+
+async def test_a_consumer_without_ack_soon_gets_plain_acks(sqlite_url: str) -> None:
+    """A broker of another package whose consumer predates ``ack_soon``: batches are
+    acknowledged with its ``ack``."""
+
+    class OldConsumer:
+        def __init__(self, inner: Any) -> None:
+            self._inner = inner
+            self.config = inner.config
+            self.acked: list[str] = []
+
+        def __getattr__(self, name: str) -> Any:
+            if name == "ack_soon":
+                raise AttributeError(name)
+            return getattr(self._inner, name)
+
+        async def ack(self, deliveries: Sequence[Any]) -> None:
+            self.acked += [d.message_id for d in deliveries]
+            await self._inner.ack(deliveries)
+
+    class OldBroker(MemoryBroker):
+        def consumer(self, config: Any) -> Any:
+            return OldConsumer(super().consumer(config))
+
+    outbox = Outbox(sqlite_url, brokers={"default": OldBroker()}, settings=OutboxSettings(**FAST))
+    await outbox.create_tables()
+    seen: list[int] = []
+
+    @outbox.subscriber("shipments", group="old", start="all")
+    async def track(events: list[Shipped]) -> None:
+        seen.extend(e.order_id for e in events)
+
+    sub = outbox.subscribers[0]
+    async with outbox.dispatcher():
+        async with outbox.unit_of_work() as uow:
+            for n in range(5):
+                uow.publish(Shipped(order_id=n, step=0))
+        await wait_until(lambda: sub.stats.handled == 5, timeout=10)
+        assert sub.consumer is not None
+        await wait_until(lambda: len(sub.consumer.acked) == 5, timeout=5)  # type: ignore[attr-defined]
+        assert (await sub.lag()).pending == 0
+    assert sorted(seen) == list(range(5))
+    await outbox.aclose()
