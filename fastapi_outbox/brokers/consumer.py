@@ -6,7 +6,9 @@ A subscriber (:mod:`fastapi_outbox.subscribers`) drives one consumer per (stream
 * ``fetch(n, timeout)`` returns up to n :class:`Delivery` objects — new messages, stale ones
   of dead consumers reclaimed after ``claim_idle_seconds``, and this consumer's own retries
   that are due — each with its delivery count (attempt) from the broker;
-* ``ack``, after the handler's transaction committed;
+* ``ack``, after the handler's transaction committed; ``ack_soon`` (optional: a consumer
+  without it gets ``ack``), the same for a fetch loop that fetches again at once, so the
+  transport may carry the ack with that fetch (Redis: one pipeline with the next read);
 * ``retry(delivery, delay)``: deliver it again after ``delay`` (NATS ``nak(delay)``);
 * ``touch``: keep deliveries this consumer still works on from being reclaimed;
 * ``release``: give deliveries back at shutdown (redelivered at once where the broker can);
