@@ -147,6 +147,15 @@ async def test_frozen_nats_ten_times(pg_url: str, private_nats: Server) -> None:
         await outbox.aclose()
 
 
+async def redis_outbox(pg_url: str, server: Server) -> Outbox:
+    """An outbox on the private Redis (socket timeout as in the freeze cycles), its tables
+    created."""
+    broker = RedisStreamsBroker(server.url, socket_timeout=PUBLISH_TIMEOUT)
+    outbox = Outbox(pg_url, brokers={"default": broker}, settings=OutboxSettings(**SETTINGS))
+    await outbox.create_tables()
+    return outbox
+
+
 async def test_frozen_redis_under_a_subscriber(pg_url: str, private_redis: Server) -> None:
     """The fetch loop's reader has no socket timeout of its own (see ``redis_consumer``):
     its reads are bounded by the consumer. Frozen while idle in a blocking read, the
@@ -155,9 +164,7 @@ async def test_frozen_redis_under_a_subscriber(pg_url: str, private_redis: Serve
     import redis.asyncio as aioredis
 
     stream = unique("ticks")
-    broker = RedisStreamsBroker(private_redis.url, socket_timeout=PUBLISH_TIMEOUT)
-    outbox = Outbox(pg_url, brokers={"default": broker}, settings=OutboxSettings(**SETTINGS))
-    await outbox.create_tables()
+    outbox = await redis_outbox(pg_url, private_redis)
     handled: list[str] = []
 
     @outbox.subscriber(stream, group="g", start="all")
@@ -211,10 +218,8 @@ async def test_redis_killed_and_restarted_under_a_busy_subscriber(
     import redis.asyncio as aioredis
 
     stream = unique("ticks")
-    broker = RedisStreamsBroker(private_redis.url, socket_timeout=PUBLISH_TIMEOUT)
     # The default claim_idle_seconds (60): nothing here may wait for XAUTOCLAIM.
-    outbox = Outbox(pg_url, brokers={"default": broker}, settings=OutboxSettings(**SETTINGS))
-    await outbox.create_tables()
+    outbox = await redis_outbox(pg_url, private_redis)
     handled: list[int] = []
 
     @outbox.subscriber(stream, group="g", start="all")
