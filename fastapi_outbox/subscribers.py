@@ -543,6 +543,8 @@ class Subscriber:
         self._slot_freed = anyio.Event()
         self._inflight.clear()
         self.consumer = consumer = self.make_consumer()
+        # A consumer of another package may predate ack_soon: its plain ack then.
+        self._ack_batch = getattr(consumer, "ack_soon", None) or consumer.ack
         self.running = True
         task_status.started()
         # Work for the handler tasks: a fetched batch, or one delivery. A fixed set of
@@ -733,9 +735,7 @@ class Subscriber:
             self.stats.last_handled_at = time.time()
             assert self.consumer is not None
             try:  # the fetch loop fetches again at once (this batch frees its slots)
-                # A consumer of another package may predate ack_soon: its plain ack.
-                ack = getattr(self.consumer, "ack_soon", None) or self.consumer.ack
-                await ack(todo)
+                await self._ack_batch(todo)
             except Exception as exc:
                 logger.warning(
                     "ack failed; the messages will be redelivered and skipped",
@@ -745,6 +745,22 @@ class Subscriber:
             for d in batch:
                 self._inflight.pop(d.entry_id, None)
             self._free_slot()
+
+    async def _waited_out_database(
+        self, exc: BaseException, outages: int, what: str, d: Delivery | None = None
+    ) -> bool:
+        """When ``exc`` is the database being unreachable (and not stopping): note it, wait
+        the pause for the ``outages + 1``-th outage in a row, and return True (the caller
+        retries in place, no attempt charged)."""
+        if self.stopping or not await _is_database_outage(exc, self.outbox.engine):
+            return False
+        self.stats.last_error = f"database unreachable: {type(exc).__name__}"
+        logger.warning(
+            f"database unreachable, retrying {what} in place",
+            extra=self._log_extra("consumer.db_unavailable", d, error=repr(exc)[:200]),
+        )
+        await anyio.sleep(self._pause_for(outages + 1))
+        return True
 
     async def _run_batch_retrying(
         self, todo: list[Delivery], messages: list[Any]
@@ -757,14 +773,8 @@ class Subscriber:
             try:
                 return await self._run_batch(todo, messages)
             except Exception as exc:
-                if not self.stopping and await _is_database_outage(exc, self.outbox.engine):
+                if await self._waited_out_database(exc, outages, "the batch"):
                     outages += 1
-                    self.stats.last_error = f"database unreachable: {type(exc).__name__}"
-                    logger.warning(
-                        "database unreachable, retrying the batch in place",
-                        extra=self._log_extra("consumer.db_unavailable", error=repr(exc)[:200]),
-                    )
-                    await anyio.sleep(self._pause_for(outages))
                     continue
                 tries += 1
                 self.stats.last_error = f"{type(exc).__name__}: {exc}"[:300]
@@ -915,14 +925,8 @@ class Subscriber:
             try:
                 new = await self._run_handler(d, message)
             except Exception as exc:
-                if not self.stopping and await _is_database_outage(exc, self.outbox.engine):
+                if await self._waited_out_database(exc, outages, "the message", d):
                     outages += 1
-                    self.stats.last_error = f"database unreachable: {type(exc).__name__}"
-                    logger.warning(
-                        "database unreachable, retrying the message in place",
-                        extra=self._log_extra("consumer.db_unavailable", d, error=repr(exc)[:200]),
-                    )
-                    await anyio.sleep(self._pause_for(outages))
                     continue
                 self.stats.failures += 1
                 error = f"{type(exc).__name__}: {exc}"

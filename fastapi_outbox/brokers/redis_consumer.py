@@ -403,21 +403,17 @@ class RedisStreamsConsumer:
         self._retries.append((time.monotonic() + delay, delivery.entry_id, delivery.attempt))
 
     async def touch(self, deliveries: Sequence[Delivery]) -> None:
-        if not deliveries:
-            return
-        async with self._calls() as client:
-            await client.xclaim(
-                self.key,
-                self.config.group,
-                self.config.consumer_name,
-                0,
-                [d.entry_id for d in deliveries],
-                justid=True,
-            )
+        await self._claim([d.entry_id for d in deliveries])
 
     async def release(self, deliveries: Sequence[Delivery]) -> None:
+        # Claimed with the idle time already at claim_idle: the next XAUTOCLAIM takes them.
         ids = self._done(deliveries) + [entry for _, entry, _ in self._retries]
         self._retries.clear()
+        await self._claim(ids, idle=self._idle_ms)
+
+    async def _claim(self, ids: list[str], idle: int | None = None) -> None:
+        """``XCLAIM … JUSTID`` of ``ids`` to this consumer: idle reset (or set to ``idle``
+        ms), the delivery count unchanged."""
         if not ids:
             return
         async with self._calls() as client:
@@ -427,7 +423,7 @@ class RedisStreamsConsumer:
                 self.config.consumer_name,
                 0,
                 ids,
-                idle=self._idle_ms,
+                idle=idle,
                 justid=True,
             )
 
