@@ -148,6 +148,26 @@ class PrivatePostgres:
             f"-p {self.port} -k {self.directory} -c listen_addresses=127.0.0.1 {self.options}",
         )
 
+    def shut_down(self, mode: str = "fast") -> None:
+        """``pg_ctl stop -m mode``, keeping the data: every connection is cut (``fast``:
+        "terminating connection due to administrator command"; new ones get "the database
+        system is shutting down", then are refused). :meth:`start_again` brings it back."""
+        assert self.directory is not None, "the cluster is not running"
+        data = str(self.directory / "data")
+        self._as_postgres(str(PG_BIN / "pg_ctl"), "-D", data, "-m", mode, "-w", "stop")
+
+    def start_again(self) -> None:
+        """Start the cluster after :meth:`shut_down`, on the same port and data; returns
+        once it accepts connections (meanwhile: "the database system is starting up")."""
+        assert self.directory is not None, "the cluster was removed"
+        self._as_postgres(
+            str(PG_BIN / "pg_ctl"),
+            *("-D", str(self.directory / "data"), "-l", str(self.directory / "log"), "-w"),
+            "start",
+            "-o",
+            f"-p {self.port} -k {self.directory} -c listen_addresses=127.0.0.1 {self.options}",
+        )
+
     def stop(self) -> None:
         import shutil as sh
 
