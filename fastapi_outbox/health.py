@@ -305,6 +305,12 @@ async def _consumers_health(
             reasons.append(
                 f"{c.dead_letters} dead letter(s) of {where} in {c.dead_letter_stream!r}"
             )
+        if c.trimmed:
+            degraded = True
+            reasons.append(
+                f"{where}: {c.trimmed} entries trimmed from the stream (MAXLEN) before the "
+                "group read them: lost to it; raise the broker's maxlen or drop it"
+            )
     return statuses, down, degraded
 
 
