@@ -180,3 +180,33 @@ async def test_backoff_lease_age_and_retention_use_the_database_clock(
         assert await store.purge_batch("published", 60.0, 100) == 1
     finally:
         await outbox.aclose()
+
+
+async def test_inbox_retention_uses_the_database_clock(db_url: str, skew: float) -> None:
+    """``handled_at`` is written by the database and the inbox retention's cutoff is the
+    database's now minus the retention: ahead, the old code deleted a fresh row."""
+    outbox = Outbox(db_url, brokers={"default": MemoryBroker()}, settings=OutboxSettings(**FAST))
+    await outbox.create_tables()
+    inbox, t = outbox.inbox, outbox.inbox.table
+    try:
+        async with outbox.session_factory() as session, session.begin():
+            assert await inbox.record(session, "billing", "m-1", "orders")
+            assert await inbox.record_many(session, "billing", ["m-2", "m-3"], "orders") == {
+                "m-2",
+                "m-3",
+            }
+        before = await outbox.store.now()
+        async with outbox.engine.connect() as conn:
+            handled = [r[0] for r in await conn.execute(select(t.c.handled_at))]
+        assert len(handled) == 3
+        assert all(abs(h - before) < dt.timedelta(seconds=SKEW / 2) for h in handled)
+        assert await inbox.purge_batch(60.0, 100) == 0
+        async with outbox.engine.begin() as conn:
+            await conn.execute(
+                update(t)
+                .where(t.c.message_id == "m-1")
+                .values(handled_at=clock.db_later(outbox.store.is_postgres, seconds=-90.0))
+            )
+        assert await inbox.purge_batch(60.0, 100) == 1
+    finally:
+        await outbox.aclose()
