@@ -156,10 +156,7 @@ class Inbox:
         rows = dict(zip(message_ids, per_id, strict=True))  # an id once: ON CONFLICT
         result = await session.execute(  # cannot affect a row twice in one statement
             self._record.returning(self.table.c.message_id),
-            [
-                {"group": group, "message_id": m, "stream": s}
-                for m, s in rows.items()
-            ],
+            [{"group": group, "message_id": m, "stream": s} for m, s in rows.items()],
         )
         return set(result.scalars().all())
 
