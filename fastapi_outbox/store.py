@@ -25,6 +25,7 @@ from typing import Any
 import anyio
 from sqlalchemy import (
     ARRAY,
+    Boolean,
     Interval,
     Select,
     Table,
@@ -372,12 +373,25 @@ class Store:
         broker refused them, as ``failed`` rows due again at ``next_attempt_at`` (or
         ``abandoned`` ones): from there the table's retry, abandon and replay path takes
         over. A row that is already there — a relay that crashed after inserting it reads
-        the slot again — is left as it is. Returns how many rows were inserted."""
+        the slot again — is left as it is. Returns how many rows were inserted.
+
+        Each row gives ``retry_in`` (a timedelta) and ``abandon_now`` (a bool) instead of
+        ``next_attempt_at`` and ``abandoned_at``: those are the database's now plus the
+        retry delay, and its now, so they agree with the claim's clock."""
         if not rows:
             return 0
         from sqlalchemy.dialects import postgresql
 
-        stmt = postgresql.insert(self.table).on_conflict_do_nothing()
+        stmt = (
+            postgresql.insert(self.table)
+            .values(
+                next_attempt_at=func.now() + bindparam("retry_in", type_=Interval()),
+                abandoned_at=case(
+                    (bindparam("abandon_now", type_=Boolean()), func.now()), else_=None
+                ),
+            )
+            .on_conflict_do_nothing()
+        )
         async with self.engine.begin() as conn:
             result = await conn.execute(stmt, list(rows))
             return int(result.rowcount)
