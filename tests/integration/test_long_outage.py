@@ -1,12 +1,14 @@
 """An outage longer than the old de-duplication window: a database outage between the
 publish and the mark leaves the row claimed; when the database is back its lease has run
-out and the message is published again. The brokers' de-duplication window now covers
+out and the message is published again. A broker outage that swallowed the ack of a
+publish the broker had taken gives the batch back; it is published again when the broker
+is back. The brokers' de-duplication window now covers
 ``dedup_outage_seconds`` as well as lease + backoff, so that republish is dropped: one copy
 on the broker. The same run with the old window (lease + backoff only, no outage
 allowance) puts a second copy there.
 
 Windows are compressed (lease 2 s; old window 3 s, new one lease + backoff + 30 s +
-margin) so the database is held down for a few seconds, longer than the old window."""
+margin) so the outage lasts a few seconds, longer than the old window."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import redis.asyncio as aioredis
 from fastapi_outbox import Message, Outbox, OutboxSettings
 from fastapi_outbox.brokers import NatsJetStreamBroker, RedisStreamsBroker
 from fastapi_outbox.brokers.nats import stream_name_for
+from fastapi_outbox.exceptions import BrokerUnavailable
 from tests.conftest import unique, wait_until
 from tests.servers import TcpProxy
 
@@ -92,15 +95,19 @@ async def cleanup(kind: str, url: str, stream: str) -> None:
         await nc.close()
 
 
+@pytest.mark.parametrize("outage", ["database", "broker"])
 @pytest.mark.parametrize("kind", ["redis", "nats"])
 @pytest.mark.parametrize(
     ("window", "expected"),
     [("old", 2), ("new", 1)],
     ids=["old-window-two-copies", "outage-window-one-copy"],
 )
-async def test_database_down_longer_than_the_old_window_between_publish_and_mark(
-    pg_url: str, proxy: TcpProxy, kind: str, window: str, expected: int, request: Any
+async def test_outage_longer_than_the_old_window_between_publish_and_mark(
+    pg_url: str, proxy: TcpProxy, kind: str, window: str, expected: int, outage: str, request: Any
 ) -> None:
+    """``database``: the database goes down right after the broker took the message, so
+    the mark fails. ``broker``: the broker took the message but its ack was lost (the
+    publish fails as unavailable), and it stays unavailable that long."""
     url = request.getfixturevalue("redis_url" if kind == "redis" else "nats_url")
     if window == "old":
         # The window before dedup_outage_seconds: lease + longest backoff, compressed.
@@ -123,12 +130,20 @@ async def test_database_down_longer_than_the_old_window_between_publish_and_mark
     cut_at: list[float] = []
     publish = broker.publish
 
+    def over() -> bool:
+        return time.monotonic() > cut_at[0] + OLD_WINDOW_SECONDS + BEYOND_SECONDS
+
     async def publish_then_cut(batch: Any) -> Any:
-        """The broker took the batch; the database goes down before the mark."""
+        """The broker took the batch; then the outage."""
+        if outage == "broker" and cut_at and not over():
+            raise BrokerUnavailable("broker outage (staged)")
         results = await publish(batch)
         if not cut_at:
-            await proxy.stop()
             cut_at.append(time.monotonic())
+            if outage == "database":
+                await proxy.stop()
+            else:
+                raise BrokerUnavailable("connection lost before the ack (staged)")
         return results
 
     broker.publish = publish_then_cut
@@ -138,12 +153,11 @@ async def test_database_down_longer_than_the_old_window_between_publish_and_mark
                 message_id = uow.publish(Message(stream, "OrderPlaced", {"n": 1}))
             await wait_until(lambda: bool(cut_at), timeout=30)
             assert await copies(kind, url, stream, message_id) == 1
-            # Down longer than the old window (the mark failed; the lease runs out).
-            await wait_until(
-                lambda: time.monotonic() > cut_at[0] + OLD_WINDOW_SECONDS + BEYOND_SECONDS,
-                timeout=30,
-            )
-            await proxy.start()
+            # Down longer than the old window (the mark failed and the lease runs out, or
+            # the batch went back and waits for the broker).
+            await wait_until(over, timeout=30)
+            if outage == "database":
+                await proxy.start()
 
             async def published() -> bool:
                 row = await direct.store.get(message_id)
@@ -151,7 +165,9 @@ async def test_database_down_longer_than_the_old_window_between_publish_and_mark
 
             await wait_until(published, timeout=60)
             row = await direct.store.get(message_id)
-            assert row is not None and row["attempts"] >= 2  # it was claimed again
+            assert row is not None
+            if outage == "database":
+                assert row["attempts"] >= 2  # it was claimed again after its lease
         with anyio.fail_after(10):
             assert await copies(kind, url, stream, message_id) == expected
     finally:
