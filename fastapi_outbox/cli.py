@@ -263,7 +263,10 @@ async def _doctor(outbox: Any) -> int:
 async def _upgrade(outbox: Any) -> int:
     from fastapi_outbox import doctor
 
-    applied, left = await _guard(doctor.upgrade(outbox.engine, outbox.table), outbox)
+    try:
+        applied, left = await _guard(doctor.upgrade(outbox.engine, outbox.table), outbox)
+    except doctor.UpgradeLockTimeout as exc:
+        raise CliError(str(exc), EXIT_FAILED) from exc
     for finding in applied:
         print(f"fixed: {finding.what}")
     for finding in left:

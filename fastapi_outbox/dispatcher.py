@@ -18,7 +18,6 @@ be reached makes workers retry with backoff while the app keeps serving.
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import functools
 import logging
 import os
@@ -32,7 +31,7 @@ from typing import Any
 
 import anyio
 
-from fastapi_outbox import exceptions
+from fastapi_outbox import clock, exceptions
 from fastapi_outbox.brokers.base import Broker, PublishResults
 from fastapi_outbox.events import Envelope
 from fastapi_outbox.instrumentation import Instrumentation
@@ -230,7 +229,7 @@ class Processor(RelayLoop):
                     extra={"action": "database.recovered", "broker": self.broker_name},
                 )
             self.database_ok = True
-            self.last_tick = time.time()
+            self.last_tick = clock.wall()
             self._adapt_claim(len(batch), size)
             if not batch:
                 if self._stopping:
@@ -341,8 +340,10 @@ class Processor(RelayLoop):
         if exhausted:
             await self._abandon_exhausted(exhausted, token)
         if settings.retry_deadline_seconds is not None:
-            cutoff = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=settings.retry_deadline_seconds)
-            expired = [r for r in live if r.created_at is not None and r.created_at < cutoff]
+            # The row's age as the database counted it at the claim: the dispatcher's own
+            # clock may be minutes off the clock that wrote created_at.
+            deadline = settings.retry_deadline_seconds
+            expired = [r for r in live if r.age_seconds is not None and r.age_seconds > deadline]
             if expired:
                 gone = {r.id for r in expired}
                 live = [r for r in live if r.id not in gone]

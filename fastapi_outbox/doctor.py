@@ -16,11 +16,14 @@ partitioned is only reported, with the SQL or the README procedure: those rewrit
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
+import logging
 import re
 from typing import Any
 
+import anyio
 from sqlalchemy import Table, text
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
@@ -28,6 +31,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.schema import CreateColumn, CreateIndex, CreateTable
 
 from fastapi_outbox import partitions
+from fastapi_outbox.exceptions import OutboxError
 from fastapi_outbox.log import safe_error
 
 #: Columns of earlier layouts that the library no longer reads or writes.
@@ -38,6 +42,23 @@ OBSOLETE_COLUMNS = {
 _PROBE = "fastapi_outbox_doctor_probe"
 #: Partitions must cover at least this far ahead (the cleaner keeps two days ready).
 DOCTOR_AHEAD_SECONDS = 86400.0
+
+logger = logging.getLogger("fastapi_outbox.doctor")
+
+#: ``db upgrade`` waits this long for each statement's lock (PostgreSQL ``lock_timeout``):
+#: a statement queued behind a long transaction holds up every write to the table.
+UPGRADE_LOCK_TIMEOUT_SECONDS = 2.0
+#: Passes of ``db upgrade`` before it gives up on a lock it cannot get.
+UPGRADE_LOCK_ATTEMPTS = 10
+#: Pause between those passes (the table takes writes meanwhile).
+UPGRADE_RETRY_PAUSE_SECONDS = 1.0
+#: SQLSTATE lock_not_available: ``lock_timeout`` ran out.
+LOCK_NOT_AVAILABLE = "55P03"
+
+
+class UpgradeLockTimeout(OutboxError, RuntimeError):
+    """``db upgrade`` could not take a lock on the table within its lock timeout, on any
+    of its attempts: another transaction holds a conflicting lock."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -385,14 +406,61 @@ async def examine(engine: AsyncEngine, table: Table) -> list[Finding]:
     return findings
 
 
-async def upgrade(engine: AsyncEngine, table: Table) -> tuple[list[Finding], list[Finding]]:
+async def upgrade(
+    engine: AsyncEngine,
+    table: Table,
+    *,
+    lock_timeout_seconds: float = UPGRADE_LOCK_TIMEOUT_SECONDS,
+    attempts: int = UPGRADE_LOCK_ATTEMPTS,
+    pause_seconds: float = UPGRADE_RETRY_PAUSE_SECONDS,
+) -> tuple[list[Finding], list[Finding]]:
     """Apply the automatic fixes; returns (applied, left for the operator). Idempotent.
 
     Fixes run in the order found (columns before the indexes on them, the obsolete column
     after the index that used it was rebuilt), each statement on its own in autocommit: a
-    ``CONCURRENTLY`` build cannot run in a transaction and must not hold a long one."""
+    ``CONCURRENTLY`` build cannot run in a transaction and must not hold a long one.
+
+    On PostgreSQL each statement waits at most ``lock_timeout_seconds`` for its lock: an
+    ``ALTER TABLE`` queued behind a long transaction would otherwise block every write to
+    the table behind it for as long. A statement that times out is retried, after
+    ``pause_seconds``, from a new look at the table (an interrupted ``CONCURRENTLY`` build
+    leaves an invalid index, which the next look rebuilds), ``attempts`` times in all;
+    then :class:`UpgradeLockTimeout` names the table."""
+    applied: list[Finding] = []
+    limit = lock_timeout_seconds if engine.dialect.name == "postgresql" else None
+    waited_for = "a change"
+    for attempt in range(1, attempts + 1):
+        done, left, blocked = await _upgrade_once(engine, table, limit)
+        applied += done
+        if blocked is None:
+            return applied, left
+        waited_for = blocked.what
+        logger.warning(
+            "db upgrade: lock not available; retrying",
+            extra={
+                "action": "upgrade.lock_timeout",
+                "table": table.name,
+                "attempt": attempt,
+                "change": waited_for,
+            },
+        )
+        if attempt < attempts:
+            await anyio.sleep(pause_seconds)
+    raise UpgradeLockTimeout(
+        f"db upgrade: table {table.name}: could not take the lock for {waited_for!r} within "
+        f"{lock_timeout_seconds:g} s (UPGRADE_LOCK_TIMEOUT_SECONDS), {attempts} attempts: "
+        "another transaction holds a conflicting lock on the table; run it again once that "
+        f"transaction has ended ({len(applied)} change(s) applied so far)"
+    )
+
+
+async def _upgrade_once(
+    engine: AsyncEngine, table: Table, lock_timeout_seconds: float | None
+) -> tuple[list[Finding], list[Finding], Finding | None]:
+    """One pass of :func:`upgrade`: (applied, left, the fix whose lock timed out)."""
     findings = await examine(engine, table)
-    applied, left = [], []
+    applied: list[Finding] = []
+    left: list[Finding] = []
     ordered = sorted(findings, key=lambda f: f.what.startswith("obsolete"))
     autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
     for finding in ordered:
@@ -401,12 +469,27 @@ async def upgrade(engine: AsyncEngine, table: Table) -> tuple[list[Finding], lis
             continue
         try:
             async with autocommit.connect() as conn:
-                for statement in finding.fix:
-                    if not statement.startswith("--"):
-                        await conn.execute(text(statement))
+                if lock_timeout_seconds is not None:
+                    ms = max(1, int(lock_timeout_seconds * 1000))
+                    await conn.execute(text(f"SET lock_timeout = {ms}"))
+                try:
+                    for statement in finding.fix:
+                        if not statement.startswith("--"):
+                            await conn.execute(text(statement))
+                finally:
+                    if lock_timeout_seconds is not None and not conn.invalidated:
+                        with contextlib.suppress(DBAPIError):
+                            await conn.execute(text("RESET lock_timeout"))
         except DBAPIError as exc:  # e.g. a partition whose range has rows in DEFAULT
+            if _sqlstate(exc) == LOCK_NOT_AVAILABLE:
+                return applied, left, finding
             finding.what += f" (fix failed: {safe_error(exc, 200)})"
             left.append(finding)
             continue
         applied.append(finding)
-    return applied, left
+    return applied, left, None
+
+
+def _sqlstate(exc: BaseException) -> str:
+    orig = getattr(exc, "orig", None)
+    return str(getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None) or "")

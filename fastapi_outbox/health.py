@@ -25,6 +25,7 @@ import anyio
 from fastapi import APIRouter, Response
 from pydantic import BaseModel, Field
 
+from fastapi_outbox import clock
 from fastapi_outbox.store import BrokerStats
 from fastapi_outbox.subscribers import ConsumerStatus
 
@@ -134,7 +135,7 @@ async def compute_health(outbox: Outbox) -> OutboxHealth:
         down_for: float | None = None
         if broker_down and p is not None:
             degraded = True
-            down_for = time.time() - (p.broker_down_since or time.time())
+            down_for = clock.wall() - (p.broker_down_since or clock.wall())
             what = "refusing messages" if p.broker_refusing else "unreachable"
             reasons.append(f"broker {name!r} {what} for {down_for:.0f}s")
         age = s.oldest_pending_age_seconds if s else None
@@ -303,6 +304,12 @@ async def _consumers_health(
             degraded = True
             reasons.append(
                 f"{c.dead_letters} dead letter(s) of {where} in {c.dead_letter_stream!r}"
+            )
+        if c.trimmed:
+            degraded = True
+            reasons.append(
+                f"{where}: {c.trimmed} entries trimmed from the stream (MAXLEN) before the "
+                "group read them: lost to it; raise the broker's maxlen or drop it"
             )
     return statuses, down, degraded
 

@@ -29,7 +29,7 @@ from sqlalchemy import Column, Index, MetaData, String, Table, delete, func, sel
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
-from fastapi_outbox import exceptions, schema
+from fastapi_outbox import clock, exceptions, schema
 from fastapi_outbox.settings import INBOX_TABLE_NAME, check_table_name
 
 __all__ = ["Inbox", "build_inbox_table", "inbox_table"]
@@ -83,21 +83,24 @@ class Inbox:
         dialect_insert: Any = postgresql.insert if self.is_postgres else sqlite.insert
         # ON CONFLICT DO NOTHING on the primary key: the row count says whether the message
         # is new to the group. Built once; the values are bound per message.
-        self._record = dialect_insert(table).on_conflict_do_nothing(
-            index_elements=[table.c.group, table.c.message_id]
+        # handled_at is the database's clock, as is the retention cutoff compared with it.
+        self._record = (
+            dialect_insert(table)
+            .values(handled_at=clock.db_now(self.is_postgres))
+            .on_conflict_do_nothing(index_elements=[table.c.group, table.c.message_id])
         )
         # The ids inserted come back as one array in one row (not a row each: a hundred
         # result rows cost more than the statement).
         self._record_many_sql = (
             f'WITH new AS (INSERT INTO "{table.name}" ("group", message_id, stream, handled_at) '
-            "SELECT $1, m, s, $4 FROM unnest($2::varchar[], $3::varchar[]) AS u(m, s) "
+            "SELECT $1, m, s, now() FROM unnest($2::varchar[], $3::varchar[]) AS u(m, s) "
             'ON CONFLICT ("group", message_id) DO NOTHING RETURNING message_id) '
             "SELECT array_agg(message_id) FROM new"
         )
         # The usual batch: every message from one stream (sent once, not once per row).
         self._record_one_stream_sql = (
             f'WITH new AS (INSERT INTO "{table.name}" ("group", message_id, stream, handled_at) '
-            "SELECT $1, unnest($2::varchar[]), $3, $4 "
+            "SELECT $1, unnest($2::varchar[]), $3, now() "
             'ON CONFLICT ("group", message_id) DO NOTHING RETURNING message_id) '
             "SELECT array_agg(message_id) FROM new"
         )
@@ -117,7 +120,6 @@ class Inbox:
                 "group": group,
                 "message_id": message_id,
                 "stream": stream,
-                "handled_at": dt.datetime.now(dt.UTC),
             },
         )
         return int(result.rowcount) == 1
@@ -134,7 +136,6 @@ class Inbox:
         returns the ids that are new. An id twice in the list is recorded once."""
         if not message_ids:
             return set()
-        now = dt.datetime.now(dt.UTC)
         if self.is_postgres and self.engine.dialect.driver == "asyncpg":
             # One statement for the whole batch: arrays instead of a VALUES row per message,
             # no SQLAlchemy work per row. Through the session's connection (not the raw
@@ -144,21 +145,18 @@ class Inbox:
             result: Any
             if isinstance(streams, str):
                 result = await connection.exec_driver_sql(
-                    self._record_one_stream_sql, (group, message_ids, streams, now)
+                    self._record_one_stream_sql, (group, message_ids, streams)
                 )
             else:
                 result = await connection.exec_driver_sql(
-                    self._record_many_sql, (group, message_ids, streams, now)
+                    self._record_many_sql, (group, message_ids, streams)
                 )
             return set(result.scalar() or ())
         per_id = [streams] * len(message_ids) if isinstance(streams, str) else streams
         rows = dict(zip(message_ids, per_id, strict=True))  # an id once: ON CONFLICT
         result = await session.execute(  # cannot affect a row twice in one statement
             self._record.returning(self.table.c.message_id),
-            [
-                {"group": group, "message_id": m, "stream": s, "handled_at": now}
-                for m, s in rows.items()
-            ],
+            [{"group": group, "message_id": m, "stream": s} for m, s in rows.items()],
         )
         return set(result.scalars().all())
 
@@ -172,7 +170,7 @@ class Inbox:
         """Delete up to ``limit`` rows handled more than ``older_than_seconds`` ago: one
         short transaction through the ``handled_at`` index (SKIP LOCKED on PostgreSQL)."""
         t = self.table
-        cutoff = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=older_than_seconds)
+        cutoff = clock.db_later(self.is_postgres, seconds=-older_than_seconds)
         victims = (
             select(t.c.group, t.c.message_id)
             .where(t.c.handled_at < cutoff)

@@ -356,6 +356,7 @@ async def consumers(outbox: Outbox, *, counts: bool = False) -> list[Any]:
             with anyio.fail_after(CONSUMER_QUERY_TIMEOUT_SECONDS):
                 lag = await consumer.lag()
                 status.lag, status.pending = lag.lag, lag.pending
+                status.trimmed = lag.trimmed
                 status.dead_letters = await consumer.count_dead_letters()
         except Exception as exc:
             logger.warning(

@@ -647,15 +647,17 @@ class Outbox:
 
 def _check_dedup_window(name: str, broker: Broker, settings: OutboxSettings) -> None:
     """Refuse a broker whose de-duplication window (set on the broker itself) is shorter
-    than a republish can come late: after a lease expires or after the longest backoff."""
+    than a republish can come late: after a lease expires, after the longest backoff, or
+    after the longest outage it is meant to absorb."""
     window = getattr(broker, "dedup_window_seconds", None)
-    needed = settings.lease_seconds + settings.retry_max_delay_seconds
+    needed = settings.dedup_window_needed_seconds
     if isinstance(window, int | float) and window < needed:
         raise exceptions.ConfigurationError(
             f"broker {name!r}: its de-duplication window ({window:g} s) is shorter than "
-            f"lease_seconds + retry_max_delay_seconds ({needed:g} s), so a message "
-            "republished after a lease expiry or the longest backoff would appear twice: "
-            "raise the broker's dedup_window_seconds or lower those settings"
+            "lease_seconds + retry_max_delay_seconds + dedup_outage_seconds "
+            f"({needed:g} s), so a message republished after a lease expiry, the longest "
+            "backoff or an outage would appear twice: raise the broker's "
+            "dedup_window_seconds or lower those settings"
         )
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import anyio
 
-from fastapi_outbox import exceptions
+from fastapi_outbox import clock, exceptions
 from fastapi_outbox.log import safe_error, stack
 from fastapi_outbox.notify import Wakeup
 from fastapi_outbox.settings import OutboxSettings
@@ -128,7 +128,7 @@ class RelayLoop:
         pause *= 1 + self._rng.uniform(0, 0.25)
         self._paused_until = time.monotonic() + pause
         if self.broker_down_since is None:
-            self.broker_down_since = time.time()
+            self.broker_down_since = clock.wall()
         self.broker_ok = False
         self.broker_refusing = isinstance(exc, exceptions.BrokerRefusing)
         self.last_error = safe_error(exc)

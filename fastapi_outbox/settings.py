@@ -47,6 +47,10 @@ DB_STATEMENT_TIMEOUT_SECONDS = 10.0
 DB_LOCK_TIMEOUT_SECONDS = 5.0
 #: Extra margin added to lease + maximal backoff for the brokers' de-duplication window.
 DEDUP_MARGIN_SECONDS = 60.0
+#: The longest database or broker outage whose republishes the brokers still de-duplicate
+#: (4 hours): a message published just before the outage and marked only after it (the
+#: mark failed, or the broker's ack was lost) is published again when the outage ends.
+DEDUP_OUTAGE_SECONDS = 4 * 3600.0
 #: ``lease_seconds`` must be at least this many times ``publish_timeout_seconds``: a claim
 #: must outlive its slowest publish plus the mark that follows, or another dispatcher
 #: takes the rows while they are being published (a duplicate for the de-duplication to
@@ -234,6 +238,14 @@ class OutboxSettings(BaseSettings):
         description="A delivered message not acknowledged for this long goes to another "
         "consumer: Redis XAUTOCLAIM min-idle-time, NATS ack_wait.",
     )
+    dedup_outage_seconds: float = Field(
+        default=DEDUP_OUTAGE_SECONDS,
+        ge=0,
+        description="The longest database or broker outage after which a message that was "
+        "published but not marked (the mark failed, or the broker's ack was lost) is still "
+        "de-duplicated when it is published again: part of the brokers' de-duplication "
+        "window (Redis keys, JetStream duplicate_window), whose memory grows with it.",
+    )
 
     @field_validator("table_name", "inbox_table_name")
     @classmethod
@@ -376,8 +388,14 @@ class OutboxSettings(BaseSettings):
     @property
     def dedup_window_seconds(self) -> float:
         """How long brokers must remember a message id: a republish can come after a lease
-        expires (crash between publish and mark) or after the longest retry backoff."""
-        return self.lease_seconds + self.retry_max_delay_seconds + DEDUP_MARGIN_SECONDS
+        expires (crash between publish and mark), after the longest retry backoff, or
+        after an outage of the database or the broker (``dedup_outage_seconds``)."""
+        return self.dedup_window_needed_seconds + DEDUP_MARGIN_SECONDS
+
+    @property
+    def dedup_window_needed_seconds(self) -> float:
+        """The shortest de-duplication window a broker may be given (without the margin)."""
+        return self.lease_seconds + self.retry_max_delay_seconds + self.dedup_outage_seconds
 
 
 def check_table_name(value: str) -> str:

@@ -7,7 +7,8 @@ only touches rows whose ``locked_by`` still equals the claim token, so a worker 
 expired can never overwrite a newer claim.
 
 PostgreSQL and SQLite run the same statements; the differences are confined to
-:meth:`Store._now` (database clock vs. Python clock), :meth:`Store._ids` (an array
+:mod:`fastapi_outbox.clock` (``now()`` vs. SQLite's ``'now'``: the database's clock on both,
+never the process's), :meth:`Store._ids` (an array
 parameter vs. an expanding IN) and the ordering column (``seq`` vs. ``rowid``).
 """
 
@@ -24,6 +25,7 @@ from typing import Any
 import anyio
 from sqlalchemy import (
     ARRAY,
+    Boolean,
     Interval,
     Select,
     Table,
@@ -49,7 +51,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.util import await_only
 
-from fastapi_outbox import schema
+from fastapi_outbox import clock, schema
 from fastapi_outbox.events import MessageStatus
 from fastapi_outbox.schema import ACTIVE_STATUSES, UtcDateTime
 
@@ -94,8 +96,10 @@ class ClaimedRow:
     payload: str
     headers: str
     attempts: int
-    #: When the producing transaction began (retry deadline).
+    #: When the producing transaction began.
     created_at: dt.datetime | None = None
+    #: Seconds since ``created_at`` by the database's clock, at the claim (retry deadline).
+    age_seconds: float | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -161,18 +165,19 @@ class Store:
     # -- helpers -------------------------------------------------------------------------
 
     def _now(self) -> ColumnElement[dt.datetime]:
-        """The clock every due time is compared with: the database's on PostgreSQL (one
-        clock for all processes), the process's own on SQLite (an embedded database)."""
-        if self.is_postgres:
-            return func.now()
-        return bindparam(None, dt.datetime.now(dt.UTC), type_=UtcDateTime())
+        """The clock every due time is compared with: the database's (see :mod:`clock`),
+        one clock for every process whatever its host's clock says."""
+        return clock.db_now(self.is_postgres)
 
     def _later(self, seconds: float) -> ColumnElement[dt.datetime]:
+        return clock.db_later(self.is_postgres, seconds=seconds)  # type: ignore[no-any-return]
+
+    def _offset(self, seconds: float) -> Any:
+        """The value of a :func:`clock.db_later` parameter: an interval on PostgreSQL, a
+        date modifier on SQLite."""
         if self.is_postgres:
-            return func.now() + bindparam(None, dt.timedelta(seconds=seconds), type_=Interval())
-        return bindparam(
-            None, dt.datetime.now(dt.UTC) + dt.timedelta(seconds=seconds), type_=UtcDateTime()
-        )
+            return dt.timedelta(seconds=seconds)
+        return clock.seconds_modifier(seconds)
 
     def _ids(self, name: str = "ids") -> ColumnElement[bool]:
         """``id = ANY($ids)`` on PostgreSQL (one cached statement for any batch size)."""
@@ -271,6 +276,14 @@ class Store:
                         await conn.invalidate()
                 raise
 
+    async def now(self) -> dt.datetime:
+        """The database's clock (aware UTC): the one every due time is compared with."""
+        async with self._autocommit.connect() as conn:
+            value = (await conn.execute(select(self._now()))).scalar_one()
+        if isinstance(value, str):
+            value = dt.datetime.fromisoformat(value)
+        return value if value.tzinfo is not None else value.replace(tzinfo=dt.UTC)
+
     async def ping(self) -> None:
         """Raise if the database cannot be reached."""
         async with self.engine.connect() as conn:
@@ -286,33 +299,42 @@ class Store:
     # -- write path ------------------------------------------------------------------------
 
     def insert_statement(self) -> Any:
-        """INSERT for the unit of work (built once); timestamps come from the database
-        clock on PostgreSQL, so they agree with the claim's now(). ``created_at`` is the
-        transaction's start (when the event happened); the first due time is the INSERT's
-        own clock, at the commit (the unit of work writes its rows in ``before_commit``):
-        how long a row waits for a dispatcher is counted from then, not from the start of
-        a long producer transaction."""
+        """INSERT for the unit of work (built once); every timestamp comes from the
+        database's clock, so it agrees with the claim's. ``created_at`` is the
+        transaction's start on PostgreSQL (when the event happened); the first due time is
+        the INSERT's own clock, at the commit (the unit of work writes its rows in
+        ``before_commit``): how long a row waits for a dispatcher is counted from then, not
+        from the start of a long producer transaction. A delayed message is due ``delay``
+        after that; a ``deliver_at`` one at that time (at once when it is past), whatever
+        the producer's clock says."""
         if self._insert is None:
-            stmt = insert(self.table)
             if self.is_postgres:
-                # A delayed message (``publish(delay=…)``) is due that long after its commit.
-                stmt = stmt.values(
-                    created_at=func.now(),
-                    next_attempt_at=func.statement_timestamp()
-                    + bindparam("delay", type_=Interval()),
-                )
-            self._insert = stmt
+                created: Any = func.now()
+                statement_now: Any = func.statement_timestamp()
+                after_delay = statement_now + bindparam("delay", type_=Interval())
+            else:
+                created = statement_now = clock.db_now(False)
+                after_delay = clock.db_later(False, "delay")
+            due_at = bindparam("deliver_at", type_=UtcDateTime())
+            # greatest/max of now and (deliver_at, else now + delay): a past deliver_at is
+            # due now, never "overdue" since then in the health's pending age.
+            latest = func.greatest if self.is_postgres else func.max
+            self._insert = insert(self.table).values(
+                created_at=created,
+                next_attempt_at=latest(statement_now, func.coalesce(due_at, after_delay)),
+            )
         return self._insert
 
     def row_params(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Complete the unit of work's row dicts for the INSERT (``delay``: a timedelta)."""
+        """Complete the unit of work's row dicts for the INSERT: ``delay`` (a timedelta from
+        the commit) and ``deliver_at`` (an aware datetime or None) become parameters of
+        the due time the database computes."""
+        params = [{"deliver_at": None, **row} for row in rows]
         if not self.is_postgres:
-            now = dt.datetime.now(dt.UTC)
-            for row in rows:
-                row["created_at"] = now
-                row["next_attempt_at"] = now + row.pop("delay")
+            for row in params:
+                row["delay"] = clock.seconds_modifier(row["delay"].total_seconds())
                 row["seq"] = 0  # no identity columns on SQLite: the rowid gives insert order
-        return rows
+        return params
 
     async def insert_rows(self, conn: AsyncConnection, rows: list[dict[str, Any]]) -> None:
         """Insert outbox rows in ``conn``'s transaction (see :meth:`insert_rows_sync`)."""
@@ -341,7 +363,7 @@ class Store:
     def _compiled_insert(self, conn: Connection | AsyncConnection) -> tuple[str, list[str]]:
         if self._insert_sql is None:
             compiled = self.insert_statement().compile(
-                dialect=conn.dialect, column_keys=[*INSERT_KEYS, "delay"]
+                dialect=conn.dialect, column_keys=[*INSERT_KEYS, "delay", "deliver_at"]
             )
             self._insert_sql = (compiled.string, list(compiled.positiontup or ()))
         return self._insert_sql
@@ -351,12 +373,25 @@ class Store:
         broker refused them, as ``failed`` rows due again at ``next_attempt_at`` (or
         ``abandoned`` ones): from there the table's retry, abandon and replay path takes
         over. A row that is already there — a relay that crashed after inserting it reads
-        the slot again — is left as it is. Returns how many rows were inserted."""
+        the slot again — is left as it is. Returns how many rows were inserted.
+
+        Each row gives ``retry_in`` (a timedelta) and ``abandon_now`` (a bool) instead of
+        ``next_attempt_at`` and ``abandoned_at``: those are the database's now plus the
+        retry delay, and its now, so they agree with the claim's clock."""
         if not rows:
             return 0
         from sqlalchemy.dialects import postgresql
 
-        stmt = postgresql.insert(self.table).on_conflict_do_nothing()
+        stmt = (
+            postgresql.insert(self.table)
+            .values(
+                next_attempt_at=func.now() + bindparam("retry_in", type_=Interval()),
+                abandoned_at=case(
+                    (bindparam("abandon_now", type_=Boolean()), func.now()), else_=None
+                ),
+            )
+            .on_conflict_do_nothing()
+        )
         async with self.engine.begin() as conn:
             result = await conn.execute(stmt, list(rows))
             return int(result.rowcount)
@@ -385,15 +420,9 @@ class Store:
         """
         t = self.table
         # Bound per execution (the statement is built once per broker and cached): the
-        # claim token, and the clock on SQLite / the lease length on PostgreSQL.
-        now: ColumnElement[Any]
-        until: ColumnElement[Any]
-        if self.is_postgres:
-            now = func.now()
-            until = func.now() + bindparam("lease", type_=Interval())
-        else:
-            now = bindparam("now", type_=UtcDateTime())
-            until = bindparam("until", type_=UtcDateTime())
+        # claim token and the lease length. The clock is the database's.
+        now: ColumnElement[Any] = self._now()
+        until: ColumnElement[Any] = clock.db_later(self.is_postgres, "lease")
         o = t.alias("o")
         order = self._order_columns(o) if ordered else (o.c.next_attempt_at, o.c.id)
         labels = [f"o{i}" for i in range(len(order))]
@@ -468,6 +497,8 @@ class Store:
                 cast(t.c.headers, Text),
                 t.c.attempts,
                 t.c.created_at,
+                # The retry deadline is judged by the database's clock, not the dispatcher's.
+                clock.age_seconds(self.is_postgres, t.c.created_at),
                 *self._order_columns(t),
             )
         )
@@ -481,13 +512,7 @@ class Store:
         stmt = self._claims.get(cache_key)
         if stmt is None:
             stmt = self._claims[cache_key] = self._claim_statement(broker, limit, ordered)
-        params: dict[str, Any] = {"token": token}
-        if self.is_postgres:
-            params["lease"] = dt.timedelta(seconds=lease_seconds)
-        else:
-            clock = dt.datetime.now(dt.UTC)
-            params["now"] = clock
-            params["until"] = clock + dt.timedelta(seconds=lease_seconds)
+        params: dict[str, Any] = {"token": token, "lease": self._offset(lease_seconds)}
         if self.is_postgres and not ordered:
             # One statement in autocommit: one round trip, no BEGIN/COMMIT.
             rows = await self._driver_fetch(f"claim:{broker}:{limit}", stmt, params)
@@ -511,9 +536,9 @@ class Store:
                             select(*self._local_timeouts(), func.pg_advisory_xact_lock(lock))
                         )
                     rows = (await conn.execute(stmt, params)).all()
-        claimed = [ClaimedRow(*row[:8]) for row in rows]
+        claimed = [ClaimedRow(*row[:9]) for row in rows]
         if ordered:
-            order = {row[0]: tuple(row[8:]) for row in rows}
+            order = {row[0]: tuple(row[9:]) for row in rows}
             claimed.sort(key=lambda r: order[r.id])
         return claimed
 
@@ -556,9 +581,7 @@ class Store:
                     .where(fence)
                     .values(
                         status=PUBLISHED,
-                        published_at=func.now()
-                        if self.is_postgres
-                        else bindparam("now", type_=UtcDateTime()),
+                        published_at=self._now(),
                         locked_by=None,
                         locked_until=None,
                         last_error=None,
@@ -568,8 +591,6 @@ class Store:
         params: dict[str, Any] = {"ids": list(ids), "token": token}
         if self.is_postgres:
             return await self._driver_execute(name, stmt, params)
-        if not delete_rows:
-            params["now"] = dt.datetime.now(dt.UTC)
         async with self._autocommit.begin() as conn:
             result = await conn.execute(stmt, params)
         return int(result.rowcount)
@@ -581,10 +602,7 @@ class Store:
         t = self.table
         now = self._now()
         status = bindparam("new_status", type_=t.c.status.type)
-        if self.is_postgres:
-            due: ColumnElement[Any] = func.now() + bindparam("delay", type_=Interval())
-        else:
-            due = bindparam("due_at", type_=UtcDateTime())
+        due = clock.db_later(self.is_postgres, "delay")  # backoff by the database's clock
         stmt = (
             update(t)
             .where(t.c.id == bindparam("row_id"), t.c.locked_by == bindparam("token"))
@@ -597,21 +615,16 @@ class Store:
                 abandoned_at=case((status == ABANDONED, now), else_=None),
             )
         )
-        clock = dt.datetime.now(dt.UTC)
-        params = []
-        for f in failures:
-            delay = dt.timedelta(seconds=f.delay_seconds)
-            param: dict[str, Any] = {
+        params = [
+            {
                 "row_id": f.id,
                 "token": token,
                 "new_status": ABANDONED if f.abandon else FAILED,
                 "error": f.error[:ERROR_MAX_CHARS],
+                "delay": self._offset(f.delay_seconds),
             }
-            if self.is_postgres:
-                param["delay"] = delay
-            else:
-                param["due_at"] = clock + delay
-            params.append(param)
+            for f in failures
+        ]
         if self.is_postgres and self.engine.dialect.driver == "asyncpg":
             # One transaction on the asyncpg connection (bounded, dropped when in doubt);
             # asyncpg's executemany reports no row count, and the count is how a caller

@@ -210,6 +210,11 @@ class ConsumerStatus(BaseModel):
     )
     failures: int = Field(default=0, description="Handler failures in this process.")
     last_error: str | None = None
+    trimmed: int | None = Field(
+        default=None,
+        description="Entries the stream's MAXLEN trimmed before the group read them: lost "
+        "to the group (at least this many; None: unknown or not Redis).",
+    )
 
 
 def _event_classes() -> list[type[Event]]:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 from fastapi import Depends, HTTPException, Request
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from fastapi_outbox import exceptions
+from fastapi_outbox import clock, exceptions
 from fastapi_outbox.events import (
     HEADER_CAUSATION_ID,
     HEADER_CORRELATION_ID,
@@ -191,7 +191,7 @@ class UnitOfWork:
         if key is not None and len(key) > 255:
             raise exceptions.PublishError(f"key of {type_name} is longer than 255 characters")
         user_headers = _check_headers(extra_headers, type_name)
-        due_in = _delay(delay, deliver_at, outbox.settings.max_delay_seconds, type_name)
+        due_in, due_at = _delay(delay, deliver_at, outbox.settings.max_delay_seconds, type_name)
         message_id = uuid7()
         base = {
             HEADER_MESSAGE_ID: str(message_id),
@@ -219,6 +219,7 @@ class UnitOfWork:
                     "payload": payload,
                     "headers": json.dumps(row_headers, separators=(",", ":")),
                     "delay": due_in,
+                    "deliver_at": due_at,
                 }
             )
         self._state.queue(self.session.sync_session, self.outbox, rows)
@@ -253,10 +254,13 @@ def _delay(
     deliver_at: dt.datetime | None,
     horizon: float,
     type_name: str,
-) -> dt.timedelta:
-    """The delay of a message from ``publish(delay=…)`` / ``publish(deliver_at=…)``."""
+) -> tuple[dt.timedelta, dt.datetime | None]:
+    """The delay of a message from ``publish(delay=…)`` / ``publish(deliver_at=…)``, and
+    its ``deliver_at``: the database compares that time with its own clock (the
+    producer's clock only checks it against ``max_delay_seconds`` and estimates the delay
+    for the dispatchers' wake-up)."""
     if delay is None and deliver_at is None:
-        return _NO_DELAY
+        return _NO_DELAY, None
     if delay is not None and deliver_at is not None:
         raise exceptions.PublishError(f"{type_name}: give delay or deliver_at, not both")
     if deliver_at is not None:
@@ -266,7 +270,7 @@ def _delay(
                 f"(e.g. datetime.now(UTC) + timedelta(minutes=5)), not {deliver_at!r}"
             )
         # A time already past is due at once.
-        seconds = max(0.0, (deliver_at - dt.datetime.now(dt.UTC)).total_seconds())
+        seconds = max(0.0, (deliver_at - clock.utcnow()).total_seconds())
     else:
         if isinstance(delay, dt.timedelta):
             seconds = delay.total_seconds()
@@ -283,7 +287,7 @@ def _delay(
             f"{type_name}: due in {seconds:.0f} s, beyond max_delay_seconds={horizon:g} "
             "(OUTBOX_MAX_DELAY_SECONDS)"
         )
-    return dt.timedelta(seconds=seconds)
+    return dt.timedelta(seconds=seconds), deliver_at
 
 
 def _check_headers(headers: dict[str, str] | None, type_name: str) -> dict[str, str]:

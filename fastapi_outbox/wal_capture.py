@@ -45,9 +45,13 @@ class WalCapture:
         self._checked = False
 
     def write(self, connection: Connection, rows: list[dict[str, Any]]) -> None:
-        due = [r for r in rows if not r["delay"]]
+        # A deliver_at message goes to the table even when the producer's clock says it
+        # is due: the database's clock decides when it is (see ``clock``).
+        due = [r for r in rows if not r["delay"] and r.get("deliver_at") is None]
         if len(due) < len(rows):
-            self.store.insert_rows_sync(connection, [r for r in rows if r["delay"]])
+            self.store.insert_rows_sync(
+                connection, [r for r in rows if r["delay"] or r.get("deliver_at") is not None]
+            )
         if not due:
             return
         content = wal_slot.encode(due)

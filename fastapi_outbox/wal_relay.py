@@ -123,7 +123,12 @@ class WalRelay(RelayLoop):
         commit (0 when the relay is caught up with what it read)."""
         if self.oldest_unrelayed is None:
             return 0.0
-        return max(0.0, time.time() - self.oldest_unrelayed)
+        # On the database's clock: its now at the read, plus the time since (monotonic).
+        at_peek = self.slot.clock_at_peek
+        if at_peek is None:
+            return 0.0
+        db_now = at_peek[1] + (time.monotonic() - at_peek[0])
+        return max(0.0, db_now - self.oldest_unrelayed)
 
     async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         """Stand for election and, once elected, relay until :meth:`stop`. Ready once the
@@ -369,7 +374,6 @@ class WalRelay(RelayLoop):
     ) -> None:
         """Hand messages over to the outbox table (before the slot moves past them)."""
         settings = self.settings
-        now = dt.datetime.now(dt.UTC)
         abandon = not pending and settings.max_attempts <= 1
         rows: list[dict[str, Any]] = []
         for index, (txn, m) in enumerate(items):
@@ -392,10 +396,10 @@ class WalRelay(RelayLoop):
                         else MessageStatus.FAILED
                     ).value,
                     "attempts": 0 if pending else 1,
-                    "next_attempt_at": now + dt.timedelta(seconds=delay),
+                    "retry_in": dt.timedelta(seconds=delay),  # from the database's now
                     "last_error": error,
                     "created_at": dt.datetime.fromtimestamp(txn.commit_time, dt.UTC),
-                    "abandoned_at": now if abandon else None,
+                    "abandon_now": abandon,
                 }
             )
         with anyio.fail_after(self._db_bound):

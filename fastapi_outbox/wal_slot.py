@@ -30,6 +30,7 @@ import datetime as dt
 import json
 import logging
 import struct
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -186,6 +187,9 @@ class WalSlot:
         self.publication = slot_name
         self.prefix = message_prefix(table_name)
         self.lock_key = f"fastapi_outbox.wal:{slot_name}"
+        #: (process monotonic time, database clock in Unix seconds) at the last peek: ages
+        #: of commit times are counted on the database's clock (see ``clock``).
+        self.clock_at_peek: tuple[float, float] | None = None
 
     # -- checks and DDL (on any connection) -----------------------------------------------------
 
@@ -267,6 +271,12 @@ class WalSlot:
         count = sum(len(t.messages) for t in transactions)
         return count, transactions[0].commit_time if transactions else None
 
+    async def _db_now(self) -> float:
+        """The database's clock in Unix seconds (commit times are on it)."""
+        async with self.engine.connect() as conn:
+            driver = await self._driver(conn)
+            return float(await driver.fetchval(DB_NOW_SQL))
+
     async def report(self) -> dict[str, Any]:
         """What operators see (``status``): the slot's state, lag and retained WAL, and
         its backlog of messages (None while a relay happens to be reading the slot)."""
@@ -286,9 +296,7 @@ class WalSlot:
             count, oldest = None, None
         out["backlog_messages"] = count
         out["oldest_unrelayed_age_seconds"] = (
-            None
-            if oldest is None
-            else round(max(0.0, dt.datetime.now(dt.UTC).timestamp() - oldest), 3)
+            None if oldest is None else round(max(0.0, await self._db_now() - oldest), 3)
         )
         return out
 
@@ -325,6 +333,7 @@ class WalSlot:
         already reached it (every record that starts before it then ended before the
         read's end, so none of its commits was missed). None when that is not known."""
         boundary = await driver.fetchrow(BOUNDARY_SQL)
+        self.clock_at_peek = (time.monotonic(), float(boundary["db_now"]))
         rows = await driver.fetch(PEEK_SQL, self.name, nchanges, self.publication, timeout=timeout)
         insert_lsn = parse_lsn(boundary["insert_lsn"])
         safe = insert_lsn if parse_lsn(boundary["flush_lsn"]) >= insert_lsn else None
@@ -369,8 +378,11 @@ CHECK_SQL = (
 # Taken before a peek: see WalSlot.peek.
 BOUNDARY_SQL = (
     "SELECT pg_current_wal_insert_lsn()::text AS insert_lsn, "
-    "pg_current_wal_flush_lsn()::text AS flush_lsn"
+    "pg_current_wal_flush_lsn()::text AS flush_lsn, "
+    "extract(epoch FROM clock_timestamp())::float8 AS db_now"
 )
+#: The database's clock, Unix seconds (commit times are on it).
+DB_NOW_SQL = "SELECT extract(epoch FROM clock_timestamp())::float8"
 PEEK_SQL = (
     "SELECT data FROM pg_logical_slot_peek_binary_changes("
     "$1, NULL, $2, "  # slot, no LSN bound, about this many rows (whole transactions)

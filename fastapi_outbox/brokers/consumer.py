@@ -165,6 +165,9 @@ class ConsumerLag:
     lag: int | None
     #: Delivered and not acknowledged yet.
     pending: int | None
+    #: Entries removed from the stream (Redis ``MAXLEN`` trimming) before the group read
+    #: them: lost to it. At least this many; 0: none seen; None: the broker cannot say.
+    trimmed: int | None = None
 
 
 @dataclasses.dataclass(slots=True)

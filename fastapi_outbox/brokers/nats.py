@@ -38,7 +38,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("fastapi_outbox.brokers.nats")
 
-DEDUP_WINDOW_SECONDS = 390.0
+#: Without an Outbox to configure it: lease + longest backoff + dedup_outage_seconds + margin
+#: of the default settings (30 + 300 + 4 h + 60 s).
+DEDUP_WINDOW_SECONDS = 14_790.0
 #: Limits of the streams the broker creates (an unbounded stream grows until the disk is
 #: full): messages older than this are removed...
 STREAM_MAX_AGE_SECONDS = 7 * 24 * 3600.0
@@ -257,6 +259,8 @@ class NatsJetStreamBroker:
         config: dict[str, Any] = {"duplicate_window": self.dedup_window_seconds}
         if self.stream_max_age_seconds is not None:
             config["max_age"] = self.stream_max_age_seconds
+            # JetStream refuses a duplicate window longer than the stream's max age.
+            config["duplicate_window"] = min(self.dedup_window_seconds, config["max_age"])
         if self.stream_max_bytes is not None:
             config["max_bytes"] = self.stream_max_bytes
         return {**config, **self.stream_config}

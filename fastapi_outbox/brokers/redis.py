@@ -41,7 +41,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("fastapi_outbox.brokers.redis")
 
-DEDUP_WINDOW_SECONDS = 390.0
+#: Without an Outbox to configure it: lease + longest backoff + dedup_outage_seconds + margin
+#: of the default settings (30 + 300 + 4 h + 60 s).
+DEDUP_WINDOW_SECONDS = 14_790.0
 #: Messages per script call: bounds how long one call holds the Redis event loop.
 SCRIPT_CHUNK = 200
 IDMP_PRODUCERS = 1024

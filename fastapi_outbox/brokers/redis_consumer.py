@@ -61,6 +61,46 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def _entry_id(value: Any) -> tuple[int, int]:
+    ms, _, seq = _text(value).partition("-")
+    return int(ms), int(seq or 0)
+
+
+#: The most entries seen trimmed before a group read them, per (Redis URL, stream, group).
+_TRIMMED_SEEN: dict[tuple[str, str, str], int] = {}
+
+
+def trimmed_unread(group: dict[str, Any], stream: dict[str, Any]) -> tuple[int | None, int | None]:
+    """(entries ``MAXLEN`` trimmed from the stream before ``group`` read them, the group's
+    real lag), from ``XINFO GROUPS`` / ``XINFO STREAM`` (Redis 7+); None when Redis
+    cannot say.
+
+    A group that has read (``entries-read`` counts its reads, one per entry delivered):
+    Redis's ``lag`` is ``entries-added - entries-read``, so entries trimmed before the
+    group read them stay in that lag forever, while at most ``length`` entries can still
+    be unread. A lag above the stream's length is that many entries lost at least, and the
+    whole lag of a group that has read up to the newest entry is lost (exact). A group
+    that has read nothing yet (``entries-read`` null, at ``0-0``): every entry no longer in
+    the stream is lost to it. An ``XDEL`` after the group's position leaves Redis without
+    a lag: None."""
+    lag, added = group.get("lag"), stream.get("entries-added")
+    if added is None:
+        return None, None if lag is None else int(lag)
+    length = int(stream.get("length", 0))
+    position = _entry_id(group.get("last-delivered-id", "0-0"))
+    if group.get("entries-read") is None:
+        if position == (0, 0):
+            return max(0, int(added) - length), length
+        return None, None if lag is None else int(lag)
+    if lag is None:
+        return None, None
+    last_generated = stream.get("last-generated-id")
+    if last_generated is not None and position >= _entry_id(last_generated):
+        return int(lag), 0  # caught up: all of Redis's lag is lost entries
+    lost = max(0, int(lag) - length)
+    return lost, int(lag) - lost
+
+
 #: The fields of an entry, in the order the publish script writes them.
 _PUBLISHED_FIELDS = [b"id", b"type", b"key", b"headers", b"payload"]
 
@@ -452,19 +492,25 @@ class RedisStreamsConsumer:
             await pipe.execute()
 
     async def lag(self) -> ConsumerLag:
+        """The group's lag and pending count, and the entries ``MAXLEN`` trimmed before the
+        group read them (see :func:`trimmed_unread`)."""
         import redis.exceptions as rexc
 
         async with self._calls() as client:
             try:
                 groups = await client.xinfo_groups(self.key)
+                stream = await client.xinfo_stream(self.key)
             except rexc.ResponseError:  # no such stream yet
                 return ConsumerLag(lag=None, pending=None)
         for info in groups:
             if _text(info.get("name")) == self.config.group:
-                lag = info.get("lag")
-                return ConsumerLag(
-                    lag=None if lag is None else int(lag), pending=int(info.get("pending", 0))
-                )
+                trimmed, lag = trimmed_unread(info, stream)
+                if trimmed is not None:
+                    # Redis forgets the loss of a group that had read nothing yet once it
+                    # reads again: what this process saw stays shown.
+                    seen = (self.broker.url, self.key, self.config.group)
+                    trimmed = _TRIMMED_SEEN[seen] = max(trimmed, _TRIMMED_SEEN.get(seen, 0))
+                return ConsumerLag(lag=lag, pending=int(info.get("pending", 0)), trimmed=trimmed)
         return ConsumerLag(lag=None, pending=None)
 
     async def _dead_entries(self, count: int) -> list[tuple[str, dict[str, Any]]]:

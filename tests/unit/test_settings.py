@@ -181,6 +181,22 @@ def test_dedup_window_outlasts_lease_and_longest_backoff() -> None:
     assert settings.dedup_window_seconds > 330
 
 
+def test_dedup_window_covers_an_outage_of_hours_by_default() -> None:
+    settings = OutboxSettings(lease_seconds=30, retry_max_delay_seconds=300)
+    assert settings.dedup_outage_seconds == 4 * 3600
+    assert settings.dedup_window_seconds >= 330 + 4 * 3600
+    shorter = OutboxSettings(dedup_outage_seconds=600)
+    assert shorter.dedup_window_seconds == shorter.lease_seconds + 300 + 600 + 60
+
+
+def test_a_broker_window_shorter_than_the_outage_bound_is_refused() -> None:
+    from fastapi_outbox.brokers import RedisStreamsBroker
+
+    broker = RedisStreamsBroker("redis://127.0.0.1:1", dedup_window_seconds=3600)
+    with pytest.raises(ConfigurationError, match="dedup_outage_seconds"):
+        Outbox("sqlite+aiosqlite://", brokers={"default": broker})
+
+
 def test_lease_must_outlive_the_publish_timeout_with_a_margin() -> None:
     with pytest.raises(ConfigurationError) as info:
         OutboxSettings.from_env(lease_seconds=10, publish_timeout_seconds=8)
@@ -204,12 +220,12 @@ def test_broker_dedup_window_shorter_than_lease_plus_backoff_is_refused(kind: st
         if kind == "redis"
         else NatsJetStreamBroker("nats://127.0.0.1:1", stream_config={"duplicate_window": 100})
     )
-    settings = OutboxSettings(lease_seconds=30, retry_max_delay_seconds=300)
+    settings = OutboxSettings(lease_seconds=30, retry_max_delay_seconds=300, dedup_outage_seconds=0)
     with pytest.raises(ConfigurationError) as info:
         Outbox("sqlite+aiosqlite://", brokers={"default": broker}, settings=settings)
     message = str(info.value)
     assert "'default'" in message and "dedup_window_seconds" in message
-    assert "lease_seconds + retry_max_delay_seconds (330 s)" in message
+    assert "lease_seconds + retry_max_delay_seconds + dedup_outage_seconds (330 s)" in message
     # A window that covers lease + longest backoff is accepted.
     broker = RedisStreamsBroker("redis://127.0.0.1:1", dedup_window_seconds=330)
     Outbox("sqlite+aiosqlite://", brokers={"default": broker}, settings=settings)
