@@ -26,12 +26,16 @@ errors raised by the library name the setting, broker, table or message id invol
 
 from __future__ import annotations
 
+from fastapi_outbox.redaction import redact
+
 
 class OutboxError(Exception):
-    """An error in fastapi-outbox."""
+    """An error in fastapi-outbox. Its message goes through
+    :func:`fastapi_outbox.redaction.redact`: an error quoting a driver's text or a URL
+    never carries a credential, wherever it is shown."""
 
     def __init__(self, message: str | None = None) -> None:
-        super().__init__(message or (type(self).__doc__ or "").strip())
+        super().__init__(redact(message) if message else (type(self).__doc__ or "").strip())
 
 
 class ConfigurationError(OutboxError, ValueError):

@@ -13,6 +13,14 @@ the database cannot be reached they are
 ``null`` (unknown), and the check gives up after ``HEALTH_TIMEOUT_SECONDS`` so a database
 that hangs makes the endpoint answer 503, not hang. The body holds no payloads and no
 credentials: errors are reduced to their type or passed through ``log.safe_error``.
+
+Public body and detail (DESIGN §18): ``GET /outbox/health`` answers anyone, so its body
+says the status and why in words that name no host, port, user name or credential: the
+``last_error`` texts (a driver's error names the server it could not reach) and the
+handlers' names are ``null`` there. ``GET /outbox/health/detail`` has them, behind the
+dashboard's guard (``Outbox(..., dashboard_dependencies=[...])``); without a guard it is
+refused (403). ``health_public_detail=True`` (``OUTBOX_HEALTH_PUBLIC_DETAIL``) puts the
+detail in the public body, for a deployment whose health port only the operators reach.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ import time
 from typing import TYPE_CHECKING, Literal
 
 import anyio
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Depends, HTTPException, Response
 from pydantic import BaseModel, Field
 
 from fastapi_outbox.store import BrokerStats
@@ -61,7 +69,11 @@ class ProcessorHealth(BaseModel):
         "dispatcher (from its commit, or from when it was given back); None when none waits."
     )
     published_last_minute: int | None
-    last_error: str | None = Field(default=None, description="Last error, without data.")
+    last_error: str | None = Field(
+        default=None,
+        description="Last error, without data or credentials; null in the public body "
+        "(it can name a host): see /outbox/health/detail.",
+    )
 
 
 class WalHealth(BaseModel):
@@ -92,7 +104,32 @@ class WalHealth(BaseModel):
     )
     last_relayed_at: dt.datetime | None = None
     broker_available: bool | None = None
-    last_error: str | None = None
+    last_error: str | None = Field(
+        default=None, description="Null in the public body: see /outbox/health/detail."
+    )
+
+
+class ConsumerHealth(BaseModel):
+    """One subscriber's consumer group (``handler`` and ``last_error``: detail only)."""
+
+    stream: str
+    group: str
+    broker: str
+    dead_letter_stream: str
+    running: bool = Field(description="Its consumer runs in this process.")
+    broker_available: bool | None = Field(default=None, description="None: not running here.")
+    lag: int | None = Field(default=None, description="Not delivered to the group yet.")
+    pending: int | None = Field(default=None, description="Delivered, not acknowledged yet.")
+    dead_letters: int | None = Field(default=None, description="In the dead-letter stream.")
+    handled: int | None = Field(default=None, description="Inbox rows of the group.")
+    last_handled_at: dt.datetime | None = Field(
+        default=None, description="Newest inbox row of the group (any process), UTC."
+    )
+    failures: int = Field(default=0, description="Handler failures in this process.")
+    handler: str | None = Field(
+        default=None, description="The handler (module.function); null in the public body."
+    )
+    last_error: str | None = Field(default=None, description="Null in the public body.")
 
 
 class OutboxHealth(BaseModel):
@@ -104,9 +141,24 @@ class OutboxHealth(BaseModel):
     reasons: list[str] = Field(default_factory=list, description="Why the status is not ok.")
     processors: list[ProcessorHealth] = Field(default_factory=list)
     wal: WalHealth | None = Field(default=None, description='capture="wal" only.')
-    consumers: list[ConsumerStatus] = Field(
+    consumers: list[ConsumerHealth] = Field(
         default_factory=list, description="The subscribers' consumer groups."
     )
+
+    def public(self) -> OutboxHealth:
+        """This report without what may name a host, port, user or code path: every
+        ``last_error`` and the handlers' names (the reasons never name them)."""
+        wal = self.wal
+        return self.model_copy(
+            update={
+                "processors": [p.model_copy(update={"last_error": None}) for p in self.processors],
+                "wal": None if wal is None else wal.model_copy(update={"last_error": None}),
+                "consumers": [
+                    c.model_copy(update={"handler": None, "last_error": None})
+                    for c in self.consumers
+                ],
+            }
+        )
 
 
 async def compute_health(outbox: Outbox) -> OutboxHealth:
@@ -193,7 +245,7 @@ async def compute_health(outbox: Outbox) -> OutboxHealth:
     degraded = degraded or consumers_degraded
     status: Status = "down" if down else "degraded" if degraded else "ok"
     return OutboxHealth(
-        consumers=consumers,
+        consumers=[ConsumerHealth.model_validate(c.model_dump()) for c in consumers],
         status=status,
         database="ok" if database_ok else "down",
         dispatchers_running=outbox.started,
@@ -307,9 +359,27 @@ async def _consumers_health(
     return statuses, down, degraded
 
 
+#: Why ``/outbox/health/detail`` refuses a process without a dashboard guard.
+NO_GUARD = (
+    "the health detail (errors naming hosts, handlers) is served behind the dashboard's "
+    "guard: pass Outbox(..., dashboard_dependencies=[Depends(require_admin)]), or "
+    "dashboard_dependencies=[] to serve it unguarded on purpose, or set "
+    "health_public_detail=True (OUTBOX_HEALTH_PUBLIC_DETAIL) to put it in the public body"
+)
+
+
 def build_health_router(outbox: Outbox) -> APIRouter:
     router = APIRouter(prefix="/outbox", tags=["outbox"])
     cache: dict[str, tuple[float, OutboxHealth]] = {}
+
+    async def current() -> OutboxHealth:
+        now = time.monotonic()
+        hit = cache.get("health")
+        if hit is not None and now - hit[0] < outbox.settings.health_cache_seconds:
+            return hit[1]
+        health = await compute_health(outbox)
+        cache["health"] = (now, health)
+        return health
 
     @router.get(
         "/health",
@@ -318,13 +388,26 @@ def build_health_router(outbox: Outbox) -> APIRouter:
         responses={503: {"model": OutboxHealth, "description": "The outbox is down."}},
     )
     async def outbox_health(response: Response) -> OutboxHealth:
-        now = time.monotonic()
-        hit = cache.get("health")
-        if hit is not None and now - hit[0] < outbox.settings.health_cache_seconds:
-            health = hit[1]
-        else:
-            health = await compute_health(outbox)
-            cache["health"] = (now, health)
+        health = await current()
+        if health.status == "down":
+            response.status_code = 503
+        return health if outbox.settings.health_public_detail else health.public()
+
+    guard = outbox.dashboard_dependencies
+
+    async def refuse_without_guard() -> None:
+        if guard is None and not outbox.settings.health_public_detail:
+            raise HTTPException(403, NO_GUARD)
+
+    @router.get(
+        "/health/detail",
+        response_model=OutboxHealth,
+        summary="Outbox health with errors and handlers (guarded)",
+        responses={503: {"model": OutboxHealth, "description": "The outbox is down."}},
+        dependencies=[Depends(refuse_without_guard), *(guard or [])],
+    )
+    async def outbox_health_detail(response: Response) -> OutboxHealth:
+        health = await current()
         if health.status == "down":
             response.status_code = 503
         return health

@@ -235,6 +235,14 @@ class OutboxSettings(BaseSettings):
         "consumer: Redis XAUTOCLAIM min-idle-time, NATS ack_wait.",
     )
 
+    # -- secrets and destructive operations (DESIGN §18) -------------------------------------
+    health_public_detail: bool = Field(
+        default=False,
+        description="/outbox/health answers anyone with the detail of /outbox/health/detail "
+        "(errors, which name hosts and ports; handler names). False: that detail only "
+        "behind dashboard_dependencies.",
+    )
+
     @field_validator("table_name", "inbox_table_name")
     @classmethod
     def _plain_identifier(cls, value: str) -> str:

@@ -76,6 +76,7 @@ from fastapi_outbox.events import (
     Event,
     Message,
 )
+from fastapi_outbox.log import safe_error
 from fastapi_outbox.session_events import state_of
 from fastapi_outbox.unit_of_work import UnitOfWork, valid_correlation_id
 
@@ -651,11 +652,11 @@ class Subscriber:
         if self.broker_ok is not False:
             logger.warning(
                 "broker unavailable, consumer paused",
-                extra=self._log_extra("consumer.paused", error=str(exc)[:300]),
+                extra=self._log_extra("consumer.paused", error=safe_error(exc)),
             )
             self.paused_since = time.time()
         self.broker_ok = False
-        self.stats.last_error = f"{type(exc).__name__}: {exc}"[:300]
+        self.stats.last_error = safe_error(exc)
         with anyio.move_on_after(self._pause_for(failures)):
             await stop.wait()
 
@@ -777,7 +778,7 @@ class Subscriber:
                     outages += 1
                     continue
                 tries += 1
-                self.stats.last_error = f"{type(exc).__name__}: {exc}"[:300]
+                self.stats.last_error = safe_error(exc)
                 if tries >= BATCH_HANDLER_TRIES or self.stopping:
                     raise
                 delay = self._retry_delay(tries)

@@ -30,10 +30,12 @@ from typing import TYPE_CHECKING, Any, Literal
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
 from fastapi.responses import FileResponse, HTMLResponse
 from jinja2 import Environment, FileSystemLoader, select_autoescape
+from markupsafe import Markup
 from pydantic import BaseModel, Field
 
 from fastapi_outbox import exceptions, operations
 from fastapi_outbox.events import MessageStatus
+from fastapi_outbox.redaction import redact
 
 if TYPE_CHECKING:
     from fastapi_outbox.outbox import Outbox
@@ -53,11 +55,21 @@ _STATIC = {
     "dashboard.js": "text/javascript",
 }
 
+
+def _no_credentials(value: Any) -> Any:
+    """Every value a page prints goes through the redaction (errors, stream names,
+    payloads alike): no credential reaches a page, whatever text carried it."""
+    if isinstance(value, Markup):  # already HTML (tojson, |safe): "***" keeps it so
+        return Markup(redact(str(value)))
+    return redact(value) if isinstance(value, str) else value
+
+
 _templates = Environment(
     loader=FileSystemLoader(_HERE / "templates"),
     autoescape=select_autoescape(["html"]),
     trim_blocks=True,
     lstrip_blocks=True,
+    finalize=_no_credentials,
 )
 
 
