@@ -21,6 +21,8 @@ errors raised by the library name the setting, broker, table or message id invol
     │   └── MessageRejected         the broker refused one message: retry that message only
     ├── MessageNotFound             an admin command named a message id that does not exist
     ├── OperationError              an operator's request is malformed (a filter, a limit)
+    │   └── StaleDeadLetters        a replay of dead letters older than the inbox retention,
+    │                               not forced: other groups would handle them again
     └── TooLate                     a cancel came after a dispatcher claimed the message
 """
 
@@ -94,3 +96,9 @@ class OperationError(OutboxError, ValueError):
 
 class TooLate(OutboxError, RuntimeError):
     """The message was claimed (or published) before it could be cancelled."""
+
+
+class StaleDeadLetters(OperationError):
+    """Dead letters older than ``inbox_retention_seconds``: the other groups' inbox rows of
+    these messages may have been deleted, so putting them back on the stream would have
+    those groups handle them a second time. Replayed only when forced."""

@@ -459,6 +459,47 @@ async def dead_letters(outbox: Outbox, stream: str, group: str, *, limit: int = 
     return list(await consumer.dead_letters(limit))
 
 
+def _created_at(message_id: str) -> dt.datetime | None:
+    """When an outbox message was created, from its UUIDv7 id (None for other ids)."""
+    try:
+        value = uuid.UUID(message_id)
+    except ValueError:
+        return None
+    if value.version != 7:
+        return None
+    return dt.datetime.fromtimestamp((value.int >> 80) / 1000, dt.UTC)
+
+
+#: Dead letters examined for their age before a replay (the oldest first).
+STALE_SCAN = 10_000
+
+
+async def stale_dead_letters(
+    outbox: Outbox, stream: str, group: str, entry_ids: Sequence[str] | None = None
+) -> list[Any]:
+    """The dead letters of (``stream``, ``group``) (all, or ``entry_ids``) older than
+    ``inbox_retention_seconds``, by the database's clock: the message's creation (its
+    UUIDv7 id) or, for another id, its dead-lettering. The other groups handled them about
+    when they were created; once their inbox rows are deleted, a replay is handled anew
+    by each of them."""
+    retention = outbox.settings.inbox_retention_seconds
+    if retention is None:
+        return []
+    sub = find_subscriber(outbox, stream, group)
+    consumer = sub.consumer or sub.make_consumer()
+    letters = list(await consumer.dead_letters(STALE_SCAN))
+    wanted = None if entry_ids is None else set(entry_ids)
+    now = await outbox.store.clock()
+    stale = []
+    for letter in letters:
+        if wanted is not None and letter.entry_id not in wanted:
+            continue
+        times = [t for t in (_created_at(letter.message_id), letter.dead_lettered_at) if t]
+        if times and (now - min(times)).total_seconds() > retention:
+            stale.append(letter)
+    return stale
+
+
 async def replay_dead_letters(
     outbox: Outbox,
     stream: str,
@@ -466,12 +507,27 @@ async def replay_dead_letters(
     entry_ids: Sequence[str] | None = None,
     *,
     operator: str | None = None,
+    force: bool = False,
 ) -> int:
     """Put dead letters of (``stream``, ``group``) back on the stream (all, or the entries
     ``entry_ids``); the group handles them again, other groups skip them through their
-    inbox. Returns how many were re-driven."""
+    inbox — as long as their inbox rows are kept: dead letters older than
+    ``inbox_retention_seconds`` raise :class:`~fastapi_outbox.exceptions.StaleDeadLetters`
+    unless ``force``. Returns how many were re-driven."""
     sub = find_subscriber(outbox, stream, group)
     consumer = sub.consumer or sub.make_consumer()
+    if not force:
+        stale = await stale_dead_letters(outbox, stream, group, entry_ids)
+        if stale:
+            retention = outbox.settings.inbox_retention_seconds or 0
+            raise exceptions.StaleDeadLetters(
+                f"{len(stale)} dead letter(s) of group {group!r} on {stream!r} are older "
+                f"than inbox_retention_seconds ({retention:g} s; e.g. message "
+                f"{stale[0].message_id}): the other groups' inbox rows of these messages "
+                "may be deleted, so every other group of the stream would handle them "
+                "again; replay only the recent ones (--entry), or force it (--force, or "
+                "force in the dashboard) if those groups can take them twice"
+            )
     count = int(await consumer.replay_dead_letters(entry_ids))
     logger.info(
         "operator replay_dead_letters",
@@ -482,6 +538,7 @@ async def replay_dead_letters(
             "count": count,
             "entry_ids": list(entry_ids or [])[:100],
             "operator": operator,
+            "forced": force,
         },
     )
     return count

@@ -1033,6 +1033,15 @@ class Store:
         async with self.engine.begin() as conn:
             return list((await conn.execute(stmt)).scalars().all())
 
+    async def clock(self) -> dt.datetime:
+        """The time every age is measured with (see ``_now``): the database's on
+        PostgreSQL, the process's on SQLite."""
+        if not self.is_postgres:
+            return dt.datetime.now(dt.UTC)
+        async with self.engine.connect() as conn:
+            value = (await conn.execute(select(func.now()))).scalar_one()
+        return value if value.tzinfo is not None else value.replace(tzinfo=dt.UTC)
+
     async def states(self, ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, tuple[str, bool]]:
         """(status, held by a dispatcher) of each of ``ids`` that exists: one statement for
         an operator's page of ids (the caller keeps ``ids`` to a page: one bind each)."""
