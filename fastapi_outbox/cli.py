@@ -194,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return asyncio.run(_run(args))
     except CliError as exc:
-        print(f"fastapi-outbox: error: {exc}", file=sys.stderr)
+        print(f"fastapi-outbox: error: {redact(str(exc))}", file=sys.stderr)
         return exc.code
     except KeyboardInterrupt:
         return 130
