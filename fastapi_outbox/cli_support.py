@@ -14,8 +14,8 @@ import datetime as dt
 import sys
 from typing import Any, TextIO
 
-from fastapi_outbox.brokers.base import redact_url
 from fastapi_outbox.log import safe_error
+from fastapi_outbox.redaction import redact_url
 
 EXIT_OK = 0
 EXIT_FAILED = 1

@@ -109,29 +109,6 @@ class WalHealth(BaseModel):
     )
 
 
-class ConsumerHealth(BaseModel):
-    """One subscriber's consumer group (``handler`` and ``last_error``: detail only)."""
-
-    stream: str
-    group: str
-    broker: str
-    dead_letter_stream: str
-    running: bool = Field(description="Its consumer runs in this process.")
-    broker_available: bool | None = Field(default=None, description="None: not running here.")
-    lag: int | None = Field(default=None, description="Not delivered to the group yet.")
-    pending: int | None = Field(default=None, description="Delivered, not acknowledged yet.")
-    dead_letters: int | None = Field(default=None, description="In the dead-letter stream.")
-    handled: int | None = Field(default=None, description="Inbox rows of the group.")
-    last_handled_at: dt.datetime | None = Field(
-        default=None, description="Newest inbox row of the group (any process), UTC."
-    )
-    failures: int = Field(default=0, description="Handler failures in this process.")
-    handler: str | None = Field(
-        default=None, description="The handler (module.function); null in the public body."
-    )
-    last_error: str | None = Field(default=None, description="Null in the public body.")
-
-
 class OutboxHealth(BaseModel):
     """Overall outbox health."""
 
@@ -141,7 +118,7 @@ class OutboxHealth(BaseModel):
     reasons: list[str] = Field(default_factory=list, description="Why the status is not ok.")
     processors: list[ProcessorHealth] = Field(default_factory=list)
     wal: WalHealth | None = Field(default=None, description='capture="wal" only.')
-    consumers: list[ConsumerHealth] = Field(
+    consumers: list[ConsumerStatus] = Field(
         default_factory=list, description="The subscribers' consumer groups."
     )
 
@@ -245,7 +222,7 @@ async def compute_health(outbox: Outbox) -> OutboxHealth:
     degraded = degraded or consumers_degraded
     status: Status = "down" if down else "degraded" if degraded else "ok"
     return OutboxHealth(
-        consumers=[ConsumerHealth.model_validate(c.model_dump()) for c in consumers],
+        consumers=consumers,
         status=status,
         database="ok" if database_ok else "down",
         dispatchers_running=outbox.started,

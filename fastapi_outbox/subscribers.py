@@ -196,7 +196,9 @@ class ConsumerStatus(BaseModel):
     stream: str
     group: str
     broker: str
-    handler: str
+    handler: str | None = Field(
+        default=None, description="module.function; null in the public health body."
+    )
     dead_letter_stream: str
     running: bool = Field(description="Its consumer runs in this process.")
     broker_available: bool | None = Field(default=None, description="None: not running here.")
