@@ -144,6 +144,18 @@ async def test_replay_abandoned_and_bulk_cancel_ask_first(outbox: Outbox, pg_url
     for result in (refused, dry, cancelled, done):
         assert PASSWORD not in text(result)
 
+    # --dry-run of the commands that need no confirmation: nothing changes either.
+    last, unknown = str(pending[2]), str(uuid.uuid4())
+    abandon = await cli("abandon", last, "--dry-run", database=database)
+    assert abandon.returncode == 0, text(abandon)
+    assert "abandon: 1 of 1 message(s) would be abandoned" in abandon.stdout.decode()
+    replay = await cli("replay", last, unknown, "--dry-run", database=database)
+    assert replay.returncode == 0, text(replay)
+    assert "replay: 0 of 2 message(s) would be replayed" in replay.stdout.decode()
+    assert f"message {last} is pending" in replay.stdout.decode()
+    assert f"no outbox message with id {unknown}" in replay.stdout.decode()
+    assert await count(outbox, "pending") == 13
+
 
 async def test_forty_thousand_ids_go_in_pages(outbox: Outbox, pg_url: str, tmp_path: Path) -> None:
     """asyncpg takes at most 32,767 bind parameters per statement: one IN list of 40,000

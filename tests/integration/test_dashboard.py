@@ -185,6 +185,10 @@ async def test_replay_and_abandon_report_what_they_changed(db_url: str) -> None:
             assert any(f"{pending[0]} is pending" in p for p in body["problems"])
             assert any(f"no outbox message with id {unknown}" in p for p in body["problems"])
 
+            # The confirmation shows the count, and the button carries it.
+            page = (await client.get("/outbox/dashboard")).text
+            assert f"Replay all 2 abandoned message(s) of {stream}?" in page
+            assert 'data-count="2"' in page
             # Every abandoned message of one stream, and only that stream: at most the
             # count the operator confirmed, which the request must carry.
             uncounted = await client.post(

@@ -238,3 +238,29 @@ async def test_health_detail_without_a_guard_is_refused_unless_made_public(
         else:  # on purpose: the detail in the public body, still without the password
             assert "someUser:***@127.0.0.1" in public["processors"][0]["last_error"]
         assert REDIS_AT_PASSWORD not in detail.text
+
+
+async def test_connect_log_line_of_a_token_url_and_a_server_list(
+    nats_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The ``broker.connect`` line of a real connection (the test server ignores the token),
+    with a comma-separated server list whose second server is down: nats-py gets a list."""
+    caplog.set_level(logging.INFO, logger="fastapi_outbox")
+    host_port = nats_url.removeprefix("nats://")
+    down = closed_ports(1)[0]
+    url = (
+        f"nats://{NATS_TOKEN}@{host_port}, "
+        f"nats://natsListUser:{NATS_LIST_PASSWORD}@127.0.0.1:{down}"
+    )
+    broker = NatsJetStreamBroker(url)
+    try:
+        await broker.connect()
+        await broker.ping()
+    finally:
+        await broker.aclose()
+    [record] = [r for r in caplog.records if getattr(r, "action", "") == "broker.connect"]
+    assert record.broker_url == (  # type: ignore[attr-defined]
+        f"nats://***@{host_port}, nats://natsListUser:***@127.0.0.1:{down}"
+    )
+    assert not leaks(JsonFormatter().format(record) + TextFormatter().format(record))
+    assert not leaks(repr(broker))
