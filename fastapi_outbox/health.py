@@ -33,6 +33,7 @@ import anyio
 from fastapi import APIRouter, Depends, HTTPException, Response
 from pydantic import BaseModel, Field
 
+from fastapi_outbox.redaction import redact
 from fastapi_outbox.store import BrokerStats
 from fastapi_outbox.subscribers import ConsumerStatus
 
@@ -209,7 +210,7 @@ async def compute_health(outbox: Outbox) -> OutboxHealth:
                 abandoned=s.abandoned if s else None,
                 oldest_pending_age_seconds=None if age is None else round(age, 3),
                 published_last_minute=s.published_last_minute if s else None,
-                last_error=p.last_error if p is not None else None,
+                last_error=_redacted(p.last_error) if p is not None else None,
             )
         )
     wal = None
@@ -303,7 +304,7 @@ async def _wal_health(
             else None
         ),
         broker_available=None if relay is None else relay.broker_ok,
-        last_error=None if relay is None else relay.last_error,
+        last_error=None if relay is None else _redacted(relay.last_error),
     )
     return report, down, degraded
 
@@ -319,6 +320,8 @@ async def _consumers_health(
     from fastapi_outbox import operations
 
     statuses: list[ConsumerStatus] = await operations.consumers(outbox)
+    for status in statuses:  # a handler's error text is the application's own
+        status.last_error = _redacted(status.last_error)
     down = degraded = False
     for c in statuses:
         where = f"consumer group {c.group!r} on {c.stream!r}"
@@ -334,6 +337,11 @@ async def _consumers_health(
                 f"{c.dead_letters} dead letter(s) of {where} in {c.dead_letter_stream!r}"
             )
     return statuses, down, degraded
+
+
+def _redacted(text: str | None) -> str | None:
+    """Even the detail: texts of drivers and handlers go through the one redaction."""
+    return None if text is None else redact(text)
 
 
 #: Why ``/outbox/health/detail`` refuses a process without a dashboard guard.
