@@ -77,6 +77,7 @@ from fastapi_outbox.events import (
     Message,
 )
 from fastapi_outbox.log import safe_error
+from fastapi_outbox.redaction import redact
 from fastapi_outbox.session_events import state_of
 from fastapi_outbox.unit_of_work import UnitOfWork, valid_correlation_id
 
@@ -932,7 +933,7 @@ class Subscriber:
                     outages += 1
                     continue
                 self.stats.failures += 1
-                error = f"{type(exc).__name__}: {exc}"
+                error = redact(f"{type(exc).__name__}: {exc}")  # kept in the dead letter
                 self.stats.last_error = error[:300]
                 if attempt >= self.max_attempts:
                     logger.warning(

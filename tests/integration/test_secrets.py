@@ -264,3 +264,32 @@ async def test_connect_log_line_of_a_token_url_and_a_server_list(
     )
     assert not leaks(JsonFormatter().format(record) + TextFormatter().format(record))
     assert not leaks(repr(broker))
+
+
+async def test_a_handler_error_quoting_a_url_is_redacted_in_the_dead_letter(
+    redis_url: str, pg_url: str
+) -> None:
+    """The error kept with a dead letter (shown by the CLI and the dashboard) and the
+    group's last_error: the handler's own text, through the same redaction."""
+    outbox = Outbox(
+        pg_url,
+        brokers={"default": RedisStreamsBroker(redis_url)},
+        settings=OutboxSettings(consumer_max_attempts=1, poll_interval_seconds=0.05),
+    )
+    stream = unique("orders")
+
+    @outbox.subscriber(stream, group="billing", start="all")
+    async def bill(message: Message) -> None:
+        raise RuntimeError(f"cannot reach rediss://:{REDISS_PASSWORD}@cache.internal:6380/0")
+
+    await outbox.create_tables()
+    async with outbox.dispatcher():
+        async with outbox.unit_of_work() as uow:
+            uow.publish(Message(stream=stream, type="Thing", payload={"n": 1}))
+        sub = outbox.subscribers[0]
+        await wait_until(lambda: sub.stats.dead_lettered == 1, timeout=20)
+        assert sub.consumer is not None
+        [letter] = await sub.consumer.dead_letters()
+    await outbox.aclose()
+    assert "rediss://:***@cache.internal:6380/0" in letter.error
+    assert not leaks(letter.error + (sub.stats.last_error or ""))
