@@ -18,14 +18,13 @@ the count and what would happen and changes nothing. Id lists (arguments or
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import re
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TextIO
 
 from fastapi_outbox import exceptions, operations
@@ -134,26 +133,34 @@ def read_ids(args: argparse.Namespace) -> list[uuid.UUID]:
     """The ids of the arguments and of ``--ids-from``, once each; at most MAX_IDS."""
     ids = list(args.ids)
     source = getattr(args, "ids_from", None)
-    if source:
+    if source == "-":
+        ids += _parse_ids(sys.stdin, "stdin")
+    elif source:
         try:
-            stream = sys.stdin if source == "-" else open(source, encoding="utf-8")  # noqa: SIM115
+            with open(source, encoding="utf-8") as lines:
+                ids += _parse_ids(lines, source)
         except OSError as exc:
             raise CliError(f"--ids-from {source}: {exc.strerror}") from exc
-        with stream if stream is not sys.stdin else contextlib.nullcontext(stream):
-            for number, line in enumerate(stream, 1):
-                text = line.strip()
-                if not text or text.startswith("#"):
-                    continue
-                try:
-                    ids.append(uuid.UUID(text))
-                except ValueError:
-                    raise CliError(
-                        f"--ids-from {source}, line {number}: {text[:60]!r} is not a message id"
-                    ) from None
     try:
         return operations.checked_ids(ids)
     except exceptions.OperationError as exc:
         raise CliError(str(exc)) from exc
+
+
+def _parse_ids(lines: Iterable[str], source: str) -> list[uuid.UUID]:
+    """One id per line; blank lines and ``#`` comments skipped."""
+    ids = []
+    for number, line in enumerate(lines, 1):
+        text = line.strip()
+        if not text or text.startswith("#"):
+            continue
+        try:
+            ids.append(uuid.UUID(text))
+        except ValueError:
+            raise CliError(
+                f"--ids-from {source}, line {number}: {text[:60]!r} is not a message id"
+            ) from None
+    return ids
 
 
 #: Refusals printed one by one; the rest are counted.
