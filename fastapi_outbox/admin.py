@@ -5,6 +5,14 @@ calls too.
 Long operations (``purge``, ``replay --abandoned``) run in bounded batches and report
 ``done/total (pct%)`` on stderr: on a terminal by default, on demand with ``--progress``
 (one line per step then, for logs), never with ``--no-progress``.
+
+Destructive operations ask first (DESIGN §18): ``purge`` of abandoned rows, ``replay
+--abandoned`` and ``cancel`` of more than one id print the count and the redacted target,
+then need ``--yes`` (or a ``y`` typed on a terminal); they never do more than the count
+they showed. ``--dry-run`` (on ``replay``, ``abandon``, ``cancel`` and ``purge``) prints
+the count and what would happen and changes nothing. Id lists (arguments or
+``--ids-from FILE``) are processed a page at a time, at most
+:data:`~fastapi_outbox.operations.MAX_IDS` per command.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ import re
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TextIO
 
 from fastapi_outbox import exceptions, operations
@@ -24,8 +32,11 @@ from fastapi_outbox.cli_support import (
     EXIT_FAILED,
     EXIT_OK,
     CliError,
+    confirm,
+    destructive_options,
     operator_name,
     render_table,
+    target,
 )
 from fastapi_outbox.cli_support import guard as _guard
 from fastapi_outbox.events import MessageStatus
@@ -77,7 +88,8 @@ def add_commands(
     )
     common(replay)
     progress(replay)
-    replay.add_argument("ids", nargs="*", type=parse_uuid, metavar="ID")
+    _id_arguments(replay)
+    destructive_options(replay)
     replay.add_argument("--abandoned", action="store_true", help="every abandoned message")
     replay.add_argument("--stream", help="with --abandoned: only this stream")
     from fastapi_outbox import consumers_cli
@@ -88,14 +100,16 @@ def add_commands(
         "abandon", help="stop retrying pending or failed messages (not held by a dispatcher)"
     )
     common(abandon)
-    abandon.add_argument("ids", nargs="+", type=parse_uuid, metavar="ID")
+    _id_arguments(abandon)
+    destructive_options(abandon)
     abandon.add_argument("--reason", help="recorded in last_error")
 
     cancel = sub.add_parser(
         "cancel", help="cancel pending (delayed) messages no dispatcher has claimed yet"
     )
     common(cancel)
-    cancel.add_argument("ids", nargs="+", type=parse_uuid, metavar="ID")
+    _id_arguments(cancel)
+    destructive_options(cancel)
 
     purge = sub.add_parser("purge", help="delete finished messages in batches")
     common(purge)
@@ -103,6 +117,60 @@ def add_commands(
     purge.add_argument("--published-older-than", type=parse_duration, metavar="AGE")
     purge.add_argument("--abandoned-older-than", type=parse_duration, metavar="AGE")
     purge.add_argument("--batch-size", type=int, default=5000)
+    destructive_options(purge)
+
+
+def _id_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("ids", nargs="*", type=parse_uuid, metavar="ID")
+    parser.add_argument(
+        "--ids-from",
+        metavar="FILE",
+        help="also the message ids in FILE, one per line ('-': stdin)",
+    )
+
+
+def read_ids(args: argparse.Namespace) -> list[uuid.UUID]:
+    """The ids of the arguments and of ``--ids-from``, once each; at most MAX_IDS."""
+    ids = list(args.ids)
+    source = getattr(args, "ids_from", None)
+    if source == "-":
+        ids += _parse_ids(sys.stdin, "stdin")
+    elif source:
+        try:
+            with open(source, encoding="utf-8") as lines:
+                ids += _parse_ids(lines, source)
+        except OSError as exc:
+            raise CliError(f"--ids-from {source}: {exc.strerror}") from exc
+    try:
+        return operations.checked_ids(ids)
+    except exceptions.OperationError as exc:
+        raise CliError(str(exc)) from exc
+
+
+def _parse_ids(lines: Iterable[str], source: str) -> list[uuid.UUID]:
+    """One id per line; blank lines and ``#`` comments skipped."""
+    ids = []
+    for number, line in enumerate(lines, 1):
+        text = line.strip()
+        if not text or text.startswith("#"):
+            continue
+        try:
+            ids.append(uuid.UUID(text))
+        except ValueError:
+            raise CliError(
+                f"--ids-from {source}, line {number}: {text[:60]!r} is not a message id"
+            ) from None
+    return ids
+
+
+#: Refusals printed one by one; the rest are counted.
+PROBLEMS_SHOWN = 20
+
+
+def _problems(problems: list[str]) -> str:
+    shown = "; ".join(problems[:PROBLEMS_SHOWN])
+    more = len(problems) - PROBLEMS_SHOWN
+    return shown + (f"; and {more} more" if more > 0 else "")
 
 
 class Progress:
@@ -250,28 +318,40 @@ async def _replay(args: argparse.Namespace, outbox: Any) -> int:
         from fastapi_outbox import consumers_cli
 
         return await consumers_cli.replay(args, outbox)
-    if not args.ids and not args.abandoned:
-        raise CliError("replay needs message ids or --abandoned")
-    if args.ids and args.abandoned:
+    ids = read_ids(args)
+    if not ids and not args.abandoned:
+        raise CliError("replay needs message ids (or --ids-from FILE) or --abandoned")
+    if ids and args.abandoned:
         raise CliError("give message ids or --abandoned, not both")
     if args.stream and not args.abandoned:
         raise CliError("--stream goes with --abandoned")
-    if args.ids:
+    if ids:
         outcome = await _guard(
-            operations.replay(outbox, args.ids, operator=operator_name()), outbox
+            operations.replay(outbox, ids, operator=operator_name(), dry_run=args.dry_run),
+            outbox,
         )
-        print(f"replayed {outcome.count} message(s)")
-        if outcome.problems:
-            raise CliError("; ".join(outcome.problems), EXIT_FAILED)
-        return EXIT_OK
+        return _report(outcome, "replay", "replayed", len(ids), outbox, args.dry_run)
     total = await _guard(
         outbox.store.count_matching(MessageStatus.ABANDONED.value, stream=args.stream), outbox
     )
     where = f" on stream {args.stream}" if args.stream else ""
+    if total == 0:
+        print(f"no abandoned message{where} in {target(outbox)}: nothing to replay")
+        return EXIT_OK
+    plan = (
+        f"replay --abandoned: {total} abandoned message(s){where} in {target(outbox)} go "
+        "back to pending and are published again"
+    )
+    if not confirm(plan, yes=args.yes, dry_run=args.dry_run):
+        return EXIT_OK
     progress = Progress(f"replayed abandoned{where}", total, enabled=args.progress)
     replayed = await _guard(
         operations.replay_abandoned(
-            outbox, stream=args.stream, operator=operator_name(), progress=progress.advance
+            outbox,
+            stream=args.stream,
+            operator=operator_name(),
+            progress=progress.advance,
+            max_rows=total,  # never more than the count confirmed
         ),
         outbox,
     )
@@ -280,22 +360,49 @@ async def _replay(args: argparse.Namespace, outbox: Any) -> int:
     return EXIT_OK
 
 
-async def _abandon(args: argparse.Namespace, outbox: Any) -> int:
-    outcome = await _guard(
-        operations.abandon(outbox, args.ids, operator=operator_name(), reason=args.reason), outbox
-    )
-    print(f"abandoned {outcome.count} message(s)")
+def _report(
+    outcome: operations.Outcome, verb: str, done: str, asked: int, outbox: Any, dry_run: bool
+) -> int:
+    if dry_run:
+        print(f"{verb}: {outcome.count} of {asked} message(s) would be {done} in {target(outbox)}")
+        if outcome.problems:
+            print(f"left alone: {_problems(outcome.problems)}")
+        print("dry run: nothing changed")
+        return EXIT_OK
+    print(f"{done} {outcome.count} message(s)")
     if outcome.problems:
-        raise CliError("; ".join(outcome.problems), EXIT_FAILED)
+        raise CliError(_problems(outcome.problems), EXIT_FAILED)
     return EXIT_OK
+
+
+async def _abandon(args: argparse.Namespace, outbox: Any) -> int:
+    ids = read_ids(args)
+    if not ids:
+        raise CliError("abandon needs message ids (or --ids-from FILE)")
+    outcome = await _guard(
+        operations.abandon(
+            outbox, ids, operator=operator_name(), reason=args.reason, dry_run=args.dry_run
+        ),
+        outbox,
+    )
+    return _report(outcome, "abandon", "abandoned", len(ids), outbox, args.dry_run)
 
 
 async def _cancel(args: argparse.Namespace, outbox: Any) -> int:
-    outcome = await _guard(operations.cancel(outbox, args.ids, operator=operator_name()), outbox)
-    print(f"cancelled {outcome.count} message(s)")
-    if outcome.problems:
-        raise CliError("; ".join(outcome.problems), EXIT_FAILED)
-    return EXIT_OK
+    ids = read_ids(args)
+    if not ids:
+        raise CliError("cancel needs message ids (or --ids-from FILE)")
+    if len(ids) > 1 and not args.dry_run:  # a bulk cancel deletes rows: ask first
+        preview = await _guard(operations.cancel(outbox, ids, dry_run=True), outbox)
+        plan = (
+            f"cancel: {preview.count} of {len(ids)} message(s) are pending and would be "
+            f"deleted from {target(outbox)} (never published)"
+        )
+        confirm(plan, yes=args.yes, dry_run=False)
+    outcome = await _guard(
+        operations.cancel(outbox, ids, operator=operator_name(), dry_run=args.dry_run), outbox
+    )
+    return _report(outcome, "cancel", "cancelled", len(ids), outbox, args.dry_run)
 
 
 async def _purge(args: argparse.Namespace, outbox: Any) -> int:
@@ -305,16 +412,31 @@ async def _purge(args: argparse.Namespace, outbox: Any) -> int:
         raise CliError("purge needs --published-older-than and/or --abandoned-older-than")
     if args.batch_size < 1:
         raise CliError("--batch-size must be at least 1")
-    deleted: dict[str, int] = {}
+    counts: dict[str, tuple[float, int]] = {}
     for status, age in (
         (PUBLISHED, args.published_older_than),
         (ABANDONED, args.abandoned_older_than),
     ):
-        if age is None:
-            continue
-        total = await _guard(
-            outbox.store.count_matching(status, finished_before_seconds=age), outbox
-        )
+        if age is not None:
+            total = await _guard(
+                outbox.store.count_matching(status, finished_before_seconds=age), outbox
+            )
+            counts[status] = (age, total)
+    plan = "purge: " + ", ".join(
+        f"{total} {status} message(s) finished more than {_duration(age)} ago"
+        for status, (age, total) in counts.items()
+    )
+    plan += f" would be deleted from {target(outbox)}"
+    abandoned = counts.get(ABANDONED, (0.0, 0))[1]
+    if abandoned:  # never delivered: deleting them loses messages, so ask first
+        plan += f" ({abandoned} abandoned: never delivered, gone for good)"
+        if not confirm(plan, yes=args.yes, dry_run=args.dry_run):
+            return EXIT_OK
+    elif args.dry_run:
+        confirm(plan, yes=False, dry_run=True)
+        return EXIT_OK
+    deleted: dict[str, int] = {}
+    for status, (age, total) in counts.items():
         progress = Progress(f"purged {status}", total, enabled=args.progress)
         deleted[status] = await _guard(
             operations.purge(
@@ -324,6 +446,7 @@ async def _purge(args: argparse.Namespace, outbox: Any) -> int:
                 batch_size=args.batch_size,
                 operator=operator_name(),
                 progress=progress.advance,
+                max_rows=total,  # never more than the count shown
             ),
             outbox,
         )
@@ -334,3 +457,10 @@ async def _purge(args: argparse.Namespace, outbox: Any) -> int:
         + ")"
     )
     return EXIT_OK
+
+
+def _duration(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds / size:g}{unit}"
+    return f"{seconds:g}s"

@@ -23,7 +23,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from fastapi_outbox import exceptions
-from fastapi_outbox.brokers.base import redact_url
 from fastapi_outbox.cli_support import (
     EXIT_FAILED,
     EXIT_OK,
@@ -31,7 +30,8 @@ from fastapi_outbox.cli_support import (
 )
 from fastapi_outbox.cli_support import guard as _guard
 from fastapi_outbox.cli_support import sqlstate as _sqlstate
-from fastapi_outbox.log import JsonFormatter, TextFormatter, redact, safe_error
+from fastapi_outbox.log import JsonFormatter, TextFormatter, safe_error
+from fastapi_outbox.redaction import redact, redact_url
 
 #: Broker of ``dispatch --url`` when no ``--broker-url`` is given.
 BROKER_URL_ENV = "OUTBOX_BROKER_URL"
@@ -194,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return asyncio.run(_run(args))
     except CliError as exc:
-        print(f"fastapi-outbox: error: {exc}", file=sys.stderr)
+        print(f"fastapi-outbox: error: {redact(str(exc))}", file=sys.stderr)
         return exc.code
     except KeyboardInterrupt:
         return 130

@@ -9,11 +9,13 @@ Exit codes: 0 success, 1 failure of the operation (unknown message id, missing t
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
-from typing import Any
+import sys
+from typing import Any, TextIO
 
-from fastapi_outbox.brokers.base import redact_url
 from fastapi_outbox.log import safe_error
+from fastapi_outbox.redaction import redact_url
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -63,6 +65,60 @@ async def guard(coro: Any, outbox: Any) -> Any:
                 f"database {where} unreachable: {safe_error(exc, 200)}", EXIT_UNREACHABLE
             ) from exc
         raise
+
+
+def target(outbox: Any) -> str:
+    """What a command works on, for its confirmation: the table and the database (its URL
+    redacted: the database may come from OUTBOX_DATABASE_URL, and the operator should
+    see which one it is)."""
+    return f"table {outbox.table.name} on {redact_url(str(outbox.engine.url))}"
+
+
+def destructive_options(parser: argparse.ArgumentParser) -> None:
+    """``--yes`` and ``--dry-run`` of a command that changes or deletes many messages."""
+    parser.add_argument(
+        "-y",
+        "--yes",
+        action="store_true",
+        help="do it without asking (needed when stdin is not a terminal)",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the count and what would happen; change nothing",
+    )
+
+
+def confirm(
+    plan: str,
+    *,
+    yes: bool,
+    dry_run: bool,
+    stdin: TextIO | None = None,
+    out: TextIO | None = None,
+) -> bool:
+    """Print ``plan`` (the count and the redacted target); True when the command may go
+    on: ``--yes``, or a ``y`` typed on a terminal. ``--dry-run``: False (nothing changes).
+    Without a terminal and without ``--yes``: a usage error saying so, nothing changed."""
+    stdin = stdin if stdin is not None else sys.stdin
+    out = out if out is not None else sys.stdout
+    print(plan, file=out)
+    if dry_run:
+        print("dry run: nothing changed", file=out)
+        return False
+    if yes:
+        return True
+    if not stdin.isatty():
+        raise CliError(
+            "not confirmed, nothing changed: pass --yes to do it without a terminal "
+            "(or --dry-run to see what it would do)"
+        )
+    out.write("Proceed? [y/N] ")
+    out.flush()
+    answer = stdin.readline().strip().lower()
+    if answer not in ("y", "yes"):
+        raise CliError("not confirmed, nothing changed", EXIT_FAILED)
+    return True
 
 
 def operator_name() -> str:

@@ -41,6 +41,12 @@ def add_replay_arguments(replay: argparse.ArgumentParser) -> None:
         metavar="ENTRY_ID",
         help="with --dead-letter: only this dead-letter entry (repeatable; default: all)",
     )
+    replay.add_argument(
+        "--force",
+        action="store_true",
+        help="with --dead-letter: replay dead letters older than inbox_retention_seconds "
+        "too (other groups, whose inbox rows are gone, handle them again)",
+    )
 
 
 def _need_app(args: argparse.Namespace, what: str) -> None:
@@ -95,6 +101,23 @@ async def run(args: argparse.Namespace, outbox: Any) -> int:
     return EXIT_OK
 
 
+async def _dry_run(args: argparse.Namespace, outbox: Any) -> int:
+    """``replay --dead-letter … --dry-run``: how many would go back, how many are stale."""
+    letters = await operations.dead_letters(
+        outbox, args.dead_letter, args.group, limit=operations.STALE_SCAN
+    )
+    if args.entry:
+        letters = [d for d in letters if d.entry_id in set(args.entry)]
+    stale = await operations.stale_dead_letters(outbox, args.dead_letter, args.group, args.entry)
+    print(
+        f"replay --dead-letter: {len(letters)} dead letter(s) of {args.group} would go back "
+        f"onto {args.dead_letter}; {len(stale)} older than inbox_retention_seconds "
+        "(other groups would handle those again: they need --force)"
+    )
+    print("dry run: nothing changed")
+    return EXIT_OK
+
+
 async def replay(args: argparse.Namespace, outbox: Any) -> int:
     from fastapi_outbox.cli_support import CliError
     from fastapi_outbox.cli_support import guard as _guard
@@ -103,17 +126,26 @@ async def replay(args: argparse.Namespace, outbox: Any) -> int:
     _need_app(args, "replay --dead-letter")
     if not args.group:
         raise CliError("replay --dead-letter STREAM needs --group GROUP")
-    if args.ids or args.abandoned:
+    if args.ids or args.abandoned or getattr(args, "ids_from", None):
         raise CliError(
             "replay --dead-letter takes --entry ENTRY_ID, not message ids or --abandoned"
         )
     try:
+        if args.dry_run:
+            return await _dry_run(args, outbox)
         count = await _guard(
             operations.replay_dead_letters(
-                outbox, args.dead_letter, args.group, args.entry, operator=_operator()
+                outbox,
+                args.dead_letter,
+                args.group,
+                args.entry,
+                operator=_operator(),
+                force=args.force,
             ),
             outbox,
         )
+    except exceptions.StaleDeadLetters as exc:
+        raise CliError(f"not replayed: {exc}") from exc
     except exceptions.OperationError as exc:
         raise CliError(str(exc)) from exc
     except exceptions.BrokerUnavailable as exc:

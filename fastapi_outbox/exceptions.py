@@ -21,17 +21,23 @@ errors raised by the library name the setting, broker, table or message id invol
     │   └── MessageRejected         the broker refused one message: retry that message only
     ├── MessageNotFound             an admin command named a message id that does not exist
     ├── OperationError              an operator's request is malformed (a filter, a limit)
+    │   └── StaleDeadLetters        a replay of dead letters older than the inbox retention,
+    │                               not forced: other groups would handle them again
     └── TooLate                     a cancel came after a dispatcher claimed the message
 """
 
 from __future__ import annotations
 
+from fastapi_outbox.redaction import redact
+
 
 class OutboxError(Exception):
-    """An error in fastapi-outbox."""
+    """An error in fastapi-outbox. Its message goes through
+    :func:`fastapi_outbox.redaction.redact`: an error quoting a driver's text or a URL
+    never carries a credential, wherever it is shown."""
 
     def __init__(self, message: str | None = None) -> None:
-        super().__init__(message or (type(self).__doc__ or "").strip())
+        super().__init__(redact(message) if message else (type(self).__doc__ or "").strip())
 
 
 class ConfigurationError(OutboxError, ValueError):
@@ -90,3 +96,9 @@ class OperationError(OutboxError, ValueError):
 
 class TooLate(OutboxError, RuntimeError):
     """The message was claimed (or published) before it could be cancelled."""
+
+
+class StaleDeadLetters(OperationError):
+    """Dead letters older than ``inbox_retention_seconds``: the other groups' inbox rows of
+    these messages may have been deleted, so putting them back on the stream would have
+    those groups handle them a second time. Replayed only when forced."""

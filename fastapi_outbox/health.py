@@ -13,6 +13,14 @@ the database cannot be reached they are
 ``null`` (unknown), and the check gives up after ``HEALTH_TIMEOUT_SECONDS`` so a database
 that hangs makes the endpoint answer 503, not hang. The body holds no payloads and no
 credentials: errors are reduced to their type or passed through ``log.safe_error``.
+
+Public body and detail (DESIGN §18): ``GET /outbox/health`` answers anyone, so its body
+says the status and why in words that name no host, port, user name or credential: the
+``last_error`` texts (a driver's error names the server it could not reach) and the
+handlers' names are ``null`` there. ``GET /outbox/health/detail`` has them, behind the
+dashboard's guard (``Outbox(..., dashboard_dependencies=[...])``); without a guard it is
+refused (403). ``health_public_detail=True`` (``OUTBOX_HEALTH_PUBLIC_DETAIL``) puts the
+detail in the public body, for a deployment whose health port only the operators reach.
 """
 
 from __future__ import annotations
@@ -22,10 +30,11 @@ import time
 from typing import TYPE_CHECKING, Literal
 
 import anyio
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Depends, HTTPException, Response
 from pydantic import BaseModel, Field
 
 from fastapi_outbox import clock
+from fastapi_outbox.redaction import redact
 from fastapi_outbox.store import BrokerStats
 from fastapi_outbox.subscribers import ConsumerStatus
 
@@ -62,7 +71,11 @@ class ProcessorHealth(BaseModel):
         "dispatcher (from its commit, or from when it was given back); None when none waits."
     )
     published_last_minute: int | None
-    last_error: str | None = Field(default=None, description="Last error, without data.")
+    last_error: str | None = Field(
+        default=None,
+        description="Last error, without data or credentials; null in the public body "
+        "(it can name a host): see /outbox/health/detail.",
+    )
 
 
 class WalHealth(BaseModel):
@@ -93,7 +106,9 @@ class WalHealth(BaseModel):
     )
     last_relayed_at: dt.datetime | None = None
     broker_available: bool | None = None
-    last_error: str | None = None
+    last_error: str | None = Field(
+        default=None, description="Null in the public body: see /outbox/health/detail."
+    )
 
 
 class OutboxHealth(BaseModel):
@@ -108,6 +123,21 @@ class OutboxHealth(BaseModel):
     consumers: list[ConsumerStatus] = Field(
         default_factory=list, description="The subscribers' consumer groups."
     )
+
+    def public(self) -> OutboxHealth:
+        """This report without what may name a host, port, user or code path: every
+        ``last_error`` and the handlers' names (the reasons never name them)."""
+        wal = self.wal
+        return self.model_copy(
+            update={
+                "processors": [p.model_copy(update={"last_error": None}) for p in self.processors],
+                "wal": None if wal is None else wal.model_copy(update={"last_error": None}),
+                "consumers": [
+                    c.model_copy(update={"handler": None, "last_error": None})
+                    for c in self.consumers
+                ],
+            }
+        )
 
 
 async def compute_health(outbox: Outbox) -> OutboxHealth:
@@ -181,7 +211,7 @@ async def compute_health(outbox: Outbox) -> OutboxHealth:
                 abandoned=s.abandoned if s else None,
                 oldest_pending_age_seconds=None if age is None else round(age, 3),
                 published_last_minute=s.published_last_minute if s else None,
-                last_error=p.last_error if p is not None else None,
+                last_error=_redacted(p.last_error) if p is not None else None,
             )
         )
     wal = None
@@ -275,7 +305,7 @@ async def _wal_health(
             else None
         ),
         broker_available=None if relay is None else relay.broker_ok,
-        last_error=None if relay is None else relay.last_error,
+        last_error=None if relay is None else _redacted(relay.last_error),
     )
     return report, down, degraded
 
@@ -291,6 +321,8 @@ async def _consumers_health(
     from fastapi_outbox import operations
 
     statuses: list[ConsumerStatus] = await operations.consumers(outbox)
+    for status in statuses:  # a handler's error text is the application's own
+        status.last_error = _redacted(status.last_error)
     down = degraded = False
     for c in statuses:
         where = f"consumer group {c.group!r} on {c.stream!r}"
@@ -314,9 +346,32 @@ async def _consumers_health(
     return statuses, down, degraded
 
 
+def _redacted(text: str | None) -> str | None:
+    """Even the detail: texts of drivers and handlers go through the one redaction."""
+    return None if text is None else redact(text)
+
+
+#: Why ``/outbox/health/detail`` refuses a process without a dashboard guard.
+NO_GUARD = (
+    "the health detail (errors naming hosts, handlers) is served behind the dashboard's "
+    "guard: pass Outbox(..., dashboard_dependencies=[Depends(require_admin)]), or "
+    "dashboard_dependencies=[] to serve it unguarded on purpose, or set "
+    "health_public_detail=True (OUTBOX_HEALTH_PUBLIC_DETAIL) to put it in the public body"
+)
+
+
 def build_health_router(outbox: Outbox) -> APIRouter:
     router = APIRouter(prefix="/outbox", tags=["outbox"])
     cache: dict[str, tuple[float, OutboxHealth]] = {}
+
+    async def current() -> OutboxHealth:
+        now = time.monotonic()
+        hit = cache.get("health")
+        if hit is not None and now - hit[0] < outbox.settings.health_cache_seconds:
+            return hit[1]
+        health = await compute_health(outbox)
+        cache["health"] = (now, health)
+        return health
 
     @router.get(
         "/health",
@@ -325,13 +380,26 @@ def build_health_router(outbox: Outbox) -> APIRouter:
         responses={503: {"model": OutboxHealth, "description": "The outbox is down."}},
     )
     async def outbox_health(response: Response) -> OutboxHealth:
-        now = time.monotonic()
-        hit = cache.get("health")
-        if hit is not None and now - hit[0] < outbox.settings.health_cache_seconds:
-            health = hit[1]
-        else:
-            health = await compute_health(outbox)
-            cache["health"] = (now, health)
+        health = await current()
+        if health.status == "down":
+            response.status_code = 503
+        return health if outbox.settings.health_public_detail else health.public()
+
+    guard = outbox.dashboard_dependencies
+
+    async def refuse_without_guard() -> None:
+        if guard is None and not outbox.settings.health_public_detail:
+            raise HTTPException(403, NO_GUARD)
+
+    @router.get(
+        "/health/detail",
+        response_model=OutboxHealth,
+        summary="Outbox health with errors and handlers (guarded)",
+        responses={503: {"model": OutboxHealth, "description": "The outbox is down."}},
+        dependencies=[Depends(refuse_without_guard), *(guard or [])],
+    )
+    async def outbox_health_detail(response: Response) -> OutboxHealth:
+        health = await current()
         if health.status == "down":
             response.status_code = 503
         return health

@@ -3,8 +3,9 @@
 Every log call of the library names an ``action`` and the ids involved in ``extra=``
 (``message_id``, ``broker``, ``count``) and never a payload or a credential. Error texts
 come from drivers and brokers we do not control, so they go through :func:`safe_error`
-first: URL passwords are masked and SQLAlchemy's ``[SQL: …]`` / ``[parameters: …]`` tails
-(which can quote row values) are cut off.
+first: credentials are masked (:mod:`fastapi_outbox.redaction`, also applied to every
+line the formatters below write) and SQLAlchemy's ``[SQL: …]`` / ``[parameters: …]``
+tails (which can quote row values) are cut off.
 
 ``JsonFormatter`` renders one JSON object per line with the ``extra=`` fields at the top
 level, for log shippers: ``handler.setFormatter(JsonFormatter())`` or
@@ -23,6 +24,8 @@ import re
 import traceback
 from typing import Any
 
+from fastapi_outbox.redaction import redact
+
 __all__ = [
     "ERROR_MAX_CHARS",
     "JsonFormatter",
@@ -35,10 +38,6 @@ __all__ = [
 #: Error texts in logs and health bodies are cut to this many characters.
 ERROR_MAX_CHARS = 300
 
-# scheme://user:password@host → scheme://user:***@host (also with an empty user).
-_URL_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.\-]*://[^\s:/@]*:)[^\s@/]+@")
-# password=secret / password: secret in DSN-style strings.
-_KEYWORD_PASSWORD = re.compile(r"(?i)\b(?P<key>password|passwd|pwd)(?P<sep>\s*[=:]\s*)[^\s,;&]+")
 # SQLAlchemy appends the statement and its parameters to DBAPI errors.
 _SQLALCHEMY_TAIL = re.compile(r"\s*\[(SQL|parameters): .*", re.DOTALL)
 _BACKGROUND = re.compile(r"\s*\(Background on this error at: [^)]*\)")
@@ -50,12 +49,6 @@ _STANDARD_ATTRS = frozenset(logging.LogRecord("", 0, "", 0, "", (), None).__dict
     "extras",
     "taskName",
 }
-
-
-def redact(text: str) -> str:
-    """``text`` with URL passwords and ``password=…`` values masked."""
-    text = _URL_PASSWORD.sub(r"\g<head>***@", text)
-    return _KEYWORD_PASSWORD.sub(r"\g<key>\g<sep>***", text)
 
 
 def _unwrap(exc: BaseException) -> BaseException:
@@ -91,13 +84,15 @@ def extras(record: logging.LogRecord) -> dict[str, Any]:
 
 
 def _jsonable(value: Any) -> Any:
-    if value is None or isinstance(value, str | int | float | bool):
+    if isinstance(value, str):
+        return redact(value)
+    if value is None or isinstance(value, int | float | bool):
         return value
     if isinstance(value, list | tuple | set | frozenset):
         return [_jsonable(v) for v in value]
     if isinstance(value, dict):
         return {str(k): _jsonable(v) for k, v in value.items()}
-    return str(value)
+    return redact(str(value))
 
 
 class JsonFormatter(logging.Formatter):

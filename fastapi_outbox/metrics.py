@@ -13,7 +13,9 @@ Metrics (prefix ``outbox_``, change it with ``namespace=``):
 
 * ``messages_published_total``, ``messages_failed_total`` (refused, will be retried) and
   ``messages_abandoned_total``, by ``broker`` and ``stream``: counted by the dispatchers of
-  this process;
+  this process. Stream names can grow without bound (a stream per tenant), and every
+  label value is a series kept forever: the first ``max_stream_labels`` streams seen keep
+  their name, the others are counted under ``stream="other"``;
 * ``publish_latency_seconds`` by ``broker``: histogram from the message's ``occurred-at``
   header (set when the event was published on the unit of work, just before commit) to
   the broker's acknowledgement — the commit-to-publish latency;
@@ -68,6 +70,10 @@ LATENCY_BUCKETS_SECONDS = (
     300.0,
 )
 REFRESH_INTERVAL_SECONDS = 1.0
+#: Distinct ``stream`` label values (per registry and namespace); later streams: "other".
+MAX_STREAM_LABELS = 100
+#: The ``stream`` label of the streams past ``max_stream_labels``.
+OTHER_STREAMS = "other"
 REFRESH_TIMEOUT_SECONDS = 5.0
 
 
@@ -77,6 +83,9 @@ class _Metrics:
 
     def __init__(self, registry: Any, namespace: str, buckets: Sequence[float]) -> None:
         from prometheus_client import Counter, Gauge, Histogram
+
+        #: The streams with a label value of their own (the first ones seen).
+        self.streams: set[str] = set()
 
         def counter(name: str, doc: str) -> Any:
             return Counter(name, doc, ["broker", "stream"], namespace=namespace, registry=registry)
@@ -146,8 +155,14 @@ class PrometheusInstrumentation(Instrumentation):
         refresh_interval_seconds: float = REFRESH_INTERVAL_SECONDS,
         tracer_provider: Any = None,
         tracing: bool = True,
+        max_stream_labels: int = MAX_STREAM_LABELS,
     ) -> None:
         super().__init__(tracer_provider=tracer_provider, tracing=tracing)
+        if max_stream_labels < 0:
+            raise exceptions.ConfigurationError(
+                f"PrometheusInstrumentation max_stream_labels must be >= 0, not {max_stream_labels}"
+            )
+        self.max_stream_labels = max_stream_labels
         try:
             import prometheus_client
         except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -163,9 +178,25 @@ class PrometheusInstrumentation(Instrumentation):
 
     # -- dispatcher hooks (hot path: one label lookup per stream and batch) --------------------
 
+    def _label(self, stream: str) -> str:
+        """``stream``'s label value: its name while the bound allows, else "other"."""
+        seen = self.metrics.streams
+        if stream in seen:
+            return stream
+        if len(seen) < self.max_stream_labels and stream != OTHER_STREAMS:
+            seen.add(stream)
+            return stream
+        return OTHER_STREAMS
+
+    def _by_stream(self, envelopes: Sequence[Envelope]) -> dict[str, int]:
+        tally: Tally[str] = Tally()
+        for stream, n in Tally(e.stream for e in envelopes).items():
+            tally[self._label(stream)] += n
+        return tally
+
     def published(self, broker: str, envelopes: Sequence[Envelope]) -> None:
         m = self.metrics
-        for stream, n in Tally(e.stream for e in envelopes).items():
+        for stream, n in self._by_stream(envelopes).items():
             m.published.labels(broker, stream).inc(n)
         histogram = m.latency.labels(broker)
         now = time.time()
@@ -180,11 +211,11 @@ class PrometheusInstrumentation(Instrumentation):
             histogram.observe(max(0.0, now - at))
 
     def failed(self, broker: str, envelopes: Sequence[Envelope]) -> None:
-        for stream, n in Tally(e.stream for e in envelopes).items():
+        for stream, n in self._by_stream(envelopes).items():
             self.metrics.failed.labels(broker, stream).inc(n)
 
     def abandoned(self, broker: str, envelopes: Sequence[Envelope]) -> None:
-        for stream, n in Tally(e.stream for e in envelopes).items():
+        for stream, n in self._by_stream(envelopes).items():
             self.metrics.abandoned.labels(broker, stream).inc(n)
 
     # -- gauges ------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import datetime as dt
 import json
 import logging
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from fastapi_outbox import exceptions
@@ -38,6 +38,10 @@ REPLAY_BATCH_SIZE = 1000
 STATUS_FILTERS = (*(s.value for s in MessageStatus), "scheduled")
 #: Most messages one list page shows.
 MAX_PAGE_SIZE = 500
+#: Most message ids one operator request takes (CLI or dashboard); a longer list is refused.
+MAX_IDS = 100_000
+#: Ids per statement: one bind parameter each, and asyncpg takes at most 32,767 of them.
+ID_PAGE_SIZE = 1000
 
 
 @dataclasses.dataclass(slots=True)
@@ -112,12 +116,21 @@ async def show(outbox: Outbox, message_id: uuid.UUID) -> dict[str, Any]:
 
 
 async def replay(
-    outbox: Outbox, ids: Sequence[uuid.UUID], *, operator: str | None = None
+    outbox: Outbox,
+    ids: Sequence[uuid.UUID],
+    *,
+    operator: str | None = None,
+    dry_run: bool = False,
 ) -> Outcome:
-    """Move abandoned (or failed) messages back to pending with attempts reset."""
-    moved = await outbox.store.replay(list(dict.fromkeys(ids)), statuses=REPLAYABLE)
-    outcome = Outcome(moved, await _problems(outbox, ids, moved, REPLAYABLE, "replayed"))
-    _log("replay", outcome, operator)
+    """Move abandoned (or failed) messages back to pending with attempts reset.
+    ``dry_run``: what it would do (``changed``: the ids it would move), changing nothing."""
+
+    async def move(page: list[uuid.UUID]) -> list[uuid.UUID]:
+        return await outbox.store.replay(page, statuses=REPLAYABLE)
+
+    outcome = await _by_pages(outbox, ids, None if dry_run else move, REPLAYABLE, "replayed")
+    if not dry_run:
+        _log("replay", outcome, operator)
     return outcome
 
 
@@ -127,18 +140,27 @@ async def replay_abandoned(
     stream: str | None = None,
     operator: str | None = None,
     progress: Callable[[int], None] | None = None,
+    max_rows: int | None = None,
 ) -> int:
-    """Move every abandoned message (of ``stream``) back to pending, in bounded batches."""
+    """Move every abandoned message (of ``stream``) back to pending, in bounded batches;
+    ``max_rows``: at most that many (the count an operator confirmed)."""
     total = await outbox.store.count_matching(MessageStatus.ABANDONED.value, stream=stream)
+    if max_rows is not None:
+        total = min(total, max_rows)
     replayed = 0
     # Bounded: each round moves rows out of 'abandoned', so at most total/batch + a few
     # rounds (rows abandoned meanwhile are taken too, up to twice the initial count).
     for _ in range(2 * (total // REPLAY_BATCH_SIZE) + 3):
-        moved = await outbox.store.replay(stream=stream, limit=REPLAY_BATCH_SIZE)
+        limit = REPLAY_BATCH_SIZE
+        if max_rows is not None:
+            limit = min(limit, max_rows - replayed)
+            if limit <= 0:
+                break
+        moved = await outbox.store.replay(stream=stream, limit=limit)
         replayed += len(moved)
         if progress is not None:
             progress(len(moved))
-        if len(moved) < REPLAY_BATCH_SIZE:
+        if len(moved) < limit:
             break
     logger.info(
         "abandoned messages replayed",
@@ -158,33 +180,50 @@ async def abandon(
     *,
     operator: str | None = None,
     reason: str | None = None,
+    dry_run: bool = False,
 ) -> Outcome:
     """Stop retrying pending or failed messages that no dispatcher holds right now."""
     who = f" by {operator}" if operator else ""
     error = f"abandoned by an operator{who}" + (f": {reason}" if reason else "")
-    changed = await outbox.store.abandon_unclaimed(list(dict.fromkeys(ids)), error)
-    outcome = Outcome(changed, await _problems(outbox, ids, changed, ABANDONABLE, "abandoned"))
-    _log("abandon", outcome, operator)
+
+    async def stop(page: list[uuid.UUID]) -> list[uuid.UUID]:
+        return await outbox.store.abandon_unclaimed(page, error)
+
+    outcome = await _by_pages(
+        outbox, ids, None if dry_run else stop, ABANDONABLE, "abandoned", unclaimed=True
+    )
+    if not dry_run:
+        _log("abandon", outcome, operator)
     return outcome
 
 
 async def cancel(
-    outbox: Outbox, ids: Sequence[uuid.UUID], *, operator: str | None = None
+    outbox: Outbox,
+    ids: Sequence[uuid.UUID],
+    *,
+    operator: str | None = None,
+    dry_run: bool = False,
 ) -> Outcome:
     """Cancel pending messages (delayed ones, typically) that no dispatcher has claimed:
     their rows are deleted. Fenced against a concurrent claim: a message claimed first
     is too late to cancel, and the answer says so."""
-    changed = await outbox.store.cancel_unclaimed(list(dict.fromkeys(ids)))
-    problems = [
+
+    async def delete(page: list[uuid.UUID]) -> list[uuid.UUID]:
+        return await outbox.store.cancel_unclaimed(page)
+
+    outcome = await _by_pages(
+        outbox, ids, None if dry_run else delete, CANCELLABLE, "cancelled", unclaimed=True
+    )
+    outcome.problems = [
         p.replace(": only pending messages can be cancelled", "")
         .replace("message ", "too late: message ", 1)
         .replace(" is held by a dispatcher right now: not cancelled", " is being published")
         if not p.startswith("no outbox message")
         else p
-        for p in await _problems(outbox, ids, changed, CANCELLABLE, "cancelled")
+        for p in outcome.problems
     ]
-    outcome = Outcome(changed, problems)
-    _log("cancel", outcome, operator)
+    if not dry_run:
+        _log("cancel", outcome, operator)
     return outcome
 
 
@@ -196,12 +235,19 @@ async def purge(
     batch_size: int,
     operator: str | None = None,
     progress: Callable[[int], None] | None = None,
+    max_rows: int | None = None,
 ) -> int:
-    """Delete finished (published or abandoned) messages older than that, in batches."""
+    """Delete finished (published or abandoned) messages older than that, in batches;
+    ``max_rows``: at most that many (the count an operator confirmed)."""
     from fastapi_outbox import retention
 
     deleted = await retention.purge(
-        outbox.store, status, older_than_seconds, batch_size=batch_size, progress=progress
+        outbox.store,
+        status,
+        older_than_seconds,
+        batch_size=batch_size,
+        progress=progress,
+        max_rows=max_rows,
     )
     logger.info(
         "messages purged",
@@ -264,31 +310,54 @@ async def overview(outbox: Outbox) -> Overview:
     return Overview(streams, per_minute, database_ok, brokers, consumers)
 
 
-async def _problems(
+def checked_ids(ids: Sequence[uuid.UUID]) -> list[uuid.UUID]:
+    """``ids`` once each, in the order given; OperationError past ``MAX_IDS``."""
+    unique = list(dict.fromkeys(ids))
+    if len(unique) > MAX_IDS:
+        raise exceptions.OperationError(
+            f"ids: at most {MAX_IDS} message ids per request, not {len(unique)}: split the list"
+        )
+    return unique
+
+
+async def _by_pages(
     outbox: Outbox,
-    asked: Sequence[uuid.UUID],
-    changed: Sequence[uuid.UUID],
+    ids: Sequence[uuid.UUID],
+    change: Callable[[list[uuid.UUID]], Awaitable[list[uuid.UUID]]] | None,
     allowed: Sequence[str],
     verb: str,
-) -> list[str]:
-    """A sentence for every asked id that was not changed: unknown, or in a state the
-    action does not apply to."""
-    done = set(changed)
-    problems = []
-    for mid in dict.fromkeys(asked):  # keep the order given, once each
-        if mid in done:
-            continue
-        row = await outbox.store.get(mid)
-        if row is None:
-            problems.append(f"no outbox message with id {mid}")
-        elif row["status"] in allowed:
-            problems.append(f"message {mid} is held by a dispatcher right now: not {verb}")
-        else:
-            problems.append(
-                f"message {mid} is {row['status']}: only {' or '.join(allowed)} messages "
-                f"can be {verb}"
-            )
-    return problems
+    *,
+    unclaimed: bool = False,
+) -> Outcome:
+    """Apply ``change`` to ``ids`` a page of ``ID_PAGE_SIZE`` at a time (each page one
+    statement, and one more reading the states of the ids it left alone), and explain
+    every id left alone. ``change=None``: a dry run, the ids that would change (in an
+    ``allowed`` status, and held by no dispatcher when ``unclaimed``)."""
+    outcome = Outcome([], [])
+    unique = checked_ids(ids)
+    for start in range(0, len(unique), ID_PAGE_SIZE):
+        page = unique[start : start + ID_PAGE_SIZE]
+        done = set(await change(page)) if change is not None else set()
+        rest = [mid for mid in page if mid not in done]
+        states = await outbox.store.states(rest) if rest else {}
+        for mid in page:  # keep the order given
+            state = states.get(mid)
+            if mid in done:
+                outcome.changed.append(mid)
+            elif state is None:
+                outcome.problems.append(f"no outbox message with id {mid}")
+            elif state[0] in allowed and change is None and not (unclaimed and state[1]):
+                outcome.changed.append(mid)  # a dry run: it would change
+            elif state[0] in allowed:
+                outcome.problems.append(
+                    f"message {mid} is held by a dispatcher right now: not {verb}"
+                )
+            else:
+                outcome.problems.append(
+                    f"message {mid} is {state[0]}: only {' or '.join(allowed)} messages "
+                    f"can be {verb}"
+                )
+    return outcome
 
 
 def _log(action: str, outcome: Outcome, operator: str | None) -> None:
@@ -391,6 +460,47 @@ async def dead_letters(outbox: Outbox, stream: str, group: str, *, limit: int = 
     return list(await consumer.dead_letters(limit))
 
 
+def _created_at(message_id: str) -> dt.datetime | None:
+    """When an outbox message was created, from its UUIDv7 id (None for other ids)."""
+    try:
+        value = uuid.UUID(message_id)
+    except ValueError:
+        return None
+    if value.version != 7:
+        return None
+    return dt.datetime.fromtimestamp((value.int >> 80) / 1000, dt.UTC)
+
+
+#: Dead letters examined for their age before a replay (the oldest first).
+STALE_SCAN = 10_000
+
+
+async def stale_dead_letters(
+    outbox: Outbox, stream: str, group: str, entry_ids: Sequence[str] | None = None
+) -> list[Any]:
+    """The dead letters of (``stream``, ``group``) (all, or ``entry_ids``) older than
+    ``inbox_retention_seconds``, by the database's clock: the message's creation (its
+    UUIDv7 id) or, for another id, its dead-lettering. The other groups handled them about
+    when they were created; once their inbox rows are deleted, a replay is handled anew
+    by each of them."""
+    retention = outbox.settings.inbox_retention_seconds
+    if retention is None:
+        return []
+    sub = find_subscriber(outbox, stream, group)
+    consumer = sub.consumer or sub.make_consumer()
+    letters = list(await consumer.dead_letters(STALE_SCAN))
+    wanted = None if entry_ids is None else set(entry_ids)
+    now = await outbox.store.clock()
+    stale = []
+    for letter in letters:
+        if wanted is not None and letter.entry_id not in wanted:
+            continue
+        times = [t for t in (_created_at(letter.message_id), letter.dead_lettered_at) if t]
+        if times and (now - min(times)).total_seconds() > retention:
+            stale.append(letter)
+    return stale
+
+
 async def replay_dead_letters(
     outbox: Outbox,
     stream: str,
@@ -398,12 +508,27 @@ async def replay_dead_letters(
     entry_ids: Sequence[str] | None = None,
     *,
     operator: str | None = None,
+    force: bool = False,
 ) -> int:
     """Put dead letters of (``stream``, ``group``) back on the stream (all, or the entries
     ``entry_ids``); the group handles them again, other groups skip them through their
-    inbox. Returns how many were re-driven."""
+    inbox — as long as their inbox rows are kept: dead letters older than
+    ``inbox_retention_seconds`` raise :class:`~fastapi_outbox.exceptions.StaleDeadLetters`
+    unless ``force``. Returns how many were re-driven."""
     sub = find_subscriber(outbox, stream, group)
     consumer = sub.consumer or sub.make_consumer()
+    if not force:
+        stale = await stale_dead_letters(outbox, stream, group, entry_ids)
+        if stale:
+            retention = outbox.settings.inbox_retention_seconds or 0
+            raise exceptions.StaleDeadLetters(
+                f"{len(stale)} dead letter(s) of group {group!r} on {stream!r} are older "
+                f"than inbox_retention_seconds ({retention:g} s; e.g. message "
+                f"{stale[0].message_id}): the other groups' inbox rows of these messages "
+                "may be deleted, so every other group of the stream would handle them "
+                "again; replay only the recent ones (--entry), or force it (--force, or "
+                "force in the dashboard) if those groups can take them twice"
+            )
     count = int(await consumer.replay_dead_letters(entry_ids))
     logger.info(
         "operator replay_dead_letters",
@@ -414,6 +539,7 @@ async def replay_dead_letters(
             "count": count,
             "entry_ids": list(entry_ids or [])[:100],
             "operator": operator,
+            "forced": force,
         },
     )
     return count

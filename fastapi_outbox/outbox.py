@@ -24,12 +24,13 @@ from sqlalchemy.ext.asyncio import (
 from sqlalchemy.pool import StaticPool
 
 from fastapi_outbox import exceptions, partitions, schema
-from fastapi_outbox.brokers.base import Broker, redact_url
+from fastapi_outbox.brokers.base import Broker
 from fastapi_outbox.capture import Capture, TableCapture
 from fastapi_outbox.dispatcher import Processor, instance_id
 from fastapi_outbox.inbox import Inbox, build_inbox_table
 from fastapi_outbox.instrumentation import Instrumentation
 from fastapi_outbox.notify import Listener, Notifier, channel_name
+from fastapi_outbox.redaction import redact, redact_url, remember
 from fastapi_outbox.retention import Cleaner
 from fastapi_outbox.settings import OutboxSettings
 from fastapi_outbox.store import Store
@@ -83,6 +84,8 @@ class Outbox:
             raise exceptions.ConfigurationError(
                 f"Outbox() takes a database URL or an AsyncEngine, not {type(database).__name__}"
             )
+        # Its secrets are masked wherever a driver's text quotes them (see redaction).
+        remember(self.engine.url.render_as_string(hide_password=False))
         if self.engine.dialect.name not in ("postgresql", "sqlite"):
             raise exceptions.ConfigurationError(
                 f"unsupported database {self.engine.dialect.name!r}: use PostgreSQL or SQLite"
@@ -115,6 +118,8 @@ class Outbox:
             else DEFAULT_BROKER
         )
         for broker_name, broker in self.all_brokers.items():
+            if isinstance(getattr(broker, "url", None), str):
+                remember(broker.url)  # type: ignore[attr-defined]
             broker.configure(dedup_window_seconds=self.settings.dedup_window_seconds)
             _check_dedup_window(broker_name, broker, self.settings)
         name = self.settings.table_name
@@ -664,12 +669,13 @@ def _check_dedup_window(name: str, broker: Broker, settings: OutboxSettings) -> 
 def _create_engine(url: str, options: dict[str, Any]) -> AsyncEngine:
     """An engine for ``url``; SQLite gets WAL, a busy timeout and BEGIN IMMEDIATE so the
     embedded default copes with a dispatcher and requests writing at the same time."""
+    remember(url)
     try:
         engine = create_async_engine(url, **_engine_defaults(url, options))
     except Exception as exc:
         # `from None`: the chained exception may quote the URL with its password.
         raise exceptions.ConfigurationError(
-            f"cannot create an engine for {_redact_any(url)}: {_scrub(str(exc), url)}"
+            f"cannot create an engine for {redact_url(url)}: {redact(str(exc))}"
         ) from None
     if engine.dialect.name == "sqlite":
         sync_engine = engine.sync_engine
@@ -690,33 +696,6 @@ def _create_engine(url: str, options: dict[str, Any]) -> AsyncEngine:
             conn.exec_driver_sql("BEGIN IMMEDIATE")
 
     return engine
-
-
-def _redact_any(url: str) -> str:
-    """``redact_url``, also for strings SQLAlchemy cannot parse (``user:pw@host`` without
-    a scheme, a missing ``:``): there, everything before the last ``@`` is hidden."""
-    from sqlalchemy.engine import make_url
-
-    try:
-        make_url(url)
-    except Exception:
-        head, at, tail = url.rpartition("@")
-        if not at:
-            return url
-        scheme, sep, _ = head.partition("://")
-        return f"{scheme}{sep}***@{tail}" if sep else f"***@{tail}"
-    return redact_url(url)
-
-
-def _scrub(message: str, url: str) -> str:
-    """``message`` with the URL's password (if any) replaced by ``***``."""
-    from sqlalchemy.engine import make_url
-
-    try:
-        password = make_url(url).password
-    except Exception:
-        return message.replace(url, _redact_any(url))
-    return message.replace(str(password), "***") if password else message
 
 
 def _engine_defaults(url: str, options: dict[str, Any]) -> dict[str, Any]:

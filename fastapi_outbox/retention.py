@@ -14,6 +14,7 @@ from typing import Any
 import anyio
 
 from fastapi_outbox.inbox import Inbox
+from fastapi_outbox.log import safe_error
 from fastapi_outbox.partitions import Maintainer
 from fastapi_outbox.settings import OutboxSettings
 from fastapi_outbox.store import ABANDONED, PUBLISHED, Store
@@ -156,7 +157,7 @@ class Cleaner:
                     "retention cleanup failed",
                     extra={
                         "action": "retention.failed",
-                        "error": f"{type(exc).__name__}: {exc}"[:300],
+                        "error": safe_error(exc),
                     },
                 )
             with anyio.move_on_after(self.settings.cleanup_interval_seconds):

@@ -65,6 +65,9 @@ CONSUMER_MAX_ATTEMPTS = 5
 CONSUMER_RETRY_BASE_DELAY_SECONDS = 0.5
 CONSUMER_RETRY_MAX_DELAY_SECONDS = 30.0
 CONSUMER_CLAIM_IDLE_SECONDS = 60.0
+#: ``abandoned_retention_seconds`` below this deletes undelivered messages before an
+#: operator can look at them: it needs ``allow_short_abandoned_retention=True``.
+MIN_ABANDONED_RETENTION_SECONDS = 86400.0
 
 #: Rows of pgoutput (a transaction is a begin, its messages, a commit) one read of the
 #: logical replication slot asks for in ``capture="wal"`` (``wal_batch_size``).
@@ -247,6 +250,19 @@ class OutboxSettings(BaseSettings):
         "window (Redis keys, JetStream duplicate_window), whose memory grows with it.",
     )
 
+    # -- secrets and destructive operations (DESIGN §18) -------------------------------------
+    health_public_detail: bool = Field(
+        default=False,
+        description="/outbox/health answers anyone with the detail of /outbox/health/detail "
+        "(errors, which name hosts and ports; handler names). False: that detail only "
+        "behind dashboard_dependencies.",
+    )
+    allow_short_abandoned_retention: bool = Field(
+        default=False,
+        description="Accept abandoned_retention_seconds below a day: abandoned messages "
+        "(never delivered) are then deleted before most operators would see them.",
+    )
+
     @field_validator("table_name", "inbox_table_name")
     @classmethod
     def _plain_identifier(cls, value: str) -> str:
@@ -330,6 +346,19 @@ class OutboxSettings(BaseSettings):
                 "the per-key blocking of ordered=True cannot be kept"
             )
         self._consistent_consumers()
+        if (
+            self.abandoned_retention_seconds is not None
+            and self.abandoned_retention_seconds < MIN_ABANDONED_RETENTION_SECONDS
+            and not self.allow_short_abandoned_retention
+        ):
+            raise ValueError(
+                "abandoned_retention_seconds (OUTBOX_ABANDONED_RETENTION_SECONDS) is below a "
+                f"day ({self.abandoned_retention_seconds:g} < "
+                f"{MIN_ABANDONED_RETENTION_SECONDS:g}): abandoned messages were never "
+                "delivered, and would be deleted before an operator could replay them; set "
+                "allow_short_abandoned_retention=True "
+                "(OUTBOX_ALLOW_SHORT_ABANDONED_RETENTION) to mean it"
+            )
         return self
 
     def _consistent_consumers(self) -> None:

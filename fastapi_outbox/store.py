@@ -1046,6 +1046,24 @@ class Store:
         async with self.engine.begin() as conn:
             return list((await conn.execute(stmt)).scalars().all())
 
+    async def clock(self) -> dt.datetime:
+        """The time every age is measured with (see ``_now``): the database's on
+        PostgreSQL, the process's on SQLite."""
+        if not self.is_postgres:
+            return dt.datetime.now(dt.UTC)
+        async with self.engine.connect() as conn:
+            value = (await conn.execute(select(func.now()))).scalar_one()
+        return value if value.tzinfo is not None else value.replace(tzinfo=dt.UTC)
+
+    async def states(self, ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, tuple[str, bool]]:
+        """(status, held by a dispatcher) of each of ``ids`` that exists: one statement for
+        an operator's page of ids (the caller keeps ``ids`` to a page: one bind each)."""
+        t = self.table
+        stmt = select(t.c.id, t.c.status, t.c.locked_by).where(t.c.id.in_(list(ids)))
+        async with self.engine.connect() as conn:
+            rows = (await conn.execute(stmt)).all()
+        return {row.id: (row.status, row.locked_by is not None) for row in rows}
+
     async def purge_batch(self, status: str, older_than_seconds: float, limit: int) -> int:
         """Delete up to ``limit`` rows of ``status`` (published or abandoned) finished more
         than ``older_than_seconds`` ago. One short transaction: no long locks."""

@@ -76,6 +76,8 @@ from fastapi_outbox.events import (
     Event,
     Message,
 )
+from fastapi_outbox.log import safe_error
+from fastapi_outbox.redaction import redact
 from fastapi_outbox.session_events import state_of
 from fastapi_outbox.unit_of_work import UnitOfWork, valid_correlation_id
 
@@ -195,7 +197,9 @@ class ConsumerStatus(BaseModel):
     stream: str
     group: str
     broker: str
-    handler: str
+    handler: str | None = Field(
+        default=None, description="module.function; null in the public health body."
+    )
     dead_letter_stream: str
     running: bool = Field(description="Its consumer runs in this process.")
     broker_available: bool | None = Field(default=None, description="None: not running here.")
@@ -656,11 +660,11 @@ class Subscriber:
         if self.broker_ok is not False:
             logger.warning(
                 "broker unavailable, consumer paused",
-                extra=self._log_extra("consumer.paused", error=str(exc)[:300]),
+                extra=self._log_extra("consumer.paused", error=safe_error(exc)),
             )
             self.paused_since = time.time()
         self.broker_ok = False
-        self.stats.last_error = f"{type(exc).__name__}: {exc}"[:300]
+        self.stats.last_error = safe_error(exc)
         with anyio.move_on_after(self._pause_for(failures)):
             await stop.wait()
 
@@ -782,7 +786,7 @@ class Subscriber:
                     outages += 1
                     continue
                 tries += 1
-                self.stats.last_error = f"{type(exc).__name__}: {exc}"[:300]
+                self.stats.last_error = safe_error(exc)
                 if tries >= BATCH_HANDLER_TRIES or self.stopping:
                     raise
                 delay = self._retry_delay(tries)
@@ -934,7 +938,7 @@ class Subscriber:
                     outages += 1
                     continue
                 self.stats.failures += 1
-                error = f"{type(exc).__name__}: {exc}"
+                error = redact(f"{type(exc).__name__}: {exc}")  # kept in the dead letter
                 self.stats.last_error = error[:300]
                 if attempt >= self.max_attempts:
                     logger.warning(

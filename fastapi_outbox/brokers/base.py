@@ -13,6 +13,9 @@ from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 from fastapi_outbox.events import Envelope
+from fastapi_outbox.redaction import redact_url
+
+__all__ = ["Broker", "PublishResults", "redact_url"]
 
 PublishResults = list[BaseException | None]
 
@@ -35,16 +38,3 @@ class Broker(Protocol):
 
     def configure(self, *, dedup_window_seconds: float) -> None:
         """Receive outbox-wide settings before ``connect`` (de-duplication window)."""
-
-
-def redact_url(url: str) -> str:
-    """``url`` without its password: safe for logs and error messages."""
-    from sqlalchemy.engine import make_url
-
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:
-        scheme, sep, rest = url.partition("://")
-        if "@" in rest:
-            rest = "***@" + rest.rsplit("@", 1)[1]
-        return scheme + sep + rest

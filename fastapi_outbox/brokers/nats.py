@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any
 from fastapi_outbox import exceptions
 from fastapi_outbox.brokers.base import PublishResults, redact_url
 from fastapi_outbox.events import Envelope
+from fastapi_outbox.log import safe_error
+from fastapi_outbox.redaction import split_url_list
 
 if TYPE_CHECKING:
     from fastapi_outbox.brokers.consumer import ConsumerConfig
@@ -288,7 +290,7 @@ class NatsJetStreamBroker:
                 async def on_error(exc: Exception) -> None:
                     logger.debug(
                         "nats client error",
-                        extra={"action": "broker.error", "error": f"{type(exc).__name__}: {exc}"},
+                        extra={"action": "broker.error", "error": safe_error(exc)},
                     )
 
                 # max_reconnect_attempts=-1 keeps an established connection coming back,
@@ -299,7 +301,8 @@ class NatsJetStreamBroker:
                 try:
                     await asyncio.wait_for(
                         nc.connect(
-                            self.url,
+                            # A comma-separated list: nats-py takes a list of servers.
+                            servers if len(servers := split_url_list(self.url)) > 1 else self.url,
                             connect_timeout=self._connect_timeout,
                             allow_reconnect=True,
                             max_reconnect_attempts=-1,

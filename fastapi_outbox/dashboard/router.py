@@ -30,10 +30,12 @@ from typing import TYPE_CHECKING, Any, Literal
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
 from fastapi.responses import FileResponse, HTMLResponse
 from jinja2 import Environment, FileSystemLoader, select_autoescape
+from markupsafe import Markup
 from pydantic import BaseModel, Field
 
 from fastapi_outbox import exceptions, operations
 from fastapi_outbox.events import MessageStatus
+from fastapi_outbox.redaction import redact
 
 if TYPE_CHECKING:
     from fastapi_outbox.outbox import Outbox
@@ -53,11 +55,21 @@ _STATIC = {
     "dashboard.js": "text/javascript",
 }
 
+
+def _no_credentials(value: Any) -> Any:
+    """Every value a page prints goes through the redaction (errors, stream names,
+    payloads alike): no credential reaches a page, whatever text carried it."""
+    if isinstance(value, Markup):  # already HTML (tojson, |safe): "***" keeps it so
+        return Markup(redact(str(value)))
+    return redact(value) if isinstance(value, str) else value
+
+
 _templates = Environment(
     loader=FileSystemLoader(_HERE / "templates"),
     autoescape=select_autoescape(["html"]),
     trim_blocks=True,
     lstrip_blocks=True,
+    finalize=_no_credentials,
 )
 
 
@@ -91,10 +103,12 @@ class Ids(BaseModel):
 
 
 class ReplayRequest(Ids):
-    """``ids``, or every abandoned message (of ``stream``) with ``all_abandoned``."""
+    """``ids``, or every abandoned message (of ``stream``) with ``all_abandoned``: at most
+    ``count`` of them, the number the operator confirmed."""
 
     all_abandoned: bool = False
     stream: str | None = Field(default=None, max_length=255)
+    count: int | None = Field(default=None, ge=0)
 
 
 class DeadLetterReplay(BaseModel):
@@ -104,6 +118,11 @@ class DeadLetterReplay(BaseModel):
     stream: str = Field(min_length=1, max_length=255)
     group: str = Field(min_length=1, max_length=255)
     entry_ids: list[str] | None = Field(default=None, max_length=1000)
+    force: bool = Field(
+        default=False,
+        description="Also dead letters older than inbox_retention_seconds (refused with 409 "
+        "otherwise: other groups would handle them again).",
+    )
 
 
 class ActionResult(BaseModel):
@@ -268,7 +287,13 @@ def build_dashboard_router(outbox: Outbox, dependencies: list[Any]) -> APIRouter
         if body.all_abandoned:
             if body.ids:
                 raise HTTPException(400, "give ids or all_abandoned, not both")
-            count = await operations.replay_abandoned(outbox, stream=body.stream, operator=who)
+            if body.count is None:
+                raise HTTPException(
+                    400, "count: all_abandoned replays at most the count the operator confirmed"
+                )
+            count = await operations.replay_abandoned(
+                outbox, stream=body.stream, operator=who, max_rows=body.count
+            )
             return ActionResult(changed=count)
         if not body.ids:
             raise HTTPException(400, "ids: give at least one message id (or all_abandoned)")
@@ -298,8 +323,15 @@ def build_dashboard_router(outbox: Outbox, dependencies: list[Any]) -> APIRouter
     async def replay_dead_letters(request: Request, body: DeadLetterReplay) -> ActionResult:
         try:
             count = await operations.replay_dead_letters(
-                outbox, body.stream, body.group, body.entry_ids, operator=operator(request)
+                outbox,
+                body.stream,
+                body.group,
+                body.entry_ids,
+                operator=operator(request),
+                force=body.force,
             )
+        except exceptions.StaleDeadLetters as exc:  # the page asks again, then forces
+            raise HTTPException(409, str(exc)) from exc
         except exceptions.OperationError as exc:
             raise HTTPException(400, str(exc)) from exc
         except exceptions.BrokerUnavailable as exc:

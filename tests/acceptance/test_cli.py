@@ -221,7 +221,7 @@ async def test_replay(outbox: Outbox, pg_url: str) -> None:
     assert wrong_status.returncode == 1
     assert f"message {done[0]} is published" in wrong_status.stderr.decode()
 
-    by_stream = await run(MODULE, "replay", "--abandoned", "--stream", a, "--url", pg_url)
+    by_stream = await run(MODULE, "replay", "--abandoned", "--stream", a, "--url", pg_url, "--yes")
     assert by_stream.returncode == 0, out(by_stream)
     assert "replayed 3 message(s)" in by_stream.stdout.decode()
     for mid in in_a:
@@ -233,7 +233,7 @@ async def test_replay(outbox: Outbox, pg_url: str) -> None:
     # The rest, with the progress shown as on a terminal (stderr is a pty).
     leader, follower = os.openpty()
     try:
-        rest = await run(SCRIPT, "replay", "--abandoned", "--url", pg_url, stderr=follower)
+        rest = await run(SCRIPT, "replay", "--abandoned", "--url", pg_url, "--yes", stderr=follower)
         os.close(follower)
         follower = -1
         tty = _read_all(leader)
@@ -299,6 +299,7 @@ async def test_purge_with_progress(outbox: Outbox, pg_url: str) -> None:
             "--no-progress",
             "--url",
             pg_url,
+            "--yes",
         ),
     )
     assert forced.returncode == 0, out(forced)

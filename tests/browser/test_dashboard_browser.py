@@ -186,3 +186,67 @@ async def test_markup_from_messages_is_shown_as_text_and_never_runs(
                     assert "<script>window.__pwned" in text  # shown, as text
     finally:
         await outbox.aclose()
+
+
+async def test_an_old_dead_letter_is_replayed_only_after_the_warning(
+    pg_url: str, chromium: str
+) -> None:
+    """Issue 17.8c: a dead letter older than inbox_retention_seconds. The first answer is
+    a 409 with the warning; the page shows it in a second confirmation and, accepted,
+    replays with force."""
+    from fastapi_outbox import operations
+
+    outbox = Outbox(
+        pg_url,
+        brokers={"default": MemoryBroker()},
+        settings=OutboxSettings(
+            poll_interval_seconds=0.05,
+            max_poll_interval_seconds=0.2,
+            consumer_max_attempts=1,
+            consumer_claim_idle_seconds=1,
+            consumer_retry_base_delay_seconds=0.1,
+            consumer_retry_max_delay_seconds=0.5,
+            inbox_retention_seconds=2.5,
+        ),
+        dashboard_dependencies=[],
+    )
+    await outbox.create_tables()
+    stream = unique("shipments")
+    handled: list[int] = []
+    broken = True
+
+    @outbox.subscriber(stream, group="tracking", start="all")
+    async def track(message: Message) -> None:
+        if broken:
+            raise ConnectionRefusedError("carrier down")
+        handled.append(message.payload["n"])
+
+    async with outbox.unit_of_work() as uow:
+        uow.publish(Message(stream, "Shipped", {"n": 1}))
+    sub = outbox.subscribers[0]
+    dialogs: list[str] = []
+    try:
+        async with live_server(app_for(outbox)) as base, browser_page(chromium) as page:
+            page.on("dialog", lambda dialog: dialogs.append(dialog.message))
+            await wait_until(lambda: sub.stats.dead_lettered == 1, timeout=10)
+
+            async def stale() -> bool:
+                return bool(await operations.stale_dead_letters(outbox, stream, "tracking"))
+
+            await wait_until(stale, timeout=10)  # older than the 2.5 s retention
+            broken = False
+            await page.goto(f"{base}/outbox/dashboard")
+            row = page.locator("tr", has_text="tracking")
+            await row.wait_for()
+            await row.locator("button[data-action=replay-dead-letters]").click()
+            await page.locator("#flash").wait_for()
+            assert (
+                "Put back on the stream 1 dead letter(s)."
+                in await page.locator("#flash").inner_text()
+            )
+            assert len(dialogs) == 2, dialogs
+            assert "Put the 1 dead letter(s) of group tracking" in dialogs[0]
+            assert "older than inbox_retention_seconds" in dialogs[1]
+            await wait_until(lambda: handled == [1], timeout=10)
+    finally:
+        await outbox.aclose()

@@ -185,13 +185,30 @@ async def test_replay_and_abandon_report_what_they_changed(db_url: str) -> None:
             assert any(f"{pending[0]} is pending" in p for p in body["problems"])
             assert any(f"no outbox message with id {unknown}" in p for p in body["problems"])
 
-            # Every abandoned message of one stream, and only that stream.
-            response = await client.post(
+            # The confirmation shows the count, and the button carries it.
+            page = (await client.get("/outbox/dashboard")).text
+            assert f"Replay all 2 abandoned message(s) of {stream}?" in page
+            assert 'data-count="2"' in page
+            # Every abandoned message of one stream, and only that stream: at most the
+            # count the operator confirmed, which the request must carry.
+            uncounted = await client.post(
                 "/outbox/dashboard/api/replay",
                 json={"all_abandoned": True, "stream": stream},
                 headers=headers,
             )
-            assert response.json() == {"changed": 2, "problems": []}
+            assert uncounted.status_code == 400 and "count" in uncounted.text
+            response = await client.post(
+                "/outbox/dashboard/api/replay",
+                json={"all_abandoned": True, "stream": stream, "count": 1},
+                headers=headers,
+            )
+            assert response.json() == {"changed": 1, "problems": []}
+            response = await client.post(
+                "/outbox/dashboard/api/replay",
+                json={"all_abandoned": True, "stream": stream, "count": 5},
+                headers=headers,
+            )
+            assert response.json() == {"changed": 1, "problems": []}
             assert await outbox.store.count_matching("abandoned", stream=other) == 2
 
             response = await client.post(

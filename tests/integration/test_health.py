@@ -146,6 +146,7 @@ async def test_dead_processor_is_503(sqlite_url: str) -> None:
         sqlite_url,
         brokers={"default": MemoryBroker()},
         settings=OutboxSettings(health_cache_seconds=0),
+        dashboard_dependencies=[],  # the detail unguarded, on purpose (a test)
     )
     await outbox.create_tables()
     app = build_app(outbox)
@@ -167,7 +168,11 @@ async def test_dead_processor_is_503(sqlite_url: str) -> None:
             assert body["status"] == "down"
             assert "processor 'default' is not running" in body["reasons"]
             assert body["processors"][0]["running"] is False
-            assert "RuntimeError" in body["processors"][0]["last_error"]
+            # The error is detail (it may name a host): not in the public body.
+            assert body["processors"][0]["last_error"] is None
+            detail = await client.get("/outbox/health/detail")
+            assert detail.status_code == 503
+            assert "RuntimeError" in detail.json()["processors"][0]["last_error"]
             # The crash ended the processor, not the app.
             assert (await client.get("/ping")).status_code == 200
     finally:
@@ -247,6 +252,7 @@ async def test_body_holds_no_payload_and_no_credentials(pg_url: str) -> None:
         with_password(pg_url),
         brokers={"default": broker},
         settings=OutboxSettings(health_cache_seconds=0, retry_base_delay_seconds=60),
+        dashboard_dependencies=[],
     )
     await outbox.create_tables()
     app = build_app(outbox)
@@ -264,9 +270,13 @@ async def test_body_holds_no_payload_and_no_credentials(pg_url: str) -> None:
             body = response.json()
             assert body["processors"][0]["failed"] == 1
             assert body["processors"][0]["broker_available"] is False
-            assert "***" in body["processors"][0]["last_error"]  # redacted, not dropped
-            assert MARKER not in response.text
-            assert PASSWORD not in response.text
+            assert body["processors"][0]["last_error"] is None  # public: no error text
+            assert "10.0.0.1" not in response.text
+            detail = await client.get("/outbox/health/detail")
+            assert "***" in detail.json()["processors"][0]["last_error"]  # redacted, not dropped
+            for text in (response.text, detail.text):
+                assert MARKER not in text
+                assert PASSWORD not in text
     finally:
         await outbox.aclose()
     assert broker.messages == []

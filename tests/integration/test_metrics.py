@@ -135,3 +135,43 @@ def test_two_instrumentations_share_a_registry() -> None:
     first = PrometheusInstrumentation(registry)
     second = PrometheusInstrumentation(registry)  # no "Duplicated timeseries" error
     assert first.metrics is second.metrics
+
+
+async def test_stream_label_values_are_bounded(pg_url: str) -> None:
+    """Per-tenant stream names made one series per stream, without bound. The first
+    ``max_stream_labels`` streams keep their name; the others count under ``other``."""
+    registry = CollectorRegistry()
+    broker = MemoryBroker()
+    outbox = Outbox(
+        pg_url,
+        brokers={"default": broker},
+        instrumentation=PrometheusInstrumentation(
+            registry, refresh_interval_seconds=0, max_stream_labels=5
+        ),
+    )
+    await outbox.create_tables()
+    tenants = [unique("tenant") for _ in range(40)]
+    app = FastAPI(lifespan=outbox.lifespan)
+    mount_metrics(app, outbox)
+    transport = httpx.ASGITransport(app=app)
+    try:
+        async with (
+            app.router.lifespan_context(app),
+            httpx.AsyncClient(transport=transport, base_url="http://test") as client,
+        ):
+            for stream in tenants:
+                await publish(outbox, stream, 2)
+            await broker.wait_for(80)
+            processor = outbox.processors["default"]
+            await wait_until(lambda: processor.published_total == 80)
+            text = (await client.get("/metrics")).text
+    finally:
+        await outbox.aclose()
+    published = {
+        dict(labels)["stream"]: value
+        for (name, labels), value in samples(text).items()
+        if name == "outbox_messages_published_total"
+    }
+    assert len(published) == 6, published  # 5 names and "other"
+    assert sum(published.values()) == 80
+    assert published["other"] == 70

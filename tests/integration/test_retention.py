@@ -46,6 +46,7 @@ async def test_cleanup_deletes_only_old_finished_rows_in_bounded_batches(db_url:
         cleanup_batch_size=4,
         published_retention_seconds=HOUR,
         abandoned_retention_seconds=HOUR,
+        allow_short_abandoned_retention=True,
     )
     outbox = Outbox(db_url, settings=settings)
     await outbox.create_tables()

@@ -236,3 +236,16 @@ def test_nats_stream_limits_are_validated() -> None:
 
     with pytest.raises(ConfigurationError, match="stream_max_bytes"):
         NatsJetStreamBroker(stream_max_bytes=0)
+
+
+def test_abandoned_retention_below_a_day_needs_the_opt_in() -> None:
+    """Abandoned rows were never delivered: ``abandoned_retention_seconds=0`` would delete
+    each one as it is abandoned, before anyone could replay it."""
+    for seconds in (0, 3600, 86399):
+        with pytest.raises(ConfigurationError) as info:
+            OutboxSettings.from_env(abandoned_retention_seconds=seconds)
+        assert "abandoned_retention_seconds" in str(info.value)
+        assert "allow_short_abandoned_retention" in str(info.value)
+    settings = OutboxSettings(abandoned_retention_seconds=0, allow_short_abandoned_retention=True)
+    assert settings.abandoned_retention_seconds == 0
+    assert OutboxSettings(abandoned_retention_seconds=86400).abandoned_retention_seconds == 86400

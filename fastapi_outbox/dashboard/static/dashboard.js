@@ -41,6 +41,19 @@
     }
   });
 
+  function post(action, body) {
+    return fetch(base + "/api/" + action, {
+      method: "POST",
+      credentials: "same-origin",
+      headers: { "Content-Type": "application/json", "X-Outbox-CSRF": csrf },
+      body: JSON.stringify(body),
+    });
+  }
+
+  function detail(data) {
+    return typeof data.detail === "string" ? data.detail : JSON.stringify(data.detail);
+  }
+
   document.addEventListener("click", async function (event) {
     const button = event.target.closest("button[data-action]");
     if (!button) return;
@@ -51,6 +64,7 @@
     } else if (button.dataset.allAbandoned) {
       body.all_abandoned = true;
       body.stream = button.dataset.stream || null;
+      body.count = Number(button.dataset.count);  // never more than the count confirmed
     } else if (button.dataset.selection) {
       body.ids = Array.from(document.querySelectorAll('#messages input[name="id"]:checked')).map(function (b) { return b.value; });
       if (!body.ids.length) { flash("Select messages first.", true); return; }
@@ -61,15 +75,20 @@
     if (!window.confirm(question)) return;
     button.disabled = true;
     try {
-      const response = await fetch(base + "/api/" + button.dataset.action, {
-        method: "POST",
-        credentials: "same-origin",
-        headers: { "Content-Type": "application/json", "X-Outbox-CSRF": csrf },
-        body: JSON.stringify(body),
-      });
-      const data = await response.json();
+      let response = await post(button.dataset.action, body);
+      let data = await response.json();
+      if (response.status === 409 && button.dataset.action === "replay-dead-letters") {
+        // Dead letters older than the inbox retention: say so, and force only when asked to.
+        if (!window.confirm("Warning: " + detail(data) + "\n\nReplay them anyway?")) {
+          flash("Not replayed: " + detail(data), true);
+          return;
+        }
+        body.force = true;
+        response = await post(button.dataset.action, body);
+        data = await response.json();
+      }
       if (!response.ok) {
-        flash("Refused: " + (typeof data.detail === "string" ? data.detail : JSON.stringify(data.detail)), true);
+        flash("Refused: " + detail(data), true);
         return;
       }
       const verb = { "replay": "Replayed", "abandon": "Abandoned", "replay-dead-letters": "Put back on the stream" }[button.dataset.action];
