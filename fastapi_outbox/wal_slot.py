@@ -8,10 +8,13 @@ built-in ``pgoutput`` plugin with ``messages 'true'``, through the SQL slot func
 ``pg_logical_slot_peek_binary_changes``
     decodes the WAL from the slot's ``restart_lsn`` and returns whole committed
     transactions, in commit order, *without* moving the slot: what the relay then fails to
-    publish is read again by the next peek (or by the next reader after a crash).
+    publish is read again by the next peek (or by the next reader after a crash). Each read
+    is bounded by an ``upto_lsn`` a window ahead of the slot's confirmed position
+    (:meth:`WalSlot.peek`), so a backlog of WAL is read, and confirmed, a window at a time.
 ``pg_replication_slot_advance``
     moves the slot's ``confirmed_flush_lsn`` once the broker acknowledged: the commit LSN
-    of the last transaction published, so the next peek starts after it.
+    of the last transaction published, or the end of the window read when nothing of ours
+    is left in it, so the next peek starts after it.
 
 pgoutput needs a publication: an empty one (``CREATE PUBLICATION name``, no table) so no
 table change is decoded into the output, only the messages. Transactions that emitted no
@@ -20,7 +23,8 @@ message produce no row at all (PostgreSQL 15 skips empty transactions).
 Each row of a peek is one pgoutput protocol message (``data``): ``B`` (begin: final LSN,
 commit time, xid), ``M`` (flags, LSN, prefix, length, content) and ``C`` (flags, commit
 LSN, end LSN, commit time). :func:`decode` keeps the ``M`` records of our prefix, grouped
-by transaction.
+by transaction. Content of our prefix it cannot decode stops the decoding there
+(:class:`Undecodable`): the relay never confirms past a message it could not read.
 """
 
 from __future__ import annotations
@@ -36,6 +40,18 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from fastapi_outbox import exceptions
+
+__all__ = [
+    "Read",
+    "SlotStats",
+    "Transaction",
+    "Undecodable",
+    "UndecodableWalMessage",
+    "WalMessage",
+    "WalSlot",
+    "decode",
+    "encode",
+]
 
 logger = logging.getLogger("fastapi_outbox.wal")
 
@@ -129,13 +145,71 @@ def encode(rows: Iterable[dict[str, Any]]) -> str:
     )
 
 
-def decode(datas: Iterable[bytes], prefix: str) -> list[Transaction]:
+@dataclasses.dataclass(slots=True, frozen=True)
+class Undecodable:
+    """A message of our prefix whose content cannot be decoded (malformed, or written by a
+    newer version of the library): where it is, and where its transaction ends (the
+    position an operator advances the slot to in order to skip it, on purpose)."""
+
+    lsn: int  # the message record
+    end_lsn: int | None  # end of its transaction; None when the read did not reach it
+    error: str
+
+    def describe(self, slot: str) -> str:
+        skip = (
+            f"; to drop that transaction's messages on purpose: SELECT "
+            f"pg_replication_slot_advance('{slot}', '{format_lsn(self.end_lsn)}')"
+            if self.end_lsn is not None
+            else ""
+        )
+        return (
+            f"undecodable WAL message at LSN {format_lsn(self.lsn)} in replication slot "
+            f"{slot!r} ({self.error}): the WAL relay stopped there and relays nothing after "
+            f"it; deploy a version of fastapi-outbox that reads it{skip}"
+        )
+
+
+class UndecodableWalMessage(exceptions.OutboxError):
+    """The slot holds a message of the outbox's prefix that cannot be decoded: the relay
+    stops before it (``fastapi_outbox.testing.drain`` raises this)."""
+
+    def __init__(self, undecodable: Undecodable, slot: str) -> None:
+        super().__init__(undecodable.describe(slot))
+        self.undecodable = undecodable
+
+
+@dataclasses.dataclass(slots=True)
+class Read:
+    """One bounded read of the slot (:meth:`WalSlot.peek`)."""
+
+    #: The slot's confirmed position before the read.
+    confirmed: int
+    #: Whole committed transactions, in commit order, up to the first undecodable one.
+    transactions: list[Transaction]
+    #: pgoutput rows returned (``nchanges`` reached: the read was cut short).
+    nrows: int
+    #: The position the slot may be confirmed to once every transaction read is published:
+    #: every commit before it was read (None: the read was cut short, only the last
+    #: transaction's end).
+    complete_upto: int | None
+    #: The read stopped at its window's end, short of the WAL's end: more WAL waits.
+    more: bool
+    #: The first message of our prefix that could not be decoded, if any.
+    undecodable: Undecodable | None = None
+
+
+def decode(datas: Iterable[bytes], prefix: str) -> tuple[list[Transaction], Undecodable | None]:
     """pgoutput rows (``data`` of a peek) → our transactions, in commit order. A transaction
-    with no message of ``prefix`` is kept (empty): its end LSN still moves the slot."""
+    with no message of ``prefix`` is kept (empty): its end LSN still moves the slot.
+
+    Decoding stops at the first message of ``prefix`` whose content cannot be decoded: the
+    transactions before it are returned with it, its own transaction and what follows are
+    not (never guessed, never skipped)."""
     wanted = prefix.encode()
     out: list[Transaction] = []
     messages: list[WalMessage] = []
     commit_time = 0.0
+    bad: tuple[int, str] | None = None
     for data in datas:
         kind = data[:1]
         if kind == b"B":
@@ -144,6 +218,8 @@ def decode(datas: Iterable[bytes], prefix: str) -> list[Transaction]:
             commit_time = _PG_EPOCH + micros / 1e6
             messages = []
         elif kind == b"M":
+            if bad is not None:
+                continue
             # Int8 flags, Int64 LSN, String prefix, Int32 length, Byte[n] content.
             end = data.index(b"\0", 10)
             if data[10:end] != wanted:
@@ -151,30 +227,38 @@ def decode(datas: Iterable[bytes], prefix: str) -> list[Transaction]:
             (length,) = struct.unpack_from(">i", data, end + 1)
             content = data[end + 5 : end + 5 + length]
             (lsn,) = struct.unpack_from(">Q", data, 2)
-            messages.extend(_messages(content, lsn))
+            try:
+                messages.extend(_messages(content))
+            except Exception as exc:
+                bad = (lsn, repr(exc)[:200])
         elif kind == b"C":
             # Int8 flags, Int64 commit LSN, Int64 end LSN, Int64 commit time.
             (end_lsn,) = struct.unpack_from(">Q", data, 10)
+            if bad is not None:
+                return out, _undecodable(bad, end_lsn)
             out.append(Transaction(end_lsn, commit_time, messages))
             messages = []
         # Other records (relations, origins, …) carry nothing for us.
-    return out
+    return out, None if bad is None else _undecodable(bad, None)
 
 
-def _messages(content: bytes, lsn: int) -> list[WalMessage]:
-    try:
-        document = json.loads(content)
-        if document.get("v") != CONTENT_VERSION:
-            raise ValueError(f"content version {document.get('v')!r}")
-        return [WalMessage(*entry) for entry in document["m"]]
-    except Exception as exc:
-        # Not ours after all (another program using our prefix) or from a newer version:
-        # never guess, say where it is.
-        logger.error(
-            "undecodable WAL message skipped",
-            extra={"action": "wal.undecodable", "lsn": format_lsn(lsn), "error": repr(exc)[:200]},
-        )
-        return []
+def _undecodable(bad: tuple[int, str], end_lsn: int | None) -> Undecodable:
+    found = Undecodable(bad[0], end_lsn, bad[1])
+    logger.error(
+        "undecodable WAL message: the relay stops before it",
+        extra={"action": "wal.undecodable", "lsn": format_lsn(found.lsn), "error": found.error},
+    )
+    return found
+
+
+def _messages(content: bytes) -> list[WalMessage]:
+    """One message's content; raises when it is not ours after all (another program using
+    our prefix) or from a newer version: never guess."""
+    document = json.loads(content)
+    if not isinstance(document, dict) or document.get("v") != CONTENT_VERSION:
+        version = document.get("v") if isinstance(document, dict) else None
+        raise ValueError(f"content version {version!r}, this version reads {CONTENT_VERSION}")
+    return [WalMessage(*entry) for entry in document["m"]]
 
 
 class WalSlot:
@@ -262,8 +346,10 @@ class WalSlot:
         reading the slot at that very moment."""
         async with self.engine.connect() as conn:
             driver = await self._driver(conn)
-            datas = await driver.fetch(PEEK_SQL, self.name, limit, self.publication)
-        transactions = [t for t in decode((r["data"] for r in datas), self.prefix) if t.messages]
+            datas = await driver.fetch(PEEK_SQL, self.name, None, limit, self.publication)
+        # Up to an undecodable message, if any: the relay stops there too.
+        decoded, _ = decode((r["data"] for r in datas), self.prefix)
+        transactions = [t for t in decoded if t.messages]
         count = sum(len(t.messages) for t in transactions)
         return count, transactions[0].commit_time if transactions else None
 
@@ -315,20 +401,45 @@ class WalSlot:
         )
 
     async def peek(
-        self, driver: Any, nchanges: int, timeout: float
-    ) -> tuple[list[Transaction], int, int | None]:
-        """Read up to about ``nchanges`` rows (whole transactions) without moving the slot.
+        self, driver: Any, nchanges: int, window: int, timeout: float, *, bound: float
+    ) -> Read:
+        """Read up to about ``nchanges`` rows (whole transactions) of the WAL up to
+        ``window`` bytes past the slot's confirmed position, without moving the slot.
 
-        Returns the transactions, the number of rows read, and a position the slot may
-        be moved to when everything read is published and the read was not cut short:
-        the WAL insert position taken *before* the read, when the flush position had
-        already reached it (every record that starts before it then ended before the
-        read's end, so none of its commits was missed). None when that is not known."""
-        boundary = await driver.fetchrow(BOUNDARY_SQL)
-        rows = await driver.fetch(PEEK_SQL, self.name, nchanges, self.publication, timeout=timeout)
-        insert_lsn = parse_lsn(boundary["insert_lsn"])
-        safe = insert_lsn if parse_lsn(boundary["flush_lsn"]) >= insert_lsn else None
-        return decode((r["data"] for r in rows), self.prefix), len(rows), safe
+        The read's ``upto_lsn`` is the nearer of the window's end and the WAL flush
+        position taken *before* the read. The peek decodes every record that starts before
+        its ``upto_lsn`` (it stops after the first record that ends at or past it, and waits
+        for a record to be flushed whole before decoding it): when the read was not cut
+        short by ``nchanges``, no commit before that bound was missed, and the slot may be
+        confirmed up to it — over WAL without any message of ours too (a bulk load). Raises
+        ``TimeoutError`` after ``timeout`` seconds (asyncpg cancels the read on the server).
+
+        The positions are read first under ``bound`` (the relay's bound of an ordinary
+        statement): it also waits for the server to acknowledge the cancel of a previous
+        read that timed out."""
+        boundary = await driver.fetchrow(BOUNDARY_SQL, self.name, timeout=bound)
+        if boundary is None or boundary["confirmed_lsn"] is None:
+            raise exceptions.ConfigurationError(
+                f"capture='wal': the replication slot {self.name!r} does not exist in this "
+                "database (dropped?): run `fastapi-outbox db create` with capture='wal'"
+            )
+        flush_lsn = parse_lsn(boundary["flush_lsn"])
+        confirmed = parse_lsn(boundary["confirmed_lsn"])
+        window_end = confirmed + window
+        upto = min(window_end, flush_lsn)
+        rows = await driver.fetch(
+            PEEK_SQL, self.name, upto, nchanges, self.publication, timeout=timeout
+        )
+        transactions, undecodable = decode((r["data"] for r in rows), self.prefix)
+        complete = len(rows) < nchanges and undecodable is None
+        return Read(
+            confirmed=confirmed,
+            transactions=transactions,
+            nrows=len(rows),
+            complete_upto=upto if complete else None,
+            more=window_end < flush_lsn,
+            undecodable=undecodable,
+        )
 
     async def advance(self, driver: Any, lsn: int, timeout: float) -> None:
         """Confirm everything before ``lsn`` (never backwards)."""
@@ -368,13 +479,15 @@ CHECK_SQL = (
 )
 # Taken before a peek: see WalSlot.peek.
 BOUNDARY_SQL = (
-    "SELECT pg_current_wal_insert_lsn()::text AS insert_lsn, "
-    "pg_current_wal_flush_lsn()::text AS flush_lsn"
+    "SELECT pg_current_wal_flush_lsn()::text AS flush_lsn, "
+    "(SELECT confirmed_flush_lsn::text FROM pg_replication_slots "
+    "WHERE slot_name = $1 AND database = current_database()) AS confirmed_lsn"
 )
 PEEK_SQL = (
     "SELECT data FROM pg_logical_slot_peek_binary_changes("
-    "$1, NULL, $2, "  # slot, no LSN bound, about this many rows (whole transactions)
-    "'proto_version', '1', 'publication_names', $3, "  # the empty publication: no table rows
+    "$1, $2::pg_lsn, $3, "  # slot, read up to this LSN (NULL: the WAL's end), about this
+    # many rows (whole transactions)
+    "'proto_version', '1', 'publication_names', $4, "  # the empty publication: no table rows
     "'messages', 'true')"  # pg_logical_emit_message records
 )
 # pg_replication_slot_advance refuses to move backwards; GREATEST makes a repeated confirm
