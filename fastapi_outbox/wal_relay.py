@@ -140,6 +140,8 @@ class WalRelay(RelayLoop):
         self._window = settings.wal_read_window_bytes
         #: The slot's confirmed position this relay last saw.
         self._seen_confirmed: int | None = None
+        #: Wall clock when this relay last stopped leading.
+        self._led_until: float | None = None
         self._drained = 0
         # Health (the broker outage state is RelayLoop's).
         #: This relay holds the slot (the others are standbys).
@@ -253,10 +255,21 @@ class WalRelay(RelayLoop):
 
     async def _lead(self, driver: Any) -> None:
         settings = self.settings
-        idle = settings.poll_interval_seconds
+        now = time.time()
         if self.last_progress_at is None:
-            self.last_progress_at = time.time()
+            self.last_progress_at = now
+        elif self._led_until is not None:
+            # Only time spent leading counts as time without progress.
+            self.last_progress_at += now - self._led_until
         self._window = settings.wal_read_window_bytes
+        try:
+            await self._read_until_stopped(driver)
+        finally:
+            self._led_until = time.time()
+
+    async def _read_until_stopped(self, driver: Any) -> None:
+        settings = self.settings
+        idle = settings.poll_interval_seconds
         while not self._stopping:
             try:
                 more = await self._step(driver)

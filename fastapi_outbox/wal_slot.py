@@ -34,6 +34,7 @@ import datetime as dt
 import json
 import logging
 import struct
+import uuid
 from collections.abc import Iterable
 from typing import Any
 
@@ -258,7 +259,22 @@ def _messages(content: bytes) -> list[WalMessage]:
     if not isinstance(document, dict) or document.get("v") != CONTENT_VERSION:
         version = document.get("v") if isinstance(document, dict) else None
         raise ValueError(f"content version {version!r}, this version reads {CONTENT_VERSION}")
-    return [WalMessage(*entry) for entry in document["m"]]
+    entries = document.get("m")
+    if not isinstance(entries, list):
+        raise ValueError("no message list")
+    out = []
+    for entry in entries:
+        # id, broker, stream, type, key (or null), headers, payload: all text.
+        if (
+            not isinstance(entry, list)
+            or len(entry) != 7
+            or not all(isinstance(v, str) for i, v in enumerate(entry) if i != 4)
+            or not (entry[4] is None or isinstance(entry[4], str))
+        ):
+            raise ValueError("malformed message entry")
+        uuid.UUID(entry[0])
+        out.append(WalMessage(*entry))
+    return out
 
 
 class WalSlot:

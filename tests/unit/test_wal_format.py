@@ -83,7 +83,16 @@ def test_other_prefixes_are_skipped_but_their_transactions_kept() -> None:
 
 
 @pytest.mark.parametrize(
-    "content", [b"not json", b'{"v": 99, "m": []}', b"[1, 2]", b'{"v": 1, "m": [[1]]}']
+    "content",
+    [
+        b"not json",
+        b'{"v": 99, "m": []}',
+        b"[1, 2]",
+        b'{"v": 1, "m": [[1]]}',
+        b'{"v": 1, "m": [[1, 2, 3, 4, 5, 6, 7]]}',
+        b'{"v": 1, "m": [["not-a-uuid", "b", "s", "t", null, "{}", "{}"]]}',
+        b'{"v": 1}',
+    ],
 )
 def test_undecodable_content_stops_the_decoding_before_its_transaction(
     content: bytes, caplog: pytest.LogCaptureFixture
