@@ -385,8 +385,8 @@ class WalRelay(RelayLoop):
                 raise _TimedOut() from exc
 
     def _timed_out(self, what: str, window: int, timeout: float) -> None:
-        if self._fail_on_outage:
-            raise exceptions.UnitOfWorkError(
+        if self._fail_on_outage:  # drain(): the caller decides
+            raise TimeoutError(
                 f"a {what} of the replication slot {self.slot.name!r} timed out after {timeout:g}s"
             )
         self.read_timeouts_total += 1
@@ -435,8 +435,10 @@ class WalRelay(RelayLoop):
         """Relay everything the slot holds now, in the calling task, and return how many
         messages were read (``fastapi_outbox.testing.drain``). Raises
         :class:`~fastapi_outbox.exceptions.BrokerUnavailable` on a broker outage (the slot
-        stays where it was) and :class:`~fastapi_outbox.exceptions.UnitOfWorkError` when a
-        running relay holds the slot."""
+        stays where it was), :class:`~fastapi_outbox.exceptions.UnitOfWorkError` when a
+        running relay holds the slot, :class:`~fastapi_outbox.wal_slot.UndecodableWalMessage`
+        at content it cannot decode (what precedes it is relayed) and ``TimeoutError`` when a
+        read exceeds ``wal_read_timeout_seconds``."""
         self._fail_on_outage = True
         self._drained = 0
         async with self.store.autocommit_engine.connect() as conn:

@@ -206,21 +206,29 @@ def decode(datas: Iterable[bytes], prefix: str) -> tuple[list[Transaction], Unde
     Decoding stops at the first message of ``prefix`` whose content cannot be decoded: the
     transactions before it are returned with it, its own transaction and what follows are
     not (never guessed, never skipped)."""
+    transactions, undecodable = _scan(datas, prefix, stop=True)
+    return transactions, undecodable[0] if undecodable else None
+
+
+def _scan(
+    datas: Iterable[bytes], prefix: str, *, stop: bool
+) -> tuple[list[Transaction], list[Undecodable]]:
+    """:func:`decode`; without ``stop``, every transaction, and every undecodable message
+    (an operator's count of what the slot holds)."""
     wanted = prefix.encode()
     out: list[Transaction] = []
+    bad: list[Undecodable] = []
     messages: list[WalMessage] = []
+    bad_here: list[tuple[int, str]] = []
     commit_time = 0.0
-    bad: tuple[int, str] | None = None
     for data in datas:
         kind = data[:1]
         if kind == b"B":
             # Int64 final LSN, Int64 commit time (µs since 2000-01-01), Int32 xid.
             (micros,) = struct.unpack_from(">q", data, 9)
             commit_time = _PG_EPOCH + micros / 1e6
-            messages = []
+            messages, bad_here = [], []
         elif kind == b"M":
-            if bad is not None:
-                continue
             # Int8 flags, Int64 LSN, String prefix, Int32 length, Byte[n] content.
             end = data.index(b"\0", 10)
             if data[10:end] != wanted:
@@ -231,25 +239,18 @@ def decode(datas: Iterable[bytes], prefix: str) -> tuple[list[Transaction], Unde
             try:
                 messages.extend(_messages(content))
             except Exception as exc:
-                bad = (lsn, repr(exc)[:200])
+                bad_here.append((lsn, repr(exc)[:200]))
         elif kind == b"C":
             # Int8 flags, Int64 commit LSN, Int64 end LSN, Int64 commit time.
             (end_lsn,) = struct.unpack_from(">Q", data, 10)
-            if bad is not None:
-                return out, _undecodable(bad, end_lsn)
+            bad.extend(Undecodable(lsn, end_lsn, error) for lsn, error in bad_here)
+            if bad and stop:
+                return out, bad
             out.append(Transaction(end_lsn, commit_time, messages))
-            messages = []
+            messages, bad_here = [], []
         # Other records (relations, origins, …) carry nothing for us.
-    return out, None if bad is None else _undecodable(bad, None)
-
-
-def _undecodable(bad: tuple[int, str], end_lsn: int | None) -> Undecodable:
-    found = Undecodable(bad[0], end_lsn, bad[1])
-    logger.error(
-        "undecodable WAL message: the relay stops before it",
-        extra={"action": "wal.undecodable", "lsn": format_lsn(found.lsn), "error": found.error},
-    )
-    return found
+    bad.extend(Undecodable(lsn, None, error) for lsn, error in bad_here)
+    return out, bad
 
 
 def _messages(content: bytes) -> list[WalMessage]:
@@ -357,17 +358,22 @@ class WalSlot:
 
     async def backlog(self, limit: int = 100_000) -> tuple[int, float | None]:
         """How many messages of our prefix the slot holds (reading at most about ``limit``
-        pgoutput rows) and the commit time (Unix seconds) of the oldest; for operators
-        (``status``): it decodes WAL, and fails with SQLSTATE 55006 while a relay is
-        reading the slot at that very moment."""
+        pgoutput rows; undecodable ones included) and the commit time (Unix seconds) of the
+        oldest decodable one; for operators (``status``, ``db drop-slot``): it decodes WAL,
+        and fails with SQLSTATE 55006 while a relay is reading the slot at that very
+        moment."""
+        count, oldest, _ = await self._backlog(limit)
+        return count, oldest
+
+    async def _backlog(self, limit: int) -> tuple[int, float | None, Undecodable | None]:
         async with self.engine.connect() as conn:
             driver = await self._driver(conn)
             datas = await driver.fetch(PEEK_SQL, self.name, None, limit, self.publication)
-        # Up to an undecodable message, if any: the relay stops there too.
-        decoded, _ = decode((r["data"] for r in datas), self.prefix)
+        decoded, undecodable = _scan((r["data"] for r in datas), self.prefix, stop=False)
         transactions = [t for t in decoded if t.messages]
-        count = sum(len(t.messages) for t in transactions)
-        return count, transactions[0].commit_time if transactions else None
+        count = sum(len(t.messages) for t in transactions) + len(undecodable)
+        oldest = transactions[0].commit_time if transactions else None
+        return count, oldest, undecodable[0] if undecodable else None
 
     async def report(self) -> dict[str, Any]:
         """What operators see (``status``): the slot's state, lag and retained WAL, and
@@ -380,13 +386,16 @@ class WalSlot:
         if stats.lost:  # invalidated: its messages cannot be read any more
             out["backlog_messages"] = out["oldest_unrelayed_age_seconds"] = None
             return out
+        undecodable = None
         try:
-            count, oldest = await self.backlog()
+            count, oldest, undecodable = await self._backlog(100_000)
         except Exception as exc:
             if getattr(exc, "sqlstate", None) != "55006":
                 raise
             count, oldest = None, None
         out["backlog_messages"] = count
+        # The first message of our prefix the relay cannot decode (it stops there).
+        out["undecodable"] = None if undecodable is None else undecodable.describe(self.name)
         out["oldest_unrelayed_age_seconds"] = (
             None
             if oldest is None

@@ -152,6 +152,8 @@ async def test_relay_catches_up_over_2_gb_of_unrelated_wal(
             await wait_until(slot_caught_up, timeout=30)
         got = await stream_ids(redis_url, stream)
         assert len(got) == len(ids) and got == ids  # each once, in commit order
+        # Read, and confirmed, a window at a time.
+        assert relay.reads_total > 2 and relay.largest_window_bytes < written
         with capsys.disabled():
             print(
                 f"\n[wal bulk] {written / GIB:.2f} GiB of WAL generated in {generated:.1f}s; "
@@ -267,3 +269,35 @@ def stopped_no_more(outbox: Outbox) -> Any:
         return health.status == "ok" and health.wal is not None and not health.wal.undecodable_lsn
 
     return ok
+
+
+@pytest.mark.parametrize("sql", ["wal_pg_url"], indirect=True)
+async def test_drain_relays_up_to_undecodable_content_and_raises_naming_it(
+    wal_pg_url: str, sql: Any
+) -> None:
+    from fastapi_outbox.testing import drain
+    from fastapi_outbox.wal_slot import UndecodableWalMessage
+
+    broker = MemoryBroker()
+    outbox = Outbox(wal_pg_url, brokers={"default": broker}, settings=OutboxSettings(**FAST))
+    slot = outbox.wal_slot
+    assert slot is not None
+    await outbox.create_tables()
+    try:
+        before = await produce(outbox, "bad", 2)
+        emitted = await sql.fetchval(
+            'SELECT pg_logical_emit_message(true, $1, \'{"v": 2, "m": []}\')::text', slot.prefix
+        )
+        await produce(outbox, "bad", 2, start=2)
+        with pytest.raises(UndecodableWalMessage, match=f"LSN {emitted}.*content version 2"):
+            await drain(outbox)
+        assert [m.id for m in broker.messages] == before
+        with pytest.raises(UndecodableWalMessage):  # still there: nothing confirmed past it
+            await drain(outbox)
+        # What precedes it was confirmed; it and what follows are held (the count of
+        # `status` and of `db drop-slot`'s refusal includes it).
+        assert await slot.pending_messages() == 3
+        report = await slot.report()
+        assert report["backlog_messages"] == 3 and f"LSN {emitted}" in report["undecodable"]
+    finally:
+        await outbox.aclose()

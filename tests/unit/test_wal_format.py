@@ -94,9 +94,7 @@ def test_other_prefixes_are_skipped_but_their_transactions_kept() -> None:
         b'{"v": 1}',
     ],
 )
-def test_undecodable_content_stops_the_decoding_before_its_transaction(
-    content: bytes, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_undecodable_content_stops_the_decoding_before_its_transaction(content: bytes) -> None:
     ours = encode([row(1)]).encode()
     rows = [
         begin(0),
@@ -118,7 +116,6 @@ def test_undecodable_content_stops_the_decoding_before_its_transaction(
     described = undecodable.describe("the_slot")
     assert "LSN 0/4020" in described and "'the_slot'" in described
     assert "pg_replication_slot_advance('the_slot', '0/5000')" in described
-    assert "undecodable WAL message" in caplog.text
 
 
 def test_wal_relay_bounds_are_validated_settings() -> None:
