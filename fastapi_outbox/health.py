@@ -37,6 +37,7 @@ from fastapi_outbox import clock
 from fastapi_outbox.redaction import redact
 from fastapi_outbox.store import BrokerStats
 from fastapi_outbox.subscribers import ConsumerStatus
+from fastapi_outbox.wal_slot import format_lsn
 
 if TYPE_CHECKING:
     from fastapi_outbox.outbox import Outbox
@@ -108,6 +109,24 @@ class WalHealth(BaseModel):
     broker_available: bool | None = None
     last_error: str | None = Field(
         default=None, description="Null in the public body: see /outbox/health/detail."
+    )
+    no_progress_seconds: float | None = Field(
+        default=None,
+        description="How long the reader here has neither moved the slot nor found it "
+        "caught up; None when the reader is in another process.",
+    )
+    read_window_bytes: int | None = Field(
+        default=None, description="WAL past the confirmed position the next read decodes."
+    )
+    undecodable_lsn: str | None = Field(
+        default=None,
+        description="LSN of a message of the outbox's prefix the reader cannot decode: it "
+        "stopped there and relays nothing after it.",
+    )
+    undecodable_skip_to: str | None = Field(
+        default=None,
+        description="The end of that message's transaction: advancing the slot there skips "
+        "it (its messages are dropped).",
     )
 
 
@@ -239,7 +258,9 @@ async def _wal_health(
 ) -> tuple[WalHealth, bool, bool]:
     """The slot's health: (report, down, degraded). Down: the slot is missing or was
     invalidated (messages lost: a restart cures nothing, but nothing must look fine), the
-    relay of this process died, or the reader here is stuck; degraded: its broker is
+    relay of this process died, the reader here stopped before an undecodable message or
+    has made no progress for longer than health_max_pending_age_seconds, or it is
+    stuck; degraded: its broker is
     down, or the slot's WAL is about to exceed max_slot_wal_keep_size."""
     slot = outbox.wal_slot
     assert slot is not None
@@ -277,12 +298,31 @@ async def _wal_health(
     if outbox.started and (relay is None or not relay.running):
         down = True
         reasons.append("the WAL relay is not running")
-    lag = None
+    lag = stalled = None
+    undecodable = relay.undecodable if relay is not None and relay.leader else None
     if relay is not None and relay.leader:
         lag = relay.lag_seconds
-        if not relay.broker_ok:
+        stalled = relay.no_progress_seconds
+        if undecodable is not None:
+            down = True
+            reasons.append(undecodable.describe(slot.name))
+        elif not relay.broker_ok:
             degraded = True
             reasons.append("WAL relay paused: broker down")
+        elif stalled is not None and stalled > settings.health_max_pending_age_seconds:
+            down = True
+            behind = (
+                f"{stats.lag_bytes} bytes behind"
+                if stats is not None and stats.lag_bytes is not None
+                else "lag unknown"
+            )
+            reasons.append(
+                f"the WAL relay has made no progress for {stalled:.0f}s "
+                f"(> health_max_pending_age_seconds={settings.health_max_pending_age_seconds:g}; "
+                f"slot {slot.name!r} {behind}): {relay.last_error or 'no error'}; a read "
+                "must decode the WAL from the slot's restart_lsn within "
+                f"wal_read_timeout_seconds={settings.wal_read_timeout_seconds:g}"
+            )
         elif lag > settings.health_max_pending_age_seconds:
             down = True
             reasons.append(
@@ -306,6 +346,14 @@ async def _wal_health(
         ),
         broker_available=None if relay is None else relay.broker_ok,
         last_error=None if relay is None else _redacted(relay.last_error),
+        no_progress_seconds=None if stalled is None else round(stalled, 3),
+        read_window_bytes=relay.read_window_bytes if relay is not None and relay.leader else None,
+        undecodable_lsn=None if undecodable is None else format_lsn(undecodable.lsn),
+        undecodable_skip_to=(
+            None
+            if undecodable is None or undecodable.end_lsn is None
+            else format_lsn(undecodable.end_lsn)
+        ),
     )
     return report, down, degraded
 

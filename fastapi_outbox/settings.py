@@ -74,6 +74,14 @@ MIN_ABANDONED_RETENTION_SECONDS = 86400.0
 WAL_BATCH_SIZE = 10_000
 #: How often a standby WAL relay tries to take over the slot (``wal_standby_poll_seconds``).
 WAL_STANDBY_POLL_SECONDS = 1.0
+#: Bound of one read of the slot (``wal_read_timeout_seconds``).
+WAL_READ_TIMEOUT_SECONDS = 60.0
+#: Bound of one confirm, pg_replication_slot_advance (``wal_confirm_timeout_seconds``).
+WAL_CONFIRM_TIMEOUT_SECONDS = 30.0
+#: WAL past the slot's confirmed position a read decodes at first (``wal_read_window_bytes``).
+WAL_READ_WINDOW_BYTES = 64 * 1024 * 1024
+#: Smallest read window (a WAL segment is 16 MiB by default).
+WAL_MIN_READ_WINDOW_BYTES = 1024 * 1024
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 _SLOT_NAME = re.compile(r"^[a-z0-9_]{1,63}$")
@@ -261,6 +269,29 @@ class OutboxSettings(BaseSettings):
         default=False,
         description="Accept abandoned_retention_seconds below a day: abandoned messages "
         "(never delivered) are then deleted before most operators would see them.",
+    )
+
+    # -- capture="wal": bounds of the relay's reads (see fastapi_outbox.wal_relay) -------------
+    wal_read_timeout_seconds: float = Field(
+        default=WAL_READ_TIMEOUT_SECONDS,
+        gt=0,
+        description="Bound of one read of the replication slot (the server cancels it); a "
+        "read that times out is retried over a window half as large.",
+    )
+    wal_confirm_timeout_seconds: float = Field(
+        default=WAL_CONFIRM_TIMEOUT_SECONDS,
+        gt=0,
+        description="Bound of one confirm of the slot (pg_replication_slot_advance, which "
+        "decodes the WAL it moves over).",
+    )
+    wal_read_window_bytes: int = Field(
+        default=WAL_READ_WINDOW_BYTES,
+        ge=WAL_MIN_READ_WINDOW_BYTES,
+        le=1 << 40,
+        description="WAL past the slot's confirmed position one read decodes at first; the "
+        "window doubles after each read that took under a quarter of "
+        "wal_read_timeout_seconds, halves (down to 1 MiB) after one that timed out, and "
+        "comes back to this value once the relay has caught up.",
     )
 
     @field_validator("table_name", "inbox_table_name")

@@ -9,11 +9,30 @@ confirmed position.
 A reader's cycle:
 
 1. **peek** up to ``wal_batch_size`` pgoutput rows (whole committed transactions, in
-   commit order) with ``pg_logical_slot_peek_binary_changes``: the slot does not move;
+   commit order) with ``pg_logical_slot_peek_binary_changes``, up to an ``upto_lsn`` at
+   most a read window past the slot's confirmed position, under
+   ``wal_read_timeout_seconds``: the slot does not move;
 2. **publish** the messages per broker, in commit order, in calls of ``batch_size``;
-3. **confirm**: ``pg_replication_slot_advance`` to the end of the last transaction read,
-   only once every message of the batch was acknowledged by its broker or handed to the
-   outbox table.
+3. **confirm**: ``pg_replication_slot_advance`` (under ``wal_confirm_timeout_seconds``) to
+   the end of the last transaction read, or to the end of the window when the read covered
+   it whole — also when the window held no message of ours (a bulk load while no relay
+   ran) — only once every message of the batch was acknowledged by its broker or handed to
+   the outbox table.
+
+Every read and every confirm decodes the WAL from the slot's ``restart_lsn``, so their
+cost is bounded by the window plus how far ``restart_lsn`` trails the confirmed position
+(it moves only to the snapshot points PostgreSQL logs at checkpoints and every 15 s of
+activity, ``running_xacts``). The window starts at ``wal_read_window_bytes``, doubles
+after a read that took under a quarter of the read timeout, halves after one that timed
+out, and is reset once the relay has caught up: a backlog of several GB is read and
+confirmed a window at a time instead of in one read that may never fit in the timeout.
+Health reports a reader that has made no progress (no confirm, not caught up) for longer
+than ``health_max_pending_age_seconds``.
+
+A message of the outbox's prefix that cannot be decoded stops the reader before its
+transaction (what precedes it is published and confirmed): health names its LSN and the
+position to advance the slot to in order to skip it on purpose; the reader reads the slot
+again every ``max_poll_interval_seconds`` and resumes by itself once it is gone.
 
 A crash anywhere before 3 makes the next reader publish the batch again; the brokers'
 de-duplication by message id (Redis script / IDMP, JetStream ``Nats-Msg-Id``) absorbs the
@@ -34,7 +53,9 @@ functions give exactly the confirm-after-ack semantics (peek, publish, advance) 
 ordinary connection, where the advisory lock lives too. Their cost: each peek decodes the
 WAL again from the slot's ``restart_lsn`` (which trails the confirmed position by up to
 one ``running_xacts`` record, every 15 s of activity), so reads are large
-(``wal_batch_size``) to spread that cost over many messages. pgoutput rather than
+(``wal_batch_size``) to spread that cost over many messages. A single transaction whose
+WAL takes longer than ``wal_read_timeout_seconds`` to decode cannot be read in pieces
+(its changes are decoded from its start): raise the timeout. pgoutput rather than
 ``test_decoding`` or ``wal2json``: it is built into PostgreSQL (no contrib package, no
 extension to install) and its binary format is documented and stable.
 """
@@ -57,14 +78,23 @@ from fastapi_outbox.events import Envelope, MessageStatus
 from fastapi_outbox.instrumentation import Instrumentation
 from fastapi_outbox.log import safe_error, stack
 from fastapi_outbox.relay_loop import RelayLoop
-from fastapi_outbox.settings import OutboxSettings
+from fastapi_outbox.settings import WAL_MIN_READ_WINDOW_BYTES, OutboxSettings
 from fastapi_outbox.store import ERROR_MAX_CHARS, Store
-from fastapi_outbox.wal_slot import Transaction, WalMessage, WalSlot, format_lsn
+from fastapi_outbox.wal_slot import (
+    Read,
+    Transaction,
+    Undecodable,
+    UndecodableWalMessage,
+    WalMessage,
+    WalSlot,
+    format_lsn,
+)
 
 logger = logging.getLogger("fastapi_outbox.wal")
 
-#: Bound of one read of the slot (it decodes WAL from ``restart_lsn``).
-PEEK_TIMEOUT_SECONDS = 60.0
+#: Client-side margin over the read and confirm timeouts (asyncpg cancels the statement on
+#: the server at the timeout; past the margin the connection itself is given up).
+TIMEOUT_MARGIN_SECONDS = 5.0
 DB_BACKOFF_MIN_SECONDS = 0.2
 #: SQLSTATE object_in_use: the slot is being read by another backend right now.
 SLOT_IN_USE = "55006"
@@ -76,6 +106,10 @@ _Item = tuple[Transaction, WalMessage]
 
 class _Stopped(Exception):
     """Internal: the relay stopped with a batch not fully published (the slot stays)."""
+
+
+class _TimedOut(Exception):
+    """Internal: the server cancelled a read or a confirm at its timeout."""
 
 
 class WalRelay(RelayLoop):
@@ -101,8 +135,13 @@ class WalRelay(RelayLoop):
         self.instance = instance
         self.instrumentation = instrumentation or Instrumentation()
         self._connected: set[str] = set()
-        self._confirmed: int | None = None
         self._fail_on_outage = False
+        #: WAL past the confirmed position the next read decodes (see the module doc).
+        self._window = settings.wal_read_window_bytes
+        #: The slot's confirmed position this relay last saw.
+        self._seen_confirmed: int | None = None
+        #: Wall clock when this relay last stopped leading.
+        self._led_until: float | None = None
         self._drained = 0
         # Health (the broker outage state is RelayLoop's).
         #: This relay holds the slot (the others are standbys).
@@ -113,6 +152,14 @@ class WalRelay(RelayLoop):
         self.oldest_unrelayed: float | None = None
         self.relayed_total = 0
         self.refused_total = 0
+        #: Wall clock of the last progress: a confirm that moved the slot, or a read that
+        #: found it caught up (None: not reading).
+        self.last_progress_at: float | None = None
+        #: The message that stopped the reader (None: none).
+        self.undecodable: Undecodable | None = None
+        self.reads_total = 0
+        self.read_timeouts_total = 0
+        self.largest_window_bytes = 0
 
     def __repr__(self) -> str:
         return f"WalRelay(slot={self.slot.name!r})"
@@ -129,6 +176,18 @@ class WalRelay(RelayLoop):
             return 0.0
         db_now = at_peek[1] + (time.monotonic() - at_peek[0])
         return max(0.0, db_now - self.oldest_unrelayed)
+
+    @property
+    def no_progress_seconds(self) -> float | None:
+        """How long the reader here has gone without progress (None: not the reader)."""
+        if not self.leader or self.last_progress_at is None:
+            return None
+        return max(0.0, time.time() - self.last_progress_at)
+
+    @property
+    def read_window_bytes(self) -> int:
+        """The window of the next read."""
+        return self._window
 
     async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         """Stand for election and, once elected, relay until :meth:`stop`. Ready once the
@@ -184,7 +243,6 @@ class WalRelay(RelayLoop):
                         break
                     await self._sleep(self.settings.wal_standby_poll_seconds)
                 self.leader = True
-                self._confirmed = None
                 logger.info(
                     "wal relay elected: reading the slot",
                     extra={
@@ -202,6 +260,20 @@ class WalRelay(RelayLoop):
 
     async def _lead(self, driver: Any) -> None:
         settings = self.settings
+        now = time.time()
+        if self.last_progress_at is None:
+            self.last_progress_at = now
+        elif self._led_until is not None:
+            # Only time spent leading counts as time without progress.
+            self.last_progress_at += now - self._led_until
+        self._window = settings.wal_read_window_bytes
+        try:
+            await self._read_until_stopped(driver)
+        finally:
+            self._led_until = time.time()
+
+    async def _read_until_stopped(self, driver: Any) -> None:
+        settings = self.settings
         idle = settings.poll_interval_seconds
         while not self._stopping:
             try:
@@ -212,6 +284,11 @@ class WalRelay(RelayLoop):
                 # Someone else is reading the slot for a moment (an operator's `status`,
                 # or the backend of a reader that just died and still holds it): wait.
                 await self._sleep(SLOT_IN_USE_PAUSE_SECONDS)
+                continue
+            if self.undecodable is not None:
+                # Stopped before a message it cannot read: look again now and then (an
+                # operator may have advanced the slot past it), wake-ups or not.
+                await self._sleep(settings.max_poll_interval_seconds)
                 continue
             if more:
                 idle = settings.poll_interval_seconds
@@ -228,28 +305,56 @@ class WalRelay(RelayLoop):
             idle = settings.poll_interval_seconds if woken else min(idle * 2, cap)
 
     async def _step(self, driver: Any) -> bool:
-        """One read of the slot, its publish and its confirm; True when more may be
-        waiting (the read was full, or found messages: read again at once)."""
-        size = self.settings.wal_batch_size
-        transactions, nrows, safe = await self.slot.peek(driver, size, PEEK_TIMEOUT_SECONDS)
+        """One bounded read of the slot, its publish and its confirm; True when more may be
+        waiting (the read was cut short by its window or its size, found messages, or
+        timed out: read again at once)."""
+        settings = self.settings
+        size = settings.wal_batch_size
+        window = self._window
+        began = time.monotonic()
+        try:
+            read: Read = await self._bounded(
+                self.slot.peek(
+                    driver, size, window, settings.wal_read_timeout_seconds, bound=self._db_bound
+                ),
+                settings.wal_read_timeout_seconds + self._db_bound,
+            )
+        except _TimedOut:
+            self._timed_out("read", window, settings.wal_read_timeout_seconds)
+            return True
+        elapsed = time.monotonic() - began
+        self.reads_total += 1
         self.last_tick = time.time()
         self.database_ok = True
-        items = [(t, m) for t in transactions for m in t.messages]
-        target = transactions[-1].end_lsn if transactions else None
-        full = nrows >= size
-        if not full and safe is not None:
-            # Everything up to the WAL position taken before the read was read: past the
-            # last transaction of ours, the slot may move over other WAL too, so it
-            # retains (and re-decodes) no more than it must.
-            target = max(target or 0, safe)
+        if read.confirmed != self._seen_confirmed:
+            # Moved since this relay last looked (by itself, by another reader while this
+            # one stood by, or by an operator): progress.
+            self._seen_confirmed = read.confirmed
+            self.last_progress_at = time.time()
+        items = [(t, m) for t in read.transactions for m in t.messages]
+        target = read.transactions[-1].end_lsn if read.transactions else None
+        if read.complete_upto is not None:
+            # Every commit before the read's bound was read: past the last transaction of
+            # ours, the slot moves over other WAL too (a window of a bulk load, or the
+            # database's other writes), so it retains (and re-decodes) no more than it must.
+            target = max(target or 0, read.complete_upto)
         if items:
             self.oldest_unrelayed = items[0][0].commit_time
             await self._relay(items)
             self.last_relayed_at = time.time()
-        if target is not None and (self._confirmed is None or target > self._confirmed):
-            with anyio.fail_after(self._db_bound):
-                await self.slot.advance(driver, target, self._db_bound)
-            self._confirmed = target
+        if target is not None and target > read.confirmed:
+            try:
+                await self._bounded(
+                    self.slot.advance(driver, target, settings.wal_confirm_timeout_seconds),
+                    settings.wal_confirm_timeout_seconds,
+                )
+            except _TimedOut:
+                # Published but not confirmed: the next read publishes it again (the
+                # brokers' de-duplication absorbs it) over a smaller window.
+                self._timed_out("confirm", window, settings.wal_confirm_timeout_seconds)
+                return True
+            self.last_progress_at = time.time()
+            self._seen_confirmed = target
             logger.debug(
                 "slot confirmed",
                 extra={
@@ -261,14 +366,84 @@ class WalRelay(RelayLoop):
             )
         self.oldest_unrelayed = None
         self._drained += len(items)
-        return full or bool(items)
+        self._blocked(read.undecodable)
+        if read.undecodable is not None:
+            return False
+        if read.more:
+            self.largest_window_bytes = max(self.largest_window_bytes, window)
+            if elapsed < settings.wal_read_timeout_seconds / 4:
+                self._window = min(window * 2, 1 << 40)
+        elif read.nrows < size:
+            # Caught up: the next backlog starts from the configured window again.
+            self.last_progress_at = time.time()
+            self._window = settings.wal_read_window_bytes
+        return read.more or read.nrows >= size or bool(items)
+
+    async def _bounded(self, call: Any, timeout: float) -> Any:
+        """Await a read or a confirm bounded (server side) by ``timeout``: raises
+        :class:`_TimedOut` when the server cancelled it; a server that does not even
+        answer the cancel within the margin fails the session (the connection is lost)."""
+        with anyio.fail_after(timeout + TIMEOUT_MARGIN_SECONDS):
+            try:
+                return await call
+            except TimeoutError as exc:  # asyncpg's command timeout
+                raise _TimedOut() from exc
+
+    def _timed_out(self, what: str, window: int, timeout: float) -> None:
+        if self._fail_on_outage:  # drain(): the caller decides
+            raise TimeoutError(
+                f"a {what} of the replication slot {self.slot.name!r} timed out after {timeout:g}s"
+            )
+        self.read_timeouts_total += 1
+        self._window = max(WAL_MIN_READ_WINDOW_BYTES, window // 2)
+        setting = "wal_read_timeout_seconds" if what == "read" else "wal_confirm_timeout_seconds"
+        self.last_error = (
+            f"a {what} of the replication slot timed out after {timeout:g}s ({setting}) "
+            f"over a window of {window >> 20} MiB; next window {self._window >> 20} MiB"
+        )
+        logger.warning(
+            f"wal {what} timed out; retrying over a smaller window",
+            extra={
+                "action": f"wal.{what}_timeout",
+                "slot": self.slot.name,
+                "window_bytes": window,
+                "timeout_seconds": timeout,
+            },
+        )
+
+    def _blocked(self, undecodable: Undecodable | None) -> None:
+        """Record (or clear) the message the reader stopped before."""
+        if undecodable == self.undecodable:
+            return
+        if undecodable is None:
+            logger.info(
+                "the undecodable WAL message is gone; wal relay resumes",
+                extra={"action": "wal.resumed", "slot": self.slot.name},
+            )
+            self.undecodable = None
+            return
+        self.undecodable = undecodable
+        self.last_error = undecodable.describe(self.slot.name)
+        if self._fail_on_outage:
+            raise UndecodableWalMessage(undecodable, self.slot.name)
+        logger.error(
+            "wal relay stopped before an undecodable message",
+            extra={
+                "action": "wal.stopped",
+                "slot": self.slot.name,
+                "lsn": format_lsn(undecodable.lsn),
+                "error": self.last_error,
+            },
+        )
 
     async def drain(self) -> int:
         """Relay everything the slot holds now, in the calling task, and return how many
         messages were read (``fastapi_outbox.testing.drain``). Raises
         :class:`~fastapi_outbox.exceptions.BrokerUnavailable` on a broker outage (the slot
-        stays where it was) and :class:`~fastapi_outbox.exceptions.UnitOfWorkError` when a
-        running relay holds the slot."""
+        stays where it was), :class:`~fastapi_outbox.exceptions.UnitOfWorkError` when a
+        running relay holds the slot, :class:`~fastapi_outbox.wal_slot.UndecodableWalMessage`
+        at content it cannot decode (what precedes it is relayed) and ``TimeoutError`` when a
+        read exceeds ``wal_read_timeout_seconds``."""
         self._fail_on_outage = True
         self._drained = 0
         async with self.store.autocommit_engine.connect() as conn:

@@ -8,10 +8,13 @@ built-in ``pgoutput`` plugin with ``messages 'true'``, through the SQL slot func
 ``pg_logical_slot_peek_binary_changes``
     decodes the WAL from the slot's ``restart_lsn`` and returns whole committed
     transactions, in commit order, *without* moving the slot: what the relay then fails to
-    publish is read again by the next peek (or by the next reader after a crash).
+    publish is read again by the next peek (or by the next reader after a crash). Each read
+    is bounded by an ``upto_lsn`` a window ahead of the slot's confirmed position
+    (:meth:`WalSlot.peek`), so a backlog of WAL is read, and confirmed, a window at a time.
 ``pg_replication_slot_advance``
     moves the slot's ``confirmed_flush_lsn`` once the broker acknowledged: the commit LSN
-    of the last transaction published, so the next peek starts after it.
+    of the last transaction published, or the end of the window read when nothing of ours
+    is left in it, so the next peek starts after it.
 
 pgoutput needs a publication: an empty one (``CREATE PUBLICATION name``, no table) so no
 table change is decoded into the output, only the messages. Transactions that emitted no
@@ -20,7 +23,8 @@ message produce no row at all (PostgreSQL 15 skips empty transactions).
 Each row of a peek is one pgoutput protocol message (``data``): ``B`` (begin: final LSN,
 commit time, xid), ``M`` (flags, LSN, prefix, length, content) and ``C`` (flags, commit
 LSN, end LSN, commit time). :func:`decode` keeps the ``M`` records of our prefix, grouped
-by transaction.
+by transaction. Content of our prefix it cannot decode stops the decoding there
+(:class:`Undecodable`): the relay never confirms past a message it could not read.
 """
 
 from __future__ import annotations
@@ -31,12 +35,25 @@ import json
 import logging
 import struct
 import time
+import uuid
 from collections.abc import Iterable
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from fastapi_outbox import exceptions
+
+__all__ = [
+    "Read",
+    "SlotStats",
+    "Transaction",
+    "Undecodable",
+    "UndecodableWalMessage",
+    "WalMessage",
+    "WalSlot",
+    "decode",
+    "encode",
+]
 
 logger = logging.getLogger("fastapi_outbox.wal")
 
@@ -130,12 +147,80 @@ def encode(rows: Iterable[dict[str, Any]]) -> str:
     )
 
 
-def decode(datas: Iterable[bytes], prefix: str) -> list[Transaction]:
+@dataclasses.dataclass(slots=True, frozen=True)
+class Undecodable:
+    """A message of our prefix whose content cannot be decoded (malformed, or written by a
+    newer version of the library): where it is, and where its transaction ends (the
+    position an operator advances the slot to in order to skip it, on purpose)."""
+
+    lsn: int  # the message record
+    end_lsn: int | None  # end of its transaction; None when the read did not reach it
+    error: str
+
+    def describe(self, slot: str) -> str:
+        skip = (
+            f"; to drop that transaction's messages on purpose: SELECT "
+            f"pg_replication_slot_advance('{slot}', '{format_lsn(self.end_lsn)}')"
+            if self.end_lsn is not None
+            else ""
+        )
+        return (
+            f"undecodable WAL message at LSN {format_lsn(self.lsn)} in replication slot "
+            f"{slot!r} ({self.error}): the WAL relay stopped there and relays nothing after "
+            f"it; deploy a version of fastapi-outbox that reads it{skip}"
+        )
+
+
+class UndecodableWalMessage(exceptions.OutboxError):
+    """The slot holds a message of the outbox's prefix that cannot be decoded: the relay
+    stops before it (``fastapi_outbox.testing.drain`` raises this)."""
+
+    def __init__(self, undecodable: Undecodable, slot: str) -> None:
+        super().__init__(undecodable.describe(slot))
+        self.undecodable = undecodable
+
+
+@dataclasses.dataclass(slots=True)
+class Read:
+    """One bounded read of the slot (:meth:`WalSlot.peek`)."""
+
+    #: The slot's confirmed position before the read.
+    confirmed: int
+    #: Whole committed transactions, in commit order, up to the first undecodable one.
+    transactions: list[Transaction]
+    #: pgoutput rows returned (``nchanges`` reached: the read was cut short).
+    nrows: int
+    #: The position the slot may be confirmed to once every transaction read is published:
+    #: every commit before it was read (None: the read was cut short, only the last
+    #: transaction's end).
+    complete_upto: int | None
+    #: The read stopped at its window's end, short of the WAL's end: more WAL waits.
+    more: bool
+    #: The first message of our prefix that could not be decoded, if any.
+    undecodable: Undecodable | None = None
+
+
+def decode(datas: Iterable[bytes], prefix: str) -> tuple[list[Transaction], Undecodable | None]:
     """pgoutput rows (``data`` of a peek) → our transactions, in commit order. A transaction
-    with no message of ``prefix`` is kept (empty): its end LSN still moves the slot."""
+    with no message of ``prefix`` is kept (empty): its end LSN still moves the slot.
+
+    Decoding stops at the first message of ``prefix`` whose content cannot be decoded: the
+    transactions before it are returned with it, its own transaction and what follows are
+    not (never guessed, never skipped)."""
+    transactions, undecodable = _scan(datas, prefix, stop=True)
+    return transactions, undecodable[0] if undecodable else None
+
+
+def _scan(
+    datas: Iterable[bytes], prefix: str, *, stop: bool
+) -> tuple[list[Transaction], list[Undecodable]]:
+    """:func:`decode`; without ``stop``, every transaction, and every undecodable message
+    (an operator's count of what the slot holds)."""
     wanted = prefix.encode()
     out: list[Transaction] = []
+    bad: list[Undecodable] = []
     messages: list[WalMessage] = []
+    bad_here: list[tuple[int, str]] = []
     commit_time = 0.0
     for data in datas:
         kind = data[:1]
@@ -143,7 +228,7 @@ def decode(datas: Iterable[bytes], prefix: str) -> list[Transaction]:
             # Int64 final LSN, Int64 commit time (µs since 2000-01-01), Int32 xid.
             (micros,) = struct.unpack_from(">q", data, 9)
             commit_time = _PG_EPOCH + micros / 1e6
-            messages = []
+            messages, bad_here = [], []
         elif kind == b"M":
             # Int8 flags, Int64 LSN, String prefix, Int32 length, Byte[n] content.
             end = data.index(b"\0", 10)
@@ -152,30 +237,46 @@ def decode(datas: Iterable[bytes], prefix: str) -> list[Transaction]:
             (length,) = struct.unpack_from(">i", data, end + 1)
             content = data[end + 5 : end + 5 + length]
             (lsn,) = struct.unpack_from(">Q", data, 2)
-            messages.extend(_messages(content, lsn))
+            try:
+                messages.extend(_messages(content))
+            except Exception as exc:
+                bad_here.append((lsn, repr(exc)[:200]))
         elif kind == b"C":
             # Int8 flags, Int64 commit LSN, Int64 end LSN, Int64 commit time.
             (end_lsn,) = struct.unpack_from(">Q", data, 10)
+            bad.extend(Undecodable(lsn, end_lsn, error) for lsn, error in bad_here)
+            if bad and stop:
+                return out, bad
             out.append(Transaction(end_lsn, commit_time, messages))
-            messages = []
+            messages, bad_here = [], []
         # Other records (relations, origins, …) carry nothing for us.
+    bad.extend(Undecodable(lsn, None, error) for lsn, error in bad_here)
+    return out, bad
+
+
+def _messages(content: bytes) -> list[WalMessage]:
+    """One message's content; raises when it is not ours after all (another program using
+    our prefix) or from a newer version: never guess."""
+    document = json.loads(content)
+    if not isinstance(document, dict) or document.get("v") != CONTENT_VERSION:
+        version = document.get("v") if isinstance(document, dict) else None
+        raise ValueError(f"content version {version!r}, this version reads {CONTENT_VERSION}")
+    entries = document.get("m")
+    if not isinstance(entries, list):
+        raise ValueError("no message list")
+    out = []
+    for entry in entries:
+        # id, broker, stream, type, key (or null), headers, payload: all text.
+        if (
+            not isinstance(entry, list)
+            or len(entry) != 7
+            or not all(isinstance(v, str) for i, v in enumerate(entry) if i != 4)
+            or not (entry[4] is None or isinstance(entry[4], str))
+        ):
+            raise ValueError("malformed message entry")
+        uuid.UUID(entry[0])
+        out.append(WalMessage(*entry))
     return out
-
-
-def _messages(content: bytes, lsn: int) -> list[WalMessage]:
-    try:
-        document = json.loads(content)
-        if document.get("v") != CONTENT_VERSION:
-            raise ValueError(f"content version {document.get('v')!r}")
-        return [WalMessage(*entry) for entry in document["m"]]
-    except Exception as exc:
-        # Not ours after all (another program using our prefix) or from a newer version:
-        # never guess, say where it is.
-        logger.error(
-            "undecodable WAL message skipped",
-            extra={"action": "wal.undecodable", "lsn": format_lsn(lsn), "error": repr(exc)[:200]},
-        )
-        return []
 
 
 class WalSlot:
@@ -261,15 +362,22 @@ class WalSlot:
 
     async def backlog(self, limit: int = 100_000) -> tuple[int, float | None]:
         """How many messages of our prefix the slot holds (reading at most about ``limit``
-        pgoutput rows) and the commit time (Unix seconds) of the oldest; for operators
-        (``status``): it decodes WAL, and fails with SQLSTATE 55006 while a relay is
-        reading the slot at that very moment."""
+        pgoutput rows; undecodable ones included) and the commit time (Unix seconds) of the
+        oldest decodable one; for operators (``status``, ``db drop-slot``): it decodes WAL,
+        and fails with SQLSTATE 55006 while a relay is reading the slot at that very
+        moment."""
+        count, oldest, _ = await self._backlog(limit)
+        return count, oldest
+
+    async def _backlog(self, limit: int) -> tuple[int, float | None, Undecodable | None]:
         async with self.engine.connect() as conn:
             driver = await self._driver(conn)
-            datas = await driver.fetch(PEEK_SQL, self.name, limit, self.publication)
-        transactions = [t for t in decode((r["data"] for r in datas), self.prefix) if t.messages]
-        count = sum(len(t.messages) for t in transactions)
-        return count, transactions[0].commit_time if transactions else None
+            datas = await driver.fetch(PEEK_SQL, self.name, None, limit, self.publication)
+        decoded, undecodable = _scan((r["data"] for r in datas), self.prefix, stop=False)
+        transactions = [t for t in decoded if t.messages]
+        count = sum(len(t.messages) for t in transactions) + len(undecodable)
+        oldest = transactions[0].commit_time if transactions else None
+        return count, oldest, undecodable[0] if undecodable else None
 
     async def _db_now(self) -> float:
         """The database's clock in Unix seconds (commit times are on it)."""
@@ -288,13 +396,16 @@ class WalSlot:
         if stats.lost:  # invalidated: its messages cannot be read any more
             out["backlog_messages"] = out["oldest_unrelayed_age_seconds"] = None
             return out
+        undecodable = None
         try:
-            count, oldest = await self.backlog()
+            count, oldest, undecodable = await self._backlog(100_000)
         except Exception as exc:
             if getattr(exc, "sqlstate", None) != "55006":
                 raise
             count, oldest = None, None
         out["backlog_messages"] = count
+        # The first message of our prefix the relay cannot decode (it stops there).
+        out["undecodable"] = None if undecodable is None else undecodable.describe(self.name)
         out["oldest_unrelayed_age_seconds"] = (
             None if oldest is None else round(max(0.0, await self._db_now() - oldest), 3)
         )
@@ -323,21 +434,47 @@ class WalSlot:
         )
 
     async def peek(
-        self, driver: Any, nchanges: int, timeout: float
-    ) -> tuple[list[Transaction], int, int | None]:
-        """Read up to about ``nchanges`` rows (whole transactions) without moving the slot.
+        self, driver: Any, nchanges: int, window: int, timeout: float, *, bound: float
+    ) -> Read:
+        """Read up to about ``nchanges`` rows (whole transactions) of the WAL up to
+        ``window`` bytes past the slot's confirmed position, without moving the slot.
 
-        Returns the transactions, the number of rows read, and a position the slot may
-        be moved to when everything read is published and the read was not cut short:
-        the WAL insert position taken *before* the read, when the flush position had
-        already reached it (every record that starts before it then ended before the
-        read's end, so none of its commits was missed). None when that is not known."""
-        boundary = await driver.fetchrow(BOUNDARY_SQL)
-        self.clock_at_peek = (time.monotonic(), float(boundary["db_now"]))
-        rows = await driver.fetch(PEEK_SQL, self.name, nchanges, self.publication, timeout=timeout)
-        insert_lsn = parse_lsn(boundary["insert_lsn"])
-        safe = insert_lsn if parse_lsn(boundary["flush_lsn"]) >= insert_lsn else None
-        return decode((r["data"] for r in rows), self.prefix), len(rows), safe
+        The read's ``upto_lsn`` is the nearer of the window's end and the WAL flush
+        position taken *before* the read. The peek decodes every record that starts before
+        its ``upto_lsn`` (it stops after the first record that ends at or past it, and waits
+        for a record to be flushed whole before decoding it): when the read was not cut
+        short by ``nchanges``, no commit before that bound was missed, and the slot may be
+        confirmed up to it — over WAL without any message of ours too (a bulk load). Raises
+        ``TimeoutError`` after ``timeout`` seconds (asyncpg cancels the read on the server).
+
+        The positions are read first under ``bound`` (the relay's bound of an ordinary
+        statement): it also waits for the server to acknowledge the cancel of a previous
+        read that timed out."""
+        boundary = await driver.fetchrow(BOUNDARY_SQL, self.name, timeout=bound)
+        if boundary is not None:
+            self.clock_at_peek = (time.monotonic(), float(boundary["db_now"]))
+        if boundary is None or boundary["confirmed_lsn"] is None:
+            raise exceptions.ConfigurationError(
+                f"capture='wal': the replication slot {self.name!r} does not exist in this "
+                "database (dropped?): run `fastapi-outbox db create` with capture='wal'"
+            )
+        flush_lsn = parse_lsn(boundary["flush_lsn"])
+        confirmed = parse_lsn(boundary["confirmed_lsn"])
+        window_end = confirmed + window
+        upto = min(window_end, flush_lsn)
+        rows = await driver.fetch(
+            PEEK_SQL, self.name, upto, nchanges, self.publication, timeout=timeout
+        )
+        transactions, undecodable = decode((r["data"] for r in rows), self.prefix)
+        complete = len(rows) < nchanges and undecodable is None
+        return Read(
+            confirmed=confirmed,
+            transactions=transactions,
+            nrows=len(rows),
+            complete_upto=upto if complete else None,
+            more=window_end < flush_lsn,
+            undecodable=undecodable,
+        )
 
     async def advance(self, driver: Any, lsn: int, timeout: float) -> None:
         """Confirm everything before ``lsn`` (never backwards)."""
@@ -377,16 +514,18 @@ CHECK_SQL = (
 )
 # Taken before a peek: see WalSlot.peek.
 BOUNDARY_SQL = (
-    "SELECT pg_current_wal_insert_lsn()::text AS insert_lsn, "
-    "pg_current_wal_flush_lsn()::text AS flush_lsn, "
+    "SELECT pg_current_wal_flush_lsn()::text AS flush_lsn, "
+    "(SELECT confirmed_flush_lsn::text FROM pg_replication_slots "
+    "WHERE slot_name = $1 AND database = current_database()) AS confirmed_lsn, "
     "extract(epoch FROM clock_timestamp())::float8 AS db_now"
 )
 #: The database's clock, Unix seconds (commit times are on it).
 DB_NOW_SQL = "SELECT extract(epoch FROM clock_timestamp())::float8"
 PEEK_SQL = (
     "SELECT data FROM pg_logical_slot_peek_binary_changes("
-    "$1, NULL, $2, "  # slot, no LSN bound, about this many rows (whole transactions)
-    "'proto_version', '1', 'publication_names', $3, "  # the empty publication: no table rows
+    "$1, $2::pg_lsn, $3, "  # slot, read up to this LSN (NULL: the WAL's end), about this
+    # many rows (whole transactions)
+    "'proto_version', '1', 'publication_names', $4, "  # the empty publication: no table rows
     "'messages', 'true')"  # pg_logical_emit_message records
 )
 # pg_replication_slot_advance refuses to move backwards; GREATEST makes a repeated confirm

@@ -55,7 +55,8 @@ def row(n: int, key: str | None = "k") -> dict[str, object]:
 def test_a_transaction_round_trips() -> None:
     content = encode([row(1), row(2, key=None)]).encode()
     rows = [begin(5_000_000), message(PREFIX, content), commit(0x2000)]
-    (txn,) = decode(rows, PREFIX)
+    (txn,), undecodable = decode(rows, PREFIX)
+    assert undecodable is None
     assert txn.end_lsn == 0x2000
     assert txn.commit_time == pytest.approx(_PG_EPOCH + 5.0)
     first, second = txn.messages
@@ -75,16 +76,59 @@ def test_other_prefixes_are_skipped_but_their_transactions_kept() -> None:
         message(PREFIX, ours),
         commit(0x4000),
     ]
-    first, second = decode(rows, PREFIX)
+    (first, second), undecodable = decode(rows, PREFIX)
+    assert undecodable is None
     assert first.messages == [] and first.end_lsn == 0x3000
     assert [m.id for m in second.messages] == [str(uuid.UUID(int=3))]
 
 
-def test_undecodable_content_is_skipped_and_logged(caplog: pytest.LogCaptureFixture) -> None:
-    rows = [begin(0), message(PREFIX, b'{"v": 99, "m": []}'), commit(0x5000)]
-    (txn,) = decode(rows, PREFIX)
-    assert txn.messages == []
-    assert "undecodable WAL message skipped" in caplog.text
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"not json",
+        b'{"v": 99, "m": []}',
+        b"[1, 2]",
+        b'{"v": 1, "m": [[1]]}',
+        b'{"v": 1, "m": [[1, 2, 3, 4, 5, 6, 7]]}',
+        b'{"v": 1, "m": [["not-a-uuid", "b", "s", "t", null, "{}", "{}"]]}',
+        b'{"v": 1}',
+    ],
+)
+def test_undecodable_content_stops_the_decoding_before_its_transaction(content: bytes) -> None:
+    ours = encode([row(1)]).encode()
+    rows = [
+        begin(0),
+        message(PREFIX, ours),
+        commit(0x4000),
+        begin(0),
+        message(PREFIX, ours, lsn=0x4010),
+        message(PREFIX, content, lsn=0x4020),
+        commit(0x5000),
+        begin(0),
+        message(PREFIX, ours, lsn=0x5010),
+        commit(0x6000),
+    ]
+    transactions, undecodable = decode(rows, PREFIX)
+    # The transaction before it only: neither its own nor any later one.
+    assert [t.end_lsn for t in transactions] == [0x4000]
+    assert undecodable is not None
+    assert (undecodable.lsn, undecodable.end_lsn) == (0x4020, 0x5000)
+    described = undecodable.describe("the_slot")
+    assert "LSN 0/4020" in described and "'the_slot'" in described
+    assert "pg_replication_slot_advance('the_slot', '0/5000')" in described
+
+
+def test_wal_relay_bounds_are_validated_settings() -> None:
+    settings = OutboxSettings()
+    assert settings.wal_read_timeout_seconds == 60
+    assert settings.wal_confirm_timeout_seconds == 30
+    assert settings.wal_read_window_bytes == 64 << 20
+    with pytest.raises(exceptions.ConfigurationError, match="wal_read_timeout_seconds"):
+        OutboxSettings.from_env(wal_read_timeout_seconds=0)
+    with pytest.raises(exceptions.ConfigurationError, match="wal_confirm_timeout_seconds"):
+        OutboxSettings.from_env(wal_confirm_timeout_seconds=-1)
+    with pytest.raises(exceptions.ConfigurationError, match="wal_read_window_bytes"):
+        OutboxSettings.from_env(wal_read_window_bytes=1000)
 
 
 def test_lsn_text() -> None:
