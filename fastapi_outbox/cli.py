@@ -230,6 +230,11 @@ async def _run(args: argparse.Namespace) -> int:
             )
             if outbox.wal_slot is not None:
                 print(f"replication slot and publication {outbox.wal_slot.name} ready")
+            for sub in outbox.subscribers:
+                print(
+                    f"consumer group {sub.group!r} of stream {sub.stream!r} ready on broker "
+                    f"{sub.broker_name!r}"
+                )
             return EXIT_OK
         if args.command == "dispatch":
             return await dispatch(outbox, http=args.http)

@@ -299,6 +299,12 @@ async def _consumers_health(
         elif c.running and c.broker_available is False:
             degraded = True
             reasons.append(f"{where}: broker {c.broker!r} unavailable")
+        if c.dead_letter_failures:
+            degraded = True
+            reasons.append(
+                f"{where}: {c.dead_letter_failures} dead-letter write(s) to "
+                f"{c.dead_letter_stream!r} failed (the messages stay pending)"
+            )
         if c.dead_letters:
             degraded = True
             reasons.append(
