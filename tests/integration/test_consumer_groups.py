@@ -9,6 +9,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio
 import pytest
 
 from fastapi_outbox import Message, Outbox, OutboxSettings
@@ -381,3 +382,55 @@ async def test_redis_a_failing_dead_letter_keeps_the_entry_pending(
             assert await rclient.xlen(dead) == 5  # maxlen=2 is the published streams'
     finally:
         await outbox.aclose()
+
+
+@pytest.mark.parametrize("kind", ["redis", "nats"])
+async def test_a_broker_down_at_start_gets_the_groups_before_the_first_publish(
+    kind: str, sqlite_url: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The broker does not answer when the dispatchers start: the app starts, and nothing
+    is published to that broker before the groups are declared. The subscriber does not
+    consume here (its run is replaced), so the group seen afterwards is the one the
+    dispatcher's side declared before publishing: all 20 messages wait in it."""
+    from tests.servers import private_nats_server, private_redis_server
+
+    server = (
+        private_redis_server(range(6540, 6550), tmp_path)
+        if kind == "redis"
+        else private_nats_server(range(4290, 4300), tmp_path)
+    )
+    broker: Any = (
+        RedisStreamsBroker(server.url, socket_timeout=1)
+        if kind == "redis"
+        else NatsJetStreamBroker(server.url, connect_timeout_seconds=1)
+    )
+    outbox = new_outbox(sqlite_url, broker)
+    stream = unique("orders")
+
+    @outbox.subscriber(stream, group="billing")
+    async def bill(message: Message) -> None:
+        pass
+
+    sub = outbox.subscribers[0]
+
+    async def idle(*, task_status: Any) -> None:
+        task_status.started()
+        await anyio.sleep_forever()
+
+    monkeypatch.setattr(sub, "run", idle)
+    try:
+        await outbox.create_tables(groups=False)
+        async with outbox.dispatcher():
+            await publish(outbox, stream, range(10))
+            await server.start()
+            await publish(outbox, stream, range(10, 20))
+
+            async def published() -> bool:
+                return outbox.processors["default"].published_total == 20
+
+            await wait_until(published, timeout=60)
+        lag = await sub.make_consumer().lag()
+        assert (lag.lag, lag.pending) == (20, 0)
+    finally:
+        await outbox.aclose()
+        await server.kill()
