@@ -27,6 +27,7 @@ from fastapi_outbox.brokers.base import redact_url
 from fastapi_outbox.cli_support import (
     EXIT_FAILED,
     EXIT_OK,
+    EXIT_UNREACHABLE,
     CliError,
 )
 from fastapi_outbox.cli_support import guard as _guard
@@ -223,7 +224,15 @@ async def _run(args: argparse.Namespace) -> int:
                 return await _upgrade(outbox)
             if args.db_command == "drop-slot":
                 return await _drop_slot(outbox, force=args.force)
-            await _guard(outbox.create_tables(), outbox)
+            await _guard(outbox.create_tables(groups=False), outbox)
+            try:
+                await outbox.declare_groups()
+            except exceptions.BrokerUnavailable as exc:
+                raise CliError(
+                    f"tables created, but the consumer groups were not: {exc}; run "
+                    "`fastapi-outbox db create` again once the broker answers",
+                    EXIT_UNREACHABLE,
+                ) from exc
             print(
                 f"created table {outbox.table.name} and inbox table {outbox.inbox.table.name} "
                 f"on {redact_url(str(outbox.engine.url))}"

@@ -465,15 +465,29 @@ class Outbox:
         coming days; capture="wal": the replication slot and its publication. ``groups``:
         also the broker-side groups of the subscribers declared so far
         (:meth:`declare_groups`), so messages published before the first deploy of a
-        subscriber wait for it whatever its ``start``."""
+        subscriber wait for it whatever its ``start`` (a broker that does not answer is
+        logged, not raised: ``db create`` and :meth:`declare_groups` raise)."""
         await self.store.create_table()
         await self.inbox.create_table()
         if self.partitions is not None:
             await self.partitions.ensure_ahead()
         if self.wal_slot is not None:
             await self.wal_slot.create()
-        if groups:
-            await self.declare_groups()
+        if groups and self.subscribers:
+            # A broker that does not answer does not fail the tables (an app creating them
+            # at start must still start): this process's dispatchers declare the groups
+            # before they publish anyway. ``db create`` declares them strictly.
+            try:
+                with anyio.fail_after(DECLARE_GROUPS_TIMEOUT_SECONDS):
+                    await self.declare_groups()
+            except (exceptions.BrokerUnavailable, TimeoutError) as exc:
+                logger.warning(
+                    "consumer groups not created: broker unavailable",
+                    extra={
+                        "action": "consumer.groups_pending",
+                        "error": f"{type(exc).__name__}: {exc}"[:300],
+                    },
+                )
 
     async def declare_groups(self, broker: str | None = None) -> None:
         """Create the broker-side group of every subscriber (of ``broker``, or all) — Redis

@@ -434,3 +434,41 @@ async def test_a_broker_down_at_start_gets_the_groups_before_the_first_publish(
     finally:
         await outbox.aclose()
         await server.kill()
+
+
+async def test_db_create_creates_the_groups_and_says_when_the_broker_is_down(
+    sqlite_url: str, redis_url: str, rclient: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``fastapi-outbox db create --app`` creates the subscribers' groups (exit 3 naming
+    the broker when it does not answer); ``create_tables()`` in an app's own start-up only
+    logs a broker that does not answer."""
+    from tests.conftest import run_cli
+
+    stream = f"{rclient.prefix}.orders"
+    env = {"CONSUMER_DATABASE_URL": sqlite_url, "CONSUMER_STREAM": stream}
+    app = "tests.integration.consumer_cli_app:outbox"
+    down = run_cli(
+        "db", "create", "--app", app, env={**env, "CONSUMER_BROKER_URL": "redis://127.0.0.1:1/0"}
+    )
+    assert down.returncode == 3, down.stderr
+    assert "consumer groups were not" in down.stderr and "127.0.0.1:1" in down.stderr
+    done = run_cli("db", "create", "--app", app, env={**env, "CONSUMER_BROKER_URL": redis_url})
+    assert done.returncode == 0, done.stderr
+    assert f"consumer group 'billing' of stream {stream!r} ready" in done.stdout
+    groups = await rclient.xinfo_groups(stream)
+    assert [g["name"] for g in groups] == [b"billing"]
+
+    outbox = new_outbox(sqlite_url, RedisStreamsBroker("redis://127.0.0.1:1/0", socket_timeout=1))
+
+    @outbox.subscriber(stream, group="audit")
+    async def audit(message: Message) -> None:
+        pass
+
+    try:
+        await outbox.create_tables()  # does not raise
+        assert any(
+            r.getMessage() == "consumer groups not created: broker unavailable"
+            for r in caplog.records
+        )
+    finally:
+        await outbox.aclose()
