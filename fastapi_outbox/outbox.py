@@ -52,7 +52,7 @@ NO_BROKER = (
 NOTIFY_TIMEOUT_SECONDS = 2.0
 #: Bound on declaring the consumer groups at start (a broker that does not answer in time
 #: gets them declared before the first publish instead).
-DECLARE_GROUPS_TIMEOUT_SECONDS = 15.0
+DECLARE_GROUPS_TIMEOUT_SECONDS = 5.0
 
 
 class _GroupsFirst:
