@@ -219,6 +219,11 @@ class ConsumerStatus(BaseModel):
         description="Dead-letter writes that failed in this process (the message stayed "
         "pending and is dead-lettered again when it comes back).",
     )
+    dead_letters_unwritten: int = Field(
+        default=0,
+        description="Messages of this process whose dead letter could not be written yet "
+        "(pending in the group until a later try succeeds).",
+    )
 
 
 def _event_classes() -> list[type[Event]]:
