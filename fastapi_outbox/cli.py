@@ -26,6 +26,7 @@ from fastapi_outbox import exceptions
 from fastapi_outbox.cli_support import (
     EXIT_FAILED,
     EXIT_OK,
+    EXIT_UNREACHABLE,
     CliError,
 )
 from fastapi_outbox.cli_support import guard as _guard
@@ -223,13 +224,26 @@ async def _run(args: argparse.Namespace) -> int:
                 return await _upgrade(outbox)
             if args.db_command == "drop-slot":
                 return await _drop_slot(outbox, force=args.force)
-            await _guard(outbox.create_tables(), outbox)
+            await _guard(outbox.create_tables(groups=False), outbox)
+            try:
+                await outbox.declare_groups()
+            except exceptions.BrokerUnavailable as exc:
+                raise CliError(
+                    f"tables created, but the consumer groups were not: {exc}; run "
+                    "`fastapi-outbox db create` again once the broker answers",
+                    EXIT_UNREACHABLE,
+                ) from exc
             print(
                 f"created table {outbox.table.name} and inbox table {outbox.inbox.table.name} "
                 f"on {redact_url(str(outbox.engine.url))}"
             )
             if outbox.wal_slot is not None:
                 print(f"replication slot and publication {outbox.wal_slot.name} ready")
+            for sub in outbox.subscribers:
+                print(
+                    f"consumer group {sub.group!r} of stream {sub.stream!r} ready on broker "
+                    f"{sub.broker_name!r}"
+                )
             return EXIT_OK
         if args.command == "dispatch":
             return await dispatch(outbox, http=args.http)

@@ -380,6 +380,13 @@ async def _consumers_health(
         elif c.running and c.broker_available is False:
             degraded = True
             reasons.append(f"{where}: broker {c.broker!r} unavailable")
+        if c.dead_letters_unwritten:
+            degraded = True
+            reasons.append(
+                f"{where}: {c.dead_letters_unwritten} message(s) could not be written to "
+                f"{c.dead_letter_stream!r} (they stay pending; "
+                f"{c.dead_letter_failures} failed write(s))"
+            )
         if c.dead_letters:
             degraded = True
             reasons.append(

@@ -415,6 +415,8 @@ async def consumers(outbox: Outbox, *, counts: bool = False) -> list[Any]:
             broker_available=sub.broker_ok if sub.running else None,
             failures=sub.stats.failures,
             last_error=sub.stats.last_error,
+            dead_letter_failures=sub.stats.dead_letter_failures,
+            dead_letters_unwritten=len(getattr(sub, "_unwritten_dead_letters", ())),
         )
         if inbox is not None:  # else the database did not answer: unknown
             stats = inbox.get(sub.group)

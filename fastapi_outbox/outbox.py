@@ -51,6 +51,58 @@ NO_BROKER = (
 )
 #: Bound on the NOTIFY an API-only process sends after a commit.
 NOTIFY_TIMEOUT_SECONDS = 2.0
+#: Bound on declaring the consumer groups at start (a broker that does not answer in time
+#: gets them declared before the first publish instead).
+DECLARE_GROUPS_TIMEOUT_SECONDS = 5.0
+
+
+class _GroupsFirst:
+    """A broker whose ``connect`` declares this process's consumer groups on it once
+    (``Outbox.declare_groups``) before it lets anything be published: the processors and
+    the WAL relay publish through it, so the first message of a stream never reaches the
+    broker before the groups of the subscribers declared here exist. Until they do,
+    ``connect`` and ``publish`` raise what the declaration raised (BrokerUnavailable: the
+    processor pauses and tries again). Everything else is the broker's own."""
+
+    def __init__(self, broker: Broker, name: str, declare: Any) -> None:
+        self._broker = broker
+        self._name = name
+        self._declare = declare
+        self._declared = False
+        self._lock = anyio.Lock()
+
+    def __getattr__(self, attribute: str) -> Any:
+        return getattr(self._broker, attribute)
+
+    def __repr__(self) -> str:
+        return repr(self._broker)
+
+    async def connect(self) -> None:
+        await self._broker.connect()
+        if self._declared:
+            return
+        async with self._lock:
+            if not self._declared:
+                await self._declare(self._name)
+                self._declared = True
+                logger.info(
+                    "consumer groups declared",
+                    extra={"action": "consumer.groups_declared", "broker": self._name},
+                )
+
+    async def publish(self, batch: Sequence[Any]) -> Any:
+        if not self._declared:
+            await self.connect()
+        return await self._broker.publish(batch)
+
+    async def aclose(self) -> None:
+        await self._broker.aclose()
+
+    async def ping(self) -> None:
+        await self._broker.ping()
+
+    def configure(self, *, dedup_window_seconds: float) -> None:
+        self._broker.configure(dedup_window_seconds=dedup_window_seconds)
 
 
 class Outbox:
@@ -412,16 +464,57 @@ class Outbox:
 
     # -- schema -------------------------------------------------------------------------------
 
-    async def create_tables(self) -> None:
+    async def create_tables(self, *, groups: bool = True) -> None:
         """Create the outbox table, the consumers' inbox table and their indexes (never the
         user's tables); partitioned: also the DEFAULT partition and the partitions of the
-        coming days; capture="wal": the replication slot and its publication."""
+        coming days; capture="wal": the replication slot and its publication. ``groups``:
+        also the broker-side groups of the subscribers declared so far
+        (:meth:`declare_groups`), so messages published before the first deploy of a
+        subscriber wait for it whatever its ``start`` (a broker that does not answer is
+        logged, not raised: ``db create`` and :meth:`declare_groups` raise)."""
         await self.store.create_table()
         await self.inbox.create_table()
         if self.partitions is not None:
             await self.partitions.ensure_ahead()
         if self.wal_slot is not None:
             await self.wal_slot.create()
+        if groups and self.subscribers:
+            # A broker that does not answer does not fail the tables (an app creating them
+            # at start must still start): this process's dispatchers declare the groups
+            # before they publish anyway. ``db create`` declares them strictly.
+            try:
+                with anyio.fail_after(DECLARE_GROUPS_TIMEOUT_SECONDS):
+                    await self.declare_groups()
+            except (exceptions.BrokerUnavailable, TimeoutError) as exc:
+                logger.warning(
+                    "consumer groups not created: broker unavailable",
+                    extra={
+                        "action": "consumer.groups_pending",
+                        "error": f"{type(exc).__name__}: {exc}"[:300],
+                    },
+                )
+
+    async def declare_groups(self, broker: str | None = None) -> None:
+        """Create the broker-side group of every subscriber (of ``broker``, or all) — Redis
+        consumer group, JetStream durable and dead-letter stream — or bring an existing
+        one to the declared settings (idempotent). BrokerUnavailable when its broker does
+        not answer; ConfigurationError naming the subscriber for anything else."""
+        for sub in self.subscribers:
+            if broker is not None and sub.broker_name != broker:
+                continue
+            consumer = sub.make_consumer()
+            try:
+                await consumer.setup()
+            except exceptions.BrokerUnavailable:
+                raise
+            except Exception as exc:
+                raise exceptions.ConfigurationError(
+                    f"{sub!r}: cannot create or update its consumer group on broker "
+                    f"{sub.broker_name!r}: {type(exc).__name__}: {exc}"
+                ) from exc
+            finally:
+                with contextlib.suppress(Exception):
+                    await consumer.aclose()
 
     async def drop_tables(self) -> None:
         await self.store.drop_table()
@@ -453,7 +546,8 @@ class Outbox:
                     await tg.start(self.notifier.run)
                     listener = Listener(self.store, self.channel, self.instance, self._wake_all)
                     self.listener = listener
-                for name, broker in self.all_brokers.items():
+                brokers = await self._groups_first()
+                for name, broker in brokers.items():
                     self.processors[name] = Processor(
                         store=self.store,
                         broker_name=name,
@@ -471,7 +565,7 @@ class Outbox:
                     self.wal_relay = WalRelay(
                         store=self.store,
                         slot=self.wal_slot,
-                        brokers=self.all_brokers,
+                        brokers=brokers,
                         settings=settings,
                         instance=self.instance,
                         instrumentation=self.instrumentation,
@@ -501,6 +595,33 @@ class Outbox:
             self.wal_relay = None
             with anyio.CancelScope(shield=True):
                 await self._close_brokers()
+
+    async def _groups_first(self) -> dict[str, Broker]:
+        """The brokers the processors and the WAL relay publish with: those that this
+        process's subscribers consume from are wrapped so that nothing is published to
+        them before the subscribers' groups exist (DESIGN §13). The groups are declared
+        here, before any dispatcher starts, bounded in time; a broker that does not answer
+        gets them declared by the first publish's connect, which waits until they are (a
+        refusal of a group's settings refuses the start)."""
+        out: dict[str, Broker] = dict(self.all_brokers)
+        for name, broker in self.brokers.items():
+            if not any(s.broker_name == name for s in self.subscribers):
+                continue
+            gated = _GroupsFirst(broker, name, self.declare_groups)
+            out[name] = gated
+            try:
+                with anyio.fail_after(DECLARE_GROUPS_TIMEOUT_SECONDS):
+                    await gated.connect()
+            except (exceptions.BrokerUnavailable, TimeoutError) as exc:
+                logger.warning(
+                    "consumer groups not declared yet: dispatch to this broker waits for them",
+                    extra={
+                        "action": "consumer.groups_pending",
+                        "broker": name,
+                        "error": f"{type(exc).__name__}: {exc}"[:300],
+                    },
+                )
+        return out
 
     async def _shutdown(self, tg: anyio.abc.TaskGroup) -> None:
         from fastapi_outbox.subscribers import stop_all

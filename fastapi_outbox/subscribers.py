@@ -111,6 +111,8 @@ _GROUP = __import__("re").compile(r"^[A-Za-z0-9_\-]{1,200}$")
 #: Tries of a failing batch of a batch handler as a whole (the first, then retries after
 #: backoff) before its messages go one by one, each as a one-element list.
 BATCH_HANDLER_TRIES = 2
+#: Errors of dead letters that could not be written, kept for their next try.
+UNWRITTEN_DEAD_LETTERS_KEPT = 1000
 
 Handler = Callable[..., Awaitable[Any]]
 #: ``session.info`` key set while a batch's handlers run: a handler's own commit is refused
@@ -187,6 +189,8 @@ class SubscriberStats:
     skipped: int = 0
     failures: int = 0
     dead_lettered: int = 0
+    #: Dead-letter writes that failed (the message stayed pending and comes back).
+    dead_letter_failures: int = 0
     last_handled_at: float | None = None
     last_error: str | None = None
 
@@ -218,6 +222,16 @@ class ConsumerStatus(BaseModel):
         default=None,
         description="Entries the stream's MAXLEN trimmed before the group read them: lost "
         "to the group (at least this many; None: unknown or not Redis).",
+    )
+    dead_letter_failures: int = Field(
+        default=0,
+        description="Dead-letter writes that failed in this process (the message stayed "
+        "pending and is dead-lettered again when it comes back).",
+    )
+    dead_letters_unwritten: int = Field(
+        default=0,
+        description="Messages of this process whose dead letter could not be written yet "
+        "(pending in the group until a later try succeeds).",
     )
 
 
@@ -376,6 +390,9 @@ class Subscriber:
         self._slot_freed: anyio.Event | None = None
         self._key_locks: dict[str, tuple[anyio.Lock, int]] = {}
         self._rng = random.Random()
+        #: message id -> the error of a dead letter that could not be written: used when
+        #: the message comes back to be dead-lettered again (bounded).
+        self._unwritten_dead_letters: dict[str, str] = {}
 
     def __repr__(self) -> str:
         return f"Subscriber({self.stream!r}, group={self.group!r}, handler={self.name})"
@@ -1007,13 +1024,27 @@ class Subscriber:
 
     async def _dead_letter(self, d: Delivery, error: str) -> None:
         assert self.consumer is not None
+        unwritten = self._unwritten_dead_letters
+        error = (
+            unwritten.pop(d.message_id, "") or error
+        )  # the first reason, not "delivered n times"
         try:
             await self.consumer.dead_letter(d, error)
         except Exception as exc:
+            if len(unwritten) < UNWRITTEN_DEAD_LETTERS_KEPT:
+                unwritten[d.message_id] = error
+            # Not acknowledged: the message stays pending (no broker-side delivery limit
+            # drops it) and is dead-lettered again when it comes back, after a backoff.
+            self.stats.dead_letter_failures += 1
+            self.stats.last_error = f"dead-lettering failed: {type(exc).__name__}: {exc}"[:300]
             logger.error(
-                "dead-lettering failed; the message will be redelivered",
+                "dead-lettering failed; the message stays pending and will be redelivered",
                 extra=self._log_extra("consumer.dead_letter_failed", d, error=repr(exc)[:300]),
             )
+            try:
+                await self.consumer.retry(d, self._retry_delay(d.attempt))
+            except Exception:  # redelivered after claim_idle_seconds anyway
+                logger.debug("retry after a failed dead letter failed", exc_info=True)
             return
         self.stats.dead_lettered += 1
         self.stats.last_error = error[:300]

@@ -2,7 +2,11 @@
 
 A subscriber (:mod:`fastapi_outbox.subscribers`) drives one consumer per (stream, group):
 
-* ``setup()`` creates the group / durable consumer when missing;
+* ``setup()`` creates the group / durable consumer (and the dead-letter stream where the
+  broker needs one) when missing, or brings an existing one to the declared settings
+  (ConfigurationError naming the setting when the broker refuses); ``Outbox`` calls it for
+  every subscriber before its dispatchers publish and in ``create_tables``, so a group
+  exists before the first message meant for it, whatever ``start`` says;
 * ``fetch(n, timeout)`` returns up to n :class:`Delivery` objects — new messages, stale ones
   of dead consumers reclaimed after ``claim_idle_seconds``, and this consumer's own retries
   that are due — each with its delivery count (attempt) from the broker;
@@ -66,13 +70,14 @@ class ConsumerConfig:
 
     stream: str
     group: str
-    #: One name per process (Redis consumer name; NATS uses the group as durable name).
+    #: One name per process (Redis consumer name; the NATS durable is named from the group
+    #: and the subject: ``nats_consumer.durable_name``).
     consumer_name: str
     dead_letter: str
     claim_idle_seconds: float
     max_attempts: int
-    #: Where a new group starts: "new" (messages added from now on) or "all" (from the
-    #: beginning of the stream).
+    #: Where a group that does not exist yet starts: "new" (messages added from now on) or
+    #: "all" (from the beginning of the stream). An existing group keeps its position.
     start: str = "new"
     #: Other groups' dead letters share the dead-letter stream (its name template has no
     #: ``{group}``): counting then means reading the entries.
@@ -213,7 +218,8 @@ class Consumer(Protocol):
     config: ConsumerConfig
 
     async def setup(self) -> None:
-        """Create the group / durable consumer when missing (idempotent)."""
+        """Create the group / durable consumer when missing, or bring an existing one to
+        the declared settings (idempotent)."""
 
     async def fetch(self, max_messages: int, timeout: float) -> list[Delivery]:
         """Up to ``max_messages`` deliveries, waiting at most ``timeout`` s for the first."""

@@ -211,13 +211,19 @@ class NatsJetStreamBroker:
         stream_config: dict[str, Any] | None = None,
         stream_max_age_seconds: float | None = STREAM_MAX_AGE_SECONDS,
         stream_max_bytes: int | None = STREAM_MAX_BYTES,
+        dead_letter_max_age_seconds: float | None = None,
+        dead_letter_max_bytes: int | None = None,
     ) -> None:
         """``stream_max_age_seconds`` / ``stream_max_bytes``: limits of the streams this
         broker creates (``None``: unlimited); ``stream_config``: any other
-        ``StreamConfig`` field, which wins over both."""
+        ``StreamConfig`` field, which wins over both. The dead-letter streams the
+        consumers create have no age or size limit (a dead letter waits for an operator)
+        unless ``dead_letter_max_age_seconds`` / ``dead_letter_max_bytes`` set one."""
         for option, value in (
             ("stream_max_age_seconds", stream_max_age_seconds),
             ("stream_max_bytes", stream_max_bytes),
+            ("dead_letter_max_age_seconds", dead_letter_max_age_seconds),
+            ("dead_letter_max_bytes", dead_letter_max_bytes),
         ):
             if value is not None and value <= 0:
                 raise exceptions.ConfigurationError(
@@ -226,6 +232,8 @@ class NatsJetStreamBroker:
         self.url = url
         self.stream_max_age_seconds = stream_max_age_seconds
         self.stream_max_bytes = stream_max_bytes
+        self.dead_letter_max_age_seconds = dead_letter_max_age_seconds
+        self.dead_letter_max_bytes = dead_letter_max_bytes
         self.create_streams = create_streams
         self.ack_timeout_seconds = ack_timeout_seconds
         self.stream_config = dict(stream_config or {})
@@ -257,8 +265,18 @@ class NatsJetStreamBroker:
             return float(configured)
         return self._window if self._window is not None else DEDUP_WINDOW_SECONDS
 
-    def _new_stream_config(self) -> dict[str, Any]:
+    def _new_stream_config(self, *, dead_letter: bool = False) -> dict[str, Any]:
         config: dict[str, Any] = {"duplicate_window": self.dedup_window_seconds}
+        if dead_letter:
+            # Kept until replayed or removed, unless limits were asked for: the other
+            # fields of ``stream_config`` (storage, replicas) apply, not its limits.
+            limits = ("max_age", "max_bytes", "max_msgs", "max_msgs_per_subject")
+            config.update((k, v) for k, v in self.stream_config.items() if k not in limits)
+            if self.dead_letter_max_age_seconds is not None:
+                config["max_age"] = self.dead_letter_max_age_seconds
+            if self.dead_letter_max_bytes is not None:
+                config["max_bytes"] = self.dead_letter_max_bytes
+            return config
         if self.stream_max_age_seconds is not None:
             config["max_age"] = self.stream_max_age_seconds
             # JetStream refuses a duplicate window longer than the stream's max age.
@@ -376,8 +394,9 @@ class NatsJetStreamBroker:
         except Exception as exc:
             raise self._unavailable(exc) from exc
 
-    async def ensure_stream(self, subject: str) -> None:
-        """Make sure a JetStream stream captures ``subject`` (create one if allowed).
+    async def ensure_stream(self, subject: str, *, dead_letter: bool = False) -> None:
+        """Make sure a JetStream stream captures ``subject`` (create one if allowed;
+        ``dead_letter``: a dead-letter stream, without the limits of the others).
 
         Any of its JetStream API calls timing out or finding no responder means the
         server cannot be reached: BrokerUnavailable, so no message is charged for it."""
@@ -387,7 +406,7 @@ class NatsJetStreamBroker:
         import nats.js.errors
 
         try:
-            await self._ensure_stream(subject)
+            await self._ensure_stream(subject, dead_letter=dead_letter)
         except (
             nats.errors.TimeoutError,
             nats.errors.ConnectionClosedError,
@@ -402,7 +421,7 @@ class NatsJetStreamBroker:
                 f"NATS at {redact_url(self.url)} refuses messages: {reason}"
             ) from exc
 
-    async def _ensure_stream(self, subject: str) -> None:
+    async def _ensure_stream(self, subject: str, *, dead_letter: bool = False) -> None:
         import nats.js.errors
 
         try:
@@ -413,7 +432,7 @@ class NatsJetStreamBroker:
             if not self.create_streams:
                 return  # the publish fails with "no stream", naming the subject
             name = stream_name_for(subject)
-            config = self._new_stream_config()
+            config = self._new_stream_config(dead_letter=dead_letter)
             try:
                 await self._js.add_stream(name=name, subjects=[subject], **config)
             except nats.js.errors.BadRequestError as exc:
@@ -426,6 +445,7 @@ class NatsJetStreamBroker:
                     "action": "broker.stream_created",
                     "stream": name,
                     "subject": subject,
+                    "dead_letter": dead_letter,
                     "duplicate_window_seconds": config["duplicate_window"],
                     "max_age_seconds": config.get("max_age"),
                     "max_bytes": config.get("max_bytes"),

@@ -1,11 +1,16 @@
 """``NatsJetStreamConsumer``: durable pull consumers on NATS JetStream.
 
 * ``setup``: the stream capturing the subject is found (or created, like the publish side
-  does), then a durable pull consumer named after the group (made a valid name), explicit
-  acks, ``ack_wait`` = ``claim_idle_seconds``, ``max_deliver`` = ``max_attempts`` + a margin
-  (the subscriber dead-letters after ``max_attempts``; the margin lets a delivery that
-  crashed the consumer every time still arrive once more to be dead-lettered), deliver
-  policy new or all.
+  does), and the dead-letter stream (without age or size limits). The durable pull
+  consumer is named from the group and the subject (:func:`durable_name`: the group, ``_``
+  and a hash of the filter subject), so two subscriptions of one group never share one:
+  explicit acks, ``ack_wait`` = ``claim_idle_seconds``, ``max_deliver`` = -1 (unlimited:
+  the subscriber counts the attempts and dead-letters after ``max_attempts``, so a message
+  whose dead-lettering failed stays pending instead of expiring), deliver policy new or
+  all. An existing durable whose filter subject, ``ack_wait`` or ``max_deliver`` differ is
+  updated in place; a server that refuses the update refuses the start, naming the
+  setting. A durable of an earlier release (named after the group alone) with the same
+  filter hands over its position: the new durable starts after its ack floor.
 * ``fetch``: ``fetch(n, timeout)``; the attempt is the message's ``num_delivered``.
 * ``ack`` after commit; ``retry``: ``nak(delay=…)``; ``touch``: ``in_progress()``;
   ``release`` at shutdown: ``nak()`` (redelivered at once).
@@ -22,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import hashlib
 import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -38,9 +44,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("fastapi_outbox.brokers.nats")
 
-#: Deliveries JetStream makes beyond ``max_attempts``: room to dead-letter a message that
-#: crashed the consumer on each of its attempts.
-MAX_DELIVER_MARGIN = 3
 #: Dead letters read (one request each) for listing, replay and counting a shared
 #: dead-letter subject.
 DEAD_LETTER_SCAN = 1_000
@@ -77,11 +80,21 @@ class _NatsDelivery(Delivery):
         return self._headers
 
 
+def durable_name(group: str, subject: str) -> str:
+    """The durable of (``group``, filter ``subject``): the group made a valid name, ``_``
+    and 12 hex digits of the subject's SHA-256 — stable, at most 213 characters, never
+    shared by two subjects of one group."""
+    digest = hashlib.sha256(subject.encode()).hexdigest()[:12]
+    return f"{stream_name_for(group)[:200]}_{digest}"
+
+
 class NatsJetStreamConsumer:
     def __init__(self, broker: NatsJetStreamBroker, config: ConsumerConfig) -> None:
         self.broker = broker
         self.config = config
-        self.durable = stream_name_for(config.group)
+        self.durable = durable_name(config.group, config.stream)
+        #: The durable of releases before the subject was part of the name.
+        self.legacy_durable = stream_name_for(config.group)
         self.stream_name: str | None = None
         self._sub: Any = None
         self._dead_stream: str | None = None
@@ -101,6 +114,7 @@ class NatsJetStreamConsumer:
             nats.errors.ConnectionClosedError,
             nats.errors.NoRespondersError,
             nats.errors.ConnectionReconnectingError,
+            nats.errors.TimeoutError,
         ) as exc:
             raise self.broker._unavailable(exc) from exc
         except nats.js.errors.APIError as exc:
@@ -111,27 +125,136 @@ class NatsJetStreamConsumer:
                 f"NATS at {redact_url(self.broker.url)} refuses requests: {reason}"
             ) from exc
 
-    async def setup(self) -> None:
-        import nats.js.api as api
+    def _wanted(self) -> dict[str, Any]:
+        """The settings of the durable this subscriber declares (compared at start)."""
+        return {
+            "filter_subject": self.config.stream,
+            "ack_wait": float(self.config.claim_idle_seconds),
+            "max_deliver": -1,
+        }
 
+    async def setup(self) -> None:
         await self.broker.connect()
         await self.broker.ensure_stream(self.config.stream)
+        await self.broker.ensure_stream(self.config.dead_letter, dead_letter=True)
         async with self._calls() as js:
             self.stream_name = await js.find_stream_name_by_subject(self.config.stream)
-            config = api.ConsumerConfig(
-                durable_name=self.durable,
-                ack_policy=api.AckPolicy.EXPLICIT,
-                ack_wait=self.config.claim_idle_seconds,
-                max_deliver=self.config.max_attempts + MAX_DELIVER_MARGIN,
-                deliver_policy=(
-                    api.DeliverPolicy.ALL if self.config.start == "all" else api.DeliverPolicy.NEW
-                ),
-                filter_subject=self.config.stream,
-                max_ack_pending=-1,
+            await self._ensure_durable(js, self.stream_name)
+            self._sub = await js.pull_subscribe_bind(durable=self.durable, stream=self.stream_name)
+
+    async def _ensure_durable(self, js: Any, stream: str) -> None:
+        """Create the durable, or bring an existing one to the declared settings."""
+        import nats.js.api as api
+        import nats.js.errors
+
+        wanted = self._wanted()
+        try:
+            info = await js.consumer_info(stream, self.durable)
+        except nats.js.errors.NotFoundError:
+            info = None
+        if info is not None:
+            current = {name: getattr(info.config, name) for name in wanted}
+            current["ack_wait"] = float(current["ack_wait"] or 0)
+            if current["max_deliver"] in (None, 0):
+                current["max_deliver"] = -1
+            changed = {n: (current[n], v) for n, v in wanted.items() if current[n] != v}
+            if not changed:
+                return
+            try:
+                await js.add_consumer(stream, config=info.config.evolve(**wanted))
+            except nats.js.errors.APIError as exc:
+                if refusal_reason(exc, stream_known=True) is not None:
+                    raise
+                settings = ", ".join(f"{n} {old!r} -> {new!r}" for n, (old, new) in changed.items())
+                raise exceptions.ConfigurationError(
+                    f"subscriber of stream {self.config.stream!r}, group {self.config.group!r}: "
+                    f"NATS refuses to update the existing durable consumer {self.durable!r} "
+                    f"of JetStream stream {stream!r} ({settings}): {exc}; delete it "
+                    f"(nats consumer rm {stream} {self.durable}) or restore the old settings"
+                ) from exc
+            logger.info(
+                "jetstream durable updated",
+                extra={
+                    "action": "consumer.durable_updated",
+                    "stream": stream,
+                    "durable": self.durable,
+                    "changed": {n: f"{old!r} -> {new!r}" for n, (old, new) in changed.items()},
+                },
             )
-            self._sub = await js.pull_subscribe(
-                self.config.stream, durable=self.durable, stream=self.stream_name, config=config
+            return
+        start: dict[str, Any] = {
+            "deliver_policy": (
+                api.DeliverPolicy.ALL if self.config.start == "all" else api.DeliverPolicy.NEW
             )
+        }
+        handed_over = await self._legacy_position(js, stream)
+        if handed_over is not None:
+            start = handed_over
+        config = api.ConsumerConfig(
+            name=self.durable,
+            durable_name=self.durable,
+            ack_policy=api.AckPolicy.EXPLICIT,
+            max_ack_pending=-1,
+            **wanted,
+            **start,
+        )
+        await js.add_consumer(stream, config=config)
+        logger.info(
+            "jetstream durable created",
+            extra={
+                "action": "consumer.durable_created",
+                "stream": stream,
+                "durable": self.durable,
+                "subject": self.config.stream,
+                "start": {k: str(v) for k, v in start.items()},
+                "handed_over_from": self.legacy_durable if handed_over is not None else None,
+            },
+        )
+
+    async def _legacy_position(self, js: Any, stream: str) -> dict[str, Any] | None:
+        """Where the new durable starts when an earlier release's durable of this group
+        (named after the group alone) has the same filter subject: after its ack floor
+        (what it acknowledged in a row is not delivered again; later acks are redelivered
+        and skipped by the inbox). None when there is no such durable."""
+        import nats.js.api as api
+        import nats.js.errors
+
+        try:
+            old = await js.consumer_info(stream, self.legacy_durable)
+        except nats.js.errors.NotFoundError:
+            return None
+        if old.config.filter_subject != self.config.stream:
+            return None  # another subject's (or a consumer not of this library)
+        floor = old.ack_floor.stream_seq if old.ack_floor is not None else 0
+        if floor:
+            position: dict[str, Any] = {
+                "deliver_policy": api.DeliverPolicy.BY_START_SEQUENCE,
+                "opt_start_seq": floor + 1,
+            }
+        elif old.config.deliver_policy == api.DeliverPolicy.NEW and old.created is not None:
+            # Nothing acknowledged yet: from when the old durable began.
+            position = {
+                "deliver_policy": api.DeliverPolicy.BY_START_TIME,
+                "opt_start_time": old.created,
+            }
+        else:
+            position = {
+                "deliver_policy": old.config.deliver_policy or api.DeliverPolicy.ALL,
+                "opt_start_seq": old.config.opt_start_seq,
+                "opt_start_time": old.config.opt_start_time,
+            }
+        logger.warning(
+            "jetstream durable of an earlier release found: the new durable takes over from "
+            "its ack floor; delete the old one once no process of the earlier release runs",
+            extra={
+                "action": "consumer.durable_handover",
+                "stream": stream,
+                "old_durable": self.legacy_durable,
+                "durable": self.durable,
+                "ack_floor": floor,
+            },
+        )
+        return position
 
     def _delivery(self, msg: Any) -> Delivery:
         raw = msg.headers or {}
@@ -209,7 +332,7 @@ class NatsJetStreamConsumer:
         await self._each(deliveries, "nak")
 
     async def dead_letter(self, delivery: Delivery, error: str) -> None:
-        await self.broker.ensure_stream(self.config.dead_letter)
+        await self.broker.ensure_stream(self.config.dead_letter, dead_letter=True)
         headers = {
             **delivery.headers,
             HEADER_MESSAGE_ID: delivery.message_id,

@@ -134,17 +134,22 @@ class RedisStreamsBroker:
         stream_prefix: str = "",
         idmp_producers: int = IDMP_PRODUCERS,
         socket_timeout: float = 5.0,
+        dead_letter_maxlen: int | None = None,
     ) -> None:
-        if maxlen is not None and maxlen < 1:
-            raise exceptions.ConfigurationError(
-                f"RedisStreamsBroker: maxlen must be >= 1, got {maxlen}"
-            )
+        """``maxlen`` trims the streams published to; the consumers' dead-letter streams
+        are never trimmed unless ``dead_letter_maxlen`` is set (``MAXLEN ~``)."""
+        for option, value in (("maxlen", maxlen), ("dead_letter_maxlen", dead_letter_maxlen)):
+            if value is not None and value < 1:
+                raise exceptions.ConfigurationError(
+                    f"RedisStreamsBroker: {option} must be >= 1, got {value}"
+                )
         if dedup not in ("auto", "script", "idmp", "off"):
             raise exceptions.ConfigurationError(
                 f"RedisStreamsBroker: dedup must be auto, script, idmp or off, got {dedup!r}"
             )
         self.url = url
         self.maxlen = maxlen
+        self.dead_letter_maxlen = dead_letter_maxlen
         self.dedup: DedupMode = dedup
         self.stream_prefix = stream_prefix
         self.idmp_producers = idmp_producers

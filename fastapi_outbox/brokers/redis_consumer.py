@@ -13,7 +13,10 @@
   pipeline: the ``XACK`` runs first, then the read; one round trip instead of two); while
   the read is blocked waiting for new entries, and after close, they go on their own.
 * ``dead_letter``: ``XADD`` to the dead-letter stream (the original fields plus error,
-  group, attempts, original stream and entry id) and ``XACK``, in one ``MULTI``.
+  group, attempts, original stream and entry id; never trimmed unless the broker's
+  ``dead_letter_maxlen`` says so) then ``XACK``, in one script: an ``XADD`` that fails
+  leaves the entry pending (in a ``MULTI`` the ``XACK`` would run anyway). Redis has no
+  "max deliver": an entry stays pending until acknowledged, the subscriber counts.
 * ``release`` at shutdown: ``XCLAIM … IDLE <claim_idle> JUSTID`` makes the entries look
   stale at once, so the next consumer's ``XAUTOCLAIM`` takes them without waiting.
 
@@ -55,6 +58,22 @@ logger = logging.getLogger("fastapi_outbox.brokers.redis")
 AUTOCLAIM_COUNT = 100
 #: Dead letters scanned for one group's count.
 DEAD_LETTER_SCAN = 10_000
+#: KEYS[1] = dead-letter stream, KEYS[2] = stream; ARGV = group, entry id, maxlen (0: none),
+#: then field, value pairs. The XACK only once the XADD succeeded (an error stops the
+#: script): a dead letter that could not be written stays pending.
+DEAD_LETTER_SCRIPT = """
+local fields = {}
+for i = 4, #ARGV do fields[#fields + 1] = ARGV[i] end
+local maxlen = tonumber(ARGV[3])
+local id
+if maxlen > 0 then
+  id = redis.call('XADD', KEYS[1], 'MAXLEN', '~', maxlen, '*', unpack(fields))
+else
+  id = redis.call('XADD', KEYS[1], '*', unpack(fields))
+end
+redis.call('XACK', KEYS[2], ARGV[1], ARGV[2])
+return id
+"""
 
 
 def _text(value: Any) -> str:
@@ -486,10 +505,15 @@ class RedisStreamsConsumer:
             "entry": delivery.entry_id,
             "at": dt.datetime.now(dt.UTC).isoformat(),
         }
-        async with self._calls() as client, client.pipeline(transaction=True) as pipe:
-            pipe.xadd(self.dead_key, fields)
-            pipe.xack(self.key, self.config.group, delivery.entry_id)
-            await pipe.execute()
+        args: list[Any] = [
+            self.config.group,
+            delivery.entry_id,
+            self.broker.dead_letter_maxlen or 0,
+        ]
+        for name, value in fields.items():
+            args += [name, value]
+        async with self._calls() as client:
+            await client.eval(DEAD_LETTER_SCRIPT, 2, self.dead_key, self.key, *args)
 
     async def lag(self) -> ConsumerLag:
         """The group's lag and pending count, and the entries ``MAXLEN`` trimmed before the
