@@ -274,6 +274,8 @@ class NatsJetStreamBroker:
             config.update((k, v) for k, v in self.stream_config.items() if k not in limits)
             if self.dead_letter_max_age_seconds is not None:
                 config["max_age"] = self.dead_letter_max_age_seconds
+                # JetStream refuses a duplicate window longer than the stream's max age.
+                config["duplicate_window"] = min(config["duplicate_window"], config["max_age"])
             if self.dead_letter_max_bytes is not None:
                 config["max_bytes"] = self.dead_letter_max_bytes
             return config
