@@ -40,6 +40,7 @@ released to the broker for redelivery.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import datetime as dt
 import inspect
@@ -59,7 +60,8 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from pydantic import BaseModel, Field, ValidationError
 from sqlalchemy import event as sa_event
-from sqlalchemy.orm import Session
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+from sqlalchemy.orm import Session, SessionTransaction
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.aggregates import collect_events, held_aggregates
@@ -76,7 +78,7 @@ from fastapi_outbox.events import (
     Event,
     Message,
 )
-from fastapi_outbox.session_events import state_of
+from fastapi_outbox.session_events import JOINED_KEY, state_of
 from fastapi_outbox.unit_of_work import UnitOfWork, valid_correlation_id
 
 if TYPE_CHECKING:
@@ -105,24 +107,105 @@ PAUSE_MAX_SECONDS = 10.0
 #: Share of ``shutdown_timeout_seconds`` in-flight handlers get to finish; the rest of it
 #: is for releasing what did not finish.
 DRAIN_SHARE = 0.7
+#: Longest wait for the broker to take back the unfinished deliveries at a stop.
+RELEASE_SECONDS = 2.0
 _GROUP = __import__("re").compile(r"^[A-Za-z0-9_\-]{1,200}$")
 #: Tries of a failing batch of a batch handler as a whole (the first, then retries after
 #: backoff) before its messages go one by one, each as a one-element list.
 BATCH_HANDLER_TRIES = 2
 
 Handler = Callable[..., Awaitable[Any]]
-#: ``session.info`` key set while a batch's handlers run: a handler's own commit is refused
-#: then (the batch's inbox rows were inserted up front), and the batch goes one by one.
-_BATCH_OPEN = "fastapi_outbox.batch_open"
+#: ``session.info`` key of a handler session's :class:`_HandlerRun`.
+_RUN_KEY = "fastapi_outbox.handler_run"
 
 
-@sa_event.listens_for(Session, "before_commit")
-def _refuse_commit_inside_a_batch(session: Session) -> None:
-    if session.info.get(_BATCH_OPEN):
-        raise exceptions.UnitOfWorkError(
-            "a handler committed inside a batch transaction; its batch is handled message "
-            "by message instead (or declare the subscriber with batch=False)"
-        )
+class _BatchSpoiled(Exception):
+    """A handler rolled back work of earlier messages of its batch: handle them one by one."""
+
+
+class _HandlerRun:
+    """The transaction a subscriber runs its handler(s) in: the handler's session, the
+    unit of work and message of the handler running now, and what a rollback of the
+    session undid."""
+
+    __slots__ = ("before", "message", "session", "spoiled", "subscriber", "uow")
+
+    def __init__(self, subscriber: Subscriber, session: AsyncSession) -> None:
+        self.subscriber = subscriber
+        self.session = session
+        self.uow: UnitOfWork | None = None
+        self.message = ""
+        #: The session's transaction when the current handler began (work of earlier
+        #: handlers of the batch is in it), or None.
+        self.before: SessionTransaction | None = None
+        self.spoiled = False
+
+
+#: The transaction of the handler running in this context (None outside handlers).
+_HANDLER_RUN: contextvars.ContextVar[_HandlerRun | None] = contextvars.ContextVar(
+    "fastapi_outbox.handler_run", default=None
+)
+
+
+def handler_transaction(outbox: Outbox) -> tuple[AsyncSession, UnitOfWork] | None:
+    """The session and unit of work of the ``outbox``'s handler running in this context,
+    else None: ``outbox.unit_of_work()`` called inside a handler joins them."""
+    run = _HANDLER_RUN.get()
+    if run is None or run.uow is None or run.subscriber.outbox is not outbox:
+        return None
+    return run.session, run.uow
+
+
+@sa_event.listens_for(Session, "after_soft_rollback")
+def _note_a_rollback_across_handlers(session: Session, previous: SessionTransaction) -> None:
+    """A rollback of a batch session's transaction (not of a savepoint the handler began)
+    that began before the current handler: it undid earlier messages' work too."""
+    run: _HandlerRun | None = session.info.get(_RUN_KEY)
+    if run is None or run.before is None:
+        return
+    transaction = previous
+    while transaction.parent is not None:
+        if transaction.nested:
+            return
+        transaction = transaction.parent
+    if transaction is run.before:
+        run.spoiled = True
+
+
+@sa_event.listens_for(Session, "after_transaction_create")
+def _refuse_a_second_session(session: Session, transaction: SessionTransaction) -> None:
+    """A session of the handler's own on the outbox's database, begun while a handler runs:
+    its commit would not go with the message's inbox row (a redelivery after a later failure
+    would apply its effects again), so it is refused at its first use — when it begins,
+    before it takes a connection (on SQLite it would wait for the write lock the handler's
+    transaction holds)."""
+    run = _HANDLER_RUN.get()
+    if run is None or transaction.parent is not None or session.info.get(JOINED_KEY):
+        return
+    _refuse_if_ours(run, session.bind)
+
+
+@sa_event.listens_for(Session, "after_begin")
+def _refuse_a_second_connection(session: Session, transaction: Any, connection: Any) -> None:
+    """The same for a session without one bind (``binds=`` per class): judged by the
+    connection it takes."""
+    run = _HANDLER_RUN.get()
+    if run is None or session.bind is not None or session.info.get(JOINED_KEY):
+        return
+    _refuse_if_ours(run, connection)
+
+
+def _refuse_if_ours(run: _HandlerRun, bind: Any) -> None:
+    if getattr(bind, "engine", None) is not run.subscriber.outbox.engine.sync_engine:
+        return  # another database: not ours to judge
+    raise exceptions.UnitOfWorkError(
+        f"handler {run.subscriber.name} opened a second session on the outbox's database "
+        f"(outbox.session_factory() or a sessionmaker of its own) while handling "
+        f"{run.message}: its commit would not go with the message's inbox row, so a "
+        "redelivery would apply its effects again. Use the handler's uow.session, or "
+        "`async with outbox.unit_of_work() as uow:` inside the handler, which joins the "
+        "handler's transaction"
+    )
 
 
 class BatchUnitOfWork(UnitOfWork):
@@ -245,6 +328,25 @@ def _harvest_added(uow: UnitOfWork, before: list[Any]) -> list[Any]:
     return new
 
 
+async def _discard(conn: AsyncConnection, session: AsyncSession | None) -> None:
+    """Roll back a subscriber's transaction and give its connection back. The rollback
+    comes first (closing the session first would roll back its savepoint: a round trip for
+    nothing). A failure here (the database gone) is only logged: the caller re-raises the
+    error that ended the transaction, which is the one to classify."""
+    try:
+        if conn.in_transaction():
+            await conn.rollback()
+        if session is not None:
+            await session.close()
+    except Exception as exc:
+        logger.debug("rollback of a handler's transaction failed: %r", exc)
+    finally:
+        try:
+            await conn.close()
+        except Exception as exc:
+            logger.debug("closing a handler's connection failed: %r", exc)
+
+
 def _correlation_of(d: Delivery) -> str | None:
     """The message's correlation id header when it is a valid one."""
     correlation = d.headers.get(HEADER_CORRELATION_ID)
@@ -362,6 +464,7 @@ class Subscriber:
         self.broker_ok: bool | None = None
         self.paused_since: float | None = None
         self._stop: anyio.Event | None = None
+        self._stop_requested_at = 0.0
         self.stopped: anyio.Event | None = None
         self._inflight: dict[str, Delivery] = {}
         self._slot_freed: anyio.Event | None = None
@@ -519,8 +622,11 @@ class Subscriber:
     # -- running -----------------------------------------------------------------------------
 
     def stop(self) -> None:
-        if self._stop is not None:
+        if self._stop is not None and not self._stop.is_set():
+            self._stop_requested_at = time.monotonic()
             self._stop.set()
+            if self._slot_freed is not None:
+                self._free_slot()  # a fetch loop waiting for a free slot sees the stop now
 
     @property
     def stopping(self) -> bool:
@@ -559,34 +665,50 @@ class Subscriber:
                 for _ in range(self.concurrency):
                     handlers.start_soon(self._worker, receive)
                 await self._fetch_loop(consumer, send)
+                # The drain's share of the shutdown counts from the stop (the fetch loop may
+                # have taken up to FETCH_TIMEOUT_SECONDS to see it).
                 budget = self.outbox.settings.shutdown_timeout_seconds * DRAIN_SHARE
-                with anyio.move_on_after(budget):
+                with anyio.move_on_after(budget - (time.monotonic() - self._stop_requested_at)):
                     while self._inflight:
                         await self._wait_slot(1.0)
                 handlers.cancel_scope.cancel()
-            left = list(self._inflight.values())
-            if left:
-                with anyio.CancelScope(shield=True), anyio.move_on_after(2.0):
-                    try:
-                        await consumer.release(left)
-                    except Exception as exc:
-                        logger.warning(
-                            "release failed",
-                            extra=self._log_extra("consumer.release_failed", error=repr(exc)),
-                        )
-                logger.info(
-                    "released unfinished messages",
-                    extra=self._log_extra("consumer.released", count=len(left)),
-                )
         finally:
+            # Whatever did not finish — cancelled by the drain's end, or by a cancellation
+            # of run() itself — is still in flight: released to the broker, so another
+            # consumer takes it now rather than after claim_idle_seconds.
             self.running = False
-            self._inflight.clear()
             with anyio.CancelScope(shield=True):
+                await self._release_unfinished(consumer)
                 try:
                     await consumer.aclose()
                 except Exception:
                     logger.debug("consumer close failed", exc_info=True)
+            self._inflight.clear()
             self.stopped.set()
+
+    async def _release_unfinished(self, consumer: Consumer) -> None:
+        left = list(self._inflight.values())
+        if not left:
+            return
+        with anyio.move_on_after(RELEASE_SECONDS) as scope:
+            try:
+                await consumer.release(left)
+            except Exception as exc:
+                logger.warning(
+                    "release failed",
+                    extra=self._log_extra("consumer.release_failed", error=repr(exc)),
+                )
+                return
+        if scope.cancelled_caught:
+            logger.warning(
+                "release timed out",
+                extra=self._log_extra("consumer.release_failed", error="timeout"),
+            )
+            return
+        logger.info(
+            "released unfinished messages",
+            extra=self._log_extra("consumer.released", count=len(left)),
+        )
 
     async def _wait_slot(self, timeout: float) -> None:
         assert self._slot_freed is not None
@@ -675,6 +797,7 @@ class Subscriber:
     # -- one message -------------------------------------------------------------------------
 
     async def _handle(self, d: Delivery) -> None:
+        finished = False
         try:
             if self.ordered and d.key is not None:
                 lock = self._lock_for(d.key)
@@ -685,8 +808,11 @@ class Subscriber:
                     self._unlock_for(d.key)
             else:
                 await self._process(d, in_place=False)
+            finished = True
         finally:
-            self._inflight.pop(d.entry_id, None)
+            # Cancelled (a stop): left in flight, so run() releases it to the broker.
+            if finished:
+                self._inflight.pop(d.entry_id, None)
             self._free_slot()
 
     async def _handle_batch(self, batch: list[Delivery]) -> None:
@@ -696,6 +822,7 @@ class Subscriber:
         transaction rolls back and every message of the batch goes the per-message way
         (its own transaction, retries, dead letter): one poison message costs its batch
         one extra pass, never an effect."""
+        finished = False
         try:
             # Parallel lists (not a tuple per message: fewer objects for the collector).
             todo: list[Delivery] = []
@@ -705,15 +832,16 @@ class Subscriber:
             alone = 1 if self.batch_handler else self.max_attempts
             for d in batch:
                 if d.attempt > alone:  # dead-lettered / retried on the careful path
-                    await self._process(d, in_place=False)
+                    await self._process_one(d)
                     continue
                 try:
                     messages.append(self._decode(d))
                 except (_Undeliverable, _NotForHandler):
-                    await self._process(d, in_place=False)
+                    await self._process_one(d)
                 else:
                     todo.append(d)
             if not todo:
+                finished = True
                 return
             try:
                 if self.batch_handler:
@@ -728,7 +856,8 @@ class Subscriber:
                     ),
                 )
                 for d in todo:
-                    await self._process(d, in_place=False)
+                    await self._process_one(d)
+                finished = True
                 return
             self.stats.handled += new
             self.stats.duplicates += duplicates
@@ -741,10 +870,19 @@ class Subscriber:
                     "ack failed; the messages will be redelivered and skipped",
                     extra=self._log_extra("consumer.ack_failed", error=repr(exc)[:300]),
                 )
+            finished = True
         finally:
-            for d in batch:
-                self._inflight.pop(d.entry_id, None)
+            # Cancelled (a stop): what did not finish stays in flight, so run() releases
+            # it to the broker.
+            if finished:
+                for d in batch:
+                    self._inflight.pop(d.entry_id, None)
             self._free_slot()
+
+    async def _process_one(self, d: Delivery) -> None:
+        """A message of a batch on the per-message path; no longer in flight once done."""
+        await self._process(d, in_place=False)
+        self._inflight.pop(d.entry_id, None)
 
     async def _waited_out_database(
         self, exc: BaseException, outages: int, what: str, d: Delivery | None = None
@@ -793,82 +931,158 @@ class Subscriber:
                 await anyio.sleep(delay)
 
     async def _run_batch(self, todo: list[Delivery], messages: list[Any]) -> tuple[int, int]:
-        """(handled, duplicates) of one batch transaction (``messages[i]``: the decoded
-        message of ``todo[i]``)."""
+        """(handled, duplicates) of one transaction over ``todo`` (``messages[i]``: the
+        decoded message of ``todo[i]``; one message or a batch): the one place where an
+        inbox row's life is decided.
+
+        The subscriber owns the transaction: it begins it on a connection of its own,
+        inserts the inbox rows there, and binds the handler's session to that connection
+        with ``join_transaction_mode="create_savepoint"``, so the session's transaction is
+        a savepoint of the subscriber's. A handler's ``session.commit()`` releases that
+        savepoint (its effects and events stay in the subscriber's transaction), its
+        ``session.rollback()`` goes back to it (the inbox rows stay), ``begin_nested()``
+        nests. Then the subscriber commits the inbox rows, the effects and the events
+        together, or rolls all of them back. Per-message handlers of a batch share the
+        session's savepoint (no round trip per message): a rollback by one of them that
+        undoes earlier messages' work raises :class:`_BatchSpoiled`, and the batch goes
+        message by message."""
         outbox = self.outbox
-        session = outbox.session_factory()
-        session.info[_BATCH_OPEN] = True
+        ids = [d.message_id for d in todo]
+        stream = todo[0].stream
+        streams = stream if all(d.stream == stream for d in todo) else [d.stream for d in todo]
+        conn = await outbox.engine.connect()
+        session: AsyncSession | None = None
         ran: set[str] = set()
-        before: list[Any] = []  # new objects on the session before the current handler
         try:
-            ids = [d.message_id for d in todo]
-            stream = todo[0].stream
-            same = all(d.stream == stream for d in todo)
-            fresh = await outbox.inbox.record_many(
-                session, self.group, ids, stream if same else [d.stream for d in todo]
-            )
-            if self.batch_handler and len(fresh) == len(ids):  # all new, each once
-                ran = fresh
-                await self._call_batch_handler(session, todo, messages)
-            elif self.batch_handler:
-                # The new messages, each once (a duplicate entry in the same batch too).
-                pick = []
-                for i, m in enumerate(ids):
-                    if m in fresh and m not in ran:
-                        ran.add(m)
-                        pick.append(i)
-                if pick:
-                    await self._call_batch_handler(
-                        session, [todo[i] for i in pick], [messages[i] for i in pick]
-                    )
-            for d, message in zip([] if self.batch_handler else todo, messages, strict=False):
-                if d.message_id not in fresh or d.message_id in ran:
-                    continue
-                ran.add(d.message_id)
-                correlation, causation, traceparent = self._context(d)
-                uow = UnitOfWork(
-                    outbox,
-                    session,
-                    correlation_id=correlation,
-                    causation_id=causation,
-                    traceparent=traceparent,
+            await conn.begin()
+            fresh = await outbox.inbox.record_many(conn, self.group, ids, streams)
+            if fresh:
+                session = outbox.session_factory(
+                    bind=conn, join_transaction_mode="create_savepoint"
                 )
-                uow._open()
+                session.info[JOINED_KEY] = True
+                run = _HandlerRun(self, session)
+                session.info[_RUN_KEY] = run
+                token = _HANDLER_RUN.set(run)
                 try:
-                    await self.handler(message, **{name: uow for name in self._uow_params})
-                    before = _harvest_added(uow, before)
+                    if self.batch_handler:
+                        await self._run_batch_handler(run, todo, messages, fresh, ran)
+                    else:
+                        await self._run_handlers(run, todo, messages, fresh, ran)
                 finally:
-                    uow._close()
-            del session.info[_BATCH_OPEN]
-            await session.commit()
+                    _HANDLER_RUN.reset(token)
+                    run.uow = None
+                # Flushes, writes the events' outbox rows, releases the savepoint.
+                await session.commit()
+            await conn.commit()
         except BaseException:
-            session.info.pop(_BATCH_OPEN, None)
             with anyio.CancelScope(shield=True):
-                await session.rollback()
-                await session.close()
+                await _discard(conn, session)
             raise
-        # Committed: the connection went back to the pool with the transaction, so closing
-        # needs no shield.
-        await session.close()
-        for _ in state_of(session.sync_session).take_notify():
-            await outbox._notify_after_commit()
+        # Committed: the session has nothing left to undo, the connection goes back to
+        # the pool (no shield needed).
+        if session is not None:
+            await session.close()
+        await conn.close()
+        if session is not None:
+            state = state_of(session.sync_session)
+            state.after_commit()  # the session's own commits were savepoint releases
+            for _ in state.take_notify():
+                await outbox._notify_after_commit()
         return len(ran), len(todo) - len(ran)
 
+    async def _run_handlers(
+        self,
+        run: _HandlerRun,
+        todo: list[Delivery],
+        messages: list[Any],
+        fresh: set[str],
+        ran: set[str],
+    ) -> None:
+        """The per-message handler on each new message of ``todo``, one after the other on
+        the shared session, each with a unit of work of its own (its events carry its
+        message as cause)."""
+        outbox = self.outbox
+        session = run.session
+        sync_session = session.sync_session
+        before: list[Any] = []  # new objects on the session before the current handler
+        for d, message in zip(todo, messages, strict=True):
+            if d.message_id not in fresh or d.message_id in ran:
+                continue
+            ran.add(d.message_id)
+            correlation, causation, traceparent = self._context(d)
+            uow = UnitOfWork(
+                outbox,
+                session,
+                correlation_id=correlation,
+                causation_id=causation,
+                traceparent=traceparent,
+            )
+            run.uow = uow
+            run.message = f"message {d.message_id}"
+            # Earlier handlers' work: in the session's transaction, or (events published
+            # or objects changed outside one) in a transaction begun now for it, so that a
+            # rollback undoing it is seen.
+            current = sync_session.get_transaction()
+            if current is None and (uow._state.queued or not sync_session._is_clean()):
+                current = sync_session.begin()
+            run.before = current
+            uow._open()
+            try:
+                await self.handler(message, **{name: uow for name in self._uow_params})
+                before = _harvest_added(uow, before)
+            finally:
+                uow._close()
+            if run.spoiled:
+                raise _BatchSpoiled(
+                    f"handler {self.name} rolled back its session while handling message "
+                    f"{d.message_id}, which undid the work of earlier messages of its batch "
+                    "(use session.begin_nested() to undo only your own): the batch is "
+                    "handled message by message"
+                )
+
+    async def _run_batch_handler(
+        self,
+        run: _HandlerRun,
+        todo: list[Delivery],
+        messages: list[Any],
+        fresh: set[str],
+        ran: set[str],
+    ) -> None:
+        """The batch handler on the new messages of ``todo``, each once."""
+        if len(fresh) == len(todo):  # all new, each once
+            ran.update(fresh)
+            await self._call_batch_handler(run, todo, messages)
+            return
+        # The new messages, each once (a duplicate entry in the same batch too).
+        pick = []
+        for i, d in enumerate(todo):
+            if d.message_id in fresh and d.message_id not in ran:
+                ran.add(d.message_id)
+                pick.append(i)
+        await self._call_batch_handler(run, [todo[i] for i in pick], [messages[i] for i in pick])
+
     async def _call_batch_handler(
-        self, session: Any, deliveries: list[Delivery], messages: list[Any]
+        self, run: _HandlerRun, deliveries: list[Delivery], messages: list[Any]
     ) -> None:
         """The batch handler on the new messages of a batch, in the batch's transaction."""
         # The context of the last message; the others' correlation ids when asked for.
         correlation, causation, traceparent = self._context(deliveries[-1])
         uow = BatchUnitOfWork(
             self.outbox,
-            session,
+            run.session,
             correlation_id=correlation,
             causation_id=causation,
             traceparent=traceparent,
         )
         uow._deliveries = deliveries
         uow.message_ids = [d.message_id for d in deliveries]
+        run.uow = uow
+        run.message = (
+            f"message {deliveries[0].message_id}"
+            if len(deliveries) == 1
+            else f"a batch of {len(deliveries)} messages from {deliveries[0].message_id}"
+        )
         uow._open()
         try:
             await self.handler(messages, **{name: uow for name in self._uow_params})
@@ -971,19 +1185,10 @@ class Subscriber:
             return
 
     async def _run_handler(self, d: Delivery, message: Any) -> bool:
-        """One transaction: inbox row, then the handler; True when the message was new."""
-        if self.batch_handler:  # a one-element list
-            new, _ = await self._run_batch([d], [message])
-            return new > 0
-        correlation, causation, traceparent = self._context(d)
-        async with self.outbox.unit_of_work(
-            correlation_id=correlation, causation_id=causation, traceparent=traceparent
-        ) as uow:
-            new = await self.outbox.inbox.record(uow.session, self.group, d.message_id, d.stream)
-            if new:
-                kwargs = {name: uow for name in self._uow_params}
-                await self.handler(message, **kwargs)
-        return new
+        """One transaction: inbox row, then the handler (a batch handler: on a one-element
+        list); True when the message was new."""
+        new, _ = await self._run_batch([d], [message])
+        return new > 0
 
     async def _ack(self, d: Delivery) -> None:
         assert self.consumer is not None
