@@ -8,9 +8,10 @@ transaction, *before* the handler runs::
 
 One row inserted: the message is new, the handler runs, and its effects commit together
 with the row. The subscriber owns that transaction: it inserts the row on a connection of
-its own and binds the handler's session to it inside a savepoint, so whatever the handler
-does with its session (commit, rollback, savepoints) cannot commit or undo the row — only
-the subscriber's final commit or rollback does, for the row and the effects together.
+its own and binds the handler's session to it so that whatever the handler does with its
+session (commit, rollback, savepoints) cannot commit or undo the row — only the
+subscriber's final commit or rollback does, for the row and the effects together (see
+:mod:`fastapi_outbox.subscribers`).
 
 No row inserted: the group handled this message before (a redelivery after a crash between
 commit and ack, a duplicate entry in the stream, a replay), the handler is skipped and the

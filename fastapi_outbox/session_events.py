@@ -24,9 +24,10 @@ with the next), savepoints drop their own events, events raised in ORM hooks are
 and a session passed in by the caller gets its rows in the caller's transaction.
 
 A session *joined* to a transaction its owner commits (``session.info[JOINED_KEY]``: a
-subscriber's handler session, bound to the library's connection with
-``join_transaction_mode="create_savepoint"``) writes its rows the same way, but its own
-``commit()`` only releases a savepoint: ``after_commit`` is left to the owner, who calls
+subscriber's handler session, bound to the subscriber's connection with
+``join_transaction_mode="rollback_only"`` or ``"create_savepoint"``) writes its rows the same
+way, but its own ``commit()`` commits nothing or only releases a savepoint: ``after_commit``
+is left to the owner, who calls
 :meth:`SessionState.after_commit` after the real commit, and what was written is remembered
 until then (a rollback of the session undoes its rows in the database; waking a dispatcher
 for nothing costs one empty claim).

@@ -7,13 +7,42 @@
         uow.session.add(Invoice(order_id=event.order_id))
         uow.publish(InvoiceIssued(order_id=event.order_id))
 
-Each message is handled in a unit of work of its own (``outbox.unit_of_work`` with
-causation id = the incoming message id and the correlation id carried over), which first
-records the message id in the inbox (:mod:`fastapi_outbox.inbox`): a message the group
-handled before is skipped. The broker ack follows the commit. So a crash anywhere — before
-the commit (nothing happened: redelivered, handled), between commit and ack (redelivered,
-skipped) — leaves each effect applied exactly once, and events the handler publishes go to
-the outbox in that same transaction.
+Each message is handled in a unit of work of its own (causation id = the incoming message
+id, the correlation id carried over) in a transaction that first records the message id in
+the inbox (:mod:`fastapi_outbox.inbox`): a message the group handled before is skipped. The
+broker ack follows the commit. So a crash anywhere — before the commit (nothing happened:
+redelivered, handled), between commit and ack (redelivered, skipped) — leaves each effect
+applied exactly once, and events the handler publishes go to the outbox in that same
+transaction.
+
+One owner of that transaction (``Subscriber._run_batch``): the subscriber begins it on a
+connection of its own, inserts the inbox row(s) there, binds the handler's session to that
+connection, and commits (or rolls back) the inbox rows, the effects and the events together.
+Whatever the handler does with its session, its effects and its inbox row commit together or
+not at all:
+
+* ``session.commit()`` flushes and writes its events' outbox rows
+  (:mod:`fastapi_outbox.session_events`) but commits nothing: the effects commit with the
+  inbox row when the subscriber commits, and a failure after it still undoes them (the
+  message is retried);
+* ``session.rollback()`` undoes the handler's work since its last commit, never the inbox
+  row, and the handler can go on (the insert-if-absent idiom ``try: flush() except
+  IntegrityError: rollback()``);
+* ``session.begin_nested()`` savepoints work as usual;
+* ``outbox.unit_of_work()`` inside a handler joins the handler's session (a savepoint of its
+  transaction); a session of the handler's own on the outbox's database
+  (``outbox.session_factory()``, a sessionmaker) is refused when it begins, with a
+  :class:`~fastapi_outbox.exceptions.UnitOfWorkError` naming the handler — its commit would
+  not go with the inbox row.
+
+How, without a round trip per message: the session first joins the subscriber's
+transaction itself (``join_transaction_mode="rollback_only"``: its commits commit nothing).
+Only a rollback of the session reaches that transaction; then a new one is begun at once (the
+handler's later work is discarded with it), and the message runs again the careful way: the
+session in a savepoint of the subscriber's transaction (``"create_savepoint"``: its commit
+releases the savepoint, its rollback goes back to it). A batch whose handler rolls back goes
+message by message (a batch handler's batch: again at once, the careful way). The dispatchers
+are woken after the subscriber's real commit, not after the handler's.
 
 Failures:
 
@@ -33,9 +62,11 @@ Failures:
 ``ordered=True``: messages of one key are handled one at a time in stream order (a failing
 one is retried in place, holding back later messages of its key only).
 
-Shutdown (``stop``): no new fetch; in-flight messages get ``shutdown_timeout_seconds`` (a
-share of it) to finish, the rest are cancelled — their transactions roll back — and
-released to the broker for redelivery.
+Shutdown (``stop``): no new fetch; in-flight messages get a share of
+``shutdown_timeout_seconds`` (counted from the stop) to finish, the rest are cancelled —
+their transactions roll back — and released to the broker, so another consumer takes them
+at once (Redis: marked idle for ``XAUTOCLAIM``; NATS: ``nak``), also when ``run`` itself is
+cancelled.
 """
 
 from __future__ import annotations
@@ -60,6 +91,7 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from pydantic import BaseModel, Field, ValidationError
 from sqlalchemy import event as sa_event
+from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session, SessionTransaction
 
@@ -119,8 +151,10 @@ Handler = Callable[..., Awaitable[Any]]
 _RUN_KEY = "fastapi_outbox.handler_run"
 
 
-class _BatchSpoiled(Exception):
-    """A handler rolled back work of earlier messages of its batch: handle them one by one."""
+class _Spoiled(Exception):
+    """A handler's rollback reached work it does not own alone: the subscriber's transaction
+    (the fast way: run the message again the careful way) or earlier messages' work of its
+    batch (run the batch message by message)."""
 
 
 class _HandlerRun:
@@ -128,15 +162,20 @@ class _HandlerRun:
     unit of work and message of the handler running now, and what a rollback of the
     session undid."""
 
-    __slots__ = ("before", "message", "session", "spoiled", "subscriber", "uow")
+    __slots__ = ("before", "message", "outer", "session", "spoiled", "subscriber", "uow")
 
-    def __init__(self, subscriber: Subscriber, session: AsyncSession) -> None:
+    def __init__(
+        self, subscriber: Subscriber, session: AsyncSession, outer: Connection | None
+    ) -> None:
         self.subscriber = subscriber
         self.session = session
+        #: The fast way: the subscriber's connection, whose transaction the session shares
+        #: (None: the careful way, the session in a savepoint of it).
+        self.outer = outer
         self.uow: UnitOfWork | None = None
         self.message = ""
-        #: The session's transaction when the current handler began (work of earlier
-        #: handlers of the batch is in it), or None.
+        #: The careful way: the session's transaction when the current handler began (work
+        #: of earlier handlers of the batch is in it), or None.
         self.before: SessionTransaction | None = None
         self.spoiled = False
 
@@ -157,18 +196,26 @@ def handler_transaction(outbox: Outbox) -> tuple[AsyncSession, UnitOfWork] | Non
 
 
 @sa_event.listens_for(Session, "after_soft_rollback")
-def _note_a_rollback_across_handlers(session: Session, previous: SessionTransaction) -> None:
-    """A rollback of a batch session's transaction (not of a savepoint the handler began)
-    that began before the current handler: it undid earlier messages' work too."""
+def _note_a_rollback_of_the_handler_session(session: Session, previous: SessionTransaction) -> None:
+    """A rollback of a handler session's own transaction (not of a savepoint the handler
+    began). The fast way, that was the subscriber's transaction, inbox rows included: a new
+    one is begun at once, so the handler's later work joins it (and is discarded with it)
+    and never commits on its own; the message goes again the careful way. The careful way,
+    in a batch: when the transaction began before the current handler, earlier messages'
+    work went with it, and the batch goes message by message."""
     run: _HandlerRun | None = session.info.get(_RUN_KEY)
-    if run is None or run.before is None:
+    if run is None:
         return
     transaction = previous
     while transaction.parent is not None:
         if transaction.nested:
             return
         transaction = transaction.parent
-    if transaction is run.before:
+    if run.outer is not None:
+        run.spoiled = True
+        if not run.outer.in_transaction():
+            run.outer.begin()
+    elif run.before is not None and transaction is run.before:
         run.spoiled = True
 
 
@@ -905,11 +952,17 @@ class Subscriber:
     ) -> tuple[int, int]:
         """A batch handler's batch: retried as a whole with backoff (``BATCH_HANDLER_TRIES``
         tries; the database unreachable costs no try), then the last error is raised and
-        the caller goes message by message."""
+        the caller goes message by message. A handler that rolled back its session costs no
+        try: the batch goes again at once, the careful way."""
         tries = outages = 0
+        careful = False
         while True:
             try:
-                return await self._run_batch(todo, messages)
+                return await self._run_batch(todo, messages, careful=careful)
+            except _Spoiled:
+                if careful:
+                    raise
+                careful = True
             except Exception as exc:
                 if await self._waited_out_database(exc, outages, "the batch"):
                     outages += 1
@@ -930,22 +983,30 @@ class Subscriber:
                 )
                 await anyio.sleep(delay)
 
-    async def _run_batch(self, todo: list[Delivery], messages: list[Any]) -> tuple[int, int]:
+    async def _run_batch(
+        self, todo: list[Delivery], messages: list[Any], *, careful: bool = False
+    ) -> tuple[int, int]:
         """(handled, duplicates) of one transaction over ``todo`` (``messages[i]``: the
         decoded message of ``todo[i]``; one message or a batch): the one place where an
         inbox row's life is decided.
 
         The subscriber owns the transaction: it begins it on a connection of its own,
-        inserts the inbox rows there, and binds the handler's session to that connection
-        with ``join_transaction_mode="create_savepoint"``, so the session's transaction is
-        a savepoint of the subscriber's. A handler's ``session.commit()`` releases that
-        savepoint (its effects and events stay in the subscriber's transaction), its
-        ``session.rollback()`` goes back to it (the inbox rows stay), ``begin_nested()``
-        nests. Then the subscriber commits the inbox rows, the effects and the events
-        together, or rolls all of them back. Per-message handlers of a batch share the
-        session's savepoint (no round trip per message): a rollback by one of them that
-        undoes earlier messages' work raises :class:`_BatchSpoiled`, and the batch goes
-        message by message."""
+        inserts the inbox rows there and binds the handler's session to that connection;
+        then it commits the inbox rows, the effects and the events together, or rolls all
+        of them back. The session never commits that transaction:
+
+        * the fast way (``join_transaction_mode="rollback_only"``, no round trip added): a
+          handler's ``session.commit()`` flushes and writes its events' outbox rows, and
+          commits nothing; ``begin_nested()`` savepoints work as usual. A rollback of the
+          session itself would undo the inbox rows too: a new transaction is begun at
+          once (the handler's later work is discarded with it) and :class:`_Spoiled` is
+          raised after the handler — the caller runs the message(s) again the careful way
+          (one message) or message by message (a batch);
+        * the careful way (``careful=True``, ``"create_savepoint"``): the session's
+          transaction is a savepoint of the subscriber's (SAVEPOINT and RELEASE: two round
+          trips), so ``session.rollback()`` goes back to it and the inbox rows stay. The
+          per-message handlers of a batch share that savepoint: a rollback by one of them
+          that undoes earlier messages' work raises :class:`_Spoiled`."""
         outbox = self.outbox
         ids = [d.message_id for d in todo]
         stream = todo[0].stream
@@ -958,10 +1019,11 @@ class Subscriber:
             fresh = await outbox.inbox.record_many(conn, self.group, ids, streams)
             if fresh:
                 session = outbox.session_factory(
-                    bind=conn, join_transaction_mode="create_savepoint"
+                    bind=conn,
+                    join_transaction_mode="create_savepoint" if careful else "rollback_only",
                 )
                 session.info[JOINED_KEY] = True
-                run = _HandlerRun(self, session)
+                run = _HandlerRun(self, session, None if careful else conn.sync_connection)
                 session.info[_RUN_KEY] = run
                 token = _HANDLER_RUN.set(run)
                 try:
@@ -972,8 +1034,11 @@ class Subscriber:
                 finally:
                     _HANDLER_RUN.reset(token)
                     run.uow = None
-                # Flushes, writes the events' outbox rows, releases the savepoint.
+                # Flushes and writes the events' outbox rows (the careful way: releases
+                # the savepoint).
                 await session.commit()
+                if run.spoiled:  # rolled back in a hook of the commit
+                    raise _Spoiled(f"handler {self.name}: the session rolled back")
             await conn.commit()
         except BaseException:
             with anyio.CancelScope(shield=True):
@@ -986,9 +1051,9 @@ class Subscriber:
         await conn.close()
         if session is not None:
             state = state_of(session.sync_session)
-            state.after_commit()  # the session's own commits were savepoint releases
-            for _ in state.take_notify():
-                await outbox._notify_after_commit()
+            state.after_commit()  # the session's own commits were not the real one
+            for sink in state.take_notify():
+                await typing.cast("Outbox", sink)._notify_after_commit()
         return len(ran), len(todo) - len(ran)
 
     async def _run_handlers(
@@ -1020,13 +1085,14 @@ class Subscriber:
             )
             run.uow = uow
             run.message = f"message {d.message_id}"
-            # Earlier handlers' work: in the session's transaction, or (events published
-            # or objects changed outside one) in a transaction begun now for it, so that a
-            # rollback undoing it is seen.
-            current = sync_session.get_transaction()
-            if current is None and (uow._state.queued or not sync_session._is_clean()):
-                current = sync_session.begin()
-            run.before = current
+            if run.outer is None:
+                # The careful way. Earlier handlers' work: in the session's transaction,
+                # or (events published or objects changed outside one) in a transaction
+                # begun now for it, so that a rollback undoing it is seen.
+                current = sync_session.get_transaction()
+                if current is None and (uow._state.queued or not sync_session._is_clean()):
+                    current = sync_session.begin()
+                run.before = current
             uow._open()
             try:
                 await self.handler(message, **{name: uow for name in self._uow_params})
@@ -1034,11 +1100,9 @@ class Subscriber:
             finally:
                 uow._close()
             if run.spoiled:
-                raise _BatchSpoiled(
+                raise _Spoiled(
                     f"handler {self.name} rolled back its session while handling message "
-                    f"{d.message_id}, which undid the work of earlier messages of its batch "
-                    "(use session.begin_nested() to undo only your own): the batch is "
-                    "handled message by message"
+                    f"{d.message_id}: handled again in a savepoint of its own"
                 )
 
     async def _run_batch_handler(
@@ -1089,6 +1153,11 @@ class Subscriber:
             _harvest_added(uow, [])
         finally:
             uow._close()
+        if run.spoiled:
+            raise _Spoiled(
+                f"handler {self.name} rolled back its session while handling {run.message}: "
+                "handled again in a savepoint of its own"
+            )
 
     def _context(self, d: Delivery) -> tuple[str | None, str | None, str | None]:
         """(correlation id carried over, causation id = the message id, traceparent)."""
@@ -1186,8 +1255,12 @@ class Subscriber:
 
     async def _run_handler(self, d: Delivery, message: Any) -> bool:
         """One transaction: inbox row, then the handler (a batch handler: on a one-element
-        list); True when the message was new."""
-        new, _ = await self._run_batch([d], [message])
+        list); True when the message was new. The fast way first; the careful way when the
+        handler rolled back its session."""
+        try:
+            new, _ = await self._run_batch([d], [message])
+        except _Spoiled:
+            new, _ = await self._run_batch([d], [message], careful=True)
         return new > 0
 
     async def _ack(self, d: Delivery) -> None:

@@ -3,8 +3,8 @@ the handler does with its session, or the library refuses the idiom at its first
 error that names the handler.
 
 A matrix of handler idioms — its own commit, its own commit then a transient failure, a
-rollback then more work (the insert-if-absent idiom), a savepoint rolled back and one
-released, an exception after a flush, a second unit of work, a second session — run the
+rollback then more work (the insert-if-absent idiom), its own commit then a rollback, a
+savepoint rolled back and one released, an exception after a flush, a second unit of work, a second session — run the
 three ways a subscriber runs handlers: a batch of per-message handlers (the default), one
 message per transaction (``batch=False``), and a batch handler (``list[Event]``); on SQLite
 and PostgreSQL. Every message is delivered twice (a second stream entry with the same message
@@ -105,6 +105,15 @@ async def rollback_then_continue(uow: UnitOfWork, ns: list[int], first: bool) ->
     effect(uow, ns, "a")
 
 
+async def own_commit_then_rollback(uow: UnitOfWork, ns: list[int], first: bool) -> None:
+    effect(uow, ns, "a")
+    await uow.session.commit()  # kept: the rollback below undoes only what came after it
+    effect(uow, ns, "undone")
+    await uow.session.flush()
+    await uow.session.rollback()
+    effect(uow, ns, "b")
+
+
 async def savepoint_rolled_back(uow: UnitOfWork, ns: list[int], first: bool) -> None:
     effect(uow, ns, "a")
     try:
@@ -150,6 +159,7 @@ IDIOMS: dict[Idiom, tuple[set[str], set[str]] | None] = {
     own_commit: ({"a"}, {"a"}),
     own_commit_then_transient_failure: ({"a", "b"}, {"a", "b"}),
     rollback_then_continue: ({"a"}, {"a"}),
+    own_commit_then_rollback: ({"a", "b"}, {"a", "b"}),
     savepoint_rolled_back: ({"a", "b"}, {"a", "b"}),
     savepoint_released: ({"a", "b"}, {"a"}),
     exception_after_flush: ({"a"}, {"a"}),
