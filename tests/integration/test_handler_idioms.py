@@ -4,13 +4,14 @@ error that names the handler.
 
 A matrix of handler idioms — its own commit, its own commit then a transient failure, a
 rollback then more work (the insert-if-absent idiom), its own commit then a rollback, a
-savepoint rolled back and one released, an exception after a flush, a second unit of work, a second session — run the
-three ways a subscriber runs handlers: a batch of per-message handlers (the default), one
-message per transaction (``batch=False``), and a batch handler (``list[Event]``); on SQLite
-and PostgreSQL. Every message is delivered twice (a second stream entry with the same message
-id, after the first was handled), and the idioms that fail do so on the first call for each
-message. The test counts the effects in the database and the events in the outbox (and on the
-broker, from the running dispatcher): each exactly once.
+savepoint rolled back and one released, an exception after a flush, a second unit of work,
+a second session — run the three ways a subscriber runs handlers: a batch of per-message
+handlers (the default), one message per transaction (``batch=False``), and a batch handler
+(``list[Event]``); on SQLite and PostgreSQL. Every message is delivered twice (a second
+stream entry with the same message id, after the first was handled), and the idioms that
+fail do so on the first call for each message. The test counts the effects in the database
+and the events in the outbox (and on the broker, from the running dispatcher): each exactly
+once.
 """
 
 from __future__ import annotations
@@ -301,3 +302,36 @@ async def test_effects_once_whatever_the_handler_does_with_its_session(
         async with outbox.engine.connect() as conn:
             customers = (await conn.execute(select(Customer.id))).scalars().all()
         assert sorted(customers) == list(range(MESSAGES))
+
+
+@pytest.mark.parametrize("mode", ["one_by_one", "batch_handler"])
+async def test_dispatchers_are_woken_by_the_subscribers_commit_not_the_handlers(
+    outbox: Outbox, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A handler's own commit commits nothing, so it wakes no dispatcher: the wake-up (and a
+    NOTIFY, when one is due) follows the subscriber's commit, once."""
+    broker = outbox.brokers["default"]
+    assert isinstance(broker, MemoryBroker)
+    woken: list[dict[str, float]] = []
+    seen_by_handler: list[int] = []
+    committed = outbox.committed
+
+    def spy(brokers: Any) -> bool:
+        woken.append(dict(brokers))
+        return committed(brokers)
+
+    monkeypatch.setattr(outbox, "committed", spy)
+
+    async def commits_then_looks(uow: UnitOfWork, ns: list[int], first: bool) -> None:
+        effect(uow, ns, "a")
+        await uow.session.commit()
+        seen_by_handler.append(len(woken))
+
+    declare(outbox, commits_then_looks, mode, collections.Counter())
+    sub = outbox.subscribers[0]
+    async with outbox.dispatcher():
+        await deliver(broker, [str(uuid7())])
+        await wait_until(lambda: sub.stats.handled == 1, timeout=30)
+        await wait_until(lambda: len(broker.on_stream("idiom_done")) == 1, timeout=15)
+    assert seen_by_handler == [0]  # nothing woken by the handler's own commit
+    assert woken == [{"default": 0.0}]  # once, by the subscriber's commit
