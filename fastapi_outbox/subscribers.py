@@ -213,7 +213,7 @@ def _note_a_rollback_of_the_handler_session(session: Session, previous: SessionT
         transaction = transaction.parent
     if run.outer is not None:
         run.spoiled = True
-        if not run.outer.in_transaction():
+        if run.uow is not None and not run.outer.in_transaction():  # a handler runs
             run.outer.begin()
     elif run.before is not None and transaction is run.before:
         run.spoiled = True
@@ -227,7 +227,9 @@ def _refuse_a_second_session(session: Session, transaction: SessionTransaction) 
     before it takes a connection (on SQLite it would wait for the write lock the handler's
     transaction holds)."""
     run = _HANDLER_RUN.get()
-    if run is None or transaction.parent is not None or session.info.get(JOINED_KEY):
+    if run is None or run.uow is None or transaction.parent is not None:
+        return  # no handler runs (a task it started may outlive it)
+    if session.info.get(JOINED_KEY):
         return
     _refuse_if_ours(run, session.bind)
 
@@ -237,7 +239,9 @@ def _refuse_a_second_connection(session: Session, transaction: Any, connection: 
     """The same for a session without one bind (``binds=`` per class): judged by the
     connection it takes."""
     run = _HANDLER_RUN.get()
-    if run is None or session.bind is not None or session.info.get(JOINED_KEY):
+    if run is None or run.uow is None or session.bind is not None:
+        return
+    if session.info.get(JOINED_KEY):
         return
     _refuse_if_ours(run, connection)
 
