@@ -187,10 +187,11 @@ _HANDLER_RUN: contextvars.ContextVar[_HandlerRun | None] = contextvars.ContextVa
 
 
 def handler_transaction(outbox: Outbox) -> tuple[AsyncSession, UnitOfWork] | None:
-    """The session and unit of work of the ``outbox``'s handler running in this context,
-    else None: ``outbox.unit_of_work()`` called inside a handler joins them."""
+    """The session and unit of work of the handler running in this context when it works on
+    ``outbox``'s database (its own outbox's, or another outbox's on the same engine), else
+    None: ``outbox.unit_of_work()`` called inside a handler joins them."""
     run = _HANDLER_RUN.get()
-    if run is None or run.uow is None or run.subscriber.outbox is not outbox:
+    if run is None or run.uow is None or run.subscriber.outbox.engine is not outbox.engine:
         return None
     return run.session, run.uow
 

@@ -335,3 +335,39 @@ async def test_dispatchers_are_woken_by_the_subscribers_commit_not_the_handlers(
         await wait_until(lambda: len(broker.on_stream("idiom_done")) == 1, timeout=15)
     assert seen_by_handler == [0]  # nothing woken by the handler's own commit
     assert woken == [{"default": 0.0}]  # once, by the subscriber's commit
+
+
+async def test_a_unit_of_work_of_another_outbox_on_the_same_database_joins_too(
+    outbox: Outbox,
+) -> None:
+    """Events for a second outbox table (another ``Outbox`` on the same engine), published
+    from a handler through that outbox's unit of work, commit with the handler's effects and
+    its inbox row: once, despite a failure after them."""
+    other = Outbox(
+        outbox.engine,
+        brokers={"default": MemoryBroker()},
+        settings=OutboxSettings(table_name="other_outbox"),
+    )
+    await other.create_tables()
+    broker = outbox.brokers["default"]
+    assert isinstance(broker, MemoryBroker)
+
+    async def publishes_elsewhere(uow: UnitOfWork, ns: list[int], first: bool) -> None:
+        effect(uow, ns, "a", event=False)
+        async with other.unit_of_work() as elsewhere:
+            assert elsewhere.session is uow.session
+            for n in ns:
+                elsewhere.publish(Done(n=n, label="elsewhere"))
+        if first:
+            raise Transient("after publishing elsewhere")
+
+    declare(outbox, publishes_elsewhere, "batch", collections.Counter())
+    sub = outbox.subscribers[0]
+    async with outbox.dispatcher():
+        await deliver(broker, [str(uuid7()) for _ in range(MESSAGES)])
+        await wait_until(lambda: sub.stats.handled == MESSAGES, timeout=30)
+    effects, _ = await committed(outbox)
+    assert effects == collections.Counter({(n, "a"): 1 for n in range(MESSAGES)})
+    _, events = await committed(other)
+    assert events == collections.Counter({(n, "elsewhere"): 1 for n in range(MESSAGES)})
+    await other.aclose()
