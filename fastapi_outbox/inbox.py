@@ -1,15 +1,21 @@
 """The consumers' inbox: which message ids each consumer group has handled.
 
-One row per (consumer group, message id), written by the subscriber in the handler's own
+One row per (consumer group, message id), written by the subscriber in the handler's
 transaction, *before* the handler runs::
 
     INSERT INTO outbox_inbox ("group", message_id, stream, handled_at)
     VALUES (…) ON CONFLICT DO NOTHING
 
 One row inserted: the message is new, the handler runs, and its effects commit together
-with the row. No row inserted: the group handled this message before (a redelivery after a
-crash between commit and ack, a duplicate entry in the stream, a replay), the handler is
-skipped and the message is only acknowledged. On PostgreSQL a concurrent handler of the
+with the row. The subscriber owns that transaction: it inserts the row on a connection of
+its own and binds the handler's session to it so that whatever the handler does with its
+session (commit, rollback, savepoints) cannot commit or undo the row — only the
+subscriber's final commit or rollback does, for the row and the effects together (see
+:mod:`fastapi_outbox.subscribers`).
+
+No row inserted: the group handled this message before (a redelivery after a crash between
+commit and ack, a duplicate entry in the stream, a replay), the handler is skipped and the
+message is only acknowledged. On PostgreSQL a concurrent handler of the
 same message (two consumers that both hold it after a claim timeout) waits on the primary
 key until the first commits, then inserts nothing: effects happen once either way.
 
@@ -27,7 +33,7 @@ from typing import Any
 
 from sqlalchemy import Column, Index, MetaData, String, Table, delete, func, select, tuple_
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 
 from fastapi_outbox import clock, exceptions, schema
 from fastapi_outbox.settings import INBOX_TABLE_NAME, check_table_name
@@ -111,10 +117,13 @@ class Inbox:
     async def drop_table(self) -> None:
         await schema.drop_table(self.engine, self.table)
 
-    async def record(self, session: AsyncSession, group: str, message_id: str, stream: str) -> bool:
-        """Record ``message_id`` as handled by ``group`` in the session's transaction;
-        True when it is new (the handler must run), False when the group handled it before."""
-        result: Any = await session.execute(
+    async def record(
+        self, on: AsyncConnection | AsyncSession, group: str, message_id: str, stream: str
+    ) -> bool:
+        """Record ``message_id`` as handled by ``group`` in the transaction of ``on`` (a
+        connection or a session); True when it is new (the handler must run), False when
+        the group handled it before."""
+        result: Any = await on.execute(
             self._record,
             {
                 "group": group,
@@ -126,22 +135,23 @@ class Inbox:
 
     async def record_many(
         self,
-        session: AsyncSession,
+        on: AsyncConnection | AsyncSession,
         group: str,
         message_ids: list[str],
         streams: str | list[str],
     ) -> set[str]:
         """Record ``message_ids`` (from ``streams``: one stream for all, or one per id) for
-        ``group`` in one statement of the session's transaction (a subscriber's batch);
-        returns the ids that are new. An id twice in the list is recorded once."""
+        ``group`` in one statement of the transaction of ``on`` (a connection or a session;
+        a subscriber's batch); returns the ids that are new. An id twice in the list is
+        recorded once."""
         if not message_ids:
             return set()
         if self.is_postgres and self.engine.dialect.driver == "asyncpg":
             # One statement for the whole batch: arrays instead of a VALUES row per message,
-            # no SQLAlchemy work per row. Through the session's connection (not the raw
-            # asyncpg one): that starts the session's transaction if it has not begun, so
-            # the rows commit or roll back with the handlers' effects.
-            connection = await session.connection()
+            # no SQLAlchemy work per row. Through SQLAlchemy's connection (not the raw
+            # asyncpg one): that starts its transaction if it has not begun, so the rows
+            # commit or roll back with the handlers' effects.
+            connection = await on.connection() if isinstance(on, AsyncSession) else on
             result: Any
             if isinstance(streams, str):
                 result = await connection.exec_driver_sql(
@@ -154,7 +164,7 @@ class Inbox:
             return set(result.scalar() or ())
         per_id = [streams] * len(message_ids) if isinstance(streams, str) else streams
         rows = dict(zip(message_ids, per_id, strict=True))  # an id once: ON CONFLICT
-        result = await session.execute(  # cannot affect a row twice in one statement
+        result = await on.execute(  # cannot affect a row twice in one statement
             self._record.returning(self.table.c.message_id),
             [{"group": group, "message_id": m, "stream": s} for m, s in rows.items()],
         )

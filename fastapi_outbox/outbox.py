@@ -34,7 +34,7 @@ from fastapi_outbox.redaction import redact, redact_url, remember
 from fastapi_outbox.retention import Cleaner
 from fastapi_outbox.settings import OutboxSettings
 from fastapi_outbox.store import Store
-from fastapi_outbox.subscribers import Handler, Subscriber
+from fastapi_outbox.subscribers import Handler, Subscriber, handler_transaction
 from fastapi_outbox.unit_of_work import UnitOfWork, current_outbox, register_outbox
 from fastapi_outbox.wal_relay import WalRelay
 from fastapi_outbox.wal_slot import WalSlot
@@ -301,7 +301,19 @@ class Outbox:
         it raises, its business writes and its events are undone together and the caller's
         transaction stays usable; when it succeeds, its rows are written in the caller's
         transaction, and the caller's commit or rollback decides for both — this never
-        commits or rolls back the caller's transaction."""
+        commits or rolls back the caller's transaction.
+
+        Inside a subscriber's handler, without ``session=``, it joins the handler's session
+        that way (a savepoint of the handler's transaction, the handler's correlation and
+        causation ids unless given): its work commits with the message's inbox row or not
+        at all, never on its own."""
+        if session is None:
+            joined = handler_transaction(self)
+            if joined is not None:
+                session, handler_uow = joined
+                correlation_id = correlation_id or handler_uow.correlation_id
+                causation_id = causation_id or handler_uow.causation_id
+                traceparent = traceparent or handler_uow.traceparent
         own = session is None
         sess = self.session_factory() if session is None else session
         uow = UnitOfWork(

@@ -23,6 +23,15 @@ So a handler may call ``session.commit()`` itself (its events go with that commi
 with the next), savepoints drop their own events, events raised in ORM hooks are collected,
 and a session passed in by the caller gets its rows in the caller's transaction.
 
+A session *joined* to a transaction its owner commits (``session.info[JOINED_KEY]``: a
+subscriber's handler session, bound to the subscriber's connection with
+``join_transaction_mode="rollback_only"`` or ``"create_savepoint"``) writes its rows the same
+way, but its own ``commit()`` commits nothing or only releases a savepoint: ``after_commit``
+is left to the owner, who calls
+:meth:`SessionState.after_commit` after the real commit, and what was written is remembered
+until then (a rollback of the session undoes its rows in the database; waking a dispatcher
+for nothing costs one empty claim).
+
 A ``Sink`` (the :class:`~fastapi_outbox.outbox.Outbox`) knows how to write its rows and what to
 do after a commit; a session may carry rows for several outboxes (several tables).
 """
@@ -39,10 +48,13 @@ from sqlalchemy.orm import Session, SessionTransaction
 from fastapi_outbox.aggregates import PUBLISH_KEY, collect_events, held_aggregates
 from fastapi_outbox.events import Event, Message
 
-__all__ = ["STATE_KEY", "SessionState", "Sink", "state_of"]
+__all__ = ["JOINED_KEY", "STATE_KEY", "SessionState", "Sink", "state_of"]
 
 #: ``session.info`` key of the :class:`SessionState`.
 STATE_KEY = "fastapi_outbox.state"
+#: ``session.info`` key set on a session joined to a transaction its owner commits: the
+#: session's own commit is not the real one (see the module docstring).
+JOINED_KEY = "fastapi_outbox.joined"
 
 
 class Sink(Protocol):
@@ -143,12 +155,15 @@ class SessionState:
 
     # -- transaction ends -----------------------------------------------------------------------
 
-    def drop(self, boundary: SessionTransaction | None) -> None:
+    def drop(self, boundary: SessionTransaction | None, *, joined: bool = False) -> None:
         """Forget rows queued in ``boundary`` (a savepoint) and the savepoints inside it;
-        ``None``: every row (the root transaction ended without commit)."""
+        ``None``: every row (the root transaction ended without commit). ``joined``: the
+        session's root is a savepoint of its owner's transaction; what was written stays
+        noted for the owner's commit."""
         if boundary is None:
             self.queued.clear()
-            self.written.clear()
+            if not joined:
+                self.written.clear()
             return
         self.queued = [q for q in self.queued if not _within(q[0], boundary)]
 
@@ -234,7 +249,11 @@ def _before_flush(session: Session, flush_context: Any, instances: Any) -> None:
 @sa_event.listens_for(Session, "after_commit")
 def _after_commit(session: Session) -> None:
     state: SessionState | None = session.info.get(STATE_KEY)
-    if state is not None and session.get_nested_transaction() is None:
+    if (
+        state is not None
+        and session.get_nested_transaction() is None
+        and not session.info.get(JOINED_KEY)
+    ):
         state.after_commit()
 
 
@@ -242,11 +261,13 @@ def _after_commit(session: Session) -> None:
 def _after_soft_rollback(session: Session, previous_transaction: SessionTransaction) -> None:
     state: SessionState | None = session.info.get(STATE_KEY)
     if state is not None:
-        state.drop(_rolled_back_boundary(previous_transaction))
+        state.drop(
+            _rolled_back_boundary(previous_transaction), joined=bool(session.info.get(JOINED_KEY))
+        )
 
 
 @sa_event.listens_for(Session, "after_transaction_end")
 def _after_transaction_end(session: Session, transaction: SessionTransaction) -> None:
     state: SessionState | None = session.info.get(STATE_KEY)
     if state is not None and transaction.parent is None and not transaction.nested:
-        state.drop(None)
+        state.drop(None, joined=bool(session.info.get(JOINED_KEY)))

@@ -7,13 +7,42 @@
         uow.session.add(Invoice(order_id=event.order_id))
         uow.publish(InvoiceIssued(order_id=event.order_id))
 
-Each message is handled in a unit of work of its own (``outbox.unit_of_work`` with
-causation id = the incoming message id and the correlation id carried over), which first
-records the message id in the inbox (:mod:`fastapi_outbox.inbox`): a message the group
-handled before is skipped. The broker ack follows the commit. So a crash anywhere — before
-the commit (nothing happened: redelivered, handled), between commit and ack (redelivered,
-skipped) — leaves each effect applied exactly once, and events the handler publishes go to
-the outbox in that same transaction.
+Each message is handled in a unit of work of its own (causation id = the incoming message
+id, the correlation id carried over) in a transaction that first records the message id in
+the inbox (:mod:`fastapi_outbox.inbox`): a message the group handled before is skipped. The
+broker ack follows the commit. So a crash anywhere — before the commit (nothing happened:
+redelivered, handled), between commit and ack (redelivered, skipped) — leaves each effect
+applied exactly once, and events the handler publishes go to the outbox in that same
+transaction.
+
+One owner of that transaction (``Subscriber._run_batch``): the subscriber begins it on a
+connection of its own, inserts the inbox row(s) there, binds the handler's session to that
+connection, and commits (or rolls back) the inbox rows, the effects and the events together.
+Whatever the handler does with its session, its effects and its inbox row commit together or
+not at all:
+
+* ``session.commit()`` flushes and writes its events' outbox rows
+  (:mod:`fastapi_outbox.session_events`) but commits nothing: the effects commit with the
+  inbox row when the subscriber commits, and a failure after it still undoes them (the
+  message is retried);
+* ``session.rollback()`` undoes the handler's work since its last commit, never the inbox
+  row, and the handler can go on (the insert-if-absent idiom ``try: flush() except
+  IntegrityError: rollback()``);
+* ``session.begin_nested()`` savepoints work as usual;
+* ``outbox.unit_of_work()`` inside a handler joins the handler's session (a savepoint of its
+  transaction); a session of the handler's own on the outbox's database
+  (``outbox.session_factory()``, a sessionmaker) is refused when it begins, with a
+  :class:`~fastapi_outbox.exceptions.UnitOfWorkError` naming the handler — its commit would
+  not go with the inbox row.
+
+How, without a round trip per message: the session first joins the subscriber's
+transaction itself (``join_transaction_mode="rollback_only"``: its commits commit nothing).
+Only a rollback of the session reaches that transaction; then a new one is begun at once (the
+handler's later work is discarded with it), and the message runs again the careful way: the
+session in a savepoint of the subscriber's transaction (``"create_savepoint"``: its commit
+releases the savepoint, its rollback goes back to it). A batch whose handler rolls back goes
+message by message (a batch handler's batch: again at once, the careful way). The dispatchers
+are woken after the subscriber's real commit, not after the handler's.
 
 Failures:
 
@@ -33,13 +62,16 @@ Failures:
 ``ordered=True``: messages of one key are handled one at a time in stream order (a failing
 one is retried in place, holding back later messages of its key only).
 
-Shutdown (``stop``): no new fetch; in-flight messages get ``shutdown_timeout_seconds`` (a
-share of it) to finish, the rest are cancelled — their transactions roll back — and
-released to the broker for redelivery.
+Shutdown (``stop``): no new fetch; in-flight messages get a share of
+``shutdown_timeout_seconds`` (counted from the stop) to finish, the rest are cancelled —
+their transactions roll back — and released to the broker, so another consumer takes them
+at once (Redis: marked idle for ``XAUTOCLAIM``; NATS: ``nak``), also when ``run`` itself is
+cancelled.
 """
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import datetime as dt
 import inspect
@@ -59,7 +91,9 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from pydantic import BaseModel, Field, ValidationError
 from sqlalchemy import event as sa_event
-from sqlalchemy.orm import Session
+from sqlalchemy.engine import Connection
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+from sqlalchemy.orm import Session, SessionTransaction
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.aggregates import collect_events, held_aggregates
@@ -78,7 +112,7 @@ from fastapi_outbox.events import (
 )
 from fastapi_outbox.log import safe_error
 from fastapi_outbox.redaction import redact
-from fastapi_outbox.session_events import state_of
+from fastapi_outbox.session_events import JOINED_KEY, state_of
 from fastapi_outbox.unit_of_work import UnitOfWork, valid_correlation_id
 
 if TYPE_CHECKING:
@@ -107,6 +141,8 @@ PAUSE_MAX_SECONDS = 10.0
 #: Share of ``shutdown_timeout_seconds`` in-flight handlers get to finish; the rest of it
 #: is for releasing what did not finish.
 DRAIN_SHARE = 0.7
+#: Longest wait for the broker to take back the unfinished deliveries at a stop.
+RELEASE_SECONDS = 2.0
 _GROUP = __import__("re").compile(r"^[A-Za-z0-9_\-]{1,200}$")
 #: Tries of a failing batch of a batch handler as a whole (the first, then retries after
 #: backoff) before its messages go one by one, each as a one-element list.
@@ -115,18 +151,117 @@ BATCH_HANDLER_TRIES = 2
 UNWRITTEN_DEAD_LETTERS_KEPT = 1000
 
 Handler = Callable[..., Awaitable[Any]]
-#: ``session.info`` key set while a batch's handlers run: a handler's own commit is refused
-#: then (the batch's inbox rows were inserted up front), and the batch goes one by one.
-_BATCH_OPEN = "fastapi_outbox.batch_open"
+#: ``session.info`` key of a handler session's :class:`_HandlerRun`.
+_RUN_KEY = "fastapi_outbox.handler_run"
 
 
-@sa_event.listens_for(Session, "before_commit")
-def _refuse_commit_inside_a_batch(session: Session) -> None:
-    if session.info.get(_BATCH_OPEN):
-        raise exceptions.UnitOfWorkError(
-            "a handler committed inside a batch transaction; its batch is handled message "
-            "by message instead (or declare the subscriber with batch=False)"
-        )
+class _Spoiled(Exception):
+    """A handler's rollback reached work it does not own alone: the subscriber's transaction
+    (the fast way: run the message again the careful way) or earlier messages' work of its
+    batch (run the batch message by message)."""
+
+
+class _HandlerRun:
+    """The transaction a subscriber runs its handler(s) in: the handler's session, the
+    unit of work and message of the handler running now, and what a rollback of the
+    session undid."""
+
+    __slots__ = ("before", "message", "outer", "session", "spoiled", "subscriber", "uow")
+
+    def __init__(
+        self, subscriber: Subscriber, session: AsyncSession, outer: Connection | None
+    ) -> None:
+        self.subscriber = subscriber
+        self.session = session
+        #: The fast way: the subscriber's connection, whose transaction the session shares
+        #: (None: the careful way, the session in a savepoint of it).
+        self.outer = outer
+        self.uow: UnitOfWork | None = None
+        self.message = ""
+        #: The careful way: the session's transaction when the current handler began (work
+        #: of earlier handlers of the batch is in it), or None.
+        self.before: SessionTransaction | None = None
+        self.spoiled = False
+
+
+#: The transaction of the handler running in this context (None outside handlers).
+_HANDLER_RUN: contextvars.ContextVar[_HandlerRun | None] = contextvars.ContextVar(
+    "fastapi_outbox.handler_run", default=None
+)
+
+
+def handler_transaction(outbox: Outbox) -> tuple[AsyncSession, UnitOfWork] | None:
+    """The session and unit of work of the handler running in this context when it works on
+    ``outbox``'s database (its own outbox's, or another outbox's on the same engine), else
+    None: ``outbox.unit_of_work()`` called inside a handler joins them."""
+    run = _HANDLER_RUN.get()
+    if run is None or run.uow is None or run.subscriber.outbox.engine is not outbox.engine:
+        return None
+    return run.session, run.uow
+
+
+@sa_event.listens_for(Session, "after_soft_rollback")
+def _note_a_rollback_of_the_handler_session(session: Session, previous: SessionTransaction) -> None:
+    """A rollback of a handler session's own transaction (not of a savepoint the handler
+    began). The fast way, that was the subscriber's transaction, inbox rows included: a new
+    one is begun at once, so the handler's later work joins it (and is discarded with it)
+    and never commits on its own; the message goes again the careful way. The careful way,
+    in a batch: when the transaction began before the current handler, earlier messages'
+    work went with it, and the batch goes message by message."""
+    run: _HandlerRun | None = session.info.get(_RUN_KEY)
+    if run is None:
+        return
+    transaction = previous
+    while transaction.parent is not None:
+        if transaction.nested:
+            return
+        transaction = transaction.parent
+    if run.outer is not None:
+        run.spoiled = True
+        if run.uow is not None and not run.outer.in_transaction():  # a handler runs
+            run.outer.begin()
+    elif run.before is not None and transaction is run.before:
+        run.spoiled = True
+
+
+@sa_event.listens_for(Session, "after_transaction_create")
+def _refuse_a_second_session(session: Session, transaction: SessionTransaction) -> None:
+    """A session of the handler's own on the outbox's database, begun while a handler runs:
+    its commit would not go with the message's inbox row (a redelivery after a later failure
+    would apply its effects again), so it is refused at its first use — when it begins,
+    before it takes a connection (on SQLite it would wait for the write lock the handler's
+    transaction holds)."""
+    run = _HANDLER_RUN.get()
+    if run is None or run.uow is None or transaction.parent is not None:
+        return  # no handler runs (a task it started may outlive it)
+    if session.info.get(JOINED_KEY):
+        return
+    _refuse_if_ours(run, session.bind)
+
+
+@sa_event.listens_for(Session, "after_begin")
+def _refuse_a_second_connection(session: Session, transaction: Any, connection: Any) -> None:
+    """The same for a session without one bind (``binds=`` per class): judged by the
+    connection it takes."""
+    run = _HANDLER_RUN.get()
+    if run is None or run.uow is None or session.bind is not None:
+        return
+    if session.info.get(JOINED_KEY):
+        return
+    _refuse_if_ours(run, connection)
+
+
+def _refuse_if_ours(run: _HandlerRun, bind: Any) -> None:
+    if getattr(bind, "engine", None) is not run.subscriber.outbox.engine.sync_engine:
+        return  # another database: not ours to judge
+    raise exceptions.UnitOfWorkError(
+        f"handler {run.subscriber.name} opened a second session on the outbox's database "
+        f"(outbox.session_factory() or a sessionmaker of its own) while handling "
+        f"{run.message}: its commit would not go with the message's inbox row, so a "
+        "redelivery would apply its effects again. Use the handler's uow.session, or "
+        "`async with outbox.unit_of_work() as uow:` inside the handler, which joins the "
+        "handler's transaction"
+    )
 
 
 class BatchUnitOfWork(UnitOfWork):
@@ -268,6 +403,25 @@ def _harvest_added(uow: UnitOfWork, before: list[Any]) -> list[Any]:
     return new
 
 
+async def _discard(conn: AsyncConnection, session: AsyncSession | None) -> None:
+    """Roll back a subscriber's transaction and give its connection back. The rollback
+    comes first (closing the session first would roll back its savepoint: a round trip for
+    nothing). A failure here (the database gone) is only logged: the caller re-raises the
+    error that ended the transaction, which is the one to classify."""
+    try:
+        if conn.in_transaction():
+            await conn.rollback()
+        if session is not None:
+            await session.close()
+    except Exception as exc:
+        logger.debug("rollback of a handler's transaction failed: %r", exc)
+    finally:
+        try:
+            await conn.close()
+        except Exception as exc:
+            logger.debug("closing a handler's connection failed: %r", exc)
+
+
 def _correlation_of(d: Delivery) -> str | None:
     """The message's correlation id header when it is a valid one."""
     correlation = d.headers.get(HEADER_CORRELATION_ID)
@@ -385,6 +539,7 @@ class Subscriber:
         self.broker_ok: bool | None = None
         self.paused_since: float | None = None
         self._stop: anyio.Event | None = None
+        self._stop_requested_at = 0.0
         self.stopped: anyio.Event | None = None
         self._inflight: dict[str, Delivery] = {}
         self._slot_freed: anyio.Event | None = None
@@ -545,8 +700,11 @@ class Subscriber:
     # -- running -----------------------------------------------------------------------------
 
     def stop(self) -> None:
-        if self._stop is not None:
+        if self._stop is not None and not self._stop.is_set():
+            self._stop_requested_at = time.monotonic()
             self._stop.set()
+            if self._slot_freed is not None:
+                self._free_slot()  # a fetch loop waiting for a free slot sees the stop now
 
     @property
     def stopping(self) -> bool:
@@ -585,34 +743,50 @@ class Subscriber:
                 for _ in range(self.concurrency):
                     handlers.start_soon(self._worker, receive)
                 await self._fetch_loop(consumer, send)
+                # The drain's share of the shutdown counts from the stop (the fetch loop may
+                # have taken up to FETCH_TIMEOUT_SECONDS to see it).
                 budget = self.outbox.settings.shutdown_timeout_seconds * DRAIN_SHARE
-                with anyio.move_on_after(budget):
+                with anyio.move_on_after(budget - (time.monotonic() - self._stop_requested_at)):
                     while self._inflight:
                         await self._wait_slot(1.0)
                 handlers.cancel_scope.cancel()
-            left = list(self._inflight.values())
-            if left:
-                with anyio.CancelScope(shield=True), anyio.move_on_after(2.0):
-                    try:
-                        await consumer.release(left)
-                    except Exception as exc:
-                        logger.warning(
-                            "release failed",
-                            extra=self._log_extra("consumer.release_failed", error=repr(exc)),
-                        )
-                logger.info(
-                    "released unfinished messages",
-                    extra=self._log_extra("consumer.released", count=len(left)),
-                )
         finally:
+            # Whatever did not finish — cancelled by the drain's end, or by a cancellation
+            # of run() itself — is still in flight: released to the broker, so another
+            # consumer takes it now rather than after claim_idle_seconds.
             self.running = False
-            self._inflight.clear()
             with anyio.CancelScope(shield=True):
+                await self._release_unfinished(consumer)
                 try:
                     await consumer.aclose()
                 except Exception:
                     logger.debug("consumer close failed", exc_info=True)
+            self._inflight.clear()
             self.stopped.set()
+
+    async def _release_unfinished(self, consumer: Consumer) -> None:
+        left = list(self._inflight.values())
+        if not left:
+            return
+        with anyio.move_on_after(RELEASE_SECONDS) as scope:
+            try:
+                await consumer.release(left)
+            except Exception as exc:
+                logger.warning(
+                    "release failed",
+                    extra=self._log_extra("consumer.release_failed", error=repr(exc)),
+                )
+                return
+        if scope.cancelled_caught:
+            logger.warning(
+                "release timed out",
+                extra=self._log_extra("consumer.release_failed", error="timeout"),
+            )
+            return
+        logger.info(
+            "released unfinished messages",
+            extra=self._log_extra("consumer.released", count=len(left)),
+        )
 
     async def _wait_slot(self, timeout: float) -> None:
         assert self._slot_freed is not None
@@ -701,6 +875,7 @@ class Subscriber:
     # -- one message -------------------------------------------------------------------------
 
     async def _handle(self, d: Delivery) -> None:
+        finished = False
         try:
             if self.ordered and d.key is not None:
                 lock = self._lock_for(d.key)
@@ -711,8 +886,11 @@ class Subscriber:
                     self._unlock_for(d.key)
             else:
                 await self._process(d, in_place=False)
+            finished = True
         finally:
-            self._inflight.pop(d.entry_id, None)
+            # Cancelled (a stop): left in flight, so run() releases it to the broker.
+            if finished:
+                self._inflight.pop(d.entry_id, None)
             self._free_slot()
 
     async def _handle_batch(self, batch: list[Delivery]) -> None:
@@ -722,6 +900,7 @@ class Subscriber:
         transaction rolls back and every message of the batch goes the per-message way
         (its own transaction, retries, dead letter): one poison message costs its batch
         one extra pass, never an effect."""
+        finished = False
         try:
             # Parallel lists (not a tuple per message: fewer objects for the collector).
             todo: list[Delivery] = []
@@ -731,15 +910,16 @@ class Subscriber:
             alone = 1 if self.batch_handler else self.max_attempts
             for d in batch:
                 if d.attempt > alone:  # dead-lettered / retried on the careful path
-                    await self._process(d, in_place=False)
+                    await self._process_one(d)
                     continue
                 try:
                     messages.append(self._decode(d))
                 except (_Undeliverable, _NotForHandler):
-                    await self._process(d, in_place=False)
+                    await self._process_one(d)
                 else:
                     todo.append(d)
             if not todo:
+                finished = True
                 return
             try:
                 if self.batch_handler:
@@ -754,7 +934,8 @@ class Subscriber:
                     ),
                 )
                 for d in todo:
-                    await self._process(d, in_place=False)
+                    await self._process_one(d)
+                finished = True
                 return
             self.stats.handled += new
             self.stats.duplicates += duplicates
@@ -767,10 +948,19 @@ class Subscriber:
                     "ack failed; the messages will be redelivered and skipped",
                     extra=self._log_extra("consumer.ack_failed", error=repr(exc)[:300]),
                 )
+            finished = True
         finally:
-            for d in batch:
-                self._inflight.pop(d.entry_id, None)
+            # Cancelled (a stop): what did not finish stays in flight, so run() releases
+            # it to the broker.
+            if finished:
+                for d in batch:
+                    self._inflight.pop(d.entry_id, None)
             self._free_slot()
+
+    async def _process_one(self, d: Delivery) -> None:
+        """A message of a batch on the per-message path; no longer in flight once done."""
+        await self._process(d, in_place=False)
+        self._inflight.pop(d.entry_id, None)
 
     async def _waited_out_database(
         self, exc: BaseException, outages: int, what: str, d: Delivery | None = None
@@ -793,11 +983,17 @@ class Subscriber:
     ) -> tuple[int, int]:
         """A batch handler's batch: retried as a whole with backoff (``BATCH_HANDLER_TRIES``
         tries; the database unreachable costs no try), then the last error is raised and
-        the caller goes message by message."""
+        the caller goes message by message. A handler that rolled back its session costs no
+        try: the batch goes again at once, the careful way."""
         tries = outages = 0
+        careful = False
         while True:
             try:
-                return await self._run_batch(todo, messages)
+                return await self._run_batch(todo, messages, careful=careful)
+            except _Spoiled:
+                if careful:
+                    raise
+                careful = True
             except Exception as exc:
                 if await self._waited_out_database(exc, outages, "the batch"):
                     outages += 1
@@ -818,89 +1014,181 @@ class Subscriber:
                 )
                 await anyio.sleep(delay)
 
-    async def _run_batch(self, todo: list[Delivery], messages: list[Any]) -> tuple[int, int]:
-        """(handled, duplicates) of one batch transaction (``messages[i]``: the decoded
-        message of ``todo[i]``)."""
+    async def _run_batch(
+        self, todo: list[Delivery], messages: list[Any], *, careful: bool = False
+    ) -> tuple[int, int]:
+        """(handled, duplicates) of one transaction over ``todo`` (``messages[i]``: the
+        decoded message of ``todo[i]``; one message or a batch): the one place where an
+        inbox row's life is decided.
+
+        The subscriber owns the transaction: it begins it on a connection of its own,
+        inserts the inbox rows there and binds the handler's session to that connection;
+        then it commits the inbox rows, the effects and the events together, or rolls all
+        of them back. The session never commits that transaction:
+
+        * the fast way (``join_transaction_mode="rollback_only"``, no round trip added): a
+          handler's ``session.commit()`` flushes and writes its events' outbox rows, and
+          commits nothing; ``begin_nested()`` savepoints work as usual. A rollback of the
+          session itself would undo the inbox rows too: a new transaction is begun at
+          once (the handler's later work is discarded with it) and :class:`_Spoiled` is
+          raised after the handler — the caller runs the message(s) again the careful way
+          (one message) or message by message (a batch);
+        * the careful way (``careful=True``, ``"create_savepoint"``): the session's
+          transaction is a savepoint of the subscriber's (SAVEPOINT and RELEASE: two round
+          trips), so ``session.rollback()`` goes back to it and the inbox rows stay. The
+          per-message handlers of a batch share that savepoint: a rollback by one of them
+          that undoes earlier messages' work raises :class:`_Spoiled`."""
         outbox = self.outbox
-        session = outbox.session_factory()
-        session.info[_BATCH_OPEN] = True
+        ids = [d.message_id for d in todo]
+        stream = todo[0].stream
+        streams = stream if all(d.stream == stream for d in todo) else [d.stream for d in todo]
+        conn = await outbox.engine.connect()
+        session: AsyncSession | None = None
         ran: set[str] = set()
-        before: list[Any] = []  # new objects on the session before the current handler
         try:
-            ids = [d.message_id for d in todo]
-            stream = todo[0].stream
-            same = all(d.stream == stream for d in todo)
-            fresh = await outbox.inbox.record_many(
-                session, self.group, ids, stream if same else [d.stream for d in todo]
-            )
-            if self.batch_handler and len(fresh) == len(ids):  # all new, each once
-                ran = fresh
-                await self._call_batch_handler(session, todo, messages)
-            elif self.batch_handler:
-                # The new messages, each once (a duplicate entry in the same batch too).
-                pick = []
-                for i, m in enumerate(ids):
-                    if m in fresh and m not in ran:
-                        ran.add(m)
-                        pick.append(i)
-                if pick:
-                    await self._call_batch_handler(
-                        session, [todo[i] for i in pick], [messages[i] for i in pick]
-                    )
-            for d, message in zip([] if self.batch_handler else todo, messages, strict=False):
-                if d.message_id not in fresh or d.message_id in ran:
-                    continue
-                ran.add(d.message_id)
-                correlation, causation, traceparent = self._context(d)
-                uow = UnitOfWork(
-                    outbox,
-                    session,
-                    correlation_id=correlation,
-                    causation_id=causation,
-                    traceparent=traceparent,
+            await conn.begin()
+            fresh = await outbox.inbox.record_many(conn, self.group, ids, streams)
+            if fresh:
+                session = outbox.session_factory(
+                    bind=conn,
+                    join_transaction_mode="create_savepoint" if careful else "rollback_only",
                 )
-                uow._open()
+                session.info[JOINED_KEY] = True
+                run = _HandlerRun(self, session, None if careful else conn.sync_connection)
+                session.info[_RUN_KEY] = run
+                token = _HANDLER_RUN.set(run)
                 try:
-                    await self.handler(message, **{name: uow for name in self._uow_params})
-                    before = _harvest_added(uow, before)
+                    if self.batch_handler:
+                        await self._run_batch_handler(run, todo, messages, fresh, ran)
+                    else:
+                        await self._run_handlers(run, todo, messages, fresh, ran)
                 finally:
-                    uow._close()
-            del session.info[_BATCH_OPEN]
-            await session.commit()
+                    _HANDLER_RUN.reset(token)
+                    run.uow = None
+                # Flushes and writes the events' outbox rows (the careful way: releases
+                # the savepoint).
+                await session.commit()
+                if run.spoiled:  # rolled back in a hook of the commit
+                    raise _Spoiled(f"handler {self.name}: the session rolled back")
+            await conn.commit()
         except BaseException:
-            session.info.pop(_BATCH_OPEN, None)
             with anyio.CancelScope(shield=True):
-                await session.rollback()
-                await session.close()
+                await _discard(conn, session)
             raise
-        # Committed: the connection went back to the pool with the transaction, so closing
-        # needs no shield.
-        await session.close()
-        for _ in state_of(session.sync_session).take_notify():
-            await outbox._notify_after_commit()
+        # Committed: the session has nothing left to undo, the connection goes back to
+        # the pool (no shield needed).
+        if session is not None:
+            await session.close()
+        await conn.close()
+        if session is not None:
+            state = state_of(session.sync_session)
+            state.after_commit()  # the session's own commits were not the real one
+            for sink in state.take_notify():
+                await typing.cast("Outbox", sink)._notify_after_commit()
         return len(ran), len(todo) - len(ran)
 
+    async def _run_handlers(
+        self,
+        run: _HandlerRun,
+        todo: list[Delivery],
+        messages: list[Any],
+        fresh: set[str],
+        ran: set[str],
+    ) -> None:
+        """The per-message handler on each new message of ``todo``, one after the other on
+        the shared session, each with a unit of work of its own (its events carry its
+        message as cause)."""
+        outbox = self.outbox
+        session = run.session
+        sync_session = session.sync_session
+        before: list[Any] = []  # new objects on the session before the current handler
+        for d, message in zip(todo, messages, strict=True):
+            if d.message_id not in fresh or d.message_id in ran:
+                continue
+            ran.add(d.message_id)
+            correlation, causation, traceparent = self._context(d)
+            uow = UnitOfWork(
+                outbox,
+                session,
+                correlation_id=correlation,
+                causation_id=causation,
+                traceparent=traceparent,
+            )
+            run.uow = uow
+            run.message = f"message {d.message_id}"
+            if run.outer is None:
+                # The careful way. Earlier handlers' work: in the session's transaction,
+                # or (events published or objects changed outside one) in a transaction
+                # begun now for it, so that a rollback undoing it is seen.
+                current = sync_session.get_transaction()
+                if current is None and (uow._state.queued or not sync_session._is_clean()):
+                    current = sync_session.begin()
+                run.before = current
+            uow._open()
+            try:
+                await self.handler(message, **{name: uow for name in self._uow_params})
+                before = _harvest_added(uow, before)
+            finally:
+                uow._close()
+            if run.spoiled:
+                raise _Spoiled(
+                    f"handler {self.name} rolled back its session while handling message "
+                    f"{d.message_id}: handled again in a savepoint of its own"
+                )
+
+    async def _run_batch_handler(
+        self,
+        run: _HandlerRun,
+        todo: list[Delivery],
+        messages: list[Any],
+        fresh: set[str],
+        ran: set[str],
+    ) -> None:
+        """The batch handler on the new messages of ``todo``, each once."""
+        if len(fresh) == len(todo):  # all new, each once
+            ran.update(fresh)
+            await self._call_batch_handler(run, todo, messages)
+            return
+        # The new messages, each once (a duplicate entry in the same batch too).
+        pick = []
+        for i, d in enumerate(todo):
+            if d.message_id in fresh and d.message_id not in ran:
+                ran.add(d.message_id)
+                pick.append(i)
+        await self._call_batch_handler(run, [todo[i] for i in pick], [messages[i] for i in pick])
+
     async def _call_batch_handler(
-        self, session: Any, deliveries: list[Delivery], messages: list[Any]
+        self, run: _HandlerRun, deliveries: list[Delivery], messages: list[Any]
     ) -> None:
         """The batch handler on the new messages of a batch, in the batch's transaction."""
         # The context of the last message; the others' correlation ids when asked for.
         correlation, causation, traceparent = self._context(deliveries[-1])
         uow = BatchUnitOfWork(
             self.outbox,
-            session,
+            run.session,
             correlation_id=correlation,
             causation_id=causation,
             traceparent=traceparent,
         )
         uow._deliveries = deliveries
         uow.message_ids = [d.message_id for d in deliveries]
+        run.uow = uow
+        run.message = (
+            f"message {deliveries[0].message_id}"
+            if len(deliveries) == 1
+            else f"a batch of {len(deliveries)} messages from {deliveries[0].message_id}"
+        )
         uow._open()
         try:
             await self.handler(messages, **{name: uow for name in self._uow_params})
             _harvest_added(uow, [])
         finally:
             uow._close()
+        if run.spoiled:
+            raise _Spoiled(
+                f"handler {self.name} rolled back its session while handling {run.message}: "
+                "handled again in a savepoint of its own"
+            )
 
     def _context(self, d: Delivery) -> tuple[str | None, str | None, str | None]:
         """(correlation id carried over, causation id = the message id, traceparent)."""
@@ -997,19 +1285,14 @@ class Subscriber:
             return
 
     async def _run_handler(self, d: Delivery, message: Any) -> bool:
-        """One transaction: inbox row, then the handler; True when the message was new."""
-        if self.batch_handler:  # a one-element list
+        """One transaction: inbox row, then the handler (a batch handler: on a one-element
+        list); True when the message was new. The fast way first; the careful way when the
+        handler rolled back its session."""
+        try:
             new, _ = await self._run_batch([d], [message])
-            return new > 0
-        correlation, causation, traceparent = self._context(d)
-        async with self.outbox.unit_of_work(
-            correlation_id=correlation, causation_id=causation, traceparent=traceparent
-        ) as uow:
-            new = await self.outbox.inbox.record(uow.session, self.group, d.message_id, d.stream)
-            if new:
-                kwargs = {name: uow for name in self._uow_params}
-                await self.handler(message, **kwargs)
-        return new
+        except _Spoiled:
+            new, _ = await self._run_batch([d], [message], careful=True)
+        return new > 0
 
     async def _ack(self, d: Delivery) -> None:
         assert self.consumer is not None
