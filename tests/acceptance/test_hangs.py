@@ -206,6 +206,20 @@ async def test_frozen_redis_under_a_subscriber(pg_url: str, private_redis: Serve
         await outbox.aclose()
 
 
+async def redis_ready(url: str) -> bool:
+    """Redis takes commands (not refusing, not still loading its AOF)."""
+    import redis.asyncio as aioredis
+    from redis.exceptions import BusyLoadingError, ConnectionError
+
+    client = aioredis.Redis.from_url(url, socket_timeout=2)
+    try:
+        return bool(await client.ping())
+    except (BusyLoadingError, ConnectionError, TimeoutError):
+        return False
+    finally:
+        await client.aclose()
+
+
 async def test_redis_killed_and_restarted_under_a_busy_subscriber(
     pg_url: str, private_redis: Server
 ) -> None:
@@ -249,6 +263,9 @@ async def test_redis_killed_and_restarted_under_a_busy_subscriber(
                 before_kill = len(set(handled))
                 private_redis.kill()
                 private_redis.start()
+                # The port answers before the AOF is loaded (BUSY LOADING): the test's own
+                # producer waits for a Redis that takes commands.
+                await wait_until(lambda: redis_ready(private_redis.url), timeout=30)
                 print(f"killed with {total - before_kill} of {total} messages not yet handled")
             await send(range(total, total + 500))
             total += 500
