@@ -11,7 +11,7 @@ from typing import Any
 from sqlalchemy import event as sa_event
 from sqlalchemy.orm import Session, object_session
 
-from fastapi_outbox.events import Event, Message
+from fastapi_outbox.events import Event, Message, check_storable
 
 _PENDING = "_outbox_pending_events"
 #: ``session.info`` key: aggregates with pending events, held strongly. The session's
@@ -42,6 +42,8 @@ class AggregateRoot:
             publish = session.info.get(PUBLISH_KEY)
             if publish is not None and publish(event):
                 return
+        # It waits on the instance: refuse now what its commit could not store.
+        check_storable(event)
         pending: list[Event | Message] | None = self.__dict__.get(_PENDING)
         if pending is None:
             pending = []
