@@ -37,6 +37,10 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session, SessionTransaction
 from sqlalchemy.orm.attributes import instance_state
 
+# SQLAlchemy's bridge from a sync session event to the event loop (what its async dialects
+# use): the NOTIFY after a commit is sent from the commit's ``after_commit`` event.
+from sqlalchemy.util.concurrency import await_, in_greenlet
+
 from fastapi_outbox.aggregates import (
     PUBLISH_KEY,
     collect_events,
@@ -61,7 +65,10 @@ class Sink(Protocol):
     def committed(self, brokers: Mapping[str, float]) -> bool:
         """Wake (or, for delayed rows, schedule) dispatchers: ``brokers`` maps each broker
         that got rows to the earliest delay among them (0: due now). True when a NOTIFY
-        must still be sent by the caller."""
+        must still be sent (by :meth:`notify_after_commit`)."""
+
+    async def notify_after_commit(self) -> None:
+        """Send that NOTIFY (bounded in time; a failure is only logged)."""
 
 
 class _Raised:
@@ -252,13 +259,25 @@ class SessionState:
                 wait_on(raised.instance, [raised.event])
 
     def after_commit(self) -> None:
+        """Every commit wakes the dispatchers, whoever opened the session: the sink wakes
+        its own process's; when other processes must be told, the NOTIFY is sent here, in
+        the commit call (an ``AsyncSession`` commits inside SQLAlchemy's greenlet, where
+        ``await_`` runs a coroutine) — so a session joined by ``unit_of_work(session=…)``
+        and committed later by its owner, or committed by a script without a lifespan,
+        wakes them as the unit of work's own commit does."""
         self.raised.clear()
         written, self.written = self.written, {}
         for sink, brokers in written.items():
             if brokers and sink.committed(brokers) and sink not in self.notify:
                 self.notify.append(sink)
+        if self.notify and in_greenlet():
+            sinks, self.notify = self.notify, []
+            for sink in sinks:
+                await_(sink.notify_after_commit())
 
     def take_notify(self) -> list[Sink]:
+        """Sinks still to be told after a commit made outside SQLAlchemy's greenlet (a sync
+        ``Session``); an ``AsyncSession``'s commit has told them already."""
         sinks, self.notify = self.notify, []
         return sinks
 
