@@ -19,8 +19,6 @@ import contextlib
 import json
 import subprocess
 import sys
-import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +29,11 @@ import redis.asyncio as aioredis
 from fastapi import FastAPI
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from fastapi_outbox import Outbox, OutboxSettings
+from fastapi_outbox import Outbox, OutboxSettings, notify
 from fastapi_outbox.brokers import MemoryBroker, RedisStreamsBroker
 from fastapi_outbox.events import Message
 from tests.conftest import unique, wait_until
+from tests.integration import test_wakeup
 from tests.integration.test_wakeup import count_claims, idle
 from tests.servers import TcpProxy
 
@@ -42,21 +41,8 @@ SLOW_POLL = {"poll_interval_seconds": 30.0, "max_poll_interval_seconds": 30.0}
 #: Far below the 30 s poll: a message published within this was woken.
 WAKE_WITHIN = 5.0
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-async def make_outbox() -> AsyncIterator[Any]:
-    made: list[Outbox] = []
-
-    async def make(url: str, broker: Any, **settings: Any) -> Outbox:
-        outbox = Outbox(url, brokers={"default": broker}, settings=OutboxSettings(**settings))
-        await outbox.create_tables()
-        made.append(outbox)
-        return outbox
-
-    yield make
-    for outbox in made:
-        await outbox.aclose()
+#: The fixture of test_wakeup: ``await make_outbox(url, broker, **settings)``.
+make_outbox = test_wakeup.make_outbox
 
 
 # -- every commit wakes the dispatchers -------------------------------------------------------
@@ -88,7 +74,7 @@ async def test_a_joined_session_committed_by_its_owner_wakes_another_dispatcher(
 SCRIPT = """
 import asyncio, sys
 from sqlalchemy.ext.asyncio import AsyncSession
-from fastapi_outbox import Outbox, OutboxSettings
+from fastapi_outbox import Outbox, OutboxSettings, notify
 from fastapi_outbox.events import Message
 
 async def main(url, stream, how):
@@ -135,15 +121,18 @@ async def test_a_script_without_a_lifespan_wakes_the_dispatchers(
 
 POLL = 0.25
 #: The idle poller's gap, doubling from POLL while LISTEN is up, reached before the blackhole:
-#: its next poll is then BACKED_OFF * 2 (8 s) away — what a silent loss used to cost at least.
-BACKED_OFF = 4.0
-#: Generous for self-check interval + timeout (1.5 s) and a claim, below BACKED_OFF * 2.
-PUBLISHED_WITHIN = 6.0
+#: its next poll is then BACKED_OFF * 2 (16 s) away — what a silent loss used to cost at least.
+BACKED_OFF = 8.0
+#: Generous for self-check interval + timeout (2.5 s) and a claim, well below BACKED_OFF * 2.
+PUBLISHED_WITHIN = 10.0
+#: The listener's pause before it reconnects, long enough for health to be seen false.
+RECONNECT_AFTER = 2.0
 
 
 async def test_a_silently_dead_listen_connection_is_noticed_and_replaced(
-    pg_url: str, redis_url: str
+    pg_url: str, redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(notify, "RECONNECT_MIN_SECONDS", RECONNECT_AFTER)
     proxy = TcpProxy(5432)
     await proxy.start()
     proxied = pg_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}")
@@ -155,7 +144,7 @@ async def test_a_silently_dead_listen_connection_is_noticed_and_replaced(
             poll_interval_seconds=POLL,
             max_poll_interval_seconds=30.0,
             listen_check_interval_seconds=0.5,
-            listen_check_timeout_seconds=1.0,
+            listen_check_timeout_seconds=2.0,
             health_cache_seconds=0,
         ),
     )
@@ -195,19 +184,17 @@ async def test_a_silently_dead_listen_connection_is_noticed_and_replaced(
             assert listener.keepalive
             # Idle with LISTEN up, the poller backs off: wait for a BACKED_OFF gap.
             await wait_until(
-                lambda: len(claims) >= 3 and claims[-1] - claims[-2] >= BACKED_OFF, timeout=30
+                lambda: len(claims) >= 3 and claims[-1] - claims[-2] >= BACKED_OFF, timeout=45
             )
             assert proxy.blackhole(b"LISTEN ") == 1
-            begin = time.monotonic()
             async with writer.unit_of_work() as uow:
                 uow.publish(Message(stream, "OrderPlaced", {"n": 1}))
             # The NOTIFY went into the black hole; the self-check notices, the dispatchers
             # poll at once, and the message reaches Redis.
             await wait_until(lambda: published(1), timeout=PUBLISHED_WITHIN)
-            assert time.monotonic() - begin < PUBLISHED_WITHIN
-            assert listener.silent_losses == 1
+            assert listener.silent_losses >= 1
             # Health showed the loss, then the new LISTEN connection.
-            await wait_until(lambda: seen[-3:] == [True, False, True], timeout=10)
+            await wait_until(lambda: seen[:3] == [True, False, True], timeout=10)
             # The new connection gets other processes' wake-ups.
             received = listener.received
             async with writer.unit_of_work() as uow:
