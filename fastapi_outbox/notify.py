@@ -174,8 +174,9 @@ class Listener:
 
     A LISTEN connection can die silently (a NAT or firewall dropping it, a half-open TCP
     connection): nothing arrives and nothing fails. So the connection gets TCP keepalives,
-    and every ``check_interval`` seconds it sends a NOTIFY to itself; when that round trip
-    does not come back within ``check_timeout``, the connection is declared lost at once —
+    it counts as listening only once a NOTIFY it sent to itself came back, and it sends one
+    every ``check_interval`` seconds; when that round trip does not come back within
+    ``check_timeout``, the connection is declared lost at once —
     ``listening`` becomes False, the dispatchers are woken and poll every
     ``poll_interval_seconds`` — and the listener reconnects."""
 
@@ -232,20 +233,24 @@ class Listener:
             self.checks += 1
         return answered.is_set()
 
-    async def _watch(self, driver: Any, lost: anyio.Event) -> str | None:
-        """Until the connection is lost: None when the driver saw it close, the reason when
-        a self-check went unanswered."""
+    async def _watch(
+        self, driver: Any, lost: anyio.Event, proven: Callable[[], None]
+    ) -> str | None:
+        """Prove the connection with a self-check at once — ``proven()`` then, and only then
+        does it count as listening: behind PgBouncer in transaction mode LISTEN succeeds
+        but nothing ever comes back — and again every ``check_interval``. Returns when it is
+        lost: None when the driver saw it close, the reason when a self-check failed."""
         while True:
+            try:
+                if not await self._answers(driver):
+                    return f"no answer to a self-check within {self.check_timeout:g} s"
+            except Exception as exc:
+                return f"self-check failed: {type(exc).__name__}"
+            if not self.listening:
+                proven()
             with anyio.move_on_after(self.check_interval):
                 await lost.wait()
                 return None
-            try:
-                if await self._answers(driver):
-                    continue
-                reason = f"no answer to a self-check within {self.check_timeout:g} s"
-            except Exception as exc:
-                reason = f"self-check failed: {type(exc).__name__}"
-            return reason
 
     async def _release(self, conn: Any, driver: Any, *, healthy: bool) -> None:
         """Give the connection back to the pool without its LISTEN, or — when it is closed,
@@ -262,6 +267,18 @@ class Listener:
     async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         delay = RECONNECT_MIN_SECONDS
         started = False
+
+        def proven() -> None:
+            nonlocal delay, started
+            self.listening = True
+            delay = RECONNECT_MIN_SECONDS
+            logger.info("listening", extra={"action": "listen.start", "channel": self.channel})
+            # Commits made while we were not listening: look once.
+            self.on_notify()
+            if not started:
+                started = True
+                task_status.started()
+
         while True:
             lost = anyio.Event()
             try:
@@ -273,19 +290,9 @@ class Listener:
                     self.keepalive = sock is not None and set_keepalive(sock, self.check_interval)
                     await driver.add_listener(self.channel, self._callback)
                     driver.add_termination_listener(lambda _c, lost=lost: lost.set())
-                    self.listening = True
-                    delay = RECONNECT_MIN_SECONDS
-                    logger.info(
-                        "listening", extra={"action": "listen.start", "channel": self.channel}
-                    )
-                    # Commits made while we were not listening: look once.
-                    self.on_notify()
-                    if not started:
-                        started = True
-                        task_status.started()
                     silent: str | None = None
                     try:
-                        silent = await self._watch(driver, lost)
+                        silent = await self._watch(driver, lost, proven)
                     finally:
                         self.listening = False
                         with anyio.CancelScope(shield=True):
