@@ -14,7 +14,14 @@ events rather than by a transaction tracker of ours:
     fires for every rollback, savepoints included: rows queued inside the transaction (or
     savepoint) that rolled back, and in the savepoints nested in it, are dropped.
 ``after_commit``
-    (root only) tells the outbox which brokers got rows, to wake their dispatchers.
+    (root only) tells the outbox which brokers got rows, to wake their dispatchers, and sends
+    the NOTIFY other processes need right there, whoever committed (an own or a joined
+    session, a script without a lifespan).
+``after_flush``, ``pending_to_transient``, ``persistent_to_detached`` …
+    follow aggregates: an object that leaves the session before the commit (``expunge``,
+    ``expunge_all``, a rollback undoing its insert) takes back the events it raised since its
+    last flush; ``session.merge`` carries pending events (see
+    :mod:`fastapi_outbox.aggregates`).
 ``after_transaction_end``
     (root only) drops whatever is still queued: a transaction that ended without a commit
     writes nothing.
