@@ -1,7 +1,14 @@
 """``AggregateRoot``: a mixin for SQLAlchemy declarative models that raise domain events.
 
 Pending events live on the instance, never in a column; the unit of work harvests them
-from every aggregate the session tracks when it commits.
+from every aggregate the session tracks when it commits. An event goes where its aggregate
+goes (see :mod:`fastapi_outbox.session_events` for the session side):
+
+* ``session.merge(detached)`` carries the detached instance's pending events to the copy
+  the session returns (a mapper property of ours whose only job is its ``merge`` step:
+  SQLAlchemy offers no other hook that sees both instances);
+* ``session.expunge(obj)`` (and every other way an object leaves a session before commit)
+  takes back the events it raised since its last flush: they wait on the instance again.
 """
 
 from __future__ import annotations
@@ -9,19 +16,22 @@ from __future__ import annotations
 from typing import Any
 
 from sqlalchemy import event as sa_event
-from sqlalchemy.orm import Session, object_session
+from sqlalchemy.orm import Mapper, MapperProperty, Session, object_session
 
-from fastapi_outbox.events import Event, Message
+from fastapi_outbox.events import Event, Message, check_storable
 
 _PENDING = "_outbox_pending_events"
 #: ``session.info`` key: aggregates with pending events, held strongly. The session's
 #: identity map holds objects weakly, so an aggregate the handler no longer references
 #: could vanish, with its events, before the unit of work harvests them.
 RAISED_KEY = "fastapi_outbox.raised"
-#: ``session.info`` key: a callable publishing an event in the session's unit of work at
-#: once (set by :mod:`fastapi_outbox.session_events`); it returns False when no unit of work
-#: is open on the session, and the event then waits on the instance.
+#: ``session.info`` key: a callable ``publish(event, aggregate)`` publishing an event in the
+#: session's unit of work at once (set by :mod:`fastapi_outbox.session_events`); it returns
+#: False when no unit of work is open on the session, and the event then waits on the
+#: instance.
 PUBLISH_KEY = "fastapi_outbox.publish"
+#: Key of the mapper property that carries pending events through ``Session.merge``.
+_CARRIER = "_outbox_events_carrier"
 
 
 class AggregateRoot:
@@ -38,16 +48,11 @@ class AggregateRoot:
         if not isinstance(event, Event | Message):
             raise TypeError(f"raise_event() takes an Event or Message, not {type(event).__name__}")
         session = object_session(self)
-        if session is not None:
-            publish = session.info.get(PUBLISH_KEY)
-            if publish is not None and publish(event):
-                return
-        pending: list[Event | Message] | None = self.__dict__.get(_PENDING)
-        if pending is None:
-            pending = []
-            # Bypass SQLAlchemy's instrumented __setattr__: this is not a mapped attribute.
-            object.__setattr__(self, _PENDING, pending)
-        pending.append(event)
+        if session is not None and _publish_now(session, self, event):
+            return
+        # It waits on the instance: refuse now what its commit could not store.
+        check_storable(event)
+        wait_on(self, [event])
         if session is not None:
             _hold(session, self)
 
@@ -55,6 +60,21 @@ class AggregateRoot:
     def pending_events(self) -> tuple[Event | Message, ...]:
         """Events raised and not yet harvested."""
         return tuple(self.__dict__.get(_PENDING, ()))
+
+
+def wait_on(instance: Any, events: list[Event | Message]) -> None:
+    """Append ``events`` to the pending events of ``instance``."""
+    pending: list[Event | Message] | None = instance.__dict__.get(_PENDING)
+    if pending is None:
+        pending = []
+        # Bypass SQLAlchemy's instrumented __setattr__: this is not a mapped attribute.
+        object.__setattr__(instance, _PENDING, pending)
+    pending.extend(events)
+
+
+def _publish_now(session: Session, instance: Any, event: Event | Message) -> bool:
+    publish = session.info.get(PUBLISH_KEY)
+    return publish is not None and bool(publish(event, instance))
 
 
 def collect_events(instance: Any) -> list[Event | Message]:
@@ -73,6 +93,13 @@ def _hold(session: Session, instance: Any) -> None:
         held.append(instance)
 
 
+def release(session: Session, instance: Any) -> None:
+    """Stop holding ``instance`` (it left the session)."""
+    held: list[Any] | None = session.info.get(RAISED_KEY)
+    if held:
+        held[:] = [h for h in held if h is not instance]
+
+
 @sa_event.listens_for(Session, "before_flush")
 def _hold_new_aggregates(session: Session, flush_context: Any, instances: Any) -> None:
     """Aggregates that raised events before ``session.add`` are held from their flush on."""
@@ -85,3 +112,42 @@ def held_aggregates(session: Session) -> list[Any]:
     """Take the aggregates held by ``session``; the caller harvests them."""
     held: list[Any] = session.info.pop(RAISED_KEY, [])
     return held
+
+
+class _CarryEvents(MapperProperty[Any]):
+    """A mapper property with no column and no attribute: ``Session.merge`` calls the
+    ``merge`` of every property of the mapper with the source and the copy it returns, and
+    this one moves the source's pending events to the copy (published at once when a unit
+    of work is open on the session, else held until one meets it)."""
+
+    def instrument_class(self, mapper: Mapper[Any]) -> None:
+        """Nothing to instrument: the events live in the instance's ``__dict__``."""
+
+    def merge(
+        self,
+        session: Session,
+        source_state: Any,
+        source_dict: Any,
+        dest_state: Any,
+        dest_dict: Any,
+        load: bool,
+        _recursive: Any,
+        _resolve_conflict_map: Any,
+    ) -> None:
+        source = source_state.obj()
+        dest = dest_state.obj()
+        if source is None or dest is None or source is dest:
+            return
+        events = collect_events(source)
+        if not events:
+            return
+        waiting = [e for e in events if not _publish_now(session, dest, e)]
+        if waiting:
+            wait_on(dest, waiting)
+            _hold(session, dest)
+
+
+@sa_event.listens_for(AggregateRoot, "instrument_class", propagate=True)
+def _add_carrier(mapper: Mapper[Any], cls: type) -> None:
+    # Each mapper of the hierarchy gets its own (a subclass's replaces the inherited one).
+    mapper.add_property(_CARRIER, _CarryEvents())

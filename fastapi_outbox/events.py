@@ -273,3 +273,82 @@ class Envelope:
     def json(self) -> Any:
         """The payload, decoded."""
         return json.loads(self.payload)
+
+
+# -- text every database can commit ----------------------------------------------------------
+
+
+def _unstorable(value: str) -> str | None:
+    """What in ``value`` no database can commit (None: nothing)."""
+    if "\x00" in value:
+        return "a NUL character (U+0000), which PostgreSQL cannot store in text or JSON"
+    if not value.isascii():
+        try:
+            value.encode()
+        except UnicodeEncodeError as exc:
+            bad = ord(value[exc.start])
+            return f"an unpaired surrogate (U+{bad:04X}), which is not Unicode text"
+    return None
+
+
+def _refuse(field: str, problem: str, stream: str, type_name: str) -> None:
+    raise exceptions.UnstorableText(
+        f"{type_name} on stream {stream!r}: {field} holds {problem}; nothing was written "
+        "(remove the character, or encode binary data, e.g. as base64)",
+        field=field,
+    )
+
+
+def check_text(value: object, field: str, stream: str, type_name: str) -> None:
+    if isinstance(value, str):
+        problem = _unstorable(value)
+        if problem is not None:
+            _refuse(field, problem, stream, type_name)
+
+
+def payload_of(event: Event | Message) -> Any:
+    return event.model_dump() if isinstance(event, Event) else event.payload
+
+
+def refuse_unstorable(payload: Any, stream: str, type_name: str) -> None:
+    """Raise :class:`UnstorableText` naming the first string of ``payload`` (keys included)
+    that cannot be committed; return when there is none (the cheap check's false alarm, e.g.
+    an escaped backslash before ``u0000``). Only runs once the cheap check has fired."""
+    stack: list[tuple[str, Any]] = [("payload", payload)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            check_text(value, path, stream, type_name)
+        elif isinstance(value, dict):
+            for name in value:
+                if isinstance(name, str):
+                    problem = _unstorable(name)
+                    if problem is not None:
+                        _refuse(f"key {name!r} of {path}", problem, stream, type_name)
+            for name, item in reversed(value.items()):
+                part = name.isidentifier() if isinstance(name, str) else False
+                stack.append((f"{path}.{name}" if part else f"{path}[{name!r}]", item))
+        elif isinstance(value, list | tuple):
+            for index in range(len(value) - 1, -1, -1):
+                stack.append((f"{path}[{index}]", value[index]))
+
+
+def check_storable(event: Event | Message) -> None:
+    """Refuse (:class:`~fastapi_outbox.exceptions.UnstorableText`) an event whose stream,
+    type, key, headers or payload hold a character no database can commit; for events
+    that wait on an aggregate, so the mistake surfaces at ``raise_event``, not at commit.
+    ``publish()`` makes the same checks on the text it encodes anyway."""
+    if isinstance(event, Event):
+        stream, type_name = event.__outbox_stream__ or "", event.__outbox_type__
+        key_field = event.__outbox_key__
+        key = None if key_field is None else getattr(event, key_field)
+        headers: dict[str, str] = {}
+    else:
+        stream, type_name, key, headers = event.stream, event.type, event.key, event.headers
+    check_text(stream, "stream", stream, type_name)
+    check_text(type_name, "type", stream, type_name)
+    check_text(key, "key", stream, type_name)
+    for name, value in headers.items():
+        check_text(name, f"the name of header {name!r}", stream, type_name)
+        check_text(value, f"headers[{name!r}]", stream, type_name)
+    refuse_unstorable(payload_of(event), stream, type_name)

@@ -11,6 +11,8 @@ errors raised by the library name the setting, broker, table or message id invol
     ├── PublishError                uow.publish() refused the event, nothing was written
     │   ├── UnknownBroker           no broker of that name is configured
     │   ├── SerializationError      the payload or headers are not JSON-serialisable
+    │   ├── UnstorableText          a string (payload, header, key, stream, type) holds NUL
+    │   │                           or an unpaired surrogate: no database can commit it
     │   └── PayloadTooLarge         the encoded payload exceeds max_payload_bytes
     ├── UnitOfWorkError             the unit of work was used wrongly (closed, nested, no outbox)
     ├── BrokerError                 raised by brokers
@@ -58,6 +60,18 @@ class UnknownBroker(PublishError):
 
 class SerializationError(PublishError):
     """The event payload or headers cannot be serialised to JSON."""
+
+
+class UnstorableText(PublishError):
+    """A string of the event holds a character that cannot be committed: NUL (U+0000),
+    which PostgreSQL refuses in text and JSON, or an unpaired surrogate (U+D800-U+DFFF),
+    which is not Unicode text. Raised by ``publish()``, so the caller's transaction is
+    intact; ``field`` names the string (``payload.items[2].name``, ``headers['x-tenant']``,
+    ``key``, ``stream``, ``type``)."""
+
+    def __init__(self, message: str | None = None, *, field: str = "") -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class PayloadTooLarge(PublishError):

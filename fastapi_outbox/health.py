@@ -142,6 +142,13 @@ class OutboxHealth(BaseModel):
     consumers: list[ConsumerStatus] = Field(
         default_factory=list, description="The subscribers' consumer groups."
     )
+    listening: bool | None = Field(
+        default=None,
+        description="The dispatchers of this process get other processes' commits by "
+        "LISTEN (False: they poll every poll_interval_seconds until it is back, after a "
+        "lost or silent connection); None when none listens here (no dispatchers, SQLite, "
+        "notify=False).",
+    )
 
     def public(self) -> OutboxHealth:
         """This report without what may name a host, port, user or code path: every
@@ -250,6 +257,7 @@ async def compute_health(outbox: Outbox) -> OutboxHealth:
         reasons=reasons,
         processors=processors,
         wal=wal,
+        listening=None if outbox.listener is None else outbox.listener.listening,
     )
 
 

@@ -7,25 +7,33 @@ commit, which would serialise every commit). :class:`Notifier` coalesces: howeve
 commits arrive while a NOTIFY is in flight, one more NOTIFY follows, so the write path pays
 nothing per request. :class:`Listener` holds one connection that LISTENs and wakes the local
 processors; when it is down (no PostgreSQL, or PgBouncer in transaction mode) the
-dispatchers fall back to polling every ``poll_interval_seconds``.
+dispatchers fall back to polling every ``poll_interval_seconds``. The listener proves its
+connection alive with a NOTIFY to itself every ``listen_check_interval_seconds`` (and TCP
+keepalives), so a connection lost silently counts as down within
+``listen_check_interval_seconds + listen_check_timeout_seconds``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
+import socket
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 import anyio
 
+from fastapi_outbox.settings import LISTEN_CHECK_INTERVAL_SECONDS, LISTEN_CHECK_TIMEOUT_SECONDS
 from fastapi_outbox.store import Store
 
 logger = logging.getLogger("fastapi_outbox.notify")
 
 RECONNECT_MIN_SECONDS = 0.5
 RECONNECT_MAX_SECONDS = 30.0
+#: Bound on giving the LISTEN connection back (UNLISTEN) before it is dropped instead.
+RELEASE_TIMEOUT_SECONDS = 1.0
 
 
 class Wakeup:
@@ -130,29 +138,147 @@ class Notifier:
             self.running = False
 
 
+#: Payloads of the LISTEN self-checks start with this; every listener ignores them (they are
+#: no commit), so a check wakes no dispatcher of any process.
+PING_PREFIX = "ping:"
+
+
+def set_keepalive(sock: Any, idle_seconds: float) -> bool:
+    """TCP keepalives on ``sock``: probes after ``idle_seconds`` of silence, then every
+    ``idle_seconds``, three unanswered probes and the kernel closes it — so a connection a
+    NAT or firewall dropped ends even while no statement is in flight. False when the socket
+    takes no TCP options (a Unix socket)."""
+    seconds = max(1, int(idle_seconds))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in (("TCP_KEEPIDLE", seconds), ("TCP_KEEPINTVL", seconds)):
+            option = getattr(socket, name, None)
+            if option is not None:
+                sock.setsockopt(socket.IPPROTO_TCP, option, value)
+        if hasattr(socket, "TCP_KEEPCNT"):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+    except OSError:
+        return False
+    return True
+
+
+def _driver_socket(driver: Any) -> Any:
+    """The socket under an asyncpg connection, or None (another driver: no keepalives)."""
+    transport = getattr(driver, "_transport", None)
+    return None if transport is None else transport.get_extra_info("socket")
+
+
 class Listener:
     """LISTENs on a dedicated connection and calls ``on_notify`` for other processes'
-    commits; reconnects with backoff. ``listening`` says whether wake-ups can arrive."""
+    commits; reconnects with backoff. ``listening`` says whether wake-ups can arrive.
+
+    A LISTEN connection can die silently (a NAT or firewall dropping it, a half-open TCP
+    connection): nothing arrives and nothing fails. So the connection gets TCP keepalives,
+    it counts as listening only once a NOTIFY it sent to itself came back, and it sends one
+    every ``check_interval`` seconds; when that round trip does not come back within
+    ``check_timeout``, the connection is declared lost at once —
+    ``listening`` becomes False, the dispatchers are woken and poll every
+    ``poll_interval_seconds`` — and the listener reconnects."""
 
     def __init__(
-        self, store: Store, channel: str, instance_id: str, on_notify: Callable[[], None]
+        self,
+        store: Store,
+        channel: str,
+        instance_id: str,
+        on_notify: Callable[[], None],
+        *,
+        check_interval: float = LISTEN_CHECK_INTERVAL_SECONDS,
+        check_timeout: float = LISTEN_CHECK_TIMEOUT_SECONDS,
     ) -> None:
         self.store = store
         self.channel = channel
         self.instance_id = instance_id
         self.on_notify = on_notify
+        self.check_interval = check_interval
+        self.check_timeout = check_timeout
         self.listening = False
         self.received = 0
+        #: self-checks answered, and connections declared lost because one was not.
+        self.checks = 0
+        self.silent_losses = 0
+        #: TCP keepalives are on for the current connection.
+        self.keepalive = False
+        self._checks = itertools.count()
+        self._awaited: tuple[str, anyio.Event] | None = None
 
     def _callback(self, connection: Any, pid: int, channel: str, payload: str) -> None:
+        if payload.startswith(PING_PREFIX):
+            awaited = self._awaited
+            if awaited is not None and payload == awaited[0]:
+                awaited[1].set()
+            return  # a self-check (ours or another process's): no commit behind it
         if payload == self.instance_id:
             return  # our own commit: the in-process signal already woke us
         self.received += 1
         self.on_notify()
 
+    async def _answers(self, driver: Any) -> bool:
+        """One self-check: a NOTIFY to our own channel, sent and received back on the
+        LISTEN connection within ``check_timeout``."""
+        token = f"{PING_PREFIX}{self.instance_id}:{next(self._checks)}"
+        answered = anyio.Event()
+        self._awaited = (token, answered)
+        try:
+            with anyio.move_on_after(self.check_timeout):
+                await driver.execute("SELECT pg_notify($1, $2)", self.channel, token)
+                await answered.wait()
+        finally:
+            self._awaited = None
+        if answered.is_set():
+            self.checks += 1
+        return answered.is_set()
+
+    async def _watch(
+        self, driver: Any, lost: anyio.Event, proven: Callable[[], None]
+    ) -> str | None:
+        """Prove the connection with a self-check at once — ``proven()`` then, and only then
+        does it count as listening: behind PgBouncer in transaction mode LISTEN succeeds
+        but nothing ever comes back — and again every ``check_interval``. Returns when it is
+        lost: None when the driver saw it close, the reason when a self-check failed."""
+        while True:
+            try:
+                if not await self._answers(driver):
+                    return f"no answer to a self-check within {self.check_timeout:g} s"
+            except Exception as exc:
+                return f"self-check failed: {type(exc).__name__}"
+            if not self.listening:
+                proven()
+            with anyio.move_on_after(self.check_interval):
+                await lost.wait()
+                return None
+
+    async def _release(self, conn: Any, driver: Any, *, healthy: bool) -> None:
+        """Give the connection back to the pool without its LISTEN, or — when it is closed,
+        silent, or does not answer UNLISTEN within a second — drop it: a half-open
+        connection returned to the pool would hang whoever used or closed it next."""
+        if healthy and not driver.is_closed():
+            with anyio.move_on_after(RELEASE_TIMEOUT_SECONDS):
+                await driver.remove_listener(self.channel, self._callback)
+                return
+        driver.terminate()
+        with anyio.move_on_after(RELEASE_TIMEOUT_SECONDS):
+            await conn.invalidate()
+
     async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         delay = RECONNECT_MIN_SECONDS
         started = False
+
+        def proven() -> None:
+            nonlocal delay, started
+            self.listening = True
+            delay = RECONNECT_MIN_SECONDS
+            logger.info("listening", extra={"action": "listen.start", "channel": self.channel})
+            # Commits made while we were not listening: look once.
+            self.on_notify()
+            if not started:
+                started = True
+                task_status.started()
+
         while True:
             lost = anyio.Event()
             try:
@@ -160,26 +286,20 @@ class Listener:
                     raw = await conn.get_raw_connection()
                     driver = raw.driver_connection
                     assert driver is not None
+                    sock = _driver_socket(driver)
+                    self.keepalive = sock is not None and set_keepalive(sock, self.check_interval)
                     await driver.add_listener(self.channel, self._callback)
                     driver.add_termination_listener(lambda _c, lost=lost: lost.set())
-                    self.listening = True
-                    delay = RECONNECT_MIN_SECONDS
-                    logger.info(
-                        "listening", extra={"action": "listen.start", "channel": self.channel}
-                    )
-                    # Commits made while we were not listening: look once.
-                    self.on_notify()
-                    if not started:
-                        started = True
-                        task_status.started()
+                    silent: str | None = None
                     try:
-                        await lost.wait()
+                        silent = await self._watch(driver, lost, proven)
                     finally:
                         self.listening = False
-                        with anyio.CancelScope(shield=True), anyio.move_on_after(1):
-                            if not driver.is_closed():
-                                await driver.remove_listener(self.channel, self._callback)
-                raw_lost = "connection lost"
+                        with anyio.CancelScope(shield=True):
+                            await self._release(conn, driver, healthy=silent is None)
+                    if silent is not None:
+                        self.silent_losses += 1
+                    raw_lost = silent or "connection lost"
             except Exception as exc:
                 raw_lost = f"{type(exc).__name__}"
             self.listening = False

@@ -341,8 +341,8 @@ class Outbox:
             if own:
                 with anyio.CancelScope(shield=True):
                     await sess.close()
-        for _ in uow._state.take_notify():
-            await self._notify_after_commit()
+        for _ in uow._state.take_notify():  # only for a commit made outside the greenlet
+            await self.notify_after_commit()
 
     def write_rows(self, connection: Connection, rows: list[dict[str, Any]]) -> None:
         """Record outbox messages on a session's connection, through this outbox's capture
@@ -387,12 +387,13 @@ class Outbox:
             return False
         return self.store.is_postgres and self.settings.notify
 
-    async def _notify_after_commit(self) -> None:
+    async def notify_after_commit(self) -> None:
         """One NOTIFY after the commit, outside the business transaction, for processes
         whose dispatchers LISTEN while this one runs none. No background task: it costs
         the caller one short round-trip, bounded in time and shielded so a cancelled
         request cannot leave it half-sent. A failure is only logged: the data committed,
-        and the dispatchers find the rows by polling."""
+        and the dispatchers find the rows by polling. Sent from the session's commit
+        (:meth:`fastapi_outbox.session_events.SessionState.after_commit`), whoever commits."""
         try:
             with anyio.CancelScope(shield=True), anyio.fail_after(NOTIFY_TIMEOUT_SECONDS):
                 await self.store.notify(self.channel, self.instance)
@@ -401,6 +402,8 @@ class Outbox:
                 "notify after commit failed; dispatchers fall back to polling",
                 extra={"action": "notify.failed", "error": type(exc).__name__},
             )
+
+    _notify_after_commit = notify_after_commit
 
     async def cancel(self, message_id: uuid.UUID) -> None:
         """Cancel a pending message (a delayed one, typically) before a dispatcher claims it.
@@ -556,7 +559,14 @@ class Outbox:
                         self.settings.notify_interval_seconds,
                     )
                     await tg.start(self.notifier.run)
-                    listener = Listener(self.store, self.channel, self.instance, self._wake_all)
+                    listener = Listener(
+                        self.store,
+                        self.channel,
+                        self.instance,
+                        self._wake_all,
+                        check_interval=settings.listen_check_interval_seconds,
+                        check_timeout=settings.listen_check_timeout_seconds,
+                    )
                     self.listener = listener
                 brokers = await self._groups_first()
                 for name, broker in brokers.items():

@@ -14,7 +14,14 @@ events rather than by a transaction tracker of ours:
     fires for every rollback, savepoints included: rows queued inside the transaction (or
     savepoint) that rolled back, and in the savepoints nested in it, are dropped.
 ``after_commit``
-    (root only) tells the outbox which brokers got rows, to wake their dispatchers.
+    (root only) tells the outbox which brokers got rows, to wake their dispatchers, and sends
+    the NOTIFY other processes need right there, whoever committed (an own or a joined
+    session, a script without a lifespan).
+``after_flush``, ``pending_to_transient``, ``persistent_to_detached`` …
+    follow aggregates: an object that leaves the session before the commit (``expunge``,
+    ``expunge_all``, a rollback undoing its insert) takes back the events it raised since its
+    last flush; ``session.merge`` carries pending events (see
+    :mod:`fastapi_outbox.aggregates`).
 ``after_transaction_end``
     (root only) drops whatever is still queued: a transaction that ended without a commit
     writes nothing.
@@ -44,8 +51,19 @@ from typing import Any, Protocol
 from sqlalchemy import event as sa_event
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session, SessionTransaction
+from sqlalchemy.orm.attributes import instance_state
 
-from fastapi_outbox.aggregates import PUBLISH_KEY, collect_events, held_aggregates
+# SQLAlchemy's bridge from a sync session event to the event loop (what its async dialects
+# use): the NOTIFY after a commit is sent from the commit's ``after_commit`` event.
+from sqlalchemy.util.concurrency import await_, in_greenlet
+
+from fastapi_outbox.aggregates import (
+    PUBLISH_KEY,
+    collect_events,
+    held_aggregates,
+    release,
+    wait_on,
+)
 from fastapi_outbox.events import Event, Message
 
 __all__ = ["JOINED_KEY", "STATE_KEY", "SessionState", "Sink", "state_of"]
@@ -66,13 +84,48 @@ class Sink(Protocol):
     def committed(self, brokers: Mapping[str, float]) -> bool:
         """Wake (or, for delayed rows, schedule) dispatchers: ``brokers`` maps each broker
         that got rows to the earliest delay among them (0: due now). True when a NOTIFY
-        must still be sent by the caller."""
+        must still be sent (by :meth:`notify_after_commit`)."""
+
+    async def notify_after_commit(self) -> None:
+        """Send that NOTIFY (bounded in time; a failure is only logged)."""
+
+
+class _Raised:
+    """One event an aggregate raised, from its publishing to the end of the transaction:
+    taken back if the aggregate leaves the session before its change is flushed, or given
+    back to a new aggregate whose insert a rollback undid (so a retry that adds it again
+    commits both)."""
+
+    __slots__ = ("event", "flushed", "instance", "new", "rows", "tag", "written")
+
+    def __init__(
+        self,
+        instance: Any,
+        event: Event | Message,
+        rows: list[dict[str, Any]],
+        tag: SessionTransaction | None,
+    ) -> None:
+        self.instance = instance
+        self.event = event
+        self.rows = rows
+        self.tag = tag
+        #: the aggregate was not in the database yet (transient or pending).
+        self.new = _identity_key(instance) is None
+        #: the aggregate was flushed after the event was raised: its change is in the
+        #: transaction, so the event stays with the transaction whatever becomes of it.
+        self.flushed = False
+        #: the rows are in the outbox table (in the transaction), no longer queued.
+        self.written = False
+
+
+def _identity_key(instance: Any) -> Any:
+    return instance_state(instance).key
 
 
 class SessionState:
     """Outbox rows queued on one session, and the publishers of its aggregates' events."""
 
-    __slots__ = ("_publishers", "notify", "queued", "written")
+    __slots__ = ("_publishers", "_raising", "notify", "queued", "raised", "written")
 
     def __init__(self) -> None:
         #: ``(savepoint or None, sink, row)``; ``None`` is the root transaction's level.
@@ -83,12 +136,32 @@ class SessionState:
         #: sinks whose commit still needs a NOTIFY from an async caller.
         self.notify: list[Sink] = []
         self._publishers: list[Callable[[Event | Message], object]] = []
+        #: events raised by aggregates in the current transaction, oldest first.
+        self.raised: list[_Raised] = []
+        #: the aggregate whose event is being published, while it is.
+        self._raising: tuple[Any, Event | Message] | None = None
 
     # -- queueing ---------------------------------------------------------------------------
 
     def queue(self, session: Session, sink: Sink, rows: list[dict[str, Any]]) -> None:
         tag = session.get_nested_transaction()
         self.queued.extend((tag, sink, row) for row in rows)
+        if self._raising is not None:
+            instance, event = self._raising
+            self.raised.append(_Raised(instance, event, rows, tag))
+
+    def publish_from(self, instance: Any, event: Event | Message) -> bool:
+        """Publish ``event`` raised by the aggregate ``instance`` in the open unit of work;
+        False when none is open."""
+        publisher = self.publisher
+        if publisher is None:
+            return False
+        self._raising = (instance, event)
+        try:
+            publisher(event)
+        finally:
+            self._raising = None
+        return True
 
     def count(self, sink: Sink) -> int:
         return sum(1 for _, s, _ in self.queued if s is sink)
@@ -115,9 +188,35 @@ class SessionState:
         harvested = 0
         for instance in (*held_aggregates(session), *session.new, *session.identity_map.values()):
             for event in collect_events(instance):
-                publish(event)
+                self.publish_from(instance, event)
                 harvested += 1
         return harvested
+
+    # -- aggregates that flush or leave -----------------------------------------------------------
+
+    def flushed(self, session: Session) -> None:
+        """After a flush: the events of the aggregates it wrote stay with the transaction."""
+        if not any(not r.flushed for r in self.raised):
+            return
+        written = {id(o) for o in (*session.new, *session.dirty, *session.deleted)}
+        for raised in self.raised:
+            if id(raised.instance) in written:
+                raised.flushed = True
+
+    def withdraw(self, instance: Any) -> None:
+        """``instance`` left the session (expunged, or the session closed or rolled back):
+        the events it raised since its last flush are taken out of the queue and wait on the
+        instance again — its change will not be committed by this session, so neither are
+        they. Events of a flushed change stay with the transaction."""
+        leaving = [
+            r for r in self.raised if r.instance is instance and not (r.flushed or r.written)
+        ]
+        if not leaving:
+            return
+        rows = {id(row) for r in leaving for row in r.rows}
+        self.queued = [q for q in self.queued if id(q[2]) not in rows]
+        self.raised = [r for r in self.raised if not any(r is gone for gone in leaving)]
+        wait_on(instance, [r.event for r in leaving])
 
     # -- writing ------------------------------------------------------------------------------
 
@@ -152,6 +251,11 @@ class SessionState:
                 written[broker] = min(delay, written.get(broker, delay))
             sink.write_rows(connection, rows)
         self.queued = kept
+        if self.raised:
+            written_rows = {id(row) for rows in batches.values() for row in rows}
+            for raised in self.raised:
+                if id(raised.rows[0]) in written_rows:
+                    raised.written = True
 
     # -- transaction ends -----------------------------------------------------------------------
 
@@ -159,21 +263,42 @@ class SessionState:
         """Forget rows queued in ``boundary`` (a savepoint) and the savepoints inside it;
         ``None``: every row (the root transaction ended without commit). ``joined``: the
         session's root is a savepoint of its owner's transaction; what was written stays
-        noted for the owner's commit."""
+        noted for the owner's commit. A new aggregate that the rollback made transient
+        again gets its events back (a retry that adds it again commits them with it)."""
         if boundary is None:
             self.queued.clear()
             if not joined:
                 self.written.clear()
-            return
-        self.queued = [q for q in self.queued if not _within(q[0], boundary)]
+            dropped, self.raised = self.raised, []
+        else:
+            self.queued = [q for q in self.queued if not _within(q[0], boundary)]
+            dropped = [r for r in self.raised if _within(r.tag, boundary)]
+            if dropped:
+                self.raised = [r for r in self.raised if not _within(r.tag, boundary)]
+        for raised in dropped:
+            if raised.new and _identity_key(raised.instance) is None:
+                wait_on(raised.instance, [raised.event])
 
     def after_commit(self) -> None:
+        """Every commit wakes the dispatchers, whoever opened the session: the sink wakes
+        its own process's; when other processes must be told, the NOTIFY is sent here, in
+        the commit call (an ``AsyncSession`` commits inside SQLAlchemy's greenlet, where
+        ``await_`` runs a coroutine) — so a session joined by ``unit_of_work(session=…)``
+        and committed later by its owner, or committed by a script without a lifespan,
+        wakes them as the unit of work's own commit does."""
+        self.raised.clear()
         written, self.written = self.written, {}
         for sink, brokers in written.items():
             if brokers and sink.committed(brokers) and sink not in self.notify:
                 self.notify.append(sink)
+        if self.notify and in_greenlet():
+            sinks, self.notify = self.notify, []
+            for sink in sinks:
+                await_(sink.notify_after_commit())
 
     def take_notify(self) -> list[Sink]:
+        """Sinks still to be told after a commit made outside SQLAlchemy's greenlet (a sync
+        ``Session``); an ``AsyncSession``'s commit has told them already."""
         sinks, self.notify = self.notify, []
         return sinks
 
@@ -189,13 +314,9 @@ def state_of(session: Session) -> SessionState:
     return state
 
 
-def _aggregate_publisher(state: SessionState) -> Callable[[Event | Message], bool]:
-    def publish(event: Event | Message) -> bool:
-        publisher = state.publisher
-        if publisher is None:
-            return False
-        publisher(event)
-        return True
+def _aggregate_publisher(state: SessionState) -> Callable[[Event | Message, Any], bool]:
+    def publish(event: Event | Message, instance: Any) -> bool:
+        return state.publish_from(instance, event)
 
     return publish
 
@@ -243,7 +364,29 @@ def _before_flush(session: Session, flush_context: Any, instances: Any) -> None:
         return
     for instance in session.new:
         for event in collect_events(instance):
-            state.publisher(event)
+            state.publish_from(instance, event)
+
+
+@sa_event.listens_for(Session, "after_flush")
+def _after_flush(session: Session, flush_context: Any) -> None:
+    state: SessionState | None = session.info.get(STATE_KEY)
+    if state is not None:
+        state.flushed(session)
+
+
+def _left(session: Session, instance: Any) -> None:
+    """An object left ``session`` before commit (``expunge``, ``expunge_all``, ``close``, a
+    rollback undoing its ``add``): its unflushed events leave with it."""
+    release(session, instance)
+    state: SessionState | None = session.info.get(STATE_KEY)
+    if state is not None:
+        state.withdraw(instance)
+
+
+sa_event.listen(Session, "pending_to_transient", _left)
+sa_event.listen(Session, "persistent_to_detached", _left)
+sa_event.listen(Session, "persistent_to_transient", _left)
+sa_event.listen(Session, "deleted_to_detached", _left)
 
 
 @sa_event.listens_for(Session, "after_commit")

@@ -83,6 +83,12 @@ WAL_READ_WINDOW_BYTES = 64 * 1024 * 1024
 #: Smallest read window (a WAL segment is 16 MiB by default).
 WAL_MIN_READ_WINDOW_BYTES = 1024 * 1024
 
+#: How often the LISTEN connection proves it is alive with a NOTIFY to itself
+#: (``listen_check_interval_seconds``), and how long that round trip may take
+#: (``listen_check_timeout_seconds``) before the connection is declared lost.
+LISTEN_CHECK_INTERVAL_SECONDS = 10.0
+LISTEN_CHECK_TIMEOUT_SECONDS = 5.0
+
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 _SLOT_NAME = re.compile(r"^[a-z0-9_]{1,63}$")
 
@@ -292,6 +298,18 @@ class OutboxSettings(BaseSettings):
         "window doubles after each read that took under a quarter of "
         "wal_read_timeout_seconds, halves (down to 1 MiB) after one that timed out, and "
         "comes back to this value once the relay has caught up.",
+    )
+    listen_check_interval_seconds: float = Field(
+        default=LISTEN_CHECK_INTERVAL_SECONDS,
+        gt=0,
+        description="How often the LISTEN connection sends a NOTIFY to itself to prove it "
+        "is alive (a NAT or firewall may drop it silently; TCP keepalives are set too).",
+    )
+    listen_check_timeout_seconds: float = Field(
+        default=LISTEN_CHECK_TIMEOUT_SECONDS,
+        gt=0,
+        description="A LISTEN self-check not answered within this is a lost connection: "
+        "the dispatchers poll every poll_interval_seconds at once and it reconnects.",
     )
 
     @field_validator("table_name", "inbox_table_name")

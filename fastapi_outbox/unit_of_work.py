@@ -35,6 +35,9 @@ from fastapi_outbox.events import (
     INTERNAL_HEADERS,
     Event,
     Message,
+    check_text,
+    payload_of,
+    refuse_unstorable,
     uuid7,
 )
 from fastapi_outbox.session_events import state_of
@@ -153,6 +156,8 @@ class UnitOfWork:
             try:
                 payload = event.model_dump_json()
             except Exception as exc:
+                # An unpaired surrogate makes pydantic's UTF-8 encoding fail: name its field.
+                refuse_unstorable(event.model_dump(), stream, type_name)
                 raise exceptions.SerializationError(
                     f"event {type_name} on stream {stream!r} cannot be serialised: {exc}"
                 ) from exc
@@ -168,7 +173,11 @@ class UnitOfWork:
                     f"not {type(event.payload).__name__}"
                 )
             try:
-                payload = json.dumps(event.payload, separators=(",", ":"), allow_nan=False)
+                # ensure_ascii=False: UTF-8 as it is, as pydantic writes an Event's payload
+                # (an unpaired surrogate stays one, and fails the encode below).
+                payload = json.dumps(
+                    event.payload, separators=(",", ":"), allow_nan=False, ensure_ascii=False
+                )
             except (TypeError, ValueError) as exc:
                 raise exceptions.SerializationError(
                     f"payload of message {type_name} on stream {stream!r} is not "
@@ -178,19 +187,35 @@ class UnitOfWork:
             extra_headers = {**event.headers, **(headers or {})}
         else:
             raise TypeError(f"publish() takes an Event or Message, not {type(event).__name__}")
+        check_text(stream, "stream", stream, type_name)
+        check_text(type_name, "type", stream, type_name)
         if not isinstance(stream, str) or not _STREAM.match(stream):
             raise exceptions.PublishError(
                 f"invalid stream {stream!r} for {type_name}: 1-255 characters, no whitespace"
             )
-        size = len(payload.encode())
+        # The cheap check of every string of the payload at once: a NUL is written `\u0000`
+        # in JSON text (the search of the payload's strings runs only when that text
+        # appears), and an unpaired surrogate fails the UTF-8 encode the size check does.
+        try:
+            size = len(payload.encode())
+        except UnicodeEncodeError as exc:
+            refuse_unstorable(payload_of(event), stream, type_name)
+            raise exceptions.SerializationError(
+                f"payload of {type_name} on stream {stream!r} is not UTF-8 text: {exc}"
+            ) from exc
+        # pydantic writes a surrogate in a dict *key* as U+FFFD: look closer then too.
+        if "\\u0000" in payload or "\ufffd" in payload:
+            refuse_unstorable(payload_of(event), stream, type_name)
         if size > outbox.settings.max_payload_bytes:
             raise exceptions.PayloadTooLarge(
                 f"payload of {type_name} on stream {stream!r} is {size} bytes, over "
                 f"max_payload_bytes={outbox.settings.max_payload_bytes}"
             )
-        if key is not None and len(key) > 255:
-            raise exceptions.PublishError(f"key of {type_name} is longer than 255 characters")
-        user_headers = _check_headers(extra_headers, type_name)
+        if key is not None:
+            check_text(key, "key", stream, type_name)
+            if len(key) > 255:
+                raise exceptions.PublishError(f"key of {type_name} is longer than 255 characters")
+        user_headers = _check_headers(extra_headers, stream, type_name)
         due_in, due_at = _delay(delay, deliver_at, outbox.settings.max_delay_seconds, type_name)
         message_id = uuid7()
         base = {
@@ -290,7 +315,7 @@ def _delay(
     return dt.timedelta(seconds=seconds), deliver_at
 
 
-def _check_headers(headers: dict[str, str] | None, type_name: str) -> dict[str, str]:
+def _check_headers(headers: dict[str, str] | None, stream: str, type_name: str) -> dict[str, str]:
     if not headers:
         return {}
     if not isinstance(headers, dict):
@@ -300,6 +325,8 @@ def _check_headers(headers: dict[str, str] | None, type_name: str) -> dict[str, 
             raise exceptions.PublishError(
                 f"header {name!r} of {type_name}: names and values must be strings"
             )
+        check_text(name, f"the name of header {name!r}", stream, type_name)
+        check_text(value, f"headers[{name!r}]", stream, type_name)
         if not _HEADER_NAME.match(name):
             raise exceptions.PublishError(
                 f"invalid header name {name!r} on {type_name}: 1-128 characters among "

@@ -187,8 +187,24 @@ def any_free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class _Link:
+    """One proxied connection: what its client sent so far (the start of it, to match a
+    marker), and whether it is blackholed."""
+
+    __slots__ = ("blackholed", "sent")
+
+    def __init__(self) -> None:
+        self.sent = b""
+        self.blackholed = False
+
+
 class TcpProxy:
-    """Forwards a local port to PostgreSQL; ``stop`` cuts every connection (an outage)."""
+    """Forwards a local port to PostgreSQL; ``stop`` cuts every connection (an outage);
+    ``blackhole`` silences open connections without closing them (a half-open connection:
+    a NAT or firewall that dropped it)."""
+
+    #: Bytes of each client's traffic kept to find a marker in.
+    SEEN_BYTES = 65536
 
     def __init__(self, target_port: int) -> None:
         self.target_port = target_port
@@ -196,13 +212,36 @@ class TcpProxy:
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._links: list[_Link] = []
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
 
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def blackhole(self, marker: bytes) -> int:
+        """From now on, drop every byte, both ways, of the open connections whose client
+        has sent ``marker`` (e.g. ``b"LISTEN "``); they stay open and silent. Connections
+        made later are forwarded as usual. Returns how many were silenced."""
+        silenced = 0
+        for link in self._links:
+            if marker in link.sent and not link.blackholed:
+                link.blackholed = True
+                silenced += 1
+        return silenced
+
+    async def _pipe(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        link: _Link,
+        *,
+        upstream: bool,
+    ) -> None:
         with contextlib.suppress(OSError, asyncio.IncompleteReadError):
             while data := await reader.read(65536):
+                if upstream and len(link.sent) < self.SEEN_BYTES:
+                    link.sent += data
+                if link.blackholed:
+                    continue  # read and dropped: the sender sees no error, and no answer
                 writer.write(data)
                 await writer.drain()
         writer.close()
@@ -217,11 +256,17 @@ class TcpProxy:
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)  # type: ignore[arg-type]
+        link = _Link()
+        self._links.append(link)
         try:
-            await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
+            await asyncio.gather(
+                self._pipe(reader, up_writer, link, upstream=True),
+                self._pipe(up_reader, writer, link, upstream=False),
+            )
         finally:
             self._writers -= {writer, up_writer}
             self._tasks.discard(task)  # type: ignore[arg-type]
+            self._links.remove(link)
 
     async def stop(self) -> None:
         if self._server is not None:
