@@ -676,6 +676,27 @@ class Store:
             result = await conn.execute(stmt, params)
         return int(result.rowcount)
 
+    async def extend_lease(self, ids: Sequence[uuid.UUID], token: str, lease_seconds: float) -> int:
+        """Renew the lease of claimed rows for ``lease_seconds`` from now (the database's
+        clock), fenced by the claim token; returns how many rows the claim still held. The
+        processor renews a batch before trying its messages one by one after a publish
+        timed out while the broker answered."""
+        if not ids:
+            return 0
+        t = self.table
+        until = clock.db_later(self.is_postgres, "lease")
+        stmt = (
+            update(t)
+            .where(self._ids(), t.c.locked_by == bindparam("token"))
+            .values(locked_until=until, next_attempt_at=until)
+        )
+        params = {"ids": list(ids), "token": token, "lease": self._offset(lease_seconds)}
+        if self.is_postgres:
+            return await self._driver_execute("extend_lease", stmt, params)
+        async with self._autocommit.begin() as conn:
+            result = await conn.execute(stmt, params)
+        return int(result.rowcount)
+
     # -- observation -------------------------------------------------------------------------
 
     def _status_is(self, *statuses: str) -> ColumnElement[bool]:
