@@ -341,6 +341,7 @@ class Processor(RelayLoop):
         live = [r for r in batch if r.attempts <= settings.max_attempts]
         if exhausted:
             await self._abandon_exhausted(exhausted, token)
+        expired: list[ClaimedRow] = []
         if settings.retry_deadline_seconds is not None:
             # The row's age as the database counted it at the claim: the dispatcher's own
             # clock may be minutes off the clock that wrote created_at.
@@ -350,6 +351,8 @@ class Processor(RelayLoop):
                 gone = {r.id for r in expired}
                 live = [r for r in live if r.id not in gone]
                 await self._abandon_expired(expired, token)
+        if settings.ordered and (exhausted or expired):
+            live = await self._give_back_behind(batch, live, [*exhausted, *expired], token)
         if not live:
             return
         envelopes = [self._envelope(r) for r in live]
@@ -387,6 +390,31 @@ class Processor(RelayLoop):
             self._broker_up()
         with anyio.fail_after(self._db_bound):
             await self._record(live, envelopes, results, token)
+
+    async def _give_back_behind(
+        self,
+        batch: list[ClaimedRow],
+        live: list[ClaimedRow],
+        abandoned: list[ClaimedRow],
+        token: str,
+    ) -> list[ClaimedRow]:
+        """Ordered: the rows of this batch that come after a row of their key abandoned at
+        the claim go back to the table (attempt refunded), where the abandoned row blocks
+        them; returns the rest."""
+        gone = {r.id for r in abandoned}
+        stopped: set[str] = set()
+        behind: set[uuid.UUID] = set()
+        for row in batch:  # in insert order
+            if row.key is None:
+                continue
+            if row.id in gone:
+                stopped.add(row.key)
+            elif row.key in stopped:
+                behind.add(row.id)
+        if behind:
+            with anyio.fail_after(self._db_bound):
+                await self.store.release(list(behind), token)
+        return [r for r in live if r.id not in behind]
 
     async def _broker_answers(self) -> bool:
         """After a publish timed out: does the broker answer a ping within

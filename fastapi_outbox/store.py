@@ -28,6 +28,7 @@ from sqlalchemy import (
     Boolean,
     Interval,
     Select,
+    String,
     Table,
     Text,
     Uuid,
@@ -37,6 +38,7 @@ from sqlalchemy import (
     case,
     cast,
     delete,
+    distinct,
     exists,
     func,
     insert,
@@ -127,6 +129,10 @@ class BrokerStats:
     scheduled: int = 0
     #: Only with ``stats(published_totals=True)``.
     published: int | None = None
+    #: Ordered dispatch: keys whose later messages wait behind an abandoned message, and
+    #: the first such message by id (None when none blocks).
+    blocked_keys: int = 0
+    blocking_message: str | None = None
 
 
 class Store:
@@ -448,7 +454,18 @@ class Store:
                 e.c.next_attempt_at > now,
                 tuple_(*self._order_columns(e)) < tuple_(*order),
             )
-            candidates = candidates.where(or_(o.c.key.is_(None), ~held_earlier))
+            # An abandoned row blocks the later rows of its key until an operator replays
+            # it (then it goes first) or deletes it: no silent gap in a key's order.
+            a = t.alias("a")
+            abandoned_earlier = exists().where(
+                a.c.broker == o.c.broker,
+                a.c.key == o.c.key,
+                a.c.status.in_([literal_column(f"'{ABANDONED}'")]),
+                tuple_(*self._order_columns(a)) < tuple_(*order),
+            )
+            candidates = candidates.where(
+                or_(o.c.key.is_(None), and_(~held_earlier, ~abandoned_earlier))
+            )
         candidates = candidates.order_by(*order).limit(limit)
         if self.is_postgres:
             candidates = candidates.with_for_update(skip_locked=True)
@@ -723,6 +740,8 @@ class Store:
             # earlier row of its key (failing, or in flight): those wait for that row,
             # not for a dispatcher. Served by ix_<table>_key.
             "waiting_ordered": self._waiting_ordered(),
+            # Ordered dispatch: abandoned rows that block later rows of their key.
+            "blocking_ordered": self._blocking_ordered(),
             # Delayed messages not due yet: a range of ix_<table>_due past now.
             "scheduled": select(t.c.broker, func.count())
             .where(self._status_is(PENDING), t.c.next_attempt_at > self._now())
@@ -743,7 +762,7 @@ class Store:
 
     def _waiting_ordered(self) -> Any:
         t = self.table
-        o, e = t.alias("o"), t.alias("e")
+        o, e, a = t.alias("o"), t.alias("e"), t.alias("a")
         held = exists().where(
             e.c.broker == o.c.broker,
             e.c.key == o.c.key,
@@ -751,15 +770,44 @@ class Store:
             e.c.status != PENDING,
             tuple_(*self._order_columns(e)) < tuple_(*self._order_columns(o)),
         )
+        behind_abandoned = exists().where(
+            a.c.broker == o.c.broker,
+            a.c.key == o.c.key,
+            self._status_is_alias(a, ABANDONED),
+            tuple_(*self._order_columns(a)) < tuple_(*self._order_columns(o)),
+        )
         return (
             select(o.c.broker, func.min(o.c.next_attempt_at))
             .where(
                 o.c.status.in_([literal_column(f"'{PENDING}'")]),
                 o.c.next_attempt_at <= self._now(),
-                or_(o.c.key.is_(None), ~held),
+                or_(o.c.key.is_(None), and_(~held, ~behind_abandoned)),
             )
             .group_by(o.c.broker)
         )
+
+    def _blocking_ordered(self) -> Any:
+        """Ordered dispatch: per broker, how many keys have an abandoned row that holds
+        back a later row of the key, and the first such row (ix_<table>_abandoned_key)."""
+        t = self.table
+        a, e = t.alias("a"), t.alias("e")
+        later = exists().where(
+            e.c.broker == a.c.broker,
+            e.c.key == a.c.key,
+            _active(e),
+            tuple_(*self._order_columns(e)) > tuple_(*self._order_columns(a)),
+        )
+        return (
+            select(a.c.broker, func.count(distinct(a.c.key)), func.min(cast(a.c.id, String)))
+            .where(self._status_is_alias(a, ABANDONED), a.c.key.is_not(None), later)
+            .group_by(a.c.broker)
+        )
+
+    @staticmethod
+    def _status_is_alias(alias: Any, status: str) -> ColumnElement[bool]:
+        """``alias.status IN ('status')``, the value in the SQL text (see :meth:`_status_is`)."""
+        column: ColumnElement[str] = alias.c.status
+        return column.in_([literal_column(f"'{MessageStatus(status).value}'")])
 
     async def stats(
         self,
@@ -796,6 +844,11 @@ class Store:
                 for broker, oldest in await conn.execute(statements["waiting_ordered"]):
                     if oldest is not None:
                         entry(broker).oldest_pending_age_seconds = _age(db_now, oldest)
+                for broker, count, first in await conn.execute(statements["blocking_ordered"]):
+                    entry(broker).blocked_keys = int(count)
+                    entry(broker).blocking_message = (
+                        None if first is None else str(uuid.UUID(str(first)))
+                    )
             for broker, count in await conn.execute(statements["abandoned"]):
                 entry(broker).abandoned = int(count)
             for broker, count in await conn.execute(statements["scheduled"]):
