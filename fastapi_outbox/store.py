@@ -1138,15 +1138,21 @@ class Store:
             rows = (await conn.execute(stmt)).all()
         return {row.id: (row.status, row.locked_by is not None) for row in rows}
 
-    async def purge_batch(self, status: str, older_than_seconds: float, limit: int) -> int:
+    async def purge_batch(
+        self, status: str, older_than_seconds: float, limit: int, *, keep_blocking: bool = False
+    ) -> int:
         """Delete up to ``limit`` rows of ``status`` (published or abandoned) finished more
-        than ``older_than_seconds`` ago. One short transaction: no long locks."""
-        stmt = self.purge_statement(status, older_than_seconds, limit)
+        than ``older_than_seconds`` ago. One short transaction: no long locks.
+        ``keep_blocking``: keep the abandoned keyed rows that a later row of their key still
+        waits for (ordered dispatch: deleting one would let its key go on with a gap)."""
+        stmt = self.purge_statement(status, older_than_seconds, limit, keep_blocking=keep_blocking)
         async with self._autocommit.begin() as conn:
             result = await conn.execute(stmt)
         return int(result.rowcount)
 
-    def purge_statement(self, status: str, older_than_seconds: float, limit: int) -> Any:
+    def purge_statement(
+        self, status: str, older_than_seconds: float, limit: int, *, keep_blocking: bool = False
+    ) -> Any:
         """The DELETE of :meth:`purge_batch` (``benchmarks/scale.py`` measures its WAL)."""
         t = self.table
         column = t.c.published_at if status == PUBLISHED else t.c.abandoned_at
@@ -1155,6 +1161,15 @@ class Store:
             .where(t.c.status == status, column < self._later(-older_than_seconds))
             .limit(limit)
         )
+        if keep_blocking:
+            e = t.alias("e")
+            waited_for = exists().where(
+                e.c.broker == t.c.broker,
+                e.c.key == t.c.key,
+                _active(e),
+                tuple_(*self._order_columns(e)) > tuple_(*self._order_columns(t)),
+            )
+            victims = victims.where(or_(t.c.key.is_(None), ~waited_for))
         if self.is_postgres:
             victims = victims.with_for_update(skip_locked=True)
         return delete(t).where(t.c.id.in_(victims.scalar_subquery()))

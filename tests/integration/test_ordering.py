@@ -563,3 +563,47 @@ async def test_a_batch_does_not_publish_past_a_message_it_abandons(db_url: str) 
         assert (row.get("status"), row.get("attempts")) == ("pending", 0)
     finally:
         await outbox.aclose()
+
+
+async def test_retention_keeps_a_blocking_abandoned_message_and_a_purge_releases_its_key(
+    db_url: str,
+) -> None:
+    """Retention (``abandoned_retention_seconds``) does not delete an abandoned message
+    that a later message of its key waits for: that would be the silent gap again. An
+    operator's purge does, and the key goes on without it."""
+    from fastapi_outbox import operations
+    from fastapi_outbox.retention import Cleaner
+
+    poison: list[str] = []
+    broker = MemoryBroker(
+        reject=lambda e: MessageRejected("refused for the test") if e.id in poison else None
+    )
+    settings = ordered_settings(max_attempts=1)  # abandoned_retention_seconds: 30 days
+    outbox = Outbox(db_url, brokers={"default": broker}, settings=settings)
+    stream = unique("ordering")
+    try:
+        await outbox.create_tables()
+        async with outbox.unit_of_work() as uow:
+            k1, k2 = (uow.publish(Message(stream, "S", {"n": n}), key="k") for n in (1, 2))
+            lone = uow.publish(Message(stream, "S", {"n": 3}), key="lone")
+        poison += [str(k1), str(lone)]
+        assert await drain(outbox) == 0
+        t = outbox.table
+        async with outbox.engine.begin() as conn:  # abandoned long ago
+            await conn.execute(
+                t.update()
+                .where(t.c.status == "abandoned")
+                .values(abandoned_at=dt.datetime(2020, 1, 1, tzinfo=dt.UTC))
+            )
+        await Cleaner(outbox.store, settings).run_once()
+        # The abandoned message nothing waits for is gone; the blocking one stays.
+        assert await outbox.store.get(lone) is None
+        assert ((await outbox.store.get(k1)) or {}).get("status") == "abandoned"
+        assert await drain(outbox) == 0
+
+        deleted = await operations.purge(outbox, "abandoned", 0, batch_size=100)
+        assert deleted == 1
+        assert await drain(outbox) == 1
+        assert [m.id for m in broker.messages] == [str(k2)]
+    finally:
+        await outbox.aclose()
