@@ -16,6 +16,8 @@ poison message, while pings go to the server).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -30,6 +32,7 @@ from fastapi_outbox.brokers.base import PublishResults
 from fastapi_outbox.events import Envelope
 from tests.acceptance.conftest import nats_ids
 from tests.conftest import unique, wait_until
+from tests.servers import TcpProxy
 
 SETTINGS: dict[str, Any] = {
     "publish_timeout_seconds": 0.5,
@@ -164,5 +167,123 @@ async def test_a_hanging_message_alone_in_its_batch_is_charged(sqlite_url: str) 
         assert r["attempts"] == SETTINGS["max_attempts"]
         assert "publish timed out while the broker answered" in r["last_error"]
         assert str(message_id) in r["last_error"]
+    finally:
+        await outbox.aclose()
+
+
+class StallsOnMarker(TcpProxy):
+    """A TCP proxy in front of Redis that stops forwarding a connection for good once a
+    client sends ``marker`` on it (a middlebox or server stalled by one payload). Other
+    connections, pings included, go through."""
+
+    def __init__(self, target_port: int, marker: bytes) -> None:
+        super().__init__(target_port)
+        self.marker = marker
+        self.stalls = 0
+        self._released = asyncio.Event()
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError, asyncio.IncompleteReadError):
+            while data := await reader.read(65536):
+                if self.marker in data:
+                    self.stalls += 1
+                    await self._released.wait()
+                    break
+                writer.write(data)
+                await writer.drain()
+        writer.close()
+
+    async def stop(self) -> None:
+        self._released.set()
+        await super().stop()
+
+
+async def test_a_payload_that_stalls_its_connection_is_charged_through_a_real_socket(
+    pg_url: str, redis_url: str
+) -> None:
+    """The redis-py client, its pool and socket timeouts in the loop: the connection that
+    carried the poison payload hangs, a ping on another connection answers. The message
+    is charged and abandoned; the 19 others are published once, uncharged."""
+    port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
+    marker = f"STALL-{uuid.uuid4().hex}"
+    proxy = StallsOnMarker(port, marker.encode())
+    await proxy.start()
+    stream = unique("hang")
+    broker = RedisStreamsBroker(f"redis://127.0.0.1:{proxy.port}/0", socket_timeout=2)
+    outbox = Outbox(pg_url, brokers={"default": broker}, settings=OutboxSettings(**SETTINGS))
+    await outbox.create_tables()
+    try:
+        async with outbox.unit_of_work() as uow:
+            ids = [
+                uow.publish(Message(stream, "Tick", {"n": n, "note": marker if n == 7 else ""}))
+                for n in range(20)
+            ]
+        poison = ids[7]
+        others = [i for i in ids if i != poison]
+
+        async def settled() -> bool:
+            return (await row(outbox, poison))["status"] == "abandoned" and len(
+                await redis_stream_ids(redis_url, stream)
+            ) == len(others)
+
+        async with outbox.dispatcher():
+            await wait_until(settled, timeout=30, interval=0.1)
+            assert outbox.processors["default"].broker_ok
+        assert sorted(await redis_stream_ids(redis_url, stream)) == sorted(map(str, others))
+        assert proxy.stalls >= SETTINGS["max_attempts"]
+        hung = await row(outbox, poison)
+        assert hung["attempts"] == SETTINGS["max_attempts"]
+        assert "publish timed out while the broker answered" in hung["last_error"]
+        for i in others:
+            assert ((await row(outbox, i))["status"], (await row(outbox, i))["attempts"]) == (
+                "published",
+                1,
+            )
+    finally:
+        await outbox.aclose()
+        await proxy.stop()
+
+
+async def test_ordered_a_hanging_message_holds_back_its_key_only(db_url: str) -> None:
+    """Ordered dispatch: a message of key ``k`` hangs until abandoned. Other keys flow;
+    the later message of ``k`` is neither published nor charged, and stays blocked behind
+    the abandoned one (see ``test_ordering``)."""
+    from fastapi_outbox.brokers import MemoryBroker
+
+    poison: set[str] = set()
+
+    class Hangs(MemoryBroker):
+        async def publish(self, batch: Sequence[Envelope]) -> PublishResults:
+            if any(e.id in poison for e in batch):
+                await anyio.sleep_forever()
+            return await super().publish(batch)
+
+    broker = Hangs()
+    settings = OutboxSettings(**{**SETTINGS, "ordered": True})
+    outbox = Outbox(db_url, brokers={"default": broker}, settings=settings)
+    await outbox.create_tables()
+    stream = unique("hang")
+    try:
+        async with outbox.unit_of_work() as uow:
+            k1, o1, k2, o2 = (
+                uow.publish(Message(stream, "Tick", {"n": n}), key=key)
+                for n, key in enumerate(["k", "o", "k", "o"])
+            )
+        poison.add(str(k1))
+
+        async def abandoned() -> bool:
+            return (await row(outbox, k1))["status"] == "abandoned"
+
+        async with outbox.dispatcher():
+            await broker.wait_for(2, timeout=20)
+            await wait_until(abandoned, timeout=20, interval=0.1)
+        assert [m.id for m in broker.messages] == [str(o1), str(o2)]
+        assert ((await row(outbox, k2))["status"], (await row(outbox, k2))["attempts"]) == (
+            "pending",
+            0,
+        )
+        assert (
+            "publish timed out while the broker answered" in (await row(outbox, k1))["last_error"]
+        )
     finally:
         await outbox.aclose()
