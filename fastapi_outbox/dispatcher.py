@@ -11,8 +11,10 @@ anyio task group. A worker's cycle:
 
 Failure classes: a broker that cannot be reached makes the processor give the batch back
 (attempts refunded) and pause as a whole with exponential backoff; a message the broker
-refuses is retried on its own with exponential backoff and jitter; a database that cannot
-be reached makes workers retry with backoff while the app keeps serving.
+refuses is retried on its own with exponential backoff and jitter; a publish that times out
+is an outage only when the broker then fails a ping too, otherwise the batch is tried message
+by message and the one that hangs is charged (:meth:`Processor._one_by_one`); a database that
+cannot be reached makes workers retry with backoff while the app keeps serving.
 """
 
 from __future__ import annotations

@@ -418,11 +418,12 @@ class Store:
         attempts of its batch-mates twice at most, and then only its own.
 
         Ordered (``ordered=True``): rows go in insert order (:meth:`_order_columns`), and a
-        keyed row is taken only when no earlier row of its key is in flight or backing off
-        after a failure; ``claim`` serialises ordered claimers so that every batch is a
-        prefix of each key's queue. On PostgreSQL a row is also dropped when an earlier
-        row of its key is due but was skipped as locked (a slow holder whose lease ran
-        out is recording its outcome right now): it may be about to back off.
+        keyed row is taken only when no earlier row of its key is in flight, backing off
+        after a failure, or abandoned (until replayed or purged); ``claim`` serialises
+        ordered claimers so that every batch is a prefix of each key's queue. On
+        PostgreSQL a row is also dropped when an earlier row of its key is due but was
+        skipped as locked (a slow holder whose lease ran out is recording its outcome
+        right now): it may be about to back off.
         """
         t = self.table
         # Bound per execution (the statement is built once per broker and cached): the
@@ -787,20 +788,28 @@ class Store:
         )
 
     def _blocking_ordered(self) -> Any:
-        """Ordered dispatch: per broker, how many keys have an abandoned row that holds
-        back a later row of the key, and the first such row (ix_<table>_abandoned_key)."""
+        """Ordered dispatch: per broker, how many keys have rows waiting behind an abandoned
+        row of the key, and the first such abandoned row. Walks the active keyed rows
+        (ix_<table>_key: the backlog, not the table's history of abandoned rows), each
+        with one probe of ix_<table>_abandoned_key."""
         t = self.table
-        a, e = t.alias("a"), t.alias("e")
-        later = exists().where(
-            e.c.broker == a.c.broker,
-            e.c.key == a.c.key,
-            _active(e),
-            tuple_(*self._order_columns(e)) > tuple_(*self._order_columns(a)),
+        o, a = t.alias("o"), t.alias("a")
+        first_abandoned = (
+            select(cast(a.c.id, String))
+            .where(
+                a.c.broker == o.c.broker,
+                a.c.key == o.c.key,
+                self._status_is_alias(a, ABANDONED),
+                tuple_(*self._order_columns(a)) < tuple_(*self._order_columns(o)),
+            )
+            .order_by(*self._order_columns(a))
+            .limit(1)
+            .scalar_subquery()
         )
         return (
-            select(a.c.broker, func.count(distinct(a.c.key)), func.min(cast(a.c.id, String)))
-            .where(self._status_is_alias(a, ABANDONED), a.c.key.is_not(None), later)
-            .group_by(a.c.broker)
+            select(o.c.broker, func.count(distinct(o.c.key)), func.min(first_abandoned))
+            .where(_active(o), o.c.key.is_not(None), first_abandoned.is_not(None))
+            .group_by(o.c.broker)
         )
 
     @staticmethod

@@ -15,8 +15,8 @@ The guarantee these tests hold the library to (see ``Store._claim_statement``):
     committed) the order is unspecified: the one whose row becomes visible first is
     published first, and rows dispatched together go in insert order. Such transactions
     did not conflict on the key's aggregate, so either order is a valid history. A
-    message abandoned after ``max_attempts`` stops holding back its key; replaying it
-    later publishes it after its successors.
+    message abandoned (``max_attempts``, retry deadline) keeps holding back its key until
+    an operator replays it (it then goes first) or purges it (the key goes on without it).
 
 The former design ordered PostgreSQL rows by the writing transaction's id and held every
 keyed row back until all older transactions had ended. Transaction ids are handed out at
