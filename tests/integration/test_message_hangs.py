@@ -287,3 +287,50 @@ async def test_ordered_a_hanging_message_holds_back_its_key_only(db_url: str) ->
         )
     finally:
         await outbox.aclose()
+
+
+async def test_a_broker_whose_ping_hangs_too_is_an_outage_and_charges_nothing(
+    sqlite_url: str,
+) -> None:
+    """Every publish and every ping hang (a frozen broker): the processor pauses as a
+    whole (``broker_ok`` false) and gives the batch back with its attempts refunded, as
+    before; once the broker answers again everything goes out, charged once."""
+    from fastapi_outbox.brokers import MemoryBroker
+
+    class Frozen(MemoryBroker):
+        frozen = True
+
+        async def ping(self) -> None:
+            if self.frozen:
+                await anyio.sleep_forever()
+            await super().ping()
+
+        async def publish(self, batch: Sequence[Envelope]) -> PublishResults:
+            if self.frozen:
+                self.publish_calls += 1
+                await anyio.sleep_forever()
+            return await super().publish(batch)
+
+    broker = Frozen()
+    outbox = Outbox(sqlite_url, brokers={"default": broker}, settings=OutboxSettings(**SETTINGS))
+    await outbox.create_tables()
+    try:
+        async with outbox.unit_of_work() as uow:
+            ids = [uow.publish(Message(unique("hang"), "Tick", {"n": n})) for n in range(3)]
+        async with outbox.dispatcher():
+            processor = outbox.processors["default"]
+            await wait_until(lambda: broker.publish_calls >= 3, timeout=20)
+            assert not processor.broker_ok
+
+            async def given_back() -> bool:
+                found = [await row(outbox, i) for i in ids]
+                return all((r["status"], r["attempts"]) == ("pending", 0) for r in found)
+
+            await wait_until(given_back, timeout=10, interval=0.05)
+            broker.frozen = False
+            await broker.wait_for(3, timeout=20)
+        for i in ids:
+            r = await row(outbox, i)
+            assert (r["status"], r["attempts"]) == ("published", 1), r
+    finally:
+        await outbox.aclose()
