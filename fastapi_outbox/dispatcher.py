@@ -11,8 +11,10 @@ anyio task group. A worker's cycle:
 
 Failure classes: a broker that cannot be reached makes the processor give the batch back
 (attempts refunded) and pause as a whole with exponential backoff; a message the broker
-refuses is retried on its own with exponential backoff and jitter; a database that cannot
-be reached makes workers retry with backoff while the app keeps serving.
+refuses is retried on its own with exponential backoff and jitter; a publish that times out
+is an outage only when the broker then fails a ping too, otherwise the batch is tried message
+by message and the one that hangs is charged (:meth:`Processor._one_by_one`); a database that
+cannot be reached makes workers retry with backoff while the app keeps serving.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ logger = logging.getLogger("fastapi_outbox.dispatcher")
 DB_BACKOFF_MIN_SECONDS = 0.2
 DB_BACKOFF_MAX_SECONDS = 10.0
 RELEASE_TIMEOUT_SECONDS = 2.0
+#: Longest wait for a broker's ping after a publish timed out (capped by the publish timeout).
+PROBE_TIMEOUT_SECONDS = 2.0
 
 
 def instance_id() -> str:
@@ -339,6 +343,7 @@ class Processor(RelayLoop):
         live = [r for r in batch if r.attempts <= settings.max_attempts]
         if exhausted:
             await self._abandon_exhausted(exhausted, token)
+        expired: list[ClaimedRow] = []
         if settings.retry_deadline_seconds is not None:
             # The row's age as the database counted it at the claim: the dispatcher's own
             # clock may be minutes off the clock that wrote created_at.
@@ -348,15 +353,25 @@ class Processor(RelayLoop):
                 gone = {r.id for r in expired}
                 live = [r for r in live if r.id not in gone]
                 await self._abandon_expired(expired, token)
+        if settings.ordered and (exhausted or expired):
+            live = await self._give_back_behind(batch, live, [*exhausted, *expired], token)
         if not live:
             return
         envelopes = [self._envelope(r) for r in live]
+        answered = True
         try:
             with anyio.fail_after(settings.publish_timeout_seconds):
                 results = await self._send(envelopes)
-        except (exceptions.BrokerUnavailable, TimeoutError) as exc:
+        except (exceptions.BrokerTimeout, TimeoutError) as exc:
+            if not await self._broker_answers():
+                self._broker_down(exc)
+                self._broker_connected = isinstance(exc, TimeoutError)
+                raise _GiveBack() from exc
+            results = await self._one_by_one(live, envelopes, token, exc)
+            answered = self.broker_ok  # False: the broker stopped answering mid-pass
+        except exceptions.BrokerUnavailable as exc:
             self._broker_down(exc)
-            self._broker_connected = isinstance(exc, TimeoutError)
+            self._broker_connected = False
             raise _GiveBack() from exc
         except exceptions.OutboxError as exc:
             results = [exc] * len(envelopes)
@@ -373,9 +388,130 @@ class Processor(RelayLoop):
             )
             error = exceptions.MessageRejected(f"broker raised {type(exc).__name__}")
             results = [error] * len(envelopes)
-        self._broker_up()
+        if answered:
+            self._broker_up()
         with anyio.fail_after(self._db_bound):
             await self._record(live, envelopes, results, token)
+
+    async def _give_back_behind(
+        self,
+        batch: list[ClaimedRow],
+        live: list[ClaimedRow],
+        abandoned: list[ClaimedRow],
+        token: str,
+    ) -> list[ClaimedRow]:
+        """Ordered: the rows of this batch that come after a row of their key abandoned at
+        the claim go back to the table (attempt refunded), where the abandoned row blocks
+        them; returns the rest."""
+        gone = {r.id for r in abandoned}
+        stopped: set[str] = set()
+        behind: set[uuid.UUID] = set()
+        for row in batch:  # in insert order
+            if row.key is None:
+                continue
+            if row.id in gone:
+                stopped.add(row.key)
+            elif row.key in stopped:
+                behind.add(row.id)
+        if behind:
+            with anyio.fail_after(self._db_bound):
+                await self.store.release(list(behind), token)
+        return [r for r in live if r.id not in behind]
+
+    async def _broker_answers(self) -> bool:
+        """After a publish timed out: does the broker answer a ping within
+        ``PROBE_TIMEOUT_SECONDS`` (or the publish timeout, if shorter)? No answer is an
+        outage; an answer means the batch hangs, not the broker."""
+        bound = min(self.settings.publish_timeout_seconds, PROBE_TIMEOUT_SECONDS)
+        with anyio.move_on_after(bound):
+            try:
+                await self.broker.ping()
+            except Exception:
+                return False
+            return True
+        return False
+
+    async def _one_by_one(
+        self, rows: list[ClaimedRow], envelopes: list[Envelope], token: str, exc: BaseException
+    ) -> PublishResults:
+        """The batch's publish timed out while the broker answered a ping: something in
+        the batch hangs, not the broker. Try its messages one at a time, each bounded by
+        ``publish_timeout_seconds``; one that times out again while the broker still
+        answers is charged (an attempt, backoff, abandoned after ``max_attempts``) and
+        the others go out uncharged. A batch of one is charged at once.
+
+        The lease is renewed first, and no message starts later than the renewed lease
+        less one publish timeout allows: the rest is given back (attempt refunded) and
+        claimed again at once, without the charged message, which backs off. The broker
+        failing to answer a ping meanwhile ends the pass as an outage (rest given back,
+        processor paused). Ordered: a key stops at its first failure, as in
+        :meth:`_publish_ordered`."""
+        settings = self.settings
+        timeout = settings.publish_timeout_seconds
+        logger.warning(
+            "publish timed out while the broker answered; trying the batch one by one",
+            extra={
+                "action": "publish.hung",
+                "broker": self.broker_name,
+                "count": len(envelopes),
+                "error": safe_error(exc),
+            },
+        )
+        self._broker_up()
+        if len(envelopes) == 1:
+            return [self._hung(envelopes[0], exc)]
+        with anyio.fail_after(self._db_bound):
+            held = await self.store.extend_lease(
+                [r.id for r in rows], token, settings.lease_seconds
+            )
+        if held < len(rows):
+            raise _GiveBack()  # another worker holds some of them now
+        last_start = time.monotonic() + settings.lease_seconds - 1.25 * timeout
+        results: PublishResults = [_NotAttempted() for _ in envelopes]
+        stopped: set[str] = set()
+        for i, envelope in enumerate(envelopes):
+            if i and time.monotonic() >= last_start:
+                break
+            if envelope.key is not None and envelope.key in stopped:
+                continue
+            try:
+                with anyio.fail_after(timeout):
+                    result = (await self._send([envelope]))[0]
+            except (exceptions.BrokerTimeout, TimeoutError) as again:
+                if not await self._broker_answers():
+                    self._broker_down(again)
+                    break
+                result = self._hung(envelope, again)
+            except exceptions.BrokerUnavailable as down:
+                self._broker_down(down)
+                self._broker_connected = False
+                break
+            except exceptions.OutboxError as refused:
+                result = refused
+            except Exception as bug:
+                logger.error(
+                    "broker raised unexpectedly",
+                    extra={
+                        "action": "publish.error",
+                        "broker": self.broker_name,
+                        "error": type(bug).__name__,
+                        "stack": stack(bug),
+                    },
+                )
+                result = exceptions.MessageRejected(f"broker raised {type(bug).__name__}")
+            results[i] = result
+            if result is not None and settings.ordered and envelope.key is not None:
+                stopped.add(envelope.key)
+        return results
+
+    def _hung(self, envelope: Envelope, exc: BaseException) -> exceptions.MessageRejected:
+        """The failure charged to a message whose publish timed out on its own while the
+        broker answered a ping."""
+        return exceptions.MessageRejected(
+            f"message {envelope.id}: publish timed out while the broker answered a ping "
+            f"(publish_timeout_seconds={self.settings.publish_timeout_seconds:g}; "
+            f"{safe_error(exc)})"
+        )
 
     async def _send(self, envelopes: list[Envelope]) -> PublishResults:
         """One broker call (ordered: one per round) between the instrumentation's

@@ -20,6 +20,8 @@ errors raised by the library name the setting, broker, table or message id invol
     │   │   └── BrokerRefusing      it answers but refuses every message for a reason of its
     │   │                           own (out of memory, read-only replica, loading, JetStream
     │   │                           without resources or leader): an outage, not the message
+    │   └── BrokerTimeout           a publish got no answer in time; the processor pings the
+    │                               broker to tell an outage from a message that hangs
     │   └── MessageRejected         the broker refused one message: retry that message only
     ├── MessageNotFound             an admin command named a message id that does not exist
     ├── OperationError              an operator's request is malformed (a filter, a limit)
@@ -94,6 +96,13 @@ class BrokerRefusing(BrokerUnavailable):
     """The broker answers but refuses every message for a reason of its own (out of memory,
     read-only replica, still loading, JetStream without resources or leader): the processor
     backs off as a whole, attempts refunded, and resumes by itself."""
+
+
+class BrokerTimeout(BrokerUnavailable):
+    """The broker did not answer a publish in time (a socket read timeout, no ack). The
+    processor then pings the broker: no answer is an outage (attempts refunded, the
+    processor pauses); an answer means the batch hangs, not the broker, and its messages
+    are tried one by one so that the one that hangs is charged on its own."""
 
 
 class MessageRejected(BrokerError):

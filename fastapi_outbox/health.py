@@ -214,6 +214,14 @@ async def compute_health(outbox: Outbox) -> OutboxHealth:
                 reasons.append(f"{s.abandoned} abandoned message(s) on {name!r}")
             if s.failed:
                 reasons.append(f"{s.failed} failing message(s) on {name!r}")
+        if s and s.blocked_keys:
+            # Ordered dispatch: the later messages of such a key wait for an operator.
+            degraded = True
+            reasons.append(
+                f"{s.blocked_keys} key(s) of {name!r} blocked by an abandoned message "
+                f"(first: {s.blocking_message}): replay it to publish the key in order, "
+                "or purge it to go on without it"
+            )
         processors.append(
             ProcessorHealth(
                 broker=name,

@@ -33,15 +33,18 @@ async def purge(
     batch_size: int,
     max_rows: int | None = None,
     progress: Callable[[int], None] | None = None,
+    keep_blocking: bool = False,
 ) -> int:
     """Delete ``status`` rows finished more than ``older_than_seconds`` ago, batch by batch;
-    returns how many were deleted."""
+    returns how many were deleted. ``keep_blocking``: see ``Store.purge_batch``."""
     if status not in (PUBLISHED, ABANDONED):
         raise ValueError(f"purge takes 'published' or 'abandoned', not {status!r}")
     total = 0
     while max_rows is None or total < max_rows:
         limit = batch_size if max_rows is None else min(batch_size, max_rows - total)
-        deleted = await store.purge_batch(status, older_than_seconds, limit)
+        deleted = await store.purge_batch(
+            status, older_than_seconds, limit, keep_blocking=keep_blocking
+        )
         total += deleted
         if progress is not None:
             progress(deleted)
@@ -100,7 +103,13 @@ class Cleaner:
             if retention is None:
                 continue
             n = await purge(
-                self.store, status, retention, batch_size=self.settings.cleanup_batch_size
+                self.store,
+                status,
+                retention,
+                batch_size=self.settings.cleanup_batch_size,
+                # Ordered: an abandoned message a later one of its key waits for stays until
+                # an operator replays or purges it (retention would open a silent gap).
+                keep_blocking=self.settings.ordered and status == ABANDONED,
             )
             if n:
                 logger.info(

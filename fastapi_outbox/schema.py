@@ -225,6 +225,16 @@ def _add_ordered_index(table: Table) -> None:
         table.c.broker,
         sqlite_where=text(_ACTIVE_SQL),
     ).ddl_if(dialect="sqlite")
+    # An abandoned row keeps blocking the later rows of its key: the ordered claim asks,
+    # for each candidate, whether its key has an earlier abandoned row.
+    Index(
+        f"ix_{table.name}_abandoned_key",
+        table.c.broker,
+        table.c.key,
+        table.c.seq,
+        postgresql_where=text("status = 'abandoned' AND key IS NOT NULL"),
+        sqlite_where=text("status = 'abandoned' AND key IS NOT NULL"),
+    )
 
 
 #: The default ``MetaData`` with the default table, for Alembic's ``target_metadata``.

@@ -28,6 +28,7 @@ from sqlalchemy import (
     Boolean,
     Interval,
     Select,
+    String,
     Table,
     Text,
     Uuid,
@@ -37,6 +38,7 @@ from sqlalchemy import (
     case,
     cast,
     delete,
+    distinct,
     exists,
     func,
     insert,
@@ -127,6 +129,10 @@ class BrokerStats:
     scheduled: int = 0
     #: Only with ``stats(published_totals=True)``.
     published: int | None = None
+    #: Ordered dispatch: keys whose later messages wait behind an abandoned message, and
+    #: the first such message by id (None when none blocks).
+    blocked_keys: int = 0
+    blocking_message: str | None = None
 
 
 class Store:
@@ -412,11 +418,12 @@ class Store:
         attempts of its batch-mates twice at most, and then only its own.
 
         Ordered (``ordered=True``): rows go in insert order (:meth:`_order_columns`), and a
-        keyed row is taken only when no earlier row of its key is in flight or backing off
-        after a failure; ``claim`` serialises ordered claimers so that every batch is a
-        prefix of each key's queue. On PostgreSQL a row is also dropped when an earlier
-        row of its key is due but was skipped as locked (a slow holder whose lease ran
-        out is recording its outcome right now): it may be about to back off.
+        keyed row is taken only when no earlier row of its key is in flight, backing off
+        after a failure, or abandoned (until replayed or purged); ``claim`` serialises
+        ordered claimers so that every batch is a prefix of each key's queue. On
+        PostgreSQL a row is also dropped when an earlier row of its key is due but was
+        skipped as locked (a slow holder whose lease ran out is recording its outcome
+        right now): it may be about to back off.
         """
         t = self.table
         # Bound per execution (the statement is built once per broker and cached): the
@@ -448,7 +455,18 @@ class Store:
                 e.c.next_attempt_at > now,
                 tuple_(*self._order_columns(e)) < tuple_(*order),
             )
-            candidates = candidates.where(or_(o.c.key.is_(None), ~held_earlier))
+            # An abandoned row blocks the later rows of its key until an operator replays
+            # it (then it goes first) or deletes it: no silent gap in a key's order.
+            a = t.alias("a")
+            abandoned_earlier = exists().where(
+                a.c.broker == o.c.broker,
+                a.c.key == o.c.key,
+                a.c.status.in_([literal_column(f"'{ABANDONED}'")]),
+                tuple_(*self._order_columns(a)) < tuple_(*order),
+            )
+            candidates = candidates.where(
+                or_(o.c.key.is_(None), and_(~held_earlier, ~abandoned_earlier))
+            )
         candidates = candidates.order_by(*order).limit(limit)
         if self.is_postgres:
             candidates = candidates.with_for_update(skip_locked=True)
@@ -676,6 +694,27 @@ class Store:
             result = await conn.execute(stmt, params)
         return int(result.rowcount)
 
+    async def extend_lease(self, ids: Sequence[uuid.UUID], token: str, lease_seconds: float) -> int:
+        """Renew the lease of claimed rows for ``lease_seconds`` from now (the database's
+        clock), fenced by the claim token; returns how many rows the claim still held. The
+        processor renews a batch before trying its messages one by one after a publish
+        timed out while the broker answered."""
+        if not ids:
+            return 0
+        t = self.table
+        until = clock.db_later(self.is_postgres, "lease")
+        stmt = (
+            update(t)
+            .where(self._ids(), t.c.locked_by == bindparam("token"))
+            .values(locked_until=until, next_attempt_at=until)
+        )
+        params = {"ids": list(ids), "token": token, "lease": self._offset(lease_seconds)}
+        if self.is_postgres:
+            return await self._driver_execute("extend_lease", stmt, params)
+        async with self._autocommit.begin() as conn:
+            result = await conn.execute(stmt, params)
+        return int(result.rowcount)
+
     # -- observation -------------------------------------------------------------------------
 
     def _status_is(self, *statuses: str) -> ColumnElement[bool]:
@@ -702,6 +741,8 @@ class Store:
             # earlier row of its key (failing, or in flight): those wait for that row,
             # not for a dispatcher. Served by ix_<table>_key.
             "waiting_ordered": self._waiting_ordered(),
+            # Ordered dispatch: abandoned rows that block later rows of their key.
+            "blocking_ordered": self._blocking_ordered(),
             # Delayed messages not due yet: a range of ix_<table>_due past now.
             "scheduled": select(t.c.broker, func.count())
             .where(self._status_is(PENDING), t.c.next_attempt_at > self._now())
@@ -722,7 +763,7 @@ class Store:
 
     def _waiting_ordered(self) -> Any:
         t = self.table
-        o, e = t.alias("o"), t.alias("e")
+        o, e, a = t.alias("o"), t.alias("e"), t.alias("a")
         held = exists().where(
             e.c.broker == o.c.broker,
             e.c.key == o.c.key,
@@ -730,15 +771,52 @@ class Store:
             e.c.status != PENDING,
             tuple_(*self._order_columns(e)) < tuple_(*self._order_columns(o)),
         )
+        behind_abandoned = exists().where(
+            a.c.broker == o.c.broker,
+            a.c.key == o.c.key,
+            self._status_is_alias(a, ABANDONED),
+            tuple_(*self._order_columns(a)) < tuple_(*self._order_columns(o)),
+        )
         return (
             select(o.c.broker, func.min(o.c.next_attempt_at))
             .where(
                 o.c.status.in_([literal_column(f"'{PENDING}'")]),
                 o.c.next_attempt_at <= self._now(),
-                or_(o.c.key.is_(None), ~held),
+                or_(o.c.key.is_(None), and_(~held, ~behind_abandoned)),
             )
             .group_by(o.c.broker)
         )
+
+    def _blocking_ordered(self) -> Any:
+        """Ordered dispatch: per broker, how many keys have rows waiting behind an abandoned
+        row of the key, and the first such abandoned row. Walks the active keyed rows
+        (ix_<table>_key: the backlog, not the table's history of abandoned rows), each
+        with one probe of ix_<table>_abandoned_key."""
+        t = self.table
+        o, a = t.alias("o"), t.alias("a")
+        first_abandoned = (
+            select(cast(a.c.id, String))
+            .where(
+                a.c.broker == o.c.broker,
+                a.c.key == o.c.key,
+                self._status_is_alias(a, ABANDONED),
+                tuple_(*self._order_columns(a)) < tuple_(*self._order_columns(o)),
+            )
+            .order_by(*self._order_columns(a))
+            .limit(1)
+            .scalar_subquery()
+        )
+        return (
+            select(o.c.broker, func.count(distinct(o.c.key)), func.min(first_abandoned))
+            .where(_active(o), o.c.key.is_not(None), first_abandoned.is_not(None))
+            .group_by(o.c.broker)
+        )
+
+    @staticmethod
+    def _status_is_alias(alias: Any, status: str) -> ColumnElement[bool]:
+        """``alias.status IN ('status')``, the value in the SQL text (see :meth:`_status_is`)."""
+        column: ColumnElement[str] = alias.c.status
+        return column.in_([literal_column(f"'{MessageStatus(status).value}'")])
 
     async def stats(
         self,
@@ -775,6 +853,11 @@ class Store:
                 for broker, oldest in await conn.execute(statements["waiting_ordered"]):
                     if oldest is not None:
                         entry(broker).oldest_pending_age_seconds = _age(db_now, oldest)
+                for broker, count, first in await conn.execute(statements["blocking_ordered"]):
+                    entry(broker).blocked_keys = int(count)
+                    entry(broker).blocking_message = (
+                        None if first is None else str(uuid.UUID(str(first)))
+                    )
             for broker, count in await conn.execute(statements["abandoned"]):
                 entry(broker).abandoned = int(count)
             for broker, count in await conn.execute(statements["scheduled"]):
@@ -1064,15 +1147,21 @@ class Store:
             rows = (await conn.execute(stmt)).all()
         return {row.id: (row.status, row.locked_by is not None) for row in rows}
 
-    async def purge_batch(self, status: str, older_than_seconds: float, limit: int) -> int:
+    async def purge_batch(
+        self, status: str, older_than_seconds: float, limit: int, *, keep_blocking: bool = False
+    ) -> int:
         """Delete up to ``limit`` rows of ``status`` (published or abandoned) finished more
-        than ``older_than_seconds`` ago. One short transaction: no long locks."""
-        stmt = self.purge_statement(status, older_than_seconds, limit)
+        than ``older_than_seconds`` ago. One short transaction: no long locks.
+        ``keep_blocking``: keep the abandoned keyed rows that a later row of their key still
+        waits for (ordered dispatch: deleting one would let its key go on with a gap)."""
+        stmt = self.purge_statement(status, older_than_seconds, limit, keep_blocking=keep_blocking)
         async with self._autocommit.begin() as conn:
             result = await conn.execute(stmt)
         return int(result.rowcount)
 
-    def purge_statement(self, status: str, older_than_seconds: float, limit: int) -> Any:
+    def purge_statement(
+        self, status: str, older_than_seconds: float, limit: int, *, keep_blocking: bool = False
+    ) -> Any:
         """The DELETE of :meth:`purge_batch` (``benchmarks/scale.py`` measures its WAL)."""
         t = self.table
         column = t.c.published_at if status == PUBLISHED else t.c.abandoned_at
@@ -1081,6 +1170,15 @@ class Store:
             .where(t.c.status == status, column < self._later(-older_than_seconds))
             .limit(limit)
         )
+        if keep_blocking:
+            e = t.alias("e")
+            waited_for = exists().where(
+                e.c.broker == t.c.broker,
+                e.c.key == t.c.key,
+                _active(e),
+                tuple_(*self._order_columns(e)) > tuple_(*self._order_columns(t)),
+            )
+            victims = victims.where(or_(t.c.key.is_(None), ~waited_for))
         if self.is_postgres:
             victims = victims.with_for_update(skip_locked=True)
         return delete(t).where(t.c.id.in_(victims.scalar_subquery()))

@@ -50,6 +50,8 @@ STREAM_MAX_AGE_SECONDS = 7 * 24 * 3600.0
 STREAM_MAX_BYTES = 1024**3
 ACK_TIMEOUT_SECONDS = 10.0
 CONNECT_TIMEOUT_SECONDS = 2.0
+#: The JetStream account-info request: the broker's ping (a round trip through JetStream).
+JS_API_INFO = "$JS.API.INFO"
 MSG_ID_HEADER = "Nats-Msg-Id"
 #: Header carrying the envelope's ordering key (Redis Streams carry it as a field).
 KEY_HEADER = "key"
@@ -392,7 +394,12 @@ class NatsJetStreamBroker:
         if not self._nc.is_connected:
             raise self._unavailable("not connected")
         try:
-            await self._nc.flush(timeout=self._connect_timeout)
+            # A JetStream round trip, not a core PING: the processor pings after a publish
+            # timed out to tell an outage from a message that hangs, and JetStream may stop
+            # answering while the server still answers PINGs. And nats-py's ``flush`` left
+            # a cancelled PONG future behind when cut short, which kills its read loop when
+            # the late PONG comes; a request's reply slot is dropped when it is given up.
+            await self._nc.request(JS_API_INFO, b"", timeout=self._connect_timeout)
         except Exception as exc:
             raise self._unavailable(exc) from exc
 
@@ -562,8 +569,11 @@ class NatsJetStreamBroker:
                         await asyncio.wait_for(acks.done, self.ack_timeout_seconds)
                 missing = [i for i, reply in sent.items() if reply in awaiting]
                 if len(missing) == len(sent):
-                    raise self._unavailable(
-                        f"no ack for {len(sent)} messages in {self.ack_timeout_seconds}s"
+                    # No ack at all: a frozen server, or a batch JetStream never answers
+                    # (the processor pings to tell which).
+                    raise exceptions.BrokerTimeout(
+                        f"NATS at {redact_url(self.url)}: no ack for {len(sent)} messages "
+                        f"in {self.ack_timeout_seconds}s"
                     )
                 for i in missing:
                     results[i] = exceptions.MessageRejected(

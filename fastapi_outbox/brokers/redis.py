@@ -230,6 +230,15 @@ class RedisStreamsBroker:
             raise self._unavailable(exc) from exc
 
     def _unavailable(self, exc: BaseException) -> exceptions.BrokerUnavailable:
+        import redis.exceptions as rexc
+
+        if isinstance(exc, rexc.TimeoutError):
+            # No answer in ``socket_timeout``: the processor pings to tell a frozen server
+            # from a call that hangs on what it carries.
+            return exceptions.BrokerTimeout(
+                f"Redis at {redact_url(self.url)} did not answer in time: "
+                f"{type(exc).__name__}: {exc}"
+            )
         return exceptions.BrokerUnavailable(
             f"Redis at {redact_url(self.url)} is unreachable: {type(exc).__name__}: {exc}"
         )

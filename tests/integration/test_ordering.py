@@ -15,8 +15,8 @@ The guarantee these tests hold the library to (see ``Store._claim_statement``):
     committed) the order is unspecified: the one whose row becomes visible first is
     published first, and rows dispatched together go in insert order. Such transactions
     did not conflict on the key's aggregate, so either order is a valid history. A
-    message abandoned after ``max_attempts`` stops holding back its key; replaying it
-    later publishes it after its successors.
+    message abandoned (``max_attempts``, retry deadline) keeps holding back its key until
+    an operator replays it (it then goes first) or purges it (the key goes on without it).
 
 The former design ordered PostgreSQL rows by the writing transaction's id and held every
 keyed row back until all older transactions had ended. Transaction ids are handed out at
@@ -29,6 +29,7 @@ dispatch (``test_an_unrelated_open_transaction_does_not_hold_back_dispatch``).
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import random
 from collections import defaultdict
@@ -472,5 +473,137 @@ async def test_a_key_deeper_than_one_publish_timeout_still_drains_in_order(db_ur
             found = (await conn.execute(select(t.c.status, t.c.attempts))).all()
         assert {r.status for r in found} == {"published"}
         assert {r.attempts for r in found} == {1}  # a round given back costs no attempt
+    finally:
+        await outbox.aclose()
+
+
+# -- an abandoned message keeps blocking its key (issue 23) ---------------------------------
+
+
+async def test_an_abandoned_message_blocks_its_key_until_an_operator_replays_it(
+    db_url: str,
+) -> None:
+    """A message of key ``k`` refused until abandoned (``max_attempts=1``): the later
+    messages of ``k`` are not published after it (no silent gap), other keys flow, the
+    health counts say which message blocks; replaying the abandoned message publishes
+    the key in order: ``k1, k2, k3``."""
+    from fastapi_outbox import operations
+    from fastapi_outbox.health import compute_health
+
+    refusing = True
+    poison: list[str] = []
+
+    def reject(envelope: Envelope) -> BaseException | None:
+        if refusing and envelope.id in poison:
+            return MessageRejected("refused for the test")
+        return None
+
+    broker = MemoryBroker(reject=reject)
+    outbox = Outbox(db_url, brokers={"default": broker}, settings=ordered_settings(max_attempts=1))
+    stream = unique("ordering")
+    try:
+        await outbox.create_tables()
+        async with outbox.unit_of_work() as uow:
+            k1, k2, o1, k3 = (
+                uow.publish(Message(stream, "Stepped", {"n": n}), key=key)
+                for n, key in enumerate(["k", "k", "o", "k"])
+            )
+        poison.append(str(k1))
+        assert await drain(outbox) == 1
+        assert [m.id for m in broker.messages] == [str(o1)]
+        states = {i: ((await outbox.store.get(i)) or {}).get("status") for i in (k1, k2, o1, k3)}
+        assert states == {k1: "abandoned", k2: "pending", o1: "published", k3: "pending"}
+        # Nothing else is claimable: the key waits for its abandoned message.
+        assert await outbox.store.claim("default", 10, "probe", 30, ordered=True) == []
+        stats = (await outbox.store.stats(["default"], ordered=True))["default"]
+        assert (stats.blocked_keys, stats.blocking_message) == (1, str(k1))
+        health = await compute_health(outbox)
+        assert any(str(k1) in reason and "blocked" in reason for reason in health.reasons)
+        # A key behind an abandoned message does not look like a stalled dispatcher.
+        assert stats.oldest_pending_age_seconds is None
+
+        refusing = False
+        outcome = await operations.replay(outbox, [k1])
+        assert outcome.changed == [k1]
+        assert await drain(outbox) == 3
+        assert [m.id for m in broker.messages] == [str(i) for i in (o1, k1, k2, k3)]
+        stats = (await outbox.store.stats(["default"], ordered=True))["default"]
+        assert (stats.blocked_keys, stats.blocking_message) == (0, None)
+    finally:
+        await outbox.aclose()
+
+
+async def test_a_batch_does_not_publish_past_a_message_it_abandons(db_url: str) -> None:
+    """Abandoned at the claim (its retry deadline passed) while later messages of its key
+    are in the same batch: those are given back, not published after the gap."""
+    broker = MemoryBroker()
+    outbox = Outbox(
+        db_url,
+        brokers={"default": broker},
+        settings=ordered_settings(retry_deadline_seconds=60),
+    )
+    stream = unique("ordering")
+    try:
+        await outbox.create_tables()
+        async with outbox.unit_of_work() as uow:
+            k1 = uow.publish(Message(stream, "Stepped", {"n": 1}), key="k")
+        t = outbox.table
+        async with outbox.engine.begin() as conn:  # k1 was committed two minutes ago
+            old = (await conn.execute(select(t.c.created_at).where(t.c.id == k1))).scalar_one()
+            await conn.execute(
+                t.update().where(t.c.id == k1).values(created_at=old - dt.timedelta(minutes=2))
+            )
+        async with outbox.unit_of_work() as uow:
+            k2 = uow.publish(Message(stream, "Stepped", {"n": 2}), key="k")
+            o1 = uow.publish(Message(stream, "Stepped", {"n": 3}), key="o")
+        assert await drain(outbox) == 1
+        assert [m.id for m in broker.messages] == [str(o1)]
+        assert ((await outbox.store.get(k1)) or {}).get("status") == "abandoned"
+        row = (await outbox.store.get(k2)) or {}
+        assert (row.get("status"), row.get("attempts")) == ("pending", 0)
+    finally:
+        await outbox.aclose()
+
+
+async def test_retention_keeps_a_blocking_abandoned_message_and_a_purge_releases_its_key(
+    db_url: str,
+) -> None:
+    """Retention (``abandoned_retention_seconds``) does not delete an abandoned message
+    that a later message of its key waits for: that would be the silent gap again. An
+    operator's purge does, and the key goes on without it."""
+    from fastapi_outbox import operations
+    from fastapi_outbox.retention import Cleaner
+
+    poison: list[str] = []
+    broker = MemoryBroker(
+        reject=lambda e: MessageRejected("refused for the test") if e.id in poison else None
+    )
+    settings = ordered_settings(max_attempts=1)  # abandoned_retention_seconds: 30 days
+    outbox = Outbox(db_url, brokers={"default": broker}, settings=settings)
+    stream = unique("ordering")
+    try:
+        await outbox.create_tables()
+        async with outbox.unit_of_work() as uow:
+            k1, k2 = (uow.publish(Message(stream, "S", {"n": n}), key="k") for n in (1, 2))
+            lone = uow.publish(Message(stream, "S", {"n": 3}), key="lone")
+        poison += [str(k1), str(lone)]
+        assert await drain(outbox) == 0
+        t = outbox.table
+        async with outbox.engine.begin() as conn:  # abandoned long ago
+            await conn.execute(
+                t.update()
+                .where(t.c.status == "abandoned")
+                .values(abandoned_at=dt.datetime(2020, 1, 1, tzinfo=dt.UTC))
+            )
+        await Cleaner(outbox.store, settings).run_once()
+        # The abandoned message nothing waits for is gone; the blocking one stays.
+        assert await outbox.store.get(lone) is None
+        assert ((await outbox.store.get(k1)) or {}).get("status") == "abandoned"
+        assert await drain(outbox) == 0
+
+        deleted = await operations.purge(outbox, "abandoned", 0, batch_size=100)
+        assert deleted == 1
+        assert await drain(outbox) == 1
+        assert [m.id for m in broker.messages] == [str(k2)]
     finally:
         await outbox.aclose()

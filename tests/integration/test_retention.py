@@ -30,8 +30,8 @@ def count_purges(outbox: Outbox) -> list[tuple[int, int]]:
     calls: list[tuple[int, int]] = []
     purge_batch = outbox.store.purge_batch
 
-    async def wrapper(status: str, older_than_seconds: float, limit: int) -> int:
-        deleted = await purge_batch(status, older_than_seconds, limit)
+    async def wrapper(status: str, older_than_seconds: float, limit: int, **kw: Any) -> int:
+        deleted = await purge_batch(status, older_than_seconds, limit, **kw)
         calls.append((limit, deleted))
         return deleted
 
@@ -131,8 +131,8 @@ async def test_dispatch_goes_on_while_a_large_cleanup_runs(pg_url: str) -> None:
     started = anyio.Event()
     new_published = anyio.Event()
 
-    async def observed(status: str, older_than_seconds: float, limit: int) -> int:
-        deleted = await purge_batch(status, older_than_seconds, limit)
+    async def observed(status: str, older_than_seconds: float, limit: int, **kw: Any) -> int:
+        deleted = await purge_batch(status, older_than_seconds, limit, **kw)
         calls.append(deleted)
         started.set()
         if len(calls) == 40:
