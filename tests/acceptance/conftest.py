@@ -340,11 +340,15 @@ async def redis_ids(url: str, stream: str) -> list[str]:
 async def nats_ids(url: str, subject: str) -> list[str]:
     """The message ids in the JetStream stream capturing ``subject``, in stream order."""
     import nats
+    from nats.js.errors import NotFoundError
 
     nc = await nats.connect(url, connect_timeout=2, max_reconnect_attempts=5)
     try:
         js = nc.jetstream()
-        name = await js.find_stream_name_by_subject(subject)
+        try:
+            name = await js.find_stream_name_by_subject(subject)
+        except NotFoundError:  # no stream captures it (yet): nothing was published there
+            return []
         info = await js.stream_info(name)
         expected = info.state.messages
         sub = await js.pull_subscribe(subject, stream=name)

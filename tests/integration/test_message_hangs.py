@@ -182,7 +182,14 @@ class StallsOnMarker(TcpProxy):
         self.stalls = 0
         self._released = asyncio.Event()
 
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pipe(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        link: Any,
+        *,
+        upstream: bool,
+    ) -> None:
         with contextlib.suppress(OSError, asyncio.IncompleteReadError):
             while data := await reader.read(65536):
                 if self.marker in data:
