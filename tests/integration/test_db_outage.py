@@ -1,0 +1,260 @@
+"""Database outage versus failure for subscribers (DESIGN §13): a database that refuses
+connections makes every message wait in place with no attempt charged; a handler's own SQL
+error is a failure, dead-lettered after its attempts — on SQLite too; a shutdown during an
+outage gives the messages back to the broker, uncharged.
+
+The classifier itself is unit-tested in ``tests/unit/test_db_outage.py``; the PostgreSQL
+restart under a backlog is in ``tests/acceptance/test_db_restart.py``."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import anyio
+import pytest
+from sqlalchemy import text
+
+from fastapi_outbox import Message, Outbox, OutboxSettings, UnitOfWork, uuid7
+from fastapi_outbox.brokers import MemoryBroker, RedisStreamsBroker
+from fastapi_outbox.events import Envelope
+from tests.conftest import unique, wait_until
+from tests.servers import StartingUpProxy
+
+SETTINGS = {
+    "consumer_claim_idle_seconds": 5.0,
+    "consumer_retry_base_delay_seconds": 0.02,
+    "consumer_retry_max_delay_seconds": 0.1,
+    "shutdown_timeout_seconds": 3.0,
+}
+#: Messages of the backlog; those from GATE on wait inside their transaction until the
+#: outage has begun, so the outage hits a flow in progress.
+BACKLOG, GATE = 200, 50
+
+
+class DbWaits(logging.Handler):
+    """Counts the subscribers' "database unreachable, retrying in place" records."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if getattr(record, "action", None) == "consumer.db_unavailable":
+            self.count += 1
+
+
+async def publish_raw(broker: Any, stream: str, numbers: range) -> None:
+    envelopes = []
+    for n in numbers:
+        mid = str(uuid7())
+        headers = {"message-id": mid, "type": "Numbered"}
+        envelopes.append(Envelope(mid, stream, "Numbered", None, b'{"n": %d}' % n, headers))
+    for start in range(0, len(envelopes), 100):
+        await broker.publish(envelopes[start : start + 100])
+
+
+async def backlog_through_an_outage(
+    url: str, redis_url: str, outage: Callable[[], Awaitable[None]]
+) -> dict[str, int]:
+    """A backlog of BACKLOG messages on a Redis stream for a subscriber (``max_attempts=2``)
+    whose handler writes one row per message to the outbox's database through ``url``;
+    ``outage()`` is awaited once the handlers of messages from GATE on wait inside their
+    transaction (it must start the outage and may return before it ends), then they go on.
+    Returns the figures once every message is handled."""
+    broker = RedisStreamsBroker(redis_url)
+    outbox = Outbox(
+        url,
+        brokers={"default": broker},
+        settings=OutboxSettings(**{**SETTINGS, "consumer_max_attempts": 2}),
+    )
+    stream = unique("backlog")
+    gate = anyio.Event()
+    waiting = 0
+
+    @outbox.subscriber(stream, group="effects", start="all", concurrency=4, batch_size=10)
+    async def effect(message: Message, uow: UnitOfWork) -> None:
+        nonlocal waiting
+        n = message.payload["n"]
+        if n >= GATE and not gate.is_set():
+            waiting += 1
+            await gate.wait()
+        await uow.session.execute(text("INSERT INTO effects (n) VALUES (:n)"), {"n": n})
+
+    sub = outbox.subscribers[0]
+    waits = DbWaits()
+    logging.getLogger("fastapi_outbox.subscribers").addHandler(waits)
+    try:
+        await outbox.create_tables()
+        async with outbox.engine.begin() as conn:
+            await conn.exec_driver_sql("CREATE TABLE effects (n INTEGER NOT NULL)")
+        await publish_raw(broker, stream, range(BACKLOG))
+        async with outbox.dispatcher():
+            await wait_until(lambda: waiting > 0 and sub.stats.handled >= 1, timeout=30)
+            await outage()
+            gate.set()
+            await wait_until(lambda: sub.stats.handled == BACKLOG, timeout=90)
+        async with outbox.engine.connect() as conn:
+            rows, distinct = (
+                await conn.execute(text("SELECT count(*), count(DISTINCT n) FROM effects"))
+            ).one()
+        consumer = sub.make_consumer()
+        try:
+            dead = await consumer.count_dead_letters()
+        finally:
+            await consumer.aclose()
+        return {
+            "rows": rows,
+            "distinct": distinct,
+            "handled": sub.stats.handled,
+            "dead_lettered": sub.stats.dead_lettered,
+            "dead_letters": dead,
+            "waits": waits.count,
+        }
+    finally:
+        logging.getLogger("fastapi_outbox.subscribers").removeHandler(waits)
+        await outbox.aclose()
+
+
+@pytest.mark.postgres
+@pytest.mark.redis
+async def test_a_database_starting_up_for_10s_makes_a_backlog_wait_in_place(
+    pg_url: str, redis_url: str
+) -> None:
+    """A proxy answers every new connection FATAL 57P03 "the database system is starting
+    up" for 10 s (its open connections cut) while a backlog of 200 flows with
+    ``max_attempts=2``: every message handled once, none dead-lettered."""
+    proxy = StartingUpProxy(5432)
+    await proxy.start()
+
+    async def starting_up() -> None:
+        proxy.starting_up(10.0)
+
+    try:
+        url = pg_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}")
+        figures = await backlog_through_an_outage(url, redis_url, starting_up)
+    finally:
+        await proxy.stop()
+    assert proxy.refused > 0
+    assert figures["waits"] > 0
+    assert figures["rows"] == figures["distinct"] == BACKLOG
+    assert figures["handled"] == BACKLOG
+    assert figures["dead_lettered"] == figures["dead_letters"] == 0
+
+
+@pytest.mark.parametrize("batch_handler", [False, True], ids=["per-message", "batch-handler"])
+async def test_a_handlers_own_sql_error_on_sqlite_is_dead_lettered(
+    sqlite_url: str, batch_handler: bool
+) -> None:
+    """``no such table`` is SQLite's ``OperationalError`` but the handler's own failure:
+    retried, then dead-lettered after ``max_attempts`` — not waited on forever — while
+    the other messages go on."""
+    broker = MemoryBroker()
+    outbox = Outbox(
+        sqlite_url,
+        brokers={"default": broker},
+        settings=OutboxSettings(**{**SETTINGS, "consumer_max_attempts": 3}),
+    )
+    await outbox.create_tables()
+    calls: list[int] = []
+    stream = unique("lite")
+
+    async def write(numbers: list[int], uow: UnitOfWork) -> None:
+        calls.extend(numbers)
+        table = "missing_table" if 7 in numbers else "effects"
+        await uow.session.execute(text(f"INSERT INTO {table} (n) VALUES (1)"))
+
+    async with outbox.engine.begin() as conn:
+        await conn.exec_driver_sql("CREATE TABLE effects (n INTEGER)")
+    if batch_handler:
+
+        @outbox.subscriber(stream, group="lite", start="all")
+        async def many(messages: list[Message], uow: UnitOfWork) -> None:
+            await write([m.payload["n"] for m in messages], uow)
+    else:
+
+        @outbox.subscriber(stream, group="lite", start="all")
+        async def one(message: Message, uow: UnitOfWork) -> None:
+            await write([message.payload["n"]], uow)
+
+    sub = outbox.subscribers[0]
+    await publish_raw(broker, stream, range(10))
+    async with outbox.dispatcher():
+        await wait_until(lambda: sub.stats.dead_lettered == 1, timeout=20)
+        await wait_until(lambda: sub.stats.handled == 9, timeout=10)
+        [letter] = await sub.make_consumer().dead_letters()
+    assert "no such table" in letter.error and letter.attempts == 3
+    assert "database unreachable" not in (sub.stats.last_error or "")
+    await outbox.aclose()
+
+
+@pytest.fixture
+async def starting_up_proxy() -> AsyncIterator[StartingUpProxy]:
+    proxy = StartingUpProxy(5432)
+    await proxy.start()
+    try:
+        yield proxy
+    finally:
+        await proxy.stop()
+
+
+@pytest.mark.postgres
+@pytest.mark.redis
+@pytest.mark.parametrize("batch_handler", [False, True], ids=["per-message", "batch-handler"])
+async def test_a_shutdown_during_an_outage_releases_the_message_uncharged(
+    pg_url: str, redis_url: str, starting_up_proxy: StartingUpProxy, batch_handler: bool
+) -> None:
+    """``max_attempts=1``: the message waits in place while the database starts up; the app
+    stops meanwhile: not charged, not dead-lettered, given back to Redis with its delivery
+    count as before; the next start, with the database back, handles it."""
+    proxy = starting_up_proxy
+    broker = RedisStreamsBroker(redis_url)
+    outbox = Outbox(
+        pg_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}"),
+        brokers={"default": broker},
+        settings=OutboxSettings(**{**SETTINGS, "consumer_max_attempts": 1}),
+    )
+    stream = unique("stop")
+    handled: list[int] = []
+    if batch_handler:
+
+        @outbox.subscriber(stream, group="g", start="all")
+        async def many(messages: list[Message], uow: UnitOfWork) -> None:
+            handled.extend(m.payload["n"] for m in messages)
+    else:
+
+        @outbox.subscriber(stream, group="g", start="all")
+        async def one(message: Message, uow: UnitOfWork) -> None:
+            handled.append(message.payload["n"])
+
+    sub = outbox.subscribers[0]
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        await outbox.create_tables()
+        await publish_raw(broker, stream, range(2))
+        proxy.starting_up(600.0)
+        async with outbox.dispatcher():
+            await wait_until(
+                lambda: "database unreachable" in (sub.stats.last_error or ""), timeout=15
+            )
+        assert handled == [] and sub.stats.dead_lettered == 0
+        [pending] = [await client.xpending(stream, "g")]
+        assert pending["pending"] == 2
+        detail = await client.xpending_range(stream, "g", "-", "+", 10)
+        assert [d["times_delivered"] for d in detail] == [0, 0]  # as before the delivery
+        proxy.starting_up(0.0)  # the database is back
+        async with outbox.dispatcher():
+            await wait_until(lambda: sorted(handled) == [0, 1], timeout=20)
+        assert sub.stats.dead_lettered == 0
+        consumer = sub.make_consumer()
+        try:
+            assert await consumer.count_dead_letters() == 0
+        finally:
+            await consumer.aclose()
+    finally:
+        await outbox.aclose()
+        await client.delete(stream, f"{stream}.g.dlq")
+        await client.aclose()
