@@ -39,10 +39,13 @@ class DbWaits(logging.Handler):
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
+        #: The errors waited out (their repr, cut short).
+        self.errors: set[str] = set()
 
     def emit(self, record: logging.LogRecord) -> None:
         if getattr(record, "action", None) == "consumer.db_unavailable":
             self.count += 1
+            self.errors.add(str(getattr(record, "error", ""))[:90])
 
 
 async def publish_raw(broker: Any, stream: str, numbers: range) -> None:
@@ -56,18 +59,20 @@ async def publish_raw(broker: Any, stream: str, numbers: range) -> None:
 
 
 async def backlog_through_an_outage(
-    url: str, redis_url: str, outage: Callable[[], Awaitable[None]]
-) -> dict[str, int]:
-    """A backlog of BACKLOG messages on a Redis stream for a subscriber (``max_attempts=2``)
-    whose handler writes one row per message to the outbox's database through ``url``;
-    ``outage()`` is awaited once the handlers of messages from GATE on wait inside their
-    transaction (it must start the outage and may return before it ends), then they go on.
-    Returns the figures once every message is handled."""
+    url: str, redis_url: str, outage: Callable[[], Awaitable[None]], *, pace: float = 0.0
+) -> dict[str, Any]:
+    """A backlog of BACKLOG messages on a Redis stream for a subscriber with
+    ``max_attempts=1`` (an attempt charged is a message dead-lettered) whose handler writes
+    one row per message to the outbox's database through ``url`` (after a server-side
+    ``pg_sleep(pace)``, to spread the flow over the outage); ``outage()`` is awaited once
+    the handlers of messages from GATE on wait inside their transaction (it must start the
+    outage and may return before it ends), then they go on. Returns the figures once every
+    message is handled."""
     broker = RedisStreamsBroker(redis_url)
     outbox = Outbox(
         url,
         brokers={"default": broker},
-        settings=OutboxSettings(**{**SETTINGS, "consumer_max_attempts": 2}),
+        settings=OutboxSettings(**{**SETTINGS, "consumer_max_attempts": 1}),
     )
     stream = unique("backlog")
     gate = anyio.Event()
@@ -80,6 +85,8 @@ async def backlog_through_an_outage(
         if n >= GATE and not gate.is_set():
             waiting += 1
             await gate.wait()
+        if pace:
+            await uow.session.execute(text("SELECT pg_sleep(:s)"), {"s": pace})
         await uow.session.execute(text("INSERT INTO effects (n) VALUES (:n)"), {"n": n})
 
     sub = outbox.subscribers[0]
@@ -111,6 +118,7 @@ async def backlog_through_an_outage(
             "dead_lettered": sub.stats.dead_lettered,
             "dead_letters": dead,
             "waits": waits.count,
+            "errors": sorted(waits.errors),
         }
     finally:
         logging.getLogger("fastapi_outbox.subscribers").removeHandler(waits)
@@ -124,7 +132,7 @@ async def test_a_database_starting_up_for_10s_makes_a_backlog_wait_in_place(
 ) -> None:
     """A proxy answers every new connection FATAL 57P03 "the database system is starting
     up" for 10 s (its open connections cut) while a backlog of 200 flows with
-    ``max_attempts=2``: every message handled once, none dead-lettered."""
+    ``max_attempts=1``: every message handled once, none dead-lettered."""
     proxy = StartingUpProxy(5432)
     await proxy.start()
 
