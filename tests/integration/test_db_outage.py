@@ -266,3 +266,40 @@ async def test_a_shutdown_during_an_outage_releases_the_message_uncharged(
         await outbox.aclose()
         await client.delete(stream, f"{stream}.g.dlq")
         await client.aclose()
+
+
+@pytest.mark.postgres
+async def test_the_relay_tells_an_unavailable_database_from_a_failing_statement(
+    pg_url: str, starting_up_proxy: StartingUpProxy
+) -> None:
+    """The table relay's claim through a database starting up: ``database_ok`` false
+    (unavailable); once it is back, the outbox table dropped under it: the database
+    answers, the claim's own statement fails — ``database_ok`` stays true and the error
+    says so; both back off and recover."""
+    proxy = starting_up_proxy
+    outbox = Outbox(
+        pg_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}"),
+        brokers={"default": MemoryBroker()},
+        settings=OutboxSettings(poll_interval_seconds=0.05),
+    )
+    try:
+        await outbox.create_tables()
+        async with outbox.dispatcher():
+            processor = outbox.processors["default"]
+            proxy.starting_up(600.0)
+            await wait_until(lambda: not processor.database_ok, timeout=15)
+            assert "database unavailable" in (processor.last_error or "")
+            proxy.starting_up(0.0)
+            await wait_until(lambda: processor.database_ok, timeout=15)
+            async with outbox.engine.begin() as conn:
+                await conn.exec_driver_sql(f"ALTER TABLE {outbox.table.name} RENAME TO gone")
+            await wait_until(lambda: "statement failed" in (processor.last_error or ""), timeout=15)
+            assert processor.database_ok
+            assert "does not exist" in (processor.last_error or "")
+            async with outbox.engine.begin() as conn:
+                await conn.exec_driver_sql(f"ALTER TABLE gone RENAME TO {outbox.table.name}")
+            async with outbox.unit_of_work() as uow:
+                uow.publish(Message(stream="s", type="T", payload={}))
+            await wait_until(lambda: outbox.store.count("published"), timeout=15)
+    finally:
+        await outbox.aclose()

@@ -209,3 +209,45 @@ async def test_the_ping_decides_only_what_is_ambiguous() -> None:
     sqlite_down = _Engine(up=True, dialect="sqlite")
     assert await is_outage(lite(sqlite3.SQLITE_CANTOPEN, "unable to open"), sqlite_down)
     assert not await is_outage(real_sqlite_error("SELECT * FROM missing"), sqlite_down)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("dialect", "exc", "code"),
+    [
+        ("postgresql", pg(asyncpg.CannotConnectNowError("starting up")), 3),
+        ("postgresql", pg(asyncpg.TooManyConnectionsError("too many")), 3),
+        ("postgresql", ConnectionRefusedError(111, "refused"), 3),
+        ("postgresql", sa_exc.TimeoutError("QueuePool limit"), 3),
+        ("postgresql", pg(asyncpg.UndefinedTableError("no table")), 1),
+        ("postgresql", pg(asyncpg.PostgresSyntaxError("syntax")), None),
+        ("sqlite", lite(sqlite3.SQLITE_CANTOPEN, "unable to open database file"), 3),
+        ("sqlite", real_sqlite_error("SELECT * FROM missing"), 1),
+        ("sqlite", real_sqlite_error("SELEC 1"), None),
+    ],
+)
+async def test_the_cli_exit_codes_follow_the_classifier(
+    dialect: str, exc: BaseException, code: int | None
+) -> None:
+    """``fastapi-outbox`` exits 3 when the database is unavailable (or the connection's
+    socket failed), 1 on a missing table; any other statement error is raised."""
+    from fastapi_outbox.cli_support import CliError, guard
+
+    outbox = SimpleNamespace(
+        engine=SimpleNamespace(
+            url=f"{dialect}://u:secret@h/db", dialect=SimpleNamespace(name=dialect)
+        ),
+        table=SimpleNamespace(name="outbox_messages"),
+    )
+
+    async def failing() -> None:
+        raise exc
+
+    if code is None:
+        with pytest.raises(type(exc)):
+            await guard(failing(), outbox)
+        return
+    with pytest.raises(CliError) as info:
+        await guard(failing(), outbox)
+    assert info.value.code == code
+    assert "secret" not in str(info.value)
