@@ -246,12 +246,14 @@ class StartingUpProxy(TcpProxy):
     connection and, for that many seconds, answers each new connection's StartupMessage with
     ``FATAL 57P03 the database system is starting up`` (an SSLRequest first gets ``N``, as
     a server without SSL answers), as a restarting server does; then it forwards to the real
-    server again."""
+    server again. :meth:`refuse` answers another FATAL the same way (53300 "sorry, too many
+    clients already")."""
 
     def __init__(self, target_port: int) -> None:
         super().__init__(target_port)
         self._refuse_until = 0.0
-        #: Connections answered 57P03.
+        self._answer = b""
+        #: Connections answered with the FATAL error.
         self.refused = 0
 
     @property
@@ -259,9 +261,16 @@ class StartingUpProxy(TcpProxy):
         return time.monotonic() < self._refuse_until
 
     def starting_up(self, seconds: float) -> None:
+        self.refuse(seconds, "57P03", "the database system is starting up")
+
+    def refuse(self, seconds: float, sqlstate: str, message: str) -> None:
+        """For ``seconds`` (0: no longer), answer new connections FATAL ``sqlstate``; cut
+        the open ones."""
+        self._answer = pg_fatal(sqlstate, message)
         self._refuse_until = time.monotonic() + seconds
-        for w in list(self._writers):
-            w.transport.abort()
+        if seconds > 0:
+            for w in list(self._writers):
+                w.transport.abort()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if not self.refusing:
@@ -275,7 +284,7 @@ class StartingUpProxy(TcpProxy):
                     writer.write(b"N")
                     await writer.drain()
                     continue
-                writer.write(pg_fatal("57P03", "the database system is starting up"))
+                writer.write(self._answer)
                 await writer.drain()
                 self.refused += 1
                 break

@@ -303,3 +303,78 @@ async def test_the_relay_tells_an_unavailable_database_from_a_failing_statement(
             await wait_until(lambda: outbox.store.count("published"), timeout=15)
     finally:
         await outbox.aclose()
+
+
+@pytest.mark.postgres
+async def test_too_many_clients_is_waited_out(
+    pg_url: str, starting_up_proxy: StartingUpProxy
+) -> None:
+    """53300 "sorry, too many clients already" at connect for every connection: the
+    messages wait in place (``max_attempts=1``: a charge would dead-letter them)."""
+    proxy = starting_up_proxy
+    broker = MemoryBroker()
+    outbox = Outbox(
+        pg_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}"),
+        brokers={"default": broker},
+        settings=OutboxSettings(**{**SETTINGS, "consumer_max_attempts": 1}),
+    )
+    stream = unique("clients")
+    handled: list[int] = []
+
+    @outbox.subscriber(stream, group="g", start="all")
+    async def one(message: Message, uow: UnitOfWork) -> None:
+        handled.append(message.payload["n"])
+
+    sub = outbox.subscribers[0]
+    try:
+        await outbox.create_tables()
+        async with outbox.dispatcher():
+            proxy.refuse(600.0, "53300", "sorry, too many clients already")
+            await publish_raw(broker, stream, range(20))
+            await wait_until(
+                lambda: "database unreachable" in (sub.stats.last_error or ""), timeout=15
+            )
+            assert handled == [] and proxy.refused > 0
+            proxy.refuse(0.0, "53300", "")
+            await wait_until(lambda: len(handled) == 20, timeout=30)
+        assert sorted(handled) == list(range(20)) and sub.stats.dead_lettered == 0
+    finally:
+        await outbox.aclose()
+
+
+@pytest.mark.postgres
+async def test_a_pool_timeout_is_waited_out(pg_url: str) -> None:
+    """Every pooled connection held elsewhere (``pool_size=2``, no overflow): the
+    subscriber's checkout times out (``sqlalchemy.exc.TimeoutError``), the messages wait
+    in place uncharged, and are handled once the connections come back."""
+    broker = MemoryBroker()
+    outbox = Outbox(
+        pg_url,
+        brokers={"default": broker},
+        settings=OutboxSettings(**{**SETTINGS, "consumer_max_attempts": 1, "notify": False}),
+        engine_options={"pool_size": 2, "max_overflow": 0, "pool_timeout": 0.5},
+    )
+    stream = unique("pool")
+    handled: list[int] = []
+
+    @outbox.subscriber(stream, group="g", start="all")
+    async def one(message: Message, uow: UnitOfWork) -> None:
+        handled.append(message.payload["n"])
+
+    sub = outbox.subscribers[0]
+    try:
+        await outbox.create_tables()
+        async with outbox.dispatcher():
+            async with outbox.engine.connect() as a, outbox.engine.connect() as b:
+                await a.exec_driver_sql("SELECT 1")
+                await b.exec_driver_sql("SELECT 1")
+                await publish_raw(broker, stream, range(10))
+                await wait_until(
+                    lambda: "database unreachable: TimeoutError" in (sub.stats.last_error or ""),
+                    timeout=15,
+                )
+                assert handled == []
+            await wait_until(lambda: len(handled) == 10, timeout=30)
+        assert sorted(handled) == list(range(10)) and sub.stats.dead_lettered == 0
+    finally:
+        await outbox.aclose()
