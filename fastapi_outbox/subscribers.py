@@ -353,6 +353,8 @@ class Subscriber:
         self.broker_ok: bool | None = None
         self.paused_since: float | None = None
         self._stop: anyio.Event | None = None
+        #: When stop() was called: the drain's share of the shutdown counts from there.
+        self._stopped_at = 0.0
         self.stopped: anyio.Event | None = None
         self._inflight: dict[str, Delivery] = {}
         self._slot_freed: anyio.Event | None = None
@@ -510,7 +512,8 @@ class Subscriber:
     # -- running -----------------------------------------------------------------------------
 
     def stop(self) -> None:
-        if self._stop is not None:
+        if self._stop is not None and not self._stop.is_set():
+            self._stopped_at = time.monotonic()
             self._stop.set()
 
     @property
@@ -550,8 +553,10 @@ class Subscriber:
                 for _ in range(self.concurrency):
                     handlers.start_soon(self._worker, receive)
                 await self._fetch_loop(consumer, send)
+                # The drain's share counts from stop(), not from the end of the fetch that
+                # was waiting then: what is left of the shutdown is for the release.
                 budget = self.outbox.settings.shutdown_timeout_seconds * DRAIN_SHARE
-                with anyio.move_on_after(budget):
+                with anyio.move_on_after(self._stopped_at + budget - time.monotonic()):
                     while self._inflight:
                         await self._wait_slot(1.0)
                 # Taken before the cancellation: a cancelled handler's ``finally`` forgets
@@ -973,7 +978,6 @@ class Subscriber:
                     ),
                 )
                 if not in_place:
-                    self._inflight.pop(d.entry_id, None)  # settled: not released at a stop
                     try:
                         await consumer.retry(d, delay)
                     except Exception as retry_exc:  # redelivered after claim_idle anyway
@@ -983,6 +987,7 @@ class Subscriber:
                                 "consumer.retry_failed", d, error=repr(retry_exc)
                             ),
                         )
+                    self._inflight.pop(d.entry_id, None)  # settled: not released at a stop
                     return
                 attempt += 1
                 await anyio.sleep(delay)
@@ -1012,7 +1017,6 @@ class Subscriber:
 
     async def _ack(self, d: Delivery) -> None:
         assert self.consumer is not None
-        self._inflight.pop(d.entry_id, None)  # settled: not released at a stop
         try:
             await self.consumer.ack([d])
         except Exception as exc:
@@ -1021,6 +1025,7 @@ class Subscriber:
                 "ack failed; the message will be redelivered and skipped",
                 extra=self._log_extra("consumer.ack_failed", d, error=repr(exc)[:300]),
             )
+        self._inflight.pop(d.entry_id, None)  # settled: not released at a stop
 
     async def _dead_letter(self, d: Delivery, error: str) -> None:
         assert self.consumer is not None

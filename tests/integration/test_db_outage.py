@@ -393,3 +393,51 @@ async def test_a_pool_timeout_is_waited_out(pg_url: str) -> None:
         assert sorted(handled) == list(range(10)) and sub.stats.dead_lettered == 0
     finally:
         await outbox.aclose()
+
+
+@pytest.mark.redis
+async def test_a_handler_cancelled_at_shutdown_is_released_uncharged(
+    sqlite_url: str, redis_url: str
+) -> None:
+    """A handler still running when the shutdown's drain time is over is cancelled (its
+    transaction rolls back) and its message given back to Redis at once, its delivery
+    count as before — not left pending for ``claim_idle_seconds`` and charged. The drain
+    time counts from the stop, so the release fits in ``shutdown_timeout_seconds`` even
+    after a fetch that was waiting (up to 1 s) when the stop came."""
+    import redis.asyncio as aioredis
+
+    broker = RedisStreamsBroker(redis_url)
+    outbox = Outbox(
+        sqlite_url,
+        brokers={"default": broker},
+        settings=OutboxSettings(**SETTINGS),  # shutdown_timeout_seconds=3
+    )
+    stream = unique("hang")
+    entered = anyio.Event()
+    hang = True
+    handled: list[int] = []
+
+    @outbox.subscriber(stream, group="g", start="all")
+    async def slow(message: Message) -> None:
+        entered.set()
+        if hang:
+            await anyio.sleep_forever()
+        handled.append(message.payload["n"])
+
+    sub = outbox.subscribers[0]
+    try:
+        await outbox.create_tables()
+        await publish_raw(broker, stream, range(1))
+        async with outbox.dispatcher():
+            await entered.wait()
+        async with aioredis.Redis.from_url(redis_url) as client:
+            [entry] = await client.xpending_range(stream, "g", "-", "+", 10)
+            assert entry["times_delivered"] == 0  # released, uncharged
+        hang = False
+        async with outbox.dispatcher():
+            await wait_until(lambda: handled == [0], timeout=20)
+        assert sub.stats.dead_lettered == 0
+    finally:
+        await outbox.aclose()
+        async with aioredis.Redis.from_url(redis_url) as client:
+            await client.delete(stream, f"{stream}.g.dlq")
