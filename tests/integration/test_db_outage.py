@@ -441,3 +441,49 @@ async def test_a_handler_cancelled_at_shutdown_is_released_uncharged(
         await outbox.aclose()
         async with aioredis.Redis.from_url(redis_url) as client:
             await client.delete(stream, f"{stream}.g.dlq")
+
+
+async def test_sqlite_locked_past_the_busy_timeout_is_waited_out(sqlite_url: str) -> None:
+    """Another process holds SQLite's write lock longer than the busy timeout ("database is
+    locked"): the messages wait in place uncharged (``max_attempts=1``) and are handled
+    once the lock is gone."""
+    import sqlite3
+
+    from sqlalchemy import event
+
+    broker = MemoryBroker()
+    outbox = Outbox(
+        sqlite_url,
+        brokers={"default": broker},
+        settings=OutboxSettings(**{**SETTINGS, "consumer_max_attempts": 1}),
+    )
+
+    @event.listens_for(outbox.engine.sync_engine, "connect")
+    def short_busy_timeout(dbapi_connection: Any, record: Any) -> None:
+        dbapi_connection.execute("PRAGMA busy_timeout=200")  # after the outbox's 30 s
+
+    await outbox.create_tables()
+    stream = unique("locked")
+    handled: list[int] = []
+
+    @outbox.subscriber(stream, group="g", start="all")
+    async def one(message: Message, uow: UnitOfWork) -> None:
+        handled.append(message.payload["n"])
+
+    sub = outbox.subscribers[0]
+    path = sqlite_url.split("///", 1)[1]
+    holder = sqlite3.connect(path, isolation_level=None)
+    try:
+        holder.execute("BEGIN EXCLUSIVE")  # the write lock, held by "another process"
+        async with outbox.dispatcher():
+            await publish_raw(broker, stream, range(5))
+            await wait_until(
+                lambda: "database unreachable" in (sub.stats.last_error or ""), timeout=15
+            )
+            assert handled == []
+            holder.execute("ROLLBACK")
+            await wait_until(lambda: len(handled) == 5, timeout=30)
+        assert sorted(handled) == list(range(5)) and sub.stats.dead_lettered == 0
+    finally:
+        holder.close()
+        await outbox.aclose()
