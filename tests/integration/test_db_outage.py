@@ -144,6 +144,7 @@ async def test_a_database_starting_up_for_10s_makes_a_backlog_wait_in_place(
         figures = await backlog_through_an_outage(url, redis_url, starting_up)
     finally:
         await proxy.stop()
+    print(f"57P03 for 10 s under a backlog: {figures}, refused {proxy.refused} connections")
     assert proxy.refused > 0
     assert figures["waits"] > 0
     assert figures["rows"] == figures["distinct"] == BACKLOG
