@@ -14,6 +14,7 @@ import datetime as dt
 import sys
 from typing import Any, TextIO
 
+from fastapi_outbox import db_outage
 from fastapi_outbox.log import safe_error
 from fastapi_outbox.redaction import redact_url
 
@@ -22,9 +23,6 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3
 
-# SQLSTATE classes meaning "could not get a usable connection": connection exception,
-# invalid authorization, invalid catalog (database) name, server shutting down/starting.
-_CONNECT_SQLSTATES = ("08", "28", "3D", "57P")
 _UNDEFINED_TABLE = "42P01"
 
 
@@ -35,32 +33,31 @@ class CliError(Exception):
 
 
 def sqlstate(exc: BaseException) -> str:
-    orig = getattr(exc, "orig", None)
-    return str(getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None) or "")
+    return db_outage.sqlstate_of(exc) or ""
 
 
 async def guard(coro: Any, outbox: Any) -> Any:
     """Await ``coro``; a database that cannot be reached becomes exit code 3 and a
-    missing outbox table exit code 1, both with a message naming the (redacted) URL."""
-    from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+    missing outbox table exit code 1, both with a message naming the (redacted) URL.
+    "Cannot be reached" is the dialect's outage classifier's verdict
+    (:mod:`fastapi_outbox.db_outage`); an ambiguous one (an ``OSError``) counts as
+    unreachable here: the CLI runs no handler code of its own."""
+    from sqlalchemy.exc import DBAPIError
 
     where = redact_url(str(outbox.engine.url))
     try:
         return await coro
-    except (DBAPIError, OSError, TimeoutError) as exc:
-        state = sqlstate(exc)
+    except Exception as exc:
         text = str(getattr(exc, "orig", exc))
-        if state == _UNDEFINED_TABLE or "no such table" in text:
+        missing = isinstance(exc, DBAPIError) and "no such table" in text
+        if sqlstate(exc) == _UNDEFINED_TABLE or missing:
             raise CliError(
                 f"table {outbox.table.name} does not exist on {where}: "
                 "create it with `fastapi-outbox db create`",
                 EXIT_FAILED,
             ) from exc
-        if (
-            isinstance(exc, OSError | TimeoutError | OperationalError | InterfaceError)
-            or state.startswith(_CONNECT_SQLSTATES)
-            or (isinstance(exc, DBAPIError) and exc.connection_invalidated)
-        ):
+        verdict = db_outage.classify(exc, outbox.engine.dialect.name)
+        if verdict is not db_outage.Verdict.FAILURE:
             raise CliError(
                 f"database {where} unreachable: {safe_error(exc, 200)}", EXIT_UNREACHABLE
             ) from exc

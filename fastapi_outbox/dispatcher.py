@@ -211,17 +211,13 @@ class Processor(RelayLoop):
                     )
             except Exception as exc:
                 first.set()
-                if self.database_ok:
-                    logger.warning(
-                        "database unavailable; retrying with backoff",
-                        extra={
-                            "action": "claim.failed",
-                            "broker": self.broker_name,
-                            "error": safe_error(exc),
-                        },
-                    )
-                self.database_ok = False
-                self.last_error = f"database: {type(exc).__name__}"
+                self._database_failed(
+                    exc,
+                    self.store.engine.dialect.name,
+                    "database unavailable; retrying with backoff",
+                    action="claim.failed",
+                    broker=self.broker_name,
+                )
                 await self._sleep(db_delay * (1 + self._rng.uniform(0, 0.25)))
                 db_delay = min(db_delay * 2, DB_BACKOFF_MAX_SECONDS)
                 continue
@@ -288,16 +284,13 @@ class Processor(RelayLoop):
                 # Marking failed (database gone mid-batch): the rows keep their lease and
                 # are recovered when it expires; the broker's de-duplication absorbs the
                 # republish.
-                self.database_ok = False
-                self.last_error = f"database: {type(exc).__name__}"
-                logger.warning(
+                self._database_failed(
+                    exc,
+                    self.store.engine.dialect.name,
                     "could not record a batch outcome; rows recover after their lease",
-                    extra={
-                        "action": "mark.failed",
-                        "broker": self.broker_name,
-                        "count": len(batch),
-                        "error": safe_error(exc),
-                    },
+                    action="mark.failed",
+                    broker=self.broker_name,
+                    count=len(batch),
                 )
                 await self._sleep(db_delay)
                 db_delay = min(db_delay * 2, DB_BACKOFF_MAX_SECONDS)

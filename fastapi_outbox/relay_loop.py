@@ -7,7 +7,11 @@
   ``broker_down_since``, ``broker_refusing``, ``last_error``) with the loop's exponential
   pause (:meth:`RelayLoop._outage` / :meth:`RelayLoop._recovered`): a broker that cannot
   be reached or refuses every message pauses the loop as a whole, never a message;
-- instrumentation hooks that may fail without stopping the loop (:meth:`RelayLoop._call_hook`).
+- instrumentation hooks that may fail without stopping the loop (:meth:`RelayLoop._call_hook`);
+- what a failed database step means (:meth:`RelayLoop._database_failed`): the dialect's
+  outage classifier (:mod:`fastapi_outbox.db_outage`) tells the database being unavailable
+  (``database_ok`` false, warned once) from the statement's own error (a missing table, a
+  bug: logged as an error each time, the database up). Either way the loop backs off.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Any
 
 import anyio
 
-from fastapi_outbox import clock, exceptions
+from fastapi_outbox import clock, db_outage, exceptions
 from fastapi_outbox.log import safe_error, stack
 from fastapi_outbox.notify import Wakeup
 from fastapi_outbox.settings import OutboxSettings
@@ -146,6 +150,26 @@ class RelayLoop:
         self.broker_ok = True
         self.broker_down_since = None
         self.broker_refusing = False
+
+    def _database_failed(
+        self, exc: BaseException, dialect: str, message: str, **extra: Any
+    ) -> None:
+        """A database step of the loop failed with ``exc``. Unavailable (the classifier's
+        verdict; an ambiguous ``OSError`` or timeout counts, the loop runs no code but its
+        own): ``database_ok`` goes false and ``message`` is warned once per outage.
+        Otherwise the statement failed on a database that answers: logged as an error with
+        its stack each time, ``database_ok`` unchanged."""
+        if db_outage.classify(exc, dialect) is not db_outage.Verdict.FAILURE:
+            if self.database_ok:
+                logger.warning(message, extra={**extra, "error": safe_error(exc)})
+            self.database_ok = False
+            self.last_error = f"database unavailable: {type(exc).__name__}"
+            return
+        self.last_error = f"database statement failed: {safe_error(exc)}"
+        logger.error(
+            "database statement failed (the database answers); retrying with backoff",
+            extra={**extra, "error": self.last_error, "stack": stack(exc)},
+        )
 
     def _call_hook(self, hook: Any, *args: Any, **extra: Any) -> Any:
         """Call an instrumentation hook; a failing hook is logged, never fatal."""

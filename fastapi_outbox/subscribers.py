@@ -95,7 +95,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session, SessionTransaction
 
-from fastapi_outbox import exceptions
+from fastapi_outbox import db_outage, exceptions
 from fastapi_outbox.aggregates import collect_events, held_aggregates
 from fastapi_outbox.brokers.consumer import (
     Consumer,
@@ -431,27 +431,18 @@ def _correlation_of(d: Delivery) -> str | None:
 
 
 async def _is_database_outage(exc: BaseException, engine: Any) -> bool:
-    """The database could not be reached (not a fault of the message): SQLAlchemy's
-    connection errors, or an ``OSError`` (asyncpg raises the socket's own when it cannot
-    connect) while the database does not answer ``SELECT 1`` either. An ``OSError`` of the
-    handler's own — a partner's API refusing the connection, a timeout — while the
-    database answers is the handler's failure: retried with backoff and dead-lettered,
-    not waited on forever."""
-    from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+    """The database is unavailable (not a fault of the message), as the dialect's
+    classifier decides (:mod:`fastapi_outbox.db_outage`): refusing connections, starting
+    up, shutting down, too many clients, pool timeout; an ambiguous ``OSError`` while the
+    database does not answer ``SELECT 1`` either. A handler's own SQL error, or its own
+    ``OSError`` while the database answers, is the handler's failure."""
+    return await db_outage.is_outage(exc, engine, ping_seconds=DATABASE_PING_SECONDS)
 
-    if isinstance(exc, OperationalError | InterfaceError):
-        return True
-    if isinstance(exc, DBAPIError):
-        return bool(exc.connection_invalidated)
-    if not isinstance(exc, OSError):
-        return False
-    try:
-        with anyio.fail_after(DATABASE_PING_SECONDS):
-            async with engine.connect() as conn:
-                await conn.exec_driver_sql("SELECT 1")
-    except Exception:
-        return True
-    return False
+
+class _ReleasedAtStop(BaseException):
+    """The database is unavailable and the subscriber stops: the message goes back to the
+    broker uncharged instead of waiting in place. A ``BaseException`` (like a cancellation),
+    so the retry paths' ``except Exception`` never take it for a failure of the handler."""
 
 
 class Subscriber:
@@ -887,6 +878,8 @@ class Subscriber:
             else:
                 await self._process(d, in_place=False)
             finished = True
+        except _ReleasedAtStop:
+            await self._release_unsettled([d])
         finally:
             # Cancelled (a stop): left in flight, so run() releases it to the broker.
             if finished:
@@ -949,6 +942,8 @@ class Subscriber:
                     extra=self._log_extra("consumer.ack_failed", error=repr(exc)[:300]),
                 )
             finished = True
+        except _ReleasedAtStop:
+            await self._release_unsettled(batch)
         finally:
             # Cancelled (a stop): what did not finish stays in flight, so run() releases
             # it to the broker.
@@ -965,18 +960,45 @@ class Subscriber:
     async def _waited_out_database(
         self, exc: BaseException, outages: int, what: str, d: Delivery | None = None
     ) -> bool:
-        """When ``exc`` is the database being unreachable (and not stopping): note it, wait
-        the pause for the ``outages + 1``-th outage in a row, and return True (the caller
-        retries in place, no attempt charged)."""
-        if self.stopping or not await _is_database_outage(exc, self.outbox.engine):
+        """When ``exc`` is the database being unreachable: note it, wait the pause for the
+        ``outages + 1``-th outage in a row, and return True (the caller retries in place, no
+        attempt charged). When the subscriber stops (before or during the wait), raise
+        :class:`_ReleasedAtStop`: the message goes back to the broker, uncharged."""
+        if not await _is_database_outage(exc, self.outbox.engine):
             return False
         self.stats.last_error = f"database unreachable: {type(exc).__name__}"
-        logger.warning(
-            f"database unreachable, retrying {what} in place",
-            extra=self._log_extra("consumer.db_unavailable", d, error=repr(exc)[:200]),
-        )
-        await anyio.sleep(self._pause_for(outages + 1))
+        if not self.stopping:
+            logger.warning(
+                f"database unreachable, retrying {what} in place",
+                extra=self._log_extra("consumer.db_unavailable", d, error=repr(exc)[:200]),
+            )
+            assert self._stop is not None
+            with anyio.move_on_after(self._pause_for(outages + 1)):
+                await self._stop.wait()
+        if self.stopping:
+            raise _ReleasedAtStop()
         return True
+
+    async def _release_unsettled(self, deliveries: Sequence[Delivery]) -> None:
+        """Give back to the broker, uncharged, those of ``deliveries`` not yet acknowledged,
+        dead-lettered or retried (still in ``_inflight``): the database went away while the
+        subscriber stops."""
+        left = [d for d in deliveries if self._inflight.pop(d.entry_id, None) is not None]
+        if not left or self.consumer is None:
+            return
+        with anyio.CancelScope(shield=True), anyio.move_on_after(2.0):
+            try:
+                await self.consumer.release(left)
+            except Exception as exc:
+                logger.warning(
+                    "release failed",
+                    extra=self._log_extra("consumer.release_failed", error=repr(exc)),
+                )
+                return
+        logger.info(
+            "database unreachable at shutdown: messages released, no attempt charged",
+            extra=self._log_extra("consumer.released", count=len(left)),
+        )
 
     async def _run_batch_retrying(
         self, todo: list[Delivery], messages: list[Any]
@@ -1272,6 +1294,7 @@ class Subscriber:
                                 "consumer.retry_failed", d, error=repr(retry_exc)
                             ),
                         )
+                    self._inflight.pop(d.entry_id, None)  # settled: not released at a stop
                     return
                 attempt += 1
                 await anyio.sleep(delay)
@@ -1304,6 +1327,7 @@ class Subscriber:
                 "ack failed; the message will be redelivered and skipped",
                 extra=self._log_extra("consumer.ack_failed", d, error=repr(exc)[:300]),
             )
+        self._inflight.pop(d.entry_id, None)  # settled: not released at a stop
 
     async def _dead_letter(self, d: Delivery, error: str) -> None:
         assert self.consumer is not None
@@ -1329,6 +1353,7 @@ class Subscriber:
             except Exception:  # redelivered after claim_idle_seconds anyway
                 logger.debug("retry after a failed dead letter failed", exc_info=True)
             return
+        self._inflight.pop(d.entry_id, None)  # settled: not released at a stop
         self.stats.dead_lettered += 1
         self.stats.last_error = error[:300]
         logger.error(

@@ -209,15 +209,12 @@ class WalRelay(RelayLoop):
                 return
             except Exception as exc:
                 first.set()
-                self.database_ok = False
-                self.last_error = f"database: {safe_error(exc)}"
-                logger.warning(
+                self._database_failed(
+                    exc,
+                    "postgresql",
                     "wal relay lost its database session; retrying with backoff",
-                    extra={
-                        "action": "wal.session_failed",
-                        "slot": self.slot.name,
-                        "error": safe_error(exc),
-                    },
+                    action="wal.session_failed",
+                    slot=self.slot.name,
                 )
                 await self._sleep(delay * (1 + self._rng.uniform(0, 0.25)))
                 delay = min(delay * 2, DB_BACKOFF_MAX_SECONDS)

@@ -9,7 +9,9 @@ import asyncio
 import contextlib
 import shutil
 import socket
+import struct
 import subprocess
+import time
 from pathlib import Path
 
 import anyio
@@ -168,6 +170,17 @@ class PrivatePostgres:
             f"-p {self.port} -k {self.directory} -c listen_addresses=127.0.0.1 {self.options}",
         )
 
+    def restart(self) -> None:
+        """``pg_ctl restart`` (fast shutdown, then start with the same options): sessions get
+        57P01, new connections 57P03 while it shuts down and starts up, then are refused
+        while no postmaster listens. Blocks until the server accepts connections again."""
+        assert self.directory is not None
+        data = str(self.directory / "data")
+        log = str(self.directory / "log")
+        self._as_postgres(
+            str(PG_BIN / "pg_ctl"), "-D", data, "-l", log, "-m", "fast", "-w", "restart"
+        )
+
     def stop(self) -> None:
         import shutil as sh
 
@@ -277,3 +290,67 @@ class TcpProxy:
             w.transport.abort()
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=5)
+
+
+#: Protocol codes a PostgreSQL client may send before its StartupMessage.
+_SSL_REQUEST, _GSSENC_REQUEST = 80877103, 80877104
+
+
+def pg_fatal(sqlstate: str, message: str) -> bytes:
+    """A PostgreSQL ErrorResponse message of severity FATAL."""
+    fields = b"".join(
+        kind + value.encode() + b"\0"
+        for kind, value in ((b"S", "FATAL"), (b"V", "FATAL"), (b"C", sqlstate), (b"M", message))
+    )
+    fields += b"\0"
+    return b"E" + struct.pack("!I", len(fields) + 4) + fields
+
+
+class StartingUpProxy(TcpProxy):
+    """A :class:`TcpProxy` that plays a PostgreSQL starting up: :meth:`starting_up` cuts every
+    connection and, for that many seconds, answers each new connection's StartupMessage with
+    ``FATAL 57P03 the database system is starting up`` (an SSLRequest first gets ``N``, as
+    a server without SSL answers), as a restarting server does; then it forwards to the real
+    server again. :meth:`refuse` answers another FATAL the same way (53300 "sorry, too many
+    clients already")."""
+
+    def __init__(self, target_port: int) -> None:
+        super().__init__(target_port)
+        self._refuse_until = 0.0
+        self._answer = b""
+        #: Connections answered with the FATAL error.
+        self.refused = 0
+
+    @property
+    def refusing(self) -> bool:
+        return time.monotonic() < self._refuse_until
+
+    def starting_up(self, seconds: float) -> None:
+        self.refuse(seconds, "57P03", "the database system is starting up")
+
+    def refuse(self, seconds: float, sqlstate: str, message: str) -> None:
+        """For ``seconds`` (0: no longer), answer new connections FATAL ``sqlstate``; cut
+        the open ones."""
+        self._answer = pg_fatal(sqlstate, message)
+        self._refuse_until = time.monotonic() + seconds
+        if seconds > 0:
+            for w in list(self._writers):
+                w.transport.abort()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not self.refusing:
+            await super()._handle(reader, writer)
+            return
+        with contextlib.suppress(OSError, asyncio.IncompleteReadError):
+            while True:
+                (length,) = struct.unpack("!I", await reader.readexactly(4))
+                body = await reader.readexactly(length - 4)
+                if struct.unpack("!I", body[:4])[0] in (_SSL_REQUEST, _GSSENC_REQUEST):
+                    writer.write(b"N")
+                    await writer.drain()
+                    continue
+                writer.write(self._answer)
+                await writer.drain()
+                self.refused += 1
+                break
+        writer.close()

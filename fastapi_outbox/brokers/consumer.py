@@ -241,7 +241,8 @@ class Consumer(Protocol):
 
     async def release(self, deliveries: Sequence[Delivery]) -> None:
         """Shutdown: give back deliveries not handled (redelivered without waiting where
-        the broker allows it)."""
+        the broker allows it, as the same attempt where it can reset its delivery count:
+        Redis, the memory broker; a JetStream ``nak`` counts one delivery more)."""
 
     async def dead_letter(self, delivery: Delivery, error: str) -> None:
         """Move to the dead-letter stream with ``error`` and the original headers; ack."""

@@ -137,6 +137,8 @@ class MemoryConsumer:
         for d in deliveries:
             index = int(d.entry_id)
             if index in group.pending:
+                # Not handled: the redelivery is the same attempt, not one more.
+                group.pending[index][0] = max(0, d.attempt - 1)
                 group.retries.append((0.0, index))
 
     async def dead_letter(self, delivery: Delivery, error: str) -> None:

@@ -466,13 +466,24 @@ class RedisStreamsConsumer:
 
     async def release(self, deliveries: Sequence[Delivery]) -> None:
         # Claimed with the idle time already at claim_idle: the next XAUTOCLAIM takes them.
-        ids = self._done(deliveries) + [entry for _, entry, _ in self._retries]
+        # A released delivery was not handled: its delivery count goes back to what it was
+        # before this delivery, so the redelivery is the same attempt, not one more (the
+        # retries keep theirs: their failure was charged).
+        by_attempt: dict[int, list[str]] = {}
+        for d in deliveries:
+            by_attempt.setdefault(max(0, d.attempt - 1), []).append(d.entry_id)
+        self._done(deliveries)
+        retries = [entry for _, entry, _ in self._retries]
         self._retries.clear()
-        await self._claim(ids, idle=self._idle_ms)
+        await self._claim(retries, idle=self._idle_ms)
+        for count, ids in by_attempt.items():
+            await self._claim(ids, idle=self._idle_ms, retrycount=count)
 
-    async def _claim(self, ids: list[str], idle: int | None = None) -> None:
+    async def _claim(
+        self, ids: list[str], idle: int | None = None, retrycount: int | None = None
+    ) -> None:
         """``XCLAIM … JUSTID`` of ``ids`` to this consumer: idle reset (or set to ``idle``
-        ms), the delivery count unchanged."""
+        ms), the delivery count unchanged (or set to ``retrycount``)."""
         if not ids:
             return
         async with self._calls() as client:
@@ -483,6 +494,7 @@ class RedisStreamsConsumer:
                 0,
                 ids,
                 idle=idle,
+                retrycount=retrycount,
                 justid=True,
             )
 
