@@ -1241,6 +1241,12 @@ class Subscriber:
         consumer = self.consumer
         attempt = d.attempt
         if attempt > self.max_attempts:
+            if await self._handled_before(d):
+                # Committed, but the ack was lost (a kill, a broker restart) every time: its
+                # effects are applied; a dead letter would say otherwise.
+                self.stats.duplicates += 1
+                await self._ack(d)
+                return
             await self._dead_letter(
                 d,
                 f"delivered {attempt} times, more than max_attempts={self.max_attempts}, without "
@@ -1306,6 +1312,23 @@ class Subscriber:
             self.stats.last_handled_at = time.time()
             await self._ack(d)
             return
+
+    async def _handled_before(self, d: Delivery) -> bool:
+        """Whether the group's inbox holds ``d``'s message id (its transaction committed).
+        The database unavailable: waited out in place, like a handler's transaction."""
+        outages = 0
+        while True:
+            try:
+                return await self.outbox.inbox.contains(self.group, d.message_id)
+            except Exception as exc:
+                if await self._waited_out_database(exc, outages, "the inbox look-up", d):
+                    outages += 1
+                    continue
+                logger.warning(
+                    "inbox look-up failed; dead-lettering",
+                    extra=self._log_extra("consumer.inbox_failed", d, error=safe_error(exc)),
+                )
+                return False
 
     async def _run_handler(self, d: Delivery, message: Any) -> bool:
         """One transaction: inbox row, then the handler (a batch handler: on a one-element

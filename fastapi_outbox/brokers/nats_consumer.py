@@ -376,7 +376,9 @@ class NatsJetStreamConsumer:
                 self._dead_stream = name
             except nats.js.errors.NotFoundError:
                 return out
-            first, last = info.state.first_seq, info.state.last_seq
+            if not info.state.messages:  # created with the group, empty (seq 0 is no message)
+                return out
+            first, last = max(1, info.state.first_seq), info.state.last_seq
             for seq in range(first, last + 1):
                 if len(out) >= limit or seq - first >= DEAD_LETTER_SCAN:
                     break

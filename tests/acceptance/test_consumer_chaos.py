@@ -340,12 +340,6 @@ async def in_stream(kind: str, url: str, stream: str) -> set[str]:
 # -- the test ------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="DESIGN §13, being fixed on another branch: a PostgreSQL restart's 'the database "
-    "system is shutting down' (asyncpg CannotConnectNowError, a plain DBAPIError) is taken "
-    "for a handler failure and charged an attempt instead of waited out",
-)
 @pytest.mark.parametrize("kind", ["redis", pytest.param("nats", marks=pytest.mark.nats)])
 async def test_consumers_chaos_every_effect_exactly_once(
     kind: str,

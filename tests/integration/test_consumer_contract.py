@@ -296,6 +296,52 @@ async def test_redelivery_after_commit_without_ack_is_skipped(harness: Harness) 
     await outbox.aclose()
 
 
+async def test_handled_message_past_max_attempts_is_acked_not_dead_lettered(
+    harness: Harness,
+) -> None:
+    """A message whose handler committed but whose ack was lost until its delivery count
+    passed ``max_attempts`` (kills, broker restarts) has its effects applied: it is found
+    in the inbox and acknowledged as a duplicate, not dead-lettered as "delivered too many
+    times" (the dead letter would claim an effect that happened did not)."""
+    h = harness
+    orders = h.stream()
+    OrderPlaced, _ = events_for(orders)
+    outbox = await make_outbox(h)
+    handled: list[int] = []
+
+    async def bill(event: Any, uow: UnitOfWork) -> None:
+        handled.append(event.order_id)
+        uow.session.add(Invoice(order_id=event.order_id, message_id=str(event.order_id)))
+
+    bill.__annotations__["event"] = OrderPlaced
+    outbox.subscriber(orders, group="billing", start="all", max_attempts=1)(bill)
+    subscriber = outbox.subscribers[0]
+    dropped: list[str] = []
+    async with outbox.dispatcher():
+        consumer = subscriber.consumer
+        assert consumer is not None
+        real_ack = consumer.ack
+
+        async def lost_ack(deliveries: Any) -> None:
+            todo = [d for d in deliveries if d.message_id in dropped]
+            for d in deliveries:
+                if d.message_id not in dropped:
+                    dropped.append(d.message_id)
+            await real_ack(todo)
+
+        consumer.ack = lost_ack  # type: ignore[method-assign]
+        consumer.ack_soon = lost_ack  # type: ignore[attr-defined]
+        async with outbox.unit_of_work() as uow:
+            for i in range(3):
+                uow.publish(OrderPlaced(order_id=i))
+        # The second delivery's count (2) is past max_attempts=1.
+        await wait_until(lambda: subscriber.stats.duplicates >= 3, timeout=15)
+    assert subscriber.stats.dead_lettered == 0
+    assert sorted(handled) == [0, 1, 2]
+    assert await effects(outbox) == {"0": 1, "1": 1, "2": 1}
+    await outbox.aclose()
+
+
 async def test_poison_is_dead_lettered_and_others_are_handled(harness: Harness) -> None:
     h = harness
     orders = h.stream()
