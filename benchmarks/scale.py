@@ -269,7 +269,7 @@ async def main(rows: int, days: int, backlog: int, order: str) -> None:
                 await outbox.create_tables()
                 if outbox.partitions is not None:
                     async with outbox.engine.begin() as conn:
-                        from fastapi_outbox import partitions
+                        from fastapi_outbox.storage import partitions
 
                         for d in range(1, days + 1):
                             lo = midnight(now) - d * DAY

@@ -23,8 +23,8 @@ from fastapi_outbox.exceptions import (
     UnknownBroker,
 )
 from fastapi_outbox.outbox import Outbox
-from fastapi_outbox.schema import build_table, metadata, outbox_table
 from fastapi_outbox.settings import OutboxSettings
+from fastapi_outbox.storage.schema import build_table, metadata, outbox_table
 from fastapi_outbox.unit_of_work import UnitOfWork, UnitOfWorkDep, unit_of_work
 
 __version__ = "0.1.0"

@@ -406,7 +406,7 @@ async def _cancel(args: argparse.Namespace, outbox: Any) -> int:
 
 
 async def _purge(args: argparse.Namespace, outbox: Any) -> int:
-    from fastapi_outbox.store import ABANDONED, PUBLISHED
+    from fastapi_outbox.storage.store import ABANDONED, PUBLISHED
 
     if args.published_older_than is None and args.abandoned_older_than is None:
         raise CliError("purge needs --published-older-than and/or --abandoned-older-than")

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from sqlalchemy.engine import Connection
 
-from fastapi_outbox.store import Store
+from fastapi_outbox.storage.store import Store
 
 __all__ = ["Capture", "TableCapture"]
 

@@ -14,9 +14,9 @@ import datetime as dt
 import sys
 from typing import Any, TextIO
 
-from fastapi_outbox import db_outage
 from fastapi_outbox.log import safe_error
 from fastapi_outbox.redaction import redact_url
+from fastapi_outbox.storage import db_outage
 
 EXIT_OK = 0
 EXIT_FAILED = 1

@@ -33,14 +33,15 @@ from typing import Any
 
 import anyio
 
-from fastapi_outbox import clock, exceptions
+from fastapi_outbox import exceptions
 from fastapi_outbox.brokers.base import Broker, PublishResults
 from fastapi_outbox.events import Envelope
 from fastapi_outbox.instrumentation import Instrumentation
 from fastapi_outbox.log import safe_error, stack
 from fastapi_outbox.relay_loop import RelayLoop
 from fastapi_outbox.settings import OutboxSettings
-from fastapi_outbox.store import ERROR_MAX_CHARS, ClaimedRow, Failure, Store
+from fastapi_outbox.storage import clock
+from fastapi_outbox.storage.store import ERROR_MAX_CHARS, ClaimedRow, Failure, Store
 
 logger = logging.getLogger("fastapi_outbox.dispatcher")
 

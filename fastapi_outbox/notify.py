@@ -26,7 +26,7 @@ from typing import Any
 import anyio
 
 from fastapi_outbox.settings import LISTEN_CHECK_INTERVAL_SECONDS, LISTEN_CHECK_TIMEOUT_SECONDS
-from fastapi_outbox.store import Store
+from fastapi_outbox.storage.store import Store
 
 logger = logging.getLogger("fastapi_outbox.notify")
 

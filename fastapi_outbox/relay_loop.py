@@ -24,10 +24,11 @@ from typing import Any
 
 import anyio
 
-from fastapi_outbox import clock, db_outage, exceptions
+from fastapi_outbox import exceptions
 from fastapi_outbox.log import safe_error, stack
 from fastapi_outbox.notify import Wakeup
 from fastapi_outbox.settings import OutboxSettings
+from fastapi_outbox.storage import clock, db_outage
 
 logger = logging.getLogger("fastapi_outbox.dispatcher")
 

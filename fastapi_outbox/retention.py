@@ -13,11 +13,11 @@ from typing import Any
 
 import anyio
 
-from fastapi_outbox.inbox import Inbox
 from fastapi_outbox.log import safe_error
-from fastapi_outbox.partitions import Maintainer
 from fastapi_outbox.settings import OutboxSettings
-from fastapi_outbox.store import ABANDONED, PUBLISHED, Store
+from fastapi_outbox.storage.inbox import Inbox
+from fastapi_outbox.storage.partitions import Maintainer
+from fastapi_outbox.storage.store import ABANDONED, PUBLISHED, Store
 
 logger = logging.getLogger("fastapi_outbox.retention")
 

@@ -321,7 +321,7 @@ class OutboxSettings(BaseSettings):
     @classmethod
     def _interval(cls, value: str | None) -> str | None:
         if value is not None:
-            from fastapi_outbox.partitions import parse_interval
+            from fastapi_outbox.storage.partitions import parse_interval
 
             parse_interval(value)
         return value
@@ -378,7 +378,7 @@ class OutboxSettings(BaseSettings):
                 f"(OUTBOX_BATCH_SIZE) ({self.min_batch_size} > {self.batch_size})"
             )
         if self.partitioning is not None:
-            from fastapi_outbox.partitions import check_table_name as check_partitioned
+            from fastapi_outbox.storage.partitions import check_table_name as check_partitioned
 
             check_partitioned(self.table_name)
         if self.retry_max_delay_seconds < self.retry_base_delay_seconds:

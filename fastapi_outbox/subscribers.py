@@ -95,7 +95,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session, SessionTransaction
 
-from fastapi_outbox import db_outage, exceptions
+from fastapi_outbox import exceptions
 from fastapi_outbox.aggregates import collect_events, held_aggregates
 from fastapi_outbox.brokers.consumer import (
     Consumer,
@@ -113,6 +113,7 @@ from fastapi_outbox.events import (
 from fastapi_outbox.log import safe_error
 from fastapi_outbox.redaction import redact
 from fastapi_outbox.session_events import JOINED_KEY, state_of
+from fastapi_outbox.storage import db_outage
 from fastapi_outbox.unit_of_work import UnitOfWork, valid_correlation_id
 
 if TYPE_CHECKING:

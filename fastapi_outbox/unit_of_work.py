@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 from fastapi import Depends, HTTPException, Request
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from fastapi_outbox import clock, exceptions
+from fastapi_outbox import exceptions
 from fastapi_outbox.events import (
     HEADER_CAUSATION_ID,
     HEADER_CORRELATION_ID,
@@ -41,6 +41,7 @@ from fastapi_outbox.events import (
     uuid7,
 )
 from fastapi_outbox.session_events import state_of
+from fastapi_outbox.storage import clock
 
 if TYPE_CHECKING:
     from fastapi_outbox.outbox import Outbox

@@ -27,8 +27,8 @@ from sqlalchemy import text
 from sqlalchemy.engine import Connection
 from sqlalchemy.util import await_only
 
-from fastapi_outbox import wal_slot
-from fastapi_outbox.store import Store
+from fastapi_outbox.storage import wal_slot
+from fastapi_outbox.storage.store import Store
 
 __all__ = ["WalCapture"]
 

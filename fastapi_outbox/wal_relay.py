@@ -79,8 +79,8 @@ from fastapi_outbox.instrumentation import Instrumentation
 from fastapi_outbox.log import safe_error, stack
 from fastapi_outbox.relay_loop import RelayLoop
 from fastapi_outbox.settings import WAL_MIN_READ_WINDOW_BYTES, OutboxSettings
-from fastapi_outbox.store import ERROR_MAX_CHARS, Store
-from fastapi_outbox.wal_slot import (
+from fastapi_outbox.storage.store import ERROR_MAX_CHARS, Store
+from fastapi_outbox.storage.wal_slot import (
     Read,
     Transaction,
     Undecodable,

@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects.postgresql.asyncpg import AsyncAdapt_asyncpg_dbapi
 
-from fastapi_outbox.db_outage import (
+from fastapi_outbox.storage.db_outage import (
     Verdict,
     classify,
     classify_postgresql,
