@@ -25,7 +25,6 @@ from sqlalchemy.pool import StaticPool
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.brokers.base import Broker
-from fastapi_outbox.capture import Capture, TableCapture
 from fastapi_outbox.dispatcher import Processor, instance_id
 from fastapi_outbox.instrumentation import Instrumentation
 from fastapi_outbox.notify import Listener, Notifier, channel_name
@@ -37,8 +36,9 @@ from fastapi_outbox.storage.inbox import Inbox, build_inbox_table
 from fastapi_outbox.storage.store import Store
 from fastapi_outbox.storage.wal_slot import WalSlot
 from fastapi_outbox.subscribers import Handler, Subscriber, handler_transaction
-from fastapi_outbox.unit_of_work import UnitOfWork, current_outbox, register_outbox
 from fastapi_outbox.wal_relay import WalRelay
+from fastapi_outbox.write.capture import Capture, TableCapture
+from fastapi_outbox.write.unit_of_work import UnitOfWork, current_outbox, register_outbox
 
 logger = logging.getLogger("fastapi_outbox")
 
@@ -234,7 +234,7 @@ class Outbox:
         register_outbox(self)
 
     def _setup_wal(self) -> None:
-        from fastapi_outbox.wal_capture import WalCapture
+        from fastapi_outbox.write.wal_capture import WalCapture
 
         if not self.store.is_postgres or self.engine.dialect.driver != "asyncpg":
             raise exceptions.ConfigurationError(
@@ -750,7 +750,7 @@ class Outbox:
         ``unit_of_work`` serves the outbox the app was started with):
         ``uow: UnitOfWork = Depends(billing_outbox.dependency)``."""
         if self._dependency is None:
-            from fastapi_outbox.unit_of_work import dependency_for
+            from fastapi_outbox.write.unit_of_work import dependency_for
 
             self._dependency = dependency_for(self)
         return self._dependency

@@ -112,9 +112,9 @@ from fastapi_outbox.events import (
 )
 from fastapi_outbox.log import safe_error
 from fastapi_outbox.redaction import redact
-from fastapi_outbox.session_events import JOINED_KEY, state_of
 from fastapi_outbox.storage import db_outage
-from fastapi_outbox.unit_of_work import UnitOfWork, valid_correlation_id
+from fastapi_outbox.write.session_events import JOINED_KEY, state_of
+from fastapi_outbox.write.unit_of_work import UnitOfWork, valid_correlation_id
 
 if TYPE_CHECKING:
     from fastapi_outbox.outbox import Outbox
