@@ -239,7 +239,7 @@ async def purge(
 ) -> int:
     """Delete finished (published or abandoned) messages older than that, in batches;
     ``max_rows``: at most that many (the count an operator confirmed)."""
-    from fastapi_outbox import retention
+    from fastapi_outbox.relay import retention
 
     deleted = await retention.purge(
         outbox.store,

@@ -25,18 +25,18 @@ from sqlalchemy.pool import StaticPool
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.brokers.base import Broker
-from fastapi_outbox.dispatcher import Processor, instance_id
 from fastapi_outbox.instrumentation import Instrumentation
-from fastapi_outbox.notify import Listener, Notifier, channel_name
 from fastapi_outbox.redaction import redact, redact_url, remember
-from fastapi_outbox.retention import Cleaner
+from fastapi_outbox.relay.retention import Cleaner
+from fastapi_outbox.relay.table import Processor, instance_id
+from fastapi_outbox.relay.wakeups import Listener, Notifier, channel_name
+from fastapi_outbox.relay.wal import WalRelay
 from fastapi_outbox.settings import OutboxSettings
 from fastapi_outbox.storage import partitions, schema
 from fastapi_outbox.storage.inbox import Inbox, build_inbox_table
 from fastapi_outbox.storage.store import Store
 from fastapi_outbox.storage.wal_slot import WalSlot
 from fastapi_outbox.subscribers import Handler, Subscriber, handler_transaction
-from fastapi_outbox.wal_relay import WalRelay
 from fastapi_outbox.write.capture import Capture, TableCapture
 from fastapi_outbox.write.unit_of_work import UnitOfWork, current_outbox, register_outbox
 

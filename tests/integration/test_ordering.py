@@ -572,7 +572,7 @@ async def test_retention_keeps_a_blocking_abandoned_message_and_a_purge_releases
     that a later message of its key waits for: that would be the silent gap again. An
     operator's purge does, and the key goes on without it."""
     from fastapi_outbox import operations
-    from fastapi_outbox.retention import Cleaner
+    from fastapi_outbox.relay.retention import Cleaner
 
     poison: list[str] = []
     broker = MemoryBroker(
