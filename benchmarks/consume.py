@@ -65,8 +65,8 @@ from benchmarks._common import (
 )
 from fastapi_outbox import Event, Outbox, OutboxSettings, UnitOfWork, uuid7
 from fastapi_outbox.brokers import broker_from_url
+from fastapi_outbox.consume.subscriber import BatchUnitOfWork
 from fastapi_outbox.events import Envelope
-from fastapi_outbox.subscribers import BatchUnitOfWork
 
 BASELINE_BATCH = 100
 SIDES = ("library", "library_insert", "library_arrays", "baseline", "baseline_orm")

@@ -33,11 +33,11 @@ import anyio
 from fastapi import APIRouter, Depends, HTTPException, Response
 from pydantic import BaseModel, Field
 
+from fastapi_outbox.consume.subscriber import ConsumerStatus
 from fastapi_outbox.redaction import redact
 from fastapi_outbox.storage import clock
 from fastapi_outbox.storage.store import BrokerStats
 from fastapi_outbox.storage.wal_slot import format_lsn
-from fastapi_outbox.subscribers import ConsumerStatus
 
 if TYPE_CHECKING:
     from fastapi_outbox.outbox import Outbox

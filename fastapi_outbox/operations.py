@@ -387,7 +387,7 @@ async def consumers(outbox: Outbox, *, counts: bool = False) -> list[Any]:
     database that does not answer leaves its figures None."""
     import anyio
 
-    from fastapi_outbox.subscribers import ConsumerStatus
+    from fastapi_outbox.consume.subscriber import ConsumerStatus
 
     subscribers = list(getattr(outbox, "subscribers", []))
     if not subscribers:

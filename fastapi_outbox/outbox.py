@@ -25,6 +25,7 @@ from sqlalchemy.pool import StaticPool
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.brokers.base import Broker
+from fastapi_outbox.consume.subscriber import Handler, Subscriber, handler_transaction
 from fastapi_outbox.instrumentation import Instrumentation
 from fastapi_outbox.redaction import redact, redact_url, remember
 from fastapi_outbox.relay.retention import Cleaner
@@ -36,7 +37,6 @@ from fastapi_outbox.storage import partitions, schema
 from fastapi_outbox.storage.inbox import Inbox, build_inbox_table
 from fastapi_outbox.storage.store import Store
 from fastapi_outbox.storage.wal_slot import WalSlot
-from fastapi_outbox.subscribers import Handler, Subscriber, handler_transaction
 from fastapi_outbox.write.capture import Capture, TableCapture
 from fastapi_outbox.write.unit_of_work import UnitOfWork, current_outbox, register_outbox
 
@@ -449,7 +449,7 @@ class Outbox:
         ``dead_letter`` is a template (default ``{stream}.{group}.dlq``); ``batch``: handle
         each fetched batch in one transaction (falls back to one transaction per message
         when anything in it fails; not with ``ordered``)."""
-        from fastapi_outbox import subscribers
+        from fastapi_outbox.consume import subscriber as subscribers
 
         def decorate(handler: Handler) -> Handler:
             options = subscribers.subscriber_options(
@@ -647,7 +647,7 @@ class Outbox:
         return out
 
     async def _shutdown(self, tg: anyio.abc.TaskGroup) -> None:
-        from fastapi_outbox.subscribers import stop_all
+        from fastapi_outbox.consume.subscriber import stop_all
 
         for processor in self.processors.values():
             processor.stop()

@@ -26,8 +26,8 @@ from fastapi_outbox import (
     uuid7,
 )
 from fastapi_outbox.brokers import Broker, MemoryBroker
+from fastapi_outbox.consume.subscriber import BatchUnitOfWork
 from fastapi_outbox.events import Envelope
-from fastapi_outbox.subscribers import BatchUnitOfWork
 from tests.conftest import unique, wait_until
 
 FAST = {
