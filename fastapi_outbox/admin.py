@@ -27,7 +27,7 @@ import uuid
 from collections.abc import Callable, Iterable
 from typing import Any, TextIO
 
-from fastapi_outbox import exceptions, operations
+from fastapi_outbox import exceptions
 from fastapi_outbox.cli_support import (
     EXIT_FAILED,
     EXIT_OK,
@@ -40,6 +40,7 @@ from fastapi_outbox.cli_support import (
 )
 from fastapi_outbox.cli_support import guard as _guard
 from fastapi_outbox.events import MessageStatus
+from fastapi_outbox.ops import operations
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
 _UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}

@@ -388,7 +388,7 @@ def _probe_app(outbox: Any) -> Any:
     app = FastAPI(title="fastapi-outbox dispatcher", openapi_url=None)
     app.include_router(outbox.health_router)
     try:
-        from fastapi_outbox.metrics import PrometheusInstrumentation, mount_metrics
+        from fastapi_outbox.ops.metrics import PrometheusInstrumentation, mount_metrics
     except ImportError:  # the prometheus extra is not installed
         return app
     if isinstance(outbox.instrumentation, PrometheusInstrumentation):

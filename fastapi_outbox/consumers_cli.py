@@ -12,7 +12,8 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from fastapi_outbox import exceptions, operations
+from fastapi_outbox import exceptions
+from fastapi_outbox.ops import operations
 
 EXIT_OK = 0
 

@@ -412,7 +412,7 @@ class Outbox:
         Raises :class:`~fastapi_outbox.exceptions.MessageNotFound` for an unknown id and
         :class:`~fastapi_outbox.exceptions.TooLate` when it was claimed or published first
         (the cancel is fenced against a concurrent claim)."""
-        from fastapi_outbox import operations
+        from fastapi_outbox.ops import operations
 
         outcome = await operations.cancel(self, [message_id])
         if outcome.count:
@@ -474,7 +474,7 @@ class Outbox:
     async def consumers_status(self) -> list[Any]:
         """Every subscriber's consumer group: lag, pending, dead letters, last handled
         (:func:`fastapi_outbox.operations.consumers`; the dashboard's consumers table)."""
-        from fastapi_outbox import operations
+        from fastapi_outbox.ops import operations
 
         return await operations.consumers(self)
 
@@ -759,7 +759,7 @@ class Outbox:
     def health_router(self) -> Any:
         """``GET /outbox/health``."""
         if self._health_router is None:
-            from fastapi_outbox.health import build_health_router
+            from fastapi_outbox.ops.health import build_health_router
 
             self._health_router = build_health_router(self)
         return self._health_router
@@ -777,7 +777,7 @@ class Outbox:
                 "action, or dashboard_dependencies=[] to serve it unguarded on purpose"
             )
         if self._dashboard_router is None:
-            from fastapi_outbox.dashboard import build_dashboard_router
+            from fastapi_outbox.ops.dashboard import build_dashboard_router
 
             self._dashboard_router = build_dashboard_router(self, self.dashboard_dependencies)
         return self._dashboard_router

@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 
 from fastapi_outbox import Message, Outbox, OutboxSettings
 from fastapi_outbox.brokers import RedisStreamsBroker
-from fastapi_outbox.health import compute_health
+from fastapi_outbox.ops.health import compute_health
 from fastapi_outbox.testing import drain
 from tests.conftest import asgi_client, unique
 

@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 
 from fastapi_outbox import Message, Outbox, OutboxSettings
 from fastapi_outbox.brokers import MemoryBroker, RedisStreamsBroker
-from fastapi_outbox.health import compute_health
+from fastapi_outbox.ops.health import compute_health
 from fastapi_outbox.storage.wal_slot import parse_lsn
 from tests.conftest import _cluster_sql, unique, wait_until
 from tests.servers import LOGICAL_PG_OPTIONS, PrivatePostgres
