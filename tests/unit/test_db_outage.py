@@ -231,7 +231,7 @@ async def test_the_cli_exit_codes_follow_the_classifier(
 ) -> None:
     """``fastapi-outbox`` exits 3 when the database is unavailable (or the connection's
     socket failed), 1 on a missing table; any other statement error is raised."""
-    from fastapi_outbox.cli_support import CliError, guard
+    from fastapi_outbox.cli.support import CliError, guard
 
     outbox = SimpleNamespace(
         engine=SimpleNamespace(

@@ -23,14 +23,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from fastapi_outbox import exceptions
-from fastapi_outbox.cli_support import (
+from fastapi_outbox.cli.support import (
     EXIT_FAILED,
     EXIT_OK,
     EXIT_UNREACHABLE,
     CliError,
 )
-from fastapi_outbox.cli_support import guard as _guard
-from fastapi_outbox.cli_support import sqlstate as _sqlstate
+from fastapi_outbox.cli.support import guard as _guard
+from fastapi_outbox.cli.support import sqlstate as _sqlstate
 from fastapi_outbox.log import JsonFormatter, TextFormatter, safe_error
 from fastapi_outbox.redaction import redact, redact_url
 
@@ -164,10 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
         "on HOST:PORT, for probes of a dispatcher-only process (needs uvicorn)",
     )
 
-    from fastapi_outbox import admin
+    from fastapi_outbox.cli import admin
 
     admin.add_commands(sub, _common, _progress_option)
-    from fastapi_outbox import consumers_cli
+    from fastapi_outbox.cli import consumers as consumers_cli
 
     consumers_cli.add_commands(sub, _common)
     return parser
@@ -207,7 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    from fastapi_outbox import admin
+    from fastapi_outbox.cli import admin
 
     if args.command == "db" and args.db_command == "sql" and not args.url and not args.app:
         return _print_ddl(args)
