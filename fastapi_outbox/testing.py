@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from fastapi_outbox.brokers.memory import MemoryBroker
+from fastapi_outbox.brokers.memory.broker import MemoryBroker
 from fastapi_outbox.relay.table import Processor, process_batch
 
 if TYPE_CHECKING:

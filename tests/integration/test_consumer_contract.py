@@ -108,7 +108,7 @@ async def _nats(url: str, db_url: str) -> AsyncIterator[Harness]:
     import nats
 
     from fastapi_outbox.brokers import NatsJetStreamBroker
-    from fastapi_outbox.brokers.nats import stream_name_for
+    from fastapi_outbox.brokers.nats.wire import stream_name_for
 
     nc = await nats.connect(url)
     js = nc.jetstream()
