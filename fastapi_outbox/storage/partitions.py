@@ -43,14 +43,23 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from fastapi_outbox.settings import (
+    MAX_PARTITIONED_TABLE_NAME,
+    check_partitioned_table_name,
+)
+from fastapi_outbox.settings import parse_interval as parse_interval  # re-exported
+
 logger = logging.getLogger("fastapi_outbox.partitions")
+
+#: The table-name check of partitioning, kept under its old name here.
+check_table_name = check_partitioned_table_name
 
 #: Partitions are created this far ahead of now (and at least two of them).
 AHEAD_SECONDS = 2 * 86400.0
 #: Bound of the wait for the locks of ATTACH/DETACH: maintenance gives way to traffic.
 LOCK_TIMEOUT_SECONDS = 2.0
 #: Longest table name that leaves room for the partition suffix (``_p202611251200``).
-MAX_TABLE_NAME = 63 - len("_p202611251200")
+MAX_TABLE_NAME = MAX_PARTITIONED_TABLE_NAME
 #: Storage parameters of every outbox table and partition: autovacuum follows a queue's
 #: churn (a fixed number of dead rows) rather than the table's size.
 AUTOVACUUM = {
@@ -60,39 +69,11 @@ AUTOVACUUM = {
     "autovacuum_analyze_threshold": "5000",
 }
 
-_INTERVAL = re.compile(r"^\s*(\d+)\s*([hd])\s*$")
 _BOUND = re.compile(r"FROM \((.+?)\) TO \((.+?)\)")
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 _MIN = dt.datetime.min.replace(tzinfo=dt.UTC)
 _MAX = dt.datetime.max.replace(tzinfo=dt.UTC)
 _ACTIVE_SQL = "status IN ('pending', 'processing', 'failed')"
-
-
-def parse_interval(value: str) -> dt.timedelta:
-    """``daily``, ``hourly``, ``6h``, ``2d``… as a timedelta; ``ValueError`` naming the
-    setting otherwise. Hours must divide a day, so partitions start at fixed UTC hours."""
-    word = {"daily": "1d", "hourly": "1h", "weekly": "7d"}.get(value.strip().lower(), value)
-    match = _INTERVAL.match(word.lower())
-    if match is None or int(match.group(1)) == 0:
-        raise ValueError(
-            f"partitioning {value!r} is not an interval: use 'daily', 'hourly', "
-            "'weekly' or a number of hours/days such as '6h' or '2d'"
-        )
-    count, unit = int(match.group(1)), match.group(2)
-    if unit == "h" and 24 % count and count % 24:
-        raise ValueError(
-            f"partitioning {value!r}: a number of hours must divide a day (1, 2, 3, 4, 6, "
-            "8, 12) or be whole days"
-        )
-    return dt.timedelta(hours=count) if unit == "h" else dt.timedelta(days=count)
-
-
-def check_table_name(name: str) -> None:
-    if len(name) > MAX_TABLE_NAME:
-        raise ValueError(
-            f"table_name {name!r} is too long for partitioning: at most {MAX_TABLE_NAME} "
-            "characters, so partition names stay within PostgreSQL's 63"
-        )
 
 
 def default_name(table: str) -> str:
