@@ -296,7 +296,7 @@ class Outbox:
         """``async with outbox.unit_of_work() as uow:`` — commits on exit, rolls back on error.
 
         The block may commit the session itself: events go with the transaction that commits
-        them (:mod:`fastapi_outbox.session_events`).
+        them (:mod:`fastapi_outbox.write.session_events`).
 
         ``session=``: join the caller's session instead. The block runs in a savepoint: when
         it raises, its business writes and its events are undone together and the caller's
@@ -348,7 +348,7 @@ class Outbox:
     def write_rows(self, connection: Connection, rows: list[dict[str, Any]]) -> None:
         """Record outbox messages on a session's connection, through this outbox's capture
         (called by the session's ``before_commit``; see
-        :mod:`fastapi_outbox.session_events`)."""
+        :mod:`fastapi_outbox.write.session_events`)."""
         self.capture.write(connection, rows)
 
     def committed(self, brokers: Mapping[str, float]) -> bool:
@@ -394,7 +394,7 @@ class Outbox:
         the caller one short round-trip, bounded in time and shielded so a cancelled
         request cannot leave it half-sent. A failure is only logged: the data committed,
         and the dispatchers find the rows by polling. Sent from the session's commit
-        (:meth:`fastapi_outbox.session_events.SessionState.after_commit`), whoever commits."""
+        (:meth:`fastapi_outbox.write.session_events.SessionState.after_commit`), whoever commits."""
         try:
             with anyio.CancelScope(shield=True), anyio.fail_after(NOTIFY_TIMEOUT_SECONDS):
                 await self.store.notify(self.channel, self.instance)
@@ -443,7 +443,7 @@ class Outbox:
     ) -> Any:
         """``@outbox.subscriber("orders", group="billing")`` on ``async def handler(event:
         OrderPlaced, uow: UnitOfWork)``: consume ``stream`` as consumer ``group`` with the
-        handler's effects applied once (:mod:`fastapi_outbox.subscribers`). Started and
+        handler's effects applied once (:mod:`fastapi_outbox.consume.subscriber`). Started and
         stopped with the dispatchers (``lifespan``, ``dispatcher()``, ``fastapi-outbox
         dispatch``). Options left None come from the ``consumer_*`` settings;
         ``dead_letter`` is a template (default ``{stream}.{group}.dlq``); ``batch``: handle
@@ -473,7 +473,7 @@ class Outbox:
 
     async def consumers_status(self) -> list[Any]:
         """Every subscriber's consumer group: lag, pending, dead letters, last handled
-        (:func:`fastapi_outbox.operations.consumers`; the dashboard's consumers table)."""
+        (:func:`fastapi_outbox.ops.operations.consumers`; the dashboard's consumers table)."""
         from fastapi_outbox.ops import operations
 
         return await operations.consumers(self)
@@ -766,7 +766,7 @@ class Outbox:
 
     @property
     def dashboard_router(self) -> Any:
-        """The operator dashboard at ``/outbox/dashboard`` (:mod:`fastapi_outbox.dashboard`),
+        """The operator dashboard at ``/outbox/dashboard`` (:mod:`fastapi_outbox.ops.dashboard`),
         guarded by ``dashboard_dependencies``. Refused without a guard, so no deployment
         exposes replay and abandon by accident: pass ``dashboard_dependencies=[]`` to serve
         it unguarded on purpose (a trusted network)."""

@@ -57,7 +57,7 @@ DEDUP_OUTAGE_SECONDS = 4 * 3600.0
 #: takes the rows while they are being published (a duplicate for the de-duplication to
 #: absorb at best).
 LEASE_PUBLISH_MARGIN = 1.5
-#: Consumers (``@outbox.subscriber``): see :mod:`fastapi_outbox.subscribers`.
+#: Consumers (``@outbox.subscriber``): see :mod:`fastapi_outbox.consume.subscriber`.
 INBOX_TABLE_NAME = "outbox_inbox"
 INBOX_RETENTION_SECONDS = 14 * 24 * 3600.0
 CONSUMER_BATCH_SIZE = 100

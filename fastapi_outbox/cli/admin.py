@@ -1,5 +1,5 @@
 """Admin commands of the CLI: ``status``, ``list``, ``show``, ``replay``, ``abandon``,
-``purge`` — thin wrappers over :mod:`fastapi_outbox.operations`, which the dashboard
+``purge`` — thin wrappers over :mod:`fastapi_outbox.ops.operations`, which the dashboard
 calls too.
 
 Long operations (``purge``, ``replay --abandoned``) run in bounded batches and report
@@ -12,7 +12,7 @@ then need ``--yes`` (or a ``y`` typed on a terminal); they never do more than th
 they showed. ``--dry-run`` (on ``replay``, ``abandon``, ``cancel`` and ``purge``) prints
 the count and what would happen and changes nothing. Id lists (arguments or
 ``--ids-from FILE``) are processed a page at a time, at most
-:data:`~fastapi_outbox.operations.MAX_IDS` per command.
+:data:`~fastapi_outbox.ops.operations.MAX_IDS` per command.
 """
 
 from __future__ import annotations

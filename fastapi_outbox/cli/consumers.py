@@ -2,7 +2,7 @@
 pending, dead letters, inbox count and last handled; ``--dead-letters`` lists them) and
 ``replay --dead-letter STREAM --group G [--entry ID…]``. They need ``--app module:outbox``:
 the subscribers are declared in the consuming service's code. Thin wrappers over
-:mod:`fastapi_outbox.operations`, which the dashboard and health call too."""
+:mod:`fastapi_outbox.ops.operations`, which the dashboard and health call too."""
 
 from __future__ import annotations
 

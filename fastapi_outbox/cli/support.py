@@ -1,5 +1,5 @@
-"""What the CLI's command modules share (:mod:`fastapi_outbox.cli`, :mod:`fastapi_outbox.admin`,
-:mod:`fastapi_outbox.consumers_cli`): exit codes, the usage error, the database guard that
+"""What the CLI's command modules share (:mod:`fastapi_outbox.cli`, :mod:`fastapi_outbox.cli.admin`,
+:mod:`fastapi_outbox.cli.consumers`): exit codes, the usage error, the database guard that
 turns an unreachable database or a missing table into an exit code with a clear message,
 and the plain-text table of listings.
 
@@ -40,7 +40,7 @@ async def guard(coro: Any, outbox: Any) -> Any:
     """Await ``coro``; a database that cannot be reached becomes exit code 3 and a
     missing outbox table exit code 1, both with a message naming the (redacted) URL.
     "Cannot be reached" is the dialect's outage classifier's verdict
-    (:mod:`fastapi_outbox.db_outage`); an ambiguous one (an ``OSError``) counts as
+    (:mod:`fastapi_outbox.storage.db_outage`); an ambiguous one (an ``OSError``) counts as
     unreachable here: the CLI runs no handler code of its own."""
     from sqlalchemy.exc import DBAPIError
 

@@ -9,7 +9,7 @@
 
 Each message is handled in a unit of work of its own (causation id = the incoming message
 id, the correlation id carried over) in a transaction that first records the message id in
-the inbox (:mod:`fastapi_outbox.inbox`): a message the group handled before is skipped. The
+the inbox (:mod:`fastapi_outbox.storage.inbox`): a message the group handled before is skipped. The
 broker ack follows the commit. So a crash anywhere — before the commit (nothing happened:
 redelivered, handled), between commit and ack (redelivered, skipped) — leaves each effect
 applied exactly once, and events the handler publishes go to the outbox in that same
@@ -22,7 +22,7 @@ Whatever the handler does with its session, its effects and its inbox row commit
 not at all:
 
 * ``session.commit()`` flushes and writes its events' outbox rows
-  (:mod:`fastapi_outbox.session_events`) but commits nothing: the effects commit with the
+  (:mod:`fastapi_outbox.write.session_events`) but commits nothing: the effects commit with the
   inbox row when the subscriber commits, and a failure after it still undoes them (the
   message is retried);
 * ``session.rollback()`` undoes the handler's work since its last commit, never the inbox
@@ -433,7 +433,7 @@ def _correlation_of(d: Delivery) -> str | None:
 
 async def _is_database_outage(exc: BaseException, engine: Any) -> bool:
     """The database is unavailable (not a fault of the message), as the dialect's
-    classifier decides (:mod:`fastapi_outbox.db_outage`): refusing connections, starting
+    classifier decides (:mod:`fastapi_outbox.storage.db_outage`): refusing connections, starting
     up, shutting down, too many clients, pool timeout; an ambiguous ``OSError`` while the
     database does not answer ``SELECT 1`` either. A handler's own SQL error, or its own
     ``OSError`` while the database answers, is the handler's failure."""

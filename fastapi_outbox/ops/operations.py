@@ -2,9 +2,10 @@
 
 ``list_messages``, ``show``, ``replay``, ``replay_abandoned``, ``abandon``, ``cancel``,
 ``purge``, ``overview``; for consumers ``consumers``, ``dead_letters``,
-``replay_dead_letters``. The SQL stays in :mod:`fastapi_outbox.store` (retention's batched delete in
-:mod:`fastapi_outbox.retention`); this module validates what an operator asked for, runs
-it, explains refusals per message id, and logs every change with the operator's identity
+``replay_dead_letters``. The SQL stays in :mod:`fastapi_outbox.storage.store`
+(retention's batched delete in :mod:`fastapi_outbox.relay.retention`); this module
+validates what an operator asked for, runs it, explains refusals per message id, and logs
+every change with the operator's identity
 (``operator=``: who asked, as the dashboard's guard or the CLI's user knows it).
 """
 

@@ -1,5 +1,5 @@
 """What every loop that moves messages to a broker shares: the table's
-:class:`~fastapi_outbox.dispatcher.Processor` and the :class:`~fastapi_outbox.wal_relay.WalRelay`.
+:class:`~fastapi_outbox.relay.table.Processor` and the :class:`~fastapi_outbox.relay.wal.WalRelay`.
 
 - stopping: :meth:`RelayLoop.stop` wakes every wait, :meth:`RelayLoop._sleep` returns early;
 - the client-side bound of one database step (:attr:`RelayLoop._db_bound`);
@@ -9,7 +9,7 @@
   be reached or refuses every message pauses the loop as a whole, never a message;
 - instrumentation hooks that may fail without stopping the loop (:meth:`RelayLoop._call_hook`);
 - what a failed database step means (:meth:`RelayLoop._database_failed`): the dialect's
-  outage classifier (:mod:`fastapi_outbox.db_outage`) tells the database being unavailable
+  outage classifier (:mod:`fastapi_outbox.storage.db_outage`) tells the database being unavailable
   (``database_ok`` false, warned once) from the statement's own error (a missing table, a
   bug: logged as an error each time, the database up). Either way the loop backs off.
 """

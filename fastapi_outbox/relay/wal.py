@@ -38,7 +38,7 @@ A crash anywhere before 3 makes the next reader publish the batch again; the bro
 de-duplication by message id (Redis script / IDMP, JetStream ``Nats-Msg-Id``) absorbs the
 republish, so the stream holds every message once.
 
-Failure classes, as in the table's dispatcher (:mod:`fastapi_outbox.dispatcher`): a broker
+Failure classes, as in the table's dispatcher (:mod:`fastapi_outbox.relay.table`): a broker
 that cannot be reached or refuses every message (``BrokerUnavailable``, ``BrokerRefusing``,
 a publish timeout) pauses the reader with exponential backoff, its batch held and the slot
 unmoved; a message the broker refuses for itself is inserted into the outbox table as a
@@ -438,9 +438,10 @@ class WalRelay(RelayLoop):
         messages were read (``fastapi_outbox.testing.drain``). Raises
         :class:`~fastapi_outbox.exceptions.BrokerUnavailable` on a broker outage (the slot
         stays where it was), :class:`~fastapi_outbox.exceptions.UnitOfWorkError` when a
-        running relay holds the slot, :class:`~fastapi_outbox.wal_slot.UndecodableWalMessage`
-        at content it cannot decode (what precedes it is relayed) and ``TimeoutError`` when a
-        read exceeds ``wal_read_timeout_seconds``."""
+        running relay holds the slot,
+        :class:`~fastapi_outbox.storage.wal_slot.UndecodableWalMessage` at content it cannot
+        decode (what precedes it is relayed) and ``TimeoutError`` when a read exceeds
+        ``wal_read_timeout_seconds``."""
         self._fail_on_outage = True
         self._drained = 0
         async with self.store.autocommit_engine.connect() as conn:

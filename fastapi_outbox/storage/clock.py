@@ -9,7 +9,7 @@ expressions for both dialects.
 The process's own wall clock is :func:`wall` / :func:`utcnow`. The library reads it only
 for what never meets a stored timestamp (when a loop last ran, a log line, the validation
 of ``deliver_at`` against ``max_delay_seconds``); tests shift it (patch
-``fastapi_outbox.clock.wall``) to show that nothing stored depends on it.
+``fastapi_outbox.storage.clock.wall``) to show that nothing stored depends on it.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ with the row. The subscriber owns that transaction: it inserts the row on a conn
 its own and binds the handler's session to it so that whatever the handler does with its
 session (commit, rollback, savepoints) cannot commit or undo the row — only the
 subscriber's final commit or rollback does, for the row and the effects together (see
-:mod:`fastapi_outbox.subscribers`).
+:mod:`fastapi_outbox.consume.subscriber`).
 
 No row inserted: the group handled this message before (a redelivery after a crash between
 commit and ack, a duplicate entry in the stream, a replay), the handler is skipped and the

@@ -114,7 +114,7 @@ def build_table(
     without it, which spares every insert one index entry. ``partitioning`` (``"daily"``,
     ``"6h"``…; PostgreSQL only) makes it range-partitioned by ``created_at``, with the
     primary key ``(id, created_at)``; ``table.create()`` then also creates the DEFAULT
-    partition and the partitions ahead (see :mod:`fastapi_outbox.partitions`)."""
+    partition and the partitions ahead (see :mod:`fastapi_outbox.storage.partitions`)."""
     interval = None
     try:
         check_table_name(name)

@@ -7,7 +7,7 @@ only touches rows whose ``locked_by`` still equals the claim token, so a worker 
 expired can never overwrite a newer claim.
 
 PostgreSQL and SQLite run the same statements; the differences are confined to
-:mod:`fastapi_outbox.clock` (``now()`` vs. SQLite's ``'now'``: the database's clock on both,
+:mod:`fastapi_outbox.storage.clock` (``now()`` vs. SQLite's ``'now'``: the database's clock on both,
 never the process's), :meth:`Store._ids` (an array
 parameter vs. an expanding IN) and the ordering column (``seq`` vs. ``rowid``).
 """

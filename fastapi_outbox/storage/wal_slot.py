@@ -1,8 +1,8 @@
 """The logical replication slot of ``capture="wal"``: its SQL and its format, in one place.
 
 The unit of work writes each transaction's messages with ``pg_logical_emit_message(true,
-<prefix>, <json>)`` (:mod:`fastapi_outbox.wal_capture`); the relay
-(:mod:`fastapi_outbox.wal_relay`) reads them back from a logical replication slot of the
+<prefix>, <json>)`` (:mod:`fastapi_outbox.write.wal_capture`); the relay
+(:mod:`fastapi_outbox.relay.wal`) reads them back from a logical replication slot of the
 built-in ``pgoutput`` plugin with ``messages 'true'``, through the SQL slot functions:
 
 ``pg_logical_slot_peek_binary_changes``

@@ -6,7 +6,7 @@ into PostgreSQL's write-ahead log and relayed from a logical replication slot, i
 the same interface.)
 
 A capture is called from the session's ``before_commit`` event (see
-:mod:`fastapi_outbox.session_events`), inside SQLAlchemy's greenlet: it uses the sync
+:mod:`fastapi_outbox.write.session_events`), inside SQLAlchemy's greenlet: it uses the sync
 ``Connection`` API, and ``await_only`` for driver-level calls.
 """
 

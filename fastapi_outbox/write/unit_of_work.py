@@ -2,7 +2,7 @@
 
 A unit of work is one ``AsyncSession``: events published on it, or raised on aggregates the
 session tracks, become outbox rows written in the transaction that commits them — however the
-code commits (see :mod:`fastapi_outbox.session_events`). The request's unit of work commits
+code commits (see :mod:`fastapi_outbox.write.session_events`). The request's unit of work commits
 when the handler returns, **before** the response is sent. If the handler raises or the
 commit fails, everything not yet committed rolls back and the client gets an error.
 

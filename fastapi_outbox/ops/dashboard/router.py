@@ -1,4 +1,4 @@
-"""Routes of the operator dashboard (see :mod:`fastapi_outbox.dashboard`).
+"""Routes of the operator dashboard (see :mod:`fastapi_outbox.ops.dashboard`).
 
 Pages (GET, HTML): ``/outbox/dashboard`` (overview, refreshing itself every few seconds
 from ``/outbox/dashboard/fragments/overview``), ``/outbox/dashboard/messages`` (filtered
