@@ -16,9 +16,12 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    session.install("ruff>=0.17")
+    session.install("ruff>=0.17", "import-linter>=2.17")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    # The house's layers ([tool.importlinter] in pyproject.toml); it reads the source from
+    # the working directory, so the package need not be installed here.
+    session.run("lint-imports")
 
 
 @nox.session

@@ -65,8 +65,8 @@ from benchmarks._common import (
 )
 from fastapi_outbox import Event, Outbox, OutboxSettings, UnitOfWork, uuid7
 from fastapi_outbox.brokers import broker_from_url
+from fastapi_outbox.consume.subscriber import BatchUnitOfWork
 from fastapi_outbox.events import Envelope
-from fastapi_outbox.subscribers import BatchUnitOfWork
 
 BASELINE_BATCH = 100
 SIDES = ("library", "library_insert", "library_arrays", "baseline", "baseline_orm")
@@ -162,7 +162,7 @@ async def cleanup(kind: str, url: str, stream: str) -> None:
     else:
         import nats
 
-        from fastapi_outbox.brokers.nats import stream_name_for
+        from fastapi_outbox.brokers.nats.wire import stream_name_for
 
         nc = await nats.connect(url)
         js = nc.jetstream()

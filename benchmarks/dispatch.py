@@ -341,7 +341,7 @@ async def drain(
 async def drain_suite(
     conn: Any, brokers: Brokers, kind: str, args: argparse.Namespace, workdir: Path, db_url: str
 ) -> tuple[list[Drain], list[tuple[str, Path, Drain]]]:
-    from fastapi_outbox.notify import channel_name
+    from fastapi_outbox.relay.wakeups import channel_name
 
     channel = channel_name(TABLE)
     url = loopback(REDIS_URL if kind == "redis" else NATS_URL)

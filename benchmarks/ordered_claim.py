@@ -20,7 +20,7 @@ from benchmarks._common import banner, bench_database, machine_note, median, tab
 from benchmarks.dispatch import BACKLOG_SQL
 from fastapi_outbox import Outbox, OutboxSettings
 from fastapi_outbox.brokers import MemoryBroker
-from fastapi_outbox.schema import ordered_index_name
+from fastapi_outbox.storage.schema import ordered_index_name
 
 BATCH = 100
 

@@ -154,7 +154,7 @@ async def explained_purge(
     """``retention.purge``'s loop — the library's own DELETE (``Store.purge_statement``), the
     same batches and pause — with each batch run under ``EXPLAIN (ANALYZE, WAL)``: returns
     the rows deleted and the WAL bytes these statements wrote (not the rest of the cluster)."""
-    from fastapi_outbox.retention import BATCH_PAUSE_SECONDS
+    from fastapi_outbox.relay.retention import BATCH_PAUSE_SECONDS
 
     dialect = outbox.engine.dialect
     deleted = wal = 0
@@ -269,7 +269,7 @@ async def main(rows: int, days: int, backlog: int, order: str) -> None:
                 await outbox.create_tables()
                 if outbox.partitions is not None:
                     async with outbox.engine.begin() as conn:
-                        from fastapi_outbox import partitions
+                        from fastapi_outbox.storage import partitions
 
                         for d in range(1, days + 1):
                             lo = midnight(now) - d * DAY

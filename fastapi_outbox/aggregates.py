@@ -2,7 +2,7 @@
 
 Pending events live on the instance, never in a column; the unit of work harvests them
 from every aggregate the session tracks when it commits. An event goes where its aggregate
-goes (see :mod:`fastapi_outbox.session_events` for the session side):
+goes (see :mod:`fastapi_outbox.write.session_events` for the session side):
 
 * ``session.merge(detached)`` carries the detached instance's pending events to the copy
   the session returns (a mapper property of ours whose only job is its ``merge`` step:
@@ -26,7 +26,7 @@ _PENDING = "_outbox_pending_events"
 #: could vanish, with its events, before the unit of work harvests them.
 RAISED_KEY = "fastapi_outbox.raised"
 #: ``session.info`` key: a callable ``publish(event, aggregate)`` publishing an event in the
-#: session's unit of work at once (set by :mod:`fastapi_outbox.session_events`); it returns
+#: session's unit of work at once (set by :mod:`fastapi_outbox.write.session_events`); it returns
 #: False when no unit of work is open on the session, and the event then waits on the
 #: instance.
 PUBLISH_KEY = "fastapi_outbox.publish"

@@ -2,7 +2,7 @@
 
 ``Instrumentation`` is the default: outcome hooks that do nothing, and a publish hook that
 opens one OpenTelemetry span per message when a tracer provider is configured (a no-op
-otherwise, see :mod:`fastapi_outbox.tracing`). ``fastapi_outbox.metrics`` subclasses it for
+otherwise, see :mod:`fastapi_outbox.tracing`). ``fastapi_outbox.ops.metrics`` subclasses it for
 Prometheus; any subclass can be passed as ``Outbox(..., instrumentation=...)``.
 
 Hooks run on the dispatcher's event loop in the middle of a batch: they must be quick and
@@ -11,16 +11,14 @@ must not raise (the dispatcher logs and ignores an exception from a hook).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
+from fastapi_outbox import tracing
 from fastapi_outbox.events import Envelope
+from fastapi_outbox.tracing import PublishFinisher, PublishOutcome
 
-#: What a publish ended with: one result per envelope (None = stored), or the exception
-#: that ended the whole call (broker unreachable, timeout, shutdown).
-PublishOutcome = Sequence[BaseException | None] | BaseException
-#: Called once with the outcome of the publish it was returned for.
-PublishFinisher = Callable[[PublishOutcome], None]
+__all__ = ["Instrumentation", "PublishFinisher", "PublishOutcome"]
 
 
 def _nothing(outcome: PublishOutcome) -> None:
@@ -47,8 +45,6 @@ class Instrumentation:
         stored with the message at commit."""
         if not self.tracing:
             return _nothing
-        from fastapi_outbox import tracing
-
         return tracing.start_publish_spans(broker, envelopes, self.tracer_provider)
 
     def published(self, broker: str, envelopes: Sequence[Envelope]) -> None:

@@ -23,21 +23,22 @@ from sqlalchemy.ext.asyncio import (
 )
 from sqlalchemy.pool import StaticPool
 
-from fastapi_outbox import exceptions, partitions, schema
+from fastapi_outbox import exceptions
 from fastapi_outbox.brokers.base import Broker
-from fastapi_outbox.capture import Capture, TableCapture
-from fastapi_outbox.dispatcher import Processor, instance_id
-from fastapi_outbox.inbox import Inbox, build_inbox_table
+from fastapi_outbox.consume.subscriber import Handler, Subscriber, handler_transaction
 from fastapi_outbox.instrumentation import Instrumentation
-from fastapi_outbox.notify import Listener, Notifier, channel_name
 from fastapi_outbox.redaction import redact, redact_url, remember
-from fastapi_outbox.retention import Cleaner
+from fastapi_outbox.relay.retention import Cleaner
+from fastapi_outbox.relay.table import Processor, instance_id
+from fastapi_outbox.relay.wakeups import Listener, Notifier, channel_name
+from fastapi_outbox.relay.wal import WalRelay
 from fastapi_outbox.settings import OutboxSettings
-from fastapi_outbox.store import Store
-from fastapi_outbox.subscribers import Handler, Subscriber, handler_transaction
-from fastapi_outbox.unit_of_work import UnitOfWork, current_outbox, register_outbox
-from fastapi_outbox.wal_relay import WalRelay
-from fastapi_outbox.wal_slot import WalSlot
+from fastapi_outbox.storage import partitions, schema
+from fastapi_outbox.storage.inbox import Inbox, build_inbox_table
+from fastapi_outbox.storage.store import Store
+from fastapi_outbox.storage.wal_slot import WalSlot
+from fastapi_outbox.write.capture import Capture, TableCapture
+from fastapi_outbox.write.unit_of_work import UnitOfWork, current_outbox, register_outbox
 
 logger = logging.getLogger("fastapi_outbox")
 
@@ -233,7 +234,7 @@ class Outbox:
         register_outbox(self)
 
     def _setup_wal(self) -> None:
-        from fastapi_outbox.wal_capture import WalCapture
+        from fastapi_outbox.write.wal_capture import WalCapture
 
         if not self.store.is_postgres or self.engine.dialect.driver != "asyncpg":
             raise exceptions.ConfigurationError(
@@ -295,7 +296,7 @@ class Outbox:
         """``async with outbox.unit_of_work() as uow:`` — commits on exit, rolls back on error.
 
         The block may commit the session itself: events go with the transaction that commits
-        them (:mod:`fastapi_outbox.session_events`).
+        them (:mod:`fastapi_outbox.write.session_events`).
 
         ``session=``: join the caller's session instead. The block runs in a savepoint: when
         it raises, its business writes and its events are undone together and the caller's
@@ -347,7 +348,7 @@ class Outbox:
     def write_rows(self, connection: Connection, rows: list[dict[str, Any]]) -> None:
         """Record outbox messages on a session's connection, through this outbox's capture
         (called by the session's ``before_commit``; see
-        :mod:`fastapi_outbox.session_events`)."""
+        :mod:`fastapi_outbox.write.session_events`)."""
         self.capture.write(connection, rows)
 
     def committed(self, brokers: Mapping[str, float]) -> bool:
@@ -393,7 +394,7 @@ class Outbox:
         the caller one short round-trip, bounded in time and shielded so a cancelled
         request cannot leave it half-sent. A failure is only logged: the data committed,
         and the dispatchers find the rows by polling. Sent from the session's commit
-        (:meth:`fastapi_outbox.session_events.SessionState.after_commit`), whoever commits."""
+        (:meth:`fastapi_outbox.write.session_events.SessionState.after_commit`), whoever commits."""
         try:
             with anyio.CancelScope(shield=True), anyio.fail_after(NOTIFY_TIMEOUT_SECONDS):
                 await self.store.notify(self.channel, self.instance)
@@ -411,7 +412,7 @@ class Outbox:
         Raises :class:`~fastapi_outbox.exceptions.MessageNotFound` for an unknown id and
         :class:`~fastapi_outbox.exceptions.TooLate` when it was claimed or published first
         (the cancel is fenced against a concurrent claim)."""
-        from fastapi_outbox import operations
+        from fastapi_outbox.ops import operations
 
         outcome = await operations.cancel(self, [message_id])
         if outcome.count:
@@ -442,13 +443,13 @@ class Outbox:
     ) -> Any:
         """``@outbox.subscriber("orders", group="billing")`` on ``async def handler(event:
         OrderPlaced, uow: UnitOfWork)``: consume ``stream`` as consumer ``group`` with the
-        handler's effects applied once (:mod:`fastapi_outbox.subscribers`). Started and
+        handler's effects applied once (:mod:`fastapi_outbox.consume.subscriber`). Started and
         stopped with the dispatchers (``lifespan``, ``dispatcher()``, ``fastapi-outbox
         dispatch``). Options left None come from the ``consumer_*`` settings;
         ``dead_letter`` is a template (default ``{stream}.{group}.dlq``); ``batch``: handle
         each fetched batch in one transaction (falls back to one transaction per message
         when anything in it fails; not with ``ordered``)."""
-        from fastapi_outbox import subscribers
+        from fastapi_outbox.consume import subscriber as subscribers
 
         def decorate(handler: Handler) -> Handler:
             options = subscribers.subscriber_options(
@@ -472,8 +473,8 @@ class Outbox:
 
     async def consumers_status(self) -> list[Any]:
         """Every subscriber's consumer group: lag, pending, dead letters, last handled
-        (:func:`fastapi_outbox.operations.consumers`; the dashboard's consumers table)."""
-        from fastapi_outbox import operations
+        (:func:`fastapi_outbox.ops.operations.consumers`; the dashboard's consumers table)."""
+        from fastapi_outbox.ops import operations
 
         return await operations.consumers(self)
 
@@ -646,7 +647,7 @@ class Outbox:
         return out
 
     async def _shutdown(self, tg: anyio.abc.TaskGroup) -> None:
-        from fastapi_outbox.subscribers import stop_all
+        from fastapi_outbox.consume.subscriber import stop_all
 
         for processor in self.processors.values():
             processor.stop()
@@ -749,7 +750,7 @@ class Outbox:
         ``unit_of_work`` serves the outbox the app was started with):
         ``uow: UnitOfWork = Depends(billing_outbox.dependency)``."""
         if self._dependency is None:
-            from fastapi_outbox.unit_of_work import dependency_for
+            from fastapi_outbox.write.unit_of_work import dependency_for
 
             self._dependency = dependency_for(self)
         return self._dependency
@@ -758,14 +759,14 @@ class Outbox:
     def health_router(self) -> Any:
         """``GET /outbox/health``."""
         if self._health_router is None:
-            from fastapi_outbox.health import build_health_router
+            from fastapi_outbox.ops.health import build_health_router
 
             self._health_router = build_health_router(self)
         return self._health_router
 
     @property
     def dashboard_router(self) -> Any:
-        """The operator dashboard at ``/outbox/dashboard`` (:mod:`fastapi_outbox.dashboard`),
+        """The operator dashboard at ``/outbox/dashboard`` (:mod:`fastapi_outbox.ops.dashboard`),
         guarded by ``dashboard_dependencies``. Refused without a guard, so no deployment
         exposes replay and abandon by accident: pass ``dashboard_dependencies=[]`` to serve
         it unguarded on purpose (a trusted network)."""
@@ -776,7 +777,7 @@ class Outbox:
                 "action, or dashboard_dependencies=[] to serve it unguarded on purpose"
             )
         if self._dashboard_router is None:
-            from fastapi_outbox.dashboard import build_dashboard_router
+            from fastapi_outbox.ops.dashboard import build_dashboard_router
 
             self._dashboard_router = build_dashboard_router(self, self.dashboard_dependencies)
         return self._dashboard_router

@@ -6,6 +6,7 @@ values fail when the settings are built, with a message naming the setting.
 
 from __future__ import annotations
 
+import datetime as dt
 import re
 from typing import Any, Literal
 
@@ -56,7 +57,7 @@ DEDUP_OUTAGE_SECONDS = 4 * 3600.0
 #: takes the rows while they are being published (a duplicate for the de-duplication to
 #: absorb at best).
 LEASE_PUBLISH_MARGIN = 1.5
-#: Consumers (``@outbox.subscriber``): see :mod:`fastapi_outbox.subscribers`.
+#: Consumers (``@outbox.subscriber``): see :mod:`fastapi_outbox.consume.subscriber`.
 INBOX_TABLE_NAME = "outbox_inbox"
 INBOX_RETENTION_SECONDS = 14 * 24 * 3600.0
 CONSUMER_BATCH_SIZE = 100
@@ -321,8 +322,6 @@ class OutboxSettings(BaseSettings):
     @classmethod
     def _interval(cls, value: str | None) -> str | None:
         if value is not None:
-            from fastapi_outbox.partitions import parse_interval
-
             parse_interval(value)
         return value
 
@@ -378,9 +377,7 @@ class OutboxSettings(BaseSettings):
                 f"(OUTBOX_BATCH_SIZE) ({self.min_batch_size} > {self.batch_size})"
             )
         if self.partitioning is not None:
-            from fastapi_outbox.partitions import check_table_name as check_partitioned
-
-            check_partitioned(self.table_name)
+            check_partitioned_table_name(self.table_name)
         if self.retry_max_delay_seconds < self.retry_base_delay_seconds:
             raise ValueError(
                 "retry_max_delay_seconds (OUTBOX_RETRY_MAX_DELAY_SECONDS) must be >= "
@@ -502,3 +499,36 @@ def describe_validation_error(exc: ValidationError) -> str:
             continue
         parts.append(f"invalid outbox setting {loc!r} (OUTBOX_{loc.upper()}): {error['msg']}")
     return "; ".join(parts)
+
+
+#: Longest table name that leaves room for a partition suffix (``_p202611251200``).
+MAX_PARTITIONED_TABLE_NAME = 63 - len("_p202611251200")
+_INTERVAL = re.compile(r"^\s*(\d+)\s*([hd])\s*$")
+
+
+def parse_interval(value: str) -> dt.timedelta:
+    """``daily``, ``hourly``, ``6h``, ``2d``… as a timedelta; ``ValueError`` naming the
+    setting otherwise. Hours must divide a day, so partitions start at fixed UTC hours."""
+    word = {"daily": "1d", "hourly": "1h", "weekly": "7d"}.get(value.strip().lower(), value)
+    match = _INTERVAL.match(word.lower())
+    if match is None or int(match.group(1)) == 0:
+        raise ValueError(
+            f"partitioning {value!r} is not an interval: use 'daily', 'hourly', "
+            "'weekly' or a number of hours/days such as '6h' or '2d'"
+        )
+    count, unit = int(match.group(1)), match.group(2)
+    if unit == "h" and 24 % count and count % 24:
+        raise ValueError(
+            f"partitioning {value!r}: a number of hours must divide a day (1, 2, 3, 4, 6, "
+            "8, 12) or be whole days"
+        )
+    return dt.timedelta(hours=count) if unit == "h" else dt.timedelta(days=count)
+
+
+def check_partitioned_table_name(name: str) -> None:
+    if len(name) > MAX_PARTITIONED_TABLE_NAME:
+        raise ValueError(
+            f"table_name {name!r} is too long for partitioning: at most "
+            f"{MAX_PARTITIONED_TABLE_NAME} characters, so partition names stay within "
+            "PostgreSQL's 63"
+        )

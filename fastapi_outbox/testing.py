@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from fastapi_outbox.brokers.memory import MemoryBroker
-from fastapi_outbox.dispatcher import Processor, process_batch
+from fastapi_outbox.brokers.memory.broker import MemoryBroker
+from fastapi_outbox.relay.table import Processor, process_batch
 
 if TYPE_CHECKING:
     from fastapi_outbox.outbox import Outbox
@@ -31,7 +31,7 @@ async def drain(outbox: Outbox, *, broker: str | None = None, max_batches: int =
     names = [broker] if broker is not None else list(outbox.all_brokers)
     published = 0
     if outbox.wal_slot is not None:
-        from fastapi_outbox.wal_relay import WalRelay
+        from fastapi_outbox.relay.wal import WalRelay
 
         relay = WalRelay(
             store=outbox.store,

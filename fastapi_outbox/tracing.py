@@ -16,8 +16,8 @@ no span at all and only a valid incoming ``traceparent`` is passed along.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from fastapi_outbox.events import (
     HEADER_CORRELATION_ID,
@@ -26,10 +26,13 @@ from fastapi_outbox.events import (
     Envelope,
 )
 
-if TYPE_CHECKING:  # annotations only: instrumentation imports this module lazily
-    from fastapi_outbox.instrumentation import PublishFinisher, PublishOutcome
-
 TRACER_NAME = "fastapi_outbox"
+
+#: What a publish ended with: one result per envelope (None = stored), or the exception
+#: that ended the whole call (broker unreachable, timeout, shutdown).
+PublishOutcome = Sequence[BaseException | None] | BaseException
+#: Called once with the outcome of the publish it was returned for.
+PublishFinisher = Callable[[PublishOutcome], None]
 
 
 def _otel() -> Any:

@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.brokers.base import Broker, PublishResults, redact_url
-from fastapi_outbox.brokers.memory import MemoryBroker
+from fastapi_outbox.brokers.memory.broker import MemoryBroker
 
 if TYPE_CHECKING:
-    from fastapi_outbox.brokers.nats import NatsJetStreamBroker
-    from fastapi_outbox.brokers.redis import RedisStreamsBroker
+    from fastapi_outbox.brokers.nats.broker import NatsJetStreamBroker
+    from fastapi_outbox.brokers.redis.broker import RedisStreamsBroker
 
 __all__ = [
     "Broker",
@@ -28,11 +28,11 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "RedisStreamsBroker":
-        from fastapi_outbox.brokers.redis import RedisStreamsBroker
+        from fastapi_outbox.brokers.redis.broker import RedisStreamsBroker
 
         return RedisStreamsBroker
     if name == "NatsJetStreamBroker":
-        from fastapi_outbox.brokers.nats import NatsJetStreamBroker
+        from fastapi_outbox.brokers.nats.broker import NatsJetStreamBroker
 
         return NatsJetStreamBroker
     raise AttributeError(name)
@@ -44,11 +44,11 @@ def broker_from_url(url: str, **options: Any) -> Broker:
     if scheme == "memory":
         return MemoryBroker(**options)
     if scheme in ("redis", "rediss", "unix"):
-        from fastapi_outbox.brokers.redis import RedisStreamsBroker
+        from fastapi_outbox.brokers.redis.broker import RedisStreamsBroker
 
         return RedisStreamsBroker(url, **options)
     if scheme in ("nats", "tls"):
-        from fastapi_outbox.brokers.nats import NatsJetStreamBroker
+        from fastapi_outbox.brokers.nats.broker import NatsJetStreamBroker
 
         return NatsJetStreamBroker(url, **options)
     raise exceptions.ConfigurationError(

@@ -1,6 +1,6 @@
 """The consumer side of a broker: the ``Consumer`` protocol every transport implements.
 
-A subscriber (:mod:`fastapi_outbox.subscribers`) drives one consumer per (stream, group):
+A subscriber (:mod:`fastapi_outbox.consume.subscriber`) drives one consumer per (stream, group):
 
 * ``setup()`` creates the group / durable consumer (and the dead-letter stream where the
   broker needs one) when missing, or brings an existing one to the declared settings

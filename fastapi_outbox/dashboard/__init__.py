@@ -1,15 +1,7 @@
-"""The operator dashboard: ``app.include_router(outbox.dashboard_router)``.
-
-Server-rendered HTML (Jinja2, autoescaped) at ``/outbox/dashboard`` with vendored static
-files (no CDN, no build step) and JSON endpoints for its actions under the same prefix.
-Every page and action runs the guard given as ``Outbox(dashboard_dependencies=[...])``;
-building the router with no guard at all is refused unless ``dashboard_dependencies=[]``
-says so on purpose. Actions go through :mod:`fastapi_outbox.operations`, the same code the
-CLI runs.
-"""
+"""Canonical: fastapi_outbox.ops.dashboard (this path re-exports its public names)."""
 
 from __future__ import annotations
 
-from fastapi_outbox.dashboard.router import CSRF_COOKIE, CSRF_HEADER, build_dashboard_router
+from fastapi_outbox.ops.dashboard import CSRF_COOKIE, CSRF_HEADER, build_dashboard_router
 
 __all__ = ["CSRF_COOKIE", "CSRF_HEADER", "build_dashboard_router"]

@@ -148,7 +148,7 @@ async def test_jetstream_stream_gone_is_an_outage_that_heals(
     import nats
 
     from fastapi_outbox.brokers import NatsJetStreamBroker
-    from fastapi_outbox.brokers.nats import stream_name_for
+    from fastapi_outbox.brokers.nats.wire import stream_name_for
     from tests.acceptance.conftest import nats_ids
 
     subject = unique("orders")

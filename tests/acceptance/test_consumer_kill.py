@@ -81,7 +81,7 @@ async def _cleanup(kind: str, url: str, stream: str) -> None:
     else:
         import nats
 
-        from fastapi_outbox.brokers.nats import stream_name_for
+        from fastapi_outbox.brokers.nats.wire import stream_name_for
 
         nc = await nats.connect(url)
         js = nc.jetstream()

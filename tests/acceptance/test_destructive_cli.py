@@ -18,7 +18,8 @@ import pytest
 from sqlalchemy import func, select
 from sqlalchemy.engine import make_url
 
-from fastapi_outbox import Outbox, OutboxSettings, operations
+from fastapi_outbox import Outbox, OutboxSettings
+from fastapi_outbox.ops import operations
 
 MODULE = [sys.executable, "-m", "fastapi_outbox"]
 PASSWORD = "Pw-destructive-5e81"

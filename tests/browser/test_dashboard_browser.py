@@ -194,7 +194,7 @@ async def test_an_old_dead_letter_is_replayed_only_after_the_warning(
     """Issue 17.8c: a dead letter older than inbox_retention_seconds. The first answer is
     a 409 with the warning; the page shows it in a second confirmation and, accepted,
     replays with force."""
-    from fastapi_outbox import operations
+    from fastapi_outbox.ops import operations
 
     outbox = Outbox(
         pg_url,

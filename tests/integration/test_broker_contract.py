@@ -29,7 +29,7 @@ from fastapi_outbox.brokers import (
     RedisStreamsBroker,
     broker_from_url,
 )
-from fastapi_outbox.brokers.nats import stream_name_for
+from fastapi_outbox.brokers.nats.wire import stream_name_for
 from fastapi_outbox.events import Envelope, uuid7
 from tests.conftest import unique
 
@@ -356,7 +356,7 @@ async def test_nats_created_stream_has_explicit_limits_and_logs_them(
 
 
 async def test_nats_default_stream_limits_are_bounded(nats_url: str, jsm: Any) -> None:
-    from fastapi_outbox.brokers.nats import STREAM_MAX_AGE_SECONDS, STREAM_MAX_BYTES
+    from fastapi_outbox.brokers.nats.publisher import STREAM_MAX_AGE_SECONDS, STREAM_MAX_BYTES
 
     subject = unique("bounded")
     broker = NatsJetStreamBroker(nats_url)

@@ -26,8 +26,8 @@ from fastapi_outbox import (
     uuid7,
 )
 from fastapi_outbox.brokers import Broker, MemoryBroker
+from fastapi_outbox.consume.subscriber import BatchUnitOfWork
 from fastapi_outbox.events import Envelope
-from fastapi_outbox.subscribers import BatchUnitOfWork
 from tests.conftest import unique, wait_until
 
 FAST = {
@@ -108,7 +108,7 @@ async def _nats(url: str, db_url: str) -> AsyncIterator[Harness]:
     import nats
 
     from fastapi_outbox.brokers import NatsJetStreamBroker
-    from fastapi_outbox.brokers.nats import stream_name_for
+    from fastapi_outbox.brokers.nats.wire import stream_name_for
 
     nc = await nats.connect(url)
     js = nc.jetstream()

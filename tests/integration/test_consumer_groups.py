@@ -14,9 +14,9 @@ import pytest
 
 from fastapi_outbox import Message, Outbox, OutboxSettings
 from fastapi_outbox.brokers import NatsJetStreamBroker, RedisStreamsBroker
-from fastapi_outbox.brokers.nats import stream_name_for
-from fastapi_outbox.brokers.nats_consumer import durable_name
-from fastapi_outbox.health import compute_health
+from fastapi_outbox.brokers.nats.consumer import durable_name
+from fastapi_outbox.brokers.nats.wire import stream_name_for
+from fastapi_outbox.ops.health import compute_health
 from tests.conftest import unique, wait_until
 
 FAST = {

@@ -10,7 +10,7 @@ import pytest
 
 from fastapi_outbox import Message, Outbox, OutboxSettings
 from fastapi_outbox.brokers import broker_from_url
-from fastapi_outbox.health import compute_health
+from fastapi_outbox.ops.health import compute_health
 from tests.conftest import run_cli
 from tests.integration.test_consumer_contract import _nats, _redis
 

@@ -19,7 +19,7 @@ from sqlalchemy import update
 
 from fastapi_outbox import ConfigurationError, Message, Outbox, OutboxSettings
 from fastapi_outbox.brokers import MemoryBroker
-from fastapi_outbox.dashboard import CSRF_COOKIE, CSRF_HEADER
+from fastapi_outbox.ops.dashboard import CSRF_COOKIE, CSRF_HEADER
 from tests.conftest import asgi_client, unique
 
 MARKER = "PAYLOAD-MARKER-5c1a"

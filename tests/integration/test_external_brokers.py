@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 
 from fastapi_outbox import Event, Outbox, OutboxSettings, exceptions
 from fastapi_outbox.brokers import MemoryBroker, NatsJetStreamBroker, RedisStreamsBroker
-from fastapi_outbox.brokers.nats import stream_name_for
+from fastapi_outbox.brokers.nats.wire import stream_name_for
 from fastapi_outbox.events import INTERNAL_HEADERS, Message
 from tests.conftest import unique, wait_until
 from tests.servers import PrivateServer, private_nats_server

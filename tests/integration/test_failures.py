@@ -33,10 +33,10 @@ from fastapi import FastAPI
 from fastapi_outbox import Outbox, OutboxSettings, exceptions
 from fastapi_outbox.brokers import MemoryBroker, NatsJetStreamBroker, RedisStreamsBroker
 from fastapi_outbox.brokers.base import PublishResults
-from fastapi_outbox.brokers.nats import stream_name_for
-from fastapi_outbox.dispatcher import retry_delay
+from fastapi_outbox.brokers.nats.wire import stream_name_for
 from fastapi_outbox.events import Envelope, Message
-from fastapi_outbox.store import Failure
+from fastapi_outbox.relay.table import retry_delay
+from fastapi_outbox.storage.store import Failure
 from tests.conftest import unique, wait_until
 from tests.servers import PrivateServer, TcpProxy, private_redis_server
 

@@ -16,7 +16,7 @@ import pytest
 from fastapi_outbox import Outbox, OutboxSettings
 from fastapi_outbox.brokers import MemoryBroker
 from fastapi_outbox.events import Message
-from fastapi_outbox.store import Failure
+from fastapi_outbox.storage.store import Failure
 from tests.conftest import unique, wait_until
 
 

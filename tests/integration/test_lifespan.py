@@ -32,7 +32,7 @@ from fastapi_outbox.brokers import (
     PublishResults,
     RedisStreamsBroker,
 )
-from fastapi_outbox.brokers.nats import stream_name_for
+from fastapi_outbox.brokers.nats.wire import stream_name_for
 from fastapi_outbox.events import Envelope, Message
 from tests.conftest import unique, wait_until
 

@@ -24,7 +24,7 @@ import redis.asyncio as aioredis
 
 from fastapi_outbox import Message, Outbox, OutboxSettings
 from fastapi_outbox.brokers import NatsJetStreamBroker, RedisStreamsBroker
-from fastapi_outbox.brokers.nats import stream_name_for
+from fastapi_outbox.brokers.nats.wire import stream_name_for
 from fastapi_outbox.exceptions import BrokerUnavailable
 from tests.conftest import unique, wait_until
 from tests.servers import TcpProxy

@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fastapi_outbox import Message, MessageRejected, Outbox, OutboxSettings
 from fastapi_outbox.brokers import MemoryBroker
-from fastapi_outbox.metrics import PrometheusInstrumentation, mount_metrics
+from fastapi_outbox.ops.metrics import PrometheusInstrumentation, mount_metrics
 from tests.conftest import unique, wait_until
 
 

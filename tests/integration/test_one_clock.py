@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 from sqlalchemy import select, update
 
-from fastapi_outbox import Message, MessageRejected, Outbox, OutboxSettings, clock
+from fastapi_outbox import Message, MessageRejected, Outbox, OutboxSettings
 from fastapi_outbox.brokers import MemoryBroker
+from fastapi_outbox.storage import clock
 from tests.conftest import unique, wait_until
 
 SKEW = 120.0
@@ -153,7 +154,7 @@ async def test_backoff_lease_age_and_retention_use_the_database_clock(
         # A lease that ran out on the database's clock is claimable again (stale lock).
         assert await store.claim("default", 10, "w:2", lease_seconds=30.0) == []
 
-        from fastapi_outbox.store import Failure
+        from fastapi_outbox.storage.store import Failure
 
         others = [r.id for r in claimed if r.id != first]
         await store.mark_failed([Failure(first, "refused", 20.0, abandon=False)], "w:1")

@@ -487,8 +487,8 @@ async def test_an_abandoned_message_blocks_its_key_until_an_operator_replays_it(
     messages of ``k`` are not published after it (no silent gap), other keys flow, the
     health counts say which message blocks; replaying the abandoned message publishes
     the key in order: ``k1, k2, k3``."""
-    from fastapi_outbox import operations
-    from fastapi_outbox.health import compute_health
+    from fastapi_outbox.ops import operations
+    from fastapi_outbox.ops.health import compute_health
 
     refusing = True
     poison: list[str] = []
@@ -571,8 +571,8 @@ async def test_retention_keeps_a_blocking_abandoned_message_and_a_purge_releases
     """Retention (``abandoned_retention_seconds``) does not delete an abandoned message
     that a later message of its key waits for: that would be the silent gap again. An
     operator's purge does, and the key goes on without it."""
-    from fastapi_outbox import operations
-    from fastapi_outbox.retention import Cleaner
+    from fastapi_outbox.ops import operations
+    from fastapi_outbox.relay.retention import Cleaner
 
     poison: list[str] = []
     broker = MemoryBroker(

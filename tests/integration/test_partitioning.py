@@ -14,15 +14,9 @@ from typing import Any
 import pytest
 from sqlalchemy import text, update
 
-from fastapi_outbox import (
-    ConfigurationError,
-    Message,
-    Outbox,
-    OutboxSettings,
-    build_table,
-    partitions,
-)
+from fastapi_outbox import ConfigurationError, Message, Outbox, OutboxSettings, build_table
 from fastapi_outbox.brokers import MemoryBroker
+from fastapi_outbox.storage import partitions
 from fastapi_outbox.testing import drain
 from tests.conftest import run_cli, unique
 

@@ -20,7 +20,7 @@ import pytest
 from fastapi_outbox import exceptions
 from fastapi_outbox.brokers import RedisStreamsBroker
 from fastapi_outbox.brokers.consumer import ConsumerConfig
-from fastapi_outbox.brokers.redis_consumer import RedisStreamsConsumer
+from fastapi_outbox.brokers.redis.consumer import RedisStreamsConsumer
 from tests.conftest import unique, wait_until
 
 pytestmark = pytest.mark.redis

@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 
 from fastapi_outbox import Message, Outbox, OutboxSettings
 from fastapi_outbox.brokers import RedisStreamsBroker
-from fastapi_outbox.health import compute_health
+from fastapi_outbox.ops.health import compute_health
 from fastapi_outbox.testing import drain
 from tests.conftest import asgi_client, unique
 
@@ -118,7 +118,7 @@ def _app(outbox: Outbox) -> Any:
 async def test_redis_keeps_the_loss_of_a_group_that_had_read(redis_url: str) -> None:
     """A group with a read counter keeps trimmed entries in Redis's lag after it caught up:
     ``trimmed_unread`` reads the loss from XINFO alone (any process sees it)."""
-    from fastapi_outbox.brokers.redis_consumer import trimmed_unread
+    from fastapi_outbox.brokers.redis.consumer import trimmed_unread
 
     stream = unique("trim")
     client = aioredis.Redis.from_url(redis_url)

@@ -8,7 +8,7 @@ import pytest
 
 from fastapi_outbox import Message, Outbox, OutboxSettings
 from fastapi_outbox.brokers import MemoryBroker
-from fastapi_outbox.health import compute_health
+from fastapi_outbox.ops.health import compute_health
 from tests.conftest import run_cli, wait_until
 
 

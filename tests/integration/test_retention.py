@@ -12,7 +12,7 @@ from sqlalchemy import event, func, select, update
 
 from fastapi_outbox import Message, Outbox, OutboxSettings
 from fastapi_outbox.brokers import MemoryBroker
-from fastapi_outbox.retention import Cleaner
+from fastapi_outbox.relay.retention import Cleaner
 from tests.conftest import unique, wait_until
 
 HOUR = 3600.0

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 from fastapi_outbox import BrokerUnavailable, Message, Outbox, OutboxSettings
 from fastapi_outbox.brokers import NatsJetStreamBroker, RedisStreamsBroker, broker_from_url
 from fastapi_outbox.log import JsonFormatter, TextFormatter, safe_error
-from fastapi_outbox.metrics import PrometheusInstrumentation, mount_metrics
+from fastapi_outbox.ops.metrics import PrometheusInstrumentation, mount_metrics
 from tests.conftest import asgi_client, unique, wait_until
 
 

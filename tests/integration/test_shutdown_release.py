@@ -48,7 +48,7 @@ async def cleanup(kind: str, url: str, stream: str) -> AsyncIterator[None]:
         else:
             import nats
 
-            from fastapi_outbox.brokers.nats import stream_name_for
+            from fastapi_outbox.brokers.nats.wire import stream_name_for
 
             nc = await nats.connect(url)
             js = nc.jetstream()

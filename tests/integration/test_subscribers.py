@@ -27,9 +27,9 @@ from fastapi_outbox import (
     uuid7,
 )
 from fastapi_outbox.brokers import MemoryBroker
-from fastapi_outbox.dashboard import CSRF_HEADER
+from fastapi_outbox.consume.subscriber import BatchUnitOfWork
 from fastapi_outbox.events import Envelope
-from fastapi_outbox.subscribers import BatchUnitOfWork
+from fastapi_outbox.ops.dashboard import CSRF_HEADER
 from tests.conftest import asgi_client, unique, wait_until
 from tests.servers import TcpProxy
 

@@ -11,8 +11,9 @@ import anyio
 import asyncpg
 import pytest
 
-from fastapi_outbox import Outbox, OutboxSettings, doctor
+from fastapi_outbox import Outbox, OutboxSettings
 from fastapi_outbox.brokers import MemoryBroker
+from fastapi_outbox.storage import doctor
 from tests.conftest import unique, wait_until
 from tests.integration.test_upgrade import PRE_RELEASE, fill
 

@@ -29,9 +29,10 @@ import redis.asyncio as aioredis
 from fastapi import FastAPI
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from fastapi_outbox import Outbox, OutboxSettings, notify
+from fastapi_outbox import Outbox, OutboxSettings
 from fastapi_outbox.brokers import MemoryBroker, RedisStreamsBroker
 from fastapi_outbox.events import Message
+from fastapi_outbox.relay import wakeups as notify
 from tests.conftest import unique, wait_until
 from tests.integration import test_wakeup
 from tests.integration.test_wakeup import count_claims, idle
@@ -74,7 +75,8 @@ async def test_a_joined_session_committed_by_its_owner_wakes_another_dispatcher(
 SCRIPT = """
 import asyncio, sys
 from sqlalchemy.ext.asyncio import AsyncSession
-from fastapi_outbox import Outbox, OutboxSettings, notify
+from fastapi_outbox import Outbox, OutboxSettings
+from fastapi_outbox.relay import wakeups as notify
 from fastapi_outbox.events import Message
 
 async def main(url, stream, how):

@@ -125,7 +125,7 @@ async def _invalidated(
 
 async def test_prometheus_gauges_show_the_slot(wal_pg_url: str) -> None:
     prometheus_client = pytest.importorskip("prometheus_client")
-    from fastapi_outbox.metrics import PrometheusInstrumentation
+    from fastapi_outbox.ops.metrics import PrometheusInstrumentation
 
     registry = prometheus_client.CollectorRegistry()
     instrumentation = PrometheusInstrumentation(registry)

@@ -20,8 +20,8 @@ import redis.asyncio as aioredis
 
 from fastapi_outbox import Message, Outbox, OutboxSettings
 from fastapi_outbox.brokers import MemoryBroker, RedisStreamsBroker
-from fastapi_outbox.health import compute_health
-from fastapi_outbox.wal_slot import parse_lsn
+from fastapi_outbox.ops.health import compute_health
+from fastapi_outbox.storage.wal_slot import parse_lsn
 from tests.conftest import _cluster_sql, unique, wait_until
 from tests.servers import LOGICAL_PG_OPTIONS, PrivatePostgres
 
@@ -275,8 +275,8 @@ def stopped_no_more(outbox: Outbox) -> Any:
 async def test_drain_relays_up_to_undecodable_content_and_raises_naming_it(
     wal_pg_url: str, sql: Any
 ) -> None:
+    from fastapi_outbox.storage.wal_slot import UndecodableWalMessage
     from fastapi_outbox.testing import drain
-    from fastapi_outbox.wal_slot import UndecodableWalMessage
 
     broker = MemoryBroker()
     outbox = Outbox(wal_pg_url, brokers={"default": broker}, settings=OutboxSettings(**FAST))

@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects.postgresql.asyncpg import AsyncAdapt_asyncpg_dbapi
 
-from fastapi_outbox.db_outage import (
+from fastapi_outbox.storage.db_outage import (
     Verdict,
     classify,
     classify_postgresql,
@@ -231,7 +231,7 @@ async def test_the_cli_exit_codes_follow_the_classifier(
 ) -> None:
     """``fastapi-outbox`` exits 3 when the database is unavailable (or the connection's
     socket failed), 1 on a missing table; any other statement error is raised."""
-    from fastapi_outbox.cli_support import CliError, guard
+    from fastapi_outbox.cli.support import CliError, guard
 
     outbox = SimpleNamespace(
         engine=SimpleNamespace(

@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from fastapi_outbox.notify import set_keepalive
+from fastapi_outbox.relay.wakeups import set_keepalive
 
 
 def test_keepalive_options_are_set_on_a_tcp_socket() -> None:

@@ -7,7 +7,7 @@ import pytest
 from nats.aio.msg import Msg
 from nats.errors import NotJSMessageError
 
-from fastapi_outbox.brokers.nats_consumer import _sequence_and_count
+from fastapi_outbox.brokers.nats.consumer import _sequence_and_count
 
 SUBJECTS = [
     "$JS.ACK.ORDERS.billing.3.1042.77.1795596699328000000.12",  # v1: 9 tokens

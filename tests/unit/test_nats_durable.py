@@ -12,7 +12,7 @@ import pytest
 from fastapi_outbox import exceptions
 from fastapi_outbox.brokers import NatsJetStreamBroker
 from fastapi_outbox.brokers.consumer import ConsumerConfig
-from fastapi_outbox.brokers.nats_consumer import NatsJetStreamConsumer, durable_name
+from fastapi_outbox.brokers.nats.consumer import NatsJetStreamConsumer, durable_name
 
 
 def test_durable_names_are_stable_valid_bounded_and_one_per_subject() -> None:

@@ -169,3 +169,435 @@ def test_publish_signature_matches_the_contract() -> None:
     for name in ("key", "headers", "broker", "delay", "deliver_at"):
         assert params[name].kind is inspect.Parameter.KEYWORD_ONLY
         assert params[name].default is None
+
+
+# The house (issue 18): every public module's ``__all__``, pinned. The old flat paths stay
+# importable as short re-export modules ("Canonical: <new path>") and keep their names.
+PUBLIC_ALL: dict[str, set[str]] = {
+    "fastapi_outbox.admin": {
+        "PROBLEMS_SHOWN",
+        "Progress",
+        "add_commands",
+        "parse_duration",
+        "parse_uuid",
+        "read_ids",
+        "run",
+    },
+    "fastapi_outbox.brokers.base": {"Broker", "PublishResults", "redact_url"},
+    "fastapi_outbox.brokers.consumer": {
+        "Consumer",
+        "ConsumerConfig",
+        "ConsumerLag",
+        "DEAD_LETTER_ERROR",
+        "DEAD_LETTER_GROUP",
+        "DeadLetter",
+        "Delivery",
+        "dead_letter_name",
+        "parse_headers",
+    },
+    "fastapi_outbox.brokers.memory": {"MemoryBroker"},
+    "fastapi_outbox.brokers.memory.broker": {"MemoryBroker"},
+    "fastapi_outbox.brokers.memory.connection": {"MemoryConnection"},
+    "fastapi_outbox.brokers.memory_consumer": {"MemoryConsumer"},
+    "fastapi_outbox.brokers.nats": {
+        "ACK_TIMEOUT_SECONDS",
+        "CONNECT_TIMEOUT_SECONDS",
+        "DEDUP_WINDOW_SECONDS",
+        "JS_API_INFO",
+        "KEY_HEADER",
+        "MSG_ID_HEADER",
+        "NO_RESPONDERS_STATUS",
+        "NatsJetStreamBroker",
+        "REFUSAL_ERR_CODES",
+        "STREAM_MAX_AGE_SECONDS",
+        "STREAM_MAX_BYTES",
+        "refusal_reason",
+        "stream_name_for",
+    },
+    "fastapi_outbox.brokers.nats.broker": {"NatsJetStreamBroker"},
+    "fastapi_outbox.brokers.nats.connection": {"NatsConnection"},
+    "fastapi_outbox.brokers.nats.wire": {
+        "KEY_HEADER",
+        "MSG_ID_HEADER",
+        "REFUSAL_ERR_CODES",
+        "refusal_reason",
+        "stream_name_for",
+    },
+    "fastapi_outbox.brokers.nats_consumer": {
+        "API_TIMEOUT_SECONDS",
+        "DEAD_LETTER_SCAN",
+        "NatsJetStreamConsumer",
+        "durable_name",
+    },
+    "fastapi_outbox.brokers.redis": {
+        "DEDUP_WINDOW_SECONDS",
+        "DedupMode",
+        "IDMP_MAX_DURATION_SECONDS",
+        "IDMP_MAX_SIZE",
+        "IDMP_PRODUCERS",
+        "REFUSAL_CODES",
+        "RedisStreamsBroker",
+        "SCRIPT_CHUNK",
+        "refusal_code",
+    },
+    "fastapi_outbox.brokers.redis.broker": {"RedisStreamsBroker"},
+    "fastapi_outbox.brokers.redis.connection": {"RedisConnection"},
+    "fastapi_outbox.brokers.redis.wire": {"REFUSAL_CODES", "refusal_code"},
+    "fastapi_outbox.brokers.redis_consumer": {
+        "AUTOCLAIM_COUNT",
+        "DEAD_LETTER_SCAN",
+        "DEAD_LETTER_SCRIPT",
+        "RedisStreamsConsumer",
+        "trimmed_unread",
+    },
+    "fastapi_outbox.capture": {"Capture", "TableCapture"},
+    "fastapi_outbox.cli": {
+        "BROKER_URL_ENV",
+        "build_parser",
+        "configure_logging",
+        "dispatch",
+        "load_outbox",
+        "main",
+        "resolve_outbox",
+    },
+    "fastapi_outbox.cli_support": {
+        "CliError",
+        "EXIT_FAILED",
+        "EXIT_OK",
+        "EXIT_UNREACHABLE",
+        "EXIT_USAGE",
+        "confirm",
+        "destructive_options",
+        "guard",
+        "operator_name",
+        "render_table",
+        "sqlstate",
+        "target",
+    },
+    "fastapi_outbox.clock": {
+        "age_seconds",
+        "db_later",
+        "db_now",
+        "seconds_modifier",
+        "utcnow",
+        "wall",
+    },
+    "fastapi_outbox.consume.subscriber": {
+        "BatchUnitOfWork",
+        "ConsumerStatus",
+        "DEAD_LETTER_TEMPLATE",
+        "Subscriber",
+        "SubscriberStats",
+    },
+    "fastapi_outbox.consumers_cli": {
+        "EXIT_OK",
+        "add_commands",
+        "add_replay_arguments",
+        "replay",
+        "run",
+    },
+    "fastapi_outbox.dashboard": {"CSRF_COOKIE", "CSRF_HEADER", "build_dashboard_router"},
+    "fastapi_outbox.dashboard.router": {"CSRF_COOKIE", "CSRF_HEADER", "build_dashboard_router"},
+    "fastapi_outbox.db_outage": {
+        "PING_SECONDS",
+        "Verdict",
+        "classify",
+        "classify_postgresql",
+        "classify_sqlite",
+        "database_answers",
+        "is_outage",
+        "sqlstate_of",
+    },
+    "fastapi_outbox.dispatcher": {
+        "DB_BACKOFF_MAX_SECONDS",
+        "DB_BACKOFF_MIN_SECONDS",
+        "PROBE_TIMEOUT_SECONDS",
+        "Processor",
+        "RELEASE_TIMEOUT_SECONDS",
+        "instance_id",
+        "process_batch",
+        "retry_delay",
+    },
+    "fastapi_outbox.doctor": {
+        "DOCTOR_AHEAD_SECONDS",
+        "Finding",
+        "LOCK_NOT_AVAILABLE",
+        "OBSOLETE_COLUMNS",
+        "UPGRADE_LOCK_ATTEMPTS",
+        "UPGRADE_LOCK_TIMEOUT_SECONDS",
+        "UPGRADE_RETRY_PAUSE_SECONDS",
+        "UpgradeLockTimeout",
+        "examine",
+        "examine_sync",
+        "upgrade",
+    },
+    "fastapi_outbox.events": {
+        "Envelope",
+        "Event",
+        "HEADER_CAUSATION_ID",
+        "HEADER_CORRELATION_ID",
+        "HEADER_MESSAGE_ID",
+        "HEADER_OCCURRED_AT",
+        "HEADER_TRACEPARENT",
+        "HEADER_TYPE",
+        "Message",
+        "MessageStatus",
+        "uuid7",
+    },
+    "fastapi_outbox.health": {
+        "HEALTH_TIMEOUT_SECONDS",
+        "NO_GUARD",
+        "OutboxHealth",
+        "ProcessorHealth",
+        "Status",
+        "WalHealth",
+        "build_health_router",
+        "compute_health",
+    },
+    "fastapi_outbox.inbox": {"Inbox", "build_inbox_table", "inbox_table"},
+    "fastapi_outbox.instrumentation": {"Instrumentation", "PublishFinisher", "PublishOutcome"},
+    "fastapi_outbox.log": {
+        "ERROR_MAX_CHARS",
+        "JsonFormatter",
+        "TextFormatter",
+        "redact",
+        "safe_error",
+        "stack",
+    },
+    "fastapi_outbox.metrics": {"PrometheusInstrumentation", "metrics_router", "mount_metrics"},
+    "fastapi_outbox.notify": {
+        "Listener",
+        "Notifier",
+        "PING_PREFIX",
+        "RECONNECT_MAX_SECONDS",
+        "RECONNECT_MIN_SECONDS",
+        "RELEASE_TIMEOUT_SECONDS",
+        "Wakeup",
+        "channel_name",
+        "set_keepalive",
+    },
+    "fastapi_outbox.operations": {
+        "ABANDONABLE",
+        "CANCELLABLE",
+        "CONSUMER_QUERY_TIMEOUT_SECONDS",
+        "ID_PAGE_SIZE",
+        "MAX_IDS",
+        "MAX_PAGE_SIZE",
+        "MessageFilter",
+        "Outcome",
+        "Overview",
+        "REPLAYABLE",
+        "REPLAY_BATCH_SIZE",
+        "STALE_SCAN",
+        "STATUS_FILTERS",
+        "abandon",
+        "cancel",
+        "checked_ids",
+        "consumers",
+        "dead_letters",
+        "find_subscriber",
+        "list_messages",
+        "overview",
+        "purge",
+        "replay",
+        "replay_abandoned",
+        "replay_dead_letters",
+        "show",
+        "stale_dead_letters",
+    },
+    "fastapi_outbox.ops.dashboard": {"CSRF_COOKIE", "CSRF_HEADER", "build_dashboard_router"},
+    "fastapi_outbox.ops.metrics": {"PrometheusInstrumentation", "metrics_router", "mount_metrics"},
+    "fastapi_outbox.partitions": {
+        "AHEAD_SECONDS",
+        "AUTOVACUUM",
+        "LOCK_TIMEOUT_SECONDS",
+        "MAX_TABLE_NAME",
+        "Maintainer",
+        "Partition",
+        "Reactivated",
+        "check_table_name",
+        "create_default_sync",
+        "create_partition_sync",
+        "default_name",
+        "drop_partition_sync",
+        "ensure_ahead_sync",
+        "expired_candidates",
+        "install",
+        "list_partitions",
+        "parse_interval",
+        "partition_name",
+        "ranges_to_create",
+        "statements",
+        "storage_sql",
+        "wanted_ranges",
+    },
+    "fastapi_outbox.redaction": {"MASK", "redact", "redact_url", "remember", "split_url_list"},
+    "fastapi_outbox.relay_loop": {"RelayLoop"},
+    "fastapi_outbox.retention": {"BATCH_PAUSE_SECONDS", "Cleaner", "purge"},
+    "fastapi_outbox.schema": {"build_table", "ddl", "metadata", "outbox_table"},
+    "fastapi_outbox.session_events": {
+        "JOINED_KEY",
+        "STATE_KEY",
+        "SessionState",
+        "Sink",
+        "state_of",
+    },
+    "fastapi_outbox.storage.clock": {
+        "age_seconds",
+        "db_later",
+        "db_now",
+        "seconds_modifier",
+        "utcnow",
+        "wall",
+    },
+    "fastapi_outbox.storage.db_outage": {
+        "PING_SECONDS",
+        "Verdict",
+        "classify",
+        "classify_postgresql",
+        "classify_sqlite",
+        "database_answers",
+        "is_outage",
+        "sqlstate_of",
+    },
+    "fastapi_outbox.storage.inbox": {"Inbox", "build_inbox_table", "inbox_table"},
+    "fastapi_outbox.storage.schema": {"build_table", "ddl", "metadata", "outbox_table"},
+    "fastapi_outbox.storage.wal_slot": {
+        "Read",
+        "SlotStats",
+        "Transaction",
+        "Undecodable",
+        "UndecodableWalMessage",
+        "WalMessage",
+        "WalSlot",
+        "decode",
+        "encode",
+    },
+    "fastapi_outbox.store": {
+        "ABANDONED",
+        "BrokerStats",
+        "ClaimedRow",
+        "ERROR_MAX_CHARS",
+        "FAILED",
+        "Failure",
+        "INSERT_KEYS",
+        "PENDING",
+        "PROCESSING",
+        "PUBLISHED",
+        "Store",
+    },
+    "fastapi_outbox.subscribers": {
+        "BatchUnitOfWork",
+        "ConsumerStatus",
+        "DEAD_LETTER_TEMPLATE",
+        "Subscriber",
+        "SubscriberStats",
+    },
+    "fastapi_outbox.testing": {"drain", "memory_broker", "sqlite_outbox"},
+    "fastapi_outbox.unit_of_work": {"UnitOfWork", "UnitOfWorkDep", "unit_of_work"},
+    "fastapi_outbox.wal_capture": {"WalCapture"},
+    "fastapi_outbox.wal_relay": {
+        "DB_BACKOFF_MAX_SECONDS",
+        "DB_BACKOFF_MIN_SECONDS",
+        "SLOT_IN_USE",
+        "SLOT_IN_USE_PAUSE_SECONDS",
+        "TIMEOUT_MARGIN_SECONDS",
+        "WalRelay",
+    },
+    "fastapi_outbox.wal_slot": {
+        "Read",
+        "SlotStats",
+        "Transaction",
+        "Undecodable",
+        "UndecodableWalMessage",
+        "WalMessage",
+        "WalSlot",
+        "decode",
+        "encode",
+    },
+    "fastapi_outbox.write.capture": {"Capture", "TableCapture"},
+    "fastapi_outbox.write.session_events": {
+        "JOINED_KEY",
+        "STATE_KEY",
+        "SessionState",
+        "Sink",
+        "state_of",
+    },
+    "fastapi_outbox.write.unit_of_work": {"UnitOfWork", "UnitOfWorkDep", "unit_of_work"},
+    "fastapi_outbox.write.wal_capture": {"WalCapture"},
+}
+
+CAPABILITY_PACKAGES = [
+    "fastapi_outbox.storage",
+    "fastapi_outbox.write",
+    "fastapi_outbox.relay",
+    "fastapi_outbox.consume",
+    "fastapi_outbox.ops",
+    "fastapi_outbox.cli",
+    "fastapi_outbox.brokers",
+    "fastapi_outbox.brokers.redis",
+    "fastapi_outbox.brokers.nats",
+    "fastapi_outbox.brokers.memory",
+]
+
+
+def _public_modules() -> list[str]:
+    import pkgutil
+
+    names = (m.name for m in pkgutil.walk_packages(fastapi_outbox.__path__, "fastapi_outbox."))
+    return sorted(n for n in names if n != "fastapi_outbox.__main__")
+
+
+def test_every_public_module_all_is_pinned_and_resolves() -> None:
+    import importlib
+
+    found = {}
+    for name in _public_modules():
+        module = importlib.import_module(name)
+        if hasattr(module, "__all__") and name != "fastapi_outbox.brokers":
+            assert len(module.__all__) == len(set(module.__all__)), name  # no duplicates
+            found[name] = set(module.__all__)
+            for attr in module.__all__:
+                assert getattr(module, attr) is not None, f"{name}.{attr}"
+    assert found == PUBLIC_ALL
+
+
+def test_old_paths_re_export_the_canonical_objects() -> None:
+    import importlib
+
+    old_paths = 0
+    for name in _public_modules():
+        module = importlib.import_module(name)
+        doc = module.__doc__ or ""
+        if not doc.startswith("Canonical: "):
+            continue
+        old_paths += 1
+        canonical = importlib.import_module(doc.removeprefix("Canonical: ").split()[0])
+        assert canonical is not module
+        for attr in module.__all__:
+            assert getattr(module, attr) is getattr(canonical, attr), f"{name}.{attr}"
+    # every flat module that moved (the broker modules and cli became packages that re-export)
+    assert old_paths == 29
+
+
+def test_each_capability_package_says_what_it_owns() -> None:
+    import importlib
+
+    for name in CAPABILITY_PACKAGES:
+        doc = importlib.import_module(name).__doc__
+        assert doc and len(doc.split()) >= 15, name
+
+
+def test_old_module_path_does_not_shadow_the_unit_of_work_dependency() -> None:
+    # ``fastapi_outbox.unit_of_work`` is both the dependency and an old module path.
+    code = (
+        "import fastapi_outbox.unit_of_work, fastapi_outbox, inspect\n"
+        "from fastapi_outbox.unit_of_work import UnitOfWork\n"
+        "assert inspect.isfunction(fastapi_outbox.unit_of_work), fastapi_outbox.unit_of_work\n"
+        "from fastapi_outbox.cli import main\n"
+        "assert inspect.isfunction(main)\n"
+    )
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

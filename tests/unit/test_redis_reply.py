@@ -9,7 +9,7 @@ from typing import Any
 
 from fastapi_outbox.brokers import RedisStreamsBroker
 from fastapi_outbox.brokers.consumer import ConsumerConfig
-from fastapi_outbox.brokers.redis_consumer import _entries
+from fastapi_outbox.brokers.redis.consumer import _entries
 
 FIELDS = [b"id", b"m-1", b"type", b"Tick", b"key", b"k", b"headers", b'{"a":"b"}']
 FIELDS += [b"payload", b'{"n":1}']

@@ -8,8 +8,9 @@ import nats.js.errors
 import pytest
 import redis.exceptions as rexc
 
-from fastapi_outbox.brokers.nats import _ack_error, refusal_reason
-from fastapi_outbox.brokers.redis import refusal_code
+from fastapi_outbox.brokers.nats.publisher import _ack_error
+from fastapi_outbox.brokers.nats.wire import refusal_reason
+from fastapi_outbox.brokers.redis.wire import refusal_code
 
 
 @pytest.mark.parametrize(

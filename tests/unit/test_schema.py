@@ -16,14 +16,14 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 import fastapi_outbox
 from fastapi_outbox import ConfigurationError, build_table, metadata, outbox_table
-from fastapi_outbox.schema import ddl
+from fastapi_outbox.storage.schema import ddl
 
 ALEMBIC_ENV = Path(__file__).parents[2] / "examples" / "alembic" / "env.py"
 ACTIVE = "WHERE status IN ('pending', 'processing', 'failed')"
 
 
 def test_default_metadata_holds_exactly_the_outbox_and_inbox_tables() -> None:
-    from fastapi_outbox.inbox import inbox_table
+    from fastapi_outbox.storage.inbox import inbox_table
 
     assert list(metadata.tables) == ["outbox_messages", "outbox_inbox"]
     assert metadata.tables["outbox_messages"] is outbox_table

@@ -26,7 +26,7 @@ from fastapi_outbox import (
     UnknownBroker,
 )
 from fastapi_outbox.brokers import MemoryBroker
-from fastapi_outbox.unit_of_work import correlation_from_headers
+from fastapi_outbox.write.unit_of_work import correlation_from_headers
 
 
 class OrderPlaced(Event, stream="orders", key="order_id"):

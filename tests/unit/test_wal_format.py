@@ -9,7 +9,7 @@ import uuid
 import pytest
 
 from fastapi_outbox import OutboxSettings, exceptions
-from fastapi_outbox.wal_slot import (
+from fastapi_outbox.storage.wal_slot import (
     _PG_EPOCH,
     decode,
     encode,
@@ -147,7 +147,7 @@ def test_capture_settings() -> None:
 
 
 def test_server_checks_say_what_to_do() -> None:
-    from fastapi_outbox.wal_slot import check_ready
+    from fastapi_outbox.storage.wal_slot import check_ready
 
     with pytest.raises(exceptions.ConfigurationError, match="PostgreSQL 14 or later"):
         check_ready(130011, "logical", True, "s", slot=True)

@@ -8,7 +8,7 @@ cannot be reached, ``reject`` refuses chosen messages.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Self
 
 import anyio
 
@@ -16,12 +16,8 @@ from fastapi_outbox import exceptions
 from fastapi_outbox.brokers.base import PublishResults
 from fastapi_outbox.events import Envelope
 
-if TYPE_CHECKING:
-    from fastapi_outbox.brokers.consumer import ConsumerConfig
-    from fastapi_outbox.brokers.memory_consumer import MemoryConsumer
 
-
-class MemoryBroker:
+class MemoryPublisher:
     """Records published envelopes; ``await broker.wait_for(n)`` waits for n of them."""
 
     def __init__(
@@ -80,12 +76,6 @@ class MemoryBroker:
                 await self._changed.wait()
         return list(self.messages)
 
-    def consumer(self, config: ConsumerConfig) -> MemoryConsumer:
-        """The consumer side (``@outbox.subscriber`` on a memory broker)."""
-        from fastapi_outbox.brokers.memory_consumer import MemoryConsumer
-
-        return MemoryConsumer(self, config)
-
     def _changed_now(self) -> None:
         self._changed.set()
         self._changed = anyio.Event()
@@ -95,7 +85,7 @@ class MemoryBroker:
         self._seen.clear()
         self.duplicates = 0
 
-    async def __aenter__(self) -> MemoryBroker:
+    async def __aenter__(self) -> Self:
         await self.connect()
         return self
 

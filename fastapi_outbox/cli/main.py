@@ -23,14 +23,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from fastapi_outbox import exceptions
-from fastapi_outbox.cli_support import (
+from fastapi_outbox.cli.support import (
     EXIT_FAILED,
     EXIT_OK,
     EXIT_UNREACHABLE,
     CliError,
 )
-from fastapi_outbox.cli_support import guard as _guard
-from fastapi_outbox.cli_support import sqlstate as _sqlstate
+from fastapi_outbox.cli.support import guard as _guard
+from fastapi_outbox.cli.support import sqlstate as _sqlstate
 from fastapi_outbox.log import JsonFormatter, TextFormatter, safe_error
 from fastapi_outbox.redaction import redact, redact_url
 
@@ -164,10 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
         "on HOST:PORT, for probes of a dispatcher-only process (needs uvicorn)",
     )
 
-    from fastapi_outbox import admin
+    from fastapi_outbox.cli import admin
 
     admin.add_commands(sub, _common, _progress_option)
-    from fastapi_outbox import consumers_cli
+    from fastapi_outbox.cli import consumers as consumers_cli
 
     consumers_cli.add_commands(sub, _common)
     return parser
@@ -207,7 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    from fastapi_outbox import admin
+    from fastapi_outbox.cli import admin
 
     if args.command == "db" and args.db_command == "sql" and not args.url and not args.app:
         return _print_ddl(args)
@@ -215,7 +215,7 @@ async def _run(args: argparse.Namespace) -> int:
     try:
         if args.command == "db":
             if args.db_command == "sql":
-                from fastapi_outbox.schema import ddl
+                from fastapi_outbox.storage.schema import ddl
 
                 print(ddl(outbox.table, outbox.engine.dialect), end="")
                 print("\n" + ddl(outbox.inbox.table, outbox.engine.dialect), end="")
@@ -256,7 +256,7 @@ async def _run(args: argparse.Namespace) -> int:
 
 async def _doctor(outbox: Any) -> int:
     """Print each difference between the live table and the expected layout with its fix."""
-    from fastapi_outbox import doctor
+    from fastapi_outbox.storage import doctor
 
     findings = await _guard(doctor.examine(outbox.engine, outbox.table), outbox)
     where = redact_url(str(outbox.engine.url))
@@ -275,7 +275,7 @@ async def _doctor(outbox: Any) -> int:
 
 
 async def _upgrade(outbox: Any) -> int:
-    from fastapi_outbox import doctor
+    from fastapi_outbox.storage import doctor
 
     try:
         applied, left = await _guard(doctor.upgrade(outbox.engine, outbox.table), outbox)
@@ -298,7 +298,7 @@ async def _upgrade(outbox: Any) -> int:
 
 async def _drop_slot(outbox: Any, *, force: bool) -> int:
     """``db drop-slot``: after switching back to capture='table' (README: switching modes)."""
-    from fastapi_outbox.wal_slot import WalSlot
+    from fastapi_outbox.storage.wal_slot import WalSlot
 
     slot = outbox.wal_slot or WalSlot(
         outbox.engine, outbox.settings.slot_name, outbox.settings.table_name
@@ -345,9 +345,9 @@ async def _drop_slot(outbox: Any, *, force: bool) -> int:
 def _print_ddl(args: argparse.Namespace) -> int:
     from sqlalchemy.dialects import postgresql, sqlite
 
-    from fastapi_outbox.inbox import build_inbox_table
-    from fastapi_outbox.schema import build_table, ddl
     from fastapi_outbox.settings import OutboxSettings
+    from fastapi_outbox.storage.inbox import build_inbox_table
+    from fastapi_outbox.storage.schema import build_table, ddl
 
     try:
         settings = OutboxSettings.from_env()
@@ -388,7 +388,7 @@ def _probe_app(outbox: Any) -> Any:
     app = FastAPI(title="fastapi-outbox dispatcher", openapi_url=None)
     app.include_router(outbox.health_router)
     try:
-        from fastapi_outbox.metrics import PrometheusInstrumentation, mount_metrics
+        from fastapi_outbox.ops.metrics import PrometheusInstrumentation, mount_metrics
     except ImportError:  # the prometheus extra is not installed
         return app
     if isinstance(outbox.instrumentation, PrometheusInstrumentation):

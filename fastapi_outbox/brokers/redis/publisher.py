@@ -30,14 +30,12 @@ import logging
 import uuid
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Self
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.brokers.base import PublishResults, redact_url
+from fastapi_outbox.brokers.redis.wire import refusal_code
 from fastapi_outbox.events import Envelope
-
-if TYPE_CHECKING:
-    from fastapi_outbox.brokers.consumer import ConsumerConfig
 
 logger = logging.getLogger("fastapi_outbox.brokers.redis")
 
@@ -86,41 +84,8 @@ return out
 
 DedupMode = Literal["auto", "script", "idmp", "off"]
 
-#: Error codes with which Redis refuses *every* write for a reason of its own: out of
-#: memory, a read-only replica (after a failover), a failed RDB save (``MISCONF``), a
-#: dataset still loading, a busy script, a cluster without quorum or mid-resharding. They
-#: are outages of the broker, not faults of a message: the processor backs off as a whole
-#: and no attempt is charged.
-REFUSAL_CODES = frozenset(
-    {
-        "OOM",
-        "READONLY",
-        "MISCONF",
-        "LOADING",
-        "BUSY",
-        "CLUSTERDOWN",
-        "TRYAGAIN",
-        "MASTERDOWN",
-        "NOREPLICAS",
-        "NOTREADY",
-    }
-)
 
-
-def refusal_code(error: BaseException | str) -> str | None:
-    """The code of a broker-wide refusal in ``error``, else None: the one place where
-    Redis errors are told apart. ``error`` is a reply error from redis-py (which strips
-    known codes from the text into ``status_code``) or the ``"!<error>"`` text the
-    publish script returns for an XADD that Redis refused."""
-    code = getattr(error, "status_code", None)
-    if not code:
-        text = str(error).lstrip("!").lstrip()
-        code = text.split(" ", 1)[0]
-    code = str(code)  # Redis error codes are upper case: "oom" in a text is not one
-    return code if code in REFUSAL_CODES else None
-
-
-class RedisStreamsBroker:
+class RedisStreamsPublisher:
     """Publishes to Redis Streams (``redis.asyncio``), pipelined and de-duplicated."""
 
     def __init__(
@@ -351,13 +316,7 @@ class RedisStreamsBroker:
         if isinstance(reply, rexc.ConnectionError | rexc.TimeoutError | OSError):
             raise self._unavailable(reply)
 
-    def consumer(self, config: ConsumerConfig) -> Any:
-        """The consumer side of ``@outbox.subscriber`` (``redis_consumer.py``)."""
-        from fastapi_outbox.brokers.redis_consumer import RedisStreamsConsumer
-
-        return RedisStreamsConsumer(self, config)
-
-    async def __aenter__(self) -> RedisStreamsBroker:
+    async def __aenter__(self) -> Self:
         await self.connect()
         return self
 

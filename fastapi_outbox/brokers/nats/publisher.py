@@ -27,16 +27,19 @@ import json
 import logging
 import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Self
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.brokers.base import PublishResults, redact_url
+from fastapi_outbox.brokers.nats.wire import (
+    KEY_HEADER,
+    MSG_ID_HEADER,
+    refusal_reason,
+    stream_name_for,
+)
 from fastapi_outbox.events import Envelope
 from fastapi_outbox.log import safe_error
 from fastapi_outbox.redaction import split_url_list
-
-if TYPE_CHECKING:
-    from fastapi_outbox.brokers.consumer import ConsumerConfig
 
 logger = logging.getLogger("fastapi_outbox.brokers.nats")
 
@@ -52,49 +55,10 @@ ACK_TIMEOUT_SECONDS = 10.0
 CONNECT_TIMEOUT_SECONDS = 2.0
 #: The JetStream account-info request: the broker's ping (a round trip through JetStream).
 JS_API_INFO = "$JS.API.INFO"
-MSG_ID_HEADER = "Nats-Msg-Id"
-#: Header carrying the envelope's ordering key (Redis Streams carry it as a field).
-KEY_HEADER = "key"
 #: Bytes reserved for the protocol line and headers when checking max_payload.
 _HEADER_OVERHEAD = 64
 #: Status header of a "no responders" reply.
 NO_RESPONDERS_STATUS = "503"
-
-
-#: JetStream error codes (``err_code``) that refuse every message for a reason of the
-#: server's own: insufficient resources, cluster not available, JetStream not enabled or
-#: temporarily unavailable, stream offline. Outages, not faults of a message.
-REFUSAL_ERR_CODES = frozenset({10008, 10023, 10039, 10076, 10118})
-_REFUSAL_PHRASES = ("insufficient resources", "offline", "no leader", "not available")
-
-
-def refusal_reason(error: BaseException, *, stream_known: bool) -> str | None:
-    """Why ``error`` (a JetStream publish or API failure) is a broker-wide refusal, else
-    None: the one place where JetStream errors are told apart.
-
-    A 503 or one of :data:`REFUSAL_ERR_CODES` is one. So is "no responders" for a subject
-    a stream was known to capture (``stream_known``): the stream or its leader is not
-    there right now. For a subject no stream was ever found for, "no responders" means no
-    stream captures it: a failure of that message (never a silent drop)."""
-    import nats.errors
-    import nats.js.errors
-
-    if isinstance(error, type):  # nats-py sets some exceptions as classes
-        error = error()
-    if isinstance(error, nats.js.errors.NoStreamResponseError | nats.errors.NoRespondersError):
-        return "no responders for a captured subject" if stream_known else None
-    if isinstance(error, nats.js.errors.APIError):
-        if error.code == 503 or error.err_code in REFUSAL_ERR_CODES:
-            return f"JetStream {error.code}/{error.err_code}: {error.description}"
-        text = (error.description or "").lower()
-        if any(phrase in text for phrase in _REFUSAL_PHRASES):
-            return f"JetStream {error.code}/{error.err_code}: {error.description}"
-    return None
-
-
-def stream_name_for(subject: str) -> str:
-    """A valid JetStream stream name for ``subject`` (``orders.eu`` → ``orders_eu``)."""
-    return re.sub(r"[^A-Za-z0-9_-]", "_", subject)
 
 
 def _wire_size(payload: bytes, headers: dict[str, str]) -> int:
@@ -198,7 +162,7 @@ class _Batch:
         self.done: asyncio.Future[None] = loop.create_future()
 
 
-class NatsJetStreamBroker:
+class NatsJetStreamPublisher:
     """Publishes to NATS JetStream (``nats-py``), de-duplicated by ``Nats-Msg-Id``."""
 
     def __init__(
@@ -606,13 +570,7 @@ class NatsJetStreamBroker:
             for reply in sent.values():
                 awaiting.pop(reply, None)
 
-    def consumer(self, config: ConsumerConfig) -> Any:
-        """The consumer side of ``@outbox.subscriber`` (``nats_consumer.py``)."""
-        from fastapi_outbox.brokers.nats_consumer import NatsJetStreamConsumer
-
-        return NatsJetStreamConsumer(self, config)
-
-    async def __aenter__(self) -> NatsJetStreamBroker:
+    async def __aenter__(self) -> Self:
         await self.connect()
         return self
 

@@ -1,0 +1,161 @@
+"""CLI commands of the consumers: ``consumers`` (each subscriber's group with its lag,
+pending, dead letters, inbox count and last handled; ``--dead-letters`` lists them) and
+``replay --dead-letter STREAM --group G [--entry ID…]``. They need ``--app module:outbox``:
+the subscribers are declared in the consuming service's code. Thin wrappers over
+:mod:`fastapi_outbox.ops.operations`, which the dashboard and health call too."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from collections.abc import Callable
+from typing import Any
+
+from fastapi_outbox import exceptions
+from fastapi_outbox.ops import operations
+
+EXIT_OK = 0
+
+
+def add_commands(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> None:
+    consumers = sub.add_parser(
+        "consumers", help="subscribers' consumer groups: lag, pending, dead letters (needs --app)"
+    )
+    common(consumers)
+    consumers.add_argument("--json", action="store_true", help="machine-readable output")
+    consumers.add_argument(
+        "--dead-letters", action="store_true", help="also list each group's dead letters"
+    )
+
+
+def add_replay_arguments(replay: argparse.ArgumentParser) -> None:
+    replay.add_argument(
+        "--dead-letter",
+        metavar="STREAM",
+        help="re-drive dead letters of the subscriber of STREAM (with --group; needs --app)",
+    )
+    replay.add_argument("--group", help="with --dead-letter: the consumer group")
+    replay.add_argument(
+        "--entry",
+        action="append",
+        metavar="ENTRY_ID",
+        help="with --dead-letter: only this dead-letter entry (repeatable; default: all)",
+    )
+    replay.add_argument(
+        "--force",
+        action="store_true",
+        help="with --dead-letter: replay dead letters older than inbox_retention_seconds "
+        "too (other groups, whose inbox rows are gone, handle them again)",
+    )
+
+
+def _need_app(args: argparse.Namespace, what: str) -> None:
+    from fastapi_outbox.cli.support import CliError
+
+    if not getattr(args, "app", None):
+        raise CliError(
+            f"{what} needs --app module:outbox: the subscribers are declared in the "
+            "consuming service's code"
+        )
+
+
+async def run(args: argparse.Namespace, outbox: Any) -> int:
+    from fastapi_outbox.cli.support import guard as _guard
+    from fastapi_outbox.cli.support import render_table as _table
+
+    _need_app(args, "consumers")
+    statuses = await _guard(operations.consumers(outbox, counts=True), outbox)
+    dead: dict[tuple[str, str], list[Any]] = {}
+    if args.dead_letters:
+        for c in statuses:
+            dead[(c.stream, c.group)] = await operations.dead_letters(outbox, c.stream, c.group)
+    if args.json:
+        rows = [c.model_dump(mode="json") for c in statuses]
+        if args.dead_letters:
+            for row in rows:
+                row["dead_letter_entries"] = [
+                    dataclasses.asdict(d) for d in dead[(row["stream"], row["group"])]
+                ]
+        print(json.dumps(rows, indent=2, default=str))
+        return EXIT_OK
+    columns = [
+        "stream",
+        "group",
+        "broker",
+        "running",
+        "lag",
+        "pending",
+        "dead_letters",
+        "handled",
+        "last_handled_at",
+    ]
+    print(_table([c.model_dump() for c in statuses], columns))
+    for (stream, group), letters in dead.items():
+        print(f"\ndead letters of {group} on {stream}:")
+        print(
+            _table(
+                [dataclasses.asdict(d) for d in letters],
+                ["entry_id", "message_id", "type", "attempts", "dead_lettered_at", "error"],
+            )
+        )
+    return EXIT_OK
+
+
+async def _dry_run(args: argparse.Namespace, outbox: Any) -> int:
+    """``replay --dead-letter … --dry-run``: how many would go back, how many are stale."""
+    letters = await operations.dead_letters(
+        outbox, args.dead_letter, args.group, limit=operations.STALE_SCAN
+    )
+    if args.entry:
+        letters = [d for d in letters if d.entry_id in set(args.entry)]
+    stale = await operations.stale_dead_letters(outbox, args.dead_letter, args.group, args.entry)
+    print(
+        f"replay --dead-letter: {len(letters)} dead letter(s) of {args.group} would go back "
+        f"onto {args.dead_letter}; {len(stale)} older than inbox_retention_seconds "
+        "(other groups would handle those again: they need --force)"
+    )
+    print("dry run: nothing changed")
+    return EXIT_OK
+
+
+async def replay(args: argparse.Namespace, outbox: Any) -> int:
+    from fastapi_outbox.cli.support import CliError
+    from fastapi_outbox.cli.support import guard as _guard
+    from fastapi_outbox.cli.support import operator_name as _operator
+
+    _need_app(args, "replay --dead-letter")
+    if not args.group:
+        raise CliError("replay --dead-letter STREAM needs --group GROUP")
+    if args.ids or args.abandoned or getattr(args, "ids_from", None):
+        raise CliError(
+            "replay --dead-letter takes --entry ENTRY_ID, not message ids or --abandoned"
+        )
+    try:
+        if args.dry_run:
+            return await _dry_run(args, outbox)
+        count = await _guard(
+            operations.replay_dead_letters(
+                outbox,
+                args.dead_letter,
+                args.group,
+                args.entry,
+                operator=_operator(),
+                force=args.force,
+            ),
+            outbox,
+        )
+    except exceptions.StaleDeadLetters as exc:
+        raise CliError(f"not replayed: {exc}") from exc
+    except exceptions.OperationError as exc:
+        raise CliError(str(exc)) from exc
+    except exceptions.BrokerUnavailable as exc:
+        raise CliError(str(exc), 3) from exc
+    print(f"replayed {count} dead letter(s) of {args.group} onto {args.dead_letter}")
+    if args.entry and count < len(set(args.entry)):
+        raise CliError(
+            f"{len(set(args.entry)) - count} of the given entries are not dead letters of "
+            f"{args.group} on {args.dead_letter}",
+            1,
+        )
+    return EXIT_OK

@@ -1,0 +1,8 @@
+"""Ops: what an operator does with an outbox, through code, HTTP or the command line.
+
+It owns the operations (``operations``: list, show, replay, abandon, cancel, purge), the
+health and readiness probes (``health``), the Prometheus and OpenTelemetry metrics
+(``metrics``) and the HTML dashboard (``dashboard``). It may import everything below it but
+``outbox``; today it still types against ``Outbox`` (a small read/act port replaces that in a
+later step, see the import-linter contract in pyproject.toml).
+"""

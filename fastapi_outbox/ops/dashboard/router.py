@@ -1,0 +1,373 @@
+"""Routes of the operator dashboard (see :mod:`fastapi_outbox.ops.dashboard`).
+
+Pages (GET, HTML): ``/outbox/dashboard`` (overview, refreshing itself every few seconds
+from ``/outbox/dashboard/fragments/overview``), ``/outbox/dashboard/messages`` (filtered
+list, keyset pages), ``/outbox/dashboard/messages/{id}``. Actions (POST, JSON):
+``/outbox/dashboard/api/replay``, ``/outbox/dashboard/api/abandon``; data:
+``/outbox/dashboard/api/overview``.
+
+CSRF: double-submit token. A page sets a random token in an ``HttpOnly``, ``SameSite=Strict``
+cookie and writes the same token into the page; an action must carry it in the
+``X-Outbox-CSRF`` header and have a JSON body. A cross-site page can neither read the token
+nor send that header or a JSON body without a CORS preflight, which this router never
+grants.
+
+Operator identity: the guard may set ``request.state.outbox_operator`` (a user name, say);
+every action is logged with it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hmac
+import json
+import logging
+import secrets
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
+from fastapi.responses import FileResponse, HTMLResponse
+from jinja2 import Environment, FileSystemLoader, select_autoescape
+from markupsafe import Markup
+from pydantic import BaseModel, Field
+
+from fastapi_outbox import exceptions
+from fastapi_outbox.events import MessageStatus
+from fastapi_outbox.ops import operations
+from fastapi_outbox.redaction import redact
+
+if TYPE_CHECKING:
+    from fastapi_outbox.outbox import Outbox
+
+logger = logging.getLogger("fastapi_outbox.dashboard")
+
+PREFIX = "/outbox/dashboard"
+CSRF_COOKIE = "outbox_dashboard_csrf"
+CSRF_HEADER = "X-Outbox-CSRF"
+#: Payloads longer than this (pretty-printed) are cut on the message page.
+PAYLOAD_DISPLAY_CHARS = 20_000
+PAGE_SIZE = 50
+REFRESH_SECONDS = 5
+_HERE = Path(__file__).parent
+_STATIC = {
+    "dashboard.css": "text/css",
+    "dashboard.js": "text/javascript",
+}
+
+
+def _no_credentials(value: Any) -> Any:
+    """Every value a page prints goes through the redaction (errors, stream names,
+    payloads alike): no credential reaches a page, whatever text carried it."""
+    if isinstance(value, Markup):  # already HTML (tojson, |safe): "***" keeps it so
+        return Markup(redact(str(value)))
+    return redact(value) if isinstance(value, str) else value
+
+
+_templates = Environment(
+    loader=FileSystemLoader(_HERE / "templates"),
+    autoescape=select_autoescape(["html"]),
+    trim_blocks=True,
+    lstrip_blocks=True,
+    finalize=_no_credentials,
+)
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "\u2013"  # an en dash: no value
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 172800:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} d"
+
+
+def _when(value: dt.datetime | None) -> str:
+    if value is None:
+        return "\u2013"  # an en dash: no value
+    return value.astimezone(dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+_templates.filters["age"] = _age
+_templates.filters["when"] = _when
+
+
+class Ids(BaseModel):
+    """Messages an action applies to."""
+
+    ids: list[uuid.UUID] = Field(default_factory=list, max_length=1000)
+    reason: str | None = Field(default=None, max_length=500)
+
+
+class ReplayRequest(Ids):
+    """``ids``, or every abandoned message (of ``stream``) with ``all_abandoned``: at most
+    ``count`` of them, the number the operator confirmed."""
+
+    all_abandoned: bool = False
+    stream: str | None = Field(default=None, max_length=255)
+    count: int | None = Field(default=None, ge=0)
+
+
+class DeadLetterReplay(BaseModel):
+    """Dead letters of one consumer group to put back on its stream: all of them, or the
+    entries ``entry_ids``."""
+
+    stream: str = Field(min_length=1, max_length=255)
+    group: str = Field(min_length=1, max_length=255)
+    entry_ids: list[str] | None = Field(default=None, max_length=1000)
+    force: bool = Field(
+        default=False,
+        description="Also dead letters older than inbox_retention_seconds (refused with 409 "
+        "otherwise: other groups would handle them again).",
+    )
+
+
+class ActionResult(BaseModel):
+    """What an action changed."""
+
+    changed: int
+    problems: list[str] = Field(default_factory=list)
+
+
+def build_dashboard_router(outbox: Outbox, dependencies: list[Any]) -> APIRouter:
+    router = APIRouter(prefix=PREFIX, tags=["outbox dashboard"], dependencies=dependencies)
+    settings = outbox.settings
+
+    def render(request: Request, template: str, **context: Any) -> HTMLResponse:
+        token = request.cookies.get(CSRF_COOKIE) or secrets.token_urlsafe(32)
+        html = _templates.get_template(template).render(
+            prefix=PREFIX,
+            csrf=token,
+            refresh_seconds=REFRESH_SECONDS,
+            show_payloads=settings.dashboard_show_payloads,
+            **context,
+        )
+        response = HTMLResponse(html)
+        response.headers["Cache-Control"] = "no-store"
+        response.headers["Content-Security-Policy"] = (
+            "default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; "
+            "frame-ancestors 'none'; form-action 'self'"
+        )
+        response.headers["X-Content-Type-Options"] = "nosniff"
+        if request.cookies.get(CSRF_COOKIE) != token:
+            response.set_cookie(CSRF_COOKIE, token, httponly=True, samesite="strict", path=PREFIX)
+        return response
+
+    async def check_csrf(request: Request) -> None:
+        cookie = request.cookies.get(CSRF_COOKIE, "")
+        header = request.headers.get(CSRF_HEADER, "")
+        if not cookie or not hmac.compare_digest(cookie, header):
+            raise HTTPException(403, f"missing or wrong {CSRF_HEADER} header (CSRF check)")
+        if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
+            raise HTTPException(415, "actions take a JSON body (application/json)")
+
+    def operator(request: Request) -> str | None:
+        value = getattr(request.state, "outbox_operator", None)
+        return None if value is None else str(value)
+
+    async def overview_context() -> dict[str, Any]:
+        view = await operations.overview(outbox)
+        peak = max((count for _, count in view.per_minute), default=0)
+        totals = {
+            status: sum(int(s[status]) for s in view.streams)
+            for status in ("pending", "processing", "failed", "abandoned", "scheduled")
+        }
+        return {
+            "view": view,
+            "peak": peak,
+            "totals": totals,
+            "published_last_hour": sum(count for _, count in view.per_minute),
+            "now": dt.datetime.now(dt.UTC),
+        }
+
+    @router.get("", response_class=HTMLResponse, summary="Dashboard overview")
+    async def overview_page(request: Request) -> HTMLResponse:
+        return render(request, "overview.html", **await overview_context())
+
+    @router.get("/fragments/overview", response_class=HTMLResponse, include_in_schema=False)
+    async def overview_fragment(request: Request) -> HTMLResponse:
+        return render(request, "_overview.html", **await overview_context())
+
+    @router.get("/api/overview", summary="Dashboard overview data")
+    async def overview_data() -> dict[str, Any]:
+        view = await operations.overview(outbox)
+        return {
+            "database_ok": view.database_ok,
+            "streams": view.streams,
+            "brokers": view.brokers,
+            "published_per_minute": [
+                {"minute": minute.isoformat(), "count": count} for minute, count in view.per_minute
+            ],
+            "consumers": [
+                c.model_dump(mode="json") if isinstance(c, BaseModel) else c for c in view.consumers
+            ],
+        }
+
+    @router.get("/messages", response_class=HTMLResponse, summary="Messages")
+    async def messages_page(
+        request: Request,
+        status: str | None = None,
+        stream: str | None = None,
+        broker: str | None = None,
+        type: str | None = None,
+        key: str | None = None,
+        since: str | None = None,
+        until: str | None = None,
+        before: str | None = None,
+        limit: int = Query(PAGE_SIZE, ge=1, le=operations.MAX_PAGE_SIZE),
+    ) -> HTMLResponse:
+        filters = {
+            "status": status or None,
+            "stream": stream or None,
+            "broker": broker or None,
+            "type": type or None,
+            "key": key or None,
+            "since": since or None,
+            "until": until or None,
+        }
+        try:
+            where = operations.MessageFilter(
+                status=filters["status"],
+                stream=filters["stream"],
+                broker=filters["broker"],
+                type=filters["type"],
+                key=filters["key"],
+                since=_datetime("since", filters["since"]),
+                until=_datetime("until", filters["until"]),
+            )
+            before_id = _uuid("before", before) if before else None
+            rows = await operations.list_messages(outbox, where, before_id=before_id, limit=limit)
+        except exceptions.OperationError as exc:
+            raise HTTPException(400, str(exc)) from exc
+        query = {k: v for k, v in filters.items() if v}
+        next_page = {**query, "before": str(rows[-1]["id"])} if len(rows) == limit else None
+        return render(
+            request,
+            "messages.html",
+            rows=rows,
+            filters=filters,
+            statuses=[*(s.value for s in MessageStatus), "scheduled"],
+            next_page=next_page,
+            first_page=query if before else None,
+        )
+
+    @router.get("/messages/{message_id}", response_class=HTMLResponse, summary="One message")
+    async def message_page(request: Request, message_id: str) -> HTMLResponse:
+        mid = _uuid("message id", message_id)
+        try:
+            message = await operations.show(outbox, mid)
+        except exceptions.MessageNotFound as exc:
+            raise HTTPException(404, str(exc)) from exc
+        payload = json.dumps(message["payload"], indent=2, ensure_ascii=False)
+        truncated = len(payload) > PAYLOAD_DISPLAY_CHARS
+        return render(
+            request,
+            "message.html",
+            m=message,
+            headers=message["headers"],
+            payload=payload[:PAYLOAD_DISPLAY_CHARS] if settings.dashboard_show_payloads else None,
+            payload_chars=len(payload),
+            truncated=truncated,
+            replayable=message["status"] in operations.REPLAYABLE,
+            abandonable=message["status"] in operations.ABANDONABLE
+            and message["locked_by"] is None,
+        )
+
+    @router.post(
+        "/api/replay",
+        response_model=ActionResult,
+        dependencies=[Depends(check_csrf)],
+        summary="Replay messages",
+    )
+    async def replay(request: Request, body: ReplayRequest) -> ActionResult:
+        who = operator(request)
+        if body.all_abandoned:
+            if body.ids:
+                raise HTTPException(400, "give ids or all_abandoned, not both")
+            if body.count is None:
+                raise HTTPException(
+                    400, "count: all_abandoned replays at most the count the operator confirmed"
+                )
+            count = await operations.replay_abandoned(
+                outbox, stream=body.stream, operator=who, max_rows=body.count
+            )
+            return ActionResult(changed=count)
+        if not body.ids:
+            raise HTTPException(400, "ids: give at least one message id (or all_abandoned)")
+        outcome = await operations.replay(outbox, body.ids, operator=who)
+        return ActionResult(changed=outcome.count, problems=outcome.problems)
+
+    @router.post(
+        "/api/abandon",
+        response_model=ActionResult,
+        dependencies=[Depends(check_csrf)],
+        summary="Abandon messages",
+    )
+    async def abandon(request: Request, body: Ids) -> ActionResult:
+        if not body.ids:
+            raise HTTPException(400, "ids: give at least one message id")
+        outcome = await operations.abandon(
+            outbox, body.ids, operator=operator(request), reason=body.reason
+        )
+        return ActionResult(changed=outcome.count, problems=outcome.problems)
+
+    @router.post(
+        "/api/replay-dead-letters",
+        response_model=ActionResult,
+        dependencies=[Depends(check_csrf)],
+        summary="Replay a consumer group's dead letters",
+    )
+    async def replay_dead_letters(request: Request, body: DeadLetterReplay) -> ActionResult:
+        try:
+            count = await operations.replay_dead_letters(
+                outbox,
+                body.stream,
+                body.group,
+                body.entry_ids,
+                operator=operator(request),
+                force=body.force,
+            )
+        except exceptions.StaleDeadLetters as exc:  # the page asks again, then forces
+            raise HTTPException(409, str(exc)) from exc
+        except exceptions.OperationError as exc:
+            raise HTTPException(400, str(exc)) from exc
+        except exceptions.BrokerUnavailable as exc:
+            raise HTTPException(503, str(exc)) from exc
+        return ActionResult(changed=count)
+
+    @router.get("/static/{name}", include_in_schema=False)
+    async def static(name: str) -> Response:
+        media_type = _STATIC.get(name)
+        if media_type is None:
+            raise HTTPException(404, f"no static file {name!r}")
+        return FileResponse(
+            _HERE / "static" / name,
+            media_type=media_type,
+            headers={"Cache-Control": "max-age=300"},
+        )
+
+    return router
+
+
+def _uuid(field: str, text: str) -> uuid.UUID:
+    try:
+        return uuid.UUID(text)
+    except ValueError:
+        raise HTTPException(400, f"{field}: {text[:80]!r} is not a message id (UUID)") from None
+
+
+def _datetime(field: Literal["since", "until"], text: str | None) -> dt.datetime | None:
+    """An ISO date-time from a filter (a browser's datetime-local has no zone: UTC)."""
+    if text is None:
+        return None
+    try:
+        value = dt.datetime.fromisoformat(text)
+    except ValueError:
+        raise exceptions.OperationError(
+            f"{field}: {text[:80]!r} is not a date-time (YYYY-MM-DDTHH:MM)"
+        ) from None
+    return value if value.tzinfo is not None else value.replace(tzinfo=dt.UTC)

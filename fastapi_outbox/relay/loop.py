@@ -1,0 +1,184 @@
+"""What every loop that moves messages to a broker shares: the table's
+:class:`~fastapi_outbox.relay.table.Processor` and the :class:`~fastapi_outbox.relay.wal.WalRelay`.
+
+- stopping: :meth:`RelayLoop.stop` wakes every wait, :meth:`RelayLoop._sleep` returns early;
+- the client-side bound of one database step (:attr:`RelayLoop._db_bound`);
+- the broker outage state the health endpoint and the dashboard read (``broker_ok``,
+  ``broker_down_since``, ``broker_refusing``, ``last_error``) with the loop's exponential
+  pause (:meth:`RelayLoop._outage` / :meth:`RelayLoop._recovered`): a broker that cannot
+  be reached or refuses every message pauses the loop as a whole, never a message;
+- instrumentation hooks that may fail without stopping the loop (:meth:`RelayLoop._call_hook`);
+- what a failed database step means (:meth:`RelayLoop._database_failed`): the dialect's
+  outage classifier (:mod:`fastapi_outbox.storage.db_outage`) tells the database being unavailable
+  (``database_ok`` false, warned once) from the statement's own error (a missing table, a
+  bug: logged as an error each time, the database up). Either way the loop backs off.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
+
+import anyio
+
+from fastapi_outbox import exceptions
+from fastapi_outbox.log import safe_error, stack
+from fastapi_outbox.relay.wakeups import Wakeup
+from fastapi_outbox.settings import OutboxSettings
+from fastapi_outbox.storage import clock, db_outage
+
+logger = logging.getLogger("fastapi_outbox.dispatcher")
+
+
+class RelayLoop:
+    """Base of the loops that publish: stop, pause on broker outages, hooks."""
+
+    def __init__(self, settings: OutboxSettings) -> None:
+        self.settings = settings
+        self.wakeup = Wakeup()
+        self._stopping = False
+        self._stop_event = anyio.Event()
+        self.stopped = anyio.Event()
+        self._paused_until = 0.0
+        self._broker_failures = 0
+        self._rng = random.Random()
+        # Health.
+        self.running = False
+        self.database_ok = True
+        self.broker_ok = True
+        #: Wall clock of the first failure of the current broker outage (None: broker up).
+        self.broker_down_since: float | None = None
+        #: The outage is the broker refusing every message (out of memory, read-only, …)
+        #: rather than being unreachable.
+        self.broker_refusing = False
+        self.last_error: str | None = None
+
+    async def _supervise(
+        self,
+        loops: Sequence[Callable[[anyio.Event], Coroutine[Any, Any, None]]],
+        task_status: Any,
+        *,
+        name: str,
+        action: str,
+        **extra: Any,
+    ) -> None:
+        """Run ``loops`` (each gets the ``first`` event) until they return. Ready once one
+        of them set ``first`` (its first database step was attempted, whether or not the
+        database answered: the app must start even when the database is down), or after
+        ``lease_seconds``. A bug in a loop ends this one only: raising would cancel the
+        outbox's task group and with it the app's lifespan; the health endpoint reports the
+        dead loop (503) and the error."""
+        self.running = True
+        first = anyio.Event()
+        started = False
+        try:
+            async with anyio.create_task_group() as tg:
+                for loop in loops:
+                    tg.start_soon(loop, first)
+                with anyio.move_on_after(self.settings.lease_seconds):
+                    await first.wait()
+                started = True
+                task_status.started()
+        except Exception as exc:
+            self.last_error = f"{name} crashed: {safe_error(exc)}"
+            logger.error(
+                f"{name} crashed",
+                extra={
+                    **extra,
+                    "action": f"{action}.crashed",
+                    "error": self.last_error,
+                    "stack": stack(exc),
+                },
+            )
+            if not started:
+                task_status.started()
+        finally:
+            self.running = False
+            self.stopped.set()
+
+    @property
+    def _db_bound(self) -> float:
+        """Client-side bound of one database step: the server-side statement timeout plus
+        a margin, for a server that cannot even enforce its own timeout (frozen, or
+        unreachable mid-statement)."""
+        return self.settings.statement_timeout_seconds * 2 + 1.0
+
+    def stop(self) -> None:
+        """Stop taking new work; what is in flight finishes (or is given back)."""
+        self._stopping = True
+        self._stop_event.set()
+        self.wakeup.set_all()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    async def _sleep(self, seconds: float) -> None:
+        """Sleep, but return early when the loop stops."""
+        with anyio.move_on_after(max(0.0, seconds)):
+            await self._stop_event.wait()
+
+    def _outage(self, exc: BaseException, message: str, **extra: Any) -> float:
+        """Record an outage and pause the loop: exponential from ``poll_interval_seconds``
+        up to ``broker_backoff_max_seconds``, with jitter. Returns the pause."""
+        settings = self.settings
+        self._broker_failures += 1
+        pause: float = min(
+            settings.broker_backoff_max_seconds,
+            settings.poll_interval_seconds * 2.0 ** min(self._broker_failures - 1, 16),
+        )
+        pause *= 1 + self._rng.uniform(0, 0.25)
+        self._paused_until = time.monotonic() + pause
+        if self.broker_down_since is None:
+            self.broker_down_since = clock.wall()
+        self.broker_ok = False
+        self.broker_refusing = isinstance(exc, exceptions.BrokerRefusing)
+        self.last_error = safe_error(exc)
+        logger.warning(
+            message,
+            extra={**extra, "pause_seconds": round(pause, 3), "error": self.last_error},
+        )
+        return pause
+
+    def _recovered(self, message: str, **extra: Any) -> None:
+        """The broker took a call: end the outage (logged once) and the pause."""
+        if not self.broker_ok:
+            logger.info(message, extra=extra)
+        self._broker_failures = 0
+        self.broker_ok = True
+        self.broker_down_since = None
+        self.broker_refusing = False
+
+    def _database_failed(
+        self, exc: BaseException, dialect: str, message: str, **extra: Any
+    ) -> None:
+        """A database step of the loop failed with ``exc``. Unavailable (the classifier's
+        verdict; an ambiguous ``OSError`` or timeout counts, the loop runs no code but its
+        own): ``database_ok`` goes false and ``message`` is warned once per outage.
+        Otherwise the statement failed on a database that answers: logged as an error with
+        its stack each time, ``database_ok`` unchanged."""
+        if db_outage.classify(exc, dialect) is not db_outage.Verdict.FAILURE:
+            if self.database_ok:
+                logger.warning(message, extra={**extra, "error": safe_error(exc)})
+            self.database_ok = False
+            self.last_error = f"database unavailable: {type(exc).__name__}"
+            return
+        self.last_error = f"database statement failed: {safe_error(exc)}"
+        logger.error(
+            "database statement failed (the database answers); retrying with backoff",
+            extra={**extra, "error": self.last_error, "stack": stack(exc)},
+        )
+
+    def _call_hook(self, hook: Any, *args: Any, **extra: Any) -> Any:
+        """Call an instrumentation hook; a failing hook is logged, never fatal."""
+        try:
+            return hook(*args)
+        except Exception as exc:
+            logger.warning(
+                "instrumentation hook failed",
+                extra={**extra, "action": "instrumentation.failed", "error": safe_error(exc)},
+            )
+            return None

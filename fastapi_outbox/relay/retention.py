@@ -1,0 +1,173 @@
+"""Retention: delete published and abandoned rows past their retention, in bounded batches.
+
+Each batch is one short transaction deleting at most ``cleanup_batch_size`` rows found
+through a partial index (``FOR UPDATE SKIP LOCKED`` on PostgreSQL), so a cleanup never
+locks the table, never runs one table-wide DELETE, and never stalls dispatch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+
+from fastapi_outbox.log import safe_error
+from fastapi_outbox.settings import OutboxSettings
+from fastapi_outbox.storage.inbox import Inbox
+from fastapi_outbox.storage.partitions import Maintainer
+from fastapi_outbox.storage.store import ABANDONED, PUBLISHED, Store
+
+logger = logging.getLogger("fastapi_outbox.retention")
+
+#: Pause between two batches: lets dispatch and requests through.
+BATCH_PAUSE_SECONDS = 0.01
+
+
+async def purge(
+    store: Store,
+    status: str,
+    older_than_seconds: float,
+    *,
+    batch_size: int,
+    max_rows: int | None = None,
+    progress: Callable[[int], None] | None = None,
+    keep_blocking: bool = False,
+) -> int:
+    """Delete ``status`` rows finished more than ``older_than_seconds`` ago, batch by batch;
+    returns how many were deleted. ``keep_blocking``: see ``Store.purge_batch``."""
+    if status not in (PUBLISHED, ABANDONED):
+        raise ValueError(f"purge takes 'published' or 'abandoned', not {status!r}")
+    total = 0
+    while max_rows is None or total < max_rows:
+        limit = batch_size if max_rows is None else min(batch_size, max_rows - total)
+        deleted = await store.purge_batch(
+            status, older_than_seconds, limit, keep_blocking=keep_blocking
+        )
+        total += deleted
+        if progress is not None:
+            progress(deleted)
+        if deleted < limit:
+            break
+        await anyio.sleep(BATCH_PAUSE_SECONDS)
+    return total
+
+
+class Cleaner:
+    """The periodic retention task started with the dispatchers."""
+
+    def __init__(
+        self,
+        store: Store,
+        settings: OutboxSettings,
+        partitions: Maintainer | None = None,
+        *,
+        inbox: Inbox | None = None,
+    ) -> None:
+        self.store = store
+        self.settings = settings
+        #: A partitioned table's upkeep: partitions ahead created and expired ones dropped
+        #: before the batched DELETE (which then only meets the DEFAULT partition's rows
+        #: and partitions still holding a row that needs work).
+        self.partitions = partitions
+        self.dropped_partitions: list[str] = []
+        self.inbox = inbox
+        self.last_run: float | None = None
+        self.deleted_total = 0
+        # Made by run(): the Outbox (and this cleaner) may be built outside an event loop,
+        # and each dispatcher run needs fresh ones.
+        self._stop: anyio.Event | None = None
+        #: Set when :meth:`run` has returned (shutdown waits for it, see :meth:`stop`).
+        self.stopped: anyio.Event | None = None
+
+    def stop(self) -> None:
+        """Return from :meth:`run` after the current batch. Shutdown stops the cleaner
+        this way rather than cancelling it in the middle of a DELETE: a cancelled query
+        leaves its connection to be torn down in the background (aiosqlite)."""
+        if self._stop is not None:
+            self._stop.set()
+
+    async def run_once(self) -> int:
+        deleted = 0
+        if self.partitions is not None:
+            _, dropped = await self.partitions.run_once(
+                self.settings.published_retention_seconds,
+                self.settings.abandoned_retention_seconds,
+            )
+            self.dropped_partitions += dropped
+        for status, retention in (
+            (PUBLISHED, self.settings.published_retention_seconds),
+            (ABANDONED, self.settings.abandoned_retention_seconds),
+        ):
+            if retention is None:
+                continue
+            n = await purge(
+                self.store,
+                status,
+                retention,
+                batch_size=self.settings.cleanup_batch_size,
+                # Ordered: an abandoned message a later one of its key waits for stays until
+                # an operator replays or purges it (retention would open a silent gap).
+                keep_blocking=self.settings.ordered and status == ABANDONED,
+            )
+            if n:
+                logger.info(
+                    "retention cleanup",
+                    extra={"action": "retention.deleted", "status": status, "count": n},
+                )
+            deleted += n
+        deleted += await self._purge_inbox()
+        self.deleted_total += deleted
+        self.last_run = anyio.current_time()
+        return deleted
+
+    async def _purge_inbox(self) -> int:
+        """Inbox rows past ``inbox_retention_seconds``, in bounded batches."""
+        retention = self.settings.inbox_retention_seconds
+        if self.inbox is None or retention is None:
+            return 0
+        total = 0
+        batch = self.settings.cleanup_batch_size
+        while True:
+            n = await self.inbox.purge_batch(retention, batch)
+            total += n
+            if n < batch:
+                break
+            await anyio.sleep(BATCH_PAUSE_SECONDS)
+        if total:
+            logger.info(
+                "inbox retention cleanup",
+                extra={"action": "retention.inbox_deleted", "count": total},
+            )
+        return total
+
+    async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+        self._stop, self.stopped = anyio.Event(), anyio.Event()
+        try:
+            await self._run(self._stop, task_status)
+        finally:
+            self.stopped.set()
+
+    async def _run(self, stop: anyio.Event, task_status: Any) -> None:
+        task_status.started()
+        if (
+            self.settings.published_retention_seconds is None
+            and self.settings.abandoned_retention_seconds is None
+            and self.partitions is None
+            and (self.inbox is None or self.settings.inbox_retention_seconds is None)
+        ):
+            return
+        while not stop.is_set():
+            try:
+                await self.run_once()
+            except Exception as exc:
+                logger.warning(
+                    "retention cleanup failed",
+                    extra={
+                        "action": "retention.failed",
+                        "error": safe_error(exc),
+                    },
+                )
+            with anyio.move_on_after(self.settings.cleanup_interval_seconds):
+                await stop.wait()

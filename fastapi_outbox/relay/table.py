@@ -1,0 +1,722 @@
+"""Processors and their workers: claim → publish → mark, with backoff and wake-ups.
+
+One :class:`Processor` per (database, broker) pair runs ``settings.workers`` workers in an
+anyio task group. A worker's cycle:
+
+1. **claim** a batch (one statement; attempts counted here, so a message that crashes the
+   process every time is still abandoned after ``max_attempts`` claims);
+2. **publish** it with one broker call (pipelined / concurrent acks), bounded in time;
+3. **mark** the published rows in one statement and the refused ones with a backoff
+   (``failed``) or as ``abandoned``, every change fenced by the claim token.
+
+Failure classes: a broker that cannot be reached makes the processor give the batch back
+(attempts refunded) and pause as a whole with exponential backoff; a message the broker
+refuses is retried on its own with exponential backoff and jitter; a publish that times out
+is an outage only when the broker then fails a ping too, otherwise the batch is tried message
+by message and the one that hangs is charged (:meth:`Processor._one_by_one`); a database that
+cannot be reached makes workers retry with backoff while the app keeps serving.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import random
+import socket
+import time
+import uuid
+from collections.abc import Sequence
+from itertools import count
+from typing import Any
+
+import anyio
+
+from fastapi_outbox import exceptions
+from fastapi_outbox.brokers.base import Broker, PublishResults
+from fastapi_outbox.events import Envelope
+from fastapi_outbox.instrumentation import Instrumentation
+from fastapi_outbox.log import safe_error, stack
+from fastapi_outbox.relay.loop import RelayLoop
+from fastapi_outbox.settings import OutboxSettings
+from fastapi_outbox.storage import clock
+from fastapi_outbox.storage.store import ERROR_MAX_CHARS, ClaimedRow, Failure, Store
+
+logger = logging.getLogger("fastapi_outbox.dispatcher")
+
+DB_BACKOFF_MIN_SECONDS = 0.2
+DB_BACKOFF_MAX_SECONDS = 10.0
+RELEASE_TIMEOUT_SECONDS = 2.0
+#: Longest wait for a broker's ping after a publish timed out (capped by the publish timeout).
+PROBE_TIMEOUT_SECONDS = 2.0
+
+
+def instance_id() -> str:
+    """Identifies this dispatcher process in claim tokens: host, pid and a random part."""
+    return f"{socket.gethostname()[:32]}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+def retry_delay(attempts: int, settings: OutboxSettings, rng: random.Random | None = None) -> float:
+    """Exponential backoff with jitter after the ``attempts``-th failed attempt."""
+    base = settings.retry_base_delay_seconds * settings.retry_multiplier ** max(0, attempts - 1)
+    delay = min(settings.retry_max_delay_seconds, base)
+    jitter = settings.retry_jitter
+    if jitter:
+        delay *= 1 + (rng or random).uniform(-jitter, jitter)
+    return max(0.0, min(delay, settings.retry_max_delay_seconds))
+
+
+class Processor(RelayLoop):
+    """Moves one broker's rows from the outbox table to the broker."""
+
+    def __init__(
+        self,
+        *,
+        store: Store,
+        broker_name: str,
+        broker: Broker,
+        settings: OutboxSettings,
+        instance: str,
+        listening: Any = None,
+        instrumentation: Instrumentation | None = None,
+    ) -> None:
+        super().__init__(settings)
+        self.store = store
+        self.broker_name = broker_name
+        self.broker = broker
+        self.instance = instance
+        self.instrumentation = instrumentation or Instrumentation()
+        self._listening = listening or (lambda: False)
+        self._claims = count(1)
+        self._broker_connected = False
+        self._connect_lock = anyio.Lock()
+        self._next_due: float | None = None
+        self._due_changed = anyio.Event()
+        #: Rows the next claim asks for: adapts to the backlog (see ``_adapt_claim``).
+        self.claim_size = settings.smallest_claim
+        # Health (the broker outage state is RelayLoop's).
+        self.last_tick: float | None = None  # wall clock of the last successful claim
+        self.published_total = 0
+        self.failed_total = 0
+        self.abandoned_total = 0
+
+    def __repr__(self) -> str:
+        return f"Processor(broker={self.broker_name!r})"
+
+    async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+        """Run the workers until :meth:`stop` (or cancellation)."""
+        workers = [functools.partial(self._worker, index) for index in range(self.settings.workers)]
+        try:
+            await self._supervise(
+                workers, task_status, name="processor", action="processor", broker=self.broker_name
+            )
+        finally:
+            logger.info(
+                "processor stopped", extra={"action": "processor.stop", "broker": self.broker_name}
+            )
+
+    def schedule(self, delay_seconds: float) -> None:
+        """A delayed message of this broker is due in ``delay_seconds``: the idle poller
+        looks no later than that (and claims nothing before)."""
+        due = time.monotonic() + delay_seconds
+        if self._next_due is None or due < self._next_due:
+            self._next_due = due
+            self._due_changed.set()
+
+    async def _learn_next_due(self) -> None:
+        """Ask the database when the next row of this broker becomes due."""
+        try:
+            with anyio.fail_after(self._db_bound):
+                due_in = await self.store.next_due_in(self.broker_name)
+        except Exception:
+            return  # the claim reports the database; polling goes on
+        if due_in is not None:
+            self.schedule(due_in)
+
+    async def _idle_wait(self, timeout: float) -> str:
+        """Wait for a wake-up ("woken"), the timeout ("timeout"), or an earlier due time
+        ("rescheduled": wait again, for less)."""
+        outcome = "timeout"
+        async with anyio.create_task_group() as tg:
+
+            async def woken() -> None:
+                nonlocal outcome
+                if await self.wakeup.wait(timeout):
+                    outcome = "woken"
+                tg.cancel_scope.cancel()
+
+            async def rescheduled() -> None:
+                nonlocal outcome
+                await self._due_changed.wait()
+                outcome = "rescheduled"
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(woken)
+            tg.start_soon(rescheduled)
+        if self._due_changed.is_set():
+            self._due_changed = anyio.Event()
+        return outcome
+
+    async def _ensure_broker(self) -> None:
+        if self._broker_connected:
+            return
+        async with self._connect_lock:
+            if not self._broker_connected:
+                await self.broker.connect()
+                self._broker_connected = True
+
+    def _broker_down(self, exc: BaseException) -> None:
+        self._outage(
+            exc,
+            "broker refusing messages; processor backing off"
+            if isinstance(exc, exceptions.BrokerRefusing)
+            else "broker unavailable; processor backing off",
+            action="broker.unavailable",
+            broker=self.broker_name,
+        )
+
+    def _broker_up(self) -> None:
+        self._recovered(
+            "broker available again", action="broker.recovered", broker=self.broker_name
+        )
+
+    # -- the worker loop ---------------------------------------------------------------------
+
+    async def _worker(self, index: int, first: anyio.Event) -> None:
+        settings = self.settings
+        poller = index == 0
+        idle = settings.poll_interval_seconds
+        db_delay = DB_BACKOFF_MIN_SECONDS
+        while not self._stopping:
+            pause = self._paused_until - time.monotonic()
+            if pause > 0:
+                await self._sleep(pause)
+                continue
+            try:
+                await self._ensure_broker()
+            except Exception as exc:
+                self._broker_down(exc)
+                first.set()
+                continue
+            token = f"{self.instance}:{index}:{next(self._claims)}"
+            size = self.claim_size
+            try:
+                with anyio.fail_after(self._db_bound):
+                    batch = await self.store.claim(
+                        self.broker_name,
+                        size,
+                        token,
+                        settings.lease_seconds,
+                        ordered=settings.ordered,
+                    )
+            except Exception as exc:
+                first.set()
+                self._database_failed(
+                    exc,
+                    self.store.engine.dialect.name,
+                    "database unavailable; retrying with backoff",
+                    action="claim.failed",
+                    broker=self.broker_name,
+                )
+                await self._sleep(db_delay * (1 + self._rng.uniform(0, 0.25)))
+                db_delay = min(db_delay * 2, DB_BACKOFF_MAX_SECONDS)
+                continue
+            first.set()
+            db_delay = DB_BACKOFF_MIN_SECONDS
+            if not self.database_ok:
+                logger.info(
+                    "database available again",
+                    extra={"action": "database.recovered", "broker": self.broker_name},
+                )
+            self.database_ok = True
+            self.last_tick = clock.wall()
+            self._adapt_claim(len(batch), size)
+            if not batch:
+                if self._stopping:
+                    # stop() came during the claim. Its wake-up is one coalesced signal
+                    # that another worker may already have taken: waiting now could last
+                    # a poll interval (or, for a non-polling worker, until cancelled).
+                    break
+                if not poller:
+                    await self.wakeup.wait(None)
+                    continue
+                # The poller sleeps until the next row is due (a delayed message, a
+                # backoff, a lease: asked of the database, so rows of other processes
+                # count too) or the poll interval, whichever comes first; a delayed
+                # message committed meanwhile in this process moves that time earlier
+                # without a claim before it is due.
+                await self._learn_next_due()
+                woke = False
+                while not self._stopping:
+                    timeout = idle
+                    if self._next_due is not None:
+                        timeout = max(0.0, min(timeout, self._next_due - time.monotonic()))
+                    outcome = await self._idle_wait(timeout)
+                    if outcome != "rescheduled":
+                        woke = outcome == "woken"
+                        break
+                if self._next_due is not None and self._next_due <= time.monotonic():
+                    self._next_due = None
+                # Idle polls back off while LISTEN delivers wake-ups; without LISTEN
+                # they stay at poll_interval_seconds.
+                cap = (
+                    settings.max_poll_interval_seconds
+                    if self._listening()
+                    else settings.poll_interval_seconds
+                )
+                idle = settings.poll_interval_seconds if woke else min(idle * 2, cap)
+                continue
+            idle = settings.poll_interval_seconds
+            if self._paused_until > time.monotonic():
+                # Another worker found the broker down while this claim ran: give the
+                # batch back (attempts refunded) rather than call a broker the processor
+                # is pausing for.
+                with anyio.CancelScope(shield=True), anyio.move_on_after(RELEASE_TIMEOUT_SECONDS):
+                    await self.store.release([r.id for r in batch], token)
+                continue
+            if len(batch) >= size:
+                self.wakeup.set()  # more work is likely waiting: bring another worker in
+            try:
+                await self._process(batch, token)
+            except _GiveBack:
+                pass
+            except Exception as exc:
+                # Marking failed (database gone mid-batch): the rows keep their lease and
+                # are recovered when it expires; the broker's de-duplication absorbs the
+                # republish.
+                self._database_failed(
+                    exc,
+                    self.store.engine.dialect.name,
+                    "could not record a batch outcome; rows recover after their lease",
+                    action="mark.failed",
+                    broker=self.broker_name,
+                    count=len(batch),
+                )
+                await self._sleep(db_delay)
+                db_delay = min(db_delay * 2, DB_BACKOFF_MAX_SECONDS)
+
+    def _adapt_claim(self, got: int, asked: int) -> None:
+        """Size the next claim to the backlog: double it (up to ``batch_size``) when a
+        claim came back full, halve it (down to ``min_batch_size``) when one came back
+        under a quarter full. An idle dispatcher claims a few rows at a time, so a trickle
+        of commits is spread over the workers; a backlog is drained in claims of
+        ``batch_size``, where the claim, the publish round trip and the mark cost the
+        least per message. The lease does not grow with the claim: each step of a batch
+        is bounded on its own (one broker call by ``publish_timeout_seconds``, each
+        statement by the statement timeout), whatever its size, and the settings refuse a
+        lease shorter than those bounds."""
+        if got >= asked:
+            self.claim_size = min(asked * 2, self.settings.batch_size)
+        elif got < asked // 4:
+            self.claim_size = max(asked // 2, self.settings.smallest_claim)
+
+    async def _process(self, batch: list[ClaimedRow], token: str) -> None:
+        """Publish a claimed batch and record the outcome; gives the batch back when
+        cancelled (shutdown) or when the broker cannot be reached."""
+        settled = False
+        try:
+            await self._publish_and_mark(batch, token)
+            settled = True
+        finally:
+            if not settled:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(RELEASE_TIMEOUT_SECONDS):
+                    released = await self.store.release([r.id for r in batch], token)
+                    logger.info(
+                        "claim released",
+                        extra={
+                            "action": "claim.released",
+                            "broker": self.broker_name,
+                            "count": released,
+                        },
+                    )
+
+    async def _publish_and_mark(self, batch: list[ClaimedRow], token: str) -> None:
+        settings = self.settings
+        exhausted = [r for r in batch if r.attempts > settings.max_attempts]
+        live = [r for r in batch if r.attempts <= settings.max_attempts]
+        if exhausted:
+            await self._abandon_exhausted(exhausted, token)
+        expired: list[ClaimedRow] = []
+        if settings.retry_deadline_seconds is not None:
+            # The row's age as the database counted it at the claim: the dispatcher's own
+            # clock may be minutes off the clock that wrote created_at.
+            deadline = settings.retry_deadline_seconds
+            expired = [r for r in live if r.age_seconds is not None and r.age_seconds > deadline]
+            if expired:
+                gone = {r.id for r in expired}
+                live = [r for r in live if r.id not in gone]
+                await self._abandon_expired(expired, token)
+        if settings.ordered and (exhausted or expired):
+            live = await self._give_back_behind(batch, live, [*exhausted, *expired], token)
+        if not live:
+            return
+        envelopes = [self._envelope(r) for r in live]
+        answered = True
+        try:
+            with anyio.fail_after(settings.publish_timeout_seconds):
+                results = await self._send(envelopes)
+        except (exceptions.BrokerTimeout, TimeoutError) as exc:
+            if not await self._broker_answers():
+                self._broker_down(exc)
+                self._broker_connected = isinstance(exc, TimeoutError)
+                raise _GiveBack() from exc
+            results = await self._one_by_one(live, envelopes, token, exc)
+            answered = self.broker_ok  # False: the broker stopped answering mid-pass
+        except exceptions.BrokerUnavailable as exc:
+            self._broker_down(exc)
+            self._broker_connected = False
+            raise _GiveBack() from exc
+        except exceptions.OutboxError as exc:
+            results = [exc] * len(envelopes)
+        except Exception as exc:  # a bug in a broker must not stop the dispatcher
+            # Type and stack only: the text of an unexpected error may quote the message.
+            logger.error(
+                "broker raised unexpectedly",
+                extra={
+                    "action": "publish.error",
+                    "broker": self.broker_name,
+                    "error": type(exc).__name__,
+                    "stack": stack(exc),
+                },
+            )
+            error = exceptions.MessageRejected(f"broker raised {type(exc).__name__}")
+            results = [error] * len(envelopes)
+        if answered:
+            self._broker_up()
+        with anyio.fail_after(self._db_bound):
+            await self._record(live, envelopes, results, token)
+
+    async def _give_back_behind(
+        self,
+        batch: list[ClaimedRow],
+        live: list[ClaimedRow],
+        abandoned: list[ClaimedRow],
+        token: str,
+    ) -> list[ClaimedRow]:
+        """Ordered: the rows of this batch that come after a row of their key abandoned at
+        the claim go back to the table (attempt refunded), where the abandoned row blocks
+        them; returns the rest."""
+        gone = {r.id for r in abandoned}
+        stopped: set[str] = set()
+        behind: set[uuid.UUID] = set()
+        for row in batch:  # in insert order
+            if row.key is None:
+                continue
+            if row.id in gone:
+                stopped.add(row.key)
+            elif row.key in stopped:
+                behind.add(row.id)
+        if behind:
+            with anyio.fail_after(self._db_bound):
+                await self.store.release(list(behind), token)
+        return [r for r in live if r.id not in behind]
+
+    async def _broker_answers(self) -> bool:
+        """After a publish timed out: does the broker answer a ping within
+        ``PROBE_TIMEOUT_SECONDS`` (or the publish timeout, if shorter)? No answer is an
+        outage; an answer means the batch hangs, not the broker."""
+        bound = min(self.settings.publish_timeout_seconds, PROBE_TIMEOUT_SECONDS)
+        with anyio.move_on_after(bound):
+            try:
+                await self.broker.ping()
+            except Exception:
+                return False
+            return True
+        return False
+
+    async def _one_by_one(
+        self, rows: list[ClaimedRow], envelopes: list[Envelope], token: str, exc: BaseException
+    ) -> PublishResults:
+        """The batch's publish timed out while the broker answered a ping: something in
+        the batch hangs, not the broker. Try its messages one at a time, each bounded by
+        ``publish_timeout_seconds``; one that times out again while the broker still
+        answers is charged (an attempt, backoff, abandoned after ``max_attempts``) and
+        the others go out uncharged. A batch of one is charged at once.
+
+        The lease is renewed first, and no message starts later than the renewed lease
+        less one publish timeout allows: the rest is given back (attempt refunded) and
+        claimed again at once, without the charged message, which backs off. The broker
+        failing to answer a ping meanwhile ends the pass as an outage (rest given back,
+        processor paused). Ordered: a key stops at its first failure, as in
+        :meth:`_publish_ordered`."""
+        settings = self.settings
+        timeout = settings.publish_timeout_seconds
+        logger.warning(
+            "publish timed out while the broker answered; trying the batch one by one",
+            extra={
+                "action": "publish.hung",
+                "broker": self.broker_name,
+                "count": len(envelopes),
+                "error": safe_error(exc),
+            },
+        )
+        self._broker_up()
+        if len(envelopes) == 1:
+            return [self._hung(envelopes[0], exc)]
+        with anyio.fail_after(self._db_bound):
+            held = await self.store.extend_lease(
+                [r.id for r in rows], token, settings.lease_seconds
+            )
+        if held < len(rows):
+            raise _GiveBack()  # another worker holds some of them now
+        last_start = time.monotonic() + settings.lease_seconds - 1.25 * timeout
+        results: PublishResults = [_NotAttempted() for _ in envelopes]
+        stopped: set[str] = set()
+        for i, envelope in enumerate(envelopes):
+            if i and time.monotonic() >= last_start:
+                break
+            if envelope.key is not None and envelope.key in stopped:
+                continue
+            try:
+                with anyio.fail_after(timeout):
+                    result = (await self._send([envelope]))[0]
+            except (exceptions.BrokerTimeout, TimeoutError) as again:
+                if not await self._broker_answers():
+                    self._broker_down(again)
+                    break
+                result = self._hung(envelope, again)
+            except exceptions.BrokerUnavailable as down:
+                self._broker_down(down)
+                self._broker_connected = False
+                break
+            except exceptions.OutboxError as refused:
+                result = refused
+            except Exception as bug:
+                logger.error(
+                    "broker raised unexpectedly",
+                    extra={
+                        "action": "publish.error",
+                        "broker": self.broker_name,
+                        "error": type(bug).__name__,
+                        "stack": stack(bug),
+                    },
+                )
+                result = exceptions.MessageRejected(f"broker raised {type(bug).__name__}")
+            results[i] = result
+            if result is not None and settings.ordered and envelope.key is not None:
+                stopped.add(envelope.key)
+        return results
+
+    def _hung(self, envelope: Envelope, exc: BaseException) -> exceptions.MessageRejected:
+        """The failure charged to a message whose publish timed out on its own while the
+        broker answered a ping."""
+        return exceptions.MessageRejected(
+            f"message {envelope.id}: publish timed out while the broker answered a ping "
+            f"(publish_timeout_seconds={self.settings.publish_timeout_seconds:g}; "
+            f"{safe_error(exc)})"
+        )
+
+    async def _send(self, envelopes: list[Envelope]) -> PublishResults:
+        """One broker call (ordered: one per round) between the instrumentation's
+        ``publish_started`` hook and its finisher (publish spans, see ``tracing``)."""
+        finish = self._hook(self.instrumentation.publish_started, self.broker_name, envelopes)
+        try:
+            if self.settings.ordered:
+                results = await self._publish_ordered(envelopes)
+            else:
+                results = await self.broker.publish(envelopes)
+        except BaseException as exc:
+            if finish is not None:
+                self._hook(finish, exc)
+            raise
+        if finish is not None:
+            self._hook(finish, results)
+        return results
+
+    def _hook(self, hook: Any, *args: Any) -> Any:
+        return self._call_hook(hook, *args, broker=self.broker_name)
+
+    async def _record(
+        self,
+        rows: list[ClaimedRow],
+        envelopes: list[Envelope],
+        results: PublishResults,
+        token: str,
+    ) -> None:
+        published: list[ClaimedRow] = []
+        failures: list[Failure] = []
+        skipped: list[ClaimedRow] = []
+        for row, result in zip(rows, results, strict=True):
+            if result is None:
+                published.append(row)
+            elif isinstance(result, _NotAttempted):
+                skipped.append(row)
+            else:
+                abandon = row.attempts >= self.settings.max_attempts
+                failures.append(
+                    Failure(
+                        id=row.id,
+                        error=safe_error(result, limit=ERROR_MAX_CHARS),
+                        delay_seconds=retry_delay(row.attempts, self.settings, self._rng),
+                        abandon=abandon,
+                    )
+                )
+        if published:
+            marked = await self.store.mark_published(
+                [r.id for r in published], token, delete_rows=self.settings.delete_on_publish
+            )
+            if marked < len(published):
+                logger.warning(
+                    "lease lost before mark: another worker re-claimed rows",
+                    extra={
+                        "action": "mark.lease_lost",
+                        "broker": self.broker_name,
+                        "lost": len(published) - marked,
+                    },
+                )
+            self.published_total += len(published)
+            by_id = {e.id: e for e in envelopes}
+            self._hook(
+                self.instrumentation.published,
+                self.broker_name,
+                [by_id[str(r.id)] for r in published],
+            )
+            logger.debug(
+                "published",
+                extra={"action": "publish.ok", "broker": self.broker_name, "count": len(published)},
+            )
+        if failures:
+            await self.store.mark_failed(failures, token)
+            for f in failures:
+                level = logging.ERROR if f.abandon else logging.WARNING
+                logger.log(
+                    level,
+                    "message abandoned" if f.abandon else "publish failed; will retry",
+                    extra={
+                        "action": "publish.abandoned" if f.abandon else "publish.failed",
+                        "broker": self.broker_name,
+                        "message_id": str(f.id),
+                        "retry_in": None if f.abandon else round(f.delay_seconds, 3),
+                        "error": f.error[:300],
+                    },
+                )
+            abandoned = [f for f in failures if f.abandon]
+            self.failed_total += len(failures) - len(abandoned)
+            self.abandoned_total += len(abandoned)
+            by_id = {e.id: e for e in envelopes}
+            retried = [by_id[str(f.id)] for f in failures if not f.abandon]
+            if retried:
+                self._hook(self.instrumentation.failed, self.broker_name, retried)
+            if abandoned:
+                self._hook(
+                    self.instrumentation.abandoned,
+                    self.broker_name,
+                    [by_id[str(f.id)] for f in abandoned],
+                )
+            soonest = min((f.delay_seconds for f in failures if not f.abandon), default=None)
+            if soonest is not None:
+                due = time.monotonic() + soonest
+                if self._next_due is None or due < self._next_due:
+                    self._next_due = due
+        if skipped:
+            await self.store.release([r.id for r in skipped], token)
+
+    async def _abandon_expired(self, rows: list[ClaimedRow], token: str) -> None:
+        deadline = self.settings.retry_deadline_seconds
+        await self.store.abandon(
+            [r.id for r in rows],
+            token,
+            f"retry deadline of {deadline:g}s passed (retry_deadline_seconds): not published "
+            "that long after its commit",
+        )
+        self.abandoned_total += len(rows)
+        self._hook(
+            self.instrumentation.abandoned, self.broker_name, [self._envelope(r) for r in rows]
+        )
+        for r in rows:
+            logger.error(
+                "message abandoned: retry deadline passed",
+                extra={
+                    "action": "publish.abandoned",
+                    "broker": self.broker_name,
+                    "message_id": str(r.id),
+                    "attempts": r.attempts,
+                },
+            )
+
+    async def _abandon_exhausted(self, rows: list[ClaimedRow], token: str) -> None:
+        error = (
+            f"claimed {rows[0].attempts} times (max_attempts={self.settings.max_attempts}) "
+            "without a recorded outcome: the dispatcher probably crashed while publishing it"
+        )
+        await self.store.abandon([r.id for r in rows], token, error)
+        self.abandoned_total += len(rows)
+        self._hook(
+            self.instrumentation.abandoned, self.broker_name, [self._envelope(r) for r in rows]
+        )
+        for r in rows:
+            logger.error(
+                "message abandoned after repeated crashes",
+                extra={
+                    "action": "publish.abandoned",
+                    "broker": self.broker_name,
+                    "message_id": str(r.id),
+                    "attempts": r.attempts,
+                },
+            )
+
+    async def _publish_ordered(self, envelopes: list[Envelope]) -> PublishResults:
+        """Per-key order inside a batch: publish in rounds (the n-th message of every key in
+        round n) and stop a key at its first failure; its later messages are given back.
+
+        Rounds are one broker call each, so a deep key costs one round trip per message.
+        They run within a time budget (half of ``publish_timeout_seconds``): once it is
+        spent no new round starts, what was sent is marked and the rest is given back with
+        its attempt refunded and claimed again at once. A key whose queue is deeper than
+        one publish timeout allows therefore drains batch after batch instead of timing
+        out whole and being re-sent from its first message forever."""
+        results: PublishResults = [None] * len(envelopes)
+        # A message without a key is a queue of its own.
+        queues: dict[tuple[str, str] | tuple[None, int], list[int]] = {}
+        for i, e in enumerate(envelopes):
+            queues.setdefault(("key", e.key) if e.key is not None else (None, i), []).append(i)
+        blocked: set[tuple[str, str] | tuple[None, int]] = set()
+        budget_ends = time.monotonic() + self.settings.publish_timeout_seconds / 2
+        depth = 0
+        while True:
+            round_ = [
+                (k, q[depth]) for k, q in queues.items() if len(q) > depth and k not in blocked
+            ]
+            if not round_:
+                break
+            if depth and time.monotonic() >= budget_ends:
+                for k, _first in round_:
+                    for later in queues[k][depth:]:
+                        results[later] = _NotAttempted()
+                break
+            out = await self.broker.publish([envelopes[i] for _, i in round_])
+            for (k, i), res in zip(round_, out, strict=True):
+                results[i] = res
+                if res is not None:
+                    blocked.add(k)
+                    for later in queues[k][depth + 1 :]:
+                        results[later] = _NotAttempted()
+            depth += 1
+        return results
+
+    def _envelope(self, row: ClaimedRow) -> Envelope:
+        headers = row.headers
+        return Envelope(
+            str(row.id),
+            row.stream,
+            row.type,
+            row.key,
+            row.payload.encode(),
+            None if isinstance(headers, str) else dict(headers),
+            headers_json=headers if isinstance(headers, str) else None,
+        )
+
+
+class _GiveBack(Exception):
+    """Internal: the batch goes back to the table (broker unreachable)."""
+
+
+class _NotAttempted(Exception):
+    """Internal: an ordered message not sent because an earlier one of its key failed."""
+
+
+async def process_batch(processor: Processor, batch: Sequence[ClaimedRow], token: str) -> None:
+    """Run one claimed batch through ``processor`` (used by the testing helpers)."""
+    with contextlib.suppress(_GiveBack):
+        await processor._process(list(batch), token)

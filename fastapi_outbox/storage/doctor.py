@@ -1,0 +1,495 @@
+"""``fastapi-outbox doctor`` and ``fastapi-outbox db upgrade``: the live table against the
+layout this version of the library expects.
+
+:func:`examine` lists the differences as :class:`Finding` s, each with the SQL that fixes
+it. On PostgreSQL the expected layout is not compared as text with what the catalogue
+says: it is created as a temporary table (with its indexes) in a transaction that is rolled
+back, so PostgreSQL itself normalises both sides (types, index predicates) and the
+comparison is exact. Nothing is written.
+
+:func:`upgrade` applies the fixes marked ``automatic`` — the ones that add what a table
+created by an earlier release lacks (columns, indexes, storage parameters, partitions ahead)
+or drop what it no longer uses (the pre-release ``txid`` column) — and is idempotent: a
+second run finds nothing to do. A changed column type or a plain table that should be
+partitioned is only reported, with the SQL or the README procedure: those rewrite data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime as dt
+import logging
+import re
+from typing import Any
+
+import anyio
+from sqlalchemy import Table, text
+from sqlalchemy.engine import Connection
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.schema import CreateColumn, CreateIndex, CreateTable
+
+from fastapi_outbox.exceptions import OutboxError
+from fastapi_outbox.log import safe_error
+from fastapi_outbox.storage import partitions
+
+#: Columns of earlier layouts that the library no longer reads or writes.
+OBSOLETE_COLUMNS = {
+    "txid": "pre-release ordering column: its default runs pg_current_xact_id() on every "
+    "insert and nothing reads it since ordering uses seq",
+}
+_PROBE = "fastapi_outbox_doctor_probe"
+#: Partitions must cover at least this far ahead (the cleaner keeps two days ready).
+DOCTOR_AHEAD_SECONDS = 86400.0
+
+logger = logging.getLogger("fastapi_outbox.doctor")
+
+#: ``db upgrade`` waits this long for each statement's lock (PostgreSQL ``lock_timeout``):
+#: a statement queued behind a long transaction holds up every write to the table.
+UPGRADE_LOCK_TIMEOUT_SECONDS = 2.0
+#: Passes of ``db upgrade`` before it gives up on a lock it cannot get.
+UPGRADE_LOCK_ATTEMPTS = 10
+#: Pause between those passes (the table takes writes meanwhile).
+UPGRADE_RETRY_PAUSE_SECONDS = 1.0
+#: SQLSTATE lock_not_available: ``lock_timeout`` ran out.
+LOCK_NOT_AVAILABLE = "55P03"
+
+
+class UpgradeLockTimeout(OutboxError, RuntimeError):
+    """``db upgrade`` could not take a lock on the table within its lock timeout, on any
+    of its attempts: another transaction holds a conflicting lock."""
+
+
+@dataclasses.dataclass(slots=True)
+class Finding:
+    """One difference between the live table and the expected layout."""
+
+    what: str
+    fix: list[str]
+    #: ``db upgrade`` applies it (adds or drops without rewriting rows).
+    automatic: bool = True
+    #: Statements that cannot run in a transaction block (``CONCURRENTLY``).
+    concurrently: bool = False
+    #: A mismatch (exit code 1) or advice only.
+    mismatch: bool = True
+
+
+def _q(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def _index_body(definition: str) -> str:
+    """``USING btree (…) WHERE …`` of a ``pg_get_indexdef``: what an index is, not what it
+    is called nor where."""
+    return definition[definition.index(" USING ") + 1 :]
+
+
+# -- PostgreSQL ------------------------------------------------------------------------------
+
+
+def _pg_columns(conn: Connection, relation: str) -> dict[str, tuple[str, bool, str]]:
+    rows = conn.execute(
+        text(
+            "SELECT attname, format_type(atttypid, atttypmod), attnotnull, attidentity "
+            "FROM pg_attribute WHERE attrelid = to_regclass(:r) AND attnum > 0 "
+            "AND NOT attisdropped"
+        ),
+        {"r": relation},
+    ).all()
+    return {name: (type_, notnull, identity) for name, type_, notnull, identity in rows}
+
+
+def _pg_indexes(conn: Connection, relation: str) -> dict[str, tuple[str, bool, bool]]:
+    rows = conn.execute(
+        text(
+            "SELECT c.relname, pg_get_indexdef(i.indexrelid), i.indisvalid, i.indisprimary "
+            "FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
+            "WHERE i.indrelid = to_regclass(:r)"
+        ),
+        {"r": relation},
+    ).all()
+    return {name: (_index_body(d), valid, primary) for name, d, valid, primary in rows}
+
+
+def _pg_reloptions(conn: Connection, relation: str) -> dict[str, str]:
+    options = conn.execute(
+        text("SELECT reloptions FROM pg_class WHERE oid = to_regclass(:r)"), {"r": relation}
+    ).scalar_one_or_none()
+    return dict(o.split("=", 1) for o in options or [])
+
+
+def _expected_pg(conn: Connection, table: Table) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Columns and indexes of the expected layout, as PostgreSQL reports them: created as a
+    temporary table in a savepoint that is rolled back."""
+    create = str(CreateTable(table).compile(dialect=conn.dialect))
+    create = re.sub(r"^\s*CREATE TABLE \S+", f"CREATE TEMPORARY TABLE {_PROBE}", create)
+    create = re.sub(r"\s*PARTITION BY RANGE \(created_at\)", "", create)
+    with conn.begin_nested() as savepoint:
+        conn.execute(text(create))
+        for index in table.indexes:
+            if index._ddl_if is not None and index._ddl_if.dialect not in (None, "postgresql"):
+                continue
+            ddl = str(CreateIndex(index).compile(dialect=conn.dialect))
+            ddl = re.sub(r" ON \S+ ", f" ON {_PROBE} ", ddl, count=1)
+            conn.execute(text(ddl))
+        columns = _pg_columns(conn, _PROBE)
+        indexes = _pg_indexes(conn, _PROBE)
+        savepoint.rollback()
+    return columns, indexes
+
+
+def _pg_partitioned(conn: Connection, table: str) -> bool | None:
+    kind = conn.execute(
+        text("SELECT relkind::text FROM pg_class WHERE oid = to_regclass(:r)"), {"r": _q(table)}
+    ).scalar_one_or_none()
+    return None if kind is None else kind == "p"
+
+
+def examine_sync(conn: Connection, table: Table) -> list[Finding]:
+    """The differences between ``table`` (the expected layout) and the live table."""
+    if conn.dialect.name != "postgresql":
+        return _examine_sqlite(conn, table)
+    name = table.name
+    relation = _q(name)
+    interval: dt.timedelta | None = table.info.get("partitioning")
+    partitioned = _pg_partitioned(conn, name)
+    if partitioned is None:
+        return [
+            Finding(
+                f"table {name} does not exist",
+                ["-- fastapi-outbox db create (or the DDL of `fastapi-outbox db sql`)"],
+            )
+        ]
+    findings: list[Finding] = []
+    expected_columns, expected_indexes = _expected_pg(conn, table)
+    live_columns = _pg_columns(conn, relation)
+    live_indexes = _pg_indexes(conn, relation)
+
+    for column in table.columns:
+        want = expected_columns[column.name]
+        have = live_columns.get(column.name)
+        if have is None:
+            add = str(CreateColumn(column).compile(dialect=conn.dialect)).strip()
+            findings.append(
+                Finding(
+                    f"column {column.name} is missing",
+                    [f"ALTER TABLE {relation} ADD COLUMN {add}"],
+                )
+            )
+        elif have[0] != want[0]:
+            findings.append(
+                Finding(
+                    f"column {column.name} is {have[0]}, expected {want[0]}",
+                    [
+                        "-- rewrites the table under an ACCESS EXCLUSIVE lock: plan a window",
+                        f"ALTER TABLE {relation} ALTER COLUMN {_q(column.name)} TYPE {want[0]} "
+                        f"USING {_q(column.name)}::{want[0]}",
+                    ],
+                    automatic=False,
+                )
+            )
+        elif have[1] != want[1]:
+            verb = "SET" if want[1] else "DROP"
+            findings.append(
+                Finding(
+                    f"column {column.name} is {'nullable' if not have[1] else 'NOT NULL'}",
+                    [f"ALTER TABLE {relation} ALTER COLUMN {_q(column.name)} {verb} NOT NULL"],
+                    automatic=False,
+                )
+            )
+    for column_name, why in OBSOLETE_COLUMNS.items():
+        if column_name in live_columns and column_name not in expected_columns:
+            findings.append(
+                Finding(
+                    f"obsolete column {column_name} ({why})",
+                    [f"ALTER TABLE {relation} DROP COLUMN {_q(column_name)}"],
+                )
+            )
+
+    want_pk = next(body for body, _, primary in expected_indexes.values() if primary)
+    have_pk = next((body for body, _, primary in live_indexes.values() if primary), None)
+    if have_pk != want_pk:
+        findings.append(
+            Finding(
+                f"primary key is {have_pk or 'missing'}, expected {want_pk}",
+                ["-- see the README: moving a table to the partitioned layout"],
+                automatic=False,
+            )
+        )
+    for index in sorted(table.indexes, key=lambda i: i.name or ""):
+        index_name = str(index.name)
+        if index_name not in expected_indexes:
+            continue  # another dialect's index
+        body = expected_indexes[index_name][0]
+        have_index = live_indexes.get(index_name)
+        findings += _index_finding(
+            conn.dialect, table, index, index_name, body, have_index, partitioned
+        )
+
+    if bool(partitioned) != (interval is not None):
+        findings.append(
+            Finding(
+                f"table {name} is {'partitioned' if partitioned else 'not partitioned'} but "
+                f"the settings say partitioning={table.info.get('partitioning_setting')!r}",
+                ["-- see the README: moving a table to the partitioned layout"],
+                automatic=False,
+            )
+        )
+    if partitioned and interval is not None:
+        findings += _partition_findings(conn, name, interval)
+    if not partitioned:
+        findings += _storage_findings(conn, [name])
+    return findings
+
+
+def _index_finding(
+    dialect: Any,
+    table: Table,
+    index: Any,
+    name: str,
+    body: str,
+    have: tuple[str, bool, bool] | None,
+    partitioned: bool | None,
+) -> list[Finding]:
+    # CONCURRENTLY on a plain table: a live table keeps taking writes while the index
+    # builds. PostgreSQL has no CONCURRENTLY for an index on a partitioned table.
+    concurrently = not partitioned
+    ddl = str(CreateIndex(index).compile(dialect=dialect)).replace(
+        "CREATE INDEX ",
+        f"CREATE INDEX {'CONCURRENTLY ' if concurrently else ''}IF NOT EXISTS ",
+        1,
+    )
+    relation = _q(table.name)
+    if have is None:
+        return [Finding(f"index {name} is missing", [ddl], concurrently=concurrently)]
+    drop = f"DROP INDEX {'CONCURRENTLY ' if concurrently else ''}IF EXISTS {_q(name)}"
+    if have[0] != body:
+        # Build the new one under a temporary name, then swap: claims keep an index.
+        new = f"{name[:55]}_new"
+        return [
+            Finding(
+                f"index {name} is {have[0]}, expected {body}",
+                [
+                    f"DROP INDEX {'CONCURRENTLY ' if concurrently else ''}IF EXISTS {_q(new)}",
+                    ddl.replace(f"EXISTS {name} ", f"EXISTS {new} ", 1),
+                    drop,
+                    f"ALTER INDEX {_q(new)} RENAME TO {_q(name)}",
+                ],
+                concurrently=concurrently,
+            )
+        ]
+    if not have[1]:
+        return [
+            Finding(
+                f"index {name} on {relation} is invalid (an interrupted CONCURRENTLY build)",
+                [drop, ddl],
+                concurrently=concurrently,
+            )
+        ]
+    return []
+
+
+def _partition_findings(conn: Connection, name: str, interval: dt.timedelta) -> list[Finding]:
+    found = partitions.list_partitions(conn, name)
+    findings = []
+    if not any(p.is_default for p in found):
+        findings.append(
+            Finding(
+                f"table {name} has no DEFAULT partition (a producer fails when no partition "
+                "covers its time)",
+                [
+                    f"CREATE TABLE {_q(partitions.default_name(name))} PARTITION OF {_q(name)} "
+                    f"DEFAULT WITH ({partitions.storage_sql()})"
+                ],
+            )
+        )
+    now = conn.execute(text("SELECT now()")).scalar_one()
+    # The cleaner keeps AHEAD_SECONDS ready; less than a day ahead means it is not running.
+    missing = partitions.wanted_ranges(now, interval, found, ahead=DOCTOR_AHEAD_SECONDS)
+    if missing:
+        findings.append(
+            Finding(
+                f"{len(missing)} partition(s) missing ahead of now (first: "
+                f"{missing[0][0].isoformat()}); the cleaner creates them, so are dispatchers "
+                "running?",
+                [
+                    f"CREATE TABLE {_q(partitions.partition_name(name, lo))} PARTITION OF "
+                    f"{_q(name)} FOR VALUES FROM ('{lo.isoformat()}') TO ('{hi.isoformat()}') "
+                    f"WITH ({partitions.storage_sql()})"
+                    for lo, hi in missing
+                ],
+            )
+        )
+    findings += _storage_findings(conn, [p.name for p in found])
+    return findings
+
+
+def _storage_findings(conn: Connection, relations: list[str]) -> list[Finding]:
+    findings = []
+    for relation in relations:
+        options = _pg_reloptions(conn, _q(relation))
+        wrong = {k: v for k, v in partitions.AUTOVACUUM.items() if options.get(k) != v}
+        if wrong:
+            settings = ", ".join(f"{k} = {v}" for k, v in wrong.items())
+            findings.append(
+                Finding(
+                    f"{relation}: autovacuum settings {', '.join(sorted(wrong))} not set "
+                    "(vacuum would wait for a fraction of the table to be dead rows)",
+                    [f"ALTER TABLE {_q(relation)} SET ({settings})"],
+                )
+            )
+    return findings
+
+
+# -- SQLite ------------------------------------------------------------------------------------
+
+
+def _examine_sqlite(conn: Connection, table: Table) -> list[Finding]:
+    name = table.name
+    relation = _q(name)
+    columns = {row[1] for row in conn.execute(text(f"PRAGMA table_info({relation})"))}
+    if not columns:
+        return [Finding(f"table {name} does not exist", ["-- fastapi-outbox db create"])]
+    findings: list[Finding] = []
+    for column in table.columns:
+        if column.name not in columns:
+            add = str(CreateColumn(column).compile(dialect=conn.dialect)).strip()
+            if column.name == "seq":  # no identity on SQLite: the rowid orders, 0 stored
+                add += " DEFAULT 0"
+            findings.append(
+                Finding(
+                    f"column {column.name} is missing",
+                    [f"ALTER TABLE {relation} ADD COLUMN {add}"],
+                )
+            )
+    live = {
+        row[0]: " ".join(str(row[1]).split())
+        for row in conn.execute(
+            text("SELECT name, sql FROM sqlite_master WHERE type = 'index' AND tbl_name = :t"),
+            {"t": name},
+        )
+        if row[1] is not None
+    }
+    for index in sorted(table.indexes, key=lambda i: i.name or ""):
+        if index._ddl_if is not None and index._ddl_if.dialect not in (None, "sqlite"):
+            continue
+        index_name = str(index.name)
+        ddl = " ".join(str(CreateIndex(index).compile(dialect=conn.dialect)).split())
+        if index_name not in live:
+            findings.append(Finding(f"index {index_name} is missing", [ddl]))
+        elif live[index_name] != ddl:
+            findings.append(
+                Finding(
+                    f"index {index_name} is {live[index_name]!r}, expected {ddl!r}",
+                    [f"DROP INDEX {_q(index_name)}", ddl],
+                )
+            )
+    for column_name, why in OBSOLETE_COLUMNS.items():
+        if column_name in columns and column_name not in table.c:
+            findings.append(
+                Finding(
+                    f"obsolete column {column_name} ({why})",
+                    [f"ALTER TABLE {relation} DROP COLUMN {_q(column_name)}"],
+                )
+            )
+    return findings
+
+
+# -- entry points -------------------------------------------------------------------------------
+
+
+async def examine(engine: AsyncEngine, table: Table) -> list[Finding]:
+    async with engine.connect() as conn:
+        findings = await conn.run_sync(examine_sync, table)
+        await conn.rollback()
+    return findings
+
+
+async def upgrade(
+    engine: AsyncEngine,
+    table: Table,
+    *,
+    lock_timeout_seconds: float = UPGRADE_LOCK_TIMEOUT_SECONDS,
+    attempts: int = UPGRADE_LOCK_ATTEMPTS,
+    pause_seconds: float = UPGRADE_RETRY_PAUSE_SECONDS,
+) -> tuple[list[Finding], list[Finding]]:
+    """Apply the automatic fixes; returns (applied, left for the operator). Idempotent.
+
+    Fixes run in the order found (columns before the indexes on them, the obsolete column
+    after the index that used it was rebuilt), each statement on its own in autocommit: a
+    ``CONCURRENTLY`` build cannot run in a transaction and must not hold a long one.
+
+    On PostgreSQL each statement waits at most ``lock_timeout_seconds`` for its lock: an
+    ``ALTER TABLE`` queued behind a long transaction would otherwise block every write to
+    the table behind it for as long. A statement that times out is retried, after
+    ``pause_seconds``, from a new look at the table (an interrupted ``CONCURRENTLY`` build
+    leaves an invalid index, which the next look rebuilds), ``attempts`` times in all;
+    then :class:`UpgradeLockTimeout` names the table."""
+    applied: list[Finding] = []
+    limit = lock_timeout_seconds if engine.dialect.name == "postgresql" else None
+    waited_for = "a change"
+    for attempt in range(1, attempts + 1):
+        done, left, blocked = await _upgrade_once(engine, table, limit)
+        applied += done
+        if blocked is None:
+            return applied, left
+        waited_for = blocked.what
+        logger.warning(
+            "db upgrade: lock not available; retrying",
+            extra={
+                "action": "upgrade.lock_timeout",
+                "table": table.name,
+                "attempt": attempt,
+                "change": waited_for,
+            },
+        )
+        if attempt < attempts:
+            await anyio.sleep(pause_seconds)
+    raise UpgradeLockTimeout(
+        f"db upgrade: table {table.name}: could not take the lock for {waited_for!r} within "
+        f"{lock_timeout_seconds:g} s (UPGRADE_LOCK_TIMEOUT_SECONDS), {attempts} attempts: "
+        "another transaction holds a conflicting lock on the table; run it again once that "
+        f"transaction has ended ({len(applied)} change(s) applied so far)"
+    )
+
+
+async def _upgrade_once(
+    engine: AsyncEngine, table: Table, lock_timeout_seconds: float | None
+) -> tuple[list[Finding], list[Finding], Finding | None]:
+    """One pass of :func:`upgrade`: (applied, left, the fix whose lock timed out)."""
+    findings = await examine(engine, table)
+    applied: list[Finding] = []
+    left: list[Finding] = []
+    ordered = sorted(findings, key=lambda f: f.what.startswith("obsolete"))
+    autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
+    for finding in ordered:
+        if not finding.automatic:
+            left.append(finding)
+            continue
+        try:
+            async with autocommit.connect() as conn:
+                if lock_timeout_seconds is not None:
+                    ms = max(1, int(lock_timeout_seconds * 1000))
+                    await conn.execute(text(f"SET lock_timeout = {ms}"))
+                try:
+                    for statement in finding.fix:
+                        if not statement.startswith("--"):
+                            await conn.execute(text(statement))
+                finally:
+                    if lock_timeout_seconds is not None and not conn.invalidated:
+                        with contextlib.suppress(DBAPIError):
+                            await conn.execute(text("RESET lock_timeout"))
+        except DBAPIError as exc:  # e.g. a partition whose range has rows in DEFAULT
+            if _sqlstate(exc) == LOCK_NOT_AVAILABLE:
+                return applied, left, finding
+            finding.what += f" (fix failed: {safe_error(exc, 200)})"
+            left.append(finding)
+            continue
+        applied.append(finding)
+    return applied, left, None
+
+
+def _sqlstate(exc: BaseException) -> str:
+    orig = getattr(exc, "orig", None)
+    return str(getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None) or "")

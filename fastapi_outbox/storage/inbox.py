@@ -1,0 +1,232 @@
+"""The consumers' inbox: which message ids each consumer group has handled.
+
+One row per (consumer group, message id), written by the subscriber in the handler's
+transaction, *before* the handler runs::
+
+    INSERT INTO outbox_inbox ("group", message_id, stream, handled_at)
+    VALUES (…) ON CONFLICT DO NOTHING
+
+One row inserted: the message is new, the handler runs, and its effects commit together
+with the row. The subscriber owns that transaction: it inserts the row on a connection of
+its own and binds the handler's session to it so that whatever the handler does with its
+session (commit, rollback, savepoints) cannot commit or undo the row — only the
+subscriber's final commit or rollback does, for the row and the effects together (see
+:mod:`fastapi_outbox.consume.subscriber`).
+
+No row inserted: the group handled this message before (a redelivery after a crash between
+commit and ack, a duplicate entry in the stream, a replay), the handler is skipped and the
+message is only acknowledged. On PostgreSQL a concurrent handler of the
+same message (two consumers that both hold it after a claim timeout) waits on the primary
+key until the first commits, then inserts nothing: effects happen once either way.
+
+The table lives on the same ``MetaData`` as the outbox table (``fastapi_outbox.metadata``),
+so Alembic, ``create_tables()``, ``db create`` and ``db sql`` include it. Retention
+(``inbox_retention_seconds``) deletes old rows in bounded batches with the outbox's cleanup;
+it must outlast every redelivery and replay window (see the README).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+from typing import Any
+
+from sqlalchemy import Column, Index, MetaData, String, Table, delete, func, select, tuple_
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
+
+from fastapi_outbox import exceptions
+from fastapi_outbox.settings import INBOX_TABLE_NAME, check_table_name
+from fastapi_outbox.storage import clock, schema
+
+__all__ = ["Inbox", "build_inbox_table", "inbox_table"]
+
+
+def build_inbox_table(name: str = INBOX_TABLE_NAME, metadata_: MetaData | None = None) -> Table:
+    """The inbox table called ``name`` on ``metadata_`` (a new ``MetaData`` when None)."""
+    try:
+        check_table_name(name)
+    except ValueError as exc:
+        raise exceptions.ConfigurationError(
+            str(exc).replace("table_name", "inbox_table_name")
+        ) from None
+    md = metadata_ if metadata_ is not None else MetaData()
+    if name in md.tables:
+        return md.tables[name]
+    table = Table(
+        name,
+        md,
+        Column("group", String(255), primary_key=True, comment="consumer group"),
+        Column("message_id", String(255), primary_key=True, comment="incoming message id"),
+        Column("stream", String(255), nullable=False, comment="stream / subject it came on"),
+        Column("handled_at", schema.UtcDateTime(), nullable=False),
+    )
+    # Retention deletes the oldest rows first; stats read the newest per group.
+    Index(f"ix_{name}_handled_at", table.c.handled_at)
+    return table
+
+
+#: The default inbox table, on the shared ``fastapi_outbox.metadata``.
+inbox_table = build_inbox_table(INBOX_TABLE_NAME, schema.metadata)
+
+
+@dataclasses.dataclass(slots=True)
+class GroupStats:
+    """What the inbox knows of one consumer group."""
+
+    group: str
+    #: None when not counted.
+    handled: int | None
+    last_handled_at: dt.datetime | None
+
+
+class Inbox:
+    """SQL for one inbox table on one engine."""
+
+    def __init__(self, engine: AsyncEngine, table: Table) -> None:
+        self.engine = engine
+        self.table = table
+        self.is_postgres = engine.dialect.name == "postgresql"
+        dialect_insert: Any = postgresql.insert if self.is_postgres else sqlite.insert
+        # ON CONFLICT DO NOTHING on the primary key: the row count says whether the message
+        # is new to the group. Built once; the values are bound per message.
+        # handled_at is the database's clock, as is the retention cutoff compared with it.
+        self._record = (
+            dialect_insert(table)
+            .values(handled_at=clock.db_now(self.is_postgres))
+            .on_conflict_do_nothing(index_elements=[table.c.group, table.c.message_id])
+        )
+        # The ids inserted come back as one array in one row (not a row each: a hundred
+        # result rows cost more than the statement).
+        self._record_many_sql = (
+            f'WITH new AS (INSERT INTO "{table.name}" ("group", message_id, stream, handled_at) '
+            "SELECT $1, m, s, now() FROM unnest($2::varchar[], $3::varchar[]) AS u(m, s) "
+            'ON CONFLICT ("group", message_id) DO NOTHING RETURNING message_id) '
+            "SELECT array_agg(message_id) FROM new"
+        )
+        # The usual batch: every message from one stream (sent once, not once per row).
+        self._record_one_stream_sql = (
+            f'WITH new AS (INSERT INTO "{table.name}" ("group", message_id, stream, handled_at) '
+            "SELECT $1, unnest($2::varchar[]), $3, now() "
+            'ON CONFLICT ("group", message_id) DO NOTHING RETURNING message_id) '
+            "SELECT array_agg(message_id) FROM new"
+        )
+
+    async def create_table(self) -> None:
+        await schema.create_table(self.engine, self.table)
+
+    async def drop_table(self) -> None:
+        await schema.drop_table(self.engine, self.table)
+
+    async def record(
+        self, on: AsyncConnection | AsyncSession, group: str, message_id: str, stream: str
+    ) -> bool:
+        """Record ``message_id`` as handled by ``group`` in the transaction of ``on`` (a
+        connection or a session); True when it is new (the handler must run), False when
+        the group handled it before."""
+        result: Any = await on.execute(
+            self._record,
+            {
+                "group": group,
+                "message_id": message_id,
+                "stream": stream,
+            },
+        )
+        return int(result.rowcount) == 1
+
+    async def record_many(
+        self,
+        on: AsyncConnection | AsyncSession,
+        group: str,
+        message_ids: list[str],
+        streams: str | list[str],
+    ) -> set[str]:
+        """Record ``message_ids`` (from ``streams``: one stream for all, or one per id) for
+        ``group`` in one statement of the transaction of ``on`` (a connection or a session;
+        a subscriber's batch); returns the ids that are new. An id twice in the list is
+        recorded once."""
+        if not message_ids:
+            return set()
+        if self.is_postgres and self.engine.dialect.driver == "asyncpg":
+            # One statement for the whole batch: arrays instead of a VALUES row per message,
+            # no SQLAlchemy work per row. Through SQLAlchemy's connection (not the raw
+            # asyncpg one): that starts its transaction if it has not begun, so the rows
+            # commit or roll back with the handlers' effects.
+            connection = await on.connection() if isinstance(on, AsyncSession) else on
+            result: Any
+            if isinstance(streams, str):
+                result = await connection.exec_driver_sql(
+                    self._record_one_stream_sql, (group, message_ids, streams)
+                )
+            else:
+                result = await connection.exec_driver_sql(
+                    self._record_many_sql, (group, message_ids, streams)
+                )
+            return set(result.scalar() or ())
+        per_id = [streams] * len(message_ids) if isinstance(streams, str) else streams
+        rows = dict(zip(message_ids, per_id, strict=True))  # an id once: ON CONFLICT
+        result = await on.execute(  # cannot affect a row twice in one statement
+            self._record.returning(self.table.c.message_id),
+            [{"group": group, "message_id": m, "stream": s} for m, s in rows.items()],
+        )
+        return set(result.scalars().all())
+
+    async def contains(self, group: str, message_id: str) -> bool:
+        t = self.table
+        stmt = select(t.c.message_id).where(t.c.group == group, t.c.message_id == message_id)
+        async with self.engine.connect() as conn:
+            return (await conn.execute(stmt)).first() is not None
+
+    async def purge_batch(self, older_than_seconds: float, limit: int) -> int:
+        """Delete up to ``limit`` rows handled more than ``older_than_seconds`` ago: one
+        short transaction through the ``handled_at`` index (SKIP LOCKED on PostgreSQL)."""
+        t = self.table
+        cutoff = clock.db_later(self.is_postgres, seconds=-older_than_seconds)
+        victims = (
+            select(t.c.group, t.c.message_id)
+            .where(t.c.handled_at < cutoff)
+            .order_by(t.c.handled_at)
+            .limit(limit)
+        )
+        if self.is_postgres:
+            victims = victims.with_for_update(skip_locked=True)
+        stmt = delete(t).where(tuple_(t.c.group, t.c.message_id).in_(victims))
+        async with self.engine.begin() as conn:
+            result: Any = await conn.execute(stmt)
+        return int(result.rowcount)
+
+    async def group_stats(
+        self, groups: list[str] | None = None, *, counts: bool = True
+    ) -> dict[str, GroupStats]:
+        """The last handling time per group (``groups``: only these) and, with ``counts``,
+        how many rows each has. Counting reads every row of the groups (an operator's
+        command); without it, each group costs one backward walk of the ``handled_at``
+        index that stops at the group's newest row (cheap for a group that is active:
+        health and the dashboard)."""
+        t = self.table
+        rows: list[Any]
+        async with self.engine.connect() as conn:
+            if counts or groups is None:
+                stmt = select(t.c.group, func.count(), func.max(t.c.handled_at)).group_by(t.c.group)
+                if groups is not None:
+                    stmt = stmt.where(t.c.group.in_(groups))
+                rows = list((await conn.execute(stmt)).all())
+            else:
+                rows = []
+                for group in groups:
+                    newest = (
+                        select(t.c.handled_at)
+                        .where(t.c.group == group)
+                        .order_by(t.c.handled_at.desc())
+                        .limit(1)
+                    )
+                    last = (await conn.execute(newest)).scalar_one_or_none()
+                    if last is not None:
+                        rows.append((group, None, last))
+        out: dict[str, GroupStats] = {}
+        for group, count, last in rows:
+            if isinstance(last, str):  # SQLite: max() loses the column type
+                last = dt.datetime.fromisoformat(last).replace(tzinfo=dt.UTC)
+            handled = None if count is None else int(count)
+            out[group] = GroupStats(group=group, handled=handled, last_handled_at=last)
+        return out

@@ -1,0 +1,468 @@
+"""A time-partitioned outbox table (PostgreSQL, ``OutboxSettings(partitioning="daily")``).
+
+Why: at ten million rows a day, retention by ``DELETE`` writes every deleted row to the WAL,
+leaves dead tuples for autovacuum and bloats the indexes; dropping a day's partition is a
+catalogue change. The layout and its maintenance, all here:
+
+* The table is ``PARTITION BY RANGE (created_at)``; the primary key is ``(id, created_at)``
+  (PostgreSQL requires the partition key in every unique index). Lookups by id alone
+  (mark, cancel, replay, ``show``) probe the primary-key index of each partition: a few
+  index descents per partition, which is why partitions are days (or hours), not minutes.
+* Every index of the layout is declared on the partitioned table, so each partition gets
+  the same partial indexes: a claim is a Merge Append of per-partition partial-index scans
+  in due order, whose cost follows the rows that still need work.
+* A ``DEFAULT`` partition takes rows no partition covers, so a maintenance job that did not
+  run never fails a producer's transaction. Rows in it are cleaned by the batched DELETE.
+* :func:`ensure_ahead` (run by ``create_tables()``/``db create`` and by the cleaner)
+  creates the partitions of the coming :data:`AHEAD_SECONDS` with ``CREATE TABLE … (LIKE
+  …)`` then ``ATTACH PARTITION``, which takes only a SHARE UPDATE EXCLUSIVE lock on the
+  parent (no conflict with inserts, claims or marks) and a short ACCESS EXCLUSIVE lock on
+  the DEFAULT partition while it checks that none of its rows fall in the new range. A range
+  for which the DEFAULT partition already holds rows is left to it (logged).
+* :func:`drop_expired` drops a partition whose range is over and whose rows are all
+  published or abandoned and past their retention, checked through the partial indexes
+  (no scan of the partition). ``DETACH PARTITION CONCURRENTLY`` is refused by PostgreSQL
+  when a DEFAULT partition exists, so the detach is a plain one: a brief ACCESS EXCLUSIVE
+  lock on the parent, requested with a short ``lock_timeout`` (:data:`LOCK_TIMEOUT_SECONDS`)
+  so that it never queues producers behind a long transaction; when the lock is not
+  granted in time, the next cleanup tries again. Detach, re-check that no row is active
+  (a ``replay`` may have run meanwhile) and ``DROP`` happen in one transaction: either the
+  partition is gone with only finished rows, or nothing changed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import logging
+import re
+from typing import Any
+
+from sqlalchemy import Table, event, text
+from sqlalchemy.engine import Connection
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from fastapi_outbox.settings import (
+    MAX_PARTITIONED_TABLE_NAME,
+    check_partitioned_table_name,
+)
+from fastapi_outbox.settings import parse_interval as parse_interval  # re-exported
+
+logger = logging.getLogger("fastapi_outbox.partitions")
+
+#: The table-name check of partitioning, kept under its old name here.
+check_table_name = check_partitioned_table_name
+
+#: Partitions are created this far ahead of now (and at least two of them).
+AHEAD_SECONDS = 2 * 86400.0
+#: Bound of the wait for the locks of ATTACH/DETACH: maintenance gives way to traffic.
+LOCK_TIMEOUT_SECONDS = 2.0
+#: Longest table name that leaves room for the partition suffix (``_p202611251200``).
+MAX_TABLE_NAME = MAX_PARTITIONED_TABLE_NAME
+#: Storage parameters of every outbox table and partition: autovacuum follows a queue's
+#: churn (a fixed number of dead rows) rather than the table's size.
+AUTOVACUUM = {
+    "autovacuum_vacuum_scale_factor": "0.0",
+    "autovacuum_vacuum_threshold": "5000",
+    "autovacuum_analyze_scale_factor": "0.0",
+    "autovacuum_analyze_threshold": "5000",
+}
+
+_BOUND = re.compile(r"FROM \((.+?)\) TO \((.+?)\)")
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+_MIN = dt.datetime.min.replace(tzinfo=dt.UTC)
+_MAX = dt.datetime.max.replace(tzinfo=dt.UTC)
+_ACTIVE_SQL = "status IN ('pending', 'processing', 'failed')"
+
+
+def default_name(table: str) -> str:
+    return f"{table}_default"
+
+
+def partition_name(table: str, start: dt.datetime) -> str:
+    if start.hour == start.minute == 0:
+        return f"{table}_p{start:%Y%m%d}"
+    return f"{table}_p{start:%Y%m%d%H%M}"
+
+
+def storage_sql() -> str:
+    return ", ".join(f"{k} = {v}" for k, v in AUTOVACUUM.items())
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Partition:
+    """One partition of the outbox table; ``start``/``end`` None for MINVALUE/MAXVALUE."""
+
+    name: str
+    start: dt.datetime | None
+    end: dt.datetime | None
+    is_default: bool = False
+
+
+def _bound(value: str) -> dt.datetime | None:
+    value = value.strip()
+    if value.upper() in ("MINVALUE", "MAXVALUE"):
+        return None
+    return dt.datetime.fromisoformat(value.strip("'")).astimezone(dt.UTC)
+
+
+def _q(name: str) -> str:
+    # Names are checked plain identifiers (table_name), quoted for keywords.
+    return '"' + name.replace('"', '""') + '"'
+
+
+# -- reading the catalogue ------------------------------------------------------------------
+
+
+def list_partitions(conn: Connection, table: str) -> list[Partition]:
+    """The partitions of ``table``, by start (DEFAULT last). The bounds are read in UTC."""
+    conn.execute(text("SET LOCAL TimeZone = 'UTC'"))
+    rows = conn.execute(
+        text(
+            "SELECT c.relname, pg_get_expr(c.relpartbound, c.oid) FROM pg_inherits i "
+            "JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = to_regclass(:name)"
+        ),
+        {"name": _q(table)},
+    ).all()
+    out = []
+    for name, bound in rows:
+        if bound == "DEFAULT":
+            out.append(Partition(name, None, None, is_default=True))
+            continue
+        match = _BOUND.search(bound)
+        if match is None:  # not a range partition: not ours to manage
+            continue
+        out.append(Partition(name, _bound(match.group(1)), _bound(match.group(2))))
+    return sorted(out, key=lambda p: (p.is_default, p.start or _MIN))
+
+
+def _db_now(conn: Connection) -> dt.datetime:
+    now: dt.datetime = conn.execute(text("SELECT now()")).scalar_one()
+    return now.astimezone(dt.UTC)
+
+
+def wanted_ranges(
+    now: dt.datetime,
+    interval: dt.timedelta,
+    existing: list[Partition],
+    *,
+    ahead: float = AHEAD_SECONDS,
+) -> list[tuple[dt.datetime, dt.datetime]]:
+    """Ranges to create so partitions cover ``now`` .. ``now + ahead`` seconds (at least
+    two intervals), aligned on ``interval`` from the Unix epoch in UTC, clipped around
+    existing partitions (an attached legacy table may end at any time)."""
+    step = interval.total_seconds()
+    first = _EPOCH + dt.timedelta(seconds=(now - _EPOCH).total_seconds() // step * step)
+    horizon = now + max(dt.timedelta(seconds=ahead), 2 * interval)
+    ranges = [p for p in existing if not p.is_default]
+    out = []
+    start = first
+    while start < horizon:
+        lo, hi = start, start + interval
+        for p in ranges:
+            p_lo = p.start or _MIN
+            p_hi = p.end or _MAX
+            if p_lo <= lo < p_hi:
+                lo = p_hi
+            if lo < p_lo < hi:
+                hi = p_lo
+        if lo < hi:
+            out.append((lo, hi))
+        start += interval
+    return out
+
+
+# -- maintenance (sync: runs on Alembic's connection, in create_all, or via run_sync) -------
+
+
+def create_default_sync(conn: Connection, table: str) -> None:
+    """The DEFAULT partition (idempotent)."""
+    conn.execute(
+        text(
+            f"CREATE TABLE IF NOT EXISTS {_q(default_name(table))} PARTITION OF {_q(table)} "
+            f"DEFAULT WITH ({storage_sql()})"
+        )
+    )
+
+
+def _lock_timeout(conn: Connection) -> None:
+    """Maintenance gives way to traffic: its locks are waited for this long at most."""
+    conn.execute(text(f"SET LOCAL lock_timeout = '{int(LOCK_TIMEOUT_SECONDS * 1000)}ms'"))
+
+
+def ranges_to_create(
+    conn: Connection, table: str, interval: dt.timedelta
+) -> list[tuple[dt.datetime, dt.datetime]]:
+    """The DEFAULT partition (created here when missing), then the ranges still to create."""
+    if not _try_lock(conn, table):
+        return []  # another process is maintaining the table right now
+    existing = list_partitions(conn, table)
+    if not any(p.is_default for p in existing):
+        create_default_sync(conn, table)
+    return wanted_ranges(_db_now(conn), interval, existing)
+
+
+def create_partition_sync(
+    conn: Connection, table: str, lo: dt.datetime, hi: dt.datetime
+) -> str | None:
+    """Create and attach the partition of ``[lo, hi)``; None (logged) when the DEFAULT
+    partition already holds rows of that range (the job did not run in time): those rows
+    stay there and are cleaned by the batched DELETE."""
+    name = partition_name(table, lo)
+    # Every dispatcher process runs this: one at a time, the others skip what is done.
+    if (
+        not _try_lock(conn, table)
+        or conn.execute(
+            text("SELECT to_regclass(:name) IS NOT NULL"), {"name": _q(name)}
+        ).scalar_one()
+    ):
+        return None
+    taken = conn.execute(
+        text(
+            f"SELECT EXISTS (SELECT 1 FROM {_q(default_name(table))} "
+            "WHERE created_at >= :lo AND created_at < :hi)"
+        ),
+        {"lo": lo, "hi": hi},
+    ).scalar_one()
+    if taken:
+        logger.warning(
+            "partition range already has rows in the DEFAULT partition; left there",
+            extra={"action": "partition.skipped", "table": table, "partition": name},
+        )
+        return None
+    # LIKE + ATTACH rather than PARTITION OF: ATTACH locks the parent in SHARE UPDATE
+    # EXCLUSIVE mode only, so producers and dispatchers go on meanwhile. The partitioned
+    # indexes are created on the new (empty) table by the ATTACH.
+    conn.execute(
+        text(
+            f"CREATE TABLE {_q(name)} (LIKE {_q(table)} INCLUDING DEFAULTS) WITH ({storage_sql()})"
+        )
+    )
+    conn.execute(
+        text(
+            f"ALTER TABLE {_q(table)} ATTACH PARTITION {_q(name)} "
+            f"FOR VALUES FROM ('{lo.isoformat()}') TO ('{hi.isoformat()}')"
+        )
+    )
+    logger.info(
+        "partition created",
+        extra={"action": "partition.created", "table": table, "partition": name},
+    )
+    return name
+
+
+def ensure_ahead_sync(conn: Connection, table: str, interval: dt.timedelta) -> list[str]:
+    """Create the DEFAULT partition and the partitions of the coming days in ``conn``'s
+    transaction (a new table: ``create_all``, a migration); returns the names created."""
+    created = []
+    for lo, hi in ranges_to_create(conn, table, interval):
+        name = create_partition_sync(conn, table, lo, hi)
+        if name is not None:
+            created.append(name)
+    return created
+
+
+def _finished_sync(
+    conn: Connection,
+    name: str,
+    published_cutoff: dt.datetime | None,
+    abandoned_cutoff: dt.datetime | None,
+) -> bool:
+    """Whether every row of partition ``name`` is done and past retention, through its
+    partial indexes only (never a scan of the partition). A None cutoff: kept forever."""
+    q = _q(name)
+    checks = [f"EXISTS (SELECT 1 FROM {q} WHERE {_ACTIVE_SQL})"]
+    params: dict[str, Any] = {}
+    for status, column, cutoff in (
+        ("published", "published_at", published_cutoff),
+        ("abandoned", "abandoned_at", abandoned_cutoff),
+    ):
+        if cutoff is None:
+            checks.append(f"EXISTS (SELECT 1 FROM {q} WHERE status IN ('{status}'))")
+        else:
+            checks.append(
+                f"EXISTS (SELECT 1 FROM {q} WHERE status IN ('{status}') AND {column} >= :{status})"
+            )
+            params[status] = cutoff
+    busy = conn.execute(text("SELECT " + " OR ".join(checks)), params).scalar_one()
+    return not busy
+
+
+def _cutoffs(
+    now: dt.datetime, published_seconds: float | None, abandoned_seconds: float | None
+) -> tuple[dt.datetime | None, dt.datetime | None]:
+    def cutoff(seconds: float | None) -> dt.datetime | None:
+        return None if seconds is None else now - dt.timedelta(seconds=seconds)
+
+    return cutoff(published_seconds), cutoff(abandoned_seconds)
+
+
+def expired_candidates(
+    conn: Connection,
+    table: str,
+    published_retention_seconds: float | None,
+    abandoned_retention_seconds: float | None,
+) -> list[str]:
+    """Partitions whose range is over and whose rows are all finished and past retention."""
+    if not _try_lock(conn, table):
+        return []  # another process is maintaining the table right now
+    now = _db_now(conn)
+    published_cutoff, abandoned_cutoff = _cutoffs(
+        now, published_retention_seconds, abandoned_retention_seconds
+    )
+    return [
+        p.name
+        for p in list_partitions(conn, table)
+        if not p.is_default
+        and p.end is not None
+        and p.end <= now
+        and _finished_sync(conn, p.name, published_cutoff, abandoned_cutoff)
+    ]
+
+
+def _try_lock(conn: Connection, table: str) -> bool:
+    """The table's maintenance lock (transaction-scoped, advisory), without waiting: every
+    dispatcher process runs the maintenance, one at a time does it. (Two ATTACHes at once
+    deadlock: each holds what the other's needs — the DEFAULT partition, the parent.)"""
+    key = f"fastapi_outbox:partitions:{table}"
+    return bool(
+        conn.execute(
+            text("SELECT pg_try_advisory_xact_lock(hashtext(:key))"), {"key": key}
+        ).scalar_one()
+    )
+
+
+class Reactivated(Exception):
+    """A row of a partition about to be dropped needs work again (a replay), or another
+    process is dropping it: the transaction rolls back and the partition is left as is."""
+
+
+def drop_partition_sync(conn: Connection, table: str, name: str) -> None:
+    """Detach ``name``, check under the detach's lock that no row of it became active (a
+    ``replay`` since the candidates were chosen) and drop it; :class:`Reactivated` when a
+    row is active again (the transaction must roll back: the partition stays attached).
+    Only finished rows can change meanwhile, and only through replay: no new row gets an
+    old ``created_at``."""
+    gone = (
+        not _try_lock(conn, table)
+        or conn.execute(text("SELECT to_regclass(:name) IS NULL"), {"name": _q(name)}).scalar_one()
+    )
+    if gone:  # another process is dropping it, or has
+        raise Reactivated(name)
+    conn.execute(text(f"ALTER TABLE {_q(table)} DETACH PARTITION {_q(name)}"))
+    active = conn.execute(
+        text(f"SELECT EXISTS (SELECT 1 FROM {_q(name)} WHERE {_ACTIVE_SQL})")
+    ).scalar_one()
+    if active:
+        raise Reactivated(name)
+    conn.execute(text(f"DROP TABLE {_q(name)}"))
+
+
+def install(table: Table, interval: dt.timedelta) -> None:
+    """Make ``table.create()`` (``create_all``, Alembic's ``op.get_bind()``) also create the
+    DEFAULT partition and the partitions ahead, on PostgreSQL."""
+
+    def after_create(target: Table, connection: Connection, **kw: Any) -> None:
+        if connection.dialect.name == "postgresql":
+            ensure_ahead_sync(connection, target.name, interval)
+
+    event.listen(table, "after_create", after_create)
+
+
+def statements(table: str, interval: dt.timedelta, now: dt.datetime) -> list[str]:
+    """The SQL that creates the DEFAULT partition and the partitions ahead of ``now`` for a
+    new partitioned table (``db sql``, hand-written migrations)."""
+    out = [
+        f"CREATE TABLE IF NOT EXISTS {_q(default_name(table))} PARTITION OF {_q(table)} "
+        f"DEFAULT WITH ({storage_sql()})"
+    ]
+    for lo, hi in wanted_ranges(now, interval, []):
+        name = partition_name(table, lo)
+        out.append(
+            f"CREATE TABLE IF NOT EXISTS {_q(name)} PARTITION OF {_q(table)} "
+            f"FOR VALUES FROM ('{lo.isoformat()}') TO ('{hi.isoformat()}') "
+            f"WITH ({storage_sql()})"
+        )
+    return out
+
+
+# -- async entry points (the cleaner, create_tables) ---------------------------------------
+
+
+class Maintainer:
+    """Partition upkeep of one partitioned outbox table: each partition is created or
+    dropped in a transaction of its own, with a short ``lock_timeout``, so no lock is held
+    longer than one catalogue change."""
+
+    def __init__(self, engine: AsyncEngine, table: Table, interval: dt.timedelta) -> None:
+        self.engine = engine
+        self.table = table
+        self.interval = interval
+
+    async def ensure_ahead(self) -> list[str]:
+        name = self.table.name
+        async with self.engine.begin() as conn:
+            ranges = await conn.run_sync(ranges_to_create, name, self.interval)
+        created = []
+        for lo, hi in ranges:
+            try:
+                async with self.engine.begin() as conn:
+                    await conn.run_sync(_lock_timeout)
+                    made = await conn.run_sync(create_partition_sync, name, lo, hi)
+            except DBAPIError as exc:  # lock_timeout (or a concurrent maintainer)
+                _failed("partition.create_failed", name, partition_name(name, lo), exc)
+                continue
+            if made is not None:
+                created.append(made)
+        return created
+
+    async def drop_expired(
+        self, published_retention_seconds: float | None, abandoned_retention_seconds: float | None
+    ) -> list[str]:
+        name = self.table.name
+        async with self.engine.begin() as conn:
+            candidates = await conn.run_sync(
+                expired_candidates, name, published_retention_seconds, abandoned_retention_seconds
+            )
+        dropped = []
+        for partition in candidates:
+            try:
+                async with self.engine.begin() as conn:
+                    await conn.run_sync(_lock_timeout)
+                    await conn.run_sync(drop_partition_sync, name, partition)
+            except Reactivated:
+                continue  # rolled back: the partition stays attached
+            except DBAPIError as exc:  # lock_timeout: traffic wins, try at the next run
+                _failed("partition.drop_failed", name, partition, exc)
+                continue
+            dropped.append(partition)
+            logger.info(
+                "partition dropped",
+                extra={"action": "partition.dropped", "table": name, "partition": partition},
+            )
+        return dropped
+
+    async def partitions(self) -> list[Partition]:
+        async with self.engine.begin() as conn:
+            return await conn.run_sync(list_partitions, self.table.name)
+
+    async def run_once(
+        self, published_retention_seconds: float | None, abandoned_retention_seconds: float | None
+    ) -> tuple[list[str], list[str]]:
+        """Create the partitions ahead, then drop the expired ones."""
+        created = await self.ensure_ahead()
+        dropped = await self.drop_expired(published_retention_seconds, abandoned_retention_seconds)
+        return created, dropped
+
+
+def _failed(action: str, table: str, partition: str, exc: BaseException) -> None:
+    logger.warning(
+        "partition maintenance deferred",
+        extra={
+            "action": action,
+            "table": table,
+            "partition": partition,
+            "error": type(getattr(exc, "orig", exc)).__name__,
+        },
+    )

@@ -1,0 +1,275 @@
+"""The outbox table: columns, indexes, DDL.
+
+``metadata`` holds the default table (``outbox_messages``) so an Alembic ``env.py`` can
+include it in ``target_metadata``; :func:`build_table` builds a table of another name on
+another ``MetaData``.
+
+Three choices worth knowing:
+
+* ``next_attempt_at`` is the one "due time" of every row that still needs work: creation
+  time for pending rows, the backoff deadline for failed rows and the lease deadline for
+  processing rows. The claim is then a single range scan of one partial index,
+  ``(broker, next_attempt_at)`` over the rows still needing work, whose size does not
+  depend on how many published rows the table keeps.
+* ``payload`` and ``headers`` are stored as the JSON text the unit of work encoded once
+  (JSONB on PostgreSQL) and read back as text: the dispatcher sends those bytes as they
+  are, with no decode/encode per message.
+* ``seq`` (PostgreSQL: an identity column) numbers rows in insert order; ordered dispatch
+  sorts a key's rows by it. A row is inserted at the end of its unit of work, after the
+  business writes that lock the key's aggregate, so for producers of one aggregate insert
+  order is commit order. SQLite orders by the rowid instead (one writer at a time) and
+  stores 0 here.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    Dialect,
+    Identity,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    Uuid,
+    text,
+)
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.engine.interfaces import Dialect as DialectT
+from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.schema import CreateIndex, CreateTable
+from sqlalchemy.types import DateTime, TypeDecorator, TypeEngine
+
+from fastapi_outbox import exceptions
+from fastapi_outbox.events import MessageStatus
+from fastapi_outbox.settings import check_table_name
+from fastapi_outbox.storage import partitions
+
+__all__ = ["build_table", "ddl", "metadata", "outbox_table"]
+
+#: Statuses of rows that still need work; the partial indexes cover exactly these.
+ACTIVE_STATUSES = (MessageStatus.PENDING, MessageStatus.PROCESSING, MessageStatus.FAILED)
+_ACTIVE_SQL = "status IN ('pending', 'processing', 'failed')"
+
+
+class UtcDateTime(TypeDecorator[dt.datetime]):
+    """``timestamptz`` on PostgreSQL; on SQLite an ISO string in UTC that sorts as text."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: Any, dialect: Dialect) -> Any:
+        if value is not None and dialect.name != "postgresql":
+            if value.tzinfo is None:
+                raise ValueError("naive datetime given for a UTC column")
+            value = value.astimezone(dt.UTC).replace(tzinfo=None)
+        return value
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> Any:
+        if value is not None and value.tzinfo is None:
+            value = value.replace(tzinfo=dt.UTC)
+        return value
+
+
+class JsonText(TypeDecorator[str]):
+    """JSON stored and returned as already-encoded text (JSONB on PostgreSQL).
+
+    No json.dumps/json.loads happens in SQLAlchemy: the unit of work encodes each payload
+    once (it needs the size anyway) and the dispatcher publishes the text it reads back.
+    """
+
+    impl = Text
+    cache_ok = True
+
+    def load_dialect_impl(self, dialect: Dialect) -> TypeEngine[Any]:
+        if dialect.name == "postgresql":
+            return dialect.type_descriptor(postgresql.JSONB())
+        return dialect.type_descriptor(Text())
+
+    def bind_processor(self, dialect: Dialect) -> Any:
+        return None  # already JSON text
+
+    def result_processor(self, dialect: Dialect, coltype: Any) -> Any:
+        return None  # keep the JSON text
+
+
+def build_table(
+    name: str = "outbox_messages",
+    metadata_: MetaData | None = None,
+    *,
+    ordered: bool = False,
+    partitioning: str | None = None,
+) -> Table:
+    """The outbox table called ``name`` on ``metadata_`` (a new ``MetaData`` when None).
+
+    ``name`` must be a plain identifier (see ``OutboxSettings.table_name``): it is also
+    part of the index names and of the NOTIFY channel. ``ordered`` adds the index that
+    serves the ordered claim (``OutboxSettings(ordered=True)``); unordered outboxes do
+    without it, which spares every insert one index entry. ``partitioning`` (``"daily"``,
+    ``"6h"``…; PostgreSQL only) makes it range-partitioned by ``created_at``, with the
+    primary key ``(id, created_at)``; ``table.create()`` then also creates the DEFAULT
+    partition and the partitions ahead (see :mod:`fastapi_outbox.storage.partitions`)."""
+    interval = None
+    try:
+        check_table_name(name)
+        if partitioning is not None:
+            interval = partitions.parse_interval(partitioning)
+            partitions.check_table_name(name)
+    except ValueError as exc:
+        raise exceptions.ConfigurationError(str(exc)) from None
+    md = metadata_ if metadata_ is not None else MetaData()
+    if name in md.tables:
+        table = md.tables[name]
+        if ordered:
+            _add_ordered_index(table)
+        return table
+    table = Table(
+        name,
+        md,
+        Column("id", Uuid(as_uuid=True), primary_key=True, comment="UUIDv7, time-ordered"),
+        Column("broker", String(64), nullable=False, comment="target broker name"),
+        Column("stream", String(255), nullable=False, comment="topic / stream / subject"),
+        Column("type", String(255), nullable=False, comment="event type name"),
+        Column("key", String(255), nullable=True, comment="ordering key"),
+        Column("payload", JsonText(), nullable=False),
+        Column("headers", JsonText(), nullable=False),
+        Column("status", String(16), nullable=False, server_default=MessageStatus.PENDING.value),
+        Column("attempts", Integer, nullable=False, server_default="0"),
+        Column("next_attempt_at", UtcDateTime(), nullable=False, comment="due time"),
+        Column("locked_by", String(80), nullable=True, comment="claim token (fence)"),
+        Column("locked_until", UtcDateTime(), nullable=True),
+        Column("last_error", Text, nullable=True),
+        Column("created_at", UtcDateTime(), nullable=False, primary_key=interval is not None),
+        Column("published_at", UtcDateTime(), nullable=True),
+        Column("abandoned_at", UtcDateTime(), nullable=True),
+        Column(
+            "seq",
+            BigInteger,
+            Identity(),  # PostgreSQL; SQLite has no identity: the store writes 0 (rowid orders)
+            nullable=False,
+            comment="insert order, for ordered dispatch",
+        ),
+        # Autovacuum follows a queue's churn, not its size (partitions get these too:
+        # PostgreSQL takes no storage parameters on a partitioned table).
+        **(
+            {"postgresql_partition_by": "RANGE (created_at)"}
+            if interval is not None
+            else {"postgresql_with": partitions.AUTOVACUUM}
+        ),
+    )
+    if interval is not None:
+        table.info["partitioning"] = interval
+        table.info["partitioning_setting"] = partitioning
+        partitions.install(table, interval)
+    # The claim index: only rows that still need work, in due order per broker.
+    Index(
+        f"ix_{name}_due",
+        table.c.broker,
+        table.c.next_attempt_at,
+        table.c.id,
+        postgresql_where=text(_ACTIVE_SQL),
+        sqlite_where=text(_ACTIVE_SQL),
+    )
+    # Ordered dispatch: the earlier unfinished rows of a key.
+    Index(
+        f"ix_{name}_key",
+        table.c.broker,
+        table.c.key,
+        table.c.seq,
+        postgresql_where=text(_ACTIVE_SQL + " AND key IS NOT NULL"),
+        sqlite_where=text(_ACTIVE_SQL + " AND key IS NOT NULL"),
+    )
+    # Retention and the admin CLI: finished rows by age.
+    Index(
+        f"ix_{name}_published",
+        table.c.published_at,
+        postgresql_where=text("status = 'published'"),
+        sqlite_where=text("status = 'published'"),
+    )
+    Index(
+        f"ix_{name}_abandoned",
+        table.c.abandoned_at,
+        postgresql_where=text("status = 'abandoned'"),
+        sqlite_where=text("status = 'abandoned'"),
+    )
+    if ordered:
+        _add_ordered_index(table)
+    return table
+
+
+def ordered_index_name(table_name: str) -> str:
+    return f"ix_{table_name}_ordered"
+
+
+def _add_ordered_index(table: Table) -> None:
+    """The ordered claim walks a broker's active rows in insert order and stops after a
+    batch: ``(broker, seq)`` over the active rows serves it without sorting the backlog
+    (on SQLite an index on ``broker`` holds its entries in rowid order, which is SQLite's
+    insert order)."""
+    name = ordered_index_name(table.name)
+    if any(index.name == name for index in table.indexes):
+        return
+    Index(
+        name,
+        table.c.broker,
+        table.c.seq,
+        postgresql_where=text(_ACTIVE_SQL),
+    ).ddl_if(dialect="postgresql")
+    Index(
+        f"{name}_sqlite",
+        table.c.broker,
+        sqlite_where=text(_ACTIVE_SQL),
+    ).ddl_if(dialect="sqlite")
+    # An abandoned row keeps blocking the later rows of its key: the ordered claim asks,
+    # for each candidate, whether its key has an earlier abandoned row.
+    Index(
+        f"ix_{table.name}_abandoned_key",
+        table.c.broker,
+        table.c.key,
+        table.c.seq,
+        postgresql_where=text("status = 'abandoned' AND key IS NOT NULL"),
+        sqlite_where=text("status = 'abandoned' AND key IS NOT NULL"),
+    )
+
+
+#: The default ``MetaData`` with the default table, for Alembic's ``target_metadata``.
+metadata = MetaData()
+outbox_table = build_table("outbox_messages", metadata)
+
+
+def ddl(table: Table, dialect: DialectT) -> str:
+    """``CREATE TABLE`` and ``CREATE INDEX`` statements of ``table`` for ``dialect`` (and
+    for a partitioned table, its DEFAULT partition and the partitions ahead)."""
+    statements = [str(CreateTable(table).compile(dialect=dialect)).strip()]
+    statements += [
+        str(CreateIndex(index).compile(dialect=dialect)).strip()
+        for index in sorted(table.indexes, key=lambda i: i.name or "")
+        if index._ddl_if is None or index._ddl_if.dialect in (None, dialect.name)
+    ]
+    interval = table.info.get("partitioning")
+    if interval is not None and dialect.name == "postgresql":
+        # The DEFAULT partition and the partitions of the coming days, as of now.
+        now = dt.datetime.now(dt.UTC)
+        statements += partitions.statements(table.name, interval, now)
+    return ";\n\n".join(statements) + ";\n"
+
+
+async def create_table(engine: AsyncEngine, table: Table) -> None:
+    """Create ``table`` and its indexes when missing (never any other table):
+    ``create(checkfirst)`` skips the indexes of an existing table, so each missing index
+    is added on its own."""
+    async with engine.begin() as conn:
+        await conn.run_sync(table.create, checkfirst=True)
+        for index in table.indexes:
+            await conn.run_sync(index.create, checkfirst=True)
+
+
+async def drop_table(engine: AsyncEngine, table: Table) -> None:
+    async with engine.begin() as conn:
+        await conn.run_sync(table.drop, checkfirst=True)

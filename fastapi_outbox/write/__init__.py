@@ -1,0 +1,7 @@
+"""Write: the path from a route handler to committed outbox rows.
+
+It owns the unit of work (``unit_of_work``: the FastAPI dependency and its transaction), the
+SQLAlchemy session hooks that collect raised events (``session_events``) and the captures
+that turn them into rows: the outbox table (``capture``) or the PostgreSQL WAL
+(``wal_capture``). It imports the kernel, ``storage`` and ``brokers.base``.
+"""

@@ -1,0 +1,429 @@
+"""``UnitOfWork`` and the request-scoped ``unit_of_work`` dependency.
+
+A unit of work is one ``AsyncSession``: events published on it, or raised on aggregates the
+session tracks, become outbox rows written in the transaction that commits them — however the
+code commits (see :mod:`fastapi_outbox.write.session_events`). The request's unit of work commits
+when the handler returns, **before** the response is sent. If the handler raises or the
+commit fails, everything not yet committed rolls back and the client gets an error.
+
+FastAPI ends a yield dependency of the default scope after the response is sent, so a
+failing commit there would still answer 200. ``unit_of_work`` therefore depends on an
+inner generator declared with ``scope="function"``, which FastAPI closes as soon as the
+endpoint returns; users keep writing ``Depends(unit_of_work)``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import re
+import uuid
+import weakref
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Annotated, Any
+
+from fastapi import Depends, HTTPException, Request
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from fastapi_outbox import exceptions
+from fastapi_outbox.events import (
+    HEADER_CAUSATION_ID,
+    HEADER_CORRELATION_ID,
+    HEADER_MESSAGE_ID,
+    HEADER_OCCURRED_AT,
+    HEADER_TYPE,
+    INTERNAL_HEADERS,
+    Event,
+    Message,
+    check_text,
+    payload_of,
+    refuse_unstorable,
+    uuid7,
+)
+from fastapi_outbox.storage import clock
+from fastapi_outbox.write.session_events import state_of
+
+if TYPE_CHECKING:
+    from fastapi_outbox.outbox import Outbox
+
+__all__ = ["UnitOfWork", "UnitOfWorkDep", "unit_of_work"]
+
+CORRELATION_HEADER = "X-Correlation-ID"
+CORRELATION_ID_MAX_LENGTH = 128
+_CORRELATION_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+_TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}$")
+_STREAM = re.compile(r"^[^\s\x00]{1,255}$")
+_RESERVED = frozenset({HEADER_MESSAGE_ID, HEADER_TYPE, HEADER_OCCURRED_AT})
+#: Header names are HTTP tokens (RFC 9110 ``tchar``): no quote, colon, space or non-ASCII, so a
+#: name cannot smuggle JSON syntax or break a broker's header block.
+_HEADER_NAME = re.compile(r"^[A-Za-z0-9!#$%&'*+\-.^_`|~]{1,128}$")
+#: Prefix of the headers NATS interprets (``Nats-Msg-Id``, ``Nats-Expected-Stream``, ...).
+_NATS_PREFIX = "nats-"
+
+
+def normalise_header_name(name: str) -> str:
+    """How reserved names are compared: case-insensitively, ``_`` as ``-``."""
+    return name.lower().replace("_", "-")
+
+
+def valid_correlation_id(value: str) -> bool:
+    return bool(_CORRELATION_ID.match(value))
+
+
+def correlation_from_headers(headers: Any) -> tuple[str | None, str | None]:
+    """``(correlation_id, traceparent)`` from request headers, validated.
+
+    Raises ``ValueError`` naming the header when ``X-Correlation-ID`` is too long or holds
+    characters other than letters, digits and ``._:-``; an invalid ``traceparent`` is ignored
+    (it is not ours to reject)."""
+    correlation = headers.get(CORRELATION_HEADER)
+    if correlation is not None and not valid_correlation_id(correlation):
+        raise ValueError(
+            f"invalid {CORRELATION_HEADER} header: at most {CORRELATION_ID_MAX_LENGTH} "
+            "characters among letters, digits and . _ : -"
+        )
+    traceparent = headers.get("traceparent")
+    if traceparent is not None and not _TRACEPARENT.match(traceparent):
+        traceparent = None
+    if correlation is None and traceparent is not None:
+        match = _TRACEPARENT.match(traceparent)
+        assert match is not None
+        correlation = match.group(1)
+    return correlation, traceparent
+
+
+class UnitOfWork:
+    """One transaction: ``session`` for business data, ``publish`` for events."""
+
+    def __init__(
+        self,
+        outbox: Outbox,
+        session: AsyncSession,
+        *,
+        correlation_id: str | None = None,
+        causation_id: str | None = None,
+        traceparent: str | None = None,
+    ) -> None:
+        if correlation_id is not None and not valid_correlation_id(correlation_id):
+            raise exceptions.UnitOfWorkError(f"invalid correlation_id {correlation_id!r}")
+        if causation_id is not None and not valid_correlation_id(causation_id):
+            raise exceptions.UnitOfWorkError(f"invalid causation_id {causation_id!r}")
+        self.outbox = outbox
+        self.session = session
+        self.correlation_id = correlation_id or str(uuid7())
+        self.causation_id = causation_id
+        self.traceparent = traceparent
+        self._state = state_of(session.sync_session)
+        self._closed = False
+
+    @property
+    def pending(self) -> int:
+        """Outbox rows queued on the session, not yet written (they are written by the
+        next commit, or by :meth:`flush`)."""
+        return self._state.count(self.outbox)
+
+    def publish(
+        self,
+        event: Event | Message,
+        *,
+        key: str | None = None,
+        headers: dict[str, str] | None = None,
+        broker: str | None = None,
+        delay: float | dt.timedelta | None = None,
+        deliver_at: dt.datetime | None = None,
+    ) -> uuid.UUID:
+        """Queue ``event`` for the outbox; returns its message id.
+
+        ``delay`` (seconds or a timedelta, counted from the commit) or ``deliver_at`` (a
+        timezone-aware datetime): the message is not published before then; at most
+        ``max_delay_seconds`` ahead. Raises :class:`~fastapi_outbox.exceptions.PublishError`
+        here, where the mistake is made (unknown broker, payload not serialisable or too
+        large, bad headers, a bad delay)."""
+        if self._closed:
+            raise exceptions.UnitOfWorkError(
+                "this unit of work has already committed or rolled back"
+            )
+        outbox = self.outbox
+        target = outbox.resolve_broker(broker)
+        if isinstance(event, Event):
+            cls = type(event)
+            if cls.__outbox_abstract__ or cls.__outbox_stream__ is None:
+                raise exceptions.EventDefinitionError(
+                    f"{cls.__qualname__} is abstract (no stream): publish a concrete subclass"
+                )
+            stream = cls.__outbox_stream__
+            type_name = cls.__outbox_type__
+            external = cls.__outbox_external__
+            try:
+                payload = event.model_dump_json()
+            except Exception as exc:
+                # An unpaired surrogate makes pydantic's UTF-8 encoding fail: name its field.
+                refuse_unstorable(event.model_dump(), stream, type_name)
+                raise exceptions.SerializationError(
+                    f"event {type_name} on stream {stream!r} cannot be serialised: {exc}"
+                ) from exc
+            if key is None and cls.__outbox_key__ is not None:
+                value = getattr(event, cls.__outbox_key__)
+                key = None if value is None else str(value)
+            extra_headers = headers
+        elif isinstance(event, Message):
+            stream, type_name, external = event.stream, event.type, event.external
+            if not isinstance(event.payload, dict):
+                raise exceptions.SerializationError(
+                    f"message {type_name} on stream {stream!r}: payload must be a dict, "
+                    f"not {type(event.payload).__name__}"
+                )
+            try:
+                # ensure_ascii=False: UTF-8 as it is, as pydantic writes an Event's payload
+                # (an unpaired surrogate stays one, and fails the encode below).
+                payload = json.dumps(
+                    event.payload, separators=(",", ":"), allow_nan=False, ensure_ascii=False
+                )
+            except (TypeError, ValueError) as exc:
+                raise exceptions.SerializationError(
+                    f"payload of message {type_name} on stream {stream!r} is not "
+                    f"JSON-serialisable: {exc}"
+                ) from exc
+            key = key if key is not None else event.key
+            extra_headers = {**event.headers, **(headers or {})}
+        else:
+            raise TypeError(f"publish() takes an Event or Message, not {type(event).__name__}")
+        check_text(stream, "stream", stream, type_name)
+        check_text(type_name, "type", stream, type_name)
+        if not isinstance(stream, str) or not _STREAM.match(stream):
+            raise exceptions.PublishError(
+                f"invalid stream {stream!r} for {type_name}: 1-255 characters, no whitespace"
+            )
+        # The cheap check of every string of the payload at once: a NUL is written `\u0000`
+        # in JSON text (the search of the payload's strings runs only when that text
+        # appears), and an unpaired surrogate fails the UTF-8 encode the size check does.
+        try:
+            size = len(payload.encode())
+        except UnicodeEncodeError as exc:
+            refuse_unstorable(payload_of(event), stream, type_name)
+            raise exceptions.SerializationError(
+                f"payload of {type_name} on stream {stream!r} is not UTF-8 text: {exc}"
+            ) from exc
+        # pydantic writes a surrogate in a dict *key* as U+FFFD: look closer then too.
+        if "\\u0000" in payload or "\ufffd" in payload:
+            refuse_unstorable(payload_of(event), stream, type_name)
+        if size > outbox.settings.max_payload_bytes:
+            raise exceptions.PayloadTooLarge(
+                f"payload of {type_name} on stream {stream!r} is {size} bytes, over "
+                f"max_payload_bytes={outbox.settings.max_payload_bytes}"
+            )
+        if key is not None:
+            check_text(key, "key", stream, type_name)
+            if len(key) > 255:
+                raise exceptions.PublishError(f"key of {type_name} is longer than 255 characters")
+        user_headers = _check_headers(extra_headers, stream, type_name)
+        due_in, due_at = _delay(delay, deliver_at, outbox.settings.max_delay_seconds, type_name)
+        message_id = uuid7()
+        base = {
+            HEADER_MESSAGE_ID: str(message_id),
+            HEADER_TYPE: type_name,
+            HEADER_OCCURRED_AT: dt.datetime.now(dt.UTC).isoformat(),
+            HEADER_CORRELATION_ID: self.correlation_id,
+        }
+        if self.causation_id is not None:
+            base[HEADER_CAUSATION_ID] = self.causation_id
+        trace = outbox.trace_headers(self.traceparent)
+        internal_headers = {**user_headers, **trace, **base}
+        targets = [(target, message_id, internal_headers)]
+        if external:
+            public = {k: v for k, v in internal_headers.items() if k not in INTERNAL_HEADERS}
+            targets += [(name, uuid7(), public) for name in outbox.external_brokers]
+        rows = []
+        for broker_name, row_id, row_headers in targets:
+            rows.append(
+                {
+                    "id": row_id,
+                    "broker": broker_name,
+                    "stream": stream,
+                    "type": type_name,
+                    "key": key,
+                    "payload": payload,
+                    "headers": json.dumps(row_headers, separators=(",", ":")),
+                    "delay": due_in,
+                    "deliver_at": due_at,
+                }
+            )
+        self._state.queue(self.session.sync_session, self.outbox, rows)
+        return message_id
+
+    def _publish_raised(self, event: Event | Message) -> None:
+        """Publisher of events raised on the session's aggregates (``raise_event``)."""
+        self.publish(event)
+
+    def harvest(self) -> int:
+        """Publish the events pending on aggregates the session tracks; returns how many."""
+        return self._state.harvest(self.session.sync_session)
+
+    async def flush(self) -> None:
+        """Flush the session and write the queued outbox rows in the current transaction
+        (or savepoint) now, instead of at commit."""
+        await self.session.run_sync(self._state.write)
+
+    def _open(self) -> None:
+        self._state.push_publisher(self._publish_raised)
+
+    def _close(self) -> None:
+        self._closed = True
+        self._state.pop_publisher(self._publish_raised)
+
+
+_NO_DELAY = dt.timedelta(0)
+
+
+def _delay(
+    delay: float | dt.timedelta | None,
+    deliver_at: dt.datetime | None,
+    horizon: float,
+    type_name: str,
+) -> tuple[dt.timedelta, dt.datetime | None]:
+    """The delay of a message from ``publish(delay=…)`` / ``publish(deliver_at=…)``, and
+    its ``deliver_at``: the database compares that time with its own clock (the
+    producer's clock only checks it against ``max_delay_seconds`` and estimates the delay
+    for the dispatchers' wake-up)."""
+    if delay is None and deliver_at is None:
+        return _NO_DELAY, None
+    if delay is not None and deliver_at is not None:
+        raise exceptions.PublishError(f"{type_name}: give delay or deliver_at, not both")
+    if deliver_at is not None:
+        if not isinstance(deliver_at, dt.datetime) or deliver_at.tzinfo is None:
+            raise exceptions.PublishError(
+                f"{type_name}: deliver_at must be a timezone-aware datetime "
+                f"(e.g. datetime.now(UTC) + timedelta(minutes=5)), not {deliver_at!r}"
+            )
+        # A time already past is due at once.
+        seconds = max(0.0, (deliver_at - clock.utcnow()).total_seconds())
+    else:
+        if isinstance(delay, dt.timedelta):
+            seconds = delay.total_seconds()
+        elif isinstance(delay, int | float) and not isinstance(delay, bool):
+            seconds = float(delay)
+        else:
+            raise exceptions.PublishError(
+                f"{type_name}: delay must be seconds or a timedelta, not {delay!r}"
+            )
+        if not seconds >= 0:  # negative or NaN
+            raise exceptions.PublishError(f"{type_name}: delay must be >= 0, not {delay!r}")
+    if seconds > horizon:
+        raise exceptions.PublishError(
+            f"{type_name}: due in {seconds:.0f} s, beyond max_delay_seconds={horizon:g} "
+            "(OUTBOX_MAX_DELAY_SECONDS)"
+        )
+    return dt.timedelta(seconds=seconds), deliver_at
+
+
+def _check_headers(headers: dict[str, str] | None, stream: str, type_name: str) -> dict[str, str]:
+    if not headers:
+        return {}
+    if not isinstance(headers, dict):
+        raise exceptions.PublishError(f"headers of {type_name} must be a dict of strings")
+    for name, value in headers.items():
+        if not isinstance(name, str) or not isinstance(value, str):
+            raise exceptions.PublishError(
+                f"header {name!r} of {type_name}: names and values must be strings"
+            )
+        check_text(name, f"the name of header {name!r}", stream, type_name)
+        check_text(value, f"headers[{name!r}]", stream, type_name)
+        if not _HEADER_NAME.match(name):
+            raise exceptions.PublishError(
+                f"invalid header name {name!r} on {type_name}: 1-128 characters among "
+                "letters, digits and !#$%&'*+-.^_`|~"
+            )
+        normalised = normalise_header_name(name)
+        if normalised in _RESERVED:
+            raise exceptions.PublishError(
+                f"header {name!r} of {type_name} is set by the outbox and cannot be overridden"
+            )
+        if normalised.startswith(_NATS_PREFIX):
+            raise exceptions.PublishError(
+                f"header {name!r} of {type_name}: Nats-* headers are interpreted by NATS "
+                "(de-duplication, expectations) and cannot be set by users"
+            )
+        if len(value) > 4096 or "\r" in value or "\n" in value:
+            raise exceptions.PublishError(
+                f"header {name!r} of {type_name}: value over 4096 characters or with a newline"
+            )
+    return dict(headers)
+
+
+#: Every live Outbox of this process (weakly): the request dependency falls back on the
+#: only one when the app was not started with ``outbox.lifespan``.
+_outboxes: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def register_outbox(outbox: Outbox) -> None:
+    _outboxes.add(outbox)
+
+
+def current_outbox() -> Outbox:
+    """The only Outbox of this process; :class:`UnitOfWorkError` when there is none or
+    several."""
+    instances = list(_outboxes)
+    if len(instances) == 1:
+        found: Outbox = instances[0]
+        return found
+    if not instances:
+        raise exceptions.UnitOfWorkError(
+            "no Outbox exists: create one and start the app with lifespan=outbox.lifespan"
+        )
+    raise exceptions.UnitOfWorkError(
+        f"{len(instances)} Outbox instances exist: start the app with "
+        "lifespan=outbox.lifespan (or include outbox.router) so requests find theirs"
+    )
+
+
+def _outbox_for(request: Request) -> Outbox:
+    outbox = getattr(request.app.state, "fastapi_outbox", None)
+    if outbox is None:
+        outbox = current_outbox()
+    return outbox
+
+
+async def _request_unit_of_work(request: Request) -> AsyncIterator[UnitOfWork]:
+    async for uow in _serve(_outbox_for(request), request):
+        yield uow
+
+
+async def _serve(outbox: Outbox, request: Request) -> AsyncIterator[UnitOfWork]:
+    try:
+        correlation_id, traceparent = correlation_from_headers(request.headers)
+    except ValueError as exc:
+        raise HTTPException(status_code=400, detail=str(exc)) from exc
+    async with outbox.unit_of_work(correlation_id=correlation_id, traceparent=traceparent) as uow:
+        yield uow
+
+
+async def unit_of_work(
+    uow: Annotated[UnitOfWork, Depends(_request_unit_of_work, scope="function")],
+) -> UnitOfWork:
+    """FastAPI dependency: a :class:`UnitOfWork` that commits before the response is sent.
+
+    ``uow: UnitOfWork = Depends(unit_of_work)`` or ``uow: UnitOfWorkDep``."""
+    return uow
+
+
+UnitOfWorkDep = Annotated[UnitOfWork, Depends(unit_of_work)]
+
+
+def dependency_for(outbox: Outbox) -> Any:
+    """A ``unit_of_work`` dependency bound to ``outbox`` (several outboxes in one app):
+    ``uow: UnitOfWork = Depends(billing_outbox.dependency)``."""
+
+    async def scoped(request: Request) -> AsyncIterator[UnitOfWork]:
+        async for uow in _serve(outbox, request):
+            yield uow
+
+    async def bound_unit_of_work(uow: UnitOfWork) -> UnitOfWork:
+        return uow
+
+    # Real objects, not the strings of `from __future__ import annotations`: FastAPI
+    # resolves string annotations in the module's globals, where `scoped` is not.
+    bound_unit_of_work.__annotations__ = {
+        "uow": Annotated[UnitOfWork, Depends(scoped, scope="function")],
+        "return": UnitOfWork,
+    }
+    return bound_unit_of_work
