@@ -331,6 +331,20 @@ class Processor(RelayLoop):
                         },
                     )
 
+    def _broker_bug(self, exc: BaseException) -> exceptions.MessageRejected:
+        """A broker that raised something it should not (a bug in it): logged with type and
+        stack only (its text may quote the message), and the message's failure."""
+        logger.error(
+            "broker raised unexpectedly",
+            extra={
+                "action": "publish.error",
+                "broker": self.broker_name,
+                "error": type(exc).__name__,
+                "stack": stack(exc),
+            },
+        )
+        return exceptions.MessageRejected(f"broker raised {type(exc).__name__}")
+
     async def _publish_and_mark(self, batch: list[ClaimedRow], token: str) -> None:
         settings = self.settings
         exhausted = [r for r in batch if r.attempts > settings.max_attempts]
@@ -370,18 +384,7 @@ class Processor(RelayLoop):
         except exceptions.OutboxError as exc:
             results = [exc] * len(envelopes)
         except Exception as exc:  # a bug in a broker must not stop the dispatcher
-            # Type and stack only: the text of an unexpected error may quote the message.
-            logger.error(
-                "broker raised unexpectedly",
-                extra={
-                    "action": "publish.error",
-                    "broker": self.broker_name,
-                    "error": type(exc).__name__,
-                    "stack": stack(exc),
-                },
-            )
-            error = exceptions.MessageRejected(f"broker raised {type(exc).__name__}")
-            results = [error] * len(envelopes)
+            results = [self._broker_bug(exc)] * len(envelopes)
         if answered:
             self._broker_up()
         with anyio.fail_after(self._db_bound):
@@ -483,16 +486,7 @@ class Processor(RelayLoop):
             except exceptions.OutboxError as refused:
                 result = refused
             except Exception as bug:
-                logger.error(
-                    "broker raised unexpectedly",
-                    extra={
-                        "action": "publish.error",
-                        "broker": self.broker_name,
-                        "error": type(bug).__name__,
-                        "stack": stack(bug),
-                    },
-                )
-                result = exceptions.MessageRejected(f"broker raised {type(bug).__name__}")
+                result = self._broker_bug(bug)
             results[i] = result
             if result is not None and settings.ordered and envelope.key is not None:
                 stopped.add(envelope.key)
