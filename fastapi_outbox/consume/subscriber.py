@@ -97,6 +97,7 @@ from sqlalchemy.orm import Session, SessionTransaction
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.aggregates import collect_events, held_aggregates
+from fastapi_outbox.backoff import exponential_delay
 from fastapi_outbox.brokers.consumer import (
     Consumer,
     ConsumerConfig,
@@ -710,7 +711,7 @@ class Subscriber:
         return extra
 
     def _pause_for(self, failures: int) -> float:
-        return float(min(PAUSE_MAX_SECONDS, PAUSE_MIN_SECONDS * 2.0 ** min(failures, 10)))
+        return exponential_delay(failures + 1, base=PAUSE_MIN_SECONDS, maximum=PAUSE_MAX_SECONDS)
 
     async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         """Fetch and handle until :meth:`stop`. Reports started at once: a broker that is
@@ -1233,9 +1234,13 @@ class Subscriber:
             self._key_locks[key] = (lock, users - 1)
 
     def _retry_delay(self, attempt: int) -> float:
-        delay = float(self.retry_base_delay_seconds * 2.0 ** max(0, attempt - 1))
-        delay = min(delay, self.retry_max_delay_seconds)
-        return max(0.0, delay * (1 + self._rng.uniform(-0.25, 0.25)))
+        return exponential_delay(
+            attempt,
+            base=self.retry_base_delay_seconds,
+            maximum=self.retry_max_delay_seconds,
+            jitter=0.25,
+            rng=self._rng,
+        )
 
     async def _process(self, d: Delivery, *, in_place: bool) -> None:
         assert self.consumer is not None

@@ -25,6 +25,7 @@ from typing import Any
 import anyio
 
 from fastapi_outbox import exceptions
+from fastapi_outbox.backoff import exponential_delay
 from fastapi_outbox.log import safe_error, stack
 from fastapi_outbox.relay.wakeups import Wakeup
 from fastapi_outbox.settings import OutboxSettings
@@ -126,11 +127,13 @@ class RelayLoop:
         up to ``broker_backoff_max_seconds``, with jitter. Returns the pause."""
         settings = self.settings
         self._broker_failures += 1
-        pause: float = min(
-            settings.broker_backoff_max_seconds,
-            settings.poll_interval_seconds * 2.0 ** min(self._broker_failures - 1, 16),
+        pause = exponential_delay(
+            self._broker_failures,
+            base=settings.poll_interval_seconds,
+            maximum=settings.broker_backoff_max_seconds,
+            jitter=(0.0, 0.25),
+            rng=self._rng,
         )
-        pause *= 1 + self._rng.uniform(0, 0.25)
         self._paused_until = time.monotonic() + pause
         if self.broker_down_since is None:
             self.broker_down_since = clock.wall()

@@ -34,6 +34,7 @@ from typing import Any
 import anyio
 
 from fastapi_outbox import exceptions
+from fastapi_outbox.backoff import exponential_delay
 from fastapi_outbox.brokers.base import Broker, PublishResults
 from fastapi_outbox.events import Envelope
 from fastapi_outbox.instrumentation import Instrumentation
@@ -59,12 +60,14 @@ def instance_id() -> str:
 
 def retry_delay(attempts: int, settings: OutboxSettings, rng: random.Random | None = None) -> float:
     """Exponential backoff with jitter after the ``attempts``-th failed attempt."""
-    base = settings.retry_base_delay_seconds * settings.retry_multiplier ** max(0, attempts - 1)
-    delay = min(settings.retry_max_delay_seconds, base)
-    jitter = settings.retry_jitter
-    if jitter:
-        delay *= 1 + (rng or random).uniform(-jitter, jitter)
-    return max(0.0, min(delay, settings.retry_max_delay_seconds))
+    return exponential_delay(
+        attempts,
+        base=settings.retry_base_delay_seconds,
+        maximum=settings.retry_max_delay_seconds,
+        multiplier=settings.retry_multiplier,
+        jitter=settings.retry_jitter,
+        rng=rng,
+    )
 
 
 class Processor(RelayLoop):

@@ -25,6 +25,7 @@ from typing import Any
 
 import anyio
 
+from fastapi_outbox.backoff import exponential_delay
 from fastapi_outbox.settings import LISTEN_CHECK_INTERVAL_SECONDS, LISTEN_CHECK_TIMEOUT_SECONDS
 from fastapi_outbox.storage.store import Store
 
@@ -265,13 +266,13 @@ class Listener:
             await conn.invalidate()
 
     async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
-        delay = RECONNECT_MIN_SECONDS
+        failures = 0
         started = False
 
         def proven() -> None:
-            nonlocal delay, started
+            nonlocal failures, started
             self.listening = True
-            delay = RECONNECT_MIN_SECONDS
+            failures = 0
             logger.info("listening", extra={"action": "listen.start", "channel": self.channel})
             # Commits made while we were not listening: look once.
             self.on_notify()
@@ -303,6 +304,10 @@ class Listener:
             except Exception as exc:
                 raw_lost = f"{type(exc).__name__}"
             self.listening = False
+            failures += 1
+            delay = exponential_delay(
+                failures, base=RECONNECT_MIN_SECONDS, maximum=RECONNECT_MAX_SECONDS
+            )
             logger.warning(
                 "listen connection down; polling until it is back",
                 extra={"action": "listen.lost", "error": raw_lost, "retry_in": delay},
@@ -314,4 +319,3 @@ class Listener:
                 started = True
                 task_status.started()
             await anyio.sleep(delay)
-            delay = min(delay * 2, RECONNECT_MAX_SECONDS)

@@ -432,6 +432,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "wanted_ranges",
     },
     "fastapi_outbox.redaction": {"MASK", "redact", "redact_url", "remember", "split_url_list"},
+    "fastapi_outbox.backoff": {"exponential_delay"},
     "fastapi_outbox.relay_loop": {"RelayLoop"},
     "fastapi_outbox.retention": {"BATCH_PAUSE_SECONDS", "Cleaner", "purge"},
     "fastapi_outbox.schema": {"build_table", "ddl", "metadata", "outbox_table"},
