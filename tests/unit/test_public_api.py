@@ -461,6 +461,16 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "is_outage",
         "sqlstate_of",
     },
+    "fastapi_outbox.storage.engine": {
+        "POOL_MAX_OVERFLOW",
+        "POOL_SIZE",
+        "SQLITE_BUSY_TIMEOUT_MS",
+        "SQLITE_CONNECT_TIMEOUT_SECONDS",
+        "create_engine",
+        "engine_defaults",
+        "is_postgres",
+        "uses_asyncpg",
+    },
     "fastapi_outbox.storage.inbox": {"Inbox", "build_inbox_table", "inbox_table"},
     "fastapi_outbox.storage.schema": {"build_table", "ddl", "metadata", "outbox_table"},
     "fastapi_outbox.storage.wal_slot": {
