@@ -531,7 +531,18 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "notify",
     },
     "fastapi_outbox.storage.statements.wal": {
+        "ADVANCE_SQL",
+        "BOUNDARY_SQL",
         "CHECK_SQL",
+        "CREATE_SLOT_SQL",
+        "DB_NOW_SQL",
+        "DROP_SLOT_SQL",
+        "PEEK_SQL",
+        "PUBLICATION_EXISTS_SQL",
+        "SESSION_SQL",
+        "SLOT_EXISTS_SQL",
+        "STATS_SQL",
+        "TRY_LOCK_SQL",
         "check_ready",
     },
     "fastapi_outbox.storage.statements.write": {
