@@ -13,27 +13,26 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import anyio
-from sqlalchemy import MetaData, event
+from sqlalchemy import MetaData
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
     AsyncSession,
     async_sessionmaker,
-    create_async_engine,
 )
-from sqlalchemy.pool import StaticPool
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.brokers.base import Broker
 from fastapi_outbox.consume.subscriber import Handler, Subscriber, handler_transaction
 from fastapi_outbox.instrumentation import Instrumentation
-from fastapi_outbox.redaction import redact, redact_url, remember
+from fastapi_outbox.redaction import redact_url, remember
 from fastapi_outbox.relay.retention import Cleaner
 from fastapi_outbox.relay.table import Processor, instance_id
 from fastapi_outbox.relay.wakeups import Listener, Notifier, channel_name
 from fastapi_outbox.relay.wal import WalRelay
 from fastapi_outbox.settings import OutboxSettings
 from fastapi_outbox.storage import partitions, schema
+from fastapi_outbox.storage.engine import create_engine
 from fastapi_outbox.storage.inbox import Inbox, build_inbox_table
 from fastapi_outbox.storage.store import Store
 from fastapi_outbox.storage.wal_slot import WalSlot
@@ -131,7 +130,7 @@ class Outbox:
             self.engine = database
             self._owns_engine = False
         elif isinstance(database, str):
-            self.engine = _create_engine(database, dict(engine_options or {}))
+            self.engine = create_engine(database, dict(engine_options or {}))
             self._owns_engine = True
         else:
             raise exceptions.ConfigurationError(
@@ -808,53 +807,3 @@ def _check_dedup_window(name: str, broker: Broker, settings: OutboxSettings) -> 
             "backoff or an outage would appear twice: raise the broker's "
             "dedup_window_seconds or lower those settings"
         )
-
-
-def _create_engine(url: str, options: dict[str, Any]) -> AsyncEngine:
-    """An engine for ``url``; SQLite gets WAL, a busy timeout and BEGIN IMMEDIATE so the
-    embedded default copes with a dispatcher and requests writing at the same time."""
-    remember(url)
-    try:
-        engine = create_async_engine(url, **_engine_defaults(url, options))
-    except Exception as exc:
-        # `from None`: the chained exception may quote the URL with its password.
-        raise exceptions.ConfigurationError(
-            f"cannot create an engine for {redact_url(url)}: {redact(str(exc))}"
-        ) from None
-    if engine.dialect.name == "sqlite":
-        sync_engine = engine.sync_engine
-
-        @event.listens_for(sync_engine, "connect")
-        def _on_connect(dbapi_connection: Any, record: Any) -> None:
-            dbapi_connection.isolation_level = None  # we issue BEGIN ourselves
-            cursor = dbapi_connection.cursor()
-            if engine.url.database not in (None, "", ":memory:"):
-                cursor.execute("PRAGMA journal_mode=WAL")
-            cursor.execute("PRAGMA synchronous=NORMAL")
-            cursor.execute("PRAGMA busy_timeout=30000")
-            cursor.execute("PRAGMA foreign_keys=ON")
-            cursor.close()
-
-        @event.listens_for(sync_engine, "begin")
-        def _on_begin(conn: Any) -> None:
-            conn.exec_driver_sql("BEGIN IMMEDIATE")
-
-    return engine
-
-
-def _engine_defaults(url: str, options: dict[str, Any]) -> dict[str, Any]:
-    opts = dict(options)
-    if url.startswith("sqlite"):
-        if url.rstrip("/").endswith(":memory:") or url.rstrip("/") in (
-            "sqlite+aiosqlite:",
-            "sqlite+aiosqlite://",
-        ):
-            opts.setdefault("poolclass", StaticPool)
-        opts.setdefault("connect_args", {"timeout": 30})
-    else:
-        # No pool_pre_ping by default: on asyncpg it costs three round trips per checkout
-        # (more than the business statement); pass engine_options={"pool_pre_ping": True}
-        # where connections die silently (e.g. idle timeouts of a proxy).
-        opts.setdefault("pool_size", 10)
-        opts.setdefault("max_overflow", 20)
-    return opts

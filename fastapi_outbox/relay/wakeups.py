@@ -27,6 +27,7 @@ import anyio
 
 from fastapi_outbox.backoff import exponential_delay
 from fastapi_outbox.settings import LISTEN_CHECK_INTERVAL_SECONDS, LISTEN_CHECK_TIMEOUT_SECONDS
+from fastapi_outbox.storage.statements.wakeups import NOTIFY_SQL
 from fastapi_outbox.storage.store import Store
 
 logger = logging.getLogger("fastapi_outbox.notify")
@@ -119,9 +120,7 @@ class Notifier:
                         driver = raw.driver_connection
                         assert driver is not None
                         while True:
-                            await driver.execute(
-                                "SELECT pg_notify($1, $2)", self.channel, self.instance_id
-                            )
+                            await driver.execute(NOTIFY_SQL, self.channel, self.instance_id)
                             self.sent += 1
                             # Commits in the next few milliseconds share the next NOTIFY:
                             # under load the write path pays a fraction of a round trip
@@ -226,7 +225,7 @@ class Listener:
         self._awaited = (token, answered)
         try:
             with anyio.move_on_after(self.check_timeout):
-                await driver.execute("SELECT pg_notify($1, $2)", self.channel, token)
+                await driver.execute(NOTIFY_SQL, self.channel, token)
                 await answered.wait()
         finally:
             self._awaited = None
