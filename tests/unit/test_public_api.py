@@ -241,8 +241,16 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "refusal_code",
     },
     "fastapi_outbox.brokers.redis.broker": {"RedisStreamsBroker"},
-    "fastapi_outbox.brokers.redis.connection": {"RedisConnection"},
-    "fastapi_outbox.brokers.redis.wire": {"REFUSAL_CODES", "refusal_code"},
+    "fastapi_outbox.brokers.redis.connection": {"RedisConnection", "SOCKET_TIMEOUT_SECONDS"},
+    "fastapi_outbox.brokers.redis.wire": {
+        "PUBLISHED_FIELDS",
+        "REFUSAL_CODES",
+        "decode_entry",
+        "is_unreachable",
+        "refusal_code",
+        "reply_entries",
+        "text",
+    },
     "fastapi_outbox.brokers.redis_consumer": {
         "AUTOCLAIM_COUNT",
         "DEAD_LETTER_SCAN",
