@@ -356,7 +356,7 @@ async def test_nats_created_stream_has_explicit_limits_and_logs_them(
 
 
 async def test_nats_default_stream_limits_are_bounded(nats_url: str, jsm: Any) -> None:
-    from fastapi_outbox.brokers.nats.publisher import STREAM_MAX_AGE_SECONDS, STREAM_MAX_BYTES
+    from fastapi_outbox.brokers.nats import STREAM_MAX_AGE_SECONDS, STREAM_MAX_BYTES
 
     subject = unique("bounded")
     broker = NatsJetStreamBroker(nats_url)
@@ -423,7 +423,7 @@ async def test_nats_a_reply_that_is_not_a_jetstream_ack_fails_the_message_at_onc
         assert isinstance(results[1], exceptions.MessageRejected)
         assert "unexpected reply" in str(results[1]) and batch[1].id in str(results[1])
         assert (await jsm.stream_info(stream_name_for(captured))).state.messages == 2
-        assert broker._awaiting == {}  # no ack left registered
+        assert broker.acks_awaited == 0  # no ack left registered
     finally:
         await broker.aclose()
         await nc.close()
@@ -442,10 +442,10 @@ async def test_nats_cancelled_publish_leaves_no_ack_awaited(nats_url: str) -> No
         with pytest.raises(TimeoutError):
             with anyio.fail_after(0.5):
                 await broker.publish([envelope(silent, n) for n in range(50)])
-        assert broker._awaiting == {}
+        assert broker.acks_awaited == 0
         broker.create_streams = True
         assert await broker.publish([envelope(subject, 0)]) == [None]
-        assert broker._awaiting == {}
+        assert broker.acks_awaited == 0
     finally:
         await broker.aclose()
         await nc.close()
@@ -461,7 +461,7 @@ async def test_nats_broker_on_a_callers_client_leaves_no_subscription(nats_url: 
     broker: Any = NatsJetStreamBroker(nats_url, client=nc)
     try:
         assert await broker.publish([envelope(subject, 0)]) == [None]
-        inbox = broker._ack_prefix + "probe"
+        inbox = broker.ack_subject_prefix + "probe"
         await broker.aclose()
         assert nc.is_connected
         with pytest.raises(nats.errors.NoRespondersError):
@@ -483,7 +483,7 @@ async def test_nats_headers_on_the_wire_follow_nats_rules(
     broker: Any = NatsJetStreamBroker(nats_url)
     await broker.connect()
     if path == "nats-py publish":
-        broker._raw = None
+        broker.connection.use_client_publish()
     good, bad_name, bad_subject = envelope(subject, 0), envelope(subject, 1), envelope("a b", 2)
     good.headers["x-note"] = "  two\r\nlines\r\nPUB evil 1\r\n "
     bad_name.headers["bad name"] = "x"

@@ -215,7 +215,15 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "stream_name_for",
     },
     "fastapi_outbox.brokers.nats.broker": {"NatsJetStreamBroker"},
-    "fastapi_outbox.brokers.nats.connection": {"NatsConnection"},
+    "fastapi_outbox.brokers.nats.connection": {
+        "ACK_TIMEOUT_SECONDS",
+        "CONNECT_TIMEOUT_SECONDS",
+        "DEDUP_WINDOW_SECONDS",
+        "JS_API_INFO",
+        "STREAM_MAX_AGE_SECONDS",
+        "STREAM_MAX_BYTES",
+        "NatsConnection",
+    },
     "fastapi_outbox.brokers.nats.wire": {
         "KEY_HEADER",
         "MSG_ID_HEADER",

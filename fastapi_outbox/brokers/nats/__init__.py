@@ -12,15 +12,15 @@ from __future__ import annotations
 from fastapi_outbox.brokers.nats.broker import (
     NatsJetStreamBroker,
 )
-from fastapi_outbox.brokers.nats.publisher import (
+from fastapi_outbox.brokers.nats.connection import (
     ACK_TIMEOUT_SECONDS,
     CONNECT_TIMEOUT_SECONDS,
     DEDUP_WINDOW_SECONDS,
     JS_API_INFO,
-    NO_RESPONDERS_STATUS,
     STREAM_MAX_AGE_SECONDS,
     STREAM_MAX_BYTES,
 )
+from fastapi_outbox.brokers.nats.publisher import NO_RESPONDERS_STATUS
 from fastapi_outbox.brokers.nats.wire import (
     KEY_HEADER,
     MSG_ID_HEADER,

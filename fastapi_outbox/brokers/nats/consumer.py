@@ -30,12 +30,12 @@ import datetime as dt
 import hashlib
 import logging
 from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.brokers import consumer as consumer_mod
-from fastapi_outbox.brokers.base import redact_url
 from fastapi_outbox.brokers.consumer import ConsumerConfig, ConsumerLag, DeadLetter, Delivery
+from fastapi_outbox.brokers.nats.connection import NatsConnection
 from fastapi_outbox.brokers.nats.wire import (
     KEY_HEADER,
     MSG_ID_HEADER,
@@ -43,9 +43,6 @@ from fastapi_outbox.brokers.nats.wire import (
     stream_name_for,
 )
 from fastapi_outbox.events import HEADER_MESSAGE_ID, HEADER_TYPE, uuid7
-
-if TYPE_CHECKING:
-    from fastapi_outbox.brokers.nats.connection import NatsConnection
 
 logger = logging.getLogger("fastapi_outbox.brokers.nats")
 
@@ -94,8 +91,11 @@ def durable_name(group: str, subject: str) -> str:
 
 
 class NatsJetStreamConsumer:
-    def __init__(self, broker: NatsConnection, config: ConsumerConfig) -> None:
-        self.broker = broker
+    """One group's durable pull consumer of one subject, on the broker's
+    ``NatsConnection``."""
+
+    def __init__(self, connection: NatsConnection, config: ConsumerConfig) -> None:
+        self.connection = connection
         self.config = config
         self.durable = durable_name(config.group, config.stream)
         #: The durable of releases before the subject was part of the name.
@@ -110,25 +110,22 @@ class NatsJetStreamConsumer:
         import nats.errors
         import nats.js.errors
 
-        await self.broker.connect()
-        if not self.broker._nc.is_connected:
-            raise self.broker._unavailable("connection lost, reconnecting")
+        await self.connection.connect()
+        self.connection.ensure_connected()
         try:
-            yield self.broker._js
+            yield self.connection.jetstream
         except (
             nats.errors.ConnectionClosedError,
             nats.errors.NoRespondersError,
             nats.errors.ConnectionReconnectingError,
             nats.errors.TimeoutError,
         ) as exc:
-            raise self.broker._unavailable(exc) from exc
+            raise self.connection.unavailable(exc) from exc
         except nats.js.errors.APIError as exc:
             reason = refusal_reason(exc, stream_known=True)
             if reason is None:
                 raise
-            raise exceptions.BrokerRefusing(
-                f"NATS at {redact_url(self.broker.url)} refuses requests: {reason}"
-            ) from exc
+            raise self.connection.refusing(reason, "requests") from exc
 
     def _wanted(self) -> dict[str, Any]:
         """The settings of the durable this subscriber declares (compared at start)."""
@@ -139,15 +136,15 @@ class NatsJetStreamConsumer:
         }
 
     async def setup(self) -> None:
-        await self.broker.connect()
-        await self.broker.ensure_stream(self.config.stream)
-        await self.broker.ensure_stream(self.config.dead_letter, dead_letter=True)
+        await self.connection.connect()
+        await self.connection.ensure_stream(self.config.stream)
+        await self.connection.ensure_stream(self.config.dead_letter, dead_letter=True)
         async with self._calls() as js:
             self.stream_name = await js.find_stream_name_by_subject(self.config.stream)
-            await self._ensure_durable(js, self.stream_name)
+            await self.ensure_durable(js, self.stream_name)
             self._sub = await js.pull_subscribe_bind(durable=self.durable, stream=self.stream_name)
 
-    async def _ensure_durable(self, js: Any, stream: str) -> None:
+    async def ensure_durable(self, js: Any, stream: str) -> None:
         """Create the durable, or bring an existing one to the declared settings."""
         import nats.js.api as api
         import nats.js.errors
@@ -309,7 +306,7 @@ class NatsJetStreamConsumer:
                 raise error
 
     async def ack(self, deliveries: Sequence[Delivery]) -> None:
-        raw = self.broker._raw
+        raw = self.connection.command_buffer
         if raw is None or not deliveries:
             await self._each(deliveries, "ack")
             return
@@ -337,7 +334,7 @@ class NatsJetStreamConsumer:
         await self._each(deliveries, "nak")
 
     async def dead_letter(self, delivery: Delivery, error: str) -> None:
-        await self.broker.ensure_stream(self.config.dead_letter, dead_letter=True)
+        await self.connection.ensure_stream(self.config.dead_letter, dead_letter=True)
         headers = {
             **delivery.headers,
             HEADER_MESSAGE_ID: delivery.message_id,

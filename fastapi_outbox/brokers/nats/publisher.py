@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import itertools
 import json
 import logging
@@ -31,30 +30,16 @@ from typing import Any, Self
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.brokers.base import PublishResults, redact_url
+from fastapi_outbox.brokers.nats.connection import NatsConnection
 from fastapi_outbox.brokers.nats.wire import (
     KEY_HEADER,
     MSG_ID_HEADER,
     refusal_reason,
-    stream_name_for,
 )
 from fastapi_outbox.events import Envelope
-from fastapi_outbox.log import safe_error
-from fastapi_outbox.redaction import split_url_list
 
 logger = logging.getLogger("fastapi_outbox.brokers.nats")
 
-#: Without an Outbox to configure it: lease + longest backoff + dedup_outage_seconds + margin
-#: of the default settings (30 + 300 + 4 h + 60 s).
-DEDUP_WINDOW_SECONDS = 14_790.0
-#: Limits of the streams the broker creates (an unbounded stream grows until the disk is
-#: full): messages older than this are removed...
-STREAM_MAX_AGE_SECONDS = 7 * 24 * 3600.0
-#: ...and the oldest go once the stream holds this many bytes (JetStream's "discard old").
-STREAM_MAX_BYTES = 1024**3
-ACK_TIMEOUT_SECONDS = 10.0
-CONNECT_TIMEOUT_SECONDS = 2.0
-#: The JetStream account-info request: the broker's ping (a round trip through JetStream).
-JS_API_INFO = "$JS.API.INFO"
 #: Bytes reserved for the protocol line and headers when checking max_payload.
 _HEADER_OVERHEAD = 64
 #: Status header of a "no responders" reply.
@@ -165,166 +150,76 @@ class _Batch:
 class NatsJetStreamPublisher:
     """Publishes to NATS JetStream (``nats-py``), de-duplicated by ``Nats-Msg-Id``."""
 
-    def __init__(
-        self,
-        url: str = "nats://localhost:4222",
-        *,
-        client: Any = None,
-        create_streams: bool = True,
-        dedup_window_seconds: float | None = None,
-        ack_timeout_seconds: float = ACK_TIMEOUT_SECONDS,
-        connect_timeout_seconds: float = CONNECT_TIMEOUT_SECONDS,
-        stream_config: dict[str, Any] | None = None,
-        stream_max_age_seconds: float | None = STREAM_MAX_AGE_SECONDS,
-        stream_max_bytes: int | None = STREAM_MAX_BYTES,
-        dead_letter_max_age_seconds: float | None = None,
-        dead_letter_max_bytes: int | None = None,
-    ) -> None:
-        """``stream_max_age_seconds`` / ``stream_max_bytes``: limits of the streams this
-        broker creates (``None``: unlimited); ``stream_config``: any other
-        ``StreamConfig`` field, which wins over both. The dead-letter streams the
-        consumers create have no age or size limit (a dead letter waits for an operator)
-        unless ``dead_letter_max_age_seconds`` / ``dead_letter_max_bytes`` set one."""
-        for option, value in (
-            ("stream_max_age_seconds", stream_max_age_seconds),
-            ("stream_max_bytes", stream_max_bytes),
-            ("dead_letter_max_age_seconds", dead_letter_max_age_seconds),
-            ("dead_letter_max_bytes", dead_letter_max_bytes),
-        ):
-            if value is not None and value <= 0:
-                raise exceptions.ConfigurationError(
-                    f"NatsJetStreamBroker {option} must be > 0 or None, not {value!r}"
-                )
-        self.url = url
-        self.stream_max_age_seconds = stream_max_age_seconds
-        self.stream_max_bytes = stream_max_bytes
-        self.dead_letter_max_age_seconds = dead_letter_max_age_seconds
-        self.dead_letter_max_bytes = dead_letter_max_bytes
-        self.create_streams = create_streams
-        self.ack_timeout_seconds = ack_timeout_seconds
-        self.stream_config = dict(stream_config or {})
-        self._connect_timeout = connect_timeout_seconds
-        self._window = dedup_window_seconds
-        self._window_explicit = dedup_window_seconds is not None
-        self._nc = client
-        self._own_client = client is None
-        self._js: Any = None
-        self._known_subjects: set[str] = set()
+    def __init__(self, connection: NatsConnection) -> None:
+        self.connection = connection
         self._lock = asyncio.Lock()
         # Acks: the reply subjects of the messages in flight, each with its batch and index.
         self._ack_sub: Any = None
+        #: The client ``_ack_sub`` was made on: a new client gets a subscription again.
+        self._ack_client: Any = None
         self._ack_prefix = ""
         self._ack_numbers = itertools.count()
         self._awaiting: dict[str, tuple[_Batch, int]] = {}
-        #: nats-py's command buffer and its flush (``_send_command`` / ``_flush_pending``):
-        #: a batch's ``HPUB`` commands are written there whole and flushed once, without the
-        #: per-message work of ``publish``. None: that client lacks them, ``publish`` is used.
-        self._raw: tuple[Any, Any] | None = None
 
     def __repr__(self) -> str:
         return f"NatsJetStreamBroker({redact_url(self.url)!r})"
 
     @property
-    def dedup_window_seconds(self) -> float:
-        configured = self.stream_config.get("duplicate_window")
-        if configured is not None:
-            return float(configured)
-        return self._window if self._window is not None else DEDUP_WINDOW_SECONDS
+    def url(self) -> str:
+        return self.connection.url
 
-    def _new_stream_config(self, *, dead_letter: bool = False) -> dict[str, Any]:
-        config: dict[str, Any] = {"duplicate_window": self.dedup_window_seconds}
-        if dead_letter:
-            # Kept until replayed or removed, unless limits were asked for: the other
-            # fields of ``stream_config`` (storage, replicas) apply, not its limits.
-            limits = ("max_age", "max_bytes", "max_msgs", "max_msgs_per_subject")
-            config.update((k, v) for k, v in self.stream_config.items() if k not in limits)
-            if self.dead_letter_max_age_seconds is not None:
-                config["max_age"] = self.dead_letter_max_age_seconds
-                # JetStream refuses a duplicate window longer than the stream's max age.
-                config["duplicate_window"] = min(config["duplicate_window"], config["max_age"])
-            if self.dead_letter_max_bytes is not None:
-                config["max_bytes"] = self.dead_letter_max_bytes
-            return config
-        if self.stream_max_age_seconds is not None:
-            config["max_age"] = self.stream_max_age_seconds
-            # JetStream refuses a duplicate window longer than the stream's max age.
-            config["duplicate_window"] = min(self.dedup_window_seconds, config["max_age"])
-        if self.stream_max_bytes is not None:
-            config["max_bytes"] = self.stream_max_bytes
-        return {**config, **self.stream_config}
+    @property
+    def create_streams(self) -> bool:
+        """Whether a subject no stream captures gets a stream of its own."""
+        return self.connection.create_streams
+
+    @create_streams.setter
+    def create_streams(self, value: bool) -> None:
+        self.connection.create_streams = value
+
+    @property
+    def ack_timeout_seconds(self) -> float:
+        return self.connection.ack_timeout_seconds
+
+    @property
+    def dedup_window_seconds(self) -> float:
+        return self.connection.dedup_window_seconds
+
+    @property
+    def acks_awaited(self) -> int:
+        """Published messages whose JetStream ack has not come yet (0 between calls)."""
+        return len(self._awaiting)
+
+    @property
+    def ack_subscription(self) -> Any:
+        """The subscription the acks of every publish come to (None before connect)."""
+        return self._ack_sub
+
+    @property
+    def ack_subject_prefix(self) -> str:
+        """The prefix of the reply subjects of this broker's publishes."""
+        return self._ack_prefix
 
     def configure(self, *, dedup_window_seconds: float) -> None:
-        if not self._window_explicit:
-            self._window = dedup_window_seconds
-
-    def _unavailable(self, exc: BaseException | str) -> exceptions.BrokerUnavailable:
-        detail = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
-        return exceptions.BrokerUnavailable(
-            f"NATS at {redact_url(self.url)} is unreachable: {detail}"
-        )
+        self.connection.configure(dedup_window_seconds=dedup_window_seconds)
 
     async def connect(self) -> None:
-        if self._js is not None:
+        connection = self.connection
+        await connection.connect()
+        if self._ack_sub is not None and self._ack_client is connection.client:
             return
         async with self._lock:
-            if self._js is not None:
+            nc = connection.client
+            if self._ack_sub is not None and self._ack_client is nc:
                 return
-            import nats.aio.client
-
-            if self._nc is None:
-
-                async def on_error(exc: Exception) -> None:
-                    logger.debug(
-                        "nats client error",
-                        extra={"action": "broker.error", "error": safe_error(exc)},
-                    )
-
-                # max_reconnect_attempts=-1 keeps an established connection coming back,
-                # but nats-py applies it to the first connect too, which then retries
-                # forever: a dispatcher starting while NATS is down would hang instead of
-                # reporting the broker unavailable. The first connect is bounded here.
-                nc: Any = nats.aio.client.Client()
-                try:
-                    await asyncio.wait_for(
-                        nc.connect(
-                            # A comma-separated list: nats-py takes a list of servers.
-                            servers if len(servers := split_url_list(self.url)) > 1 else self.url,
-                            connect_timeout=self._connect_timeout,
-                            allow_reconnect=True,
-                            max_reconnect_attempts=-1,
-                            reconnect_time_wait=0.5,
-                            error_cb=on_error,
-                        ),
-                        timeout=self._connect_timeout,
-                    )
-                except Exception as exc:
-                    with contextlib.suppress(Exception):
-                        await asyncio.wait_for(nc.close(), timeout=self._connect_timeout)
-                    if isinstance(exc, TimeoutError):
-                        detail = f"no connection within {self._connect_timeout:g}s"
-                        raise self._unavailable(detail) from exc
-                    raise self._unavailable(exc) from exc
-                self._nc = nc
-            self._js = self._nc.jetstream(timeout=self.ack_timeout_seconds)
             # One wildcard subscription receives the acks of every publish.
             self._awaiting = {}
-            self._ack_prefix = self._nc.new_inbox() + "."
+            prefix = nc.new_inbox() + "."
             try:
-                self._ack_sub = await self._nc.subscribe(self._ack_prefix + "*", cb=self._on_ack)
+                self._ack_sub = await nc.subscribe(prefix + "*", cb=self._on_ack)
             except Exception as exc:
-                self._js = None
-                raise self._unavailable(exc) from exc
-            send = getattr(self._nc, "_send_command", None)
-            flush = getattr(self._nc, "_flush_pending", None)
-            self._raw = (
-                (send, flush)
-                if inspect.iscoroutinefunction(send) and inspect.iscoroutinefunction(flush)
-                else None
-            )
-            logger.info(
-                "nats broker connected",
-                extra={"action": "broker.connect", "broker_url": redact_url(self.url)},
-            )
+                raise connection.unavailable(exc) from exc
+            self._ack_prefix, self._ack_client = prefix, nc
 
     async def _on_ack(self, msg: Any) -> None:
         """A reply to one published message: record its outcome in its batch."""
@@ -340,111 +235,28 @@ class NatsJetStreamPublisher:
             batch.done.set_result(None)
 
     async def aclose(self) -> None:
-        sub, self._ack_sub = self._ack_sub, None
+        sub, self._ack_sub, self._ack_client = self._ack_sub, None, None
         self._awaiting = {}
-        if sub is not None and not self._own_client:
+        if sub is not None and not self.connection.owns_client:
             # A client of the caller's stays open: leave no subscription behind on it.
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
-        nc, self._nc, self._js = self._nc, None if self._own_client else self._nc, None
-        if nc is not None and self._own_client and not nc.is_closed:
-            try:
-                await asyncio.wait_for(nc.close(), timeout=self._connect_timeout)
-            except Exception:  # closing a dead connection must not fail shutdown
-                logger.debug("nats close failed", exc_info=True)
+        await self.connection.aclose()
 
     async def ping(self) -> None:
-        await self.connect()
-        if not self._nc.is_connected:
-            raise self._unavailable("not connected")
-        try:
-            # A JetStream round trip, not a core PING: the processor pings after a publish
-            # timed out to tell an outage from a message that hangs, and JetStream may stop
-            # answering while the server still answers PINGs. And nats-py's ``flush`` left
-            # a cancelled PONG future behind when cut short, which kills its read loop when
-            # the late PONG comes; a request's reply slot is dropped when it is given up.
-            await self._nc.request(JS_API_INFO, b"", timeout=self._connect_timeout)
-        except Exception as exc:
-            raise self._unavailable(exc) from exc
+        await self.connection.ping()
 
     async def ensure_stream(self, subject: str, *, dead_letter: bool = False) -> None:
-        """Make sure a JetStream stream captures ``subject`` (create one if allowed;
-        ``dead_letter``: a dead-letter stream, without the limits of the others).
-
-        Any of its JetStream API calls timing out or finding no responder means the
-        server cannot be reached: BrokerUnavailable, so no message is charged for it."""
-        if subject in self._known_subjects:
-            return
-        import nats.errors
-        import nats.js.errors
-
-        try:
-            await self._ensure_stream(subject, dead_letter=dead_letter)
-        except (
-            nats.errors.TimeoutError,
-            nats.errors.ConnectionClosedError,
-            nats.errors.NoRespondersError,
-        ) as exc:
-            raise self._unavailable(exc) from exc
-        except nats.js.errors.APIError as exc:
-            reason = refusal_reason(exc, stream_known=True)
-            if reason is None:
-                raise
-            raise exceptions.BrokerRefusing(
-                f"NATS at {redact_url(self.url)} refuses messages: {reason}"
-            ) from exc
-
-    async def _ensure_stream(self, subject: str, *, dead_letter: bool = False) -> None:
-        import nats.js.errors
-
-        try:
-            name = await self._js.find_stream_name_by_subject(subject)
-        except nats.js.errors.NotFoundError:
-            name = None
-        if name is None:
-            if not self.create_streams:
-                return  # the publish fails with "no stream", naming the subject
-            name = stream_name_for(subject)
-            config = self._new_stream_config(dead_letter=dead_letter)
-            try:
-                await self._js.add_stream(name=name, subjects=[subject], **config)
-            except nats.js.errors.BadRequestError as exc:
-                raise exceptions.MessageRejected(
-                    f"cannot create JetStream stream {name!r} for subject {subject!r}: {exc}"
-                ) from exc
-            logger.info(
-                "created jetstream stream",
-                extra={
-                    "action": "broker.stream_created",
-                    "stream": name,
-                    "subject": subject,
-                    "dead_letter": dead_letter,
-                    "duplicate_window_seconds": config["duplicate_window"],
-                    "max_age_seconds": config.get("max_age"),
-                    "max_bytes": config.get("max_bytes"),
-                },
-            )
-        else:
-            info = await self._js.stream_info(name)
-            window = info.config.duplicate_window or 0
-            if window < self.dedup_window_seconds:
-                logger.warning(
-                    "jetstream duplicate window shorter than the outbox needs",
-                    extra={
-                        "action": "broker.dedup_window_short",
-                        "stream": name,
-                        "duplicate_window_seconds": window,
-                        "needed_seconds": self.dedup_window_seconds,
-                    },
-                )
-        self._known_subjects.add(subject)
+        """Make sure a JetStream stream captures ``subject`` (``NatsConnection``)."""
+        await self.connection.ensure_stream(subject, dead_letter=dead_letter)
 
     async def publish(self, batch: Sequence[Envelope]) -> PublishResults:
         if not batch:
             return []
         await self.connect()
-        if not self._nc.is_connected:
-            raise self._unavailable("connection lost, reconnecting")
+        connection = self.connection
+        connection.ensure_connected()
+        nc = connection.client
         import nats.errors
 
         results: PublishResults = [None] * len(batch)
@@ -456,7 +268,7 @@ class NatsJetStreamPublisher:
                         results[i] = bad
                 continue
             try:
-                await self.ensure_stream(subject)
+                await connection.ensure_stream(subject)
             except exceptions.MessageRejected as exc:
                 for i, e in enumerate(batch):
                     if e.stream == subject:
@@ -464,12 +276,12 @@ class NatsJetStreamPublisher:
         # Subjects a stream captured when this call began: for them "no responders" means
         # the stream went away mid-call (an outage), whatever a concurrent call of another
         # worker did to ``_known_subjects`` meanwhile.
-        captured = {e.stream for e in batch if e.stream in self._known_subjects}
-        limit = self._nc.max_payload
-        nc_publish = self._nc.publish
-        raw = self._raw
-        if raw is not None and (self._nc.is_closed or self._nc.is_draining_pubs):
-            raise self._unavailable("connection closed or draining")
+        captured = {e.stream for e in batch if connection.stream_known(e.stream)}
+        limit = nc.max_payload
+        nc_publish = nc.publish
+        raw = connection.command_buffer
+        if raw is not None and (nc.is_closed or nc.is_draining_pubs):
+            raise connection.unavailable("connection closed or draining")
         awaiting = self._awaiting
         prefix = self._ack_prefix
         numbers = self._ack_numbers
@@ -515,15 +327,13 @@ class NatsJetStreamPublisher:
                     nats.errors.ConnectionClosedError,
                     nats.errors.OutboundBufferLimitError,
                 ) as exc:
-                    raise self._unavailable(exc) from exc
+                    raise connection.unavailable(exc) from exc
                 except Exception as exc:
                     del sent[i]
                     if awaiting.pop(reply, None) is not None:
                         acks.waiting -= 1
                     if refusal_reason(exc, stream_known=True) is not None:
-                        raise exceptions.BrokerRefusing(
-                            f"NATS at {redact_url(self.url)} refuses messages: {exc}"
-                        ) from exc
+                        raise connection.refusing(exc) from exc
                     results[i] = exceptions.MessageRejected(f"NATS refused message {e.id}: {exc}")
             if sent:
                 if raw is not None:
@@ -551,17 +361,15 @@ class NatsJetStreamPublisher:
                     reason = refusal_reason(error, stream_known=batch[i].stream in captured)
                     if reason is not None:
                         # The stream is found (or created) again before the next try.
-                        self._known_subjects.discard(batch[i].stream)
-                        raise exceptions.BrokerRefusing(
-                            f"NATS at {redact_url(self.url)} refuses messages: {reason}"
-                        )
+                        connection.forget_stream(batch[i].stream)
+                        raise connection.refusing(reason)
                     results[i] = exceptions.MessageRejected(
                         f"JetStream refused message {batch[i].id} on subject "
                         f"{batch[i].stream!r}: {type(error).__name__}: "
                         f"{error or 'no stream captures it'}"
                     )
                     # The stream may have been deleted: look it up again next time.
-                    self._known_subjects.discard(batch[i].stream)
+                    connection.forget_stream(batch[i].stream)
             return results
         finally:
             # However this ends — an ack timeout, a refusal, or the caller's own timeout
