@@ -227,9 +227,18 @@ PUBLIC_ALL: dict[str, set[str]] = {
     "fastapi_outbox.brokers.nats.wire": {
         "KEY_HEADER",
         "MSG_ID_HEADER",
+        "NO_RESPONDERS_STATUS",
         "REFUSAL_ERR_CODES",
+        "ack_error",
+        "decode_message",
+        "exceeds_max_payload",
+        "header_block",
+        "invalid_subject",
+        "publish_headers",
         "refusal_reason",
+        "sequence_and_count",
         "stream_name_for",
+        "wire_size",
     },
     "fastapi_outbox.brokers.nats_consumer": {
         "API_TIMEOUT_SECONDS",

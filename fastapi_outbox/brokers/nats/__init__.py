@@ -20,10 +20,10 @@ from fastapi_outbox.brokers.nats.connection import (
     STREAM_MAX_AGE_SECONDS,
     STREAM_MAX_BYTES,
 )
-from fastapi_outbox.brokers.nats.publisher import NO_RESPONDERS_STATUS
 from fastapi_outbox.brokers.nats.wire import (
     KEY_HEADER,
     MSG_ID_HEADER,
+    NO_RESPONDERS_STATUS,
     REFUSAL_ERR_CODES,
     refusal_reason,
     stream_name_for,

@@ -39,6 +39,7 @@ from fastapi_outbox.brokers.nats.connection import NatsConnection
 from fastapi_outbox.brokers.nats.wire import (
     KEY_HEADER,
     MSG_ID_HEADER,
+    decode_message,
     refusal_reason,
     stream_name_for,
 )
@@ -50,36 +51,6 @@ logger = logging.getLogger("fastapi_outbox.brokers.nats")
 #: dead-letter subject.
 DEAD_LETTER_SCAN = 1_000
 API_TIMEOUT_SECONDS = 5.0
-
-
-def _sequence_and_count(msg: Any) -> tuple[str, int]:
-    """(stream sequence, delivery count) from the message's ack subject, read directly:
-    ``msg.metadata`` builds a dataclass, a datetime and a sequence pair per message."""
-    tokens = (msg.reply or "").split(".")
-    if tokens[:2] == ["$JS", "ACK"]:
-        if len(tokens) == 9:  # $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<n>
-            return tokens[5], int(tokens[4])
-        if len(tokens) >= 11:  # with <domain>.<account hash> after ACK
-            return tokens[7], int(tokens[6])
-    meta = msg.metadata  # raises NotJSMessageError for anything else
-    return str(meta.sequence.stream), int(meta.num_delivered)
-
-
-class _NatsDelivery(Delivery):
-    """A JetStream delivery: its headers (all but ``Nats-*`` and the ordering key) taken
-    from the message's own when first asked for."""
-
-    __slots__ = ()
-
-    @property
-    def headers(self) -> dict[str, str]:
-        if self._headers is None:
-            self._headers = {
-                k: v
-                for k, v in (self.handle.headers or {}).items()
-                if k != KEY_HEADER and not k.lower().startswith("nats-")
-            }
-        return self._headers
 
 
 def durable_name(group: str, subject: str) -> str:
@@ -259,18 +230,7 @@ class NatsJetStreamConsumer:
         return position
 
     def _delivery(self, msg: Any) -> Delivery:
-        raw = msg.headers or {}
-        seq, delivered = _sequence_and_count(msg)
-        return _NatsDelivery(
-            stream=self.config.stream,
-            entry_id=seq,
-            message_id=raw.get(HEADER_MESSAGE_ID) or raw.get(MSG_ID_HEADER) or seq,
-            type=raw.get(HEADER_TYPE, ""),
-            key=raw.get(KEY_HEADER),
-            payload=msg.data,
-            attempt=delivered,
-            handle=msg,
-        )
+        return decode_message(self.config.stream, msg)
 
     async def fetch(self, max_messages: int, timeout: float) -> list[Delivery]:
         import nats.errors

@@ -22,117 +22,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import logging
-import re
 from collections.abc import Sequence
 from typing import Any, Self
 
 from fastapi_outbox import exceptions
-from fastapi_outbox.brokers.base import PublishResults, redact_url
+from fastapi_outbox.brokers.base import PublishResults
 from fastapi_outbox.brokers.nats.connection import NatsConnection
 from fastapi_outbox.brokers.nats.wire import (
-    KEY_HEADER,
-    MSG_ID_HEADER,
+    ack_error,
+    exceeds_max_payload,
+    header_block,
+    invalid_subject,
+    publish_headers,
     refusal_reason,
+    wire_size,
 )
 from fastapi_outbox.events import Envelope
+from fastapi_outbox.redaction import redact_url
 
 logger = logging.getLogger("fastapi_outbox.brokers.nats")
-
-#: Bytes reserved for the protocol line and headers when checking max_payload.
-_HEADER_OVERHEAD = 64
-#: Status header of a "no responders" reply.
-NO_RESPONDERS_STATUS = "503"
-
-
-def _wire_size(payload: bytes, headers: dict[str, str]) -> int:
-    """Bytes of a message with ``headers`` as NATS sends them (``Name: value\\r\\n``)."""
-    return len(payload) + sum(len(f"{k}: {v}\r\n".encode()) for k, v in headers.items())
-
-
-#: What NATS refuses in a subject (CR/LF would inject protocol commands).
-_SUBJECT_INVALID = re.compile(r"[ \t\r\n]")
-#: Header names NATS accepts (RFC 7230 tokens), and the CR/LF a value must not carry: the
-#: rules nats-py applies to the headers of ``publish``.
-_HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-_VALUE_NEWLINES = str.maketrans({"\r": " ", "\n": " "})
-#: Header names already checked against ``_HEADER_NAME`` (bounded: names are few).
-_checked_names: set[str] = set()
-_CHECKED_NAMES_MAX = 1024
-
-
-def _header_block(headers: dict[str, str]) -> bytes:
-    """``headers`` as the header block of an ``HPUB`` (``NATS/1.0``, ``Name: value`` lines,
-    an empty line), with nats-py's rules: names trimmed, empty ones skipped, others checked
-    to be tokens; values trimmed and CR/LF replaced by spaces. ValueError names a bad
-    header name."""
-    lines = ["NATS/1.0\r\n"]
-    for name, value in headers.items():
-        if name not in _checked_names:
-            name = name.strip()
-            if not name:
-                continue
-            if not _HEADER_NAME.fullmatch(name):
-                raise ValueError(f"invalid NATS header name {name!r}")
-            if len(_checked_names) < _CHECKED_NAMES_MAX:
-                _checked_names.add(name)
-        lines.append(f"{name}: {value.strip().translate(_VALUE_NEWLINES)}\r\n")
-    lines.append("\r\n")
-    return "".join(lines).encode()
-
-
-def _too_large(e: Envelope, headers: dict[str, str], limit: int) -> bool:
-    """Whether ``e`` exceeds the server's ``max_payload``. Cheap for the usual message:
-    the stored headers' JSON text bounds their wire form (``"k":"v",`` is longer than
-    ``k: v\\r\\n``; x4 covers any UTF-8 encoding), so the exact size is computed only
-    near the limit."""
-    bound = len(e.payload) + _HEADER_OVERHEAD + 4 * (len(e.headers_json) + len(e.id) + 64)
-    if e.key is not None:
-        bound += 4 * len(e.key)
-    if bound <= limit:
-        return False
-    return _wire_size(e.payload, headers) + _HEADER_OVERHEAD > limit
-
-
-def _ack_error(msg: Any) -> BaseException | None:
-    """The error a JetStream publish reply carries, or None for an ack.
-
-    A 503 status (no responders: no stream captures the subject) is a
-    ``NoStreamResponseError``; a JSON ``{"error": ...}`` the matching ``APIError`` (503:
-    ``ServiceUnavailableError`` and so on, as nats-py builds it); an ack is JSON with a
-    ``stream`` and a ``seq``. Anything else (a reply from something that is not
-    JetStream) is an error too, never a silent success."""
-    import nats.js.errors
-
-    data = msg.data
-    # The usual ack, without a JSON decode: ``{"stream":"orders","seq":42}``.
-    if data[:10] == b'{"stream":' and b'"error"' not in data:
-        return None
-    headers = msg.headers
-    if headers and headers.get("Status") == NO_RESPONDERS_STATUS and not data:
-        return nats.js.errors.NoStreamResponseError()
-    try:
-        reply = json.loads(data)
-    except ValueError:
-        reply = None
-    if isinstance(reply, dict):
-        error = reply.get("error")
-        if isinstance(error, dict):
-            try:
-                nats.js.errors.APIError.from_error(error)  # raises the matching class
-            except nats.js.errors.APIError as exc:
-                return exc
-            except Exception:  # a malformed error object
-                pass
-            return nats.js.errors.APIError(description=str(error)[:200])
-        if "stream" in reply and "seq" in reply:
-            return None
-    status = headers.get("Status") if headers else None
-    return nats.js.errors.APIError(
-        code=int(status) if status and status.isdigit() else None,
-        description=f"unexpected reply to a JetStream publish: {bytes(data[:100])!r}",
-    )
 
 
 class _Batch:
@@ -227,7 +136,7 @@ class NatsJetStreamPublisher:
         if entry is None:
             return  # the batch gave up on it (timeout, cancelled) or a stray reply
         batch, index = entry
-        error = _ack_error(msg)
+        error = ack_error(msg)
         if error is not None:
             batch.errors[index] = error
         batch.waiting -= 1
@@ -261,7 +170,7 @@ class NatsJetStreamPublisher:
 
         results: PublishResults = [None] * len(batch)
         for subject in {e.stream for e in batch}:
-            if not subject or _SUBJECT_INVALID.search(subject):
+            if not subject or invalid_subject(subject):
                 bad = exceptions.MessageRejected(f"invalid NATS subject {subject!r}")
                 for i, e in enumerate(batch):
                     if e.stream == subject:
@@ -291,14 +200,10 @@ class NatsJetStreamPublisher:
             for i, e in enumerate(batch):
                 if results[i] is not None:
                     continue
-                headers = e.headers_dict()
-                if e.key is not None:
-                    headers[KEY_HEADER] = e.key  # the ordering key, like Redis's ``key`` field
-                # Last, so that no user header can replace the de-duplication id.
-                headers[MSG_ID_HEADER] = e.id
-                if _too_large(e, headers, limit):
+                headers = publish_headers(e)
+                if exceeds_max_payload(e, headers, limit):
                     results[i] = exceptions.MessageRejected(
-                        f"message {e.id} ({_wire_size(e.payload, headers)} bytes) exceeds "
+                        f"message {e.id} ({wire_size(e.payload, headers)} bytes) exceeds "
                         f"the NATS server's max_payload of {limit} bytes"
                     )
                     continue
@@ -311,7 +216,7 @@ class NatsJetStreamPublisher:
                     if raw is None:
                         await nc_publish(e.stream, e.payload, reply=reply, headers=headers)
                     else:
-                        block = _header_block(headers)
+                        block = header_block(headers)
                         await raw[0](
                             b"HPUB %b %b %d %d\r\n%b%b\r\n"
                             % (

@@ -33,10 +33,11 @@ from collections.abc import Sequence
 from typing import Any, Literal, Self
 
 from fastapi_outbox import exceptions
-from fastapi_outbox.brokers.base import PublishResults, redact_url
+from fastapi_outbox.brokers.base import PublishResults
 from fastapi_outbox.brokers.redis.connection import RedisConnection
 from fastapi_outbox.brokers.redis.wire import is_unreachable, refusal_code
 from fastapi_outbox.events import Envelope
+from fastapi_outbox.redaction import redact_url
 
 logger = logging.getLogger("fastapi_outbox.brokers.redis")
 
