@@ -117,44 +117,55 @@ class NatsJetStreamConsumer:
 
     async def ensure_durable(self, js: Any, stream: str) -> None:
         """Create the durable, or bring an existing one to the declared settings."""
-        import nats.js.api as api
         import nats.js.errors
 
-        wanted = self._wanted()
         try:
             info = await js.consumer_info(stream, self.durable)
         except nats.js.errors.NotFoundError:
-            info = None
-        if info is not None:
-            current = {name: getattr(info.config, name) for name in wanted}
-            current["ack_wait"] = float(current["ack_wait"] or 0)
-            if current["max_deliver"] in (None, 0):
-                current["max_deliver"] = -1
-            changed = {n: (current[n], v) for n, v in wanted.items() if current[n] != v}
-            if not changed:
-                return
-            try:
-                await js.add_consumer(stream, config=info.config.evolve(**wanted))
-            except nats.js.errors.APIError as exc:
-                if refusal_reason(exc, stream_known=True) is not None:
-                    raise
-                settings = ", ".join(f"{n} {old!r} -> {new!r}" for n, (old, new) in changed.items())
-                raise exceptions.ConfigurationError(
-                    f"subscriber of stream {self.config.stream!r}, group {self.config.group!r}: "
-                    f"NATS refuses to update the existing durable consumer {self.durable!r} "
-                    f"of JetStream stream {stream!r} ({settings}): {exc}; delete it "
-                    f"(nats consumer rm {stream} {self.durable}) or restore the old settings"
-                ) from exc
-            logger.info(
-                "jetstream durable updated",
-                extra={
-                    "action": "consumer.durable_updated",
-                    "stream": stream,
-                    "durable": self.durable,
-                    "changed": {n: f"{old!r} -> {new!r}" for n, (old, new) in changed.items()},
-                },
-            )
+            await self._create_durable(js, stream)
+        else:
+            await self._update_durable(js, stream, info)
+
+    async def _update_durable(self, js: Any, stream: str, info: Any) -> None:
+        """Bring the existing durable (``info``) to the declared settings; a refused
+        update is a ConfigurationError naming the group, the durable and the settings."""
+        import nats.js.errors
+
+        wanted = self._wanted()
+        current = {name: getattr(info.config, name) for name in wanted}
+        current["ack_wait"] = float(current["ack_wait"] or 0)
+        if current["max_deliver"] in (None, 0):
+            current["max_deliver"] = -1
+        changed = {n: (current[n], v) for n, v in wanted.items() if current[n] != v}
+        if not changed:
             return
+        try:
+            await js.add_consumer(stream, config=info.config.evolve(**wanted))
+        except nats.js.errors.APIError as exc:
+            if refusal_reason(exc, stream_known=True) is not None:
+                raise
+            settings = ", ".join(f"{n} {old!r} -> {new!r}" for n, (old, new) in changed.items())
+            raise exceptions.ConfigurationError(
+                f"subscriber of stream {self.config.stream!r}, group {self.config.group!r}: "
+                f"NATS refuses to update the existing durable consumer {self.durable!r} "
+                f"of JetStream stream {stream!r} ({settings}): {exc}; delete it "
+                f"(nats consumer rm {stream} {self.durable}) or restore the old settings"
+            ) from exc
+        logger.info(
+            "jetstream durable updated",
+            extra={
+                "action": "consumer.durable_updated",
+                "stream": stream,
+                "durable": self.durable,
+                "changed": {n: f"{old!r} -> {new!r}" for n, (old, new) in changed.items()},
+            },
+        )
+
+    async def _create_durable(self, js: Any, stream: str) -> None:
+        """Create the durable: where ``start`` says, or after the ack floor of an earlier
+        release's durable of this group (``_legacy_position``)."""
+        import nats.js.api as api
+
         start: dict[str, Any] = {
             "deliver_policy": (
                 api.DeliverPolicy.ALL if self.config.start == "all" else api.DeliverPolicy.NEW
@@ -168,7 +179,7 @@ class NatsJetStreamConsumer:
             durable_name=self.durable,
             ack_policy=api.AckPolicy.EXPLICIT,
             max_ack_pending=-1,
-            **wanted,
+            **self._wanted(),
             **start,
         )
         await js.add_consumer(stream, config=config)

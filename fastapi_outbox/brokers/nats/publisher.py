@@ -165,27 +165,56 @@ class NatsJetStreamPublisher:
         await self.connect()
         connection = self.connection
         connection.ensure_connected()
-        nc = connection.client
-        import nats.errors
-
         results: PublishResults = [None] * len(batch)
-        for subject in {e.stream for e in batch}:
-            if not subject or invalid_subject(subject):
-                bad = exceptions.MessageRejected(f"invalid NATS subject {subject!r}")
-                for i, e in enumerate(batch):
-                    if e.stream == subject:
-                        results[i] = bad
-                continue
-            try:
-                await connection.ensure_stream(subject)
-            except exceptions.MessageRejected as exc:
-                for i, e in enumerate(batch):
-                    if e.stream == subject:
-                        results[i] = exc
+        await self._check_subjects(batch, results)
         # Subjects a stream captured when this call began: for them "no responders" means
         # the stream went away mid-call (an outage), whatever a concurrent call of another
-        # worker did to ``_known_subjects`` meanwhile.
+        # worker did to the connection's known streams meanwhile.
         captured = {e.stream for e in batch if connection.stream_known(e.stream)}
+        acks = _Batch(len(batch), asyncio.get_running_loop())
+        sent: dict[int, str] = {}  # index -> reply subject
+        try:
+            await self._send(batch, results, acks, sent)
+            if sent:
+                await self._settle(batch, results, acks, sent, captured)
+            return results
+        finally:
+            # However this ends — an ack timeout, a refusal, or the caller's own timeout
+            # cancelling this task — no reply subject of this call stays registered: a late
+            # ack finds nothing and is dropped.
+            for reply in sent.values():
+                self._awaiting.pop(reply, None)
+
+    async def _check_subjects(self, batch: Sequence[Envelope], results: PublishResults) -> None:
+        """Fail the messages of a subject NATS refuses, or that no stream captures and none
+        can be created for; make sure a stream captures every other subject."""
+        for subject in {e.stream for e in batch}:
+            error: exceptions.MessageRejected | None = None
+            if invalid_subject(subject):
+                error = exceptions.MessageRejected(f"invalid NATS subject {subject!r}")
+            else:
+                try:
+                    await self.connection.ensure_stream(subject)
+                except exceptions.MessageRejected as exc:
+                    error = exc
+            if error is not None:
+                for i, e in enumerate(batch):
+                    if e.stream == subject:
+                        results[i] = error
+
+    async def _send(
+        self,
+        batch: Sequence[Envelope],
+        results: PublishResults,
+        acks: _Batch,
+        sent: dict[int, str],
+    ) -> None:
+        """Write every message not failed yet, each with a reply subject of its own
+        registered in ``_awaiting`` (and in ``sent``) before it goes out; one flush."""
+        import nats.errors
+
+        connection = self.connection
+        nc = connection.client
         limit = nc.max_payload
         nc_publish = nc.publish
         raw = connection.command_buffer
@@ -194,94 +223,93 @@ class NatsJetStreamPublisher:
         awaiting = self._awaiting
         prefix = self._ack_prefix
         numbers = self._ack_numbers
-        acks = _Batch(len(batch), asyncio.get_running_loop())
-        sent: dict[int, str] = {}  # index -> reply subject
-        try:
-            for i, e in enumerate(batch):
-                if results[i] is not None:
-                    continue
-                headers = publish_headers(e)
-                if exceeds_max_payload(e, headers, limit):
-                    results[i] = exceptions.MessageRejected(
-                        f"message {e.id} ({wire_size(e.payload, headers)} bytes) exceeds "
-                        f"the NATS server's max_payload of {limit} bytes"
-                    )
-                    continue
-                reply = f"{prefix}{next(numbers)}"
-                # Registered before the publish: a publish that flushes may let acks in.
-                awaiting[reply] = (acks, i)
-                acks.waiting += 1
-                sent[i] = reply
-                try:
-                    if raw is None:
-                        await nc_publish(e.stream, e.payload, reply=reply, headers=headers)
-                    else:
-                        block = header_block(headers)
-                        await raw[0](
-                            b"HPUB %b %b %d %d\r\n%b%b\r\n"
-                            % (
-                                e.stream.encode(),
-                                reply.encode(),
-                                len(block),
-                                len(block) + len(e.payload),
-                                block,
-                                e.payload,
-                            )
+        for i, e in enumerate(batch):
+            if results[i] is not None:
+                continue
+            headers = publish_headers(e)
+            if exceeds_max_payload(e, headers, limit):
+                results[i] = exceptions.MessageRejected(
+                    f"message {e.id} ({wire_size(e.payload, headers)} bytes) exceeds "
+                    f"the NATS server's max_payload of {limit} bytes"
+                )
+                continue
+            reply = f"{prefix}{next(numbers)}"
+            # Registered before the publish: a publish that flushes may let acks in.
+            awaiting[reply] = (acks, i)
+            acks.waiting += 1
+            sent[i] = reply
+            try:
+                if raw is None:
+                    await nc_publish(e.stream, e.payload, reply=reply, headers=headers)
+                else:
+                    block = header_block(headers)
+                    await raw[0](
+                        b"HPUB %b %b %d %d\r\n%b%b\r\n"
+                        % (
+                            e.stream.encode(),
+                            reply.encode(),
+                            len(block),
+                            len(block) + len(e.payload),
+                            block,
+                            e.payload,
                         )
-                except (
-                    nats.errors.ConnectionClosedError,
-                    nats.errors.OutboundBufferLimitError,
-                ) as exc:
-                    raise connection.unavailable(exc) from exc
-                except Exception as exc:
-                    del sent[i]
-                    if awaiting.pop(reply, None) is not None:
-                        acks.waiting -= 1
-                    if refusal_reason(exc, stream_known=True) is not None:
-                        raise connection.refusing(exc) from exc
-                    results[i] = exceptions.MessageRejected(f"NATS refused message {e.id}: {exc}")
-            if sent:
-                if raw is not None:
-                    await raw[1]()  # wake nats-py's flusher: the batch goes out at once
-                if acks.waiting > 0:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(acks.done, self.ack_timeout_seconds)
-                missing = [i for i, reply in sent.items() if reply in awaiting]
-                if len(missing) == len(sent):
-                    # No ack at all: a frozen server, or a batch JetStream never answers
-                    # (the processor pings to tell which).
-                    raise exceptions.BrokerTimeout(
-                        f"NATS at {redact_url(self.url)}: no ack for {len(sent)} messages "
-                        f"in {self.ack_timeout_seconds}s"
                     )
-                for i in missing:
-                    results[i] = exceptions.MessageRejected(
-                        f"no JetStream ack for message {batch[i].id} "
-                        f"within {self.ack_timeout_seconds}s"
-                    )
-                for i in sent:
-                    error = acks.errors[i]
-                    if error is None:
-                        continue
-                    reason = refusal_reason(error, stream_known=batch[i].stream in captured)
-                    if reason is not None:
-                        # The stream is found (or created) again before the next try.
-                        connection.forget_stream(batch[i].stream)
-                        raise connection.refusing(reason)
-                    results[i] = exceptions.MessageRejected(
-                        f"JetStream refused message {batch[i].id} on subject "
-                        f"{batch[i].stream!r}: {type(error).__name__}: "
-                        f"{error or 'no stream captures it'}"
-                    )
-                    # The stream may have been deleted: look it up again next time.
-                    connection.forget_stream(batch[i].stream)
-            return results
-        finally:
-            # However this ends — an ack timeout, a refusal, or the caller's own timeout
-            # cancelling this task — no reply subject of this call stays registered: a late
-            # ack finds nothing and is dropped.
-            for reply in sent.values():
-                awaiting.pop(reply, None)
+            except (
+                nats.errors.ConnectionClosedError,
+                nats.errors.OutboundBufferLimitError,
+            ) as exc:
+                raise connection.unavailable(exc) from exc
+            except Exception as exc:
+                del sent[i]
+                if awaiting.pop(reply, None) is not None:
+                    acks.waiting -= 1
+                if refusal_reason(exc, stream_known=True) is not None:
+                    raise connection.refusing(exc) from exc
+                results[i] = exceptions.MessageRejected(f"NATS refused message {e.id}: {exc}")
+        if sent and raw is not None:
+            await raw[1]()  # wake nats-py's flusher: the batch goes out at once
+
+    async def _settle(
+        self,
+        batch: Sequence[Envelope],
+        results: PublishResults,
+        acks: _Batch,
+        sent: dict[int, str],
+        captured: set[str],
+    ) -> None:
+        """Wait for the acks of ``sent`` (up to ``ack_timeout_seconds``) and record each
+        message's outcome: BrokerTimeout when none came, BrokerRefusing when JetStream
+        refuses every message, else a MessageRejected per message refused or unanswered."""
+        connection = self.connection
+        timeout = connection.ack_timeout_seconds
+        if acks.waiting > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(acks.done, timeout)
+        missing = [i for i, reply in sent.items() if reply in self._awaiting]
+        if len(missing) == len(sent):
+            # No ack at all: a frozen server, or a batch JetStream never answers
+            # (the processor pings to tell which).
+            raise exceptions.BrokerTimeout(
+                f"NATS at {redact_url(self.url)}: no ack for {len(sent)} messages in {timeout}s"
+            )
+        for i in missing:
+            results[i] = exceptions.MessageRejected(
+                f"no JetStream ack for message {batch[i].id} within {timeout}s"
+            )
+        for i in sent:
+            error = acks.errors[i]
+            if error is None:
+                continue
+            subject = batch[i].stream
+            reason = refusal_reason(error, stream_known=subject in captured)
+            # The stream may have been deleted: look it up (or create it) again next time.
+            connection.forget_stream(subject)
+            if reason is not None:
+                raise connection.refusing(reason)
+            results[i] = exceptions.MessageRejected(
+                f"JetStream refused message {batch[i].id} on subject {subject!r}: "
+                f"{type(error).__name__}: {error or 'no stream captures it'}"
+            )
 
     async def __aenter__(self) -> Self:
         await self.connect()
