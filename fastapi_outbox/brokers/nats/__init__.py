@@ -1,10 +1,11 @@
-"""NATS JetStream: ``NatsJetStreamBroker`` publishes with ``Nats-Msg-Id`` de-duplication
-and consumes with durable pull consumers.
+"""NATS JetStream: ``NatsJetStreamBroker`` publishes with ``Nats-Msg-Id`` de-duplication and
+consumes with durable pull consumers.
 
-The package holds ``broker``, ``publisher``, ``wire``, ``connection``, ``consumer``: the
-publisher and the consumer share the connection and the wire rules and never import each
-other; ``broker`` composes them. This module re-exports what ``fastapi_outbox.brokers.nats``
-always offered.
+The package holds ``connection`` (``NatsConnection``: the client, the JetStream context, the
+command buffer, the streams), ``wire`` (headers, ``HPUB`` blocks, reply and message
+decoding, the refusal classifier), ``publisher`` and ``consumer``, which each receive the
+connection and never import each other; ``broker`` composes them. This module re-exports
+what ``fastapi_outbox.brokers.nats`` always offered.
 """
 
 from __future__ import annotations

@@ -161,6 +161,13 @@ class RedisStreamsConsumer:
         self._recover = False
         self._recover_cursor = "0-0"
 
+    @property
+    def ack_soon_sends_at_once(self) -> bool:
+        """Whether ``ack_soon`` sends its ``XACK`` at once rather than with the next fetch:
+        before the first fetch, while a fetch waits in a blocking ``XREADGROUP``, after
+        ``aclose``."""
+        return self._blocked
+
     @contextlib.asynccontextmanager
     async def _calls(self) -> AsyncIterator[Any]:
         """The client; Redis failures become BrokerUnavailable / BrokerRefusing."""
