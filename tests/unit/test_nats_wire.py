@@ -19,6 +19,7 @@ from fastapi_outbox.brokers.nats.wire import (
     exceeds_max_payload,
     header_block,
     invalid_subject,
+    is_unreachable,
     publish_headers,
     stream_name_for,
     wire_size,
@@ -122,3 +123,20 @@ def test_decode_message_without_outbox_headers_falls_back() -> None:
     assert (d.message_id, d.type, d.key) == ("dedup-1", "", None)
     bare = decode_message("orders", msg(None))
     assert bare.message_id == "1042" and bare.headers == {}
+
+
+def test_unreachable_is_told_per_kind_of_call() -> None:
+    import nats.errors
+
+    for error in (
+        nats.errors.ConnectionClosedError(),
+        nats.errors.ConnectionReconnectingError(),
+        nats.errors.NoRespondersError(),
+        nats.errors.TimeoutError(),
+    ):
+        assert is_unreachable(error)  # a JetStream API request
+    assert is_unreachable(nats.errors.OutboundBufferLimitError(), request=False)
+    assert is_unreachable(nats.errors.ConnectionClosedError(), request=False)
+    # "No responders" to a publish is refusal_reason's to tell (stream known or not).
+    assert not is_unreachable(nats.errors.NoRespondersError(), request=False)
+    assert not is_unreachable(nats.js.errors.APIError(code=400, description="bad"))

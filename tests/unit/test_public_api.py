@@ -234,6 +234,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "exceeds_max_payload",
         "header_block",
         "invalid_subject",
+        "is_unreachable",
         "publish_headers",
         "refusal_reason",
         "sequence_and_count",

@@ -19,7 +19,7 @@ import logging
 from typing import Any
 
 from fastapi_outbox import exceptions
-from fastapi_outbox.brokers.nats.wire import refusal_reason, stream_name_for
+from fastapi_outbox.brokers.nats.wire import is_unreachable, refusal_reason, stream_name_for
 from fastapi_outbox.log import safe_error
 from fastapi_outbox.redaction import redact_url, split_url_list
 
@@ -296,22 +296,18 @@ class NatsConnection:
         server cannot be reached: BrokerUnavailable, so no message is charged for it."""
         if subject in self._known_subjects:
             return
-        import nats.errors
         import nats.js.errors
 
         try:
             await self._ensure_stream(subject, dead_letter=dead_letter)
-        except (
-            nats.errors.TimeoutError,
-            nats.errors.ConnectionClosedError,
-            nats.errors.NoRespondersError,
-        ) as exc:
-            raise self.unavailable(exc) from exc
-        except nats.js.errors.APIError as exc:
-            reason = refusal_reason(exc, stream_known=True)
-            if reason is None:
-                raise
-            raise self.refusing(reason) from exc
+        except Exception as exc:
+            if is_unreachable(exc):
+                raise self.unavailable(exc) from exc
+            if isinstance(exc, nats.js.errors.APIError):
+                reason = refusal_reason(exc, stream_known=True)
+                if reason is not None:
+                    raise self.refusing(reason) from exc
+            raise
 
     async def _ensure_stream(self, subject: str, *, dead_letter: bool = False) -> None:
         import nats.js.errors

@@ -40,6 +40,7 @@ from fastapi_outbox.brokers.nats.wire import (
     KEY_HEADER,
     MSG_ID_HEADER,
     decode_message,
+    is_unreachable,
     refusal_reason,
     stream_name_for,
 )
@@ -78,25 +79,20 @@ class NatsJetStreamConsumer:
     @contextlib.asynccontextmanager
     async def _calls(self) -> AsyncIterator[Any]:
         """The JetStream context; NATS failures become BrokerUnavailable / BrokerRefusing."""
-        import nats.errors
         import nats.js.errors
 
         await self.connection.connect()
         self.connection.ensure_connected()
         try:
             yield self.connection.jetstream
-        except (
-            nats.errors.ConnectionClosedError,
-            nats.errors.NoRespondersError,
-            nats.errors.ConnectionReconnectingError,
-            nats.errors.TimeoutError,
-        ) as exc:
-            raise self.connection.unavailable(exc) from exc
-        except nats.js.errors.APIError as exc:
-            reason = refusal_reason(exc, stream_known=True)
-            if reason is None:
-                raise
-            raise self.connection.refusing(reason, "requests") from exc
+        except Exception as exc:
+            if is_unreachable(exc):
+                raise self.connection.unavailable(exc) from exc
+            if isinstance(exc, nats.js.errors.APIError):
+                reason = refusal_reason(exc, stream_known=True)
+                if reason is not None:
+                    raise self.connection.refusing(reason, "requests") from exc
+            raise
 
     def _wanted(self) -> dict[str, Any]:
         """The settings of the durable this subscriber declares (compared at start)."""

@@ -34,6 +34,7 @@ from fastapi_outbox.brokers.nats.wire import (
     exceeds_max_payload,
     header_block,
     invalid_subject,
+    is_unreachable,
     publish_headers,
     refusal_reason,
     wire_size,
@@ -211,8 +212,6 @@ class NatsJetStreamPublisher:
     ) -> None:
         """Write every message not failed yet, each with a reply subject of its own
         registered in ``_awaiting`` (and in ``sent``) before it goes out; one flush."""
-        import nats.errors
-
         connection = self.connection
         nc = connection.client
         limit = nc.max_payload
@@ -254,12 +253,9 @@ class NatsJetStreamPublisher:
                             e.payload,
                         )
                     )
-            except (
-                nats.errors.ConnectionClosedError,
-                nats.errors.OutboundBufferLimitError,
-            ) as exc:
-                raise connection.unavailable(exc) from exc
             except Exception as exc:
+                if is_unreachable(exc, request=False):
+                    raise connection.unavailable(exc) from exc
                 del sent[i]
                 if awaiting.pop(reply, None) is not None:
                     acks.waiting -= 1

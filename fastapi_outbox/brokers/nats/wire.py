@@ -23,6 +23,7 @@ __all__ = [
     "exceeds_max_payload",
     "header_block",
     "invalid_subject",
+    "is_unreachable",
     "publish_headers",
     "refusal_reason",
     "sequence_and_count",
@@ -64,6 +65,30 @@ def refusal_reason(error: BaseException, *, stream_known: bool) -> str | None:
         if any(phrase in text for phrase in _REFUSAL_PHRASES):
             return f"JetStream {error.code}/{error.err_code}: {error.description}"
     return None
+
+
+def is_unreachable(error: BaseException, *, request: bool = True) -> bool:
+    """Whether ``error`` means NATS cannot be reached (an outage: no message is charged),
+    the one place where that is told.
+
+    ``request``: ``error`` came from a JetStream API request (stream lookup and creation,
+    the consumer's calls): a closed or reconnecting connection, a timeout, or no responders
+    (JetStream is not answering). Otherwise from writing a published message: a closed
+    connection or the client's outbound buffer full ("no responders" to a publish is
+    :func:`refusal_reason`'s to tell)."""
+    import nats.errors
+
+    if request:
+        return isinstance(
+            error,
+            nats.errors.ConnectionClosedError
+            | nats.errors.ConnectionReconnectingError
+            | nats.errors.NoRespondersError
+            | nats.errors.TimeoutError,
+        )
+    return isinstance(
+        error, nats.errors.ConnectionClosedError | nats.errors.OutboundBufferLimitError
+    )
 
 
 def stream_name_for(subject: str) -> str:
