@@ -264,6 +264,8 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "PUBLISHED_FIELDS",
         "REFUSAL_CODES",
         "decode_entry",
+        "entry_fields",
+        "entry_values",
         "is_unreachable",
         "refusal_code",
         "reply_entries",

@@ -11,7 +11,14 @@ from typing import Any
 import pytest
 
 from fastapi_outbox.brokers.consumer import Delivery
-from fastapi_outbox.brokers.redis.wire import decode_entry, reply_entries
+from fastapi_outbox.brokers.redis.wire import (
+    PUBLISHED_FIELDS,
+    decode_entry,
+    entry_fields,
+    entry_values,
+    reply_entries,
+)
+from fastapi_outbox.events import Envelope
 
 FIELDS = [b"id", b"m-1", b"type", b"Tick", b"key", b"k", b"headers", b'{"a":"b"}']
 FIELDS += [b"payload", b'{"n":1}']
@@ -76,6 +83,24 @@ def test_unpaired_fields_name_the_entry() -> None:
 
 
 def test_published_fields_are_the_publish_scripts_order() -> None:
-    from fastapi_outbox.brokers.redis.wire import PUBLISHED_FIELDS
-
     assert PUBLISHED_FIELDS == (b"id", b"type", b"key", b"headers", b"payload")
+
+
+def test_what_the_publisher_writes_decodes_back() -> None:
+    e = Envelope("row-1", "s", "OrderPlaced", "k-1", b'{"n":3}', {"message-id": "m-9", "x": "y"})
+    values = entry_values(e)
+    fields = [x for pair in zip(PUBLISHED_FIELDS, values, strict=True) for x in pair]
+    assert [f.encode() if isinstance(f, str) else f for f in entry_fields(e)] == [
+        f.encode() if isinstance(f, str) else f for f in fields
+    ]
+    # As Redis hands the entry back: every field and value as bytes.
+    raw = [f if isinstance(f, bytes) else f.encode() for f in fields]
+    d = decode(b"9-0", raw, 1)
+    assert (d.message_id, d.type, d.key) == (e.message_id, "OrderPlaced", "k-1")
+    assert d.headers == {"message-id": "m-9", "x": "y"} and d.payload == b'{"n":3}'
+
+
+def test_no_key_is_written_empty_and_read_as_none() -> None:
+    e = Envelope("row-2", "s", "T", None, b"{}", {})
+    raw = [v if isinstance(v, bytes) else v.encode() for v in entry_fields(e)]
+    assert decode(b"10-0", raw, 1).key is None

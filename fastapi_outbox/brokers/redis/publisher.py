@@ -35,7 +35,12 @@ from typing import Any, Literal, Self
 from fastapi_outbox import exceptions
 from fastapi_outbox.brokers.base import PublishResults
 from fastapi_outbox.brokers.redis.connection import RedisConnection
-from fastapi_outbox.brokers.redis.wire import is_unreachable, refusal_code
+from fastapi_outbox.brokers.redis.wire import (
+    entry_fields,
+    entry_values,
+    is_unreachable,
+    refusal_code,
+)
 from fastapi_outbox.events import Envelope
 from fastapi_outbox.redaction import redact_url
 
@@ -224,13 +229,7 @@ class RedisStreamsPublisher:
                     for i in chunk:
                         e = batch[i]
                         keys.append(f"outbox:dedup:{{{stream}}}:{e.id}")
-                        args += [
-                            e.message_id,
-                            e.type,
-                            e.key or "",
-                            e.headers_json,
-                            e.payload,
-                        ]
+                        args += entry_values(e)
                     await self._script(keys=keys, args=args, client=pipe)
                     calls.append(chunk)
             replies = await pipe.execute(raise_on_error=False)
@@ -257,12 +256,8 @@ class RedisStreamsPublisher:
                     args: list[Any] = ["XADD", stream, "IDMP", producer, e.id]
                     if self.maxlen:
                         args += ["MAXLEN", "~", self.maxlen]
-                    args += [
-                        "*",
-                        *("id", e.message_id, "type", e.type),
-                        *("key", e.key or "", "headers", e.headers_json),
-                        *("payload", e.payload),
-                    ]
+                    args.append("*")
+                    args += entry_fields(e)
                     pipe.execute_command(*args)
                     order.append(i)
             replies = await pipe.execute(raise_on_error=False)

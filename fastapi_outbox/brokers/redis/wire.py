@@ -8,11 +8,14 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi_outbox.brokers.consumer import Delivery, parse_headers
+from fastapi_outbox.events import Envelope
 
 __all__ = [
     "PUBLISHED_FIELDS",
     "REFUSAL_CODES",
     "decode_entry",
+    "entry_fields",
+    "entry_values",
     "is_unreachable",
     "refusal_code",
     "reply_entries",
@@ -63,6 +66,22 @@ def is_unreachable(error: BaseException) -> bool:
     import redis.exceptions as rexc
 
     return isinstance(error, rexc.ConnectionError | rexc.TimeoutError | OSError)
+
+
+def entry_values(e: Envelope) -> list[Any]:
+    """The values of ``e``'s entry, in the order of :data:`PUBLISHED_FIELDS`: message id,
+    type, ordering key ("" for none), headers as JSON text (as stored, not re-encoded),
+    payload."""
+    return [e.message_id, e.type, e.key or "", e.headers_json, e.payload]
+
+
+def entry_fields(e: Envelope) -> list[Any]:
+    """``e``'s entry as the ``field, value, …`` arguments of an ``XADD``."""
+    return [
+        *("id", e.message_id, "type", e.type),
+        *("key", e.key or "", "headers", e.headers_json),
+        *("payload", e.payload),
+    ]
 
 
 def text(value: Any) -> str:
