@@ -38,8 +38,8 @@ from fastapi_outbox.backoff import exponential_delay
 from fastapi_outbox.brokers.base import Broker, PublishResults
 from fastapi_outbox.events import Envelope
 from fastapi_outbox.instrumentation import Instrumentation
-from fastapi_outbox.log import safe_error, stack
-from fastapi_outbox.relay.loop import RelayLoop
+from fastapi_outbox.log import safe_error
+from fastapi_outbox.relay.loop import RelayLoop, envelope_of
 from fastapi_outbox.settings import OutboxSettings
 from fastapi_outbox.storage import clock
 from fastapi_outbox.storage.store import ERROR_MAX_CHARS, ClaimedRow, Failure, Store
@@ -84,7 +84,7 @@ class Processor(RelayLoop):
         listening: Any = None,
         instrumentation: Instrumentation | None = None,
     ) -> None:
-        super().__init__(settings)
+        super().__init__(settings, hook_extra={"broker": broker_name})
         self.store = store
         self.broker_name = broker_name
         self.broker = broker
@@ -169,21 +169,6 @@ class Processor(RelayLoop):
                 await self.broker.connect()
                 self._broker_connected = True
 
-    def _broker_down(self, exc: BaseException) -> None:
-        self._outage(
-            exc,
-            "broker refusing messages; processor backing off"
-            if isinstance(exc, exceptions.BrokerRefusing)
-            else "broker unavailable; processor backing off",
-            action="broker.unavailable",
-            broker=self.broker_name,
-        )
-
-    def _broker_up(self) -> None:
-        self._recovered(
-            "broker available again", action="broker.recovered", broker=self.broker_name
-        )
-
     # -- the worker loop ---------------------------------------------------------------------
 
     async def _worker(self, index: int, first: anyio.Event) -> None:
@@ -199,7 +184,7 @@ class Processor(RelayLoop):
             try:
                 await self._ensure_broker()
             except Exception as exc:
-                self._broker_down(exc)
+                self._broker_down(self.broker_name, exc)
                 first.set()
                 continue
             token = f"{self.instance}:{index}:{next(self._claims)}"
@@ -334,20 +319,6 @@ class Processor(RelayLoop):
                         },
                     )
 
-    def _broker_bug(self, exc: BaseException) -> exceptions.MessageRejected:
-        """A broker that raised something it should not (a bug in it): logged with type and
-        stack only (its text may quote the message), and the message's failure."""
-        logger.error(
-            "broker raised unexpectedly",
-            extra={
-                "action": "publish.error",
-                "broker": self.broker_name,
-                "error": type(exc).__name__,
-                "stack": stack(exc),
-            },
-        )
-        return exceptions.MessageRejected(f"broker raised {type(exc).__name__}")
-
     async def _publish_and_mark(self, batch: list[ClaimedRow], token: str) -> None:
         settings = self.settings
         exhausted = [r for r in batch if r.attempts > settings.max_attempts]
@@ -368,28 +339,28 @@ class Processor(RelayLoop):
             live = await self._give_back_behind(batch, live, [*exhausted, *expired], token)
         if not live:
             return
-        envelopes = [self._envelope(r) for r in live]
+        envelopes = [envelope_of(r) for r in live]
         answered = True
         try:
             with anyio.fail_after(settings.publish_timeout_seconds):
                 results = await self._send(envelopes)
         except (exceptions.BrokerTimeout, TimeoutError) as exc:
             if not await self._broker_answers():
-                self._broker_down(exc)
+                self._broker_down(self.broker_name, exc)
                 self._broker_connected = isinstance(exc, TimeoutError)
                 raise _GiveBack() from exc
             results = await self._one_by_one(live, envelopes, token, exc)
             answered = self.broker_ok  # False: the broker stopped answering mid-pass
         except exceptions.BrokerUnavailable as exc:
-            self._broker_down(exc)
+            self._broker_down(self.broker_name, exc)
             self._broker_connected = False
             raise _GiveBack() from exc
         except exceptions.OutboxError as exc:
             results = [exc] * len(envelopes)
         except Exception as exc:  # a bug in a broker must not stop the dispatcher
-            results = [self._broker_bug(exc)] * len(envelopes)
+            results = [self._broker_bug(self.broker_name, exc)] * len(envelopes)
         if answered:
-            self._broker_up()
+            self._broker_up(self.broker_name)
         with anyio.fail_after(self._db_bound):
             await self._record(live, envelopes, results, token)
 
@@ -457,7 +428,7 @@ class Processor(RelayLoop):
                 "error": safe_error(exc),
             },
         )
-        self._broker_up()
+        self._broker_up(self.broker_name)
         if len(envelopes) == 1:
             return [self._hung(envelopes[0], exc)]
         with anyio.fail_after(self._db_bound):
@@ -479,17 +450,17 @@ class Processor(RelayLoop):
                     result = (await self._send([envelope]))[0]
             except (exceptions.BrokerTimeout, TimeoutError) as again:
                 if not await self._broker_answers():
-                    self._broker_down(again)
+                    self._broker_down(self.broker_name, again)
                     break
                 result = self._hung(envelope, again)
             except exceptions.BrokerUnavailable as down:
-                self._broker_down(down)
+                self._broker_down(self.broker_name, down)
                 self._broker_connected = False
                 break
             except exceptions.OutboxError as refused:
                 result = refused
             except Exception as bug:
-                result = self._broker_bug(bug)
+                result = self._broker_bug(self.broker_name, bug)
             results[i] = result
             if result is not None and settings.ordered and envelope.key is not None:
                 stopped.add(envelope.key)
@@ -520,9 +491,6 @@ class Processor(RelayLoop):
         if finish is not None:
             self._hook(finish, results)
         return results
-
-    def _hook(self, hook: Any, *args: Any) -> Any:
-        return self._call_hook(hook, *args, broker=self.broker_name)
 
     async def _record(
         self,
@@ -618,9 +586,7 @@ class Processor(RelayLoop):
             "that long after its commit",
         )
         self.abandoned_total += len(rows)
-        self._hook(
-            self.instrumentation.abandoned, self.broker_name, [self._envelope(r) for r in rows]
-        )
+        self._hook(self.instrumentation.abandoned, self.broker_name, [envelope_of(r) for r in rows])
         for r in rows:
             logger.error(
                 "message abandoned: retry deadline passed",
@@ -639,9 +605,7 @@ class Processor(RelayLoop):
         )
         await self.store.abandon([r.id for r in rows], token, error)
         self.abandoned_total += len(rows)
-        self._hook(
-            self.instrumentation.abandoned, self.broker_name, [self._envelope(r) for r in rows]
-        )
+        self._hook(self.instrumentation.abandoned, self.broker_name, [envelope_of(r) for r in rows])
         for r in rows:
             logger.error(
                 "message abandoned after repeated crashes",
@@ -691,18 +655,6 @@ class Processor(RelayLoop):
                         results[later] = _NotAttempted()
             depth += 1
         return results
-
-    def _envelope(self, row: ClaimedRow) -> Envelope:
-        headers = row.headers
-        return Envelope(
-            str(row.id),
-            row.stream,
-            row.type,
-            row.key,
-            row.payload.encode(),
-            None if isinstance(headers, str) else dict(headers),
-            headers_json=headers if isinstance(headers, str) else None,
-        )
 
 
 class _GiveBack(Exception):

@@ -73,10 +73,10 @@ import anyio
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.brokers.base import Broker, PublishResults
-from fastapi_outbox.events import Envelope, MessageStatus
+from fastapi_outbox.events import MessageStatus
 from fastapi_outbox.instrumentation import Instrumentation
-from fastapi_outbox.log import safe_error, stack
-from fastapi_outbox.relay.loop import RelayLoop
+from fastapi_outbox.log import safe_error
+from fastapi_outbox.relay.loop import RelayLoop, envelope_of
 from fastapi_outbox.relay.table import retry_delay
 from fastapi_outbox.settings import WAL_MIN_READ_WINDOW_BYTES, OutboxSettings
 from fastapi_outbox.storage.store import ERROR_MAX_CHARS, Store
@@ -114,6 +114,13 @@ class _TimedOut(Exception):
 
 class WalRelay(RelayLoop):
     """Reads the outbox's replication slot and publishes its messages."""
+
+    BROKER_DOWN = (
+        "broker down; wal relay paused, slot not confirmed",
+        "broker down; wal relay paused, slot not confirmed",
+        "wal.broker_down",
+    )
+    BROKER_UP = ("broker available again; wal relay resumes", "wal.broker_recovered")
 
     def __init__(
         self,
@@ -494,7 +501,7 @@ class WalRelay(RelayLoop):
 
     async def _publish(self, name: str, broker: Broker, batch: list[_Item]) -> bool:
         """One broker call; False when the broker is down (the reader pauses)."""
-        envelopes = [_envelope(m) for _, m in batch]
+        envelopes = [envelope_of(m) for _, m in batch]
         finish = self._hook(self.instrumentation.publish_started, name, envelopes)
         results: PublishResults
         try:
@@ -513,18 +520,7 @@ class WalRelay(RelayLoop):
         except exceptions.OutboxError as exc:
             results = [exc] * len(envelopes)
         except Exception as exc:  # a bug in a broker must not stop the relay
-            logger.error(
-                "broker raised unexpectedly",
-                extra={
-                    "action": "publish.error",
-                    "broker": name,
-                    "error": type(exc).__name__,
-                    "stack": stack(exc),
-                },
-            )
-            results = [exceptions.MessageRejected(f"broker raised {type(exc).__name__}")] * len(
-                envelopes
-            )
+            results = [self._broker_bug(name, exc)] * len(envelopes)
         if finish is not None:
             self._hook(finish, results)
         self._broker_up(name)
@@ -585,7 +581,7 @@ class WalRelay(RelayLoop):
             )
             return
         self.refused_total += len(rows)
-        envelopes = [_envelope(m) for _, m in items]
+        envelopes = [envelope_of(m) for _, m in items]
         self._hook(
             self.instrumentation.abandoned if abandon else self.instrumentation.failed,
             broker,
@@ -603,26 +599,5 @@ class WalRelay(RelayLoop):
                 },
             )
 
-    def _broker_down(self, name: str, exc: BaseException) -> None:
-        self._outage(
-            exc,
-            "broker down; wal relay paused, slot not confirmed",
-            action="wal.broker_down",
-            broker=name,
-            slot=self.slot.name,
-        )
-
-    def _broker_up(self, name: str) -> None:
-        self._recovered(
-            "broker available again; wal relay resumes",
-            action="wal.broker_recovered",
-            broker=name,
-            slot=self.slot.name,
-        )
-
-    def _hook(self, hook: Any, *args: Any) -> Any:
-        return self._call_hook(hook, *args)
-
-
-def _envelope(m: WalMessage) -> Envelope:
-    return Envelope(m.id, m.stream, m.type, m.key, m.payload.encode(), headers_json=m.headers)
+    def _log_extra(self, broker: str) -> dict[str, Any]:
+        return {"broker": broker, "slot": self.slot.name}
