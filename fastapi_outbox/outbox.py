@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import typing
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from typing import Any
@@ -38,7 +39,12 @@ from fastapi_outbox.storage.inbox import Inbox, build_inbox_table
 from fastapi_outbox.storage.store import Store
 from fastapi_outbox.storage.wal_slot import WalSlot
 from fastapi_outbox.write.capture import Capture, TableCapture
-from fastapi_outbox.write.unit_of_work import UnitOfWork, current_outbox, register_outbox
+from fastapi_outbox.write.unit_of_work import (
+    UnitOfWork,
+    current_outbox,
+    register_outbox,
+    transaction,
+)
 
 logger = logging.getLogger("fastapi_outbox")
 
@@ -194,8 +200,7 @@ class Outbox:
     def current(cls) -> Outbox:
         """The only Outbox of this process (used by the ``unit_of_work`` dependency when the
         app was not started with ``outbox.lifespan``)."""
-        found: Outbox = current_outbox()
-        return found
+        return typing.cast("Outbox", current_outbox())
 
     @property
     def all_brokers(self) -> dict[str, Broker]:
@@ -255,35 +260,14 @@ class Outbox:
                 correlation_id = correlation_id or handler_uow.correlation_id
                 causation_id = causation_id or handler_uow.causation_id
                 traceparent = traceparent or handler_uow.traceparent
-        own = session is None
-        sess = self.session_factory() if session is None else session
-        uow = UnitOfWork(
+        async with transaction(
             self,
-            sess,
+            session,
             correlation_id=correlation_id,
             causation_id=causation_id,
             traceparent=traceparent,
-        )
-        uow._open()
-        try:
-            if own:
-                try:
-                    yield uow
-                    await sess.commit()
-                except BaseException:
-                    with anyio.CancelScope(shield=True):
-                        await sess.rollback()
-                    raise
-            else:
-                async with sess.begin_nested():
-                    yield uow
-        finally:
-            uow._close()
-            if own:
-                with anyio.CancelScope(shield=True):
-                    await sess.close()
-        for _ in uow._state.take_notify():  # only for a commit made outside the greenlet
-            await self.notify_after_commit()
+        ) as uow:
+            yield uow
 
     def write_rows(self, connection: Connection, rows: list[dict[str, Any]]) -> None:
         """Record outbox messages on a session's connection, through this outbox's capture

@@ -537,6 +537,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "encode",
     },
     "fastapi_outbox.write.capture": {"Capture", "TableCapture"},
+    "fastapi_outbox.write.context": {"WriteContext"},
     "fastapi_outbox.write.session_events": {
         "JOINED_KEY",
         "STATE_KEY",
