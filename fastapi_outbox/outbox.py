@@ -27,10 +27,10 @@ from fastapi_outbox.brokers.base import Broker
 from fastapi_outbox.consume.subscriber import Handler, Subscriber, handler_transaction
 from fastapi_outbox.instrumentation import Instrumentation
 from fastapi_outbox.redaction import redact, redact_url, remember
-from fastapi_outbox.relay.groups_first import DECLARE_GROUPS_TIMEOUT_SECONDS, gate_brokers
+from fastapi_outbox.relay.groups_first import declare_or_warn, gate_brokers
 from fastapi_outbox.relay.retention import Cleaner
 from fastapi_outbox.relay.supervisor import Relays, close_brokers
-from fastapi_outbox.relay.table import Processor, instance_id
+from fastapi_outbox.relay.table import TableRelay, instance_id
 from fastapi_outbox.relay.wakeups import Listener, Notifier, channel_name
 from fastapi_outbox.relay.wal import WalRelay
 from fastapi_outbox.settings import OutboxSettings
@@ -382,17 +382,9 @@ class Outbox:
             # A broker that does not answer does not fail the tables (an app creating them
             # at start must still start): this process's dispatchers declare the groups
             # before they publish anyway. ``db create`` declares them strictly.
-            try:
-                with anyio.fail_after(DECLARE_GROUPS_TIMEOUT_SECONDS):
-                    await self.declare_groups()
-            except (exceptions.BrokerUnavailable, TimeoutError) as exc:
-                logger.warning(
-                    "consumer groups not created: broker unavailable",
-                    extra={
-                        "action": "consumer.groups_pending",
-                        "error": f"{type(exc).__name__}: {exc}"[:300],
-                    },
-                )
+            await declare_or_warn(
+                self.declare_groups, "consumer groups not created: broker unavailable"
+            )
 
     async def declare_groups(self, broker: str | None = None) -> None:
         """Create the broker-side group of every subscriber (of ``broker``, or all) — Redis
@@ -450,7 +442,7 @@ class Outbox:
         return self.relays.started
 
     @property
-    def processors(self) -> dict[str, Processor]:
+    def processors(self) -> dict[str, TableRelay]:
         return self.relays.processors
 
     @property

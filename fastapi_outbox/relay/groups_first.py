@@ -19,7 +19,7 @@ import anyio
 from fastapi_outbox import exceptions
 from fastapi_outbox.brokers.base import Broker
 
-__all__ = ["DECLARE_GROUPS_TIMEOUT_SECONDS", "GroupsFirst", "gate_brokers"]
+__all__ = ["DECLARE_GROUPS_TIMEOUT_SECONDS", "GroupsFirst", "declare_or_warn", "gate_brokers"]
 
 logger = logging.getLogger("fastapi_outbox")
 
@@ -94,16 +94,32 @@ async def gate_brokers(
             continue
         gated = GroupsFirst(broker, name, declare)
         out[name] = gated
-        try:
-            with anyio.fail_after(DECLARE_GROUPS_TIMEOUT_SECONDS):
-                await gated.connect()
-        except (exceptions.BrokerUnavailable, TimeoutError) as exc:
-            logger.warning(
-                "consumer groups not declared yet: dispatch to this broker waits for them",
-                extra={
-                    "action": "consumer.groups_pending",
-                    "broker": name,
-                    "error": f"{type(exc).__name__}: {exc}"[:300],
-                },
-            )
+        await declare_or_warn(
+            gated.connect,
+            "consumer groups not declared yet: dispatch to this broker waits for them",
+            broker=name,
+        )
     return out
+
+
+async def declare_or_warn(
+    declare: Callable[[], Awaitable[None]], message: str, **extra: Any
+) -> bool:
+    """Run ``declare`` (a declaration of consumer groups) within
+    ``DECLARE_GROUPS_TIMEOUT_SECONDS``; a broker that does not answer is warned about
+    (``message``, action ``consumer.groups_pending``), not raised: False then. Anything
+    else it raises (a refusal of a group's settings) is raised."""
+    try:
+        with anyio.fail_after(DECLARE_GROUPS_TIMEOUT_SECONDS):
+            await declare()
+    except (exceptions.BrokerUnavailable, TimeoutError) as exc:
+        logger.warning(
+            message,
+            extra={
+                "action": "consumer.groups_pending",
+                **extra,
+                "error": f"{type(exc).__name__}: {exc}"[:300],
+            },
+        )
+        return False
+    return True

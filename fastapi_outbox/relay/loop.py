@@ -1,5 +1,5 @@
 """What every loop that moves messages to a broker shares: the table's
-:class:`~fastapi_outbox.relay.table.Processor` and the :class:`~fastapi_outbox.relay.wal.WalRelay`.
+:class:`~fastapi_outbox.relay.table.TableRelay` and the :class:`~fastapi_outbox.relay.wal.WalRelay`.
 
 - stopping: :meth:`RelayLoop.stop` wakes every wait, :meth:`RelayLoop._sleep` returns early;
 - the client-side bound of one database step (:attr:`RelayLoop._db_bound`);
@@ -39,6 +39,10 @@ from fastapi_outbox.storage.store import ClaimedRow
 from fastapi_outbox.storage.wal_slot import WalMessage
 
 logger = logging.getLogger("fastapi_outbox.dispatcher")
+
+#: The backoff of a relay whose database step failed: doubled from the first to the last.
+DB_BACKOFF_MIN_SECONDS = 0.2
+DB_BACKOFF_MAX_SECONDS = 10.0
 
 
 class RelayLoop:

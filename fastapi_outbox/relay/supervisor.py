@@ -29,7 +29,7 @@ import anyio.abc
 
 from fastapi_outbox.brokers.base import Broker
 from fastapi_outbox.instrumentation import Instrumentation
-from fastapi_outbox.relay.table import Processor
+from fastapi_outbox.relay.table import TableRelay
 from fastapi_outbox.relay.wakeups import Listener, Notifier, notify_once, wake_after_commit
 from fastapi_outbox.relay.wal import WalRelay
 from fastapi_outbox.settings import OutboxSettings
@@ -130,7 +130,7 @@ class Relays:
         self.instrumentation = instrumentation
         self.wal_slot = wal_slot
         #: The table relay of each broker (kept after a run, for its counters).
-        self.processors: dict[str, Processor] = {}
+        self.processors: dict[str, TableRelay] = {}
         self.wal_relay: WalRelay | None = None
         self.notifier: Notifier | None = None
         self.listener: Listener | None = None
@@ -222,7 +222,7 @@ class Relays:
         listener between (it wakes the table relays once it listens)."""
         listener = self.listener
         for name, broker in brokers.items():
-            self.processors[name] = Processor(
+            self.processors[name] = TableRelay(
                 store=self.store,
                 broker_name=name,
                 broker=broker,

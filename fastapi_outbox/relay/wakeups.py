@@ -334,7 +334,7 @@ NOTIFY_TIMEOUT_SECONDS = 2.0
 
 class TableRelayWaking(Protocol):
     """What the wake-up policy needs of a table relay
-    (:class:`~fastapi_outbox.relay.table.Processor`)."""
+    (:class:`~fastapi_outbox.relay.table.TableRelay`)."""
 
     wakeup: Wakeup
 

@@ -444,6 +444,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
     "fastapi_outbox.relay.groups_first": {
         "DECLARE_GROUPS_TIMEOUT_SECONDS",
         "GroupsFirst",
+        "declare_or_warn",
         "gate_brokers",
     },
     "fastapi_outbox.relay.supervisor": {
