@@ -1,6 +1,8 @@
 """``Outbox``: the composition root. It wires the engine, the store, the brokers, the
-processors, the wake-ups, retention, the lifespan and the routers — the only module that
-knows every part."""
+relays and their supervisor (:mod:`fastapi_outbox.relay.supervisor`), the wake-ups,
+retention, the lifespan and the routers — the only module that knows every part. The
+checks of its configuration are :mod:`fastapi_outbox.config_checks`; the unit of work sees
+it through :class:`fastapi_outbox.write.context.WriteContext`."""
 
 from __future__ import annotations
 
