@@ -81,6 +81,11 @@ class Cleaner:
         #: Set when :meth:`run` has returned (shutdown waits for it, see :meth:`stop`).
         self.stopped: anyio.Event | None = None
 
+    @property
+    def running(self) -> bool:
+        """Between the start of :meth:`run` and its return."""
+        return self.stopped is not None and not self.stopped.is_set()
+
     def stop(self) -> None:
         """Return from :meth:`run` after the current batch. Shutdown stops the cleaner
         this way rather than cancelling it in the middle of a DELETE: a cancelled query

@@ -310,6 +310,14 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "utcnow",
         "wall",
     },
+    "fastapi_outbox.config_checks": {
+        "SUPPORTED_DIALECTS",
+        "check_broker_names",
+        "check_database",
+        "check_dedup_window",
+        "check_partitioning",
+        "check_wal_capture",
+    },
     "fastapi_outbox.consume.subscriber": {
         "BatchUnitOfWork",
         "ConsumerStatus",
@@ -461,6 +469,19 @@ PUBLIC_ALL: dict[str, set[str]] = {
     },
     "fastapi_outbox.redaction": {"MASK", "redact", "redact_url", "remember", "split_url_list"},
     "fastapi_outbox.backoff": {"exponential_delay"},
+    "fastapi_outbox.relay.groups_first": {
+        "DECLARE_GROUPS_TIMEOUT_SECONDS",
+        "GroupsFirst",
+        "declare_or_warn",
+        "gate_brokers",
+    },
+    "fastapi_outbox.relay.supervisor": {
+        "Relays",
+        "Service",
+        "StoppableService",
+        "Supervisor",
+        "close_brokers",
+    },
     "fastapi_outbox.relay_loop": {"RelayLoop"},
     "fastapi_outbox.retention": {"BATCH_PAUSE_SECONDS", "Cleaner", "purge"},
     "fastapi_outbox.schema": {"build_table", "ddl", "metadata", "outbox_table"},
@@ -647,6 +668,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "encode",
     },
     "fastapi_outbox.write.capture": {"Capture", "TableCapture"},
+    "fastapi_outbox.write.context": {"WriteContext"},
     "fastapi_outbox.write.session_events": {
         "JOINED_KEY",
         "STATE_KEY",
