@@ -24,6 +24,7 @@ from sqlalchemy.ext.asyncio import (
 
 from fastapi_outbox import config_checks, exceptions
 from fastapi_outbox.brokers.base import Broker
+from fastapi_outbox.consume.context import UnitOfWorkT
 from fastapi_outbox.consume.subscriber import Handler, Subscriber, handler_transaction
 from fastapi_outbox.instrumentation import Instrumentation
 from fastapi_outbox.redaction import redact_url, remember
@@ -540,3 +541,27 @@ class Outbox:
             router.include_router(self.health_router)
             self._router = router
         return self._router
+
+    # --- context for consume/ ---
+    # What a subscriber sees of its outbox is :class:`fastapi_outbox.consume.context.ConsumeContext`
+    # (engine, session_factory, settings, inbox, instance, brokers, default_broker,
+    # subscribers, notify_after_commit: attributes above); this is its one method of its own.
+
+    def make_unit_of_work(
+        self,
+        cls: type[UnitOfWorkT],
+        session: AsyncSession,
+        *,
+        correlation_id: str | None,
+        causation_id: str | None,
+        traceparent: str | None,
+    ) -> UnitOfWorkT:
+        """A unit of work of class ``cls`` on a subscriber's handler ``session``, publishing
+        through this outbox."""
+        return cls(
+            self,
+            session,
+            correlation_id=correlation_id,
+            causation_id=causation_id,
+            traceparent=traceparent,
+        )
