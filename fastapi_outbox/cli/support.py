@@ -52,6 +52,8 @@ async def guard(coro: Awaitable[T], outbox: Outbox) -> T:
     try:
         return await coro
     except Exception as exc:
+        # The driver's text, not ours: SQLite has no code of its own for a missing table
+        # (SQLITE_ERROR is also every syntax error); PostgreSQL says 42P01.
         text = str(getattr(exc, "orig", exc))
         missing = isinstance(exc, DBAPIError) and "no such table" in text
         if sqlstate(exc) == _UNDEFINED_TABLE or missing:
