@@ -300,13 +300,7 @@ class Outbox:
         (the cancel is fenced against a concurrent claim)."""
         from fastapi_outbox.ops import operations
 
-        outcome = await operations.cancel(self, [message_id])
-        if outcome.count:
-            return
-        problem = outcome.problems[0]
-        if problem.startswith("no outbox message"):
-            raise exceptions.MessageNotFound(problem)
-        raise exceptions.TooLate(problem)
+        await operations.cancel_one(self, message_id)
 
     # -- consumers ----------------------------------------------------------------------------
 

@@ -282,6 +282,12 @@ class Subscriber(Batches):
         consumer = self.consumer or self.make_consumer()
         return await consumer.lag()
 
+    @property
+    def dead_letters_unwritten(self) -> int:
+        """Messages of this process whose dead letter could not be written yet (they stay
+        pending in the group until a later try succeeds): health and the consumers view."""
+        return len(self._unwritten_dead_letters)
+
     # -- running -----------------------------------------------------------------------------
 
     def stop(self) -> None:
