@@ -226,8 +226,10 @@ def harvest_added(uow: UnitOfWork, before: list[Any]) -> list[Any]:
     session publish their events at once when raised. Returns the new objects now."""
     session = uow.session.sync_session
     candidates = held_aggregates(session)
-    # The session's pending objects in the order added (``session.new`` builds an identity
-    # set of all of them on every call: quadratic over a batch).
+    # The session's pending objects in the order added. Private SQLAlchemy on purpose:
+    # the public ``session.new`` copies all of them into an identity set on every call
+    # (quadratic over a batch) and does not promise their order; no public API gives them
+    # in order without that copy.
     new = list(session._new.values())
     n = len(before)
     kept = n == 0 or (len(new) >= n and new[n - 1] is before[-1])
@@ -703,16 +705,24 @@ class Processing:
                 # The careful way. Earlier handlers' work: in the session's transaction,
                 # or (events published or objects changed outside one) in a transaction
                 # begun now for it, so that a rollback undoing it is seen.
+                # Rows queued by any outbox on the session (``uow.queued`` holds this
+                # outbox's only), or objects added, changed or deleted (what SQLAlchemy's
+                # private ``Session._is_clean()`` tells, through the public collections).
                 current = sync_session.get_transaction()
-                if current is None and (uow._state.queued or not sync_session._is_clean()):
+                if current is None and (
+                    state_of(sync_session).queued
+                    or sync_session.new
+                    or sync_session.dirty
+                    or sync_session.deleted
+                ):
                     current = sync_session.begin()
                 run.before = current
-            uow._open()
+            uow.activate()
             try:
                 await handler(message, **{name: uow for name in uow_params})
                 before = harvest_added(uow, before)
             finally:
-                uow._close()
+                uow.close()
             if run.spoiled:
                 raise Spoiled(
                     f"handler {self.options.name} rolled back its session while handling "
@@ -760,13 +770,13 @@ class Processing:
             if len(deliveries) == 1
             else f"a batch of {len(deliveries)} messages from {deliveries[0].message_id}"
         )
-        uow._open()
+        uow.activate()
         try:
             uow_params = self.options.signature.uow_params
             await self.options.handler(messages, **{name: uow for name in uow_params})
             harvest_added(uow, [])
         finally:
-            uow._close()
+            uow.close()
         if run.spoiled:
             raise Spoiled(
                 f"handler {self.options.name} rolled back its session while handling "
