@@ -536,6 +536,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
     },
     "fastapi_outbox.storage.connector": {
         "Connector",
+        "Held",
         "row_count",
     },
     "fastapi_outbox.storage.db_outage": {
