@@ -1,9 +1,11 @@
-"""The statements of partition upkeep and of the doctor, built without a database.
+"""The statements of partition upkeep, of the doctor and of the driver plumbing, built
+without a database.
 
-Each expected text below is the statement as ``storage/partitions.py`` and
-``storage/doctor.py`` wrote it inline before it moved to ``storage/statements/``: the move
-changes no SQL. The catalogue reads are also compiled for PostgreSQL (and SQLite where the
-doctor runs them there) to check their bound parameters.
+Each expected text below is the statement as ``storage/partitions.py``,
+``storage/doctor.py``, ``storage/engine.py`` and ``storage/db_outage.py`` wrote it inline
+before it moved to ``storage/statements/``: the move changes no SQL. The catalogue reads
+are also compiled for PostgreSQL (and SQLite where the doctor runs them there) to check
+their bound parameters.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 
 from sqlalchemy.dialects import postgresql, sqlite
 
-from fastapi_outbox.storage.statements import doctor
+from fastapi_outbox.storage.statements import doctor, engine
 from fastapi_outbox.storage.statements import partitions as part
 
 PG = postgresql.dialect()
@@ -194,3 +196,18 @@ def test_storage_fix() -> None:
     assert doctor.set_storage("outbox_p1", "autovacuum_vacuum_threshold = 5000") == (
         'ALTER TABLE "outbox_p1" SET (autovacuum_vacuum_threshold = 5000)'
     )
+
+
+# -- driver plumbing ---------------------------------------------------------------------------
+
+
+def test_sqlite_pragmas_in_order_with_wal_only_for_a_file_database() -> None:
+    assert engine.sqlite_pragmas(30_000, wal=True) == [
+        "PRAGMA journal_mode=WAL",
+        "PRAGMA synchronous=NORMAL",
+        "PRAGMA busy_timeout=30000",
+        "PRAGMA foreign_keys=ON",
+    ]
+    assert engine.sqlite_pragmas(5, wal=False)[0] == "PRAGMA synchronous=NORMAL"
+    assert engine.BEGIN_IMMEDIATE == "BEGIN IMMEDIATE"
+    assert engine.PING == "SELECT 1"

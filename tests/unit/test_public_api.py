@@ -549,6 +549,10 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "is_outage",
         "sqlstate_of",
     },
+    "fastapi_outbox.storage.dialects": {
+        "is_postgres",
+        "uses_asyncpg",
+    },
     "fastapi_outbox.storage.engine": {
         "POOL_MAX_OVERFLOW",
         "POOL_SIZE",
@@ -581,6 +585,11 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "set_not_null",
         "set_storage",
         "sqlite_columns",
+    },
+    "fastapi_outbox.storage.statements.engine": {
+        "BEGIN_IMMEDIATE",
+        "PING",
+        "sqlite_pragmas",
     },
     "fastapi_outbox.storage.statements.operations": {
         "abandon_unclaimed",
