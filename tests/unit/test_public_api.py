@@ -564,6 +564,14 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "uses_asyncpg",
     },
     "fastapi_outbox.storage.inbox": {"Inbox", "build_inbox_table", "inbox_table"},
+    "fastapi_outbox.storage.read_models": {
+        "BrokerStats",
+        "age",
+        "aware",
+        "broker_stats",
+        "per_minute",
+        "stream_stats",
+    },
     "fastapi_outbox.storage.schema": {"build_table", "ddl", "metadata", "outbox_table"},
     "fastapi_outbox.storage.statements.doctor": {
         "COLUMNS",
