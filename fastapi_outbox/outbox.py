@@ -24,6 +24,9 @@ from sqlalchemy.ext.asyncio import (
 
 from fastapi_outbox import config_checks, exceptions
 from fastapi_outbox.brokers.base import Broker
+from fastapi_outbox.brokers.setup import DEFAULT_BROKER as DEFAULT_BROKER
+from fastapi_outbox.brokers.setup import NO_BROKER as NO_BROKER
+from fastapi_outbox.brokers.setup import resolve_broker, setup_brokers
 from fastapi_outbox.consume.context import UnitOfWorkT
 from fastapi_outbox.consume.subscriber import Handler, Subscriber, handler_transaction
 from fastapi_outbox.instrumentation import Instrumentation
@@ -49,14 +52,6 @@ from fastapi_outbox.write.unit_of_work import (
 )
 
 logger = logging.getLogger("fastapi_outbox")
-
-DEFAULT_BROKER = "default"
-NO_BROKER = (
-    "no broker to dispatch to: pass brokers={'default': RedisStreamsBroker(...)} to Outbox "
-    "(MemoryBroker() for tests and the embedded default), --broker-url to "
-    "`fastapi-outbox dispatch`, or set OUTBOX_BROKER_URL (redis://, nats://, memory://); "
-    "an API-only process sets run_dispatchers=False"
-)
 
 
 class Outbox:
@@ -93,7 +88,9 @@ class Outbox:
         # Its secrets are masked wherever a driver's text quotes them (see redaction).
         remember(self.engine.url.render_as_string(hide_password=False))
         config_checks.check_database(self.engine.dialect.name)
-        self._setup_brokers(brokers, external_brokers)
+        wired = setup_brokers(brokers, external_brokers, self.settings)
+        self.brokers, self.external_brokers = wired.brokers, wired.external_brokers
+        self.default_broker = wired.default_broker
         config_checks.check_partitioning(self.settings.partitioning, self.engine.dialect.name)
         self._setup_storage()
         self.session_factory = session_factory or async_sessionmaker(
@@ -121,34 +118,6 @@ class Outbox:
             None if dashboard_dependencies is None else list(dashboard_dependencies)
         )
         register_outbox(self)
-
-    def _setup_brokers(
-        self, brokers: Mapping[str, Broker] | None, external: Mapping[str, Broker] | None
-    ) -> None:
-        """The brokers, checked and configured. No silent sink: without brokers (and without
-        OUTBOX_BROKER_URL) this outbox can write rows for the "default" broker (an API-only
-        process needs no broker connection) but refuses to dispatch. A memory broker only
-        when asked for by name."""
-        if brokers:
-            self.brokers: dict[str, Broker] = dict(brokers)
-        elif self.settings.broker_url:
-            from fastapi_outbox.brokers import broker_from_url
-
-            self.brokers = {DEFAULT_BROKER: broker_from_url(self.settings.broker_url)}
-        else:
-            self.brokers = {}
-        self.external_brokers: dict[str, Broker] = dict(external or {})
-        config_checks.check_broker_names(self.brokers, self.external_brokers)
-        self.default_broker = (
-            next(iter(self.brokers))
-            if self.brokers and DEFAULT_BROKER not in self.brokers
-            else DEFAULT_BROKER
-        )
-        for broker_name, broker in self.all_brokers.items():
-            if isinstance(getattr(broker, "url", None), str):
-                remember(broker.url)  # type: ignore[attr-defined]
-            broker.configure(dedup_window_seconds=self.settings.dedup_window_seconds)
-            config_checks.check_dedup_window(broker_name, broker, self.settings)
 
     def _setup_storage(self) -> None:
         """The outbox table and its store, the capture (table or WAL), the consumers'
@@ -209,18 +178,7 @@ class Outbox:
         return {**self.brokers, **self.external_brokers}
 
     def resolve_broker(self, name: str | None) -> str:
-        if name is None:
-            return self.default_broker
-        if name not in self.brokers and not (name == DEFAULT_BROKER and not self.brokers):
-            hint = (
-                " (it is external: mark the event external=True)"
-                if name in self.external_brokers
-                else ""
-            )
-            raise exceptions.UnknownBroker(
-                f"no broker named {name!r}{hint}; configured: {', '.join(self.brokers)}"
-            )
-        return name
+        return resolve_broker(name, self.brokers, self.external_brokers, self.default_broker)
 
     def trace_headers(self, traceparent: str | None) -> dict[str, str]:
         """W3C trace context to store with a message: the active OpenTelemetry span's when

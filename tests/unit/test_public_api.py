@@ -272,6 +272,13 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "reply_entries",
         "text",
     },
+    "fastapi_outbox.brokers.setup": {
+        "DEFAULT_BROKER",
+        "NO_BROKER",
+        "BrokerSetup",
+        "resolve_broker",
+        "setup_brokers",
+    },
     "fastapi_outbox.brokers.redis_consumer": {
         "AUTOCLAIM_COUNT",
         "DEAD_LETTER_SCAN",
