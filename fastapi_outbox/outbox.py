@@ -14,7 +14,6 @@ from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from typing import Any
 
 import anyio
-from sqlalchemy import MetaData, Table
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
@@ -38,12 +37,9 @@ from fastapi_outbox.relay.table import TableRelay, instance_id
 from fastapi_outbox.relay.wakeups import Listener, Notifier, channel_name
 from fastapi_outbox.relay.wal import WalRelay
 from fastapi_outbox.settings import OutboxSettings
-from fastapi_outbox.storage import partitions, schema
 from fastapi_outbox.storage.engine import create_engine
-from fastapi_outbox.storage.inbox import Inbox, build_inbox_table
-from fastapi_outbox.storage.store import Store
-from fastapi_outbox.storage.wal_slot import WalSlot
-from fastapi_outbox.write.capture import Capture, TableCapture
+from fastapi_outbox.storage.setup import setup_storage
+from fastapi_outbox.write.capture import Capture, capture_for
 from fastapi_outbox.write.unit_of_work import (
     UnitOfWork,
     current_outbox,
@@ -92,7 +88,12 @@ class Outbox:
         self.brokers, self.external_brokers = wired.brokers, wired.external_brokers
         self.default_broker = wired.default_broker
         config_checks.check_partitioning(self.settings.partitioning, self.engine.dialect.name)
-        self._setup_storage()
+        self._storage = setup_storage(self.engine, self.settings)
+        self.table, self.store = self._storage.table, self._storage.store
+        #: ``capture="wal"``: the replication slot (its relay runs with the dispatchers).
+        self.wal_slot = self._storage.wal_slot
+        self.capture: Capture = capture_for(self.store, self.wal_slot)
+        self.inbox, self.partitions = self._storage.inbox, self._storage.partitions
         self.session_factory = session_factory or async_sessionmaker(
             self.engine, expire_on_commit=False
         )
@@ -118,49 +119,6 @@ class Outbox:
             None if dashboard_dependencies is None else list(dashboard_dependencies)
         )
         register_outbox(self)
-
-    def _setup_storage(self) -> None:
-        """The outbox table and its store, the capture (table or WAL), the consumers'
-        inbox and, for a partitioned table, its upkeep."""
-        self.table = self._build_table()
-        self.store = Store(self.engine, self.table)
-        self.store.set_timeouts(
-            self.settings.statement_timeout_seconds, self.settings.lock_timeout_seconds
-        )
-        self.capture: Capture = TableCapture(self.store)
-        #: ``capture="wal"``: the replication slot (its relay runs with the dispatchers).
-        self.wal_slot: WalSlot | None = None
-        if self.settings.capture == "wal":
-            self._setup_wal()
-        # The consumers' inbox, on the outbox table's MetaData (the shared one by default).
-        self.inbox = Inbox(
-            self.engine, build_inbox_table(self.settings.inbox_table_name, self.table.metadata)
-        )
-        #: Partition upkeep of a partitioned table (``settings.partitioning``), else None.
-        self.partitions: partitions.Maintainer | None = None
-        if "partitioning" in self.table.info:
-            self.partitions = partitions.Maintainer(
-                self.engine, self.table, self.table.info["partitioning"]
-            )
-
-    def _build_table(self) -> Table:
-        """The shared ``schema.metadata`` (Alembic's) holds the default layout; an ordered
-        or partitioned outbox builds its table, with its index, on a MetaData of its own."""
-        name, partitioning = self.settings.table_name, self.settings.partitioning
-        shared = name == schema.outbox_table.name and not self.settings.ordered and not partitioning
-        return schema.build_table(
-            name,
-            schema.metadata if shared else MetaData(),
-            ordered=self.settings.ordered,
-            partitioning=partitioning,
-        )
-
-    def _setup_wal(self) -> None:
-        from fastapi_outbox.write.wal_capture import WalCapture
-
-        config_checks.check_wal_capture(self.engine.dialect.name, self.engine.dialect.driver)
-        self.wal_slot = WalSlot(self.engine, self.settings.slot_name, self.settings.table_name)
-        self.capture = WalCapture(self.store, self.wal_slot)
 
     def __repr__(self) -> str:
         return f"Outbox({redact_url(str(self.engine.url))!r}, brokers={list(self.all_brokers)})"
@@ -326,12 +284,7 @@ class Outbox:
         (:meth:`declare_groups`), so messages published before the first deploy of a
         subscriber wait for it whatever its ``start`` (a broker that does not answer is
         logged, not raised: ``db create`` and :meth:`declare_groups` raise)."""
-        await self.store.create_table()
-        await self.inbox.create_table()
-        if self.partitions is not None:
-            await self.partitions.ensure_ahead()
-        if self.wal_slot is not None:
-            await self.wal_slot.create()
+        await self._storage.create()
         if groups and self.subscribers:
             # A broker that does not answer does not fail the tables (an app creating them
             # at start must still start): this process's dispatchers declare the groups
@@ -363,8 +316,7 @@ class Outbox:
                     await consumer.aclose()
 
     async def drop_tables(self) -> None:
-        await self.store.drop_table()
-        await self.inbox.drop_table()
+        await self._storage.drop()
 
     # -- running -------------------------------------------------------------------------------
 

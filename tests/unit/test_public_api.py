@@ -568,6 +568,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
     },
     "fastapi_outbox.storage.inbox": {"Inbox", "build_inbox_table", "inbox_table"},
     "fastapi_outbox.storage.schema": {"build_table", "ddl", "metadata", "outbox_table"},
+    "fastapi_outbox.storage.setup": {"Storage", "build_outbox_table", "setup_storage"},
     "fastapi_outbox.storage.statements.operations": {
         "abandon_unclaimed",
         "blocking_ordered",
@@ -709,7 +710,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "decode",
         "encode",
     },
-    "fastapi_outbox.write.capture": {"Capture", "TableCapture"},
+    "fastapi_outbox.write.capture": {"Capture", "TableCapture", "capture_for"},
     "fastapi_outbox.write.context": {"WriteContext"},
     "fastapi_outbox.write.session_events": {
         "JOINED_KEY",
