@@ -30,7 +30,7 @@ from fastapi_outbox.consume.context import UnitOfWorkT
 from fastapi_outbox.consume.subscriber import Handler, Subscriber, handler_transaction
 from fastapi_outbox.instrumentation import Instrumentation
 from fastapi_outbox.redaction import redact_url, remember
-from fastapi_outbox.relay.groups_first import declare_or_warn, gate_brokers
+from fastapi_outbox.relay.groups_first import declare_groups, declare_or_warn, gate_brokers
 from fastapi_outbox.relay.retention import Cleaner
 from fastapi_outbox.relay.supervisor import Relays, close_brokers
 from fastapi_outbox.relay.table import TableRelay, instance_id
@@ -298,22 +298,7 @@ class Outbox:
         consumer group, JetStream durable and dead-letter stream — or bring an existing
         one to the declared settings (idempotent). BrokerUnavailable when its broker does
         not answer; ConfigurationError naming the subscriber for anything else."""
-        for sub in self.subscribers:
-            if broker is not None and sub.broker_name != broker:
-                continue
-            consumer = sub.make_consumer()
-            try:
-                await consumer.setup()
-            except exceptions.BrokerUnavailable:
-                raise
-            except Exception as exc:
-                raise exceptions.ConfigurationError(
-                    f"{sub!r}: cannot create or update its consumer group on broker "
-                    f"{sub.broker_name!r}: {type(exc).__name__}: {exc}"
-                ) from exc
-            finally:
-                with contextlib.suppress(Exception):
-                    await consumer.aclose()
+        await declare_groups(self.subscribers, broker)
 
     async def drop_tables(self) -> None:
         await self._storage.drop()

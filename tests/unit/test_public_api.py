@@ -513,7 +513,9 @@ PUBLIC_ALL: dict[str, set[str]] = {
     "fastapi_outbox.backoff": {"exponential_delay"},
     "fastapi_outbox.relay.groups_first": {
         "DECLARE_GROUPS_TIMEOUT_SECONDS",
+        "GroupOwner",
         "GroupsFirst",
+        "declare_groups",
         "declare_or_warn",
         "gate_brokers",
     },
