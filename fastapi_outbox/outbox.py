@@ -206,8 +206,6 @@ class Outbox:
         (:meth:`fastapi_outbox.write.session_events.SessionState.after_commit`)."""
         await self.relays.notify_after_commit()
 
-    _notify_after_commit = notify_after_commit
-
     async def cancel(self, message_id: uuid.UUID) -> None:
         """Cancel a pending message (a delayed one, typically) before a dispatcher claims it.
 
