@@ -26,8 +26,9 @@ from fastapi_outbox.brokers.base import Broker
 from fastapi_outbox.brokers.setup import DEFAULT_BROKER as DEFAULT_BROKER
 from fastapi_outbox.brokers.setup import NO_BROKER as NO_BROKER
 from fastapi_outbox.brokers.setup import resolve_broker, setup_brokers
+from fastapi_outbox.consume import entry
 from fastapi_outbox.consume.context import UnitOfWorkT
-from fastapi_outbox.consume.subscriber import Handler, Subscriber, handler_transaction
+from fastapi_outbox.consume.subscriber import Subscriber
 from fastapi_outbox.instrumentation import Instrumentation
 from fastapi_outbox.redaction import redact_url, remember
 from fastapi_outbox.relay.groups_first import declare_groups, declare_or_warn, gate_brokers
@@ -44,7 +45,6 @@ from fastapi_outbox.write.unit_of_work import (
     UnitOfWork,
     current_outbox,
     register_outbox,
-    transaction,
 )
 
 logger = logging.getLogger("fastapi_outbox")
@@ -171,14 +171,7 @@ class Outbox:
         that way (a savepoint of the handler's transaction, the handler's correlation and
         causation ids unless given): its work commits with the message's inbox row or not
         at all, never on its own."""
-        if session is None:
-            joined = handler_transaction(self)
-            if joined is not None:
-                session, handler_uow = joined
-                correlation_id = correlation_id or handler_uow.correlation_id
-                causation_id = causation_id or handler_uow.causation_id
-                traceparent = traceparent or handler_uow.traceparent
-        async with transaction(
+        async with entry.unit_of_work(
             self,
             session,
             correlation_id=correlation_id,
@@ -243,27 +236,22 @@ class Outbox:
         ``dead_letter`` is a template (default ``{stream}.{group}.dlq``); ``batch``: handle
         each fetched batch in one transaction (falls back to one transaction per message
         when anything in it fails; not with ``ordered``)."""
-        from fastapi_outbox.consume import subscriber as subscribers
-
-        def decorate(handler: Handler) -> Handler:
-            options = subscribers.subscriber_options(
-                self,
-                broker=broker,
-                concurrency=concurrency,
-                ordered=ordered,
-                max_attempts=max_attempts,
-                batch_size=batch_size,
-                claim_idle_seconds=claim_idle_seconds,
-                retry_base_delay_seconds=retry_base_delay_seconds,
-                retry_max_delay_seconds=retry_max_delay_seconds,
-                dead_letter=dead_letter,
-                start=start,
-                batch=batch,
-            )
-            subscribers.register(self, handler, stream, group, options)
-            return handler
-
-        return decorate
+        return entry.subscribe(
+            self,
+            stream,
+            group,
+            broker=broker,
+            concurrency=concurrency,
+            ordered=ordered,
+            max_attempts=max_attempts,
+            batch_size=batch_size,
+            claim_idle_seconds=claim_idle_seconds,
+            retry_base_delay_seconds=retry_base_delay_seconds,
+            retry_max_delay_seconds=retry_max_delay_seconds,
+            dead_letter=dead_letter,
+            start=start,
+            batch=batch,
+        )
 
     async def consumers_status(self) -> list[Any]:
         """Every subscriber's consumer group: lag, pending, dead letters, last handled

@@ -328,6 +328,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
     },
     "fastapi_outbox.consume.batches": {"BATCH_HANDLER_TRIES", "Batches"},
     "fastapi_outbox.consume.context": {"AfterCommit", "ConsumeContext", "UnitOfWorkT"},
+    "fastapi_outbox.consume.entry": {"OutboxSide", "subscribe", "unit_of_work"},
     "fastapi_outbox.consume.handlers": {
         "BatchUnitOfWork",
         "Decoder",
