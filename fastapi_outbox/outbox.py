@@ -30,7 +30,8 @@ from fastapi_outbox.consume import entry
 from fastapi_outbox.consume.context import UnitOfWorkT
 from fastapi_outbox.consume.subscriber import Subscriber
 from fastapi_outbox.instrumentation import Instrumentation
-from fastapi_outbox.redaction import redact_url, remember
+from fastapi_outbox.ops.routers import Routers
+from fastapi_outbox.redaction import redact_url
 from fastapi_outbox.relay.groups_first import declare_groups, declare_or_warn, gate_brokers
 from fastapi_outbox.relay.retention import Cleaner
 from fastapi_outbox.relay.supervisor import Relays, close_brokers
@@ -38,8 +39,7 @@ from fastapi_outbox.relay.table import TableRelay, instance_id
 from fastapi_outbox.relay.wakeups import Listener, Notifier, channel_name
 from fastapi_outbox.relay.wal import WalRelay
 from fastapi_outbox.settings import OutboxSettings
-from fastapi_outbox.storage.engine import create_engine
-from fastapi_outbox.storage.setup import setup_storage
+from fastapi_outbox.storage.setup import open_engine, setup_storage
 from fastapi_outbox.write.capture import Capture, capture_for
 from fastapi_outbox.write.unit_of_work import (
     UnitOfWork,
@@ -71,19 +71,7 @@ class Outbox:
         dashboard_dependencies: Sequence[Any] | None = None,
     ) -> None:
         self.settings = settings if settings is not None else OutboxSettings.from_env()
-        if isinstance(database, AsyncEngine):
-            self.engine = database
-            self._owns_engine = False
-        elif isinstance(database, str):
-            self.engine = create_engine(database, dict(engine_options or {}))
-            self._owns_engine = True
-        else:
-            raise exceptions.ConfigurationError(
-                f"Outbox() takes a database URL or an AsyncEngine, not {type(database).__name__}"
-            )
-        # Its secrets are masked wherever a driver's text quotes them (see redaction).
-        remember(self.engine.url.render_as_string(hide_password=False))
-        config_checks.check_database(self.engine.dialect.name)
+        self.engine, self._owns_engine = open_engine(database, engine_options)
         wired = setup_brokers(brokers, external_brokers, self.settings)
         self.brokers, self.external_brokers = wired.brokers, wired.external_brokers
         self.default_broker = wired.default_broker
@@ -111,10 +99,8 @@ class Outbox:
             instrumentation=self.instrumentation,
             wal_slot=self.wal_slot,
         )
-        self._health_router: Any = None
+        self._routers = Routers(self, self.lifespan)
         self._dependency: Any = None
-        self._router: Any = None
-        self._dashboard_router: Any = None
         self.dashboard_dependencies = (
             None if dashboard_dependencies is None else list(dashboard_dependencies)
         )
@@ -382,11 +368,7 @@ class Outbox:
     @property
     def health_router(self) -> Any:
         """``GET /outbox/health``."""
-        if self._health_router is None:
-            from fastapi_outbox.ops.health import build_health_router
-
-            self._health_router = build_health_router(self)
-        return self._health_router
+        return self._routers.health
 
     @property
     def dashboard_router(self) -> Any:
@@ -394,28 +376,12 @@ class Outbox:
         guarded by ``dashboard_dependencies``. Refused without a guard, so no deployment
         exposes replay and abandon by accident: pass ``dashboard_dependencies=[]`` to serve
         it unguarded on purpose (a trusted network)."""
-        if self.dashboard_dependencies is None:
-            raise exceptions.ConfigurationError(
-                "outbox.dashboard_router has no guard: pass Outbox(..., "
-                "dashboard_dependencies=[Depends(require_admin)]) to protect every page and "
-                "action, or dashboard_dependencies=[] to serve it unguarded on purpose"
-            )
-        if self._dashboard_router is None:
-            from fastapi_outbox.ops.dashboard import build_dashboard_router
-
-            self._dashboard_router = build_dashboard_router(self, self.dashboard_dependencies)
-        return self._dashboard_router
+        return self._routers.dashboard(self.dashboard_dependencies)
 
     @property
     def router(self) -> Any:
         """The health router carrying the outbox lifespan: one ``include_router`` line."""
-        if self._router is None:
-            from fastapi import APIRouter
-
-            router = APIRouter(lifespan=self.lifespan)
-            router.include_router(self.health_router)
-            self._router = router
-        return self._router
+        return self._routers.combined
 
     # --- context for consume/ ---
     # What a subscriber sees of its outbox is :class:`fastapi_outbox.consume.context.ConsumeContext`

@@ -3,23 +3,28 @@ by ``table_name``, ``ordered`` and ``partitioning``) and its
 :class:`~fastapi_outbox.storage.store.Store`, the WAL slot of ``capture="wal"``, the
 consumers' inbox and the upkeep of a partitioned table; and their creation and removal
 (``create_tables``, ``drop_tables``). The composition root
-(:class:`fastapi_outbox.outbox.Outbox`) calls :func:`setup_storage` once."""
+(:class:`fastapi_outbox.outbox.Outbox`) calls :func:`open_engine` and :func:`setup_storage`
+once."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from typing import Any
 
 from sqlalchemy import MetaData, Table
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from fastapi_outbox import config_checks
+from fastapi_outbox import config_checks, exceptions
+from fastapi_outbox.redaction import remember
 from fastapi_outbox.settings import OutboxSettings
 from fastapi_outbox.storage import partitions, schema
+from fastapi_outbox.storage.engine import create_engine
 from fastapi_outbox.storage.inbox import Inbox, build_inbox_table
 from fastapi_outbox.storage.store import Store
 from fastapi_outbox.storage.wal_slot import WalSlot
 
-__all__ = ["Storage", "build_outbox_table", "setup_storage"]
+__all__ = ["Storage", "build_outbox_table", "open_engine", "setup_storage"]
 
 
 @dataclasses.dataclass
@@ -50,6 +55,25 @@ class Storage:
         """The outbox table and the inbox table."""
         await self.store.drop_table()
         await self.inbox.drop_table()
+
+
+def open_engine(
+    database: str | AsyncEngine, engine_options: Mapping[str, Any] | None
+) -> tuple[AsyncEngine, bool]:
+    """The engine of ``Outbox(database)`` and whether the outbox owns it (created it from a
+    URL, so disposes of it on close); its secrets are remembered for masking wherever a
+    driver's text quotes them (:mod:`fastapi_outbox.redaction`), and its database checked."""
+    if isinstance(database, AsyncEngine):
+        engine, owned = database, False
+    elif isinstance(database, str):
+        engine, owned = create_engine(database, dict(engine_options or {})), True
+    else:
+        raise exceptions.ConfigurationError(
+            f"Outbox() takes a database URL or an AsyncEngine, not {type(database).__name__}"
+        )
+    remember(engine.url.render_as_string(hide_password=False))
+    config_checks.check_database(engine.dialect.name)
+    return engine, owned
 
 
 def build_outbox_table(settings: OutboxSettings) -> Table:

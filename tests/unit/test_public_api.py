@@ -484,6 +484,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "show",
         "stale_dead_letters",
     },
+    "fastapi_outbox.ops.routers": {"NO_DASHBOARD_GUARD", "Routers"},
     "fastapi_outbox.ops.dashboard": {"CSRF_COOKIE", "CSRF_HEADER", "build_dashboard_router"},
     "fastapi_outbox.ops.metrics": {"PrometheusInstrumentation", "metrics_router", "mount_metrics"},
     "fastapi_outbox.partitions": {
@@ -571,7 +572,12 @@ PUBLIC_ALL: dict[str, set[str]] = {
     },
     "fastapi_outbox.storage.inbox": {"Inbox", "build_inbox_table", "inbox_table"},
     "fastapi_outbox.storage.schema": {"build_table", "ddl", "metadata", "outbox_table"},
-    "fastapi_outbox.storage.setup": {"Storage", "build_outbox_table", "setup_storage"},
+    "fastapi_outbox.storage.setup": {
+        "Storage",
+        "build_outbox_table",
+        "open_engine",
+        "setup_storage",
+    },
     "fastapi_outbox.storage.statements.operations": {
         "abandon_unclaimed",
         "blocking_ordered",
