@@ -43,6 +43,7 @@ from fastapi_outbox.relay.loop import (
     RelayLoop,
     envelope_of,
 )
+from fastapi_outbox.relay.ordered import publish_ordered
 from fastapi_outbox.relay.outcomes import NotAttempted, Outcomes
 from fastapi_outbox.relay.outcomes import retry_delay as retry_delay
 from fastapi_outbox.settings import OutboxSettings
@@ -445,7 +446,7 @@ class TableRelay(RelayLoop):
         claimed again at once, without the charged message, which backs off. The broker
         failing to answer a ping meanwhile ends the pass as an outage (rest given back,
         processor paused). Ordered: a key stops at its first failure, as in
-        :meth:`_publish_ordered`."""
+        :func:`~fastapi_outbox.relay.ordered.publish_ordered`."""
         settings = self.settings
         logger.warning(
             "publish timed out while the broker answered; trying the batch one by one",
@@ -518,7 +519,9 @@ class TableRelay(RelayLoop):
         finish = self._hook(self.instrumentation.publish_started, self.broker_name, envelopes)
         try:
             if self.settings.ordered:
-                results = await self._publish_ordered(envelopes)
+                results = await publish_ordered(
+                    self.broker, envelopes, self.settings.publish_timeout_seconds / 2
+                )
             else:
                 results = await self.broker.publish(envelopes)
         except BaseException as exc:
@@ -527,45 +530,6 @@ class TableRelay(RelayLoop):
             raise
         if finish is not None:
             self._hook(finish, results)
-        return results
-
-    async def _publish_ordered(self, envelopes: list[Envelope]) -> PublishResults:
-        """Per-key order inside a batch: publish in rounds (the n-th message of every key in
-        round n) and stop a key at its first failure; its later messages are given back.
-
-        Rounds are one broker call each, so a deep key costs one round trip per message.
-        They run within a time budget (half of ``publish_timeout_seconds``): once it is
-        spent no new round starts, what was sent is marked and the rest is given back with
-        its attempt refunded and claimed again at once. A key whose queue is deeper than
-        one publish timeout allows therefore drains batch after batch instead of timing
-        out whole and being re-sent from its first message forever."""
-        results: PublishResults = [None] * len(envelopes)
-        # A message without a key is a queue of its own.
-        queues: dict[tuple[str, str] | tuple[None, int], list[int]] = {}
-        for i, e in enumerate(envelopes):
-            queues.setdefault(("key", e.key) if e.key is not None else (None, i), []).append(i)
-        blocked: set[tuple[str, str] | tuple[None, int]] = set()
-        budget_ends = time.monotonic() + self.settings.publish_timeout_seconds / 2
-        depth = 0
-        while True:
-            round_ = [
-                (k, q[depth]) for k, q in queues.items() if len(q) > depth and k not in blocked
-            ]
-            if not round_:
-                break
-            if depth and time.monotonic() >= budget_ends:
-                for k, _first in round_:
-                    for later in queues[k][depth:]:
-                        results[later] = NotAttempted()
-                break
-            out = await self.broker.publish([envelopes[i] for _, i in round_])
-            for (k, i), res in zip(round_, out, strict=True):
-                results[i] = res
-                if res is not None:
-                    blocked.add(k)
-                    for later in queues[k][depth + 1 :]:
-                        results[later] = NotAttempted()
-            depth += 1
         return results
 
 

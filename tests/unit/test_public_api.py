@@ -521,6 +521,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "declare_or_warn",
         "gate_brokers",
     },
+    "fastapi_outbox.relay.ordered": {"publish_ordered"},
     "fastapi_outbox.relay.outcomes": {"NotAttempted", "Outcomes", "retry_delay"},
     "fastapi_outbox.relay.supervisor": {
         "Relays",
