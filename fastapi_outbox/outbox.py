@@ -1,8 +1,12 @@
-"""``Outbox``: the composition root. It wires the engine, the store, the brokers, the
-relays and their supervisor (:mod:`fastapi_outbox.relay.supervisor`), the wake-ups,
-retention, the lifespan and the routers — the only module that knows every part. The
-checks of its configuration are :mod:`fastapi_outbox.config_checks`; the unit of work sees
-it through :class:`fastapi_outbox.write.context.WriteContext`."""
+"""``Outbox``: the composition root. It wires the engine and the storage
+(:mod:`fastapi_outbox.storage.setup`), the brokers (:mod:`fastapi_outbox.brokers.setup`),
+the capture, the relays and their supervisor (:mod:`fastapi_outbox.relay.supervisor`), the
+wake-ups, retention, the subscribers (:mod:`fastapi_outbox.consume.entry`), the lifespan
+and the routers (:mod:`fastapi_outbox.ops.routers`) — the only module that knows every
+part; the logic lives in those parts. The checks of its configuration are
+:mod:`fastapi_outbox.config_checks`; the unit of work sees it through
+:class:`fastapi_outbox.write.context.WriteContext`, a subscriber through
+:class:`fastapi_outbox.consume.context.ConsumeContext`."""
 
 from __future__ import annotations
 
