@@ -272,6 +272,13 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "reply_entries",
         "text",
     },
+    "fastapi_outbox.brokers.setup": {
+        "DEFAULT_BROKER",
+        "NO_BROKER",
+        "BrokerSetup",
+        "resolve_broker",
+        "setup_brokers",
+    },
     "fastapi_outbox.brokers.redis_consumer": {
         "AUTOCLAIM_COUNT",
         "DEAD_LETTER_SCAN",
@@ -321,6 +328,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
     },
     "fastapi_outbox.consume.batches": {"BATCH_HANDLER_TRIES", "Batches"},
     "fastapi_outbox.consume.context": {"AfterCommit", "ConsumeContext", "UnitOfWorkT"},
+    "fastapi_outbox.consume.entry": {"OutboxSide", "subscribe", "unit_of_work"},
     "fastapi_outbox.consume.handlers": {
         "BatchUnitOfWork",
         "Decoder",
@@ -479,6 +487,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "show",
         "stale_dead_letters",
     },
+    "fastapi_outbox.ops.routers": {"NO_DASHBOARD_GUARD", "Routers"},
     "fastapi_outbox.ops.dashboard": {"CSRF_COOKIE", "CSRF_HEADER", "build_dashboard_router"},
     "fastapi_outbox.ops.metrics": {"PrometheusInstrumentation", "metrics_router", "mount_metrics"},
     "fastapi_outbox.partitions": {
@@ -509,10 +518,14 @@ PUBLIC_ALL: dict[str, set[str]] = {
     "fastapi_outbox.backoff": {"exponential_delay"},
     "fastapi_outbox.relay.groups_first": {
         "DECLARE_GROUPS_TIMEOUT_SECONDS",
+        "GroupOwner",
         "GroupsFirst",
+        "declare_groups",
         "declare_or_warn",
         "gate_brokers",
     },
+    "fastapi_outbox.relay.ordered": {"publish_ordered"},
+    "fastapi_outbox.relay.outcomes": {"NotAttempted", "Outcomes", "retry_delay"},
     "fastapi_outbox.relay.supervisor": {
         "Relays",
         "Service",
@@ -602,6 +615,12 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "BEGIN_IMMEDIATE",
         "PING",
         "sqlite_pragmas",
+    },
+    "fastapi_outbox.storage.setup": {
+        "Storage",
+        "build_outbox_table",
+        "open_engine",
+        "setup_storage",
     },
     "fastapi_outbox.storage.statements.operations": {
         "abandon_unclaimed",
@@ -771,7 +790,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "decode",
         "encode",
     },
-    "fastapi_outbox.write.capture": {"Capture", "TableCapture"},
+    "fastapi_outbox.write.capture": {"Capture", "TableCapture", "capture_for"},
     "fastapi_outbox.write.context": {"WriteContext"},
     "fastapi_outbox.write.session_events": {
         "JOINED_KEY",
