@@ -12,7 +12,7 @@ from fastapi_outbox import Message, Outbox, OutboxSettings
 from fastapi_outbox.brokers import broker_from_url
 from fastapi_outbox.ops.health import compute_health
 from tests.conftest import run_cli
-from tests.integration.test_consumer_contract import _nats, _redis
+from tests.integration.consume.test_consumer_contract import _nats, _redis
 
 APP = "tests.integration.consumer_cli_app:outbox"
 
