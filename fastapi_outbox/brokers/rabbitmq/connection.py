@@ -68,7 +68,13 @@ class RabbitMQConnection:
 
     @property
     def is_open(self) -> bool:
-        return self._conn is not None and not self._conn.is_closed
+        """Connected, as far as this client knows (aio-pika's own ``is_closed`` stays False
+        when the server went away: its ``connected`` event and aiormq's state say it)."""
+        conn = self._conn
+        if conn is None or conn.is_closed or not conn.connected.is_set():
+            return False
+        transport = conn.transport
+        return transport is not None and not transport.connection.is_closed
 
     @property
     def blocked(self) -> str | None:
@@ -109,7 +115,11 @@ class RabbitMQConnection:
             import aiormq.exceptions
 
             if not self.is_open:
+                dead, self._conn = self._conn, None
                 self._forget()
+                if dead is not None:  # what it still holds goes (the server is gone)
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(dead.close(), 1.0)
                 try:
                     conn = await asyncio.wait_for(
                         aio_pika.connect(

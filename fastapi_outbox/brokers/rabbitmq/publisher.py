@@ -182,6 +182,7 @@ class RabbitMQPublisher:
                 # The channel holds unconfirmed publishes: closed rather than reused.
                 with contextlib.suppress(Exception):
                     await channel.close()
+            down: Exception | None = None
             for i, task in tasks.items():
                 if task in pending:
                     results[i] = exceptions.MessageRejected(
@@ -205,12 +206,15 @@ class RabbitMQPublisher:
                 else:
                     found = outage(error, self.url, blocked=conn.blocked)
                     if found is not None:
-                        conn.channel_failed()
-                        raise found
+                        down = down or found  # raised once every task's error is read
+                        continue
                     results[i] = exceptions.MessageRejected(
                         f"RabbitMQ refused message {e.id} on stream {e.stream!r}: "
                         f"{type(error).__name__}: {error}"
                     )
+            if down is not None:
+                conn.channel_failed()
+                raise down
         return results
 
     async def __aenter__(self) -> Self:
