@@ -620,3 +620,103 @@ async def test_redis_dedup_keys_expire_after_the_configured_window(redis_url: st
         await broker.aclose()
         await client.delete(stream, f"outbox:dedup:{{{stream}}}:{e.id}")
         await client.aclose()
+
+
+# -- RabbitMQ -------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def amqp_channel(rabbitmq_url: str) -> AsyncIterator[Any]:
+    import aio_pika
+
+    conn = await aio_pika.connect(rabbitmq_url)
+    try:
+        yield await conn.channel()
+    finally:
+        await conn.close()
+
+
+async def test_rabbitmq_unroutable_message_fails_with_a_clear_error(
+    rabbitmq_url: str, amqp_channel: Any
+) -> None:
+    """``mandatory``: a message no queue is bound to is returned, and fails by itself
+    with the stream named, never silently dropped; the routed ones of its batch go."""
+    exchange, routed, unbound = unique("rx"), unique("routed"), unique("unbound")
+    broker = RabbitMQBroker(rabbitmq_url, exchange=exchange)
+    await broker.connect()
+    queue = await amqp_channel.declare_queue(unique("rq"), durable=True)
+    await queue.bind(exchange, routing_key=routed)
+    long_name = envelope(routed, 3)
+    long_name.headers["h" * 300] = "x"
+    try:
+        batch = [envelope(routed, 0), envelope(unbound, 1), envelope(routed, 2), long_name]
+        results = await broker.publish(batch)
+        assert results[0] is None and results[2] is None
+        assert isinstance(results[1], exceptions.MessageRejected)
+        assert f"no queue bound for stream {unbound!r}" in str(results[1])
+        assert batch[1].id in str(results[1])
+        assert isinstance(results[3], exceptions.MessageRejected)
+        assert "header name" in str(results[3])
+        m = await queue.get(no_ack=True)
+        assert m.correlation_id == "corr-0" and m.content_type == "application/json"
+        assert m.timestamp is None  # no occurred-at header in these envelopes
+        assert (await queue.get(no_ack=True)).message_id == batch[2].headers["message-id"]
+        assert await queue.get(no_ack=True, fail=False) is None
+    finally:
+        await broker.aclose()
+        await queue.delete(if_unused=False, if_empty=False)
+        await amqp_channel.exchange_delete(exchange)
+
+
+async def test_rabbitmq_group_queue_is_quorum_and_ordered_is_single_active_consumer(
+    rabbitmq_url: str, amqp_channel: Any
+) -> None:
+    """A group's queue is a durable quorum queue bound to its stream; ``ordered=True``
+    declares it single-active-consumer, and a queue that exists with other arguments
+    refuses the start naming the setting."""
+    import aiormq.exceptions
+
+    from fastapi_outbox.brokers.consumer import ConsumerConfig
+
+    exchange, stream = unique("rx"), unique("orders")
+    broker = RabbitMQBroker(rabbitmq_url, exchange=exchange)
+
+    def config(ordered: bool) -> ConsumerConfig:
+        return ConsumerConfig(
+            stream=stream,
+            group="billing",
+            consumer_name="c1",
+            dead_letter=f"{stream}.billing.dlq",
+            claim_idle_seconds=30,
+            max_attempts=3,
+            ordered=ordered,
+        )
+
+    try:
+        ordered = broker.consumer(config(ordered=True))
+        await ordered.setup()
+        await ordered.setup()  # idempotent
+        # Passive declares of what exists; a different argument is refused by RabbitMQ.
+        await amqp_channel.declare_queue(f"{stream}.billing", passive=True)
+        await amqp_channel.declare_queue(f"{stream}.billing.dlq", passive=True)
+        with pytest.raises(aiormq.exceptions.ChannelPreconditionFailed):
+            await amqp_channel.declare_queue(
+                f"{stream}.billing",
+                durable=True,
+                arguments={"x-queue-type": "quorum", "x-single-active-consumer": False},
+            )
+        unordered = broker.consumer(config(ordered=False))
+        with pytest.raises(exceptions.ConfigurationError, match="single-active-consumer"):
+            await unordered.setup()
+        assert await broker.publish([envelope(stream, 0)]) == [None]  # bound: routable
+        assert (await ordered.lag()).lag == 1
+    finally:
+        await broker.aclose()
+        import aio_pika
+
+        conn = await aio_pika.connect(rabbitmq_url)
+        channel = await conn.channel()
+        for name in (f"{stream}.billing", f"{stream}.billing.dlq"):
+            await channel.queue_delete(name)
+        await channel.exchange_delete(exchange)
+        await conn.close()

@@ -37,8 +37,9 @@ class RabbitMQBroker(RabbitMQPublisher):
         return RabbitMQConsumer(
             self.consumer_connection,
             config,
-            queue_template=self.queue_name,
+            queue_template=self.queue_prefix + self.queue_name,
             queue_arguments=self.queue_arguments,
+            dead_letter_queue=self.queue_prefix + config.dead_letter,
         )
 
     async def aclose(self) -> None:

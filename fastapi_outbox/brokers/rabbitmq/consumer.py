@@ -97,10 +97,14 @@ class RabbitMQConsumer:
         *,
         queue_template: str,
         queue_arguments: dict[str, Any] | None = None,
+        dead_letter_queue: str | None = None,
     ) -> None:
         self.connection = connection
         self.config = config
         self.queue = queue_name(queue_template, config.stream, config.group)
+        #: The dead-letter queue: the subscriber's dead-letter name (with the broker's
+        #: queue prefix).
+        self.dead_letter_queue = dead_letter_queue or config.dead_letter
         self.queue_arguments = dict(queue_arguments or {})
         self.prefetch = config.prefetch or DEFAULT_PREFETCH
         self._channel: Any = None  # the aio-pika channel consumed on
@@ -165,7 +169,7 @@ class RabbitMQConsumer:
             await self._declare(channel)
         async with self._temporary() as channel:
             await channel.declare_queue(
-                self.config.dead_letter, durable=True, arguments={"x-queue-type": "classic"}
+                self.dead_letter_queue, durable=True, arguments={"x-queue-type": "classic"}
             )
 
     # -- consuming ---------------------------------------------------------------------------
@@ -376,7 +380,7 @@ class RabbitMQConsumer:
         )
         await self.connection.publish_confirmed(
             delivery.payload,
-            routing_key=self.config.dead_letter,
+            routing_key=self.dead_letter_queue,
             properties=properties,
             exchange="",
         )
@@ -388,7 +392,7 @@ class RabbitMQConsumer:
         import aiormq.exceptions
 
         try:
-            queue = await channel.declare_queue(self.config.dead_letter, passive=True)
+            queue = await channel.declare_queue(self.dead_letter_queue, passive=True)
         except aiormq.exceptions.ChannelNotFoundEntity:
             return []
         out: list[Any] = []
@@ -431,7 +435,7 @@ class RabbitMQConsumer:
                 return sum(self._mine(m) for m in await self._browse(channel, DEAD_LETTER_SCAN))
         async with self._temporary() as channel:
             try:
-                queue = await channel.declare_queue(self.config.dead_letter, passive=True)
+                queue = await channel.declare_queue(self.dead_letter_queue, passive=True)
             except aiormq.exceptions.ChannelNotFoundEntity:
                 return 0
             return int(queue.declaration_result.message_count or 0)

@@ -66,11 +66,14 @@ class RabbitMQPublisher:
         confirm_timeout_seconds: float = CONFIRM_TIMEOUT_SECONDS,
         connect_timeout_seconds: float = CONNECT_TIMEOUT_SECONDS,
         queue_arguments: dict[str, Any] | None = None,
+        queue_prefix: str = "",
     ) -> None:
         """``exchange``: the durable topic exchange (created when missing);
         ``queue_name``: the quorum queue of a subscriber group, ``{stream}`` and
-        ``{group}`` filled in; ``queue_arguments``: extra arguments of the queues the
-        consumers declare (``x-max-length``, ``x-expires``…)."""
+        ``{group}`` filled in; ``queue_prefix``: before the name of every queue the
+        consumers declare, their dead-letter queues included (services or tests sharing a
+        virtual host); ``queue_arguments``: extra arguments of the groups' queues
+        (``x-max-length``, ``x-expires``…)."""
         if not exchange:
             raise exceptions.ConfigurationError(
                 "RabbitMQBroker: exchange must be a name (the default exchange routes by "
@@ -92,6 +95,7 @@ class RabbitMQPublisher:
         self.exchange = exchange
         self.queue_name = queue_name
         self.queue_arguments = dict(queue_arguments or {})
+        self.queue_prefix = queue_prefix
         self.confirm_timeout_seconds = confirm_timeout_seconds
         self.connection = RabbitMQConnection(
             url,
