@@ -1,12 +1,13 @@
 """RabbitMQ faults on a private node (one node for the module, never the shared one): the
 node killed and restarted mid-run, a memory alarm raised then cleared, the group's queue
-deleted under its running consumer. Producers commit all along; at the end every committed
-message had its effect exactly once (effect rows counted per message id), nothing is
-abandoned and nothing is dead-lettered.
+deleted under its running consumer, the network cut through a proxy. Producers commit all
+along; at the end every committed message had its effect exactly once (effect rows counted
+per message id), nothing is abandoned and nothing is dead-lettered.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -19,7 +20,7 @@ from fastapi_outbox import Message, Outbox, OutboxSettings, UnitOfWork, exceptio
 from fastapi_outbox.brokers import RabbitMQBroker
 from tests.acceptance.conftest import produce, wait_drained
 from tests.conftest import unique, wait_until
-from tests.servers import PrivateRabbitMQ
+from tests.servers import PrivateRabbitMQ, TcpProxy
 
 pytestmark = [pytest.mark.slow, pytest.mark.rabbitmq, pytest.mark.postgres]
 
@@ -60,10 +61,16 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateRabbitMQ]:
 
 @pytest.fixture
 async def app(pg_url: str, node: PrivateRabbitMQ) -> AsyncIterator[tuple[Outbox, str]]:
-    """An outbox on the private node, a subscriber (group ``billing``) writing one effect
-    row per message in its transaction; yields (outbox, stream)."""
+    async with service(pg_url, node.url) as made:
+        yield made
+
+
+@contextlib.asynccontextmanager
+async def service(pg_url: str, url: str) -> AsyncIterator[tuple[Outbox, str]]:
+    """An outbox on RabbitMQ at ``url``, a subscriber (group ``billing``) writing one
+    effect row per message in its transaction; yields (outbox, stream)."""
     stream = unique("orders")
-    broker = RabbitMQBroker(node.url, exchange=unique("faults"), confirm_timeout_seconds=2)
+    broker = RabbitMQBroker(url, exchange=unique("faults"), confirm_timeout_seconds=2)
     outbox = Outbox(pg_url, brokers={"default": broker}, settings=OutboxSettings(**SETTINGS))
     async with outbox.engine.begin() as conn:
         await conn.run_sync(effects_md.create_all)
@@ -183,3 +190,30 @@ async def test_queue_deleted_under_a_running_consumer(
         committed += await produce(outbox, stream, 60, pause=0.01)
         await all_handled(outbox, committed)
         await exactly_once(outbox, committed)
+
+
+async def test_network_cut_through_a_proxy(pg_url: str, node: PrivateRabbitMQ) -> None:
+    """Every connection through the proxy cut (and new ones refused) mid-run, then the
+    network back: the relay and the consumer reconnect by themselves."""
+    proxy = TcpProxy(node.port)
+    await proxy.start()
+    try:
+        async with (
+            service(pg_url, f"amqp://guest:guest@127.0.0.1:{proxy.port}/") as (
+                outbox,
+                stream,
+            ),
+            outbox.dispatcher(),
+        ):
+            committed = await produce(outbox, stream, 30)
+            await wait_until(lambda: outbox.subscribers[0].stats.handled >= 5, timeout=20)
+            await proxy.stop()
+            committed += await produce(outbox, stream, 30)
+            processor = outbox.processors["default"]
+            await wait_until(lambda: not processor.broker_ok, timeout=20)
+            await proxy.start()
+            committed += await produce(outbox, stream, 30)
+            await all_handled(outbox, committed)
+            await exactly_once(outbox, committed)
+    finally:
+        await proxy.stop()
