@@ -116,6 +116,8 @@ class RabbitMQConsumer:
         #: entry id -> (delivery, when last fetched or touched): held, not yet settled.
         self._unsettled: dict[str, tuple[Delivery, float]] = {}
         self._retries: dict[str, asyncio.TimerHandle] = {}
+        #: Tags of this channel whose nack is on its way (a task of ``_settle``).
+        self._settling: set[int] = set()
         self._last_sweep = time.monotonic()
 
     def __repr__(self) -> str:
@@ -167,6 +169,10 @@ class RabbitMQConsumer:
         await self.connection.connect()
         async with self._temporary() as channel:
             await self._declare(channel)
+        await self._declare_dead_letter()
+
+    async def _declare_dead_letter(self) -> None:
+        """The dead-letter queue: durable, classic (browsing it counts no deliveries)."""
         async with self._temporary() as channel:
             await channel.declare_queue(
                 self.dead_letter_queue, durable=True, arguments={"x-queue-type": "classic"}
@@ -215,6 +221,7 @@ class RabbitMQConsumer:
         for handle in self._retries.values():
             handle.cancel()
         self._retries.clear()
+        self._settling = set()
         self._buffer = asyncio.Queue()
         if channel is not None:
             with contextlib.suppress(Exception):
@@ -305,8 +312,16 @@ class RabbitMQConsumer:
         amqp, tag, _ = d.handle
         if amqp is not self._amqp or amqp.is_closed:
             return
+        # Until its frame is written, no ``multiple`` ack may cover it (see ``ack``).
+        settling = self._settling
+        settling.add(tag)
         task = asyncio.ensure_future(getattr(amqp, method)(tag, wait=False, **kwargs))
-        task.add_done_callback(_quiet)
+
+        def done(task: asyncio.Future[Any]) -> None:
+            settling.discard(tag)
+            _quiet(task)
+
+        task.add_done_callback(done)
 
     async def _settle_now(self, deliveries: Sequence[Delivery], method: str, **kw: Any) -> None:
         error: BaseException | None = None
@@ -323,7 +338,44 @@ class RabbitMQConsumer:
             raise self.connection.unavailable(error) from error
 
     async def ack(self, deliveries: Sequence[Delivery]) -> None:
+        amqp = self._amqp
+        if len(deliveries) > 1 and amqp is not None and not amqp.is_closed:
+            top = self._covering_tag(deliveries, amqp)
+            if top is not None:
+                # One ``basic.ack`` with ``multiple`` for the whole batch: no delivery of
+                # this channel up to its last tag is held by anyone else.
+                for d in deliveries:
+                    self._unsettled.pop(d.entry_id, None)
+                try:
+                    await amqp.basic_ack(top, multiple=True, wait=False)
+                except Exception as exc:
+                    raise self.connection.unavailable(exc) from exc
+                return
         await self._settle_now(deliveries, "basic_ack")
+
+    def _covering_tag(self, deliveries: Sequence[Delivery], amqp: Any) -> int | None:
+        """The highest tag of ``deliveries`` when they are all of channel ``amqp`` and
+        every other delivery this consumer holds on it (fetched and unsettled, or waiting
+        for its retry) has a higher tag — deliveries still in the buffer came after all
+        fetched ones — else None."""
+        mine = set()
+        top = 0
+        for d in deliveries:
+            channel, tag, _ = d.handle
+            if channel is not amqp:
+                return None
+            mine.add(d.entry_id)
+            top = max(top, tag)
+        for entry_id, (d, _) in self._unsettled.items():
+            if entry_id not in mine and d.handle[1] <= top:
+                return None
+        if any(tag <= top for tag in self._settling):
+            return None
+        prefix = f"{self._epoch}."
+        for entry_id in self._retries:
+            if entry_id.startswith(prefix) and int(entry_id[len(prefix) :]) <= top:
+                return None
+        return top
 
     async def ack_soon(self, deliveries: Sequence[Delivery]) -> None:
         await self.ack(deliveries)
@@ -378,12 +430,23 @@ class RabbitMQConsumer:
             timestamp=original.timestamp,
             correlation_id=original.correlation_id,
         )
-        await self.connection.publish_confirmed(
-            delivery.payload,
-            routing_key=self.dead_letter_queue,
-            properties=properties,
-            exchange="",
-        )
+        try:
+            await self.connection.publish_confirmed(
+                delivery.payload,
+                routing_key=self.dead_letter_queue,
+                properties=properties,
+                exchange="",
+            )
+        except exceptions.MessageRejected:
+            # Returned: the dead-letter queue is gone (deleted by hand): declared again,
+            # then the letter goes once more.
+            await self._declare_dead_letter()
+            await self.connection.publish_confirmed(
+                delivery.payload,
+                routing_key=self.dead_letter_queue,
+                properties=properties,
+                exchange="",
+            )
         await self.ack([delivery])
 
     async def _browse(self, channel: Any, limit: int) -> list[Any]:
