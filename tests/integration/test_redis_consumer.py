@@ -104,7 +104,7 @@ async def test_ack_soon_during_a_blocked_read_goes_at_once(setup: Any) -> None:
     got = await fetched(client, consumer, stream, 2)
     async with anyio.create_task_group() as tg:
         tg.start_soon(consumer.fetch, 10, 3.0)  # blocks: nothing new
-        await wait_until(lambda: consumer._blocked, timeout=5)
+        await wait_until(lambda: consumer.ack_soon_sends_at_once, timeout=5)
         await consumer.ack_soon(got)
         assert await pending(client, stream) == 0  # not held until the read ends
         await add(client, stream, 1)  # ends the blocked read

@@ -32,13 +32,8 @@ from typing import Any, Self
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.brokers.base import PublishResults, redact_url
-from fastapi_outbox.brokers.rabbitmq.connection import (
-    CONFIRM_TIMEOUT_SECONDS,
-    CONNECT_TIMEOUT_SECONDS,
-    RabbitMQConnection,
-)
+from fastapi_outbox.brokers.rabbitmq.connection import RabbitMQConnection
 from fastapi_outbox.brokers.rabbitmq.wire import (
-    QUEUE_TEMPLATE,
     header_problem,
     message_headers,
     outage,
@@ -57,53 +52,12 @@ PERSISTENT = 2
 class RabbitMQPublisher:
     """Publishes to RabbitMQ (aio-pika / aiormq) with publisher confirms."""
 
-    def __init__(
-        self,
-        url: str = DEFAULT_URL,
-        *,
-        exchange: str = DEFAULT_EXCHANGE,
-        queue_name: str = QUEUE_TEMPLATE,
-        confirm_timeout_seconds: float = CONFIRM_TIMEOUT_SECONDS,
-        connect_timeout_seconds: float = CONNECT_TIMEOUT_SECONDS,
-        queue_arguments: dict[str, Any] | None = None,
-        queue_prefix: str = "",
-    ) -> None:
-        """``exchange``: the durable topic exchange (created when missing);
-        ``queue_name``: the quorum queue of a subscriber group, ``{stream}`` and
-        ``{group}`` filled in; ``queue_prefix``: before the name of every queue the
-        consumers declare, their dead-letter queues included (services or tests sharing a
-        virtual host); ``queue_arguments``: extra arguments of the groups' queues
-        (``x-max-length``, ``x-expires``…)."""
-        if not exchange:
-            raise exceptions.ConfigurationError(
-                "RabbitMQBroker: exchange must be a name (the default exchange routes by "
-                "queue name, not by stream)"
-            )
-        for option, value in (
-            ("confirm_timeout_seconds", confirm_timeout_seconds),
-            ("connect_timeout_seconds", connect_timeout_seconds),
-        ):
-            if value <= 0:
-                raise exceptions.ConfigurationError(
-                    f"RabbitMQBroker: {option} must be > 0, got {value!r}"
-                )
-        if "{stream}" not in queue_name or "{group}" not in queue_name:
-            raise exceptions.ConfigurationError(
-                f"RabbitMQBroker: queue_name {queue_name!r} must contain {{stream}} and {{group}}"
-            )
-        self.url = url
-        self.exchange = exchange
-        self.queue_name = queue_name
-        self.queue_arguments = dict(queue_arguments or {})
-        self.queue_prefix = queue_prefix
-        self.confirm_timeout_seconds = confirm_timeout_seconds
-        self.connection = RabbitMQConnection(
-            url,
-            exchange=exchange,
-            connect_timeout_seconds=connect_timeout_seconds,
-            confirm_timeout_seconds=confirm_timeout_seconds,
-            name="fastapi-outbox publisher",
-        )
+    def __init__(self, connection: RabbitMQConnection) -> None:
+        """Publishes on ``connection`` (its exchange, its confirm timeout)."""
+        self.connection = connection
+        self.url = connection.url
+        self.exchange = connection.exchange
+        self.confirm_timeout_seconds = connection.confirm_timeout_seconds
 
     def __repr__(self) -> str:
         return f"RabbitMQBroker({redact_url(self.url)!r}, exchange={self.exchange!r})"
