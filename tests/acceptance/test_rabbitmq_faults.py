@@ -217,3 +217,31 @@ async def test_network_cut_through_a_proxy(pg_url: str, node: PrivateRabbitMQ) -
             await exactly_once(outbox, committed)
     finally:
         await proxy.stop()
+
+
+async def test_broker_down_at_start_gets_the_groups_before_the_first_publish(
+    pg_url: str, node: PrivateRabbitMQ
+) -> None:
+    """RabbitMQ does not answer when the app starts (the proxy is not listening yet): the
+    app starts, commits wait, and once the broker answers the group's queue is declared
+    before anything is published — no message comes back unroutable (every row published
+    on its first attempt) and every one is handled once."""
+    proxy = TcpProxy(node.port)  # not started: nothing listens on its port yet
+    try:
+        async with (
+            service(pg_url, f"amqp://guest:guest@127.0.0.1:{proxy.port}/") as (outbox, stream),
+            outbox.dispatcher(),
+        ):
+            committed = await produce(outbox, stream, 20)
+            assert outbox.subscribers[0].stats.handled == 0
+            await proxy.start()
+            committed += await produce(outbox, stream, 20)
+            await all_handled(outbox, committed)
+            await exactly_once(outbox, committed)
+            async with outbox.engine.connect() as conn:
+                attempts = (
+                    await conn.exec_driver_sql(f"SELECT max(attempts) FROM {outbox.table.name}")
+                ).scalar_one()
+            assert attempts == 1  # refused while down (refunded), never unroutable
+    finally:
+        await proxy.stop()

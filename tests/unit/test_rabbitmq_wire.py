@@ -95,3 +95,39 @@ def test_a_blocked_connection_is_a_refusal_whatever_the_error() -> None:
 
 def test_a_fault_of_one_message_is_not_an_outage() -> None:
     assert outage(ValueError("bad header value"), URL) is None
+
+
+def test_publisher_and_consumers_have_a_connection_each() -> None:
+    """RabbitMQ blocks a connection that publishes during an alarm: the consumers (acks,
+    dead letters) use a connection of their own, to the same server and exchange."""
+    from fastapi_outbox.brokers import RabbitMQBroker
+    from fastapi_outbox.brokers.consumer import ConsumerConfig
+
+    broker = RabbitMQBroker(URL, exchange="events", queue_prefix="svc.")
+    consumer = broker.consumer(
+        ConsumerConfig("orders", "billing", "c1", "orders.billing.dlq", 30.0, 5)
+    )
+    assert consumer.connection is broker.consumer_connection
+    assert consumer.connection is not broker.connection
+    assert consumer.connection.url == broker.connection.url == URL
+    assert consumer.connection.exchange == "events"
+    assert (consumer.queue, consumer.dead_letter_queue) == (
+        "svc.orders.billing",
+        "svc.orders.billing.dlq",
+    )
+    assert "secret" not in repr(broker) and "secret" not in repr(broker.connection)
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"exchange": ""}, "exchange"),
+        ({"queue_name": "{stream}"}, "queue_name"),
+        ({"confirm_timeout_seconds": 0}, "confirm_timeout_seconds"),
+    ],
+)
+def test_options_are_checked(options: dict[str, object], named: str) -> None:
+    from fastapi_outbox.brokers import RabbitMQBroker
+
+    with pytest.raises(exceptions.ConfigurationError, match=named):
+        RabbitMQBroker(URL, **options)  # type: ignore[arg-type]
