@@ -396,6 +396,8 @@ class PrivateRabbitMQ:
             "RABBITMQ_PID_FILE": str(directory / "pid"),
             "RABBITMQ_CONFIG_FILE": str(directory / "rabbitmq"),
             "RABBITMQ_ADVANCED_CONFIG_FILE": str(directory / "advanced.config"),
+            # A node that fails to boot writes its crash dump here, not into the cwd.
+            "ERL_CRASH_DUMP": str(directory / "erl_crash.dump"),
         }
 
     @property
