@@ -18,6 +18,7 @@ from fastapi_outbox.brokers.nats.wire import (
     decode_message,
     exceeds_max_payload,
     header_block,
+    hpub_command,
     invalid_subject,
     is_unreachable,
     publish_headers,
@@ -140,3 +141,11 @@ def test_unreachable_is_told_per_kind_of_call() -> None:
     # "No responders" to a publish is refusal_reason's to tell (stream known or not).
     assert not is_unreachable(nats.errors.NoRespondersError(), request=False)
     assert not is_unreachable(nats.js.errors.APIError(code=400, description="bad"))
+
+
+def test_hpub_command_counts_header_and_total_bytes() -> None:
+    command = hpub_command("orders", "_INBOX.x.1", {"type": "T"}, b'{"n":1}')
+    block = b"NATS/1.0\r\ntype: T\r\n\r\n"
+    assert command == (
+        b"HPUB orders _INBOX.x.1 %d %d\r\n" % (len(block), len(block) + 7) + block + b'{"n":1}\r\n'
+    )

@@ -239,6 +239,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "decode_message",
         "exceeds_max_payload",
         "header_block",
+        "hpub_command",
         "invalid_subject",
         "is_unreachable",
         "publish_headers",

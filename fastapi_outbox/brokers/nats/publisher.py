@@ -32,7 +32,7 @@ from fastapi_outbox.brokers.nats.connection import NatsConnection
 from fastapi_outbox.brokers.nats.wire import (
     ack_error,
     exceeds_max_payload,
-    header_block,
+    hpub_command,
     invalid_subject,
     is_unreachable,
     publish_headers,
@@ -241,18 +241,7 @@ class NatsJetStreamPublisher:
                 if raw is None:
                     await nc_publish(e.stream, e.payload, reply=reply, headers=headers)
                 else:
-                    block = header_block(headers)
-                    await raw[0](
-                        b"HPUB %b %b %d %d\r\n%b%b\r\n"
-                        % (
-                            e.stream.encode(),
-                            reply.encode(),
-                            len(block),
-                            len(block) + len(e.payload),
-                            block,
-                            e.payload,
-                        )
-                    )
+                    await raw[0](hpub_command(e.stream, reply, headers, e.payload))
             except Exception as exc:
                 if is_unreachable(exc, request=False):
                     raise connection.unavailable(exc) from exc

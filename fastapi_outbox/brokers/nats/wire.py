@@ -22,6 +22,7 @@ __all__ = [
     "decode_message",
     "exceeds_max_payload",
     "header_block",
+    "hpub_command",
     "invalid_subject",
     "is_unreachable",
     "publish_headers",
@@ -155,6 +156,20 @@ def header_block(headers: dict[str, str]) -> bytes:
         lines.append(f"{name}: {value.strip().translate(_VALUE_NEWLINES)}\r\n")
     lines.append("\r\n")
     return "".join(lines).encode()
+
+
+def hpub_command(subject: str, reply: str, headers: dict[str, str], payload: bytes) -> bytes:
+    """The ``HPUB`` protocol command publishing ``payload`` with ``headers`` (see
+    :func:`header_block`) on ``subject``, its JetStream ack asked on ``reply``."""
+    block = header_block(headers)
+    return b"HPUB %b %b %d %d\r\n%b%b\r\n" % (
+        subject.encode(),
+        reply.encode(),
+        len(block),
+        len(block) + len(payload),
+        block,
+        payload,
+    )
 
 
 def exceeds_max_payload(e: Envelope, headers: dict[str, str], limit: int) -> bool:
