@@ -146,6 +146,8 @@ async def rabbit_queues(url: str, stream: str, *, delete: bool = False) -> None:
     ``stream`` on the library's default exchange; or, ``delete``, gone."""
     import aio_pika
 
+    from fastapi_outbox.brokers.rabbitmq.consumer import DELIVERY_LIMIT
+
     conn = await aio_pika.connect(url)
     try:
         channel = await conn.channel()
@@ -154,7 +156,9 @@ async def rabbit_queues(url: str, stream: str, *, delete: bool = False) -> None:
                 await channel.queue_delete(name)
             elif not name.endswith(".dlq"):
                 queue = await channel.declare_queue(
-                    name, durable=True, arguments={"x-queue-type": "quorum"}
+                    name,
+                    durable=True,
+                    arguments={"x-queue-type": "quorum", "x-delivery-limit": DELIVERY_LIMIT},
                 )
                 await queue.bind("outbox", routing_key=stream)
     finally:

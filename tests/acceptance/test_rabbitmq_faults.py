@@ -18,6 +18,7 @@ from sqlalchemy import Column, Integer, MetaData, String, Table, func, insert, s
 
 from fastapi_outbox import Message, Outbox, OutboxSettings, UnitOfWork, exceptions
 from fastapi_outbox.brokers import RabbitMQBroker
+from fastapi_outbox.ops.health import compute_health
 from tests.acceptance.conftest import produce, wait_drained
 from tests.conftest import unique, wait_until
 from tests.servers import PrivateRabbitMQ, TcpProxy
@@ -156,6 +157,8 @@ async def test_memory_alarm_raised_then_cleared(
             assert "alarm" in (processor.last_error or ""), processor.last_error
             with pytest.raises(exceptions.BrokerRefusing):
                 await broker.ping()
+            health = await compute_health(outbox)
+            assert health.status == "degraded", health
             assert await outbox.store.count("abandoned") == 0
             assert await outbox.store.count("failed") == 0
         finally:

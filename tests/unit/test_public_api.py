@@ -275,6 +275,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "DEAD_LETTER_ID",
         "DEAD_LETTER_SCAN",
         "DEFAULT_PREFETCH",
+        "DELIVERY_LIMIT",
         "RabbitMQConsumer",
     },
     "fastapi_outbox.brokers.rabbitmq.publisher": {

@@ -56,7 +56,13 @@ from fastapi_outbox.brokers.rabbitmq.wire import (
 )
 from fastapi_outbox.events import HEADER_MESSAGE_ID, uuid7
 
-__all__ = ["DEAD_LETTER_ID", "DEAD_LETTER_SCAN", "DEFAULT_PREFETCH", "RabbitMQConsumer"]
+__all__ = [
+    "DEAD_LETTER_ID",
+    "DEAD_LETTER_SCAN",
+    "DEFAULT_PREFETCH",
+    "DELIVERY_LIMIT",
+    "RabbitMQConsumer",
+]
 
 logger = logging.getLogger("fastapi_outbox.brokers.rabbitmq")
 
@@ -64,6 +70,11 @@ logger = logging.getLogger("fastapi_outbox.brokers.rabbitmq")
 DEAD_LETTER_SCAN = 1_000
 #: Header naming a dead letter (its entry id for listing and replay).
 DEAD_LETTER_ID = "dead-letter-id"
+#: The quorum queue's own delivery limit, set far above any ``max_attempts``: the
+#: subscriber counts the attempts and dead-letters with the error, and a message whose
+#: dead-lettering keeps failing stays queued. (RabbitMQ 4 drops a message past its default
+#: limit of 20 when no dead-letter exchange is set.)
+DELIVERY_LIMIT = 1_000_000
 #: Prefetch of a consumer whose subscriber did not say.
 DEFAULT_PREFETCH = 100
 API_TIMEOUT_SECONDS = 5.0
@@ -126,7 +137,11 @@ class RabbitMQConsumer:
     # -- declaring ---------------------------------------------------------------------------
 
     def _arguments(self) -> dict[str, Any]:
-        arguments: dict[str, Any] = {"x-queue-type": "quorum", **self.queue_arguments}
+        arguments: dict[str, Any] = {
+            "x-queue-type": "quorum",
+            "x-delivery-limit": DELIVERY_LIMIT,
+            **self.queue_arguments,
+        }
         if self.config.ordered:
             arguments["x-single-active-consumer"] = True
         return arguments
