@@ -774,3 +774,63 @@ async def test_rabbitmq_group_queue_is_quorum_and_ordered_is_single_active_consu
             await channel.queue_delete(name)
         await channel.exchange_delete(exchange)
         await conn.close()
+
+
+async def test_rabbitmq_ordered_group_has_one_active_consumer_across_processes(
+    rabbitmq_url: str,
+) -> None:
+    """``ordered=True``: two consumers of the group (two processes) — only the first gets
+    deliveries, in stream order; when it goes away, its unacknowledged delivery and the
+    rest go to the second, still in order."""
+    from fastapi_outbox.brokers.consumer import ConsumerConfig
+
+    exchange, stream = unique("rx"), unique("orders")
+    config = ConsumerConfig(
+        stream=stream,
+        group="billing",
+        consumer_name="c",
+        dead_letter=f"{stream}.billing.dlq",
+        claim_idle_seconds=30,
+        max_attempts=3,
+        ordered=True,
+        prefetch=10,
+    )
+    first_broker = RabbitMQBroker(rabbitmq_url, exchange=exchange)
+    second_broker = RabbitMQBroker(rabbitmq_url, exchange=exchange)
+    first, second = first_broker.consumer(config), second_broker.consumer(config)
+    try:
+        await first.setup()
+        assert await first.fetch(1, 0.2) == []  # consuming, first in line
+        assert await second.fetch(1, 0.2) == []
+        batch = [envelope(stream, n, key="k") for n in range(4)]
+        assert await first_broker.publish(batch) == [None] * 4
+        got = []
+        for _ in range(20):
+            got += await first.fetch(4 - len(got), 0.5)
+            if len(got) >= 4:
+                break
+        assert [d.message_id for d in got] == [e.id for e in batch]
+        assert await second.fetch(4, 0.5) == []  # not the active consumer
+        await first.ack(got[:2])
+        await first.aclose()  # the process goes away: the rest move to the second
+        moved = []
+        for _ in range(20):
+            moved += await second.fetch(2 - len(moved), 0.5)
+            if len(moved) >= 2:
+                break
+        assert [d.message_id for d in moved] == [e.id for e in batch[2:]]
+        assert [d.attempt for d in moved] == [2, 2]  # the first delivery counted
+        await second.ack(moved)
+    finally:
+        await first.aclose()
+        await second.aclose()
+        await first_broker.aclose()
+        await second_broker.aclose()
+        import aio_pika
+
+        conn = await aio_pika.connect(rabbitmq_url)
+        channel = await conn.channel()
+        for name in (f"{stream}.billing", f"{stream}.billing.dlq"):
+            await channel.queue_delete(name)
+        await channel.exchange_delete(exchange)
+        await conn.close()
