@@ -690,13 +690,16 @@ async def amqp_channel(rabbitmq_url: str) -> AsyncIterator[Any]:
         await conn.close()
 
 
+@pytest.mark.parametrize("batch_frames", [True, False], ids=["one write", "per message"])
 async def test_rabbitmq_unroutable_message_fails_with_a_clear_error(
-    rabbitmq_url: str, amqp_channel: Any
+    rabbitmq_url: str, amqp_channel: Any, batch_frames: bool
 ) -> None:
     """``mandatory``: a message no queue is bound to is returned, and fails by itself
-    with the stream named, never silently dropped; the routed ones of its batch go."""
+    with the stream named, never silently dropped; the routed ones of its batch go — the
+    batch written as one buffer or published message by message."""
     exchange, routed, unbound = unique("rx"), unique("routed"), unique("unbound")
     broker = RabbitMQBroker(rabbitmq_url, exchange=exchange)
+    broker.batch_frames = batch_frames
     await broker.connect()
     queue = await amqp_channel.declare_queue(unique("rq"), durable=True)
     await queue.bind(exchange, routing_key=routed)

@@ -2,7 +2,8 @@
 confirms; the stream is the routing key.
 
 A batch goes out on one confirm channel (a pool serves concurrent workers), each message
-``mandatory``, and the call returns once RabbitMQ confirmed every message (so the relay
+``mandatory``, its frames written as one buffer (half the client CPU of a ``basic_publish``
+task per message), and the call returns once RabbitMQ confirmed every message (so the relay
 marks nothing RabbitMQ has not taken responsibility for). Per message:
 
 * confirmed → published;
@@ -58,6 +59,9 @@ class RabbitMQPublisher:
         self.url = connection.url
         self.exchange = connection.exchange
         self.confirm_timeout_seconds = connection.confirm_timeout_seconds
+        #: Write a batch's frames as one buffer (:func:`_write_batch`); False, or an aiormq
+        #: whose channel lacks what that needs: ``basic_publish`` per message.
+        self.batch_frames = True
 
     def __repr__(self) -> str:
         return f"RabbitMQBroker({redact_url(self.url)!r}, exchange={self.exchange!r})"
@@ -87,9 +91,9 @@ class RabbitMQPublisher:
         results: PublishResults = [None] * len(batch)
         tasks: dict[int, asyncio.Future[Any]] = {}
         async with conn.confirming() as channel:
-            publish = channel.basic_publish
             exchange = self.exchange
             try:
+                messages: list[tuple[int, bytes, str, Any]] = []
                 for i, e in enumerate(batch):
                     headers, props = message_headers(e)
                     problem = header_problem(headers, e.stream)
@@ -104,19 +108,23 @@ class RabbitMQPublisher:
                         headers=headers,
                         **props,
                     )
+                    messages.append((i, e.payload, e.stream, properties))
+                if self.batch_frames and _can_write_frames(channel):
+                    tasks = await _write_batch(channel, exchange, messages)
+                else:
                     # A task each, started in order: each writes its frames at once (the
-                    # channel's lock is free) and then waits for its confirm, so the batch
-                    # goes out in one run and its confirms are awaited together.
-                    tasks[i] = asyncio.ensure_future(
-                        publish(
-                            e.payload,
-                            exchange=exchange,
-                            routing_key=e.stream,
-                            properties=properties,
-                            mandatory=True,
-                            wait=False,
+                    # channel's lock is free) and then waits for its confirm.
+                    for i, payload, stream, properties in messages:
+                        tasks[i] = asyncio.ensure_future(
+                            channel.basic_publish(
+                                payload,
+                                exchange=exchange,
+                                routing_key=stream,
+                                properties=properties,
+                                mandatory=True,
+                                wait=False,
+                            )
                         )
-                    )
                 if not tasks:
                     return results
                 done, pending = await asyncio.wait(
@@ -148,10 +156,16 @@ class RabbitMQPublisher:
                         f"{self.confirm_timeout_seconds:g}s"
                     )
                     continue
+                if task.cancelled():  # the channel went away under it
+                    down = down or conn.unavailable(None)
+                    continue
                 error = task.exception()
                 if error is None:
                     continue
                 e = batch[i]
+                if not isinstance(error, Exception):  # a CancelledError: the channel closed
+                    down = down or conn.unavailable(None)
+                    continue
                 if isinstance(error, aiormq.exceptions.PublishError):
                     results[i] = exceptions.MessageRejected(
                         f"no queue bound for stream {e.stream!r} on exchange {exchange!r}: "
@@ -190,3 +204,64 @@ async def _cancel(tasks: Any) -> None:
         task.cancel()
     with contextlib.suppress(BaseException):
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+#: What :func:`_write_batch` uses of an aiormq channel; a channel without any of them is
+#: published to message by message with ``basic_publish``.
+_CHANNEL_PARTS = (
+    "lock",
+    "delivery_tag",
+    "confirmations",
+    "message_id_delivery_tag",
+    "write_queue",
+    "create_future",
+    "_split_body",
+    "number",
+)
+
+
+def _can_write_frames(channel: Any) -> bool:
+    return all(hasattr(channel, part) for part in _CHANNEL_PARTS)
+
+
+async def _write_batch(
+    channel: Any, exchange: str, messages: list[tuple[int, bytes, str, Any]]
+) -> dict[int, asyncio.Future[Any]]:
+    """The whole batch as one write: each message's publish, header and body frames
+    appended to one buffer and a confirm future registered for each, as aiormq's
+    ``basic_publish`` does for one message (its delivery tag, its confirmation, its message
+    id for a return) — one frame marshalling call and one socket write for the batch
+    instead of a task, a lock round and a write per message. Returns index -> future,
+    which aiormq completes with the confirm, a ``PublishError`` (returned unroutable), a
+    ``DeliveryError`` (nacked) or the channel's close reason."""
+    from aiormq.abc import ChannelFrame
+    from pamqp.commands import Basic
+    from pamqp.header import ContentHeader
+
+    futures: dict[int, asyncio.Future[Any]] = {}
+    frames: list[Any] = []
+    by_message_id = channel.message_id_delivery_tag
+    async with channel.lock:
+        for i, payload, routing_key, properties in messages:
+            channel.delivery_tag += 1
+            tag = channel.delivery_tag
+            future = channel.create_future()
+            channel.confirmations[tag] = future
+            by_message_id[properties.message_id] = tag
+            future.add_done_callback(_forget(by_message_id, properties.message_id, tag))
+            frames.append(Basic.Publish(exchange=exchange, routing_key=routing_key, mandatory=True))
+            frames.append(ContentHeader(properties=properties, body_size=len(payload)))
+            frames.extend(channel._split_body(payload))
+            futures[i] = future
+        await channel.write_queue.put(
+            ChannelFrame.marshall(channel_number=channel.number, frames=frames)
+        )
+    return futures
+
+
+def _forget(by_message_id: dict[str, int], message_id: str, tag: int) -> Any:
+    def forget(_: asyncio.Future[Any]) -> None:
+        if by_message_id.get(message_id) == tag:
+            by_message_id.pop(message_id, None)
+
+    return forget
