@@ -21,7 +21,8 @@ DEFAULT_BROKER = "default"
 NO_BROKER = (
     "no broker to dispatch to: pass brokers={'default': RedisStreamsBroker(...)} to Outbox "
     "(MemoryBroker() for tests and the embedded default), --broker-url to "
-    "`fastapi-outbox dispatch`, or set OUTBOX_BROKER_URL (redis://, nats://, memory://); "
+    "`fastapi-outbox dispatch`, or set OUTBOX_BROKER_URL "
+    "(redis://, nats://, amqp://, memory://); "
     "an API-only process sets run_dispatchers=False"
 )
 

@@ -126,7 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
     _common(dispatch)
     dispatch.add_argument(
         "--broker-url",
-        help=f"broker of --url (redis://, nats://; else {BROKER_URL_ENV}); --app brings its own",
+        help=(
+            f"broker of --url (redis://, nats://, amqp://; else {BROKER_URL_ENV}); "
+            "--app brings its own"
+        ),
     )
     dispatch.add_argument(
         "--http",

@@ -292,6 +292,8 @@ class Subscriber:
             max_attempts=self.max_attempts,
             start=self.start,
             dead_letter_shared=self.dead_letter_shared,
+            ordered=self.ordered,
+            prefetch=self.concurrency * (self.batch_size if self.batch else 1),
         )
 
     def make_consumer(self) -> Consumer:

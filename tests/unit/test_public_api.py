@@ -21,7 +21,12 @@ from fastapi_outbox import (
     unit_of_work,
 )
 from fastapi_outbox import brokers as brokers_module
-from fastapi_outbox.brokers import MemoryBroker, NatsJetStreamBroker, RedisStreamsBroker
+from fastapi_outbox.brokers import (
+    MemoryBroker,
+    NatsJetStreamBroker,
+    RabbitMQBroker,
+    RedisStreamsBroker,
+)
 
 PACKAGE_DIR = Path(fastapi_outbox.__file__).parent
 
@@ -60,7 +65,7 @@ def test_design_names_are_importable() -> None:
     assert isinstance(Outbox, type) and isinstance(OutboxSettings, type)
     assert isinstance(UnitOfWork, type) and callable(unit_of_work)
     assert issubclass(Event, object) and isinstance(AggregateRoot, type)
-    assert {MemoryBroker, RedisStreamsBroker, NatsJetStreamBroker} <= {
+    assert {MemoryBroker, RedisStreamsBroker, NatsJetStreamBroker, RabbitMQBroker} <= {
         getattr(brokers_module, n) for n in brokers_module.__all__
     }
 
@@ -75,6 +80,7 @@ def test_all_is_exact_and_every_name_resolves() -> None:
         "MemoryBroker",
         "NatsJetStreamBroker",
         "PublishResults",
+        "RabbitMQBroker",
         "RedisStreamsBroker",
         "broker_from_url",
     }
@@ -247,6 +253,48 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "DEAD_LETTER_SCAN",
         "NatsJetStreamConsumer",
         "durable_name",
+    },
+    "fastapi_outbox.brokers.rabbitmq": {
+        "CONFIRM_TIMEOUT_SECONDS",
+        "CONNECT_TIMEOUT_SECONDS",
+        "DEFAULT_EXCHANGE",
+        "DEFAULT_URL",
+        "KEY_HEADER",
+        "QUEUE_TEMPLATE",
+        "RabbitMQBroker",
+        "RabbitMQConnection",
+        "outage",
+    },
+    "fastapi_outbox.brokers.rabbitmq.broker": {"RabbitMQBroker"},
+    "fastapi_outbox.brokers.rabbitmq.connection": {
+        "CONFIRM_TIMEOUT_SECONDS",
+        "CONNECT_TIMEOUT_SECONDS",
+        "RabbitMQConnection",
+    },
+    "fastapi_outbox.brokers.rabbitmq.consumer": {
+        "DEAD_LETTER_ID",
+        "DEAD_LETTER_SCAN",
+        "DEFAULT_PREFETCH",
+        "DELIVERY_LIMIT",
+        "RabbitMQConsumer",
+    },
+    "fastapi_outbox.brokers.rabbitmq.publisher": {
+        "DEFAULT_EXCHANGE",
+        "DEFAULT_URL",
+        "RabbitMQPublisher",
+    },
+    "fastapi_outbox.brokers.rabbitmq.wire": {
+        "BROKER_HEADERS",
+        "DELIVERY_COUNT_HEADER",
+        "KEY_HEADER",
+        "QUEUE_TEMPLATE",
+        "delivery_attempt",
+        "header_problem",
+        "message_headers",
+        "message_identity",
+        "outage",
+        "queue_name",
+        "user_headers",
     },
     "fastapi_outbox.brokers.redis": {
         "DEDUP_WINDOW_SECONDS",
