@@ -457,3 +457,98 @@ class PrivateRabbitMQ:
             check=True,
         )
         return done.stdout
+
+
+# -- a NATS JetStream cluster ---------------------------------------------------------------
+
+
+def free_ports(ports: range, count: int) -> list[int]:
+    """``count`` ports of ``ports`` nobody listens on; skips the test when there are fewer."""
+    found = [port for port in ports if not answers(port)][:count]
+    if len(found) < count:
+        pytest.skip(f"fewer than {count} free ports in {ports.start}-{ports.stop - 1}")
+    return found
+
+
+class PrivateNatsCluster:
+    """Three (``size``) nats-servers with JetStream forming one cluster (``--cluster_name``,
+    routes to each other) on loopback ports of their own, each on a store directory of its
+    own under ``directory``: never the shared server on 4222. ``kill(name)`` SIGKILLs one
+    node; ``start(name)`` starts it again on its data."""
+
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        size: int = 3,
+        ports: range = range(4330, 4360),
+        cluster_ports: range = range(6630, 6660),
+        name: str = "outbox_test",
+    ) -> None:
+        binary(NATS_SERVER)
+        self.name = name
+        self.directory = directory
+        client_ports = free_ports(ports, size)
+        route_ports = free_ports(cluster_ports, size)
+        self.nodes = [f"n{i}" for i in range(size)]
+        self.ports = dict(zip(self.nodes, client_ports, strict=True))
+        self.route_ports = dict(zip(self.nodes, route_ports, strict=True))
+        self.procs: dict[str, subprocess.Popen[bytes] | None] = dict.fromkeys(self.nodes)
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"nats://127.0.0.1:{self.ports[node]}" for node in self.nodes]
+
+    @property
+    def url(self) -> str:
+        """Every node's URL, comma-separated (what ``NatsJetStreamBroker`` takes)."""
+        return ",".join(self.urls)
+
+    def argv(self, node: str) -> list[str]:
+        routes = ",".join(
+            f"nats://127.0.0.1:{self.route_ports[other]}" for other in self.nodes if other != node
+        )
+        store = self.directory / node
+        store.mkdir(parents=True, exist_ok=True)
+        return [
+            NATS_SERVER,
+            *("-a", "127.0.0.1", "-p", str(self.ports[node]), "-n", node),
+            *("-js", "-sd", str(store)),
+            *("--cluster_name", self.name),
+            *("--cluster", f"nats://127.0.0.1:{self.route_ports[node]}"),
+            *("--routes", routes),
+        ]
+
+    def start(self, node: str | None = None, *, timeout: float = 15.0) -> None:
+        """Start ``node`` (every node when None); returns once each listens."""
+        for name in [node] if node is not None else self.nodes:
+            with (self.directory / f"{name}.log").open("ab") as log:
+                self.procs[name] = subprocess.Popen(
+                    self.argv(name),
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+        for name in [node] if node is not None else self.nodes:
+            deadline = time.monotonic() + timeout
+            while not answers(self.ports[name]):
+                proc = self.procs[name]
+                if (proc is not None and proc.poll() is not None) or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"nats node {name} did not start: "
+                        + (self.directory / f"{name}.log").read_text()[-2000:]
+                    )
+                time.sleep(0.05)
+
+    def kill(self, node: str) -> None:
+        """SIGKILL ``node``: no shutdown, no final flush."""
+        proc, self.procs[node] = self.procs[node], None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.kill()
+        proc.wait(10)
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            self.kill(node)

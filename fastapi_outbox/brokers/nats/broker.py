@@ -38,12 +38,17 @@ class NatsJetStreamBroker(NatsJetStreamPublisher):
         stream_max_bytes: int | None = STREAM_MAX_BYTES,
         dead_letter_max_age_seconds: float | None = None,
         dead_letter_max_bytes: int | None = None,
+        replicas: int = 1,
     ) -> None:
         """``stream_max_age_seconds`` / ``stream_max_bytes``: limits of the streams this
         broker creates (``None``: unlimited); ``stream_config``: any other
         ``StreamConfig`` field, which wins over both. The dead-letter streams the
         consumers create have no age or size limit (a dead letter waits for an operator)
-        unless ``dead_letter_max_age_seconds`` / ``dead_letter_max_bytes`` set one."""
+        unless ``dead_letter_max_age_seconds`` / ``dead_letter_max_bytes`` set one.
+        ``replicas``: the JetStream replicas (``num_replicas``, 1 to 5) of every stream
+        it creates, dead-letter streams included; on a cluster, 1 is logged as a warning
+        (a node lost is its streams lost until it returns). ``url`` may list several
+        servers, comma-separated: the client reconnects to any of them."""
         super().__init__(
             NatsConnection(
                 url,
@@ -57,6 +62,7 @@ class NatsJetStreamBroker(NatsJetStreamPublisher):
                 stream_max_bytes=stream_max_bytes,
                 dead_letter_max_age_seconds=dead_letter_max_age_seconds,
                 dead_letter_max_bytes=dead_letter_max_bytes,
+                replicas=replicas,
             )
         )
 

@@ -4,7 +4,8 @@ consumers share, and the streams both need to exist.
 It owns the client (made from the URL on ``connect``, bounded and reconnecting, or the
 caller's, which it never closes), the JetStream context, nats-py's command buffer (used by
 the publisher's ``HPUB`` batches and the consumer's acks), the JetStream streams found or
-created (``ensure_stream``, with the limits of the broker's options) and the translation
+created (``ensure_stream``, with the limits and replicas of the broker's options; a warning
+when a cluster gets single-replica streams) and the translation
 of a client failure into :class:`~fastapi_outbox.exceptions.BrokerUnavailable` /
 ``BrokerRefusing``. The publisher and the consumer each receive this object and never
 read each other (faststream's ``redis/configs/state.py`` is the example).
@@ -68,7 +69,12 @@ class NatsConnection:
         stream_max_bytes: int | None = STREAM_MAX_BYTES,
         dead_letter_max_age_seconds: float | None = None,
         dead_letter_max_bytes: int | None = None,
+        replicas: int = 1,
     ) -> None:
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or not 1 <= replicas <= 5:
+            raise exceptions.ConfigurationError(
+                f"NatsJetStreamBroker replicas must be an integer from 1 to 5, not {replicas!r}"
+            )
         for option, value in (
             ("stream_max_age_seconds", stream_max_age_seconds),
             ("stream_max_bytes", stream_max_bytes),
@@ -88,6 +94,7 @@ class NatsConnection:
         self.stream_max_bytes = stream_max_bytes
         self.dead_letter_max_age_seconds = dead_letter_max_age_seconds
         self.dead_letter_max_bytes = dead_letter_max_bytes
+        self.replicas = replicas
         self._window = dedup_window_seconds
         self._window_explicit = dedup_window_seconds is not None
         self._nc = client
@@ -120,8 +127,12 @@ class NatsConnection:
             self._window = dedup_window_seconds
 
     def new_stream_config(self, *, dead_letter: bool = False) -> dict[str, Any]:
-        """The ``StreamConfig`` fields of a stream this broker creates."""
-        config: dict[str, Any] = {"duplicate_window": self.dedup_window_seconds}
+        """The ``StreamConfig`` fields of a stream this broker creates (``num_replicas``:
+        the broker's ``replicas``, unless ``stream_config`` names it)."""
+        config: dict[str, Any] = {
+            "duplicate_window": self.dedup_window_seconds,
+            "num_replicas": self.replicas,
+        }
         if dead_letter:
             # Kept until replayed or removed, unless limits were asked for: the other
             # fields of ``stream_config`` (storage, replicas) apply, not its limits.
@@ -143,6 +154,16 @@ class NatsConnection:
         return {**config, **self.stream_config}
 
     # -- the client ----------------------------------------------------------------------
+
+    @property
+    def server_cluster(self) -> str | None:
+        """The name of the cluster the connected server reports (its ``INFO``), None when
+        it is a single server or before ``connect``."""
+        info = getattr(self._nc, "_server_info", None) if self._nc is not None else None
+        if not isinstance(info, dict):
+            return None
+        cluster = info.get("cluster")
+        return cluster if isinstance(cluster, str) and cluster else None
 
     @property
     def owns_client(self) -> bool:
@@ -334,6 +355,18 @@ class NatsConnection:
                         "needed_seconds": self.dedup_window_seconds,
                     },
                 )
+            wanted = int(self.new_stream_config(dead_letter=dead_letter)["num_replicas"])
+            found = int(info.config.num_replicas or 1)
+            if found < wanted:
+                logger.warning(
+                    "jetstream stream has fewer replicas than the broker asks for",
+                    extra={
+                        "action": "broker.replicas_short",
+                        "stream": name,
+                        "replicas": found,
+                        "needed_replicas": wanted,
+                    },
+                )
         self._known_subjects.add(subject)
 
     async def _create_stream(self, js: Any, subject: str, *, dead_letter: bool) -> None:
@@ -341,6 +374,16 @@ class NatsConnection:
 
         name = stream_name_for(subject)
         config = self.new_stream_config(dead_letter=dead_letter)
+        replicas = int(config["num_replicas"])
+        if replicas == 1 and self.server_cluster is not None:
+            logger.warning(
+                "jetstream stream created with one replica on a cluster",
+                extra={
+                    "action": "broker.single_replica",
+                    "stream": name,
+                    "cluster": self.server_cluster,
+                },
+            )
         try:
             await js.add_stream(name=name, subjects=[subject], **config)
         except nats.js.errors.BadRequestError as exc:
@@ -357,5 +400,6 @@ class NatsConnection:
                 "duplicate_window_seconds": config["duplicate_window"],
                 "max_age_seconds": config.get("max_age"),
                 "max_bytes": config.get("max_bytes"),
+                "replicas": replicas,
             },
         )
