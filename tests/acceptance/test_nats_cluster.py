@@ -3,7 +3,8 @@ loopback ports of their own, never the shared server on 4222), streams with thre
 (``NatsJetStreamBroker(..., replicas=3)``), and the node leading the stream SIGKILLed while
 an outbox publishes 300 events and a subscriber with the inbox consumes them, then
 started again: every message handled once (one effect row each in a SQLite file), and
-the stream holds every message id.
+the stream holds every message id. The dead-letter stream the subscriber creates has three
+replicas too.
 
 The broker's URL lists the three nodes (comma-separated): the publisher and the consumer
 reconnect to another node when theirs dies. A message the publisher sent to the dying
@@ -192,6 +193,8 @@ async def test_stream_leader_killed_mid_run_every_message_once(
                 await wait_until(lambda: published(PER_ROUND), timeout=15)
                 name, replicas, leader = await stream_state(cluster, stream)
                 assert replicas == 3
+                dead_letter = outbox.subscribers[0].consumer_config().dead_letter
+                assert (await stream_state(cluster, dead_letter))[1] == 3
                 # The next round in flight when the leader dies; the last one committed
                 # while it is down (a new leader is elected among the two left).
                 committed += await commit(range(PER_ROUND, 2 * PER_ROUND))

@@ -99,3 +99,12 @@ async def test_an_existing_stream_with_fewer_replicas_is_a_warning(
     short = [r for r in caplog.records if getattr(r, "action", "") == "broker.replicas_short"]
     assert [(r.stream, r.replicas, r.needed_replicas) for r in short] == [("orders", 1, 3)]  # type: ignore[attr-defined]
     assert js.added == []
+
+
+def test_broker_from_url_passes_replicas_and_the_server_list() -> None:
+    from fastapi_outbox.brokers import broker_from_url
+
+    broker = broker_from_url("nats://a:4222,nats://b:4222", replicas=3)
+    assert isinstance(broker, NatsJetStreamBroker)
+    assert broker.connection.replicas == 3
+    assert broker.connection.url == "nats://a:4222,nats://b:4222"
