@@ -793,6 +793,24 @@ class Outbox:
             self._router = router
         return self._router
 
+    # --- asyncapi ---
+
+    def asyncapi(self, **options: Any) -> dict[str, Any]:
+        """The AsyncAPI 3.0 document of this outbox's streams, events and subscribers
+        (:func:`fastapi_outbox.ops.asyncapi.build_asyncapi`; ``title=``, ``version=``,
+        ``description=``, ``events=``)."""
+        from fastapi_outbox.ops.asyncapi import build_asyncapi
+
+        return build_asyncapi(self, **options)
+
+    @property
+    def asyncapi_router(self) -> Any:
+        """``GET /outbox/asyncapi.json``, guarded by ``dashboard_dependencies`` like the
+        dashboard (refused without a guard; ``[]`` serves it unguarded on purpose)."""
+        from fastapi_outbox.ops.asyncapi import build_asyncapi_router
+
+        return build_asyncapi_router(self, self.dashboard_dependencies)
+
 
 def _check_dedup_window(name: str, broker: Broker, settings: OutboxSettings) -> None:
     """Refuse a broker whose de-duplication window (set on the broker itself) is shorter

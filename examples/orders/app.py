@@ -138,6 +138,7 @@ def create_app() -> FastAPI:
     app = FastAPI(title="orders (fastapi-outbox example)", lifespan=lifespan)
     app.include_router(outbox.health_router)
     app.include_router(outbox.dashboard_router)
+    app.include_router(outbox.asyncapi_router)  # GET /outbox/asyncapi.json, same guard
 
     @app.post("/orders", status_code=201)
     async def place_order(body: NewOrder, uow: UnitOfWorkDep) -> dict[str, Any]:

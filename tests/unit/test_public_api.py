@@ -260,6 +260,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "main",
         "resolve_outbox",
     },
+    "fastapi_outbox.cli.asyncapi": {"add_command", "run"},
     "fastapi_outbox.cli_support": {
         "CliError",
         "EXIT_FAILED",
@@ -406,6 +407,14 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "stale_dead_letters",
     },
     "fastapi_outbox.ops.dashboard": {"CSRF_COOKIE", "CSRF_HEADER", "build_dashboard_router"},
+    "fastapi_outbox.ops.asyncapi": {
+        "ASYNCAPI_PATH",
+        "ASYNCAPI_VERSION",
+        "AsyncApiSource",
+        "build_asyncapi",
+        "build_asyncapi_router",
+        "event_classes",
+    },
     "fastapi_outbox.ops.metrics": {"PrometheusInstrumentation", "metrics_router", "mount_metrics"},
     "fastapi_outbox.partitions": {
         "AHEAD_SECONDS",
