@@ -503,7 +503,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "Subscriber",
         "SubscriberStats",
     },
-    "fastapi_outbox.testing": {"drain", "memory_broker", "sqlite_outbox"},
+    "fastapi_outbox.testing": {"OutboxHarness", "drain", "memory_broker", "sqlite_outbox"},
     "fastapi_outbox.unit_of_work": {"UnitOfWork", "UnitOfWorkDep", "unit_of_work"},
     "fastapi_outbox.wal_capture": {"WalCapture"},
     "fastapi_outbox.wal_relay": {
