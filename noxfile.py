@@ -1,4 +1,4 @@
-"""nox sessions: tests, lint, typecheck, bench. ``nox -s tests`` etc."""
+"""nox sessions: tests, lint, typecheck, docs, bench. ``nox -s tests`` etc."""
 
 from __future__ import annotations
 
@@ -28,6 +28,18 @@ def lint(session: nox.Session) -> None:
 def typecheck(session: nox.Session) -> None:
     session.install("-e", ".[test]")
     session.run("mypy", "fastapi_outbox")
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Build the documentation site into site/ with --strict (a broken link, reference or
+    generated table fails); ``nox -s docs -- serve`` serves it on 127.0.0.1:8000 instead."""
+    session.install("-e", ".[docs]")
+    env = {"NO_MKDOCS_2_WARNING": "1"}
+    if session.posargs[:1] == ["serve"]:
+        session.run("mkdocs", "serve", "--strict", env=env)
+    else:
+        session.run("mkdocs", "build", "--strict", env=env)
 
 
 @nox.session
