@@ -51,6 +51,26 @@ PAYLOAD_DISPLAY_CHARS = 20_000
 PAGE_SIZE = 50
 REFRESH_SECONDS = 5
 _HERE = Path(__file__).parent
+#: What the pages and actions answer besides 200 and 422, in the OpenAPI document (the guard's
+#: own answers, a 401 say, are the app's to document where it includes the router).
+_BAD_ID: dict[int | str, dict[str, Any]] = {
+    400: {"description": "A message id that is not a UUID."}
+}
+_PAGE_RESPONSES: dict[int | str, dict[str, Any]] = {**_BAD_ID}
+_MESSAGE_RESPONSES: dict[int | str, dict[str, Any]] = {
+    **_BAD_ID,
+    404: {"description": "No such message."},
+}
+_ACTION_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: {"description": "The request names no message, or contradicts itself."},
+    403: {"description": "Missing or wrong CSRF header (X-Outbox-CSRF)."},
+    415: {"description": "The body is not JSON."},
+}
+_DEAD_LETTER_RESPONSES: dict[int | str, dict[str, Any]] = {
+    **_ACTION_RESPONSES,
+    409: {"description": "Stale dead letters: confirm with force."},
+    503: {"description": "The consumer group's broker is unavailable."},
+}
 _STATIC = {
     "dashboard.css": "text/css",
     "dashboard.js": "text/javascript",
@@ -207,7 +227,9 @@ def build_dashboard_router(outbox: Outbox, dependencies: list[Any]) -> APIRouter
             ],
         }
 
-    @router.get("/messages", response_class=HTMLResponse, summary="Messages")
+    @router.get(
+        "/messages", response_class=HTMLResponse, summary="Messages", responses=_PAGE_RESPONSES
+    )
     async def messages_page(
         request: Request,
         status: str | None = None,
@@ -255,7 +277,12 @@ def build_dashboard_router(outbox: Outbox, dependencies: list[Any]) -> APIRouter
             first_page=query if before else None,
         )
 
-    @router.get("/messages/{message_id}", response_class=HTMLResponse, summary="One message")
+    @router.get(
+        "/messages/{message_id}",
+        response_class=HTMLResponse,
+        summary="One message",
+        responses=_MESSAGE_RESPONSES,
+    )
     async def message_page(request: Request, message_id: str) -> HTMLResponse:
         mid = _uuid("message id", message_id)
         try:
@@ -282,6 +309,7 @@ def build_dashboard_router(outbox: Outbox, dependencies: list[Any]) -> APIRouter
         response_model=ActionResult,
         dependencies=[Depends(check_csrf)],
         summary="Replay messages",
+        responses=_ACTION_RESPONSES,
     )
     async def replay(request: Request, body: ReplayRequest) -> ActionResult:
         who = operator(request)
@@ -306,6 +334,7 @@ def build_dashboard_router(outbox: Outbox, dependencies: list[Any]) -> APIRouter
         response_model=ActionResult,
         dependencies=[Depends(check_csrf)],
         summary="Abandon messages",
+        responses=_ACTION_RESPONSES,
     )
     async def abandon(request: Request, body: Ids) -> ActionResult:
         if not body.ids:
@@ -320,6 +349,7 @@ def build_dashboard_router(outbox: Outbox, dependencies: list[Any]) -> APIRouter
         response_model=ActionResult,
         dependencies=[Depends(check_csrf)],
         summary="Replay a consumer group's dead letters",
+        responses=_DEAD_LETTER_RESPONSES,
     )
     async def replay_dead_letters(request: Request, body: DeadLetterReplay) -> ActionResult:
         try:
