@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import gc
 import inspect
 import re
 import sys
@@ -65,6 +66,21 @@ async def test_samples_run(page: Path, tmp_path: Path, monkeypatch: pytest.Monke
     module.__file__ = str(tmp_path / f"{name}.py")
     monkeypatch.setitem(sys.modules, name, module)
     where = page.relative_to(ROOT).as_posix()
+    try:
+        await _run_page(page, where, module)
+    finally:
+        # Engines the samples made are closed, and the page's module let go of, so no
+        # connection or Outbox outlives the test.
+        from fastapi_outbox import Outbox
+
+        for value in list(vars(module).values()):
+            if isinstance(value, Outbox):
+                await value.aclose()
+        vars(module).clear()
+        gc.collect()
+
+
+async def _run_page(page: Path, where: str, module: types.ModuleType) -> None:
     for line, mode, code in blocks(page):
         # Line numbers in tracebacks are the page's own.
         source = "\n" * (line - 1) + code
@@ -83,9 +99,3 @@ async def test_samples_run(page: Path, tmp_path: Path, monkeypatch: pytest.Monke
     ]
     for test in tests:
         await asyncio.wait_for(test(), timeout=60)
-    # Engines the samples made are closed, so no connection outlives the test.
-    from fastapi_outbox import Outbox
-
-    for value in list(vars(module).values()):
-        if isinstance(value, Outbox):
-            await value.aclose()
