@@ -99,3 +99,15 @@ async def _run_page(page: Path, where: str, module: types.ModuleType) -> None:
     ]
     for test in tests:
         await asyncio.wait_for(test(), timeout=60)
+
+
+def test_the_readme_is_a_front_door_whose_links_resolve() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) < 200
+    # The test command .ci/run runs, exactly as the README shows it.
+    ci = (ROOT / ".ci" / "run").read_text()
+    command = next(line for line in ci.splitlines() if line.startswith("python3 -m venv"))
+    assert command in readme.splitlines()
+    for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", readme):
+        if "://" not in target:
+            assert (ROOT / target).exists(), f"README links to {target}, which does not exist"
