@@ -62,6 +62,6 @@ def bench(session: nox.Session) -> None:
 
 @nox.session
 def screenshots(session: nox.Session) -> None:
-    """Regenerate the dashboard screenshots of the README (needs: apt-get install chromium)."""
+    """Regenerate the dashboard screenshots of the docs (needs: apt-get install chromium)."""
     session.install("-e", ".[test]")
     session.run("python", "docs/screenshots.py")

@@ -1,4 +1,4 @@
-"""Screenshots of the operator dashboard for the README: ``nox -s screenshots``, or
+"""Screenshots of the operator dashboard for the docs (tutorial, operations): ``nox -s screenshots``, or
 ``python docs/screenshots.py`` (needs Chromium: ``apt-get install chromium``).
 
 Serves a demo outbox on SQLite (some published traffic over the last hour, a failing
