@@ -29,7 +29,7 @@ async def explain(outbox: Outbox) -> str:
     """EXPLAIN (ANALYZE, BUFFERS) of the claim statement, in a transaction rolled back."""
     import datetime as dt
 
-    stmt = outbox.store._claim_statement("default", BATCH, True)
+    stmt = outbox.store.claim_statement("default", BATCH, True)
     compiled = stmt.compile(dialect=outbox.engine.dialect)
     params = {**compiled.params, "token": "bench:explain", "lease": dt.timedelta(seconds=30)}
     positional = [params[name] for name in compiled.positiontup or []]

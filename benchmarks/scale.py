@@ -129,9 +129,9 @@ async def measure(outbox: Any, rounds: int = 60) -> tuple[float, float]:
 
 async def claim_plan(outbox: Any) -> list[str]:
     store = outbox.store
-    stmt = store._claim_statement("default", CLAIM, False)
-    sql, args = store._driver_args("plan", stmt, {"token": "plan", "lease": dt.timedelta(30)})
-    async with store._driver_connection() as driver:
+    stmt = store.claim_statement("default", CLAIM, False)
+    sql, args = store.connector.compile("plan", stmt, store.claim_params("plan", 30.0))
+    async with store.connector.driver_connection() as driver:
         return [r[0] for r in await driver.fetch("EXPLAIN (COSTS OFF) " + sql, *args)]
 
 

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
+from fastapi_outbox.relay.loop import DB_BACKOFF_MAX_SECONDS, DB_BACKOFF_MIN_SECONDS
 from fastapi_outbox.relay.table import (
-    DB_BACKOFF_MAX_SECONDS,
-    DB_BACKOFF_MIN_SECONDS,
     PROBE_TIMEOUT_SECONDS,
     RELEASE_TIMEOUT_SECONDS,
     Processor,

@@ -1,48 +1,55 @@
 """``Outbox``: the composition root. It wires the engine, the store, the brokers, the
-processors, the wake-ups, retention, the lifespan and the routers — the only module that
-knows every part."""
+relays and their supervisor (:mod:`fastapi_outbox.relay.supervisor`), the wake-ups,
+retention, the lifespan and the routers — the only module that knows every part. The
+checks of its configuration are :mod:`fastapi_outbox.config_checks`; the unit of work sees
+it through :class:`fastapi_outbox.write.context.WriteContext`."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
-import re
+import typing
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from typing import Any
 
 import anyio
-from sqlalchemy import MetaData, event
+from sqlalchemy import MetaData, Table
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
     AsyncSession,
     async_sessionmaker,
-    create_async_engine,
 )
-from sqlalchemy.pool import StaticPool
 
-from fastapi_outbox import exceptions
+from fastapi_outbox import config_checks, exceptions
 from fastapi_outbox.brokers.base import Broker
+from fastapi_outbox.consume.context import UnitOfWorkT
 from fastapi_outbox.consume.subscriber import Handler, Subscriber, handler_transaction
 from fastapi_outbox.instrumentation import Instrumentation
-from fastapi_outbox.redaction import redact, redact_url, remember
+from fastapi_outbox.redaction import redact_url, remember
+from fastapi_outbox.relay.groups_first import declare_or_warn, gate_brokers
 from fastapi_outbox.relay.retention import Cleaner
-from fastapi_outbox.relay.table import Processor, instance_id
+from fastapi_outbox.relay.supervisor import Relays, close_brokers
+from fastapi_outbox.relay.table import TableRelay, instance_id
 from fastapi_outbox.relay.wakeups import Listener, Notifier, channel_name
 from fastapi_outbox.relay.wal import WalRelay
 from fastapi_outbox.settings import OutboxSettings
 from fastapi_outbox.storage import partitions, schema
+from fastapi_outbox.storage.engine import create_engine
 from fastapi_outbox.storage.inbox import Inbox, build_inbox_table
 from fastapi_outbox.storage.store import Store
 from fastapi_outbox.storage.wal_slot import WalSlot
 from fastapi_outbox.write.capture import Capture, TableCapture
-from fastapi_outbox.write.unit_of_work import UnitOfWork, current_outbox, register_outbox
+from fastapi_outbox.write.unit_of_work import (
+    UnitOfWork,
+    current_outbox,
+    register_outbox,
+    transaction,
+)
 
 logger = logging.getLogger("fastapi_outbox")
 
-_BROKER_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 DEFAULT_BROKER = "default"
 NO_BROKER = (
     "no broker to dispatch to: pass brokers={'default': RedisStreamsBroker(...)} to Outbox "
@@ -50,60 +57,6 @@ NO_BROKER = (
     "`fastapi-outbox dispatch`, or set OUTBOX_BROKER_URL (redis://, nats://, memory://); "
     "an API-only process sets run_dispatchers=False"
 )
-#: Bound on the NOTIFY an API-only process sends after a commit.
-NOTIFY_TIMEOUT_SECONDS = 2.0
-#: Bound on declaring the consumer groups at start (a broker that does not answer in time
-#: gets them declared before the first publish instead).
-DECLARE_GROUPS_TIMEOUT_SECONDS = 5.0
-
-
-class _GroupsFirst:
-    """A broker whose ``connect`` declares this process's consumer groups on it once
-    (``Outbox.declare_groups``) before it lets anything be published: the processors and
-    the WAL relay publish through it, so the first message of a stream never reaches the
-    broker before the groups of the subscribers declared here exist. Until they do,
-    ``connect`` and ``publish`` raise what the declaration raised (BrokerUnavailable: the
-    processor pauses and tries again). Everything else is the broker's own."""
-
-    def __init__(self, broker: Broker, name: str, declare: Any) -> None:
-        self._broker = broker
-        self._name = name
-        self._declare = declare
-        self._declared = False
-        self._lock = anyio.Lock()
-
-    def __getattr__(self, attribute: str) -> Any:
-        return getattr(self._broker, attribute)
-
-    def __repr__(self) -> str:
-        return repr(self._broker)
-
-    async def connect(self) -> None:
-        await self._broker.connect()
-        if self._declared:
-            return
-        async with self._lock:
-            if not self._declared:
-                await self._declare(self._name)
-                self._declared = True
-                logger.info(
-                    "consumer groups declared",
-                    extra={"action": "consumer.groups_declared", "broker": self._name},
-                )
-
-    async def publish(self, batch: Sequence[Any]) -> Any:
-        if not self._declared:
-            await self.connect()
-        return await self._broker.publish(batch)
-
-    async def aclose(self) -> None:
-        await self._broker.aclose()
-
-    async def ping(self) -> None:
-        await self._broker.ping()
-
-    def configure(self, *, dedup_window_seconds: float) -> None:
-        self._broker.configure(dedup_window_seconds=dedup_window_seconds)
 
 
 class Outbox:
@@ -131,7 +84,7 @@ class Outbox:
             self.engine = database
             self._owns_engine = False
         elif isinstance(database, str):
-            self.engine = _create_engine(database, dict(engine_options or {}))
+            self.engine = create_engine(database, dict(engine_options or {}))
             self._owns_engine = True
         else:
             raise exceptions.ConfigurationError(
@@ -139,91 +92,27 @@ class Outbox:
             )
         # Its secrets are masked wherever a driver's text quotes them (see redaction).
         remember(self.engine.url.render_as_string(hide_password=False))
-        if self.engine.dialect.name not in ("postgresql", "sqlite"):
-            raise exceptions.ConfigurationError(
-                f"unsupported database {self.engine.dialect.name!r}: use PostgreSQL or SQLite"
-            )
-        # No silent sink: without brokers (and without OUTBOX_BROKER_URL) this outbox can
-        # write rows for the "default" broker (an API-only process needs no broker
-        # connection) but refuses to dispatch. A memory broker only when asked for by name.
-        if brokers:
-            self.brokers: dict[str, Broker] = dict(brokers)
-        elif self.settings.broker_url:
-            from fastapi_outbox.brokers import broker_from_url
-
-            self.brokers = {DEFAULT_BROKER: broker_from_url(self.settings.broker_url)}
-        else:
-            self.brokers = {}
-        self.external_brokers: dict[str, Broker] = dict(external_brokers or {})
-        for name in (*self.brokers, *self.external_brokers):
-            if not isinstance(name, str) or not _BROKER_NAME.match(name):
-                raise exceptions.ConfigurationError(
-                    f"invalid broker name {name!r}: 1-64 letters, digits, '_', '.', '-'"
-                )
-        clash = set(self.brokers) & set(self.external_brokers)
-        if clash:
-            raise exceptions.ConfigurationError(
-                f"broker names used as internal and external: {', '.join(sorted(clash))}"
-            )
-        self.default_broker = (
-            next(iter(self.brokers))
-            if self.brokers and DEFAULT_BROKER not in self.brokers
-            else DEFAULT_BROKER
-        )
-        for broker_name, broker in self.all_brokers.items():
-            if isinstance(getattr(broker, "url", None), str):
-                remember(broker.url)  # type: ignore[attr-defined]
-            broker.configure(dedup_window_seconds=self.settings.dedup_window_seconds)
-            _check_dedup_window(broker_name, broker, self.settings)
-        name = self.settings.table_name
-        # The shared ``schema.metadata`` (Alembic's) holds the default layout; an ordered
-        # outbox builds its table, with the ordered index, on a MetaData of its own.
-        partitioning = self.settings.partitioning
-        if partitioning is not None and self.engine.dialect.name != "postgresql":
-            raise exceptions.ConfigurationError(
-                f"partitioning={partitioning!r} (OUTBOX_PARTITIONING) needs PostgreSQL; "
-                f"{self.engine.dialect.name} keeps one plain table: leave partitioning unset"
-            )
-        shared = name == schema.outbox_table.name and not self.settings.ordered and not partitioning
-        self.table = schema.build_table(
-            name,
-            schema.metadata if shared else MetaData(),
-            ordered=self.settings.ordered,
-            partitioning=partitioning,
-        )
-        self.store = Store(self.engine, self.table)
-        self.store.set_timeouts(
-            self.settings.statement_timeout_seconds, self.settings.lock_timeout_seconds
-        )
-        self.capture: Capture = TableCapture(self.store)
-        #: ``capture="wal"``: the replication slot, and its relay while dispatchers run.
-        self.wal_slot: WalSlot | None = None
-        self.wal_relay: WalRelay | None = None
-        if self.settings.capture == "wal":
-            self._setup_wal()
+        config_checks.check_database(self.engine.dialect.name)
+        self._setup_brokers(brokers, external_brokers)
+        config_checks.check_partitioning(self.settings.partitioning, self.engine.dialect.name)
+        self._setup_storage()
         self.session_factory = session_factory or async_sessionmaker(
             self.engine, expire_on_commit=False
         )
         self.instrumentation = instrumentation or Instrumentation()
         self.instance = instance_id()
-        self.channel = channel_name(name)
-        self.processors: dict[str, Processor] = {}
-        self.notifier: Notifier | None = None
-        self.listener: Listener | None = None
-        # The consumers' inbox, on the outbox table's MetaData (the shared one by default).
-        self.inbox = Inbox(
-            self.engine, build_inbox_table(self.settings.inbox_table_name, self.table.metadata)
-        )
+        self.channel = channel_name(self.settings.table_name)
         self.subscribers: list[Subscriber] = []
-        #: Partition upkeep of a partitioned table (``settings.partitioning``), else None.
-        self.partitions: partitions.Maintainer | None = None
-        if "partitioning" in self.table.info:
-            self.partitions = partitions.Maintainer(
-                self.engine, self.table, self.table.info["partitioning"]
-            )
         self.cleaner = Cleaner(self.store, self.settings, self.partitions, inbox=self.inbox)
-        self.started = False
-        self._tracer: Any = None
+        #: The relays and their wake-ups, supervised while the dispatchers run.
+        self.relays = Relays(
+            store=self.store,
+            settings=self.settings,
+            instance=self.instance,
+            channel=self.channel,
+            instrumentation=self.instrumentation,
+            wal_slot=self.wal_slot,
+        )
         self._health_router: Any = None
         self._dependency: Any = None
         self._router: Any = None
@@ -233,15 +122,74 @@ class Outbox:
         )
         register_outbox(self)
 
+    def _setup_brokers(
+        self, brokers: Mapping[str, Broker] | None, external: Mapping[str, Broker] | None
+    ) -> None:
+        """The brokers, checked and configured. No silent sink: without brokers (and without
+        OUTBOX_BROKER_URL) this outbox can write rows for the "default" broker (an API-only
+        process needs no broker connection) but refuses to dispatch. A memory broker only
+        when asked for by name."""
+        if brokers:
+            self.brokers: dict[str, Broker] = dict(brokers)
+        elif self.settings.broker_url:
+            from fastapi_outbox.brokers import broker_from_url
+
+            self.brokers = {DEFAULT_BROKER: broker_from_url(self.settings.broker_url)}
+        else:
+            self.brokers = {}
+        self.external_brokers: dict[str, Broker] = dict(external or {})
+        config_checks.check_broker_names(self.brokers, self.external_brokers)
+        self.default_broker = (
+            next(iter(self.brokers))
+            if self.brokers and DEFAULT_BROKER not in self.brokers
+            else DEFAULT_BROKER
+        )
+        for broker_name, broker in self.all_brokers.items():
+            if isinstance(getattr(broker, "url", None), str):
+                remember(broker.url)  # type: ignore[attr-defined]
+            broker.configure(dedup_window_seconds=self.settings.dedup_window_seconds)
+            config_checks.check_dedup_window(broker_name, broker, self.settings)
+
+    def _setup_storage(self) -> None:
+        """The outbox table and its store, the capture (table or WAL), the consumers'
+        inbox and, for a partitioned table, its upkeep."""
+        self.table = self._build_table()
+        self.store = Store(self.engine, self.table)
+        self.store.set_timeouts(
+            self.settings.statement_timeout_seconds, self.settings.lock_timeout_seconds
+        )
+        self.capture: Capture = TableCapture(self.store)
+        #: ``capture="wal"``: the replication slot (its relay runs with the dispatchers).
+        self.wal_slot: WalSlot | None = None
+        if self.settings.capture == "wal":
+            self._setup_wal()
+        # The consumers' inbox, on the outbox table's MetaData (the shared one by default).
+        self.inbox = Inbox(
+            self.engine, build_inbox_table(self.settings.inbox_table_name, self.table.metadata)
+        )
+        #: Partition upkeep of a partitioned table (``settings.partitioning``), else None.
+        self.partitions: partitions.Maintainer | None = None
+        if "partitioning" in self.table.info:
+            self.partitions = partitions.Maintainer(
+                self.engine, self.table, self.table.info["partitioning"]
+            )
+
+    def _build_table(self) -> Table:
+        """The shared ``schema.metadata`` (Alembic's) holds the default layout; an ordered
+        or partitioned outbox builds its table, with its index, on a MetaData of its own."""
+        name, partitioning = self.settings.table_name, self.settings.partitioning
+        shared = name == schema.outbox_table.name and not self.settings.ordered and not partitioning
+        return schema.build_table(
+            name,
+            schema.metadata if shared else MetaData(),
+            ordered=self.settings.ordered,
+            partitioning=partitioning,
+        )
+
     def _setup_wal(self) -> None:
         from fastapi_outbox.write.wal_capture import WalCapture
 
-        if not self.store.is_postgres or self.engine.dialect.driver != "asyncpg":
-            raise exceptions.ConfigurationError(
-                f"capture='wal' (OUTBOX_CAPTURE) needs PostgreSQL through asyncpg "
-                f"(postgresql+asyncpg://…), not {self.engine.dialect.name}+"
-                f"{self.engine.dialect.driver}: use capture='table'"
-            )
+        config_checks.check_wal_capture(self.engine.dialect.name, self.engine.dialect.driver)
         self.wal_slot = WalSlot(self.engine, self.settings.slot_name, self.settings.table_name)
         self.capture = WalCapture(self.store, self.wal_slot)
 
@@ -254,8 +202,7 @@ class Outbox:
     def current(cls) -> Outbox:
         """The only Outbox of this process (used by the ``unit_of_work`` dependency when the
         app was not started with ``outbox.lifespan``)."""
-        found: Outbox = current_outbox()
-        return found
+        return typing.cast("Outbox", current_outbox())
 
     @property
     def all_brokers(self) -> dict[str, Broker]:
@@ -315,35 +262,14 @@ class Outbox:
                 correlation_id = correlation_id or handler_uow.correlation_id
                 causation_id = causation_id or handler_uow.causation_id
                 traceparent = traceparent or handler_uow.traceparent
-        own = session is None
-        sess = self.session_factory() if session is None else session
-        uow = UnitOfWork(
+        async with transaction(
             self,
-            sess,
+            session,
             correlation_id=correlation_id,
             causation_id=causation_id,
             traceparent=traceparent,
-        )
-        uow._open()
-        try:
-            if own:
-                try:
-                    yield uow
-                    await sess.commit()
-                except BaseException:
-                    with anyio.CancelScope(shield=True):
-                        await sess.rollback()
-                    raise
-            else:
-                async with sess.begin_nested():
-                    yield uow
-        finally:
-            uow._close()
-            if own:
-                with anyio.CancelScope(shield=True):
-                    await sess.close()
-        for _ in uow._state.take_notify():  # only for a commit made outside the greenlet
-            await self.notify_after_commit()
+        ) as uow:
+            yield uow
 
     def write_rows(self, connection: Connection, rows: list[dict[str, Any]]) -> None:
         """Record outbox messages on a session's connection, through this outbox's capture
@@ -352,57 +278,17 @@ class Outbox:
         self.capture.write(connection, rows)
 
     def committed(self, brokers: Mapping[str, float]) -> bool:
-        """Wake the dispatchers after a commit that wrote rows for ``brokers`` (each with
-        the earliest delay of its rows: 0 for rows due now).
-
-        Rows due now wake an idle worker of this process; delayed rows only tell its
-        poller when to look (no claim before they are due). Returns True when other
-        processes still have to be told: this process runs no :class:`Notifier` (an
-        API-only process, ``run_dispatchers=False``) but the outbox is on PostgreSQL with
-        ``notify`` on — the caller then sends the NOTIFY itself."""
-        if not brokers:
-            return False
-        handled_here = True
-        relay = self.wal_relay
-        for name, delay in brokers.items():
-            if relay is not None and delay <= 0:
-                # capture="wal": messages due now are in the slot, not in the table.
-                if not (relay.leader and not relay.stopping):
-                    handled_here = False
-                relay.wakeup.set()
-                continue
-            processor = self.processors.get(name)
-            if processor is None or processor.stopping:
-                handled_here = False
-            elif delay > 0:
-                processor.schedule(delay)
-                handled_here = False  # other processes may poll later than it is due
-            # An idle worker of this process takes the rows at once: no other process
-            # needs waking, and the commit costs no NOTIFY.
-            elif not processor.wakeup.set():
-                handled_here = False
-        if handled_here:
-            return False
-        if self.notifier is not None and self.notifier.running:
-            self.notifier.signal()
-            return False
-        return self.store.is_postgres and self.settings.notify
+        """Wake the dispatchers after a commit that wrote rows for ``brokers`` (the wake-up
+        policy: :func:`fastapi_outbox.relay.wakeups.wake_after_commit`); True when other
+        processes must still be told by :meth:`notify_after_commit`."""
+        return self.relays.committed(brokers)
 
     async def notify_after_commit(self) -> None:
-        """One NOTIFY after the commit, outside the business transaction, for processes
-        whose dispatchers LISTEN while this one runs none. No background task: it costs
-        the caller one short round-trip, bounded in time and shielded so a cancelled
-        request cannot leave it half-sent. A failure is only logged: the data committed,
-        and the dispatchers find the rows by polling. Sent from the session's commit
-        (:meth:`fastapi_outbox.write.session_events.SessionState.after_commit`), whoever commits."""
-        try:
-            with anyio.CancelScope(shield=True), anyio.fail_after(NOTIFY_TIMEOUT_SECONDS):
-                await self.store.notify(self.channel, self.instance)
-        except Exception as exc:
-            logger.warning(
-                "notify after commit failed; dispatchers fall back to polling",
-                extra={"action": "notify.failed", "error": type(exc).__name__},
-            )
+        """One NOTIFY after the commit, outside the business transaction, bounded and only
+        logged when it fails (:func:`fastapi_outbox.relay.wakeups.notify_once`). Sent from
+        the session's commit, whoever commits
+        (:meth:`fastapi_outbox.write.session_events.SessionState.after_commit`)."""
+        await self.relays.notify_after_commit()
 
     _notify_after_commit = notify_after_commit
 
@@ -414,13 +300,7 @@ class Outbox:
         (the cancel is fenced against a concurrent claim)."""
         from fastapi_outbox.ops import operations
 
-        outcome = await operations.cancel(self, [message_id])
-        if outcome.count:
-            return
-        problem = outcome.problems[0]
-        if problem.startswith("no outbox message"):
-            raise exceptions.MessageNotFound(problem)
-        raise exceptions.TooLate(problem)
+        await operations.cancel_one(self, message_id)
 
     # -- consumers ----------------------------------------------------------------------------
 
@@ -498,17 +378,9 @@ class Outbox:
             # A broker that does not answer does not fail the tables (an app creating them
             # at start must still start): this process's dispatchers declare the groups
             # before they publish anyway. ``db create`` declares them strictly.
-            try:
-                with anyio.fail_after(DECLARE_GROUPS_TIMEOUT_SECONDS):
-                    await self.declare_groups()
-            except (exceptions.BrokerUnavailable, TimeoutError) as exc:
-                logger.warning(
-                    "consumer groups not created: broker unavailable",
-                    extra={
-                        "action": "consumer.groups_pending",
-                        "error": f"{type(exc).__name__}: {exc}"[:300],
-                    },
-                )
+            await declare_or_warn(
+                self.declare_groups, "consumer groups not created: broker unavailable"
+            )
 
     async def declare_groups(self, broker: str | None = None) -> None:
         """Create the broker-side group of every subscriber (of ``broker``, or all) — Redis
@@ -540,159 +412,46 @@ class Outbox:
 
     @contextlib.asynccontextmanager
     async def dispatcher(self) -> AsyncIterator[Outbox]:
-        """Run the processors (and wake-ups, retention) while the block runs."""
+        """Run the processors (and wake-ups, subscribers, retention) while the block runs,
+        under one supervisor (:mod:`fastapi_outbox.relay.supervisor`)."""
         if self.started:
             raise exceptions.ConfigurationError("this Outbox's dispatchers are already running")
         if not self.brokers:
             raise exceptions.ConfigurationError(NO_BROKER)
         if self.wal_slot is not None:
             await self.wal_slot.check_server(slot=True)
-        self.started = True
-        settings = self.settings
+        consumed = {s.broker_name for s in self.subscribers}
+
+        def brokers() -> Awaitable[dict[str, Broker]]:
+            return gate_brokers(self.all_brokers, consumed & set(self.brokers), self.declare_groups)
+
         try:
-            async with anyio.create_task_group() as tg:
-                listener = None
-                if self.store.is_postgres and settings.notify:
-                    self.notifier = Notifier(
-                        self.store,
-                        self.channel,
-                        self.instance,
-                        self.settings.notify_interval_seconds,
-                    )
-                    await tg.start(self.notifier.run)
-                    listener = Listener(
-                        self.store,
-                        self.channel,
-                        self.instance,
-                        self._wake_all,
-                        check_interval=settings.listen_check_interval_seconds,
-                        check_timeout=settings.listen_check_timeout_seconds,
-                    )
-                    self.listener = listener
-                brokers = await self._groups_first()
-                for name, broker in brokers.items():
-                    self.processors[name] = Processor(
-                        store=self.store,
-                        broker_name=name,
-                        broker=broker,
-                        settings=settings,
-                        instance=self.instance,
-                        listening=(lambda: bool(listener and listener.listening)),
-                        instrumentation=self.instrumentation,
-                    )
-                if listener is not None:
-                    await tg.start(listener.run)
-                for processor in self.processors.values():
-                    await tg.start(processor.run)
-                if self.wal_slot is not None:
-                    self.wal_relay = WalRelay(
-                        store=self.store,
-                        slot=self.wal_slot,
-                        brokers=brokers,
-                        settings=settings,
-                        instance=self.instance,
-                        instrumentation=self.instrumentation,
-                        listening=(lambda: bool(listener and listener.listening)),
-                    )
-                    await tg.start(self.wal_relay.run)
-                for sub in self.subscribers:
-                    await tg.start(sub.run)
-                await tg.start(self.cleaner.run)
-                logger.info(
-                    "outbox dispatchers started",
-                    extra={
-                        "action": "outbox.start",
-                        "brokers": list(self.processors),
-                        "workers": settings.workers,
-                        "instance": self.instance,
-                    },
-                )
-                try:
-                    yield self
-                finally:
-                    await self._shutdown(tg)
+            async with self.relays.running(brokers, [*self.subscribers, self.cleaner]):
+                yield self
         finally:
-            self.started = False
-            self.notifier = None
-            self.listener = None
-            self.wal_relay = None
             with anyio.CancelScope(shield=True):
-                await self._close_brokers()
+                await close_brokers(self.all_brokers, self.settings.shutdown_timeout_seconds)
 
-    async def _groups_first(self) -> dict[str, Broker]:
-        """The brokers the processors and the WAL relay publish with: those that this
-        process's subscribers consume from are wrapped so that nothing is published to
-        them before the subscribers' groups exist (DESIGN §13). The groups are declared
-        here, before any dispatcher starts, bounded in time; a broker that does not answer
-        gets them declared by the first publish's connect, which waits until they are (a
-        refusal of a group's settings refuses the start)."""
-        out: dict[str, Broker] = dict(self.all_brokers)
-        for name, broker in self.brokers.items():
-            if not any(s.broker_name == name for s in self.subscribers):
-                continue
-            gated = _GroupsFirst(broker, name, self.declare_groups)
-            out[name] = gated
-            try:
-                with anyio.fail_after(DECLARE_GROUPS_TIMEOUT_SECONDS):
-                    await gated.connect()
-            except (exceptions.BrokerUnavailable, TimeoutError) as exc:
-                logger.warning(
-                    "consumer groups not declared yet: dispatch to this broker waits for them",
-                    extra={
-                        "action": "consumer.groups_pending",
-                        "broker": name,
-                        "error": f"{type(exc).__name__}: {exc}"[:300],
-                    },
-                )
-        return out
+    # The relays' state, read by health, metrics and the operations.
+    @property
+    def started(self) -> bool:
+        return self.relays.started
 
-    async def _shutdown(self, tg: anyio.abc.TaskGroup) -> None:
-        from fastapi_outbox.consume.subscriber import stop_all
+    @property
+    def processors(self) -> dict[str, TableRelay]:
+        return self.relays.processors
 
-        for processor in self.processors.values():
-            processor.stop()
-        self.cleaner.stop()
-        if self.wal_relay is not None:
-            self.wal_relay.stop()
-        with anyio.CancelScope(shield=True):
-            with anyio.move_on_after(self.settings.shutdown_timeout_seconds):
-                # Subscribers first: events their handlers commit still get published.
-                await stop_all(self.subscribers)
-                for processor in self.processors.values():
-                    if processor.running:
-                        await processor.stopped.wait()
-                if self.wal_relay is not None and self.wal_relay.running:
-                    await self.wal_relay.stopped.wait()
-                # Let a running purge batch finish rather than cancel it mid-query.
-                if self.cleaner.stopped is not None:
-                    await self.cleaner.stopped.wait()
-        tg.cancel_scope.cancel()
-        logger.info("outbox dispatchers stopped", extra={"action": "outbox.stop"})
+    @property
+    def wal_relay(self) -> WalRelay | None:
+        return self.relays.wal_relay
 
-    async def _close_brokers(self) -> None:
-        """Close every broker at once, each bounded by ``shutdown_timeout_seconds``: brokers
-        that hang cost one timeout in all, not one each."""
+    @property
+    def notifier(self) -> Notifier | None:
+        return self.relays.notifier
 
-        async def close(name: str, broker: Broker) -> None:
-            try:
-                with anyio.move_on_after(self.settings.shutdown_timeout_seconds):
-                    await broker.aclose()
-            except Exception:
-                logger.warning(
-                    "broker close failed",
-                    extra={"action": "broker.close", "broker": name},
-                    exc_info=True,
-                )
-
-        async with anyio.create_task_group() as tg:
-            for name, broker in self.all_brokers.items():
-                tg.start_soon(close, name, broker)
-
-    def _wake_all(self) -> None:
-        for processor in self.processors.values():
-            processor.wakeup.set()
-        if self.wal_relay is not None:
-            self.wal_relay.wakeup.set()
+    @property
+    def listener(self) -> Listener | None:
+        return self.relays.listener
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Any) -> AsyncIterator[None]:
@@ -711,28 +470,12 @@ class Outbox:
     async def notifying(self) -> AsyncIterator[Outbox]:
         """Run only the coalesced NOTIFY sender (API-only processes: ``run_dispatchers=False``),
         so commits wake the dispatcher processes without one extra round trip per request."""
-        if not (self.store.is_postgres and self.settings.notify) or self.notifier is not None:
+        async with self.relays.notifying():
             yield self
-            return
-        # A task owned by this context manager (cancelled and awaited on exit) rather than a
-        # task group: an API-only lifespan must survive being entered and left from
-        # different tasks, as async test fixtures do.
-        notifier = Notifier(
-            self.store, self.channel, self.instance, self.settings.notify_interval_seconds
-        )
-        task = asyncio.get_running_loop().create_task(notifier.run(), name="outbox-notifier")
-        self.notifier = notifier
-        try:
-            yield self
-        finally:
-            self.notifier = None
-            task.cancel()
-            with anyio.CancelScope(shield=True), contextlib.suppress(asyncio.CancelledError):
-                await task
 
     async def aclose(self) -> None:
         """Close brokers and the engine (when the Outbox created it)."""
-        await self._close_brokers()
+        await close_brokers(self.all_brokers, self.settings.shutdown_timeout_seconds)
         if self._owns_engine:
             await self.engine.dispose()
 
@@ -811,68 +554,26 @@ class Outbox:
 
         return build_asyncapi_router(self, self.dashboard_dependencies)
 
+    # --- context for consume/ ---
+    # What a subscriber sees of its outbox is :class:`fastapi_outbox.consume.context.ConsumeContext`
+    # (engine, session_factory, settings, inbox, instance, brokers, default_broker,
+    # subscribers, notify_after_commit: attributes above); this is its one method of its own.
 
-def _check_dedup_window(name: str, broker: Broker, settings: OutboxSettings) -> None:
-    """Refuse a broker whose de-duplication window (set on the broker itself) is shorter
-    than a republish can come late: after a lease expires, after the longest backoff, or
-    after the longest outage it is meant to absorb."""
-    window = getattr(broker, "dedup_window_seconds", None)
-    needed = settings.dedup_window_needed_seconds
-    if isinstance(window, int | float) and window < needed:
-        raise exceptions.ConfigurationError(
-            f"broker {name!r}: its de-duplication window ({window:g} s) is shorter than "
-            "lease_seconds + retry_max_delay_seconds + dedup_outage_seconds "
-            f"({needed:g} s), so a message republished after a lease expiry, the longest "
-            "backoff or an outage would appear twice: raise the broker's "
-            "dedup_window_seconds or lower those settings"
+    def make_unit_of_work(
+        self,
+        cls: type[UnitOfWorkT],
+        session: AsyncSession,
+        *,
+        correlation_id: str | None,
+        causation_id: str | None,
+        traceparent: str | None,
+    ) -> UnitOfWorkT:
+        """A unit of work of class ``cls`` on a subscriber's handler ``session``, publishing
+        through this outbox."""
+        return cls(
+            self,
+            session,
+            correlation_id=correlation_id,
+            causation_id=causation_id,
+            traceparent=traceparent,
         )
-
-
-def _create_engine(url: str, options: dict[str, Any]) -> AsyncEngine:
-    """An engine for ``url``; SQLite gets WAL, a busy timeout and BEGIN IMMEDIATE so the
-    embedded default copes with a dispatcher and requests writing at the same time."""
-    remember(url)
-    try:
-        engine = create_async_engine(url, **_engine_defaults(url, options))
-    except Exception as exc:
-        # `from None`: the chained exception may quote the URL with its password.
-        raise exceptions.ConfigurationError(
-            f"cannot create an engine for {redact_url(url)}: {redact(str(exc))}"
-        ) from None
-    if engine.dialect.name == "sqlite":
-        sync_engine = engine.sync_engine
-
-        @event.listens_for(sync_engine, "connect")
-        def _on_connect(dbapi_connection: Any, record: Any) -> None:
-            dbapi_connection.isolation_level = None  # we issue BEGIN ourselves
-            cursor = dbapi_connection.cursor()
-            if engine.url.database not in (None, "", ":memory:"):
-                cursor.execute("PRAGMA journal_mode=WAL")
-            cursor.execute("PRAGMA synchronous=NORMAL")
-            cursor.execute("PRAGMA busy_timeout=30000")
-            cursor.execute("PRAGMA foreign_keys=ON")
-            cursor.close()
-
-        @event.listens_for(sync_engine, "begin")
-        def _on_begin(conn: Any) -> None:
-            conn.exec_driver_sql("BEGIN IMMEDIATE")
-
-    return engine
-
-
-def _engine_defaults(url: str, options: dict[str, Any]) -> dict[str, Any]:
-    opts = dict(options)
-    if url.startswith("sqlite"):
-        if url.rstrip("/").endswith(":memory:") or url.rstrip("/") in (
-            "sqlite+aiosqlite:",
-            "sqlite+aiosqlite://",
-        ):
-            opts.setdefault("poolclass", StaticPool)
-        opts.setdefault("connect_args", {"timeout": 30})
-    else:
-        # No pool_pre_ping by default: on asyncpg it costs three round trips per checkout
-        # (more than the business statement); pass engine_options={"pool_pre_ping": True}
-        # where connections die silently (e.g. idle timeouts of a proxy).
-        opts.setdefault("pool_size", 10)
-        opts.setdefault("max_overflow", 20)
-    return opts

@@ -345,6 +345,14 @@ class OutboxSettings(BaseSettings):
     @model_validator(mode="after")
     def _consistent(self) -> OutboxSettings:
         # Both names and both variables: the error is on neither field alone.
+        self._consistent_timing()
+        self._consistent_dispatch()
+        self._consistent_consumers()
+        self._consistent_retention()
+        return self
+
+    def _consistent_timing(self) -> None:
+        """Polls, leases and database timeouts that bound one another."""
         if self.max_poll_interval_seconds < self.poll_interval_seconds:
             raise ValueError(
                 "max_poll_interval_seconds (OUTBOX_MAX_POLL_INTERVAL_SECONDS) must be >= "
@@ -371,6 +379,9 @@ class OutboxSettings(BaseSettings):
                 "db_statement_timeout_seconds (OUTBOX_DB_STATEMENT_TIMEOUT_SECONDS) "
                 f"({self.lock_timeout_seconds} > {self.statement_timeout_seconds})"
             )
+
+    def _consistent_dispatch(self) -> None:
+        """Claim sizes, partitioning, retries and the capture."""
         if "min_batch_size" in self.model_fields_set and self.min_batch_size > self.batch_size:
             raise ValueError(
                 "min_batch_size (OUTBOX_MIN_BATCH_SIZE) must be <= batch_size "
@@ -391,7 +402,9 @@ class OutboxSettings(BaseSettings):
                 "message the broker refuses leaves that order for the table's retries, so "
                 "the per-key blocking of ordered=True cannot be kept"
             )
-        self._consistent_consumers()
+
+    def _consistent_retention(self) -> None:
+        """Abandoned messages are kept long enough for an operator to replay them."""
         if (
             self.abandoned_retention_seconds is not None
             and self.abandoned_retention_seconds < MIN_ABANDONED_RETENTION_SECONDS
@@ -405,7 +418,6 @@ class OutboxSettings(BaseSettings):
                 "allow_short_abandoned_retention=True "
                 "(OUTBOX_ALLOW_SHORT_ABANDONED_RETENTION) to mean it"
             )
-        return self
 
     def _consistent_consumers(self) -> None:
         if self.consumer_retry_max_delay_seconds >= self.consumer_claim_idle_seconds:

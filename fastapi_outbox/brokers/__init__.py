@@ -1,4 +1,8 @@
-"""Brokers: the ``Broker`` protocol and its implementations.
+"""Brokers: the ``Broker`` and ``Consumer`` protocols (``base``, ``consumer``) and one
+package per broker (``memory``, ``redis``, ``nats``), each made of a ``connection`` (the
+client and what both sides need of the server), a ``wire`` module (encoding, header rules,
+the broker's one refusal and outage classifier), a ``publisher`` and a ``consumer`` that
+each receive the connection and never import each other, and a ``broker`` composing them.
 
 ``RedisStreamsBroker`` and ``NatsJetStreamBroker`` import their client libraries lazily, so
 ``fastapi_outbox.brokers`` imports without the ``redis`` or ``nats`` extras installed.

@@ -20,9 +20,11 @@ A subscriber (:mod:`fastapi_outbox.consume.subscriber`) drives one consumer per 
   the original headers, and acknowledge it, so it never blocks the others;
 * ``lag()``, ``dead_letters()`` and ``replay_dead_letters()`` for health and the CLI.
 
-Messages are decoded from the format the publish side writes (see ``redis.py`` and
-``nats.py``): message id, type, key, JSON headers and the JSON payload. Failures of the
-broker itself raise :class:`~fastapi_outbox.exceptions.BrokerUnavailable`: the subscriber
+Messages are decoded from the format the publish side writes (each broker's ``wire``
+module: ``redis/wire.py``, ``nats/wire.py``): message id, type, key, JSON headers and the
+JSON payload. A consumer receives its broker's connection object (``<name>/connection.py``),
+which it shares with the publisher; it never sees the publisher. Failures of the broker
+itself raise :class:`~fastapi_outbox.exceptions.BrokerUnavailable`: the subscriber
 pauses, and no handler attempt is charged.
 """
 

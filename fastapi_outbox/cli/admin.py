@@ -24,8 +24,8 @@ import re
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterable
-from typing import Any, TextIO
+from collections.abc import Awaitable, Callable, Iterable
+from typing import TextIO
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.cli.support import (
@@ -41,6 +41,7 @@ from fastapi_outbox.cli.support import (
 from fastapi_outbox.cli.support import guard as _guard
 from fastapi_outbox.events import MessageStatus
 from fastapi_outbox.ops import operations
+from fastapi_outbox.outbox import Outbox
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
 _UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -64,7 +65,7 @@ def parse_uuid(text: str) -> uuid.UUID:
 
 
 def add_commands(
-    sub: Any,
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
     common: Callable[[argparse.ArgumentParser], None],
     progress: Callable[[argparse.ArgumentParser], None],
 ) -> None:
@@ -226,95 +227,95 @@ class Progress:
         self.stream.flush()
 
 
-async def run(args: argparse.Namespace, outbox: Any) -> int:
-    command = args.command
-    if command == "status":
-        stats = await _guard(
-            outbox.store.stats(
-                outbox.all_brokers, published_totals=True, ordered=outbox.settings.ordered
-            ),
-            outbox,
-        )
-        rows = [dataclasses.asdict(s) for s in stats.values()]
-        slot = None
-        if outbox.wal_slot is not None:  # capture="wal": the replication slot too
-            slot = await _guard(outbox.wal_slot.report(), outbox)
-        if args.json and slot is not None:
-            print(json.dumps({"brokers": rows, "wal_slot": slot}, indent=2, default=str))
-        elif args.json:
-            print(json.dumps(rows, indent=2, default=str))
-        else:
-            print(
-                render_table(
-                    rows,
-                    [
-                        "broker",
-                        "pending",
-                        "processing",
-                        "failed",
-                        "abandoned",
-                        "published",
-                        "scheduled",
-                        "oldest_pending_age_seconds",
-                        "published_last_minute",
-                    ],
-                )
-            )
-            if slot is not None:
-                print("\nreplication slot (capture='wal'):")
-                print("  " + ", ".join(f"{k}={v}" for k, v in slot.items()))
-        return EXIT_OK
-    if command == "list":
-        if args.limit < 1:
-            raise CliError("--limit must be at least 1")
-        where = operations.MessageFilter(status=args.status, stream=args.stream, broker=args.broker)
-        try:
-            rows = await _guard(operations.list_messages(outbox, where, limit=args.limit), outbox)
-        except exceptions.OperationError as exc:
-            raise CliError(str(exc)) from exc
-        if args.json:
-            print(json.dumps([dict(r) for r in rows], indent=2, default=str))
-        else:
-            print(
-                render_table(
-                    [dict(r) for r in rows],
-                    [
-                        "id",
-                        "broker",
-                        "stream",
-                        "type",
-                        "key",
-                        "status",
-                        "attempts",
-                        "created_at",
-                        "last_error",
-                    ],
-                )
-            )
-        return EXIT_OK
-    if command == "show":
-        try:
-            data = await _guard(operations.show(outbox, args.id), outbox)
-        except exceptions.MessageNotFound as exc:
-            raise CliError(str(exc), EXIT_FAILED) from exc
-        print(json.dumps(data, indent=2, default=str))
-        return EXIT_OK
-    if command == "replay":
-        return await _replay(args, outbox)
-    if command == "abandon":
-        return await _abandon(args, outbox)
-    if command == "cancel":
-        return await _cancel(args, outbox)
-    if command == "purge":
-        return await _purge(args, outbox)
-    if command == "consumers":
+async def run(args: argparse.Namespace, outbox: Outbox) -> int:
+    """Run the operator command ``args.command`` on ``outbox``; the exit code."""
+    if args.command == "consumers":
         from fastapi_outbox.cli import consumers as consumers_cli
 
         return await consumers_cli.run(args, outbox)
-    raise CliError(f"unknown command {command!r}")
+    command = _COMMANDS.get(args.command)
+    if command is None:
+        raise CliError(f"unknown command {args.command!r}")
+    return await command(args, outbox)
 
 
-async def _replay(args: argparse.Namespace, outbox: Any) -> int:
+#: ``status`` columns, in this order.
+STATUS_COLUMNS = [
+    "broker",
+    "pending",
+    "processing",
+    "failed",
+    "abandoned",
+    "published",
+    "scheduled",
+    "oldest_pending_age_seconds",
+    "published_last_minute",
+]
+#: ``list`` columns, in this order.
+LIST_COLUMNS = [
+    "id",
+    "broker",
+    "stream",
+    "type",
+    "key",
+    "status",
+    "attempts",
+    "created_at",
+    "last_error",
+]
+
+
+async def _status(args: argparse.Namespace, outbox: Outbox) -> int:
+    """``status``: counts by status and broker (and the replication slot of capture="wal")."""
+    stats = await _guard(
+        outbox.store.stats(
+            outbox.all_brokers, published_totals=True, ordered=outbox.settings.ordered
+        ),
+        outbox,
+    )
+    rows = [dataclasses.asdict(s) for s in stats.values()]
+    slot = None
+    if outbox.wal_slot is not None:  # capture="wal": the replication slot too
+        slot = await _guard(outbox.wal_slot.report(), outbox)
+    if args.json and slot is not None:
+        print(json.dumps({"brokers": rows, "wal_slot": slot}, indent=2, default=str))
+    elif args.json:
+        print(json.dumps(rows, indent=2, default=str))
+    else:
+        print(render_table(rows, STATUS_COLUMNS))
+        if slot is not None:
+            print("\nreplication slot (capture='wal'):")
+            print("  " + ", ".join(f"{k}={v}" for k, v in slot.items()))
+    return EXIT_OK
+
+
+async def _list(args: argparse.Namespace, outbox: Outbox) -> int:
+    """``list``: a page of messages, newest first, without payloads."""
+    if args.limit < 1:
+        raise CliError("--limit must be at least 1")
+    where = operations.MessageFilter(status=args.status, stream=args.stream, broker=args.broker)
+    try:
+        rows = await _guard(operations.list_messages(outbox, where, limit=args.limit), outbox)
+    except exceptions.OperationError as exc:
+        raise CliError(str(exc)) from exc
+    if args.json:
+        print(json.dumps([dict(r) for r in rows], indent=2, default=str))
+    else:
+        print(render_table([dict(r) for r in rows], LIST_COLUMNS))
+    return EXIT_OK
+
+
+async def _show(args: argparse.Namespace, outbox: Outbox) -> int:
+    """``show``: one message with its headers and payload."""
+    try:
+        data = await _guard(operations.show(outbox, args.id), outbox)
+    except exceptions.MessageNotFound as exc:
+        raise CliError(str(exc), EXIT_FAILED) from exc
+    print(json.dumps(data, indent=2, default=str))
+    return EXIT_OK
+
+
+async def _replay(args: argparse.Namespace, outbox: Outbox) -> int:
     if getattr(args, "dead_letter", None):
         from fastapi_outbox.cli import consumers as consumers_cli
 
@@ -362,7 +363,7 @@ async def _replay(args: argparse.Namespace, outbox: Any) -> int:
 
 
 def _report(
-    outcome: operations.Outcome, verb: str, done: str, asked: int, outbox: Any, dry_run: bool
+    outcome: operations.Outcome, verb: str, done: str, asked: int, outbox: Outbox, dry_run: bool
 ) -> int:
     if dry_run:
         print(f"{verb}: {outcome.count} of {asked} message(s) would be {done} in {target(outbox)}")
@@ -376,7 +377,7 @@ def _report(
     return EXIT_OK
 
 
-async def _abandon(args: argparse.Namespace, outbox: Any) -> int:
+async def _abandon(args: argparse.Namespace, outbox: Outbox) -> int:
     ids = read_ids(args)
     if not ids:
         raise CliError("abandon needs message ids (or --ids-from FILE)")
@@ -389,7 +390,7 @@ async def _abandon(args: argparse.Namespace, outbox: Any) -> int:
     return _report(outcome, "abandon", "abandoned", len(ids), outbox, args.dry_run)
 
 
-async def _cancel(args: argparse.Namespace, outbox: Any) -> int:
+async def _cancel(args: argparse.Namespace, outbox: Outbox) -> int:
     ids = read_ids(args)
     if not ids:
         raise CliError("cancel needs message ids (or --ids-from FILE)")
@@ -406,7 +407,7 @@ async def _cancel(args: argparse.Namespace, outbox: Any) -> int:
     return _report(outcome, "cancel", "cancelled", len(ids), outbox, args.dry_run)
 
 
-async def _purge(args: argparse.Namespace, outbox: Any) -> int:
+async def _purge(args: argparse.Namespace, outbox: Outbox) -> int:
     from fastapi_outbox.storage.store import ABANDONED, PUBLISHED
 
     if args.published_older_than is None and args.abandoned_older_than is None:
@@ -465,3 +466,14 @@ def _duration(seconds: float) -> str:
         if seconds >= size and seconds % size == 0:
             return f"{seconds / size:g}{unit}"
     return f"{seconds:g}s"
+
+
+_COMMANDS: dict[str, Callable[[argparse.Namespace, Outbox], Awaitable[int]]] = {
+    "status": _status,
+    "list": _list,
+    "show": _show,
+    "replay": _replay,
+    "abandon": _abandon,
+    "cancel": _cancel,
+    "purge": _purge,
+}

@@ -10,15 +10,26 @@ import argparse
 import dataclasses
 import json
 from collections.abc import Callable
-from typing import Any
 
 from fastapi_outbox import exceptions
+from fastapi_outbox.brokers.consumer import DeadLetter
+from fastapi_outbox.cli.support import (
+    EXIT_FAILED,
+    EXIT_UNREACHABLE,
+    CliError,
+    guard,
+    operator_name,
+    render_table,
+)
+from fastapi_outbox.cli.support import EXIT_OK as EXIT_OK  # the old path re-exports it
 from fastapi_outbox.ops import operations
+from fastapi_outbox.outbox import Outbox
 
-EXIT_OK = 0
 
-
-def add_commands(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> None:
+def add_commands(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    common: Callable[[argparse.ArgumentParser], None],
+) -> None:
     consumers = sub.add_parser(
         "consumers", help="subscribers' consumer groups: lag, pending, dead letters (needs --app)"
     )
@@ -51,8 +62,6 @@ def add_replay_arguments(replay: argparse.ArgumentParser) -> None:
 
 
 def _need_app(args: argparse.Namespace, what: str) -> None:
-    from fastapi_outbox.cli.support import CliError
-
     if not getattr(args, "app", None):
         raise CliError(
             f"{what} needs --app module:outbox: the subscribers are declared in the "
@@ -60,13 +69,12 @@ def _need_app(args: argparse.Namespace, what: str) -> None:
         )
 
 
-async def run(args: argparse.Namespace, outbox: Any) -> int:
-    from fastapi_outbox.cli.support import guard as _guard
-    from fastapi_outbox.cli.support import render_table as _table
-
+async def run(args: argparse.Namespace, outbox: Outbox) -> int:
+    """``consumers``: each subscriber's group (and, with ``--dead-letters``, its dead
+    letters)."""
     _need_app(args, "consumers")
-    statuses = await _guard(operations.consumers(outbox, counts=True), outbox)
-    dead: dict[tuple[str, str], list[Any]] = {}
+    statuses = await guard(operations.consumers(outbox, counts=True), outbox)
+    dead: dict[tuple[str, str], list[DeadLetter]] = {}
     if args.dead_letters:
         for c in statuses:
             dead[(c.stream, c.group)] = await operations.dead_letters(outbox, c.stream, c.group)
@@ -90,11 +98,11 @@ async def run(args: argparse.Namespace, outbox: Any) -> int:
         "handled",
         "last_handled_at",
     ]
-    print(_table([c.model_dump() for c in statuses], columns))
+    print(render_table([c.model_dump() for c in statuses], columns))
     for (stream, group), letters in dead.items():
         print(f"\ndead letters of {group} on {stream}:")
         print(
-            _table(
+            render_table(
                 [dataclasses.asdict(d) for d in letters],
                 ["entry_id", "message_id", "type", "attempts", "dead_lettered_at", "error"],
             )
@@ -102,7 +110,7 @@ async def run(args: argparse.Namespace, outbox: Any) -> int:
     return EXIT_OK
 
 
-async def _dry_run(args: argparse.Namespace, outbox: Any) -> int:
+async def _dry_run(args: argparse.Namespace, outbox: Outbox) -> int:
     """``replay --dead-letter … --dry-run``: how many would go back, how many are stale."""
     letters = await operations.dead_letters(
         outbox, args.dead_letter, args.group, limit=operations.STALE_SCAN
@@ -119,11 +127,8 @@ async def _dry_run(args: argparse.Namespace, outbox: Any) -> int:
     return EXIT_OK
 
 
-async def replay(args: argparse.Namespace, outbox: Any) -> int:
-    from fastapi_outbox.cli.support import CliError
-    from fastapi_outbox.cli.support import guard as _guard
-    from fastapi_outbox.cli.support import operator_name as _operator
-
+async def replay(args: argparse.Namespace, outbox: Outbox) -> int:
+    """``replay --dead-letter STREAM --group G [--entry ID…]``."""
     _need_app(args, "replay --dead-letter")
     if not args.group:
         raise CliError("replay --dead-letter STREAM needs --group GROUP")
@@ -134,13 +139,13 @@ async def replay(args: argparse.Namespace, outbox: Any) -> int:
     try:
         if args.dry_run:
             return await _dry_run(args, outbox)
-        count = await _guard(
+        count = await guard(
             operations.replay_dead_letters(
                 outbox,
                 args.dead_letter,
                 args.group,
                 args.entry,
-                operator=_operator(),
+                operator=operator_name(),
                 force=args.force,
             ),
             outbox,
@@ -150,12 +155,12 @@ async def replay(args: argparse.Namespace, outbox: Any) -> int:
     except exceptions.OperationError as exc:
         raise CliError(str(exc)) from exc
     except exceptions.BrokerUnavailable as exc:
-        raise CliError(str(exc), 3) from exc
+        raise CliError(str(exc), EXIT_UNREACHABLE) from exc
     print(f"replayed {count} dead letter(s) of {args.group} onto {args.dead_letter}")
     if args.entry and count < len(set(args.entry)):
         raise CliError(
             f"{len(set(args.entry)) - count} of the given entries are not dead letters of "
             f"{args.group} on {args.dead_letter}",
-            1,
+            EXIT_FAILED,
         )
     return EXIT_OK

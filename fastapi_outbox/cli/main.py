@@ -20,7 +20,7 @@ import logging
 import signal
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.cli.support import (
@@ -32,7 +32,12 @@ from fastapi_outbox.cli.support import (
 from fastapi_outbox.cli.support import guard as _guard
 from fastapi_outbox.cli.support import sqlstate as _sqlstate
 from fastapi_outbox.log import JsonFormatter, TextFormatter, safe_error
+from fastapi_outbox.outbox import NO_BROKER, Outbox
 from fastapi_outbox.redaction import redact, redact_url
+from fastapi_outbox.settings import OutboxSettings
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 #: Broker of ``dispatch --url`` when no ``--broker-url`` is given.
 BROKER_URL_ENV = "OUTBOX_BROKER_URL"
@@ -40,10 +45,8 @@ BROKER_URL_ENV = "OUTBOX_BROKER_URL"
 logger = logging.getLogger("fastapi_outbox.cli")
 
 
-def load_outbox(spec: str) -> Any:
+def load_outbox(spec: str) -> Outbox:
     """Import ``module:attribute`` and return the Outbox it names."""
-    from fastapi_outbox.outbox import Outbox
-
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise CliError(f"--app must look like 'package.module:outbox', got {spec!r}")
@@ -66,11 +69,8 @@ def load_outbox(spec: str) -> Any:
     return obj
 
 
-def resolve_outbox(args: argparse.Namespace) -> Any:
+def resolve_outbox(args: argparse.Namespace) -> Outbox:
     """The Outbox the command works on: ``--app``, else ``--url``/``OUTBOX_DATABASE_URL``."""
-    from fastapi_outbox.outbox import Outbox
-    from fastapi_outbox.settings import OutboxSettings
-
     if getattr(args, "app", None):
         return load_outbox(args.app)
     try:
@@ -120,6 +120,35 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    _db_commands(sub)
+    dispatch = sub.add_parser("dispatch", help="run the dispatchers without a web server")
+    _common(dispatch)
+    dispatch.add_argument(
+        "--broker-url",
+        help=f"broker of --url (redis://, nats://; else {BROKER_URL_ENV}); --app brings its own",
+    )
+    dispatch.add_argument(
+        "--http",
+        metavar="HOST:PORT",
+        type=_host_port,
+        help="also serve GET /outbox/health (and /metrics with PrometheusInstrumentation) "
+        "on HOST:PORT, for probes of a dispatcher-only process (needs uvicorn)",
+    )
+
+    from fastapi_outbox.cli import admin
+
+    admin.add_commands(sub, _common, _progress_option)
+    from fastapi_outbox.cli import consumers as consumers_cli
+
+    consumers_cli.add_commands(sub, _common)
+    from fastapi_outbox.cli import asyncapi
+
+    asyncapi.add_command(sub)
+    return parser
+
+
+def _db_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``db create``, ``db drop-slot``, ``db sql``, ``db upgrade`` and ``doctor``."""
     db = sub.add_parser("db", help="create the outbox table or print its DDL")
     db_sub = db.add_subparsers(dest="db_command", required=True, metavar="ACTION")
     create = db_sub.add_parser("create", help="create the outbox table and indexes")
@@ -149,31 +178,6 @@ def build_parser() -> argparse.ArgumentParser:
         "it (exit 1 on a mismatch)",
     )
     _common(doctor)
-
-    dispatch = sub.add_parser("dispatch", help="run the dispatchers without a web server")
-    _common(dispatch)
-    dispatch.add_argument(
-        "--broker-url",
-        help=f"broker of --url (redis://, nats://; else {BROKER_URL_ENV}); --app brings its own",
-    )
-    dispatch.add_argument(
-        "--http",
-        metavar="HOST:PORT",
-        type=_host_port,
-        help="also serve GET /outbox/health (and /metrics with PrometheusInstrumentation) "
-        "on HOST:PORT, for probes of a dispatcher-only process (needs uvicorn)",
-    )
-
-    from fastapi_outbox.cli import admin
-
-    admin.add_commands(sub, _common, _progress_option)
-    from fastapi_outbox.cli import consumers as consumers_cli
-
-    consumers_cli.add_commands(sub, _common)
-    from fastapi_outbox.cli import asyncapi
-
-    asyncapi.add_command(sub)
-    return parser
 
 
 def configure_logging(fmt: str, verbose: bool) -> None:
@@ -261,7 +265,7 @@ async def _run(args: argparse.Namespace) -> int:
         await outbox.aclose()
 
 
-async def _doctor(outbox: Any) -> int:
+async def _doctor(outbox: Outbox) -> int:
     """Print each difference between the live table and the expected layout with its fix."""
     from fastapi_outbox.storage import doctor
 
@@ -281,7 +285,7 @@ async def _doctor(outbox: Any) -> int:
     return EXIT_OK
 
 
-async def _upgrade(outbox: Any) -> int:
+async def _upgrade(outbox: Outbox) -> int:
     from fastapi_outbox.storage import doctor
 
     try:
@@ -303,7 +307,7 @@ async def _upgrade(outbox: Any) -> int:
     return EXIT_OK
 
 
-async def _drop_slot(outbox: Any, *, force: bool) -> int:
+async def _drop_slot(outbox: Outbox, *, force: bool) -> int:
     """``db drop-slot``: after switching back to capture='table' (README: switching modes)."""
     from fastapi_outbox.storage.wal_slot import WalSlot
 
@@ -352,7 +356,6 @@ async def _drop_slot(outbox: Any, *, force: bool) -> int:
 def _print_ddl(args: argparse.Namespace) -> int:
     from sqlalchemy.dialects import postgresql, sqlite
 
-    from fastapi_outbox.settings import OutboxSettings
     from fastapi_outbox.storage.inbox import build_inbox_table
     from fastapi_outbox.storage.schema import build_table, ddl
 
@@ -387,7 +390,7 @@ def _host_port(text: str) -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
-def _probe_app(outbox: Any) -> Any:
+def _probe_app(outbox: Outbox) -> FastAPI:
     """The HTTP surface of a dispatcher-only process: health, and metrics when the outbox
     reports to Prometheus."""
     from fastapi import FastAPI
@@ -403,7 +406,7 @@ def _probe_app(outbox: Any) -> Any:
     return app
 
 
-async def _serve_probes(outbox: Any, host: str, port: int, stop: asyncio.Event) -> None:
+async def _serve_probes(outbox: Outbox, host: str, port: int, stop: asyncio.Event) -> None:
     try:
         import uvicorn
     except ImportError as exc:
@@ -423,15 +426,13 @@ async def _serve_probes(outbox: Any, host: str, port: int, stop: asyncio.Event) 
         await serving
 
 
-async def dispatch(outbox: Any, *, http: tuple[str, int] | None = None) -> int:
+async def dispatch(outbox: Outbox, *, http: tuple[str, int] | None = None) -> int:
     """Run the processors until SIGTERM/SIGINT, then shut down cleanly (exit 0)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     if not outbox.brokers:
-        from fastapi_outbox.outbox import NO_BROKER
-
         raise CliError(NO_BROKER)
     logger.info(
         "dispatching",

@@ -12,11 +12,15 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import sys
-from typing import Any, TextIO
+from collections.abc import Awaitable
+from typing import Any, TextIO, TypeVar
 
 from fastapi_outbox.log import safe_error
+from fastapi_outbox.outbox import Outbox
 from fastapi_outbox.redaction import redact_url
 from fastapi_outbox.storage import db_outage
+
+T = TypeVar("T")
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -36,7 +40,7 @@ def sqlstate(exc: BaseException) -> str:
     return db_outage.sqlstate_of(exc) or ""
 
 
-async def guard(coro: Any, outbox: Any) -> Any:
+async def guard(coro: Awaitable[T], outbox: Outbox) -> T:
     """Await ``coro``; a database that cannot be reached becomes exit code 3 and a
     missing outbox table exit code 1, both with a message naming the (redacted) URL.
     "Cannot be reached" is the dialect's outage classifier's verdict
@@ -48,6 +52,8 @@ async def guard(coro: Any, outbox: Any) -> Any:
     try:
         return await coro
     except Exception as exc:
+        # The driver's text, not ours: SQLite has no code of its own for a missing table
+        # (SQLITE_ERROR is also every syntax error); PostgreSQL says 42P01.
         text = str(getattr(exc, "orig", exc))
         missing = isinstance(exc, DBAPIError) and "no such table" in text
         if sqlstate(exc) == _UNDEFINED_TABLE or missing:
@@ -64,7 +70,7 @@ async def guard(coro: Any, outbox: Any) -> Any:
         raise
 
 
-def target(outbox: Any) -> str:
+def target(outbox: Outbox) -> str:
     """What a command works on, for its confirmation: the table and the database (its URL
     redacted: the database may come from OUTBOX_DATABASE_URL, and the operator should
     see which one it is)."""

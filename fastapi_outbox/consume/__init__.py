@@ -1,7 +1,10 @@
 """Consume: running the application's handlers on messages from the brokers.
 
-It owns the subscriber options, handler inspection, per-message and batch processing with
-the idempotent inbox, and the loop that fetches from a broker's consumer (``subscriber``;
-split into those parts in a later step). It imports the kernel, ``storage``, the broker
-ports (``brokers.base``, ``brokers.consumer``) and ``write``.
+It owns the subscriber options and their checks (``options``), handler inspection and
+decoding (``handlers``), the handler's transaction with the idempotent inbox and one
+delivery's retries and dead letter (``processing``), fetched batches and batch handlers
+(``batches``), and the fetch loop with the ``Subscriber`` that composes them
+(``subscriber``). It sees its outbox only through the small ``ConsumeContext`` port
+(``context``), never ``fastapi_outbox.outbox``, and imports the kernel, ``storage``, the
+broker ports (``brokers.base``, ``brokers.consumer``) and ``write``.
 """

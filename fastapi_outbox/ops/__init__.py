@@ -3,6 +3,6 @@
 It owns the operations (``operations``: list, show, replay, abandon, cancel, purge), the
 health and readiness probes (``health``), the Prometheus and OpenTelemetry metrics
 (``metrics``) and the HTML dashboard (``dashboard``). It may import everything below it but
-``outbox``; today it still types against ``Outbox`` (a small read/act port replaces that in a
-later step, see the import-linter contract in pyproject.toml).
+``outbox``: it sees an outbox through its read/act port (``port.OutboxPort``), which
+``Outbox`` satisfies structurally (the import-linter contract in pyproject.toml keeps it so).
 """

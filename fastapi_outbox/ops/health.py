@@ -25,22 +25,23 @@ detail in the public body, for a deployment whose health port only the operators
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import time
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import anyio
 from fastapi import APIRouter, Depends, HTTPException, Response
 from pydantic import BaseModel, Field
 
 from fastapi_outbox.consume.subscriber import ConsumerStatus
+from fastapi_outbox.ops import operations
+from fastapi_outbox.ops.port import OutboxPort, SlotView, WalRelayState, relay_here, wall_time
 from fastapi_outbox.redaction import redact
+from fastapi_outbox.settings import OutboxSettings
 from fastapi_outbox.storage import clock
 from fastapi_outbox.storage.store import BrokerStats
-from fastapi_outbox.storage.wal_slot import format_lsn
-
-if TYPE_CHECKING:
-    from fastapi_outbox.outbox import Outbox
+from fastapi_outbox.storage.wal_slot import SlotStats, format_lsn
 
 Status = Literal["ok", "degraded", "down"]
 
@@ -166,186 +167,153 @@ class OutboxHealth(BaseModel):
         )
 
 
-async def compute_health(outbox: Outbox) -> OutboxHealth:
-    settings = outbox.settings
-    reasons: list[str] = []
+@dataclasses.dataclass(slots=True)
+class _Findings:
+    """What the checks found: the reasons, in the order found, and whether one makes the
+    outbox down (503) or degraded."""
+
+    reasons: list[str] = dataclasses.field(default_factory=list)
+    down: bool = False
+    degraded: bool = False
+
+    def is_down(self, reason: str) -> None:
+        self.down = True
+        self.reasons.append(reason)
+
+    def is_degraded(self, reason: str) -> None:
+        self.degraded = True
+        self.reasons.append(reason)
+
+    @property
+    def status(self) -> Status:
+        return "down" if self.down else "degraded" if self.degraded else "ok"
+
+
+async def compute_health(outbox: OutboxPort) -> OutboxHealth:
+    found = _Findings()
     stats: dict[str, BrokerStats] = {}
     try:
         with anyio.fail_after(HEALTH_TIMEOUT_SECONDS):
-            stats = await outbox.store.stats(outbox.all_brokers, ordered=settings.ordered)
+            stats = await outbox.store.stats(outbox.all_brokers, ordered=outbox.settings.ordered)
         database_ok = True
     except Exception as exc:
-        database_ok = False
         # The type only: a driver's message can quote the URL.
-        reasons.append(f"database unreachable ({type(exc).__name__})")
-    processors = []
-    down = not database_ok
-    degraded = False
-    for name in outbox.all_brokers:
-        s = stats.get(name)
-        p = outbox.processors.get(name) if outbox.started else None
-        if outbox.started and (p is None or not p.running):
-            down = True
-            reasons.append(f"processor {name!r} is not running")
-        broker_down = p is not None and p.running and not p.broker_ok
-        down_for: float | None = None
-        if broker_down and p is not None:
-            degraded = True
-            down_for = clock.wall() - (p.broker_down_since or clock.wall())
-            what = "refusing messages" if p.broker_refusing else "unreachable"
-            reasons.append(f"broker {name!r} {what} for {down_for:.0f}s")
-        age = s.oldest_pending_age_seconds if s else None
-        if age is not None and age > settings.health_max_pending_age_seconds:
-            # A restart cures a stuck processor of this process, not a broker outage (the
-            # processor is paused on purpose) nor an API-only process's view of the table.
-            stuck_here = p is not None and p.running and not broker_down
-            if stuck_here:
-                down = True
-            else:
-                degraded = True
-            reasons.append(
-                f"a due message of {name!r} has waited {age:.0f}s "
-                f"(> health_max_pending_age_seconds={settings.health_max_pending_age_seconds:g})"
-                + ("" if stuck_here else "; no processor here could take it")
-            )
-        if s and (s.failed or s.abandoned):
-            degraded = True
-            if s.abandoned:
-                reasons.append(f"{s.abandoned} abandoned message(s) on {name!r}")
-            if s.failed:
-                reasons.append(f"{s.failed} failing message(s) on {name!r}")
-        if s and s.blocked_keys:
-            # Ordered dispatch: the later messages of such a key wait for an operator.
-            degraded = True
-            reasons.append(
-                f"{s.blocked_keys} key(s) of {name!r} blocked by an abandoned message "
-                f"(first: {s.blocking_message}): replay it to publish the key in order, "
-                "or purge it to go on without it"
-            )
-        processors.append(
-            ProcessorHealth(
-                broker=name,
-                external=name in outbox.external_brokers,
-                running=bool(p and p.running),
-                broker_available=None if p is None else p.broker_ok,
-                broker_down_since=(
-                    dt.datetime.fromtimestamp(p.broker_down_since, dt.UTC)
-                    if p is not None and p.broker_down_since is not None
-                    else None
-                ),
-                broker_down_seconds=None if down_for is None else round(down_for, 3),
-                last_tick=(
-                    dt.datetime.fromtimestamp(p.last_tick, dt.UTC)
-                    if p is not None and p.last_tick is not None
-                    else None
-                ),
-                pending=s.pending if s else None,
-                processing=s.processing if s else None,
-                failed=s.failed if s else None,
-                abandoned=s.abandoned if s else None,
-                oldest_pending_age_seconds=None if age is None else round(age, 3),
-                published_last_minute=s.published_last_minute if s else None,
-                last_error=_redacted(p.last_error) if p is not None else None,
-            )
-        )
+        found.is_down(f"database unreachable ({type(exc).__name__})")
+        database_ok = False
+    processors = [
+        _processor_health(outbox, name, stats.get(name), found) for name in outbox.all_brokers
+    ]
     wal = None
     if outbox.wal_slot is not None:
-        wal, wal_down, wal_degraded = await _wal_health(outbox, reasons, database_ok)
-        down = down or wal_down
-        degraded = degraded or wal_degraded
-    consumers, consumers_down, consumers_degraded = await _consumers_health(outbox, reasons)
-    down = down or consumers_down
-    degraded = degraded or consumers_degraded
-    status: Status = "down" if down else "degraded" if degraded else "ok"
+        wal = await _wal_health(outbox, outbox.wal_slot, found, database_ok)
+    consumers = await _consumers_health(outbox, found)
     return OutboxHealth(
         consumers=consumers,
-        status=status,
+        status=found.status,
         database="ok" if database_ok else "down",
         dispatchers_running=outbox.started,
-        reasons=reasons,
+        reasons=found.reasons,
         processors=processors,
         wal=wal,
         listening=None if outbox.listener is None else outbox.listener.listening,
     )
 
 
+def _processor_health(
+    outbox: OutboxPort, name: str, s: BrokerStats | None, found: _Findings
+) -> ProcessorHealth:
+    """One broker's processor: down when it should run here and does not, or when a due
+    message waits too long for it; degraded when its broker is down, messages fail or
+    are abandoned, or keys are blocked. ``s``: its counts (None: database unreachable)."""
+    p = relay_here(outbox, name)
+    if outbox.started and (p is None or not p.running):
+        found.is_down(f"processor {name!r} is not running")
+    broker_down = p is not None and p.running and not p.broker_ok
+    down_for: float | None = None
+    if broker_down and p is not None:
+        down_for = clock.wall() - (p.broker_down_since or clock.wall())
+        what = "refusing messages" if p.broker_refusing else "unreachable"
+        found.is_degraded(f"broker {name!r} {what} for {down_for:.0f}s")
+    age = s.oldest_pending_age_seconds if s else None
+    if s is not None:
+        _backlog_health(
+            outbox, name, s, found, stuck_here=bool(p and p.running) and not broker_down
+        )
+    return ProcessorHealth(
+        broker=name,
+        external=name in outbox.external_brokers,
+        running=bool(p and p.running),
+        broker_available=None if p is None else p.broker_ok,
+        broker_down_since=None if p is None else wall_time(p.broker_down_since),
+        broker_down_seconds=None if down_for is None else round(down_for, 3),
+        last_tick=None if p is None else wall_time(p.last_tick),
+        pending=s.pending if s else None,
+        processing=s.processing if s else None,
+        failed=s.failed if s else None,
+        abandoned=s.abandoned if s else None,
+        oldest_pending_age_seconds=None if age is None else round(age, 3),
+        published_last_minute=s.published_last_minute if s else None,
+        last_error=_redacted(p.last_error) if p is not None else None,
+    )
+
+
+def _backlog_health(
+    outbox: OutboxPort, name: str, s: BrokerStats, found: _Findings, *, stuck_here: bool
+) -> None:
+    """What the counts of one broker say. ``stuck_here``: a processor of this process
+    runs for it with its broker up, so a message waiting too long is this process's fault
+    (a restart cures it: down); otherwise (a broker outage, during which the processor
+    pauses on purpose, or an API-only process's view of the table) it is degraded."""
+    limit = outbox.settings.health_max_pending_age_seconds
+    age = s.oldest_pending_age_seconds
+    if age is not None and age > limit:
+        reason = (
+            f"a due message of {name!r} has waited {age:.0f}s "
+            f"(> health_max_pending_age_seconds={limit:g})"
+            + ("" if stuck_here else "; no processor here could take it")
+        )
+        if stuck_here:
+            found.is_down(reason)
+        else:
+            found.is_degraded(reason)
+    if s.abandoned:
+        found.is_degraded(f"{s.abandoned} abandoned message(s) on {name!r}")
+    if s.failed:
+        found.is_degraded(f"{s.failed} failing message(s) on {name!r}")
+    if s.blocked_keys:
+        # Ordered dispatch: the later messages of such a key wait for an operator.
+        found.is_degraded(
+            f"{s.blocked_keys} key(s) of {name!r} blocked by an abandoned message "
+            f"(first: {s.blocking_message}): replay it to publish the key in order, "
+            "or purge it to go on without it"
+        )
+
+
 async def _wal_health(
-    outbox: Outbox, reasons: list[str], database_ok: bool
-) -> tuple[WalHealth, bool, bool]:
-    """The slot's health: (report, down, degraded). Down: the slot is missing or was
-    invalidated (messages lost: a restart cures nothing, but nothing must look fine), the
-    relay of this process died, the reader here stopped before an undecodable message or
-    has made no progress for longer than health_max_pending_age_seconds, or it is
-    stuck; degraded: its broker is
+    outbox: OutboxPort, slot: SlotView, found: _Findings, database_ok: bool
+) -> WalHealth:
+    """The slot's health. Down: the slot is missing or was invalidated (messages lost: a
+    restart cures nothing, but nothing must look fine), the relay of this process died,
+    the reader here stopped before an undecodable message or has made no progress for
+    longer than health_max_pending_age_seconds, or it is stuck; degraded: its broker is
     down, or the slot's WAL is about to exceed max_slot_wal_keep_size."""
-    slot = outbox.wal_slot
-    assert slot is not None
-    settings = outbox.settings
     relay = outbox.wal_relay if outbox.started else None
     stats = None
-    down = degraded = False
     if database_ok:
         try:
             with anyio.fail_after(HEALTH_TIMEOUT_SECONDS):
                 stats = await slot.stats()
         except Exception as exc:
             database_ok = False
-            reasons.append(f"replication slot unreadable ({type(exc).__name__})")
-            down = True
-    if database_ok and stats is None:
-        down = True
-        reasons.append(
-            f"replication slot {slot.name!r} does not exist: messages committed now are "
-            "lost; run `fastapi-outbox db create` with capture='wal'"
-        )
-    elif stats is not None and stats.lost:
-        down = True
-        reasons.append(
-            f"replication slot {slot.name!r} was invalidated (wal_status=lost: it retained "
-            "more WAL than max_slot_wal_keep_size); messages it had not relayed are lost: "
-            "drop and recreate it (`fastapi-outbox db drop-slot --force`, `db create`)"
-        )
-    elif stats is not None and stats.wal_status == "unreserved":
-        degraded = True
-        reasons.append(
-            f"replication slot {slot.name!r} is about to be invalidated "
-            "(wal_status=unreserved): its relay is far behind"
-        )
+            found.is_down(f"replication slot unreadable ({type(exc).__name__})")
+    _slot_findings(slot.name, stats, found, database_ok)
     if outbox.started and (relay is None or not relay.running):
-        down = True
-        reasons.append("the WAL relay is not running")
-    lag = stalled = None
-    undecodable = relay.undecodable if relay is not None and relay.leader else None
-    if relay is not None and relay.leader:
-        lag = relay.lag_seconds
-        stalled = relay.no_progress_seconds
-        if undecodable is not None:
-            down = True
-            reasons.append(undecodable.describe(slot.name))
-        elif not relay.broker_ok:
-            degraded = True
-            reasons.append("WAL relay paused: broker down")
-        elif stalled is not None and stalled > settings.health_max_pending_age_seconds:
-            down = True
-            behind = (
-                f"{stats.lag_bytes} bytes behind"
-                if stats is not None and stats.lag_bytes is not None
-                else "lag unknown"
-            )
-            reasons.append(
-                f"the WAL relay has made no progress for {stalled:.0f}s "
-                f"(> health_max_pending_age_seconds={settings.health_max_pending_age_seconds:g}; "
-                f"slot {slot.name!r} {behind}): {relay.last_error or 'no error'}; a read "
-                "must decode the WAL from the slot's restart_lsn within "
-                f"wal_read_timeout_seconds={settings.wal_read_timeout_seconds:g}"
-            )
-        elif lag > settings.health_max_pending_age_seconds:
-            down = True
-            reasons.append(
-                f"the WAL relay's oldest unconfirmed message has waited {lag:.0f}s "
-                f"(> health_max_pending_age_seconds={settings.health_max_pending_age_seconds:g})"
-            )
-    report = WalHealth(
+        found.is_down("the WAL relay is not running")
+    reader = relay if relay is not None and relay.leader else None
+    if reader is not None:
+        _reader_findings(outbox.settings, slot.name, reader, stats, found)
+    undecodable = None if reader is None else reader.undecodable
+    return WalHealth(
         slot=slot.name,
         exists=None if not database_ok else stats is not None,
         wal_status=stats.wal_status if stats else None,
@@ -353,17 +321,13 @@ async def _wal_health(
         retained_bytes=stats.retained_bytes if stats else None,
         safe_wal_size=stats.safe_wal_size if stats else None,
         relay_running=bool(relay and relay.running),
-        reader_here=bool(relay and relay.leader),
-        lag_seconds=None if lag is None else round(lag, 3),
-        last_relayed_at=(
-            dt.datetime.fromtimestamp(relay.last_relayed_at, dt.UTC)
-            if relay is not None and relay.last_relayed_at is not None
-            else None
-        ),
+        reader_here=reader is not None,
+        lag_seconds=None if reader is None else round(reader.lag_seconds, 3),
+        last_relayed_at=None if relay is None else wall_time(relay.last_relayed_at),
         broker_available=None if relay is None else relay.broker_ok,
         last_error=None if relay is None else _redacted(relay.last_error),
-        no_progress_seconds=None if stalled is None else round(stalled, 3),
-        read_window_bytes=relay.read_window_bytes if relay is not None and relay.leader else None,
+        no_progress_seconds=_rounded(None if reader is None else reader.no_progress_seconds),
+        read_window_bytes=None if reader is None else reader.read_window_bytes,
         undecodable_lsn=None if undecodable is None else format_lsn(undecodable.lsn),
         undecodable_skip_to=(
             None
@@ -371,50 +335,95 @@ async def _wal_health(
             else format_lsn(undecodable.end_lsn)
         ),
     )
-    return report, down, degraded
 
 
-async def _consumers_health(
-    outbox: Outbox, reasons: list[str]
-) -> tuple[list[ConsumerStatus], bool, bool]:
-    """(statuses, down, degraded): a subscriber of this process that stopped running is
-    down (a restart cures it); a paused one (broker unreachable) or dead letters waiting
-    degrade the status."""
+def _slot_findings(name: str, stats: SlotStats | None, found: _Findings, database_ok: bool) -> None:
+    """What ``pg_replication_slots`` says of the slot (nothing when unread)."""
+    if database_ok and stats is None:
+        found.is_down(
+            f"replication slot {name!r} does not exist: messages committed now are "
+            "lost; run `fastapi-outbox db create` with capture='wal'"
+        )
+    elif stats is not None and stats.lost:
+        found.is_down(
+            f"replication slot {name!r} was invalidated (wal_status=lost: it retained "
+            "more WAL than max_slot_wal_keep_size); messages it had not relayed are lost: "
+            "drop and recreate it (`fastapi-outbox db drop-slot --force`, `db create`)"
+        )
+    elif stats is not None and stats.wal_status == "unreserved":
+        found.is_degraded(
+            f"replication slot {name!r} is about to be invalidated "
+            "(wal_status=unreserved): its relay is far behind"
+        )
+
+
+def _reader_findings(
+    settings: OutboxSettings,
+    slot: str,
+    reader: WalRelayState,
+    stats: SlotStats | None,
+    found: _Findings,
+) -> None:
+    """What the reader of the slot in this process says of itself."""
+    limit = settings.health_max_pending_age_seconds
+    stalled = reader.no_progress_seconds
+    if reader.undecodable is not None:
+        found.is_down(reader.undecodable.describe(slot))
+    elif not reader.broker_ok:
+        found.is_degraded("WAL relay paused: broker down")
+    elif stalled is not None and stalled > limit:
+        behind = (
+            f"{stats.lag_bytes} bytes behind"
+            if stats is not None and stats.lag_bytes is not None
+            else "lag unknown"
+        )
+        found.is_down(
+            f"the WAL relay has made no progress for {stalled:.0f}s "
+            f"(> health_max_pending_age_seconds={limit:g}; "
+            f"slot {slot!r} {behind}): {reader.last_error or 'no error'}; a read "
+            "must decode the WAL from the slot's restart_lsn within "
+            f"wal_read_timeout_seconds={settings.wal_read_timeout_seconds:g}"
+        )
+    elif reader.lag_seconds > limit:
+        found.is_down(
+            f"the WAL relay's oldest unconfirmed message has waited "
+            f"{reader.lag_seconds:.0f}s (> health_max_pending_age_seconds={limit:g})"
+        )
+
+
+def _rounded(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 3)
+
+
+async def _consumers_health(outbox: OutboxPort, found: _Findings) -> list[ConsumerStatus]:
+    """A subscriber of this process that stopped running is down (a restart cures it); a
+    paused one (broker unreachable) or dead letters waiting degrade the status."""
     if not outbox.subscribers:
-        return [], False, False
-    from fastapi_outbox.ops import operations
-
-    statuses: list[ConsumerStatus] = await operations.consumers(outbox)
-    for status in statuses:  # a handler's error text is the application's own
-        status.last_error = _redacted(status.last_error)
-    down = degraded = False
+        return []
+    statuses = await operations.consumers(outbox)
     for c in statuses:
+        c.last_error = _redacted(c.last_error)  # a handler's error text is the app's own
         where = f"consumer group {c.group!r} on {c.stream!r}"
         if outbox.started and not c.running:
-            down = True
-            reasons.append(f"{where} is not running")
+            found.is_down(f"{where} is not running")
         elif c.running and c.broker_available is False:
-            degraded = True
-            reasons.append(f"{where}: broker {c.broker!r} unavailable")
+            found.is_degraded(f"{where}: broker {c.broker!r} unavailable")
         if c.dead_letters_unwritten:
-            degraded = True
-            reasons.append(
+            found.is_degraded(
                 f"{where}: {c.dead_letters_unwritten} message(s) could not be written to "
                 f"{c.dead_letter_stream!r} (they stay pending; "
                 f"{c.dead_letter_failures} failed write(s))"
             )
         if c.dead_letters:
-            degraded = True
-            reasons.append(
+            found.is_degraded(
                 f"{c.dead_letters} dead letter(s) of {where} in {c.dead_letter_stream!r}"
             )
         if c.trimmed:
-            degraded = True
-            reasons.append(
+            found.is_degraded(
                 f"{where}: {c.trimmed} entries trimmed from the stream (MAXLEN) before the "
                 "group read them: lost to it; raise the broker's maxlen or drop it"
             )
-    return statuses, down, degraded
+    return statuses
 
 
 def _redacted(text: str | None) -> str | None:
@@ -431,7 +440,7 @@ NO_GUARD = (
 )
 
 
-def build_health_router(outbox: Outbox) -> APIRouter:
+def build_health_router(outbox: OutboxPort) -> APIRouter:
     router = APIRouter(prefix="/outbox", tags=["outbox"])
     cache: dict[str, tuple[float, OutboxHealth]] = {}
 

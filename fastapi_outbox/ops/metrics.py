@@ -35,7 +35,7 @@ import time
 import weakref
 from collections import Counter as Tally
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 from fastapi import APIRouter, Request, Response
@@ -43,9 +43,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi_outbox import exceptions
 from fastapi_outbox.events import HEADER_OCCURRED_AT, Envelope
 from fastapi_outbox.instrumentation import Instrumentation
-
-if TYPE_CHECKING:
-    from fastapi_outbox.outbox import Outbox
+from fastapi_outbox.ops.port import OutboxPort, SlotView, relay_here
 
 __all__ = ["PrometheusInstrumentation", "metrics_router", "mount_metrics"]
 
@@ -220,7 +218,7 @@ class PrometheusInstrumentation(Instrumentation):
 
     # -- gauges ------------------------------------------------------------------------------
 
-    async def refresh(self, outbox: Outbox, *, force: bool = False) -> None:
+    async def refresh(self, outbox: OutboxPort, *, force: bool = False) -> None:
         """Set the gauges from the table (cached for ``refresh_interval_seconds``). A
         database that cannot be reached sets ``database_up`` to 0 and keeps the last
         values: a scrape never fails because of it."""
@@ -234,7 +232,7 @@ class PrometheusInstrumentation(Instrumentation):
                 return
             m = self.metrics
             for name in outbox.all_brokers:
-                processor = outbox.processors.get(name) if outbox.started else None
+                processor = relay_here(outbox, name)
                 m.processor_up.labels(name).set(1 if processor and processor.running else 0)
             try:
                 with anyio.fail_after(REFRESH_TIMEOUT_SECONDS):
@@ -250,12 +248,10 @@ class PrometheusInstrumentation(Instrumentation):
                     m.oldest_age.labels(name).set(s.oldest_pending_age_seconds or 0.0)
                     m.abandoned_now.labels(name).set(s.abandoned)
             if outbox.wal_slot is not None:
-                await self._refresh_wal(outbox)
+                await self._refresh_wal(outbox, outbox.wal_slot)
             self._refreshed_at = time.monotonic()
 
-    async def _refresh_wal(self, outbox: Outbox) -> None:
-        slot = outbox.wal_slot
-        assert slot is not None
+    async def _refresh_wal(self, outbox: OutboxPort, slot: SlotView) -> None:
         m = self.metrics
         relay = outbox.wal_relay
         if relay is not None and relay.leader:
@@ -279,7 +275,7 @@ class PrometheusInstrumentation(Instrumentation):
         return encoder(self.registry), content_type
 
 
-def _instrumentation_of(outbox: Outbox) -> PrometheusInstrumentation:
+def _instrumentation_of(outbox: OutboxPort) -> PrometheusInstrumentation:
     instrumentation = outbox.instrumentation
     if not isinstance(instrumentation, PrometheusInstrumentation):
         raise exceptions.ConfigurationError(
@@ -289,7 +285,7 @@ def _instrumentation_of(outbox: Outbox) -> PrometheusInstrumentation:
     return instrumentation
 
 
-def metrics_router(outbox: Outbox, *, path: str = "/metrics") -> APIRouter:
+def metrics_router(outbox: OutboxPort, *, path: str = "/metrics") -> APIRouter:
     """An ``APIRouter`` serving the Prometheus exposition at ``path`` (not in the OpenAPI
     schema)."""
     instrumentation = _instrumentation_of(outbox)
@@ -304,6 +300,6 @@ def metrics_router(outbox: Outbox, *, path: str = "/metrics") -> APIRouter:
     return router
 
 
-def mount_metrics(app: Any, outbox: Outbox, *, path: str = "/metrics") -> None:
+def mount_metrics(app: Any, outbox: OutboxPort, *, path: str = "/metrics") -> None:
     """``app.include_router(metrics_router(outbox, path=path))``."""
     app.include_router(metrics_router(outbox, path=path))

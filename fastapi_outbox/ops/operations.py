@@ -2,28 +2,36 @@
 
 ``list_messages``, ``show``, ``replay``, ``replay_abandoned``, ``abandon``, ``cancel``,
 ``purge``, ``overview``; for consumers ``consumers``, ``dead_letters``,
-``replay_dead_letters``. The SQL stays in :mod:`fastapi_outbox.storage.store`
-(retention's batched delete in :mod:`fastapi_outbox.relay.retention`); this module
-validates what an operator asked for, runs it, explains refusals per message id, and logs
-every change with the operator's identity
-(``operator=``: who asked, as the dashboard's guard or the CLI's user knows it).
+``replay_dead_letters``. It sees the outbox through its port
+(:class:`fastapi_outbox.ops.port.OutboxPort`), never ``Outbox``; the SQL stays in
+:mod:`fastapi_outbox.storage` (retention's batched delete in
+:mod:`fastapi_outbox.relay.retention`). This module validates what an operator asked for,
+runs it, says per message id what it did (:class:`Outcome`: a :class:`Verdict` per id,
+which callers branch on; the sentences of ``Outcome.problems`` are for people), and logs
+every change with the operator's identity (``operator=``: who asked, as the dashboard's
+guard or the CLI's user knows it).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import enum
 import json
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import anyio
 
 from fastapi_outbox import exceptions
+from fastapi_outbox.brokers.consumer import DeadLetter
+from fastapi_outbox.consume.subscriber import ConsumerStatus
 from fastapi_outbox.events import MessageStatus
-
-if TYPE_CHECKING:
-    from fastapi_outbox.outbox import Outbox
+from fastapi_outbox.ops.port import OutboxPort, SubscriberView, relay_here, wall_time
+from fastapi_outbox.relay import retention
+from fastapi_outbox.storage.inbox import GroupStats
 
 logger = logging.getLogger("fastapi_outbox.operations")
 
@@ -45,16 +53,104 @@ MAX_IDS = 100_000
 ID_PAGE_SIZE = 1000
 
 
+class Action(enum.Enum):
+    """An operator's action on message ids: what it is called when done, the statuses it
+    takes, and whether a message a dispatcher holds is left alone."""
+
+    REPLAY = "replay"
+    ABANDON = "abandon"
+    CANCEL = "cancel"
+
+    @property
+    def done(self) -> str:
+        """``replayed``, ``abandoned``, ``cancelled``."""
+        return f"{self.value}ed" if self is not Action.CANCEL else "cancelled"
+
+    @property
+    def takes(self) -> tuple[str, ...]:
+        """The statuses the action changes."""
+        return _TAKES[self]
+
+    @property
+    def unclaimed_only(self) -> bool:
+        """Abandon and cancel leave a message a dispatcher holds alone (fenced); a replay
+        takes abandoned and failed ones, which no dispatcher holds."""
+        return self is not Action.REPLAY
+
+
+_TAKES = {
+    Action.REPLAY: REPLAYABLE,
+    Action.ABANDON: ABANDONABLE,
+    Action.CANCEL: CANCELLABLE,
+}
+
+
+class Verdict(enum.Enum):
+    """What an action did with one message id."""
+
+    #: Changed (in a dry run: would be changed).
+    DONE = "done"
+    #: No outbox message has that id.
+    NOT_FOUND = "not_found"
+    #: Its status is not one the action takes (published, say).
+    WRONG_STATUS = "wrong_status"
+    #: In a status the action takes, but a dispatcher holds it right now.
+    HELD = "held"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class IdOutcome:
+    """One message id of an action, with its verdict and, when left alone in the table,
+    its status."""
+
+    message_id: uuid.UUID
+    verdict: Verdict
+    status: str | None = None
+
+
+def explain(action: Action, result: IdOutcome) -> str | None:
+    """The sentence an operator reads for an id the action left alone (None: done). A
+    cancel speaks of being too late: the message was claimed or finished first."""
+    mid, verdict = result.message_id, result.verdict
+    if verdict is Verdict.DONE:
+        return None
+    if verdict is Verdict.NOT_FOUND:
+        return f"no outbox message with id {mid}"
+    if action is Action.CANCEL:
+        now = "being published" if verdict is Verdict.HELD else result.status
+        return f"too late: message {mid} is {now}"
+    if verdict is Verdict.HELD:
+        return f"message {mid} is held by a dispatcher right now: not {action.done}"
+    return (
+        f"message {mid} is {result.status}: only {' or '.join(action.takes)} messages "
+        f"can be {action.done}"
+    )
+
+
 @dataclasses.dataclass(slots=True)
 class Outcome:
-    """What an action changed: ``changed`` ids, and a sentence per id it left alone."""
+    """What an action did: a verdict per id, in the order given. ``changed``: the ids it
+    changed (would change, in a dry run); ``problems``: a sentence per id it left alone."""
 
-    changed: list[uuid.UUID]
-    problems: list[str]
+    action: Action
+    results: list[IdOutcome] = dataclasses.field(default_factory=list)
+
+    @property
+    def changed(self) -> list[uuid.UUID]:
+        return [r.message_id for r in self.results if r.verdict is Verdict.DONE]
+
+    @property
+    def refused(self) -> list[IdOutcome]:
+        """The ids left alone, each with why."""
+        return [r for r in self.results if r.verdict is not Verdict.DONE]
+
+    @property
+    def problems(self) -> list[str]:
+        return [explain(self.action, r) or "" for r in self.refused]
 
     @property
     def count(self) -> int:
-        return len(self.changed)
+        return sum(1 for r in self.results if r.verdict is Verdict.DONE)
 
 
 @dataclasses.dataclass(slots=True)
@@ -81,7 +177,7 @@ class MessageFilter:
 
 
 async def list_messages(
-    outbox: Outbox,
+    outbox: OutboxPort,
     where: MessageFilter,
     *,
     before_id: uuid.UUID | None = None,
@@ -105,7 +201,7 @@ async def list_messages(
     )
 
 
-async def show(outbox: Outbox, message_id: uuid.UUID) -> dict[str, Any]:
+async def show(outbox: OutboxPort, message_id: uuid.UUID) -> dict[str, Any]:
     """One message with its headers and payload decoded; MessageNotFound when absent."""
     row = await outbox.store.get(message_id)
     if row is None:
@@ -117,7 +213,7 @@ async def show(outbox: Outbox, message_id: uuid.UUID) -> dict[str, Any]:
 
 
 async def replay(
-    outbox: Outbox,
+    outbox: OutboxPort,
     ids: Sequence[uuid.UUID],
     *,
     operator: str | None = None,
@@ -129,14 +225,14 @@ async def replay(
     async def move(page: list[uuid.UUID]) -> list[uuid.UUID]:
         return await outbox.store.replay(page, statuses=REPLAYABLE)
 
-    outcome = await _by_pages(outbox, ids, None if dry_run else move, REPLAYABLE, "replayed")
+    outcome = await _by_pages(outbox, ids, None if dry_run else move, Action.REPLAY)
     if not dry_run:
-        _log("replay", outcome, operator)
+        _log(outcome, operator)
     return outcome
 
 
 async def replay_abandoned(
-    outbox: Outbox,
+    outbox: OutboxPort,
     *,
     stream: str | None = None,
     operator: str | None = None,
@@ -176,7 +272,7 @@ async def replay_abandoned(
 
 
 async def abandon(
-    outbox: Outbox,
+    outbox: OutboxPort,
     ids: Sequence[uuid.UUID],
     *,
     operator: str | None = None,
@@ -190,16 +286,14 @@ async def abandon(
     async def stop(page: list[uuid.UUID]) -> list[uuid.UUID]:
         return await outbox.store.abandon_unclaimed(page, error)
 
-    outcome = await _by_pages(
-        outbox, ids, None if dry_run else stop, ABANDONABLE, "abandoned", unclaimed=True
-    )
+    outcome = await _by_pages(outbox, ids, None if dry_run else stop, Action.ABANDON)
     if not dry_run:
-        _log("abandon", outcome, operator)
+        _log(outcome, operator)
     return outcome
 
 
 async def cancel(
-    outbox: Outbox,
+    outbox: OutboxPort,
     ids: Sequence[uuid.UUID],
     *,
     operator: str | None = None,
@@ -212,24 +306,25 @@ async def cancel(
     async def delete(page: list[uuid.UUID]) -> list[uuid.UUID]:
         return await outbox.store.cancel_unclaimed(page)
 
-    outcome = await _by_pages(
-        outbox, ids, None if dry_run else delete, CANCELLABLE, "cancelled", unclaimed=True
-    )
-    outcome.problems = [
-        p.replace(": only pending messages can be cancelled", "")
-        .replace("message ", "too late: message ", 1)
-        .replace(" is held by a dispatcher right now: not cancelled", " is being published")
-        if not p.startswith("no outbox message")
-        else p
-        for p in outcome.problems
-    ]
+    outcome = await _by_pages(outbox, ids, None if dry_run else delete, Action.CANCEL)
     if not dry_run:
-        _log("cancel", outcome, operator)
+        _log(outcome, operator)
     return outcome
 
 
+async def cancel_one(outbox: OutboxPort, message_id: uuid.UUID) -> None:
+    """Cancel one pending message (``Outbox.cancel``): MessageNotFound for an unknown id,
+    TooLate when a dispatcher claimed it, or it finished, first."""
+    outcome = await cancel(outbox, [message_id])
+    for refused in outcome.refused:
+        text = explain(outcome.action, refused)
+        if refused.verdict is Verdict.NOT_FOUND:
+            raise exceptions.MessageNotFound(text)
+        raise exceptions.TooLate(text)
+
+
 async def purge(
-    outbox: Outbox,
+    outbox: OutboxPort,
     status: str,
     older_than_seconds: float,
     *,
@@ -240,8 +335,6 @@ async def purge(
 ) -> int:
     """Delete finished (published or abandoned) messages older than that, in batches;
     ``max_rows``: at most that many (the count an operator confirmed)."""
-    from fastapi_outbox.relay import retention
-
     deleted = await retention.purge(
         outbox.store,
         status,
@@ -270,10 +363,10 @@ class Overview:
     per_minute: list[tuple[dt.datetime, int]]
     database_ok: bool
     brokers: list[dict[str, Any]]
-    consumers: list[Any]
+    consumers: list[ConsumerStatus]
 
 
-async def overview(outbox: Outbox) -> Overview:
+async def overview(outbox: OutboxPort) -> Overview:
     """Counts per broker and stream, published per minute over the last hour, and the
     status of the database and of each broker's processor in this process."""
     try:
@@ -286,29 +379,22 @@ async def overview(outbox: Outbox) -> Overview:
             extra={"action": "operations.overview", "error": type(exc).__name__},
         )
         streams, per_minute, database_ok = [], [], False
-    brokers = []
-    for name in outbox.all_brokers:
-        p = outbox.processors.get(name) if outbox.started else None
-        brokers.append(
-            {
-                "broker": name,
-                "external": name in outbox.external_brokers,
-                "running": bool(p and p.running),
-                "available": None if p is None else p.broker_ok,
-                "refusing": bool(p and p.broker_refusing),
-                "down_since": (
-                    dt.datetime.fromtimestamp(p.broker_down_since, dt.UTC)
-                    if p is not None and p.broker_down_since is not None
-                    else None
-                ),
-                "last_error": p.last_error if p is not None else None,
-            }
-        )
-    consumers: list[Any] = []
-    consumers_status = getattr(outbox, "consumers_status", None)
-    if consumers_status is not None:
-        consumers = list(await consumers_status())
-    return Overview(streams, per_minute, database_ok, brokers, consumers)
+    brokers = [_broker_row(outbox, name) for name in outbox.all_brokers]
+    return Overview(streams, per_minute, database_ok, brokers, await consumers(outbox))
+
+
+def _broker_row(outbox: OutboxPort, name: str) -> dict[str, Any]:
+    """One broker of the overview: its processor's state in this process."""
+    p = relay_here(outbox, name)
+    return {
+        "broker": name,
+        "external": name in outbox.external_brokers,
+        "running": bool(p and p.running),
+        "available": None if p is None else p.broker_ok,
+        "refusing": bool(p and p.broker_refusing),
+        "down_since": None if p is None else wall_time(p.broker_down_since),
+        "last_error": p.last_error if p is not None else None,
+    }
 
 
 def checked_ids(ids: Sequence[uuid.UUID]) -> list[uuid.UUID]:
@@ -322,19 +408,16 @@ def checked_ids(ids: Sequence[uuid.UUID]) -> list[uuid.UUID]:
 
 
 async def _by_pages(
-    outbox: Outbox,
+    outbox: OutboxPort,
     ids: Sequence[uuid.UUID],
     change: Callable[[list[uuid.UUID]], Awaitable[list[uuid.UUID]]] | None,
-    allowed: Sequence[str],
-    verb: str,
-    *,
-    unclaimed: bool = False,
+    action: Action,
 ) -> Outcome:
     """Apply ``change`` to ``ids`` a page of ``ID_PAGE_SIZE`` at a time (each page one
-    statement, and one more reading the states of the ids it left alone), and explain
-    every id left alone. ``change=None``: a dry run, the ids that would change (in an
-    ``allowed`` status, and held by no dispatcher when ``unclaimed``)."""
-    outcome = Outcome([], [])
+    statement, and one more reading the states of the ids it left alone), with a verdict
+    for every id. ``change=None``: a dry run, the ids that would change (in a status the
+    action takes, and held by no dispatcher when the action leaves those alone)."""
+    outcome = Outcome(action)
     unique = checked_ids(ids)
     for start in range(0, len(unique), ID_PAGE_SIZE):
         page = unique[start : start + ID_PAGE_SIZE]
@@ -342,33 +425,39 @@ async def _by_pages(
         rest = [mid for mid in page if mid not in done]
         states = await outbox.store.states(rest) if rest else {}
         for mid in page:  # keep the order given
-            state = states.get(mid)
             if mid in done:
-                outcome.changed.append(mid)
-            elif state is None:
-                outcome.problems.append(f"no outbox message with id {mid}")
-            elif state[0] in allowed and change is None and not (unclaimed and state[1]):
-                outcome.changed.append(mid)  # a dry run: it would change
-            elif state[0] in allowed:
-                outcome.problems.append(
-                    f"message {mid} is held by a dispatcher right now: not {verb}"
-                )
+                outcome.results.append(IdOutcome(mid, Verdict.DONE))
             else:
-                outcome.problems.append(
-                    f"message {mid} is {state[0]}: only {' or '.join(allowed)} messages "
-                    f"can be {verb}"
+                outcome.results.append(
+                    verdict(action, mid, states.get(mid), dry_run=change is None)
                 )
     return outcome
 
 
-def _log(action: str, outcome: Outcome, operator: str | None) -> None:
+def verdict(
+    action: Action, message_id: uuid.UUID, state: tuple[str, bool] | None, *, dry_run: bool
+) -> IdOutcome:
+    """Why ``action`` left ``message_id`` alone, from its ``state`` (status, held by a
+    dispatcher; None: not in the table); in a dry run, DONE when it would change."""
+    if state is None:
+        return IdOutcome(message_id, Verdict.NOT_FOUND)
+    status, held = state
+    if status not in action.takes:
+        return IdOutcome(message_id, Verdict.WRONG_STATUS, status)
+    if dry_run and not (action.unclaimed_only and held):
+        return IdOutcome(message_id, Verdict.DONE)
+    return IdOutcome(message_id, Verdict.HELD, status)
+
+
+def _log(outcome: Outcome, operator: str | None) -> None:
+    action = outcome.action.value
     logger.info(
         f"operator {action}",
         extra={
             "action": f"operator.{action}",
             "count": outcome.count,
-            "message_ids": [str(i) for i in outcome.changed][:100],
-            "refused": len(outcome.problems),
+            "message_ids": [str(i) for i in outcome.changed[:100]],
+            "refused": len(outcome.results) - outcome.count,
             "operator": operator,
         },
     )
@@ -380,83 +469,97 @@ def _log(action: str, outcome: Outcome, operator: str | None) -> None:
 CONSUMER_QUERY_TIMEOUT_SECONDS = 3.0
 
 
-async def consumers(outbox: Outbox, *, counts: bool = False) -> list[Any]:
+async def consumers(outbox: OutboxPort, *, counts: bool = False) -> list[ConsumerStatus]:
     """Every ``@outbox.subscriber`` with its lag, pending and dead letters (from the
     broker), its last handling time (from the inbox, so any process's work shows) and,
     when it runs here, its state. ``counts``: also the inbox rows per group (reads every
     row of the groups: the CLI asks for it, health and the dashboard do not). A broker or
     database that does not answer leaves its figures None."""
-    import anyio
-
-    from fastapi_outbox.consume.subscriber import ConsumerStatus
-
-    subscribers = list(getattr(outbox, "subscribers", []))
+    subscribers = list(outbox.subscribers)
     if not subscribers:
         return []
-    inbox: dict[str, Any] | None = None
+    inbox = await _inbox_stats(outbox, sorted({s.group for s in subscribers}), counts=counts)
+    out = []
+    for sub in subscribers:
+        status = _status_here(sub)
+        if inbox is not None:  # else the database did not answer: unknown
+            stats = inbox.get(sub.group)
+            status.handled = (stats.handled if stats else 0) if counts else None
+            status.last_handled_at = stats.last_handled_at if stats else None
+        await _broker_figures(sub, status)
+        out.append(status)
+    return out
+
+
+async def _inbox_stats(
+    outbox: OutboxPort, groups: list[str], *, counts: bool
+) -> dict[str, GroupStats] | None:
+    """The inbox's figures of ``groups``; None when the database does not answer in time."""
     try:
         with anyio.fail_after(CONSUMER_QUERY_TIMEOUT_SECONDS):
-            inbox = await outbox.inbox.group_stats(
-                sorted({s.group for s in subscribers}), counts=counts
-            )
+            return await outbox.inbox.group_stats(groups, counts=counts)
     except Exception as exc:
         logger.warning(
             "consumers: inbox unreadable",
             extra={"action": "operations.consumers", "error": type(exc).__name__},
         )
-    out = []
-    for sub in subscribers:
-        status = ConsumerStatus(
-            stream=sub.stream,
-            group=sub.group,
-            broker=sub.broker_name,
-            handler=sub.name,
-            dead_letter_stream=sub.dead_letter,
-            running=sub.running,
-            broker_available=sub.broker_ok if sub.running else None,
-            failures=sub.stats.failures,
-            last_error=sub.stats.last_error,
-            dead_letter_failures=sub.stats.dead_letter_failures,
-            dead_letters_unwritten=len(getattr(sub, "_unwritten_dead_letters", ())),
+        return None
+
+
+def _status_here(sub: SubscriberView) -> ConsumerStatus:
+    """What this process knows of a subscriber (its broker's and inbox's figures unset)."""
+    return ConsumerStatus(
+        stream=sub.stream,
+        group=sub.group,
+        broker=sub.broker_name,
+        handler=sub.name,
+        dead_letter_stream=sub.dead_letter,
+        running=sub.running,
+        broker_available=sub.broker_ok if sub.running else None,
+        failures=sub.stats.failures,
+        last_error=sub.stats.last_error,
+        dead_letter_failures=sub.stats.dead_letter_failures,
+        dead_letters_unwritten=sub.dead_letters_unwritten,
+    )
+
+
+async def _broker_figures(sub: SubscriberView, status: ConsumerStatus) -> None:
+    """Set the group's lag, pending, trimmed and dead letters from its broker; a broker
+    that does not answer in time leaves them None."""
+    try:
+        consumer = sub.consumer or sub.make_consumer()
+        with anyio.fail_after(CONSUMER_QUERY_TIMEOUT_SECONDS):
+            lag = await consumer.lag()
+            status.lag, status.pending = lag.lag, lag.pending
+            status.trimmed = lag.trimmed
+            status.dead_letters = await consumer.count_dead_letters()
+    except Exception as exc:
+        logger.warning(
+            "consumers: broker unreadable",
+            extra={
+                "action": "operations.consumers",
+                "group": sub.group,
+                "stream": sub.stream,
+                "error": type(exc).__name__,
+            },
         )
-        if inbox is not None:  # else the database did not answer: unknown
-            stats = inbox.get(sub.group)
-            status.handled = (stats.handled if stats else 0) if counts else None
-            status.last_handled_at = stats.last_handled_at if stats else None
-        try:
-            consumer = sub.consumer or sub.make_consumer()
-            with anyio.fail_after(CONSUMER_QUERY_TIMEOUT_SECONDS):
-                lag = await consumer.lag()
-                status.lag, status.pending = lag.lag, lag.pending
-                status.trimmed = lag.trimmed
-                status.dead_letters = await consumer.count_dead_letters()
-        except Exception as exc:
-            logger.warning(
-                "consumers: broker unreadable",
-                extra={
-                    "action": "operations.consumers",
-                    "group": sub.group,
-                    "stream": sub.stream,
-                    "error": type(exc).__name__,
-                },
-            )
-        out.append(status)
-    return out
 
 
-def find_subscriber(outbox: Outbox, stream: str, group: str) -> Any:
+def find_subscriber(outbox: OutboxPort, stream: str, group: str) -> SubscriberView:
     """The subscriber of (``stream``, ``group``); OperationError naming the known ones."""
-    for sub in getattr(outbox, "subscribers", []):
+    for sub in outbox.subscribers:
         if sub.stream == stream and sub.group == group:
             return sub
-    known = ", ".join(f"{s.stream}/{s.group}" for s in getattr(outbox, "subscribers", []))
+    known = ", ".join(f"{s.stream}/{s.group}" for s in outbox.subscribers)
     raise exceptions.OperationError(
         f"no subscriber for stream {stream!r} and group {group!r} "
         f"(declared: {known or 'none; pass --app module:outbox of the consuming service'})"
     )
 
 
-async def dead_letters(outbox: Outbox, stream: str, group: str, *, limit: int = 100) -> list[Any]:
+async def dead_letters(
+    outbox: OutboxPort, stream: str, group: str, *, limit: int = 100
+) -> list[DeadLetter]:
     """Dead letters of a (stream, group), oldest first."""
     sub = find_subscriber(outbox, stream, group)
     consumer = sub.consumer or sub.make_consumer()
@@ -479,8 +582,8 @@ STALE_SCAN = 10_000
 
 
 async def stale_dead_letters(
-    outbox: Outbox, stream: str, group: str, entry_ids: Sequence[str] | None = None
-) -> list[Any]:
+    outbox: OutboxPort, stream: str, group: str, entry_ids: Sequence[str] | None = None
+) -> list[DeadLetter]:
     """The dead letters of (``stream``, ``group``) (all, or ``entry_ids``) older than
     ``inbox_retention_seconds``, by the database's clock: the message's creation (its
     UUIDv7 id) or, for another id, its dead-lettering. The other groups handled them about
@@ -505,7 +608,7 @@ async def stale_dead_letters(
 
 
 async def replay_dead_letters(
-    outbox: Outbox,
+    outbox: OutboxPort,
     stream: str,
     group: str,
     entry_ids: Sequence[str] | None = None,

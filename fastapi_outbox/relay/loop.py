@@ -1,5 +1,5 @@
 """What every loop that moves messages to a broker shares: the table's
-:class:`~fastapi_outbox.relay.table.Processor` and the :class:`~fastapi_outbox.relay.wal.WalRelay`.
+:class:`~fastapi_outbox.relay.table.TableRelay` and the :class:`~fastapi_outbox.relay.wal.WalRelay`.
 
 - stopping: :meth:`RelayLoop.stop` wakes every wait, :meth:`RelayLoop._sleep` returns early;
 - the client-side bound of one database step (:attr:`RelayLoop._db_bound`);
@@ -7,7 +7,11 @@
   ``broker_down_since``, ``broker_refusing``, ``last_error``) with the loop's exponential
   pause (:meth:`RelayLoop._outage` / :meth:`RelayLoop._recovered`): a broker that cannot
   be reached or refuses every message pauses the loop as a whole, never a message;
-- instrumentation hooks that may fail without stopping the loop (:meth:`RelayLoop._call_hook`);
+- what a relay logs when a broker goes down or comes back (:meth:`RelayLoop._broker_down`,
+  :meth:`RelayLoop._broker_up`: the messages and actions are class attributes, so the table
+  relay and the WAL relay keep their own words);
+- instrumentation hooks that may fail without stopping the loop (:meth:`RelayLoop._hook`);
+- the envelope a claimed row or a WAL message is published as (:func:`envelope_of`);
 - what a failed database step means (:meth:`RelayLoop._database_failed`): the dialect's
   outage classifier (:mod:`fastapi_outbox.storage.db_outage`) tells the database being unavailable
   (``database_ok`` false, warned once) from the statement's own error (a missing table, a
@@ -26,19 +30,40 @@ import anyio
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.backoff import exponential_delay
+from fastapi_outbox.events import Envelope
 from fastapi_outbox.log import safe_error, stack
 from fastapi_outbox.relay.wakeups import Wakeup
 from fastapi_outbox.settings import OutboxSettings
 from fastapi_outbox.storage import clock, db_outage
+from fastapi_outbox.storage.store import ClaimedRow
+from fastapi_outbox.storage.wal_slot import WalMessage
 
 logger = logging.getLogger("fastapi_outbox.dispatcher")
+
+#: The backoff of a relay whose database step failed: doubled from the first to the last.
+DB_BACKOFF_MIN_SECONDS = 0.2
+DB_BACKOFF_MAX_SECONDS = 10.0
 
 
 class RelayLoop:
     """Base of the loops that publish: stop, pause on broker outages, hooks."""
 
-    def __init__(self, settings: OutboxSettings) -> None:
+    #: What :meth:`_broker_down` logs: the message for a broker that cannot be reached,
+    #: the message for one refusing every message, and the action.
+    BROKER_DOWN = (
+        "broker unavailable; processor backing off",
+        "broker refusing messages; processor backing off",
+        "broker.unavailable",
+    )
+    #: What :meth:`_broker_up` logs: the message and the action.
+    BROKER_UP = ("broker available again", "broker.recovered")
+
+    def __init__(
+        self, settings: OutboxSettings, *, hook_extra: dict[str, Any] | None = None
+    ) -> None:
         self.settings = settings
+        #: Log fields of a failed instrumentation hook (see :meth:`_hook`).
+        self._hook_extra = hook_extra or {}
         self.wakeup = Wakeup()
         self._stopping = False
         self._stop_event = anyio.Event()
@@ -175,13 +200,66 @@ class RelayLoop:
             extra={**extra, "error": self.last_error, "stack": stack(exc)},
         )
 
-    def _call_hook(self, hook: Any, *args: Any, **extra: Any) -> Any:
+    def _log_extra(self, broker: str) -> dict[str, Any]:
+        """The log fields naming what an outage is about: the broker (a WAL relay adds its
+        slot)."""
+        return {"broker": broker}
+
+    def _broker_down(self, broker: str, exc: BaseException) -> None:
+        """``broker`` cannot be reached or refuses every message: the loop pauses."""
+        unreachable, refusing, action = self.BROKER_DOWN
+        self._outage(
+            exc,
+            refusing if isinstance(exc, exceptions.BrokerRefusing) else unreachable,
+            action=action,
+            **self._log_extra(broker),
+        )
+
+    def _broker_up(self, broker: str) -> None:
+        """``broker`` took a call: the outage (if any) ends."""
+        message, action = self.BROKER_UP
+        self._recovered(message, action=action, **self._log_extra(broker))
+
+    def _broker_bug(self, broker: str, exc: BaseException) -> exceptions.MessageRejected:
+        """A broker that raised something it should not (a bug in it): logged with type and
+        stack only (its text may quote the message), and the message's failure."""
+        logger.error(
+            "broker raised unexpectedly",
+            extra={
+                "action": "publish.error",
+                "broker": broker,
+                "error": type(exc).__name__,
+                "stack": stack(exc),
+            },
+        )
+        return exceptions.MessageRejected(f"broker raised {type(exc).__name__}")
+
+    def _hook(self, hook: Any, *args: Any) -> Any:
         """Call an instrumentation hook; a failing hook is logged, never fatal."""
         try:
             return hook(*args)
         except Exception as exc:
             logger.warning(
                 "instrumentation hook failed",
-                extra={**extra, "action": "instrumentation.failed", "error": safe_error(exc)},
+                extra={
+                    **self._hook_extra,
+                    "action": "instrumentation.failed",
+                    "error": safe_error(exc),
+                },
             )
             return None
+
+
+def envelope_of(row: ClaimedRow | WalMessage) -> Envelope:
+    """What a claimed outbox row or a WAL message is published as: its headers stay the
+    JSON text they were stored as (the broker parses them only if it must)."""
+    headers = row.headers
+    return Envelope(
+        str(row.id),
+        row.stream,
+        row.type,
+        row.key,
+        row.payload.encode(),
+        None if isinstance(headers, str) else dict(headers),
+        headers_json=headers if isinstance(headers, str) else None,
+    )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 
@@ -25,8 +25,17 @@ logger = logging.getLogger("fastapi_outbox.retention")
 BATCH_PAUSE_SECONDS = 0.01
 
 
+class PurgesBatches(Protocol):
+    """What :func:`purge` needs of a store: ``Store.purge_batch`` (the operator's purge
+    passes the store of ``ops``' port, which is typed by what it offers)."""
+
+    async def purge_batch(
+        self, status: str, older_than_seconds: float, limit: int, *, keep_blocking: bool = False
+    ) -> int: ...
+
+
 async def purge(
-    store: Store,
+    store: PurgesBatches,
     status: str,
     older_than_seconds: float,
     *,
@@ -80,6 +89,11 @@ class Cleaner:
         self._stop: anyio.Event | None = None
         #: Set when :meth:`run` has returned (shutdown waits for it, see :meth:`stop`).
         self.stopped: anyio.Event | None = None
+
+    @property
+    def running(self) -> bool:
+        """Between the start of :meth:`run` and its return."""
+        return self.stopped is not None and not self.stopped.is_set()
 
     def stop(self) -> None:
         """Return from :meth:`run` after the current batch. Shutdown stops the cleaner

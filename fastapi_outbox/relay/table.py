@@ -1,6 +1,6 @@
 """Processors and their workers: claim → publish → mark, with backoff and wake-ups.
 
-One :class:`Processor` per (database, broker) pair runs ``settings.workers`` workers in an
+One :class:`TableRelay` per (database, broker) pair runs ``settings.workers`` workers in an
 anyio task group. A worker's cycle:
 
 1. **claim** a batch (one statement; attempts counted here, so a message that crashes the
@@ -13,7 +13,7 @@ Failure classes: a broker that cannot be reached makes the processor give the ba
 (attempts refunded) and pause as a whole with exponential backoff; a message the broker
 refuses is retried on its own with exponential backoff and jitter; a publish that times out
 is an outage only when the broker then fails a ping too, otherwise the batch is tried message
-by message and the one that hangs is charged (:meth:`Processor._one_by_one`); a database that
+by message and the one that hangs is charged (:meth:`TableRelay._one_by_one`); a database that
 cannot be reached makes workers retry with backoff while the app keeps serving.
 """
 
@@ -38,16 +38,19 @@ from fastapi_outbox.backoff import exponential_delay
 from fastapi_outbox.brokers.base import Broker, PublishResults
 from fastapi_outbox.events import Envelope
 from fastapi_outbox.instrumentation import Instrumentation
-from fastapi_outbox.log import safe_error, stack
-from fastapi_outbox.relay.loop import RelayLoop
+from fastapi_outbox.log import safe_error
+from fastapi_outbox.relay.loop import (
+    DB_BACKOFF_MAX_SECONDS,
+    DB_BACKOFF_MIN_SECONDS,
+    RelayLoop,
+    envelope_of,
+)
 from fastapi_outbox.settings import OutboxSettings
 from fastapi_outbox.storage import clock
 from fastapi_outbox.storage.store import ERROR_MAX_CHARS, ClaimedRow, Failure, Store
 
 logger = logging.getLogger("fastapi_outbox.dispatcher")
 
-DB_BACKOFF_MIN_SECONDS = 0.2
-DB_BACKOFF_MAX_SECONDS = 10.0
 RELEASE_TIMEOUT_SECONDS = 2.0
 #: Longest wait for a broker's ping after a publish timed out (capped by the publish timeout).
 PROBE_TIMEOUT_SECONDS = 2.0
@@ -70,8 +73,9 @@ def retry_delay(attempts: int, settings: OutboxSettings, rng: random.Random | No
     )
 
 
-class Processor(RelayLoop):
-    """Moves one broker's rows from the outbox table to the broker."""
+class TableRelay(RelayLoop):
+    """Moves one broker's rows from the outbox table to the broker (the table relay; its
+    old name, ``Processor``, stays an alias: "processor" in its logs and health)."""
 
     def __init__(
         self,
@@ -84,7 +88,7 @@ class Processor(RelayLoop):
         listening: Any = None,
         instrumentation: Instrumentation | None = None,
     ) -> None:
-        super().__init__(settings)
+        super().__init__(settings, hook_extra={"broker": broker_name})
         self.store = store
         self.broker_name = broker_name
         self.broker = broker
@@ -169,24 +173,11 @@ class Processor(RelayLoop):
                 await self.broker.connect()
                 self._broker_connected = True
 
-    def _broker_down(self, exc: BaseException) -> None:
-        self._outage(
-            exc,
-            "broker refusing messages; processor backing off"
-            if isinstance(exc, exceptions.BrokerRefusing)
-            else "broker unavailable; processor backing off",
-            action="broker.unavailable",
-            broker=self.broker_name,
-        )
-
-    def _broker_up(self) -> None:
-        self._recovered(
-            "broker available again", action="broker.recovered", broker=self.broker_name
-        )
-
     # -- the worker loop ---------------------------------------------------------------------
 
     async def _worker(self, index: int, first: anyio.Event) -> None:
+        """Claim, publish, mark until the processor stops. Worker 0 is the poller: when
+        a claim comes back empty it polls (:meth:`_poll`); the others wait for a wake-up."""
         settings = self.settings
         poller = index == 0
         idle = settings.poll_interval_seconds
@@ -199,7 +190,7 @@ class Processor(RelayLoop):
             try:
                 await self._ensure_broker()
             except Exception as exc:
-                self._broker_down(exc)
+                self._broker_down(self.broker_name, exc)
                 first.set()
                 continue
             token = f"{self.instance}:{index}:{next(self._claims)}"
@@ -227,14 +218,7 @@ class Processor(RelayLoop):
                 continue
             first.set()
             db_delay = DB_BACKOFF_MIN_SECONDS
-            if not self.database_ok:
-                logger.info(
-                    "database available again",
-                    extra={"action": "database.recovered", "broker": self.broker_name},
-                )
-            self.database_ok = True
-            self.last_tick = clock.wall()
-            self._adapt_claim(len(batch), size)
+            self._claimed(len(batch), size)
             if not batch:
                 if self._stopping:
                     # stop() came during the claim. Its wake-up is one coalesced signal
@@ -244,60 +228,82 @@ class Processor(RelayLoop):
                 if not poller:
                     await self.wakeup.wait(None)
                     continue
-                # The poller sleeps until the next row is due (a delayed message, a
-                # backoff, a lease: asked of the database, so rows of other processes
-                # count too) or the poll interval, whichever comes first; a delayed
-                # message committed meanwhile in this process moves that time earlier
-                # without a claim before it is due.
-                await self._learn_next_due()
-                woke = False
-                while not self._stopping:
-                    timeout = idle
-                    if self._next_due is not None:
-                        timeout = max(0.0, min(timeout, self._next_due - time.monotonic()))
-                    outcome = await self._idle_wait(timeout)
-                    if outcome != "rescheduled":
-                        woke = outcome == "woken"
-                        break
-                if self._next_due is not None and self._next_due <= time.monotonic():
-                    self._next_due = None
-                # Idle polls back off while LISTEN delivers wake-ups; without LISTEN
-                # they stay at poll_interval_seconds.
-                cap = (
-                    settings.max_poll_interval_seconds
-                    if self._listening()
-                    else settings.poll_interval_seconds
-                )
-                idle = settings.poll_interval_seconds if woke else min(idle * 2, cap)
+                idle = await self._poll(idle)
                 continue
             idle = settings.poll_interval_seconds
-            if self._paused_until > time.monotonic():
-                # Another worker found the broker down while this claim ran: give the
-                # batch back (attempts refunded) rather than call a broker the processor
-                # is pausing for.
-                with anyio.CancelScope(shield=True), anyio.move_on_after(RELEASE_TIMEOUT_SECONDS):
-                    await self.store.release([r.id for r in batch], token)
-                continue
-            if len(batch) >= size:
-                self.wakeup.set()  # more work is likely waiting: bring another worker in
-            try:
-                await self._process(batch, token)
-            except _GiveBack:
-                pass
-            except Exception as exc:
-                # Marking failed (database gone mid-batch): the rows keep their lease and
-                # are recovered when it expires; the broker's de-duplication absorbs the
-                # republish.
-                self._database_failed(
-                    exc,
-                    self.store.engine.dialect.name,
-                    "could not record a batch outcome; rows recover after their lease",
-                    action="mark.failed",
-                    broker=self.broker_name,
-                    count=len(batch),
-                )
-                await self._sleep(db_delay)
-                db_delay = min(db_delay * 2, DB_BACKOFF_MAX_SECONDS)
+            db_delay = await self._take(batch, token, size, db_delay)
+
+    def _claimed(self, got: int, asked: int) -> None:
+        """A claim answered: the database is up (logged once after an outage), the tick
+        is recorded and the next claim sized."""
+        if not self.database_ok:
+            logger.info(
+                "database available again",
+                extra={"action": "database.recovered", "broker": self.broker_name},
+            )
+        self.database_ok = True
+        self.last_tick = clock.wall()
+        self._adapt_claim(got, asked)
+
+    async def _poll(self, idle: float) -> float:
+        """The poller found nothing: it sleeps until the next row is due (a delayed
+        message, a backoff, a lease: asked of the database, so rows of other processes
+        count too) or ``idle``, whichever comes first; a delayed message committed
+        meanwhile in this process moves that time earlier without a claim before it is
+        due. Returns the next idle interval: back to ``poll_interval_seconds`` after a
+        wake-up, else doubled — up to ``max_poll_interval_seconds`` while LISTEN delivers
+        wake-ups, ``poll_interval_seconds`` without LISTEN."""
+        settings = self.settings
+        await self._learn_next_due()
+        woke = False
+        while not self._stopping:
+            timeout = idle
+            if self._next_due is not None:
+                timeout = max(0.0, min(timeout, self._next_due - time.monotonic()))
+            outcome = await self._idle_wait(timeout)
+            if outcome != "rescheduled":
+                woke = outcome == "woken"
+                break
+        if self._next_due is not None and self._next_due <= time.monotonic():
+            self._next_due = None
+        cap = (
+            settings.max_poll_interval_seconds
+            if self._listening()
+            else settings.poll_interval_seconds
+        )
+        return settings.poll_interval_seconds if woke else min(idle * 2, cap)
+
+    async def _take(self, batch: list[ClaimedRow], token: str, size: int, db_delay: float) -> float:
+        """Publish and mark a claimed batch; returns the next database backoff (doubled
+        when the outcome could not be recorded)."""
+        if self._paused_until > time.monotonic():
+            # Another worker found the broker down while this claim ran: give the
+            # batch back (attempts refunded) rather than call a broker the processor
+            # is pausing for.
+            with anyio.CancelScope(shield=True), anyio.move_on_after(RELEASE_TIMEOUT_SECONDS):
+                await self.store.release([r.id for r in batch], token)
+            return db_delay
+        if len(batch) >= size:
+            self.wakeup.set()  # more work is likely waiting: bring another worker in
+        try:
+            await self._process(batch, token)
+        except _GiveBack:
+            pass
+        except Exception as exc:
+            # Marking failed (database gone mid-batch): the rows keep their lease and
+            # are recovered when it expires; the broker's de-duplication absorbs the
+            # republish.
+            self._database_failed(
+                exc,
+                self.store.engine.dialect.name,
+                "could not record a batch outcome; rows recover after their lease",
+                action="mark.failed",
+                broker=self.broker_name,
+                count=len(batch),
+            )
+            await self._sleep(db_delay)
+            return min(db_delay * 2, DB_BACKOFF_MAX_SECONDS)
+        return db_delay
 
     def _adapt_claim(self, got: int, asked: int) -> None:
         """Size the next claim to the backlog: double it (up to ``batch_size``) when a
@@ -334,20 +340,6 @@ class Processor(RelayLoop):
                         },
                     )
 
-    def _broker_bug(self, exc: BaseException) -> exceptions.MessageRejected:
-        """A broker that raised something it should not (a bug in it): logged with type and
-        stack only (its text may quote the message), and the message's failure."""
-        logger.error(
-            "broker raised unexpectedly",
-            extra={
-                "action": "publish.error",
-                "broker": self.broker_name,
-                "error": type(exc).__name__,
-                "stack": stack(exc),
-            },
-        )
-        return exceptions.MessageRejected(f"broker raised {type(exc).__name__}")
-
     async def _publish_and_mark(self, batch: list[ClaimedRow], token: str) -> None:
         settings = self.settings
         exhausted = [r for r in batch if r.attempts > settings.max_attempts]
@@ -368,28 +360,28 @@ class Processor(RelayLoop):
             live = await self._give_back_behind(batch, live, [*exhausted, *expired], token)
         if not live:
             return
-        envelopes = [self._envelope(r) for r in live]
+        envelopes = [envelope_of(r) for r in live]
         answered = True
         try:
             with anyio.fail_after(settings.publish_timeout_seconds):
                 results = await self._send(envelopes)
         except (exceptions.BrokerTimeout, TimeoutError) as exc:
             if not await self._broker_answers():
-                self._broker_down(exc)
+                self._broker_down(self.broker_name, exc)
                 self._broker_connected = isinstance(exc, TimeoutError)
                 raise _GiveBack() from exc
             results = await self._one_by_one(live, envelopes, token, exc)
             answered = self.broker_ok  # False: the broker stopped answering mid-pass
         except exceptions.BrokerUnavailable as exc:
-            self._broker_down(exc)
+            self._broker_down(self.broker_name, exc)
             self._broker_connected = False
             raise _GiveBack() from exc
         except exceptions.OutboxError as exc:
             results = [exc] * len(envelopes)
         except Exception as exc:  # a bug in a broker must not stop the dispatcher
-            results = [self._broker_bug(exc)] * len(envelopes)
+            results = [self._broker_bug(self.broker_name, exc)] * len(envelopes)
         if answered:
-            self._broker_up()
+            self._broker_up(self.broker_name)
         with anyio.fail_after(self._db_bound):
             await self._record(live, envelopes, results, token)
 
@@ -447,7 +439,6 @@ class Processor(RelayLoop):
         processor paused). Ordered: a key stops at its first failure, as in
         :meth:`_publish_ordered`."""
         settings = self.settings
-        timeout = settings.publish_timeout_seconds
         logger.warning(
             "publish timed out while the broker answered; trying the batch one by one",
             extra={
@@ -457,7 +448,7 @@ class Processor(RelayLoop):
                 "error": safe_error(exc),
             },
         )
-        self._broker_up()
+        self._broker_up(self.broker_name)
         if len(envelopes) == 1:
             return [self._hung(envelopes[0], exc)]
         with anyio.fail_after(self._db_bound):
@@ -466,6 +457,7 @@ class Processor(RelayLoop):
             )
         if held < len(rows):
             raise _GiveBack()  # another worker holds some of them now
+        timeout = settings.publish_timeout_seconds
         last_start = time.monotonic() + settings.lease_seconds - 1.25 * timeout
         results: PublishResults = [_NotAttempted() for _ in envelopes]
         stopped: set[str] = set()
@@ -474,26 +466,34 @@ class Processor(RelayLoop):
                 break
             if envelope.key is not None and envelope.key in stopped:
                 continue
-            try:
-                with anyio.fail_after(timeout):
-                    result = (await self._send([envelope]))[0]
-            except (exceptions.BrokerTimeout, TimeoutError) as again:
-                if not await self._broker_answers():
-                    self._broker_down(again)
-                    break
-                result = self._hung(envelope, again)
-            except exceptions.BrokerUnavailable as down:
-                self._broker_down(down)
-                self._broker_connected = False
+            result = await self._send_alone(envelope)
+            if isinstance(result, _BrokerDown):
                 break
-            except exceptions.OutboxError as refused:
-                result = refused
-            except Exception as bug:
-                result = self._broker_bug(bug)
             results[i] = result
             if result is not None and settings.ordered and envelope.key is not None:
                 stopped.add(envelope.key)
         return results
+
+    async def _send_alone(self, envelope: Envelope) -> BaseException | None:
+        """One message of the one-by-one pass, bounded by ``publish_timeout_seconds``:
+        None (published), its failure, or :class:`_BrokerDown` when the broker stopped
+        answering (the pass ends)."""
+        try:
+            with anyio.fail_after(self.settings.publish_timeout_seconds):
+                return (await self._send([envelope]))[0]
+        except (exceptions.BrokerTimeout, TimeoutError) as again:
+            if not await self._broker_answers():
+                self._broker_down(self.broker_name, again)
+                return _BrokerDown()
+            return self._hung(envelope, again)
+        except exceptions.BrokerUnavailable as down:
+            self._broker_down(self.broker_name, down)
+            self._broker_connected = False
+            return _BrokerDown()
+        except exceptions.OutboxError as refused:
+            return refused
+        except Exception as bug:
+            return self._broker_bug(self.broker_name, bug)
 
     def _hung(self, envelope: Envelope, exc: BaseException) -> exceptions.MessageRejected:
         """The failure charged to a message whose publish timed out on its own while the
@@ -521,9 +521,6 @@ class Processor(RelayLoop):
             self._hook(finish, results)
         return results
 
-    def _hook(self, hook: Any, *args: Any) -> Any:
-        return self._call_hook(hook, *args, broker=self.broker_name)
-
     async def _record(
         self,
         rows: list[ClaimedRow],
@@ -550,64 +547,78 @@ class Processor(RelayLoop):
                     )
                 )
         if published:
-            marked = await self.store.mark_published(
-                [r.id for r in published], token, delete_rows=self.settings.delete_on_publish
-            )
-            if marked < len(published):
-                logger.warning(
-                    "lease lost before mark: another worker re-claimed rows",
-                    extra={
-                        "action": "mark.lease_lost",
-                        "broker": self.broker_name,
-                        "lost": len(published) - marked,
-                    },
-                )
-            self.published_total += len(published)
-            by_id = {e.id: e for e in envelopes}
-            self._hook(
-                self.instrumentation.published,
-                self.broker_name,
-                [by_id[str(r.id)] for r in published],
-            )
-            logger.debug(
-                "published",
-                extra={"action": "publish.ok", "broker": self.broker_name, "count": len(published)},
-            )
+            await self._mark_published(published, envelopes, token)
         if failures:
-            await self.store.mark_failed(failures, token)
-            for f in failures:
-                level = logging.ERROR if f.abandon else logging.WARNING
-                logger.log(
-                    level,
-                    "message abandoned" if f.abandon else "publish failed; will retry",
-                    extra={
-                        "action": "publish.abandoned" if f.abandon else "publish.failed",
-                        "broker": self.broker_name,
-                        "message_id": str(f.id),
-                        "retry_in": None if f.abandon else round(f.delay_seconds, 3),
-                        "error": f.error[:300],
-                    },
-                )
-            abandoned = [f for f in failures if f.abandon]
-            self.failed_total += len(failures) - len(abandoned)
-            self.abandoned_total += len(abandoned)
-            by_id = {e.id: e for e in envelopes}
-            retried = [by_id[str(f.id)] for f in failures if not f.abandon]
-            if retried:
-                self._hook(self.instrumentation.failed, self.broker_name, retried)
-            if abandoned:
-                self._hook(
-                    self.instrumentation.abandoned,
-                    self.broker_name,
-                    [by_id[str(f.id)] for f in abandoned],
-                )
-            soonest = min((f.delay_seconds for f in failures if not f.abandon), default=None)
-            if soonest is not None:
-                due = time.monotonic() + soonest
-                if self._next_due is None or due < self._next_due:
-                    self._next_due = due
+            await self._mark_failed(failures, envelopes, token)
         if skipped:
             await self.store.release([r.id for r in skipped], token)
+
+    async def _mark_published(
+        self, published: list[ClaimedRow], envelopes: list[Envelope], token: str
+    ) -> None:
+        """Mark the published rows (one statement, fenced by ``token``) and tell the
+        instrumentation."""
+        marked = await self.store.mark_published(
+            [r.id for r in published], token, delete_rows=self.settings.delete_on_publish
+        )
+        if marked < len(published):
+            logger.warning(
+                "lease lost before mark: another worker re-claimed rows",
+                extra={
+                    "action": "mark.lease_lost",
+                    "broker": self.broker_name,
+                    "lost": len(published) - marked,
+                },
+            )
+        self.published_total += len(published)
+        by_id = {e.id: e for e in envelopes}
+        self._hook(
+            self.instrumentation.published,
+            self.broker_name,
+            [by_id[str(r.id)] for r in published],
+        )
+        logger.debug(
+            "published",
+            extra={"action": "publish.ok", "broker": self.broker_name, "count": len(published)},
+        )
+
+    async def _mark_failed(
+        self, failures: list[Failure], envelopes: list[Envelope], token: str
+    ) -> None:
+        """Record the refused rows: a retry after their backoff, or abandoned after
+        ``max_attempts``; tell the instrumentation and the poller when to look again."""
+        await self.store.mark_failed(failures, token)
+        for f in failures:
+            level = logging.ERROR if f.abandon else logging.WARNING
+            logger.log(
+                level,
+                "message abandoned" if f.abandon else "publish failed; will retry",
+                extra={
+                    "action": "publish.abandoned" if f.abandon else "publish.failed",
+                    "broker": self.broker_name,
+                    "message_id": str(f.id),
+                    "retry_in": None if f.abandon else round(f.delay_seconds, 3),
+                    "error": f.error[:300],
+                },
+            )
+        abandoned = [f for f in failures if f.abandon]
+        self.failed_total += len(failures) - len(abandoned)
+        self.abandoned_total += len(abandoned)
+        by_id = {e.id: e for e in envelopes}
+        retried = [by_id[str(f.id)] for f in failures if not f.abandon]
+        if retried:
+            self._hook(self.instrumentation.failed, self.broker_name, retried)
+        if abandoned:
+            self._hook(
+                self.instrumentation.abandoned,
+                self.broker_name,
+                [by_id[str(f.id)] for f in abandoned],
+            )
+        soonest = min((f.delay_seconds for f in failures if not f.abandon), default=None)
+        if soonest is not None:
+            due = time.monotonic() + soonest
+            if self._next_due is None or due < self._next_due:
+                self._next_due = due
 
     async def _abandon_expired(self, rows: list[ClaimedRow], token: str) -> None:
         deadline = self.settings.retry_deadline_seconds
@@ -618,9 +629,7 @@ class Processor(RelayLoop):
             "that long after its commit",
         )
         self.abandoned_total += len(rows)
-        self._hook(
-            self.instrumentation.abandoned, self.broker_name, [self._envelope(r) for r in rows]
-        )
+        self._hook(self.instrumentation.abandoned, self.broker_name, [envelope_of(r) for r in rows])
         for r in rows:
             logger.error(
                 "message abandoned: retry deadline passed",
@@ -639,9 +648,7 @@ class Processor(RelayLoop):
         )
         await self.store.abandon([r.id for r in rows], token, error)
         self.abandoned_total += len(rows)
-        self._hook(
-            self.instrumentation.abandoned, self.broker_name, [self._envelope(r) for r in rows]
-        )
+        self._hook(self.instrumentation.abandoned, self.broker_name, [envelope_of(r) for r in rows])
         for r in rows:
             logger.error(
                 "message abandoned after repeated crashes",
@@ -692,28 +699,24 @@ class Processor(RelayLoop):
             depth += 1
         return results
 
-    def _envelope(self, row: ClaimedRow) -> Envelope:
-        headers = row.headers
-        return Envelope(
-            str(row.id),
-            row.stream,
-            row.type,
-            row.key,
-            row.payload.encode(),
-            None if isinstance(headers, str) else dict(headers),
-            headers_json=headers if isinstance(headers, str) else None,
-        )
-
 
 class _GiveBack(Exception):
     """Internal: the batch goes back to the table (broker unreachable)."""
+
+
+class _BrokerDown(Exception):
+    """Internal: the broker stopped answering during the one-by-one pass."""
 
 
 class _NotAttempted(Exception):
     """Internal: an ordered message not sent because an earlier one of its key failed."""
 
 
-async def process_batch(processor: Processor, batch: Sequence[ClaimedRow], token: str) -> None:
+#: The table relay's first name, importable from every path it was (``fastapi_outbox.dispatcher``).
+Processor = TableRelay
+
+
+async def process_batch(processor: TableRelay, batch: Sequence[ClaimedRow], token: str) -> None:
     """Run one claimed batch through ``processor`` (used by the testing helpers)."""
     with contextlib.suppress(_GiveBack):
         await processor._process(list(batch), token)

@@ -20,13 +20,14 @@ import itertools
 import logging
 import socket
 from collections import deque
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 import anyio
 
 from fastapi_outbox.backoff import exponential_delay
 from fastapi_outbox.settings import LISTEN_CHECK_INTERVAL_SECONDS, LISTEN_CHECK_TIMEOUT_SECONDS
+from fastapi_outbox.storage.statements.wakeups import NOTIFY_SQL
 from fastapi_outbox.storage.store import Store
 
 logger = logging.getLogger("fastapi_outbox.notify")
@@ -44,6 +45,11 @@ class Wakeup:
     def __init__(self) -> None:
         self._pending = False
         self._waiters: deque[anyio.Event] = deque()
+
+    @property
+    def idle_waiters(self) -> int:
+        """How many workers wait for a signal now."""
+        return len(self._waiters)
 
     def set(self) -> bool:
         """Wake one idle worker; returns False when none was idle (the signal is kept)."""
@@ -119,9 +125,7 @@ class Notifier:
                         driver = raw.driver_connection
                         assert driver is not None
                         while True:
-                            await driver.execute(
-                                "SELECT pg_notify($1, $2)", self.channel, self.instance_id
-                            )
+                            await driver.execute(NOTIFY_SQL, self.channel, self.instance_id)
                             self.sent += 1
                             # Commits in the next few milliseconds share the next NOTIFY:
                             # under load the write path pays a fraction of a round trip
@@ -226,7 +230,7 @@ class Listener:
         self._awaited = (token, answered)
         try:
             with anyio.move_on_after(self.check_timeout):
-                await driver.execute("SELECT pg_notify($1, $2)", self.channel, token)
+                await driver.execute(NOTIFY_SQL, self.channel, token)
                 await answered.wait()
         finally:
             self._awaited = None
@@ -319,3 +323,93 @@ class Listener:
                 started = True
                 task_status.started()
             await anyio.sleep(delay)
+
+
+# -- after a commit ----------------------------------------------------------------------------
+
+#: Bound on the NOTIFY an API-only process sends after a commit.
+NOTIFY_TIMEOUT_SECONDS = 2.0
+
+
+class TableRelayWaking(Protocol):
+    """What the wake-up policy needs of a table relay
+    (:class:`~fastapi_outbox.relay.table.TableRelay`)."""
+
+    wakeup: Wakeup
+
+    @property
+    def stopping(self) -> bool: ...
+
+    def schedule(self, delay_seconds: float) -> None: ...
+
+
+class WalRelayWaking(Protocol):
+    """What the wake-up policy needs of the WAL relay
+    (:class:`~fastapi_outbox.relay.wal.WalRelay`)."""
+
+    wakeup: Wakeup
+    leader: bool
+
+    @property
+    def stopping(self) -> bool: ...
+
+
+def wake_after_commit(
+    brokers: Mapping[str, float],
+    processors: Mapping[str, TableRelayWaking],
+    wal_relay: WalRelayWaking | None,
+    notifier: Notifier | None,
+    *,
+    can_notify: bool,
+) -> bool:
+    """Wake the relays after a commit that wrote rows for ``brokers`` (each with the
+    earliest delay of its rows: 0 for rows due now).
+
+    Rows due now wake an idle worker of this process; delayed rows only tell its poller
+    when to look (no claim before they are due). Returns True when other processes still
+    have to be told: this process runs no :class:`Notifier` (an API-only process,
+    ``run_dispatchers=False``) but ``can_notify`` (PostgreSQL with ``notify`` on) — the
+    caller then sends the NOTIFY itself (:func:`notify_once`)."""
+    if not brokers:
+        return False
+    handled_here = True
+    relay = wal_relay
+    for name, delay in brokers.items():
+        if relay is not None and delay <= 0:
+            # capture="wal": messages due now are in the slot, not in the table.
+            if not (relay.leader and not relay.stopping):
+                handled_here = False
+            relay.wakeup.set()
+            continue
+        processor = processors.get(name)
+        if processor is None or processor.stopping:
+            handled_here = False
+        elif delay > 0:
+            processor.schedule(delay)
+            handled_here = False  # other processes may poll later than it is due
+        # An idle worker of this process takes the rows at once: no other process
+        # needs waking, and the commit costs no NOTIFY.
+        elif not processor.wakeup.set():
+            handled_here = False
+    if handled_here:
+        return False
+    if notifier is not None and notifier.running:
+        notifier.signal()
+        return False
+    return can_notify
+
+
+async def notify_once(store: Store, channel: str, instance_id: str) -> None:
+    """One NOTIFY after the commit, outside the business transaction, for processes
+    whose relays LISTEN while this one runs none. No background task: it costs the
+    caller one short round-trip, bounded in time and shielded so a cancelled request
+    cannot leave it half-sent. A failure is only logged: the data committed, and the
+    relays find the rows by polling."""
+    try:
+        with anyio.CancelScope(shield=True), anyio.fail_after(NOTIFY_TIMEOUT_SECONDS):
+            await store.notify(channel, instance_id)
+    except Exception as exc:
+        logging.getLogger("fastapi_outbox").warning(
+            "notify after commit failed; dispatchers fall back to polling",
+            extra={"action": "notify.failed", "error": type(exc).__name__},
+        )

@@ -73,10 +73,15 @@ import anyio
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.brokers.base import Broker, PublishResults
-from fastapi_outbox.events import Envelope, MessageStatus
+from fastapi_outbox.events import MessageStatus
 from fastapi_outbox.instrumentation import Instrumentation
-from fastapi_outbox.log import safe_error, stack
-from fastapi_outbox.relay.loop import RelayLoop
+from fastapi_outbox.log import safe_error
+from fastapi_outbox.relay.loop import (
+    DB_BACKOFF_MAX_SECONDS,
+    DB_BACKOFF_MIN_SECONDS,
+    RelayLoop,
+    envelope_of,
+)
 from fastapi_outbox.relay.table import retry_delay
 from fastapi_outbox.settings import WAL_MIN_READ_WINDOW_BYTES, OutboxSettings
 from fastapi_outbox.storage.store import ERROR_MAX_CHARS, Store
@@ -95,11 +100,9 @@ logger = logging.getLogger("fastapi_outbox.wal")
 #: Client-side margin over the read and confirm timeouts (asyncpg cancels the statement on
 #: the server at the timeout; past the margin the connection itself is given up).
 TIMEOUT_MARGIN_SECONDS = 5.0
-DB_BACKOFF_MIN_SECONDS = 0.2
 #: SQLSTATE object_in_use: the slot is being read by another backend right now.
 SLOT_IN_USE = "55006"
 SLOT_IN_USE_PAUSE_SECONDS = 0.1
-DB_BACKOFF_MAX_SECONDS = 10.0
 
 _Item = tuple[Transaction, WalMessage]
 
@@ -114,6 +117,13 @@ class _TimedOut(Exception):
 
 class WalRelay(RelayLoop):
     """Reads the outbox's replication slot and publishes its messages."""
+
+    BROKER_DOWN = (
+        "broker down; wal relay paused, slot not confirmed",
+        "broker down; wal relay paused, slot not confirmed",
+        "wal.broker_down",
+    )
+    BROKER_UP = ("broker available again; wal relay resumes", "wal.broker_recovered")
 
     def __init__(
         self,
@@ -320,14 +330,7 @@ class WalRelay(RelayLoop):
             self._timed_out("read", window, settings.wal_read_timeout_seconds)
             return True
         elapsed = time.monotonic() - began
-        self.reads_total += 1
-        self.last_tick = time.time()
-        self.database_ok = True
-        if read.confirmed != self._seen_confirmed:
-            # Moved since this relay last looked (by itself, by another reader while this
-            # one stood by, or by an operator): progress.
-            self._seen_confirmed = read.confirmed
-            self.last_progress_at = time.time()
+        self._was_read(read)
         items = [(t, m) for t in read.transactions for m in t.messages]
         target = read.transactions[-1].end_lsn if read.transactions else None
         if read.complete_upto is not None:
@@ -339,42 +342,63 @@ class WalRelay(RelayLoop):
             self.oldest_unrelayed = items[0][0].commit_time
             await self._relay(items)
             self.last_relayed_at = time.time()
-        if target is not None and target > read.confirmed:
-            try:
-                await self._bounded(
-                    self.slot.advance(driver, target, settings.wal_confirm_timeout_seconds),
-                    settings.wal_confirm_timeout_seconds,
-                )
-            except _TimedOut:
-                # Published but not confirmed: the next read publishes it again (the
-                # brokers' de-duplication absorbs it) over a smaller window.
-                self._timed_out("confirm", window, settings.wal_confirm_timeout_seconds)
-                return True
-            self.last_progress_at = time.time()
-            self._seen_confirmed = target
-            logger.debug(
-                "slot confirmed",
-                extra={
-                    "action": "wal.confirmed",
-                    "slot": self.slot.name,
-                    "lsn": format_lsn(target),
-                    "count": len(items),
-                },
-            )
+        confirm = target is not None and target > read.confirmed
+        if confirm and not await self._confirm(driver, target or 0, len(items), window):
+            return True
         self.oldest_unrelayed = None
         self._drained += len(items)
         self._blocked(read.undecodable)
         if read.undecodable is not None:
             return False
+        self._adapt_window(read, window, elapsed)
+        return read.more or read.nrows >= size or bool(items)
+
+    def _was_read(self, read: Read) -> None:
+        """A read answered: counted, the database is up, and a confirmed position that
+        moved since this relay last looked (by itself, by another reader while this one
+        stood by, or by an operator) is progress."""
+        self.reads_total += 1
+        self.last_tick = time.time()
+        self.database_ok = True
+        if read.confirmed != self._seen_confirmed:
+            self._seen_confirmed = read.confirmed
+            self.last_progress_at = time.time()
+
+    async def _confirm(self, driver: Any, target: int, count: int, window: int) -> bool:
+        """Advance the slot to ``target``; False when the confirm timed out (published but
+        not confirmed: the next read publishes it again — the brokers' de-duplication
+        absorbs it — over a smaller window)."""
+        timeout = self.settings.wal_confirm_timeout_seconds
+        try:
+            await self._bounded(self.slot.advance(driver, target, timeout), timeout)
+        except _TimedOut:
+            self._timed_out("confirm", window, timeout)
+            return False
+        self.last_progress_at = time.time()
+        self._seen_confirmed = target
+        logger.debug(
+            "slot confirmed",
+            extra={
+                "action": "wal.confirmed",
+                "slot": self.slot.name,
+                "lsn": format_lsn(target),
+                "count": count,
+            },
+        )
+        return True
+
+    def _adapt_window(self, read: Read, window: int, elapsed: float) -> None:
+        """Double the window after a read it cut short that took under a quarter of the
+        read timeout; back to the configured window once caught up."""
+        settings = self.settings
         if read.more:
             self.largest_window_bytes = max(self.largest_window_bytes, window)
             if elapsed < settings.wal_read_timeout_seconds / 4:
                 self._window = min(window * 2, 1 << 40)
-        elif read.nrows < size:
+        elif read.nrows < settings.wal_batch_size:
             # Caught up: the next backlog starts from the configured window again.
             self.last_progress_at = time.time()
             self._window = settings.wal_read_window_bytes
-        return read.more or read.nrows >= size or bool(items)
 
     async def _bounded(self, call: Any, timeout: float) -> Any:
         """Await a read or a confirm bounded (server side) by ``timeout``: raises
@@ -494,7 +518,7 @@ class WalRelay(RelayLoop):
 
     async def _publish(self, name: str, broker: Broker, batch: list[_Item]) -> bool:
         """One broker call; False when the broker is down (the reader pauses)."""
-        envelopes = [_envelope(m) for _, m in batch]
+        envelopes = [envelope_of(m) for _, m in batch]
         finish = self._hook(self.instrumentation.publish_started, name, envelopes)
         results: PublishResults
         try:
@@ -513,18 +537,7 @@ class WalRelay(RelayLoop):
         except exceptions.OutboxError as exc:
             results = [exc] * len(envelopes)
         except Exception as exc:  # a bug in a broker must not stop the relay
-            logger.error(
-                "broker raised unexpectedly",
-                extra={
-                    "action": "publish.error",
-                    "broker": name,
-                    "error": type(exc).__name__,
-                    "stack": stack(exc),
-                },
-            )
-            results = [exceptions.MessageRejected(f"broker raised {type(exc).__name__}")] * len(
-                envelopes
-            )
+            results = [self._broker_bug(name, exc)] * len(envelopes)
         if finish is not None:
             self._hook(finish, results)
         self._broker_up(name)
@@ -548,33 +561,23 @@ class WalRelay(RelayLoop):
         """Hand messages over to the outbox table (before the slot moves past them)."""
         settings = self.settings
         abandon = not pending and settings.max_attempts <= 1
-        rows: list[dict[str, Any]] = []
-        for index, (txn, m) in enumerate(items):
-            error = None if errors is None else safe_error(errors[index], limit=ERROR_MAX_CHARS)
-            delay = 0.0 if pending else retry_delay(1, settings, self._rng)
-            rows.append(
-                {
-                    "id": uuid.UUID(m.id),
-                    "broker": m.broker,
-                    "stream": m.stream,
-                    "type": m.type,
-                    "key": m.key,
-                    "payload": m.payload,
-                    "headers": m.headers,
-                    "status": (
-                        MessageStatus.PENDING
-                        if pending
-                        else MessageStatus.ABANDONED
-                        if abandon
-                        else MessageStatus.FAILED
-                    ).value,
-                    "attempts": 0 if pending else 1,
-                    "retry_in": dt.timedelta(seconds=delay),  # from the database's now
-                    "last_error": error,
-                    "created_at": dt.datetime.fromtimestamp(txn.commit_time, dt.UTC),
-                    "abandon_now": abandon,
-                }
+        status = (
+            MessageStatus.PENDING
+            if pending
+            else MessageStatus.ABANDONED
+            if abandon
+            else MessageStatus.FAILED
+        )
+        rows = [
+            _table_row(
+                txn,
+                m,
+                status,
+                None if errors is None else safe_error(errors[index], limit=ERROR_MAX_CHARS),
+                0.0 if pending else retry_delay(1, settings, self._rng),
             )
+            for index, (txn, m) in enumerate(items)
+        ]
         with anyio.fail_after(self._db_bound):
             await self.store.insert_failed(rows)
         if pending:
@@ -585,7 +588,7 @@ class WalRelay(RelayLoop):
             )
             return
         self.refused_total += len(rows)
-        envelopes = [_envelope(m) for _, m in items]
+        envelopes = [envelope_of(m) for _, m in items]
         self._hook(
             self.instrumentation.abandoned if abandon else self.instrumentation.failed,
             broker,
@@ -603,26 +606,27 @@ class WalRelay(RelayLoop):
                 },
             )
 
-    def _broker_down(self, name: str, exc: BaseException) -> None:
-        self._outage(
-            exc,
-            "broker down; wal relay paused, slot not confirmed",
-            action="wal.broker_down",
-            broker=name,
-            slot=self.slot.name,
-        )
-
-    def _broker_up(self, name: str) -> None:
-        self._recovered(
-            "broker available again; wal relay resumes",
-            action="wal.broker_recovered",
-            broker=name,
-            slot=self.slot.name,
-        )
-
-    def _hook(self, hook: Any, *args: Any) -> Any:
-        return self._call_hook(hook, *args)
+    def _log_extra(self, broker: str) -> dict[str, Any]:
+        return {"broker": broker, "slot": self.slot.name}
 
 
-def _envelope(m: WalMessage) -> Envelope:
-    return Envelope(m.id, m.stream, m.type, m.key, m.payload.encode(), headers_json=m.headers)
+def _table_row(
+    txn: Transaction, m: WalMessage, status: MessageStatus, error: str | None, delay: float
+) -> dict[str, Any]:
+    """The outbox row a WAL message is handed over as (``Store.insert_failed``): pending
+    (a broker this dispatcher does not know), failed or abandoned (refused)."""
+    return {
+        "id": uuid.UUID(m.id),
+        "broker": m.broker,
+        "stream": m.stream,
+        "type": m.type,
+        "key": m.key,
+        "payload": m.payload,
+        "headers": m.headers,
+        "status": status.value,
+        "attempts": 0 if status is MessageStatus.PENDING else 1,
+        "retry_in": dt.timedelta(seconds=delay),  # from the database's now
+        "last_error": error,
+        "created_at": dt.datetime.fromtimestamp(txn.commit_time, dt.UTC),
+        "abandon_now": status is MessageStatus.ABANDONED,
+    }

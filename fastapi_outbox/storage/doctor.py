@@ -166,6 +166,35 @@ def examine_sync(conn: Connection, table: Table) -> list[Finding]:
     live_columns = _pg_columns(conn, relation)
     live_indexes = _pg_indexes(conn, relation)
 
+    findings += _column_findings(conn, table, expected_columns, live_columns)
+    findings += _key_and_index_findings(conn, table, expected_indexes, live_indexes, partitioned)
+
+    if bool(partitioned) != (interval is not None):
+        findings.append(
+            Finding(
+                f"table {name} is {'partitioned' if partitioned else 'not partitioned'} but "
+                f"the settings say partitioning={table.info.get('partitioning_setting')!r}",
+                ["-- see the README: moving a table to the partitioned layout"],
+                automatic=False,
+            )
+        )
+    if partitioned and interval is not None:
+        findings += _partition_findings(conn, name, interval)
+    if not partitioned:
+        findings += _storage_findings(conn, [name])
+    return findings
+
+
+def _column_findings(
+    conn: Connection,
+    table: Table,
+    expected_columns: dict[str, Any],
+    live_columns: dict[str, Any],
+) -> list[Finding]:
+    """PostgreSQL: missing columns, columns of another type or nullability, and obsolete
+    columns the library no longer writes."""
+    relation = _q(table.name)
+    findings: list[Finding] = []
     for column in table.columns:
         want = expected_columns[column.name]
         have = live_columns.get(column.name)
@@ -206,7 +235,18 @@ def examine_sync(conn: Connection, table: Table) -> list[Finding]:
                     [f"ALTER TABLE {relation} DROP COLUMN {_q(column_name)}"],
                 )
             )
+    return findings
 
+
+def _key_and_index_findings(
+    conn: Connection,
+    table: Table,
+    expected_indexes: dict[str, Any],
+    live_indexes: dict[str, Any],
+    partitioned: Any,
+) -> list[Finding]:
+    """PostgreSQL: a primary key other than the layout's, and missing or different indexes."""
+    findings: list[Finding] = []
     want_pk = next(body for body, _, primary in expected_indexes.values() if primary)
     have_pk = next((body for body, _, primary in live_indexes.values() if primary), None)
     if have_pk != want_pk:
@@ -226,20 +266,6 @@ def examine_sync(conn: Connection, table: Table) -> list[Finding]:
         findings += _index_finding(
             conn.dialect, table, index, index_name, body, have_index, partitioned
         )
-
-    if bool(partitioned) != (interval is not None):
-        findings.append(
-            Finding(
-                f"table {name} is {'partitioned' if partitioned else 'not partitioned'} but "
-                f"the settings say partitioning={table.info.get('partitioning_setting')!r}",
-                ["-- see the README: moving a table to the partitioned layout"],
-                automatic=False,
-            )
-        )
-    if partitioned and interval is not None:
-        findings += _partition_findings(conn, name, interval)
-    if not partitioned:
-        findings += _storage_findings(conn, [name])
     return findings
 
 

@@ -88,23 +88,32 @@ class Inbox:
         self.table = table
         self.is_postgres = engine.dialect.name == "postgresql"
         dialect_insert: Any = postgresql.insert if self.is_postgres else sqlite.insert
-        # ON CONFLICT DO NOTHING on the primary key: the row count says whether the message
-        # is new to the group. Built once; the values are bound per message.
-        # handled_at is the database's clock, as is the retention cutoff compared with it.
+        # record / record_many (SQLAlchemy path). Caller: the subscriber's transaction
+        # (fastapi_outbox.consume.processing.Processing._run_batch), before its handlers run.
+        # - ON CONFLICT DO NOTHING on the primary key: the row count (or the ids RETURNING
+        #   gives back) says whether the message is new to the group; a concurrent insert
+        #   of the same id waits on the key and then inserts nothing (effects once);
+        # - handled_at: the database's clock, as is retention's cutoff compared with it.
+        # Built once; the values are bound per message.
         self._record = (
             dialect_insert(table)
             .values(handled_at=clock.db_now(self.is_postgres))
             .on_conflict_do_nothing(index_elements=[table.c.group, table.c.message_id])
         )
-        # The ids inserted come back as one array in one row (not a row each: a hundred
-        # result rows cost more than the statement).
+        # record_many on asyncpg, a batch from several streams. Caller: the same.
+        # - unnest($2, $3): one row per (message id, stream) pair from two arrays: one
+        #   statement for the batch, no VALUES row per message nor SQLAlchemy work per row;
+        # - ON CONFLICT ... DO NOTHING RETURNING message_id: only the new ids come back;
+        # - array_agg over the CTE: those ids in one array in one row (a hundred result
+        #   rows cost more than the statement).
         self._record_many_sql = (
             f'WITH new AS (INSERT INTO "{table.name}" ("group", message_id, stream, handled_at) '
             "SELECT $1, m, s, now() FROM unnest($2::varchar[], $3::varchar[]) AS u(m, s) "
             'ON CONFLICT ("group", message_id) DO NOTHING RETURNING message_id) '
             "SELECT array_agg(message_id) FROM new"
         )
-        # The usual batch: every message from one stream (sent once, not once per row).
+        # record_many on asyncpg, the usual batch: every message from one stream. Caller: the
+        # same. As above, with the stream sent once ($3) instead of once per row.
         self._record_one_stream_sql = (
             f'WITH new AS (INSERT INTO "{table.name}" ("group", message_id, stream, handled_at) '
             "SELECT $1, unnest($2::varchar[]), $3, now() "
@@ -172,6 +181,10 @@ class Inbox:
         return set(result.scalars().all())
 
     async def contains(self, group: str, message_id: str) -> bool:
+        """Whether ``group`` handled ``message_id``: one primary-key look-up on a connection
+        of its own. Caller: the subscriber, for a delivery past ``max_attempts``
+        (``Processing._past_max_attempts``): committed before (acknowledged) or never
+        handled (dead-lettered)."""
         t = self.table
         stmt = select(t.c.message_id).where(t.c.group == group, t.c.message_id == message_id)
         async with self.engine.connect() as conn:
@@ -179,7 +192,9 @@ class Inbox:
 
     async def purge_batch(self, older_than_seconds: float, limit: int) -> int:
         """Delete up to ``limit`` rows handled more than ``older_than_seconds`` ago: one
-        short transaction through the ``handled_at`` index (SKIP LOCKED on PostgreSQL)."""
+        short transaction through the ``handled_at`` index (SKIP LOCKED on PostgreSQL: two
+        cleaners never wait on each other's rows). Caller: retention
+        (:class:`fastapi_outbox.relay.retention.Cleaner`)."""
         t = self.table
         cutoff = clock.db_later(self.is_postgres, seconds=-older_than_seconds)
         victims = (
@@ -202,7 +217,7 @@ class Inbox:
         how many rows each has. Counting reads every row of the groups (an operator's
         command); without it, each group costs one backward walk of the ``handled_at``
         index that stops at the group's newest row (cheap for a group that is active:
-        health and the dashboard)."""
+        health and the dashboard). Caller: :func:`fastapi_outbox.ops.operations.consumers`."""
         t = self.table
         rows: list[Any]
         async with self.engine.connect() as conn:

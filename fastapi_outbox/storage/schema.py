@@ -132,6 +132,29 @@ def build_table(
     table = Table(
         name,
         md,
+        *_columns(partitioned=interval is not None),
+        # Autovacuum follows a queue's churn, not its size (partitions get these too:
+        # PostgreSQL takes no storage parameters on a partitioned table).
+        **(
+            {"postgresql_partition_by": "RANGE (created_at)"}
+            if interval is not None
+            else {"postgresql_with": partitions.AUTOVACUUM}
+        ),
+    )
+    if interval is not None:
+        table.info["partitioning"] = interval
+        table.info["partitioning_setting"] = partitioning
+        partitions.install(table, interval)
+    _add_indexes(table)
+    if ordered:
+        _add_ordered_index(table)
+    return table
+
+
+def _columns(*, partitioned: bool) -> list[Column[Any]]:
+    """The columns of the data model (DESIGN §3); ``created_at`` joins the primary key of
+    a partitioned table (PostgreSQL requires the partition key in it)."""
+    return [
         Column("id", Uuid(as_uuid=True), primary_key=True, comment="UUIDv7, time-ordered"),
         Column("broker", String(64), nullable=False, comment="target broker name"),
         Column("stream", String(255), nullable=False, comment="topic / stream / subject"),
@@ -145,7 +168,7 @@ def build_table(
         Column("locked_by", String(80), nullable=True, comment="claim token (fence)"),
         Column("locked_until", UtcDateTime(), nullable=True),
         Column("last_error", Text, nullable=True),
-        Column("created_at", UtcDateTime(), nullable=False, primary_key=interval is not None),
+        Column("created_at", UtcDateTime(), nullable=False, primary_key=partitioned),
         Column("published_at", UtcDateTime(), nullable=True),
         Column("abandoned_at", UtcDateTime(), nullable=True),
         Column(
@@ -155,18 +178,12 @@ def build_table(
             nullable=False,
             comment="insert order, for ordered dispatch",
         ),
-        # Autovacuum follows a queue's churn, not its size (partitions get these too:
-        # PostgreSQL takes no storage parameters on a partitioned table).
-        **(
-            {"postgresql_partition_by": "RANGE (created_at)"}
-            if interval is not None
-            else {"postgresql_with": partitions.AUTOVACUUM}
-        ),
-    )
-    if interval is not None:
-        table.info["partitioning"] = interval
-        table.info["partitioning_setting"] = partitioning
-        partitions.install(table, interval)
+    ]
+
+
+def _add_indexes(table: Table) -> None:
+    """The partial indexes every statement of ``storage/statements`` is written for."""
+    name = table.name
     # The claim index: only rows that still need work, in due order per broker.
     Index(
         f"ix_{name}_due",
@@ -198,9 +215,6 @@ def build_table(
         postgresql_where=text("status = 'abandoned'"),
         sqlite_where=text("status = 'abandoned'"),
     )
-    if ordered:
-        _add_ordered_index(table)
-    return table
 
 
 def ordered_index_name(table_name: str) -> str:

@@ -1,4 +1,4 @@
-"""The logical replication slot of ``capture="wal"``: its SQL and its format, in one place.
+"""The logical replication slot of ``capture="wal"``: its life cycle and its format.
 
 The unit of work writes each transaction's messages with ``pg_logical_emit_message(true,
 <prefix>, <json>)`` (:mod:`fastapi_outbox.write.wal_capture`); the relay
@@ -25,6 +25,9 @@ commit time, xid), ``M`` (flags, LSN, prefix, length, content) and ``C`` (flags,
 LSN, end LSN, commit time). :func:`decode` keeps the ``M`` records of our prefix, grouped
 by transaction. Content of our prefix it cannot decode stops the decoding there
 (:class:`Undecodable`): the relay never confirms past a message it could not read.
+
+The statements themselves, each with its caller and the why of its parts, are in
+:mod:`fastapi_outbox.storage.statements.wal`.
 """
 
 from __future__ import annotations
@@ -42,6 +45,20 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from fastapi_outbox import exceptions
+from fastapi_outbox.storage.statements.wal import (
+    ADVANCE_SQL,
+    BOUNDARY_SQL,
+    CHECK_SQL,
+    CREATE_SLOT_SQL,
+    DB_NOW_SQL,
+    DROP_SLOT_SQL,
+    PEEK_SQL,
+    PUBLICATION_EXISTS_SQL,
+    SESSION_SQL,
+    SLOT_EXISTS_SQL,
+    STATS_SQL,
+    TRY_LOCK_SQL,
+)
 
 __all__ = [
     "Read",
@@ -314,16 +331,12 @@ class WalSlot:
         await self.check_server()
         async with self.engine.connect() as conn:
             driver = await self._driver(conn)
-            if not await driver.fetchval(
-                "SELECT EXISTS (SELECT FROM pg_publication WHERE pubname = $1)", self.publication
-            ):
+            if not await driver.fetchval(PUBLICATION_EXISTS_SQL, self.publication):
                 # No table: only the messages reach pgoutput's output.
                 await driver.execute(f'CREATE PUBLICATION "{self.publication}"')
             if await driver.fetchval(SLOT_EXISTS_SQL, self.name):
                 return False
-            await driver.execute(
-                "SELECT pg_create_logical_replication_slot($1, 'pgoutput')", self.name
-            )
+            await driver.execute(CREATE_SLOT_SQL, self.name)
             logger.info(
                 "replication slot created", extra={"action": "wal.slot_created", "slot": self.name}
             )
@@ -335,7 +348,7 @@ class WalSlot:
             driver = await self._driver(conn)
             existed = bool(await driver.fetchval(SLOT_EXISTS_SQL, self.name))
             if existed:
-                await driver.execute("SELECT pg_drop_replication_slot($1)", self.name)
+                await driver.execute(DROP_SLOT_SQL, self.name)
             await driver.execute(f'DROP PUBLICATION IF EXISTS "{self.publication}"')
             return existed
 
@@ -418,20 +431,11 @@ class WalSlot:
         TCP keepalives, so that the server notices a reader cut off by the network within
         about half a minute and releases its lock to a standby (the default would take
         the kernel's two hours)."""
-        await driver.execute(
-            "SELECT set_config('application_name', 'fastapi-outbox wal relay', false), "
-            "set_config('tcp_keepalives_idle', '10', false), "
-            "set_config('tcp_keepalives_interval', '5', false), "
-            "set_config('tcp_keepalives_count', '3', false)"
-        )
+        await driver.execute(SESSION_SQL)
 
     async def try_lock(self, driver: Any) -> bool:
         """Take the reader's session-level advisory lock (held until the connection ends)."""
-        return bool(
-            await driver.fetchval(
-                "SELECT pg_try_advisory_lock(hashtextextended($1, 0))", self.lock_key
-            )
-        )
+        return bool(await driver.fetchval(TRY_LOCK_SQL, self.lock_key))
 
     async def peek(
         self, driver: Any, nchanges: int, window: int, timeout: float, *, bound: float
@@ -501,42 +505,3 @@ def check_ready(version: int, level: str, exists: bool, slot_name: str, *, slot:
             "database, so messages written now would be lost: run `fastapi-outbox db create` "
             "(or await outbox.create_tables()) with capture='wal' first"
         )
-
-
-SLOT_EXISTS_SQL = (
-    "SELECT EXISTS (SELECT FROM pg_replication_slots "
-    "WHERE slot_name = $1 AND database = current_database())"
-)
-CHECK_SQL = (
-    "SELECT current_setting('server_version_num')::int, current_setting('wal_level'), "
-    "EXISTS (SELECT FROM pg_replication_slots "
-    "WHERE slot_name = $1 AND database = current_database() AND plugin = 'pgoutput')"
-)
-# Taken before a peek: see WalSlot.peek.
-BOUNDARY_SQL = (
-    "SELECT pg_current_wal_flush_lsn()::text AS flush_lsn, "
-    "(SELECT confirmed_flush_lsn::text FROM pg_replication_slots "
-    "WHERE slot_name = $1 AND database = current_database()) AS confirmed_lsn, "
-    "extract(epoch FROM clock_timestamp())::float8 AS db_now"
-)
-#: The database's clock, Unix seconds (commit times are on it).
-DB_NOW_SQL = "SELECT extract(epoch FROM clock_timestamp())::float8"
-PEEK_SQL = (
-    "SELECT data FROM pg_logical_slot_peek_binary_changes("
-    "$1, $2::pg_lsn, $3, "  # slot, read up to this LSN (NULL: the WAL's end), about this
-    # many rows (whole transactions)
-    "'proto_version', '1', 'publication_names', $4, "  # the empty publication: no table rows
-    "'messages', 'true')"  # pg_logical_emit_message records
-)
-# pg_replication_slot_advance refuses to move backwards; GREATEST makes a repeated confirm
-# (a relay retrying after a lost answer) a no-op.
-ADVANCE_SQL = (
-    "SELECT pg_replication_slot_advance(s.slot_name, GREATEST(s.confirmed_flush_lsn, $2::pg_lsn)) "
-    "FROM pg_replication_slots s WHERE s.slot_name = $1"
-)
-STATS_SQL = (
-    "SELECT wal_status, active_pid, safe_wal_size, "
-    "pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn) AS lag_bytes, "
-    "pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn) AS retained_bytes "
-    "FROM pg_replication_slots WHERE slot_name = $1 AND database = current_database()"
-)

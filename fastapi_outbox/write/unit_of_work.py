@@ -14,14 +14,16 @@ endpoint returns; users keep writing ``Depends(unit_of_work)``.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import re
 import uuid
 import weakref
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
+import anyio
 from fastapi import Depends, HTTPException, Request
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -41,10 +43,8 @@ from fastapi_outbox.events import (
     uuid7,
 )
 from fastapi_outbox.storage import clock
+from fastapi_outbox.write.context import WriteContext
 from fastapi_outbox.write.session_events import state_of
-
-if TYPE_CHECKING:
-    from fastapi_outbox.outbox import Outbox
 
 __all__ = ["UnitOfWork", "UnitOfWorkDep", "unit_of_work"]
 
@@ -97,7 +97,7 @@ class UnitOfWork:
 
     def __init__(
         self,
-        outbox: Outbox,
+        outbox: WriteContext,
         session: AsyncSession,
         *,
         correlation_id: str | None = None,
@@ -122,6 +122,11 @@ class UnitOfWork:
         next commit, or by :meth:`flush`)."""
         return self._state.count(self.outbox)
 
+    @property
+    def queued(self) -> list[dict[str, Any]]:
+        """Those rows themselves (the dicts a capture writes), oldest first."""
+        return [row for _, sink, row in self._state.queued if sink is self.outbox]
+
     def publish(
         self,
         event: Event | Message,
@@ -143,82 +148,50 @@ class UnitOfWork:
             raise exceptions.UnitOfWorkError(
                 "this unit of work has already committed or rolled back"
             )
-        outbox = self.outbox
-        target = outbox.resolve_broker(broker)
+        settings = self.outbox.settings
+        target = self.outbox.resolve_broker(broker)
         if isinstance(event, Event):
-            cls = type(event)
-            if cls.__outbox_abstract__ or cls.__outbox_stream__ is None:
-                raise exceptions.EventDefinitionError(
-                    f"{cls.__qualname__} is abstract (no stream): publish a concrete subclass"
-                )
-            stream = cls.__outbox_stream__
-            type_name = cls.__outbox_type__
-            external = cls.__outbox_external__
-            try:
-                payload = event.model_dump_json()
-            except Exception as exc:
-                # An unpaired surrogate makes pydantic's UTF-8 encoding fail: name its field.
-                refuse_unstorable(event.model_dump(), stream, type_name)
-                raise exceptions.SerializationError(
-                    f"event {type_name} on stream {stream!r} cannot be serialised: {exc}"
-                ) from exc
-            if key is None and cls.__outbox_key__ is not None:
-                value = getattr(event, cls.__outbox_key__)
-                key = None if value is None else str(value)
-            extra_headers = headers
+            encoded = _encode_event(event, key, headers)
         elif isinstance(event, Message):
-            stream, type_name, external = event.stream, event.type, event.external
-            if not isinstance(event.payload, dict):
-                raise exceptions.SerializationError(
-                    f"message {type_name} on stream {stream!r}: payload must be a dict, "
-                    f"not {type(event.payload).__name__}"
-                )
-            try:
-                # ensure_ascii=False: UTF-8 as it is, as pydantic writes an Event's payload
-                # (an unpaired surrogate stays one, and fails the encode below).
-                payload = json.dumps(
-                    event.payload, separators=(",", ":"), allow_nan=False, ensure_ascii=False
-                )
-            except (TypeError, ValueError) as exc:
-                raise exceptions.SerializationError(
-                    f"payload of message {type_name} on stream {stream!r} is not "
-                    f"JSON-serialisable: {exc}"
-                ) from exc
-            key = key if key is not None else event.key
-            extra_headers = {**event.headers, **(headers or {})}
+            encoded = _encode_message(event, key, headers)
         else:
             raise TypeError(f"publish() takes an Event or Message, not {type(event).__name__}")
-        check_text(stream, "stream", stream, type_name)
-        check_text(type_name, "type", stream, type_name)
-        if not isinstance(stream, str) or not _STREAM.match(stream):
-            raise exceptions.PublishError(
-                f"invalid stream {stream!r} for {type_name}: 1-255 characters, no whitespace"
-            )
-        # The cheap check of every string of the payload at once: a NUL is written `\u0000`
-        # in JSON text (the search of the payload's strings runs only when that text
-        # appears), and an unpaired surrogate fails the UTF-8 encode the size check does.
-        try:
-            size = len(payload.encode())
-        except UnicodeEncodeError as exc:
-            refuse_unstorable(payload_of(event), stream, type_name)
-            raise exceptions.SerializationError(
-                f"payload of {type_name} on stream {stream!r} is not UTF-8 text: {exc}"
-            ) from exc
-        # pydantic writes a surrogate in a dict *key* as U+FFFD: look closer then too.
-        if "\\u0000" in payload or "\ufffd" in payload:
-            refuse_unstorable(payload_of(event), stream, type_name)
-        if size > outbox.settings.max_payload_bytes:
-            raise exceptions.PayloadTooLarge(
-                f"payload of {type_name} on stream {stream!r} is {size} bytes, over "
-                f"max_payload_bytes={outbox.settings.max_payload_bytes}"
-            )
-        if key is not None:
-            check_text(key, "key", stream, type_name)
-            if len(key) > 255:
-                raise exceptions.PublishError(f"key of {type_name} is longer than 255 characters")
+        stream, type_name, external, payload, key, extra_headers = encoded
+        _check_message(event, stream, type_name, payload, key, settings.max_payload_bytes)
         user_headers = _check_headers(extra_headers, stream, type_name)
-        due_in, due_at = _delay(delay, deliver_at, outbox.settings.max_delay_seconds, type_name)
+        due_in, due_at = _delay(delay, deliver_at, settings.max_delay_seconds, type_name)
         message_id = uuid7()
+        rows = [
+            {
+                "id": row_id,
+                "broker": broker_name,
+                "stream": stream,
+                "type": type_name,
+                "key": key,
+                "payload": payload,
+                "headers": json.dumps(row_headers, separators=(",", ":")),
+                "delay": due_in,
+                "deliver_at": due_at,
+            }
+            for broker_name, row_id, row_headers in self._targets(
+                target, message_id, type_name, user_headers, external=external
+            )
+        ]
+        self._state.queue(self.session.sync_session, self.outbox, rows)
+        return message_id
+
+    def _targets(
+        self,
+        target: str,
+        message_id: uuid.UUID,
+        type_name: str,
+        user_headers: dict[str, str],
+        *,
+        external: bool,
+    ) -> list[tuple[str, uuid.UUID, dict[str, str]]]:
+        """``(broker, row id, headers)`` of each row of one message: the internal broker
+        with every header, and with ``external``, each external broker with the headers
+        that are not internal-only, under a row id of its own."""
         base = {
             HEADER_MESSAGE_ID: str(message_id),
             HEADER_TYPE: type_name,
@@ -227,29 +200,13 @@ class UnitOfWork:
         }
         if self.causation_id is not None:
             base[HEADER_CAUSATION_ID] = self.causation_id
-        trace = outbox.trace_headers(self.traceparent)
+        trace = self.outbox.trace_headers(self.traceparent)
         internal_headers = {**user_headers, **trace, **base}
         targets = [(target, message_id, internal_headers)]
         if external:
             public = {k: v for k, v in internal_headers.items() if k not in INTERNAL_HEADERS}
-            targets += [(name, uuid7(), public) for name in outbox.external_brokers]
-        rows = []
-        for broker_name, row_id, row_headers in targets:
-            rows.append(
-                {
-                    "id": row_id,
-                    "broker": broker_name,
-                    "stream": stream,
-                    "type": type_name,
-                    "key": key,
-                    "payload": payload,
-                    "headers": json.dumps(row_headers, separators=(",", ":")),
-                    "delay": due_in,
-                    "deliver_at": due_at,
-                }
-            )
-        self._state.queue(self.session.sync_session, self.outbox, rows)
-        return message_id
+            targets += [(name, uuid7(), public) for name in self.outbox.external_brokers]
+        return targets
 
     def _publish_raised(self, event: Event | Message) -> None:
         """Publisher of events raised on the session's aggregates (``raise_event``)."""
@@ -264,12 +221,158 @@ class UnitOfWork:
         (or savepoint) now, instead of at commit."""
         await self.session.run_sync(self._state.write)
 
-    def _open(self) -> None:
+    def activate(self) -> None:
+        """From now on, events raised on the session's aggregates are published through
+        this unit of work (the innermost active one wins): called when its block, or its
+        handler, begins."""
         self._state.push_publisher(self._publish_raised)
 
-    def _close(self) -> None:
+    def close(self) -> None:
+        """The block or the handler ended: raised events go to the unit of work active
+        before this one, and :meth:`publish` refuses from now on."""
         self._closed = True
         self._state.pop_publisher(self._publish_raised)
+
+    # Old private names, still called by modules that have not moved to the public ones.
+    _open = activate
+    _close = close
+
+    def take_notify(self) -> list[Any]:
+        """The outboxes still to be told about a commit made outside SQLAlchemy's greenlet
+        (a sync ``Session``; an ``AsyncSession``'s commit has told them already)."""
+        return self._state.take_notify()
+
+
+@contextlib.asynccontextmanager
+async def transaction(
+    context: WriteContext,
+    session: AsyncSession | None,
+    *,
+    correlation_id: str | None = None,
+    causation_id: str | None = None,
+    traceparent: str | None = None,
+) -> AsyncIterator[UnitOfWork]:
+    """The body of ``outbox.unit_of_work()``: a unit of work on a session of its own that
+    commits on exit and rolls back on error, or — ``session`` given — on the caller's
+    session, in a savepoint that the caller's commit or rollback decides."""
+    own = session is None
+    sess = context.session_factory() if session is None else session
+    uow = UnitOfWork(
+        context,
+        sess,
+        correlation_id=correlation_id,
+        causation_id=causation_id,
+        traceparent=traceparent,
+    )
+    uow.activate()
+    try:
+        if own:
+            try:
+                yield uow
+                await sess.commit()
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    await sess.rollback()
+                raise
+        else:
+            async with sess.begin_nested():
+                yield uow
+    finally:
+        uow.close()
+        if own:
+            with anyio.CancelScope(shield=True):
+                await sess.close()
+    for _ in uow.take_notify():  # only for a commit made outside the greenlet
+        await context.notify_after_commit()
+
+
+def _encode_event(
+    event: Event, key: str | None, headers: dict[str, str] | None
+) -> tuple[str, str, bool, str, str | None, dict[str, str] | None]:
+    """``(stream, type, external, payload JSON, key, headers)`` of an ``Event``."""
+    cls = type(event)
+    if cls.__outbox_abstract__ or cls.__outbox_stream__ is None:
+        raise exceptions.EventDefinitionError(
+            f"{cls.__qualname__} is abstract (no stream): publish a concrete subclass"
+        )
+    stream = cls.__outbox_stream__
+    type_name = cls.__outbox_type__
+    try:
+        payload = event.model_dump_json()
+    except Exception as exc:
+        # An unpaired surrogate makes pydantic's UTF-8 encoding fail: name its field.
+        refuse_unstorable(event.model_dump(), stream, type_name)
+        raise exceptions.SerializationError(
+            f"event {type_name} on stream {stream!r} cannot be serialised: {exc}"
+        ) from exc
+    if key is None and cls.__outbox_key__ is not None:
+        value = getattr(event, cls.__outbox_key__)
+        key = None if value is None else str(value)
+    return stream, type_name, cls.__outbox_external__, payload, key, headers
+
+
+def _encode_message(
+    event: Message, key: str | None, headers: dict[str, str] | None
+) -> tuple[str, str, bool, str, str | None, dict[str, str] | None]:
+    """``(stream, type, external, payload JSON, key, headers)`` of an explicit ``Message``."""
+    stream, type_name, external = event.stream, event.type, event.external
+    if not isinstance(event.payload, dict):
+        raise exceptions.SerializationError(
+            f"message {type_name} on stream {stream!r}: payload must be a dict, "
+            f"not {type(event.payload).__name__}"
+        )
+    try:
+        # ensure_ascii=False: UTF-8 as it is, as pydantic writes an Event's payload
+        # (an unpaired surrogate stays one, and fails the encode below).
+        payload = json.dumps(
+            event.payload, separators=(",", ":"), allow_nan=False, ensure_ascii=False
+        )
+    except (TypeError, ValueError) as exc:
+        raise exceptions.SerializationError(
+            f"payload of message {type_name} on stream {stream!r} is not JSON-serialisable: {exc}"
+        ) from exc
+    key = key if key is not None else event.key
+    return stream, type_name, external, payload, key, {**event.headers, **(headers or {})}
+
+
+def _check_message(
+    event: Event | Message,
+    stream: str,
+    type_name: str,
+    payload: str,
+    key: str | None,
+    max_payload_bytes: int,
+) -> None:
+    """Refuse what cannot be stored or published: a stream with whitespace, NUL characters
+    or unpaired surrogates anywhere, a payload over ``max_payload_bytes``, a long key."""
+    check_text(stream, "stream", stream, type_name)
+    check_text(type_name, "type", stream, type_name)
+    if not isinstance(stream, str) or not _STREAM.match(stream):
+        raise exceptions.PublishError(
+            f"invalid stream {stream!r} for {type_name}: 1-255 characters, no whitespace"
+        )
+    # The cheap check of every string of the payload at once: a NUL is written `\u0000`
+    # in JSON text (the search of the payload's strings runs only when that text
+    # appears), and an unpaired surrogate fails the UTF-8 encode the size check does.
+    try:
+        size = len(payload.encode())
+    except UnicodeEncodeError as exc:
+        refuse_unstorable(payload_of(event), stream, type_name)
+        raise exceptions.SerializationError(
+            f"payload of {type_name} on stream {stream!r} is not UTF-8 text: {exc}"
+        ) from exc
+    # pydantic writes a surrogate in a dict *key* as U+FFFD: look closer then too.
+    if "\\u0000" in payload or "\ufffd" in payload:
+        refuse_unstorable(payload_of(event), stream, type_name)
+    if size > max_payload_bytes:
+        raise exceptions.PayloadTooLarge(
+            f"payload of {type_name} on stream {stream!r} is {size} bytes, over "
+            f"max_payload_bytes={max_payload_bytes}"
+        )
+    if key is not None:
+        check_text(key, "key", stream, type_name)
+        if len(key) > 255:
+            raise exceptions.PublishError(f"key of {type_name} is longer than 255 characters")
 
 
 _NO_DELAY = dt.timedelta(0)
@@ -355,16 +458,16 @@ def _check_headers(headers: dict[str, str] | None, stream: str, type_name: str) 
 _outboxes: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
-def register_outbox(outbox: Outbox) -> None:
+def register_outbox(outbox: WriteContext) -> None:
     _outboxes.add(outbox)
 
 
-def current_outbox() -> Outbox:
+def current_outbox() -> WriteContext:
     """The only Outbox of this process; :class:`UnitOfWorkError` when there is none or
     several."""
     instances = list(_outboxes)
     if len(instances) == 1:
-        found: Outbox = instances[0]
+        found: WriteContext = instances[0]
         return found
     if not instances:
         raise exceptions.UnitOfWorkError(
@@ -376,7 +479,7 @@ def current_outbox() -> Outbox:
     )
 
 
-def _outbox_for(request: Request) -> Outbox:
+def _outbox_for(request: Request) -> WriteContext:
     outbox = getattr(request.app.state, "fastapi_outbox", None)
     if outbox is None:
         outbox = current_outbox()
@@ -388,7 +491,7 @@ async def _request_unit_of_work(request: Request) -> AsyncIterator[UnitOfWork]:
         yield uow
 
 
-async def _serve(outbox: Outbox, request: Request) -> AsyncIterator[UnitOfWork]:
+async def _serve(outbox: WriteContext, request: Request) -> AsyncIterator[UnitOfWork]:
     try:
         correlation_id, traceparent = correlation_from_headers(request.headers)
     except ValueError as exc:
@@ -409,7 +512,7 @@ async def unit_of_work(
 UnitOfWorkDep = Annotated[UnitOfWork, Depends(unit_of_work)]
 
 
-def dependency_for(outbox: Outbox) -> Any:
+def dependency_for(outbox: WriteContext) -> Any:
     """A ``unit_of_work`` dependency bound to ``outbox`` (several outboxes in one app):
     ``uow: UnitOfWork = Depends(billing_outbox.dependency)``."""
 

@@ -23,16 +23,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import text
 from sqlalchemy.engine import Connection
 from sqlalchemy.util import await_only
 
 from fastapi_outbox.storage import wal_slot
+from fastapi_outbox.storage.statements import wal as wal_sql
+from fastapi_outbox.storage.statements.write import EMIT_SQL, emit_message
 from fastapi_outbox.storage.store import Store
 
 __all__ = ["WalCapture"]
-
-EMIT_SQL = "SELECT pg_logical_emit_message(true, $1, $2::text)"
 
 
 class WalCapture:
@@ -59,7 +58,7 @@ class WalCapture:
         if connection.dialect.driver == "asyncpg" and driver is not None:
             if not self._checked:
                 version, level, exists = await_only(
-                    driver.fetchrow(wal_slot.CHECK_SQL, self.slot.name)
+                    driver.fetchrow(wal_sql.CHECK_SQL, self.slot.name)
                 )
                 wal_slot.check_ready(version, level, exists, self.slot.name, slot=True)
                 self._checked = True
@@ -67,11 +66,8 @@ class WalCapture:
             return
         if not self._checked:
             version, level, exists = connection.execute(
-                text(wal_slot.CHECK_SQL.replace("$1", ":slot")), {"slot": self.slot.name}
+                wal_sql.check_ready(), {"slot": self.slot.name}
             ).one()
             wal_slot.check_ready(version, level, exists, self.slot.name, slot=True)
             self._checked = True
-        connection.execute(
-            text("SELECT pg_logical_emit_message(true, :prefix, CAST(:content AS text))"),
-            {"prefix": self.prefix, "content": content},
-        )
+        connection.execute(emit_message(), {"prefix": self.prefix, "content": content})

@@ -133,8 +133,8 @@ async def test_frozen_nats_ten_times(pg_url: str, private_nats: Server) -> None:
 
     async def leaks() -> dict[str, int]:
         return {
-            "acks awaited": len(broker._awaiting),
-            "ack subscription's queued replies": broker._ack_sub.pending_msgs,
+            "acks awaited": broker.acks_awaited,
+            "ack subscription's queued replies": broker.ack_subscription.pending_msgs,
             "asyncio tasks": task_count(),
         }
 

@@ -4,6 +4,14 @@ Each broker is driven through the ``Broker`` protocol only, and what it publishe
 back from the real server (XRANGE on Redis, the JetStream stream on NATS), never from the
 broker object itself. Broker-specific guarantees (stream creation and acknowledgement on
 NATS, MAXLEN on Redis, URL parsing) follow the shared contract.
+
+Adding a broker (as faststream's ``tests/brokers/base`` is subclassed per broker): write
+one async generator ``<name>_harness(request)`` that yields a :class:`Harness` — the
+broker, ``read`` (what landed on a stream, read from the server with its own client),
+``fresh`` (a new broker object on the same server), ``poison`` (an envelope the server
+refuses on its own) — and cleans up its streams afterwards; then add it to
+:data:`HARNESSES`. Every ``harness`` test then runs against it unchanged; tests of one
+broker's own guarantees go below the shared ones, named ``test_<name>_…``.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from fastapi_outbox.brokers import (
 from fastapi_outbox.brokers.nats.wire import stream_name_for
 from fastapi_outbox.events import Envelope, uuid7
 from tests.conftest import unique
+from tests.servers import any_free_port
 
 TWO_MB = 2 * 1024 * 1024
 
@@ -59,6 +68,8 @@ class Harness:
     fresh: Callable[[], Broker]
     #: An envelope this broker refuses on its own (the rest of its batch still goes out).
     poison: Callable[[], Awaitable[Envelope]]
+    #: A broker object of this kind whose server cannot be reached.
+    unreachable: Callable[[], Broker]
     streams: list[str] = field(default_factory=list)
 
     def stream(self) -> str:
@@ -86,7 +97,7 @@ def envelope(
     )
 
 
-async def memory_harness() -> AsyncIterator[Harness]:
+async def memory_harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
     broker = MemoryBroker(
         reject=lambda e: (
             exceptions.MessageRejected(f"message {e.id} refused") if e.type == "Poison" else None
@@ -103,10 +114,16 @@ async def memory_harness() -> AsyncIterator[Harness]:
         e.type = "Poison"
         return e
 
-    yield Harness("memory", broker, read, lambda: broker, poison)
+    def unreachable() -> Broker:
+        down = MemoryBroker()
+        down.available = False
+        return down
+
+    yield Harness("memory", broker, read, lambda: broker, poison, unreachable)
 
 
-async def redis_harness(url: str) -> AsyncIterator[Harness]:
+async def redis_harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
+    url = str(request.getfixturevalue("redis_url"))
     client = aioredis.Redis.from_url(url)
     harness: Harness
 
@@ -132,7 +149,12 @@ async def redis_harness(url: str) -> AsyncIterator[Harness]:
         return envelope(stream, 0)
 
     harness = Harness(
-        "redis", RedisStreamsBroker(url), read, lambda: RedisStreamsBroker(url), poison
+        "redis",
+        RedisStreamsBroker(url),
+        read,
+        lambda: RedisStreamsBroker(url),
+        poison,
+        lambda: RedisStreamsBroker(f"redis://u:secret@127.0.0.1:{any_free_port()}/0"),
     )
     try:
         yield harness
@@ -145,7 +167,8 @@ async def redis_harness(url: str) -> AsyncIterator[Harness]:
         await client.aclose()
 
 
-async def nats_harness(url: str) -> AsyncIterator[Harness]:
+async def nats_harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
+    url = str(request.getfixturevalue("nats_url"))
     nc = await nats.connect(url)
     jsm = nc.jsm()
 
@@ -166,7 +189,12 @@ async def nats_harness(url: str) -> AsyncIterator[Harness]:
         return envelope(harness.stream(), 0, payload=b"x" * TWO_MB)
 
     harness = Harness(
-        "nats", NatsJetStreamBroker(url), read, lambda: NatsJetStreamBroker(url), poison
+        "nats",
+        NatsJetStreamBroker(url),
+        read,
+        lambda: NatsJetStreamBroker(url),
+        poison,
+        lambda: NatsJetStreamBroker(f"nats://u:secret@127.0.0.1:{any_free_port()}"),
     )
     try:
         yield harness
@@ -178,15 +206,17 @@ async def nats_harness(url: str) -> AsyncIterator[Harness]:
         await nc.close()
 
 
-@pytest.fixture(params=["memory", "redis", "nats"])
+#: Every broker the shared contract runs against: one entry per broker.
+HARNESSES: dict[str, Callable[[pytest.FixtureRequest], AsyncIterator[Harness]]] = {
+    "memory": memory_harness,
+    "redis": redis_harness,
+    "nats": nats_harness,
+}
+
+
+@pytest.fixture(params=list(HARNESSES))
 async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
-    gen: AsyncIterator[Harness]
-    if request.param == "memory":
-        gen = memory_harness()
-    elif request.param == "redis":
-        gen = redis_harness(request.getfixturevalue("redis_url"))
-    else:
-        gen = nats_harness(request.getfixturevalue("nats_url"))
+    gen = HARNESSES[request.param](request)
     h = await anext(gen)
     try:
         yield h
@@ -275,6 +305,23 @@ async def test_connect_and_aclose_are_idempotent(harness: Harness) -> None:
     assert_landed(await harness.read(stream), [first, second])
 
 
+async def test_an_unreachable_broker_raises_broker_unavailable(harness: Harness) -> None:
+    """Ping and publish on a broker whose server cannot be reached raise BrokerUnavailable
+    (no per-message results: nothing is charged to a message), and the error never shows
+    the URL's password."""
+    broker = harness.unreachable()
+    stream = harness.stream()
+    try:
+        with pytest.raises(exceptions.BrokerUnavailable) as caught:
+            await broker.ping()
+        assert "secret" not in str(caught.value)
+        with pytest.raises(exceptions.BrokerUnavailable) as caught:
+            await broker.publish([envelope(stream, 0)])
+        assert "secret" not in str(caught.value)
+    finally:
+        await broker.aclose()
+
+
 async def test_broker_satisfies_the_protocol(harness: Harness) -> None:
     assert isinstance(harness.broker, Broker)
 
@@ -356,7 +403,7 @@ async def test_nats_created_stream_has_explicit_limits_and_logs_them(
 
 
 async def test_nats_default_stream_limits_are_bounded(nats_url: str, jsm: Any) -> None:
-    from fastapi_outbox.brokers.nats.publisher import STREAM_MAX_AGE_SECONDS, STREAM_MAX_BYTES
+    from fastapi_outbox.brokers.nats import STREAM_MAX_AGE_SECONDS, STREAM_MAX_BYTES
 
     subject = unique("bounded")
     broker = NatsJetStreamBroker(nats_url)
@@ -423,7 +470,7 @@ async def test_nats_a_reply_that_is_not_a_jetstream_ack_fails_the_message_at_onc
         assert isinstance(results[1], exceptions.MessageRejected)
         assert "unexpected reply" in str(results[1]) and batch[1].id in str(results[1])
         assert (await jsm.stream_info(stream_name_for(captured))).state.messages == 2
-        assert broker._awaiting == {}  # no ack left registered
+        assert broker.acks_awaited == 0  # no ack left registered
     finally:
         await broker.aclose()
         await nc.close()
@@ -442,10 +489,10 @@ async def test_nats_cancelled_publish_leaves_no_ack_awaited(nats_url: str) -> No
         with pytest.raises(TimeoutError):
             with anyio.fail_after(0.5):
                 await broker.publish([envelope(silent, n) for n in range(50)])
-        assert broker._awaiting == {}
+        assert broker.acks_awaited == 0
         broker.create_streams = True
         assert await broker.publish([envelope(subject, 0)]) == [None]
-        assert broker._awaiting == {}
+        assert broker.acks_awaited == 0
     finally:
         await broker.aclose()
         await nc.close()
@@ -461,7 +508,7 @@ async def test_nats_broker_on_a_callers_client_leaves_no_subscription(nats_url: 
     broker: Any = NatsJetStreamBroker(nats_url, client=nc)
     try:
         assert await broker.publish([envelope(subject, 0)]) == [None]
-        inbox = broker._ack_prefix + "probe"
+        inbox = broker.ack_subject_prefix + "probe"
         await broker.aclose()
         assert nc.is_connected
         with pytest.raises(nats.errors.NoRespondersError):
@@ -483,7 +530,7 @@ async def test_nats_headers_on_the_wire_follow_nats_rules(
     broker: Any = NatsJetStreamBroker(nats_url)
     await broker.connect()
     if path == "nats-py publish":
-        broker._raw = None
+        broker.connection.use_client_publish()
     good, bad_name, bad_subject = envelope(subject, 0), envelope(subject, 1), envelope("a b", 2)
     good.headers["x-note"] = "  two\r\nlines\r\nPUB evil 1\r\n "
     bad_name.headers["bad name"] = "x"

@@ -43,7 +43,7 @@ async def test_a_frozen_holder_of_the_ordered_lock_is_cut_off(pg_url: str) -> No
         # What an ordered claimer does first, then it freezes inside its transaction.
         await frozen.begin()
         lock = func.hashtext(f"fastapi_outbox:{outbox.table.name}:default")
-        await frozen.execute(select(*store._local_timeouts(), func.pg_advisory_xact_lock(lock)))
+        await frozen.execute(select(*store.local_timeouts(), func.pg_advisory_xact_lock(lock)))
 
         started = time.monotonic()
         with pytest.raises((DBAPIError, asyncpg.LockNotAvailableError), match="lock timeout"):

@@ -1,6 +1,6 @@
 """Ordered dispatch (``OutboxSettings(ordered=True)``) against real databases and Redis.
 
-The guarantee these tests hold the library to (see ``Store._claim_statement``):
+The guarantee these tests hold the library to (see ``storage.statements.relay.claim``):
 
     Per key, messages are ordered by ``seq``, the insert order of their outbox rows (an
     identity column on PostgreSQL, the rowid on SQLite). If message A's transaction

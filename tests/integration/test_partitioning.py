@@ -117,9 +117,9 @@ async def test_claims_are_index_served_across_partitions_and_messages_arrive(
         assert {placed[i] for i in ids} == {partitions.partition_name(table, today)}
 
         store = outbox.store
-        stmt = store._claim_statement("default", 100, False)
-        sql, args = store._driver_args("explain", stmt, {"token": "t", "lease": dt.timedelta(30)})
-        async with store._driver_connection() as driver:
+        stmt = store.claim_statement("default", 100, False)
+        sql, args = store.connector.compile("explain", stmt, store.claim_params("t", 30.0))
+        async with store.connector.driver_connection() as driver:
             plan = "\n".join(r[0] for r in await driver.fetch("EXPLAIN " + sql, *args))
         # The partition holding rows is read through its partial claim index and its
         # primary key only (empty partitions may be scanned: they have no pages).

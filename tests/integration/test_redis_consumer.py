@@ -40,13 +40,25 @@ def consumer_of(broker: RedisStreamsBroker, stream: str) -> Any:
     return broker.consumer(config)
 
 
+async def kill_connections_named(client: Any, name: str) -> None:
+    """The server closes every connection named ``name`` (the consumer's, see ``setup``)."""
+    killed = 0
+    for info in await client.client_list():
+        if info.get("name") == name:
+            await client.client_kill_filter(_id=info["id"])
+            killed += 1
+    assert killed, f"no connection named {name!r}"
+
+
 @pytest.fixture
 async def setup(redis_url: str) -> AsyncIterator[tuple[Any, RedisStreamsConsumer, str]]:
     import redis.asyncio as aioredis
 
     client = aioredis.Redis.from_url(redis_url)
     stream = unique("acks")
-    broker = RedisStreamsBroker(redis_url)
+    # Named connections: the tests that kill the consumer's connections kill only these,
+    # never another client of the shared server.
+    broker = RedisStreamsBroker(f"{redis_url}?client_name={stream}")
     consumer = consumer_of(broker, stream)
     await consumer.setup()
     try:
@@ -104,7 +116,7 @@ async def test_ack_soon_during_a_blocked_read_goes_at_once(setup: Any) -> None:
     got = await fetched(client, consumer, stream, 2)
     async with anyio.create_task_group() as tg:
         tg.start_soon(consumer.fetch, 10, 3.0)  # blocks: nothing new
-        await wait_until(lambda: consumer._blocked, timeout=5)
+        await wait_until(lambda: consumer.ack_soon_sends_at_once, timeout=5)
         await consumer.ack_soon(got)
         assert await pending(client, stream) == 0  # not held until the read ends
         await add(client, stream, 1)  # ends the blocked read
@@ -116,7 +128,7 @@ async def test_acks_of_a_failed_read_go_with_the_next_one(setup: Any) -> None:
     got = await fetched(client, consumer, stream, 2)
     await consumer.ack_soon(got)
     # The reader's connection is killed by the server: the read carrying the acks fails.
-    await client.client_kill_filter(_type="normal", skipme=True)
+    await kill_connections_named(client, stream)
     with pytest.raises(exceptions.BrokerUnavailable):
         await consumer.fetch(10, 0.0)
     assert await pending(client, stream) == 2
@@ -156,7 +168,7 @@ async def test_entries_of_a_lost_reply_come_back_after_a_failure(setup: Any) -> 
     lost = await client.xreadgroup("g", "me", {stream: ">"}, count=10)
     assert len(lost[0][1]) == 3
     assert await consumer.fetch(10, 0.0) == []  # nothing new; the lost ones are pending
-    await client.client_kill_filter(_type="normal", skipme=True)
+    await kill_connections_named(client, stream)
     with pytest.raises(exceptions.BrokerUnavailable):
         await consumer.fetch(10, 0.0)
     back: list[Any] = []

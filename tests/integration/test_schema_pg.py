@@ -149,7 +149,7 @@ async def test_claim_uses_the_partial_index_on_a_table_of_published_rows(
         await pg.execute("ANALYZE outbox_messages")
 
         for ordered in (False, True):
-            stmt = outbox.store._claim_statement("default", 100, ordered)
+            stmt = outbox.store.claim_statement("default", 100, ordered)
             values = {"token": "token", "lease": dt.timedelta(seconds=30)}
             compiled = stmt.compile(
                 dialect=outbox.engine.dialect, compile_kwargs={"render_postcompile": True}

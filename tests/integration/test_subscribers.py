@@ -217,7 +217,7 @@ async def test_declaration_mistakes_are_refused_with_names(sqlite_url: str) -> N
 
     outbox.subscriber("shipments", group="c")(batch_seq)
     assert outbox.subscribers[-1].batch_handler
-    assert outbox.subscribers[-1]._uow_params == ["uow"]
+    assert outbox.subscribers[-1].signature.uow_params == ["uow"]
     await outbox.create_tables()
     async with outbox.unit_of_work() as uow:
         in_batch = BatchUnitOfWork(outbox, uow.session, causation_id="m1")

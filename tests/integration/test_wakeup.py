@@ -30,7 +30,7 @@ def idle(outbox: Outbox) -> bool:
     LISTEN is up where there is one."""
     listening = outbox.listener is None or outbox.listener.listening
     return listening and all(
-        len(p.wakeup._waiters) == outbox.settings.workers for p in outbox.processors.values()
+        p.wakeup.idle_waiters == outbox.settings.workers for p in outbox.processors.values()
     )
 
 

@@ -358,7 +358,7 @@ async def test_commits_wake_the_reader_in_process_and_across_processes(wal_pg_ur
             assert relay is not None and listener is not None
 
             def waiting() -> bool:
-                return relay.leader and listener.listening and len(relay.wakeup._waiters) == 1
+                return relay.leader and listener.listening and relay.wakeup.idle_waiters == 1
 
             await wait_until(waiting)
             async with reader.unit_of_work() as uow:

@@ -1,4 +1,4 @@
-"""The JetStream ack subject read directly (``_sequence_and_count``) agrees with nats-py's
+"""The JetStream ack subject read directly (``wire.sequence_and_count``) agrees with nats-py's
 own ``Msg.metadata`` on both subject layouts, and refuses what is not a JetStream reply."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 from nats.aio.msg import Msg
 from nats.errors import NotJSMessageError
 
-from fastapi_outbox.brokers.nats.consumer import _sequence_and_count
+from fastapi_outbox.brokers.nats.wire import sequence_and_count
 
 SUBJECTS = [
     "$JS.ACK.ORDERS.billing.3.1042.77.1795596699328000000.12",  # v1: 9 tokens
@@ -20,11 +20,11 @@ SUBJECTS = [
 def test_matches_nats_metadata(reply: str) -> None:
     msg = Msg(None, subject="orders", reply=reply, data=b"{}")  # type: ignore[arg-type]
     meta = msg.metadata
-    assert _sequence_and_count(msg) == (str(meta.sequence.stream), meta.num_delivered)
+    assert sequence_and_count(msg) == (str(meta.sequence.stream), meta.num_delivered)
 
 
 @pytest.mark.parametrize("reply", ["", "_INBOX.abc.1", "$JS.ACK.too.short"])
 def test_not_a_jetstream_reply(reply: str) -> None:
     msg = Msg(None, subject="orders", reply=reply, data=b"{}")  # type: ignore[arg-type]
     with pytest.raises(NotJSMessageError):
-        _sequence_and_count(msg)
+        sequence_and_count(msg)

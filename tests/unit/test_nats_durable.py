@@ -12,7 +12,7 @@ import pytest
 from fastapi_outbox import exceptions
 from fastapi_outbox.brokers import NatsJetStreamBroker
 from fastapi_outbox.brokers.consumer import ConsumerConfig
-from fastapi_outbox.brokers.nats.consumer import NatsJetStreamConsumer, durable_name
+from fastapi_outbox.brokers.nats.consumer import durable_name
 
 
 def test_durable_names_are_stable_valid_bounded_and_one_per_subject() -> None:
@@ -48,9 +48,9 @@ class _RefusingJetStream:
 
 async def test_a_refused_update_refuses_the_start_naming_group_durable_and_settings() -> None:
     config = ConsumerConfig("orders", "billing", "c1", "orders.billing.dlq", 60.0, 8)
-    consumer = NatsJetStreamConsumer(NatsJetStreamBroker("nats://127.0.0.1:1"), config)
+    consumer = NatsJetStreamBroker("nats://127.0.0.1:1").consumer(config)
     with pytest.raises(exceptions.ConfigurationError) as caught:
-        await consumer._ensure_durable(_RefusingJetStream(), "orders")
+        await consumer.ensure_durable(_RefusingJetStream(), "orders")
     text = str(caught.value)
     assert "group 'billing'" in text and consumer.durable in text
     assert "max_deliver 5 -> -1" in text and "ack_wait 30.0 -> 60.0" in text

@@ -8,8 +8,7 @@ import nats.js.errors
 import pytest
 import redis.exceptions as rexc
 
-from fastapi_outbox.brokers.nats.publisher import _ack_error
-from fastapi_outbox.brokers.nats.wire import refusal_reason
+from fastapi_outbox.brokers.nats.wire import ack_error, refusal_reason
 from fastapi_outbox.brokers.redis.wire import refusal_code
 
 
@@ -108,22 +107,22 @@ class _Reply:
     ],
 )
 def test_jetstream_ack_replies_are_successes(data: bytes) -> None:
-    assert _ack_error(_Reply(data)) is None
+    assert ack_error(_Reply(data)) is None
 
 
 def test_jetstream_error_replies_become_the_matching_errors() -> None:
-    unavailable = _ack_error(
+    unavailable = ack_error(
         _Reply(b'{"error":{"code":503,"err_code":10039,"description":"jetstream not enabled"}}')
     )
     assert isinstance(unavailable, nats.js.errors.ServiceUnavailableError)
     assert refusal_reason(unavailable, stream_known=False) is not None  # an outage
-    too_big = _ack_error(
+    too_big = ack_error(
         _Reply(b'{"error":{"code":400,"err_code":10054,"description":"message size exceeds"}}')
     )
     assert isinstance(too_big, nats.js.errors.BadRequestError)
     assert too_big.err_code == 10054
     assert refusal_reason(too_big, stream_known=True) is None  # that message's fault
-    no_stream = _ack_error(_Reply(b"", {"Status": "503"}))
+    no_stream = ack_error(_Reply(b"", {"Status": "503"}))
     assert isinstance(no_stream, nats.js.errors.NoStreamResponseError)
 
 
@@ -143,5 +142,5 @@ def test_replies_that_are_not_jetstream_acks_are_errors(
 ) -> None:
     """A reply from something other than JetStream (a plain subscriber on the subject)
     must never count as published."""
-    error = _ack_error(_Reply(data, headers))
+    error = ack_error(_Reply(data, headers))
     assert isinstance(error, nats.js.errors.APIError)

@@ -58,7 +58,7 @@ def make_uow(outbox: Outbox, **kwargs: Any) -> UnitOfWork:
 
 
 def rows(uow: UnitOfWork) -> list[dict[str, Any]]:
-    return [row for _, _, row in uow._state.queued]
+    return uow.queued
 
 
 def test_event_becomes_one_row_with_the_contract_headers(outbox: Outbox) -> None:
@@ -220,7 +220,7 @@ def test_invalid_correlation_or_causation_id_is_refused(outbox: Outbox) -> None:
 
 def test_publish_after_close_is_refused(outbox: Outbox) -> None:
     uow = make_uow(outbox)
-    uow._close()
+    uow.close()
     with pytest.raises(UnitOfWorkError, match="already committed"):
         uow.publish(OrderPlaced(order_id=1, total=1))
 

@@ -1,8 +1,9 @@
 """In process: ``MemoryBroker`` holds messages in a list, for tests and the embedded default.
 
-The package holds ``broker``, ``publisher``, ``connection``, ``consumer``: the publisher and
-the consumer share the connection and the wire rules and never import each other; ``broker``
-composes them. This module re-exports what ``fastapi_outbox.brokers.memory`` always offered.
+The package holds ``connection`` (``MemoryConnection``: the message log and the groups'
+state), ``publisher`` and ``consumer``, which each receive the connection and never import
+each other; ``broker`` composes them. This module re-exports what
+``fastapi_outbox.brokers.memory`` always offered.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ Consumer groups over the broker's message log, with the semantics of the real br
 that fit in one process: a cursor per group, pending deliveries with a delivery count,
 retries after a delay, release at shutdown, dead letters appended to the dead-letter
 stream of the same broker (``broker.on_stream("orders.billing.dlq")``). Its state lives on
-the broker, so a subscriber restarted in the same process carries on where it stopped.
+the broker's ``MemoryConnection``, so a subscriber restarted in the same process carries
+on where it stopped.
 """
 
 from __future__ import annotations
@@ -13,22 +14,19 @@ import dataclasses
 import datetime as dt
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import anyio
 
 from fastapi_outbox.brokers import consumer as consumer_mod
 from fastapi_outbox.brokers.consumer import ConsumerConfig, ConsumerLag, DeadLetter, Delivery
+from fastapi_outbox.brokers.memory.connection import MemoryConnection
 from fastapi_outbox.events import HEADER_MESSAGE_ID, Envelope, uuid7
-
-if TYPE_CHECKING:
-    from fastapi_outbox.brokers.memory.connection import MemoryConnection
 
 
 @dataclasses.dataclass(slots=True)
 class _Group:
     cursor: int
-    #: index in broker.messages → [delivery count, monotonic time of the last delivery]
+    #: index in connection.messages → [delivery count, monotonic time of the last delivery]
     pending: dict[int, list[float]] = dataclasses.field(default_factory=dict)
     #: indexes due again: (monotonic due time, index)
     retries: list[tuple[float, int]] = dataclasses.field(default_factory=list)
@@ -37,24 +35,26 @@ class _Group:
 
 
 class MemoryConsumer:
-    def __init__(self, broker: MemoryConnection, config: ConsumerConfig) -> None:
-        self.broker = broker
+    """One group's reader of one stream of a ``MemoryConnection``."""
+
+    def __init__(self, connection: MemoryConnection, config: ConsumerConfig) -> None:
+        self.connection = connection
         self.config = config
 
     def _group(self) -> _Group:
-        groups: dict[tuple[str, str], _Group] = self.broker._consumer_groups
+        groups: dict[tuple[str, str], _Group] = self.connection.groups
         key = (self.config.stream, self.config.group)
         if key not in groups:
-            start = 0 if self.config.start == "all" else len(self.broker.messages)
+            start = 0 if self.config.start == "all" else len(self.connection.messages)
             groups[key] = _Group(cursor=start)
         return groups[key]
 
     async def setup(self) -> None:
-        await self.broker.ping()
+        await self.connection.ping()
         self._group()
 
     def _delivery(self, index: int, count: float) -> Delivery:
-        e = self.broker.messages[index]
+        e = self.connection.messages[index]
         return Delivery(
             stream=e.stream,
             entry_id=str(index),
@@ -85,7 +85,7 @@ class MemoryConsumer:
                 entry[0] += 1
                 entry[1] = now
                 out.append(self._delivery(index, entry[0]))
-        messages = self.broker.messages
+        messages = self.connection.messages
         while len(out) < max_messages and group.cursor < len(messages):
             index = group.cursor
             group.cursor += 1
@@ -96,7 +96,7 @@ class MemoryConsumer:
         return out
 
     async def fetch(self, max_messages: int, timeout: float) -> list[Delivery]:
-        await self.broker.ping()
+        await self.connection.ping()
         group = self._group()
         deadline = time.monotonic() + timeout
         while True:
@@ -110,10 +110,10 @@ class MemoryConsumer:
             if group.retries:
                 wait = min(wait, max(0.0, min(r[0] for r in group.retries) - time.monotonic()))
             with anyio.move_on_after(wait):
-                await self.broker._changed.wait()
+                await self.connection.wait_changed()
 
     async def ack(self, deliveries: Sequence[Delivery]) -> None:
-        await self.broker.ping()
+        await self.connection.ping()
         group = self._group()
         for d in deliveries:
             group.pending.pop(int(d.entry_id), None)
@@ -123,7 +123,7 @@ class MemoryConsumer:
 
     async def retry(self, delivery: Delivery, delay: float) -> None:
         self._group().retries.append((time.monotonic() + delay, int(delivery.entry_id)))
-        self.broker._changed_now()
+        self.connection.changed()
 
     async def touch(self, deliveries: Sequence[Delivery]) -> None:
         group = self._group()
@@ -142,7 +142,7 @@ class MemoryConsumer:
                 group.retries.append((0.0, index))
 
     async def dead_letter(self, delivery: Delivery, error: str) -> None:
-        await self.broker.ping()
+        await self.connection.ping()
         headers = {
             **delivery.headers,
             HEADER_MESSAGE_ID: delivery.message_id,
@@ -160,12 +160,12 @@ class MemoryConsumer:
             delivery.payload,
             headers,
         )
-        await self.broker.publish([envelope])
+        self.connection.store([envelope])
         await self.ack([delivery])
 
     async def lag(self) -> ConsumerLag:
         group = self._group()
-        messages = self.broker.messages
+        messages = self.connection.messages
         behind = sum(1 for m in messages[group.cursor :] if m.stream == self.config.stream)
         return ConsumerLag(lag=behind, pending=len(group.pending))
 
@@ -173,7 +173,7 @@ class MemoryConsumer:
         replayed = self._group().replayed
         return [
             (i, e)
-            for i, e in enumerate(self.broker.messages)
+            for i, e in enumerate(self.connection.messages)
             if e.stream == self.config.dead_letter
             and e.headers.get(consumer_mod.DEAD_LETTER_GROUP) == self.config.group
             and e.id not in replayed
@@ -209,7 +209,7 @@ class MemoryConsumer:
                 e.payload,
                 headers,
             )
-            await self.broker.publish([copy])
+            self.connection.store([copy])
             group.replayed.add(e.id)
             replayed += 1
         return replayed

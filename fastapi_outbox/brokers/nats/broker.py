@@ -1,10 +1,19 @@
-"""``NatsJetStreamBroker``: the JetStream publisher that also makes the consumers of
-``@outbox.subscriber``, both on one connection (the composition of ``publisher`` and
-``consumer``, which never import each other)."""
+"""``NatsJetStreamBroker``: the composition of one ``NatsConnection``, the JetStream
+publisher on it and the consumers of ``@outbox.subscriber`` on it. The publisher and the
+consumer each receive the connection and never import each other."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi_outbox.brokers.consumer import ConsumerConfig
+from fastapi_outbox.brokers.nats.connection import (
+    ACK_TIMEOUT_SECONDS,
+    CONNECT_TIMEOUT_SECONDS,
+    STREAM_MAX_AGE_SECONDS,
+    STREAM_MAX_BYTES,
+    NatsConnection,
+)
 from fastapi_outbox.brokers.nats.consumer import NatsJetStreamConsumer
 from fastapi_outbox.brokers.nats.publisher import NatsJetStreamPublisher
 
@@ -13,8 +22,45 @@ __all__ = ["NatsJetStreamBroker"]
 
 class NatsJetStreamBroker(NatsJetStreamPublisher):
     """Publishes to JetStream with ``Nats-Msg-Id`` de-duplication, and consumes with
-    durable pull consumers (:meth:`consumer`)."""
+    durable pull consumers (:meth:`consumer`), on one connection (:attr:`connection`)."""
+
+    def __init__(
+        self,
+        url: str = "nats://localhost:4222",
+        *,
+        client: Any = None,
+        create_streams: bool = True,
+        dedup_window_seconds: float | None = None,
+        ack_timeout_seconds: float = ACK_TIMEOUT_SECONDS,
+        connect_timeout_seconds: float = CONNECT_TIMEOUT_SECONDS,
+        stream_config: dict[str, Any] | None = None,
+        stream_max_age_seconds: float | None = STREAM_MAX_AGE_SECONDS,
+        stream_max_bytes: int | None = STREAM_MAX_BYTES,
+        dead_letter_max_age_seconds: float | None = None,
+        dead_letter_max_bytes: int | None = None,
+    ) -> None:
+        """``stream_max_age_seconds`` / ``stream_max_bytes``: limits of the streams this
+        broker creates (``None``: unlimited); ``stream_config``: any other
+        ``StreamConfig`` field, which wins over both. The dead-letter streams the
+        consumers create have no age or size limit (a dead letter waits for an operator)
+        unless ``dead_letter_max_age_seconds`` / ``dead_letter_max_bytes`` set one."""
+        super().__init__(
+            NatsConnection(
+                url,
+                client=client,
+                create_streams=create_streams,
+                dedup_window_seconds=dedup_window_seconds,
+                ack_timeout_seconds=ack_timeout_seconds,
+                connect_timeout_seconds=connect_timeout_seconds,
+                stream_config=stream_config,
+                stream_max_age_seconds=stream_max_age_seconds,
+                stream_max_bytes=stream_max_bytes,
+                dead_letter_max_age_seconds=dead_letter_max_age_seconds,
+                dead_letter_max_bytes=dead_letter_max_bytes,
+            )
+        )
 
     def consumer(self, config: ConsumerConfig) -> NatsJetStreamConsumer:
-        """The consumer side of ``@outbox.subscriber`` (``consumer.py``)."""
-        return NatsJetStreamConsumer(self, config)
+        """The consumer side of ``@outbox.subscriber`` (``consumer.py``), on this broker's
+        connection."""
+        return NatsJetStreamConsumer(self.connection, config)

@@ -30,22 +30,21 @@ import datetime as dt
 import hashlib
 import logging
 from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.brokers import consumer as consumer_mod
-from fastapi_outbox.brokers.base import redact_url
 from fastapi_outbox.brokers.consumer import ConsumerConfig, ConsumerLag, DeadLetter, Delivery
+from fastapi_outbox.brokers.nats.connection import NatsConnection
 from fastapi_outbox.brokers.nats.wire import (
     KEY_HEADER,
     MSG_ID_HEADER,
+    decode_message,
+    is_unreachable,
     refusal_reason,
     stream_name_for,
 )
 from fastapi_outbox.events import HEADER_MESSAGE_ID, HEADER_TYPE, uuid7
-
-if TYPE_CHECKING:
-    from fastapi_outbox.brokers.nats.connection import NatsConnection
 
 logger = logging.getLogger("fastapi_outbox.brokers.nats")
 
@@ -53,36 +52,6 @@ logger = logging.getLogger("fastapi_outbox.brokers.nats")
 #: dead-letter subject.
 DEAD_LETTER_SCAN = 1_000
 API_TIMEOUT_SECONDS = 5.0
-
-
-def _sequence_and_count(msg: Any) -> tuple[str, int]:
-    """(stream sequence, delivery count) from the message's ack subject, read directly:
-    ``msg.metadata`` builds a dataclass, a datetime and a sequence pair per message."""
-    tokens = (msg.reply or "").split(".")
-    if tokens[:2] == ["$JS", "ACK"]:
-        if len(tokens) == 9:  # $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<n>
-            return tokens[5], int(tokens[4])
-        if len(tokens) >= 11:  # with <domain>.<account hash> after ACK
-            return tokens[7], int(tokens[6])
-    meta = msg.metadata  # raises NotJSMessageError for anything else
-    return str(meta.sequence.stream), int(meta.num_delivered)
-
-
-class _NatsDelivery(Delivery):
-    """A JetStream delivery: its headers (all but ``Nats-*`` and the ordering key) taken
-    from the message's own when first asked for."""
-
-    __slots__ = ()
-
-    @property
-    def headers(self) -> dict[str, str]:
-        if self._headers is None:
-            self._headers = {
-                k: v
-                for k, v in (self.handle.headers or {}).items()
-                if k != KEY_HEADER and not k.lower().startswith("nats-")
-            }
-        return self._headers
 
 
 def durable_name(group: str, subject: str) -> str:
@@ -94,8 +63,11 @@ def durable_name(group: str, subject: str) -> str:
 
 
 class NatsJetStreamConsumer:
-    def __init__(self, broker: NatsConnection, config: ConsumerConfig) -> None:
-        self.broker = broker
+    """One group's durable pull consumer of one subject, on the broker's
+    ``NatsConnection``."""
+
+    def __init__(self, connection: NatsConnection, config: ConsumerConfig) -> None:
+        self.connection = connection
         self.config = config
         self.durable = durable_name(config.group, config.stream)
         #: The durable of releases before the subject was part of the name.
@@ -107,28 +79,20 @@ class NatsJetStreamConsumer:
     @contextlib.asynccontextmanager
     async def _calls(self) -> AsyncIterator[Any]:
         """The JetStream context; NATS failures become BrokerUnavailable / BrokerRefusing."""
-        import nats.errors
         import nats.js.errors
 
-        await self.broker.connect()
-        if not self.broker._nc.is_connected:
-            raise self.broker._unavailable("connection lost, reconnecting")
+        await self.connection.connect()
+        self.connection.ensure_connected()
         try:
-            yield self.broker._js
-        except (
-            nats.errors.ConnectionClosedError,
-            nats.errors.NoRespondersError,
-            nats.errors.ConnectionReconnectingError,
-            nats.errors.TimeoutError,
-        ) as exc:
-            raise self.broker._unavailable(exc) from exc
-        except nats.js.errors.APIError as exc:
-            reason = refusal_reason(exc, stream_known=True)
-            if reason is None:
-                raise
-            raise exceptions.BrokerRefusing(
-                f"NATS at {redact_url(self.broker.url)} refuses requests: {reason}"
-            ) from exc
+            yield self.connection.jetstream
+        except Exception as exc:
+            if is_unreachable(exc):
+                raise self.connection.unavailable(exc) from exc
+            if isinstance(exc, nats.js.errors.APIError):
+                reason = refusal_reason(exc, stream_known=True)
+                if reason is not None:
+                    raise self.connection.refusing(reason, "requests") from exc
+            raise
 
     def _wanted(self) -> dict[str, Any]:
         """The settings of the durable this subscriber declares (compared at start)."""
@@ -139,54 +103,65 @@ class NatsJetStreamConsumer:
         }
 
     async def setup(self) -> None:
-        await self.broker.connect()
-        await self.broker.ensure_stream(self.config.stream)
-        await self.broker.ensure_stream(self.config.dead_letter, dead_letter=True)
+        await self.connection.connect()
+        await self.connection.ensure_stream(self.config.stream)
+        await self.connection.ensure_stream(self.config.dead_letter, dead_letter=True)
         async with self._calls() as js:
             self.stream_name = await js.find_stream_name_by_subject(self.config.stream)
-            await self._ensure_durable(js, self.stream_name)
+            await self.ensure_durable(js, self.stream_name)
             self._sub = await js.pull_subscribe_bind(durable=self.durable, stream=self.stream_name)
 
-    async def _ensure_durable(self, js: Any, stream: str) -> None:
+    async def ensure_durable(self, js: Any, stream: str) -> None:
         """Create the durable, or bring an existing one to the declared settings."""
-        import nats.js.api as api
         import nats.js.errors
 
-        wanted = self._wanted()
         try:
             info = await js.consumer_info(stream, self.durable)
         except nats.js.errors.NotFoundError:
-            info = None
-        if info is not None:
-            current = {name: getattr(info.config, name) for name in wanted}
-            current["ack_wait"] = float(current["ack_wait"] or 0)
-            if current["max_deliver"] in (None, 0):
-                current["max_deliver"] = -1
-            changed = {n: (current[n], v) for n, v in wanted.items() if current[n] != v}
-            if not changed:
-                return
-            try:
-                await js.add_consumer(stream, config=info.config.evolve(**wanted))
-            except nats.js.errors.APIError as exc:
-                if refusal_reason(exc, stream_known=True) is not None:
-                    raise
-                settings = ", ".join(f"{n} {old!r} -> {new!r}" for n, (old, new) in changed.items())
-                raise exceptions.ConfigurationError(
-                    f"subscriber of stream {self.config.stream!r}, group {self.config.group!r}: "
-                    f"NATS refuses to update the existing durable consumer {self.durable!r} "
-                    f"of JetStream stream {stream!r} ({settings}): {exc}; delete it "
-                    f"(nats consumer rm {stream} {self.durable}) or restore the old settings"
-                ) from exc
-            logger.info(
-                "jetstream durable updated",
-                extra={
-                    "action": "consumer.durable_updated",
-                    "stream": stream,
-                    "durable": self.durable,
-                    "changed": {n: f"{old!r} -> {new!r}" for n, (old, new) in changed.items()},
-                },
-            )
+            await self._create_durable(js, stream)
+        else:
+            await self._update_durable(js, stream, info)
+
+    async def _update_durable(self, js: Any, stream: str, info: Any) -> None:
+        """Bring the existing durable (``info``) to the declared settings; a refused
+        update is a ConfigurationError naming the group, the durable and the settings."""
+        import nats.js.errors
+
+        wanted = self._wanted()
+        current = {name: getattr(info.config, name) for name in wanted}
+        current["ack_wait"] = float(current["ack_wait"] or 0)
+        if current["max_deliver"] in (None, 0):
+            current["max_deliver"] = -1
+        changed = {n: (current[n], v) for n, v in wanted.items() if current[n] != v}
+        if not changed:
             return
+        try:
+            await js.add_consumer(stream, config=info.config.evolve(**wanted))
+        except nats.js.errors.APIError as exc:
+            if refusal_reason(exc, stream_known=True) is not None:
+                raise
+            settings = ", ".join(f"{n} {old!r} -> {new!r}" for n, (old, new) in changed.items())
+            raise exceptions.ConfigurationError(
+                f"subscriber of stream {self.config.stream!r}, group {self.config.group!r}: "
+                f"NATS refuses to update the existing durable consumer {self.durable!r} "
+                f"of JetStream stream {stream!r} ({settings}): {exc}; delete it "
+                f"(nats consumer rm {stream} {self.durable}) or restore the old settings"
+            ) from exc
+        logger.info(
+            "jetstream durable updated",
+            extra={
+                "action": "consumer.durable_updated",
+                "stream": stream,
+                "durable": self.durable,
+                "changed": {n: f"{old!r} -> {new!r}" for n, (old, new) in changed.items()},
+            },
+        )
+
+    async def _create_durable(self, js: Any, stream: str) -> None:
+        """Create the durable: where ``start`` says, or after the ack floor of an earlier
+        release's durable of this group (``_legacy_position``)."""
+        import nats.js.api as api
+
         start: dict[str, Any] = {
             "deliver_policy": (
                 api.DeliverPolicy.ALL if self.config.start == "all" else api.DeliverPolicy.NEW
@@ -200,7 +175,7 @@ class NatsJetStreamConsumer:
             durable_name=self.durable,
             ack_policy=api.AckPolicy.EXPLICIT,
             max_ack_pending=-1,
-            **wanted,
+            **self._wanted(),
             **start,
         )
         await js.add_consumer(stream, config=config)
@@ -262,18 +237,7 @@ class NatsJetStreamConsumer:
         return position
 
     def _delivery(self, msg: Any) -> Delivery:
-        raw = msg.headers or {}
-        seq, delivered = _sequence_and_count(msg)
-        return _NatsDelivery(
-            stream=self.config.stream,
-            entry_id=seq,
-            message_id=raw.get(HEADER_MESSAGE_ID) or raw.get(MSG_ID_HEADER) or seq,
-            type=raw.get(HEADER_TYPE, ""),
-            key=raw.get(KEY_HEADER),
-            payload=msg.data,
-            attempt=delivered,
-            handle=msg,
-        )
+        return decode_message(self.config.stream, msg)
 
     async def fetch(self, max_messages: int, timeout: float) -> list[Delivery]:
         import nats.errors
@@ -309,7 +273,7 @@ class NatsJetStreamConsumer:
                 raise error
 
     async def ack(self, deliveries: Sequence[Delivery]) -> None:
-        raw = self.broker._raw
+        raw = self.connection.command_buffer
         if raw is None or not deliveries:
             await self._each(deliveries, "ack")
             return
@@ -337,7 +301,7 @@ class NatsJetStreamConsumer:
         await self._each(deliveries, "nak")
 
     async def dead_letter(self, delivery: Delivery, error: str) -> None:
-        await self.broker.ensure_stream(self.config.dead_letter, dead_letter=True)
+        await self.connection.ensure_stream(self.config.dead_letter, dead_letter=True)
         headers = {
             **delivery.headers,
             HEADER_MESSAGE_ID: delivery.message_id,

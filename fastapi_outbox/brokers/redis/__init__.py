@@ -1,9 +1,10 @@
-"""Redis Streams: ``RedisStreamsBroker`` publishes with XADD, de-duplicated by message id,
-and consumes with consumer groups.
+"""Redis Streams: ``RedisStreamsBroker`` publishes with XADD, de-duplicated by message id, and
+consumes with consumer groups.
 
-The package holds ``broker``, ``publisher``, ``wire``, ``connection``, ``consumer``: the
-publisher and the consumer share the connection and the wire rules and never import each
-other; ``broker`` composes them. This module re-exports what
+The package holds ``connection`` (``RedisConnection``: the client, the server version,
+outage translation), ``wire`` (the entry fields and their decoding, the refusal and outage
+classifier), ``publisher`` and ``consumer``, which each receive the connection and never
+import each other; ``broker`` composes them. This module re-exports what
 ``fastapi_outbox.brokers.redis`` always offered.
 """
 

@@ -1,20 +1,63 @@
-"""``RedisStreamsBroker``: the Redis publisher that also makes the consumers of
-``@outbox.subscriber``, both on one connection (the composition of ``publisher`` and
-``consumer``, which never import each other)."""
+"""``RedisStreamsBroker``: the composition of one ``RedisConnection``, the publisher on it
+and the consumers of ``@outbox.subscriber`` on it. The publisher and the consumer each
+receive the connection and never import each other."""
 
 from __future__ import annotations
 
+from typing import Any
+
+from fastapi_outbox import exceptions
 from fastapi_outbox.brokers.consumer import ConsumerConfig
+from fastapi_outbox.brokers.redis.connection import SOCKET_TIMEOUT_SECONDS, RedisConnection
 from fastapi_outbox.brokers.redis.consumer import RedisStreamsConsumer
-from fastapi_outbox.brokers.redis.publisher import RedisStreamsPublisher
+from fastapi_outbox.brokers.redis.publisher import (
+    IDMP_PRODUCERS,
+    DedupMode,
+    RedisStreamsPublisher,
+)
 
 __all__ = ["RedisStreamsBroker"]
 
 
 class RedisStreamsBroker(RedisStreamsPublisher):
     """Publishes to Redis Streams (``redis.asyncio``), pipelined and de-duplicated, and
-    consumes them with consumer groups (:meth:`consumer`)."""
+    consumes them with consumer groups (:meth:`consumer`), on one connection
+    (:attr:`connection`)."""
+
+    def __init__(
+        self,
+        url: str = "redis://localhost:6379/0",
+        *,
+        client: Any = None,
+        maxlen: int | None = None,
+        dedup: DedupMode = "auto",
+        dedup_window_seconds: float | None = None,
+        stream_prefix: str = "",
+        idmp_producers: int = IDMP_PRODUCERS,
+        socket_timeout: float = SOCKET_TIMEOUT_SECONDS,
+        dead_letter_maxlen: int | None = None,
+    ) -> None:
+        """``maxlen`` trims the streams published to; the consumers' dead-letter streams
+        are never trimmed unless ``dead_letter_maxlen`` is set (``MAXLEN ~``)."""
+        if dead_letter_maxlen is not None and dead_letter_maxlen < 1:
+            raise exceptions.ConfigurationError(
+                f"RedisStreamsBroker: dead_letter_maxlen must be >= 1, got {dead_letter_maxlen}"
+            )
+        connection = RedisConnection(
+            url, client=client, socket_timeout=socket_timeout, stream_prefix=stream_prefix
+        )
+        super().__init__(
+            connection,
+            maxlen=maxlen,
+            dedup=dedup,
+            dedup_window_seconds=dedup_window_seconds,
+            idmp_producers=idmp_producers,
+        )
+        self.dead_letter_maxlen = dead_letter_maxlen
 
     def consumer(self, config: ConsumerConfig) -> RedisStreamsConsumer:
-        """The consumer side of ``@outbox.subscriber`` (``consumer.py``)."""
-        return RedisStreamsConsumer(self, config)
+        """The consumer side of ``@outbox.subscriber`` (``consumer.py``), on this broker's
+        connection."""
+        return RedisStreamsConsumer(
+            self.connection, config, dead_letter_maxlen=self.dead_letter_maxlen
+        )

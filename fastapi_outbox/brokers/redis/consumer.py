@@ -33,24 +33,25 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 
-from fastapi_outbox import exceptions
 from fastapi_outbox.brokers import consumer as consumer_mod
-from fastapi_outbox.brokers.base import redact_url
 from fastapi_outbox.brokers.consumer import (
     ConsumerConfig,
     ConsumerLag,
     DeadLetter,
     Delivery,
-    parse_headers,
 )
-from fastapi_outbox.brokers.redis.wire import refusal_code
-
-if TYPE_CHECKING:
-    from fastapi_outbox.brokers.redis.connection import RedisConnection
+from fastapi_outbox.brokers.redis.connection import RedisConnection
+from fastapi_outbox.brokers.redis.wire import (
+    decode_entry,
+    is_unreachable,
+    refusal_code,
+    reply_entries,
+    text,
+)
 
 logger = logging.getLogger("fastapi_outbox.brokers.redis")
 
@@ -76,12 +77,8 @@ return id
 """
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 def _entry_id(value: Any) -> tuple[int, int]:
-    ms, _, seq = _text(value).partition("-")
+    ms, _, seq = text(value).partition("-")
     return int(ms), int(seq or 0)
 
 
@@ -120,31 +117,28 @@ def trimmed_unread(group: dict[str, Any], stream: dict[str, Any]) -> tuple[int |
     return lost, int(lag) - lost
 
 
-#: The fields of an entry, in the order the publish script writes them.
-_PUBLISHED_FIELDS = [b"id", b"type", b"key", b"headers", b"payload"]
-
-
 def _raw(response: Any, **_options: Any) -> Any:
     """Response callback that keeps the reply as the parser built it."""
     return response
 
 
-def _entries(reply: Any) -> list[Any]:
-    """The ``[entry id, [field, value, …]]`` entries of a raw ``XREADGROUP`` reply: a map
-    stream → entries (RESP3) or a list of ``[stream, entries]`` pairs (RESP2)."""
-    if not reply:
-        return []
-    if isinstance(reply, dict):
-        return [e for entries in reply.values() for e in entries]
-    return [e for _stream, entries in reply for e in entries]
-
-
 class RedisStreamsConsumer:
-    def __init__(self, broker: RedisConnection, config: ConsumerConfig) -> None:
-        self.broker = broker
+    """One consumer group's reader of one stream, on the broker's ``RedisConnection``."""
+
+    def __init__(
+        self,
+        connection: RedisConnection,
+        config: ConsumerConfig,
+        *,
+        dead_letter_maxlen: int | None = None,
+    ) -> None:
+        """``dead_letter_maxlen``: ``MAXLEN ~`` of the dead-letter stream (None: never
+        trimmed)."""
+        self.connection = connection
         self.config = config
-        self.key = broker._stream_key(config.stream)
-        self.dead_key = broker._stream_key(config.dead_letter)
+        self.dead_letter_maxlen = dead_letter_maxlen
+        self.key = connection.stream_key(config.stream)
+        self.dead_key = connection.stream_key(config.dead_letter)
         self._idle_ms = max(1, int(config.claim_idle_seconds * 1000))
         #: (due monotonic time, entry id, attempt so far) of this consumer's retries.
         self._retries: list[tuple[float, str, int]] = []
@@ -167,23 +161,28 @@ class RedisStreamsConsumer:
         self._recover = False
         self._recover_cursor = "0-0"
 
+    @property
+    def ack_soon_sends_at_once(self) -> bool:
+        """Whether ``ack_soon`` sends its ``XACK`` at once rather than with the next fetch:
+        before the first fetch, while a fetch waits in a blocking ``XREADGROUP``, after
+        ``aclose``."""
+        return self._blocked
+
     @contextlib.asynccontextmanager
     async def _calls(self) -> AsyncIterator[Any]:
         """The client; Redis failures become BrokerUnavailable / BrokerRefusing."""
         import redis.exceptions as rexc
 
-        await self.broker.connect()
+        await self.connection.connect()
         try:
-            yield self.broker.client
-        except (rexc.ConnectionError, rexc.TimeoutError, OSError) as exc:
-            self._recover = True  # a reply or an ack may have been lost with it
-            raise self.broker._unavailable(exc) from exc
-        except rexc.ResponseError as exc:
-            code = refusal_code(exc)
+            yield self.connection.client
+        except Exception as exc:
+            if is_unreachable(exc):
+                self._recover = True  # a reply or an ack may have been lost with it
+                raise self.connection.unavailable(exc) from exc
+            code = refusal_code(exc) if isinstance(exc, rexc.ResponseError) else None
             if code is not None:
-                raise exceptions.BrokerRefusing(
-                    f"Redis at {redact_url(self.broker.url)} refuses commands ({code}): {exc}"
-                ) from exc
+                raise self.connection.refusing(code, exc) from exc
             raise
 
     async def setup(self) -> None:
@@ -239,47 +238,7 @@ class RedisStreamsConsumer:
             await reader.connection_pool.disconnect()
 
     def _delivery(self, entry_id: Any, fields: Any, attempt: int) -> Delivery:
-        if isinstance(fields, list):  # a raw reply's flat [field, value, …]
-            if fields[::2] == _PUBLISHED_FIELDS:  # as the publish script writes them
-                message_id, type_, key, raw_headers, payload = fields[1::2]
-                if message_id and type_ and isinstance(payload, bytes):
-                    return Delivery(
-                        stream=self.config.stream,
-                        entry_id=entry_id.decode(),
-                        message_id=message_id.decode(),
-                        type=type_.decode(),
-                        key=key.decode() if key else None,
-                        raw_headers=raw_headers,
-                        payload=payload,
-                        attempt=attempt,
-                    )
-            pairs = iter(fields)
-            fields = dict(zip(pairs, pairs, strict=True))
-        # Field names as text: bytes from our clients, str from a client the application
-        # made with decode_responses=True.
-        get = {_text(k): v for k, v in fields.items()}.get
-        entry = _text(entry_id)
-        raw_headers = get("headers")
-        message_id = get("id")
-        type_ = get("type")
-        headers = None
-        if not message_id or not type_:  # not written by our publisher: from the headers
-            headers = parse_headers(raw_headers)
-            message_id = message_id or headers.get("message-id") or entry
-            type_ = type_ or headers.get("type") or ""
-        payload = get("payload", b"")
-        key = get("key")
-        return Delivery(
-            stream=self.config.stream,
-            entry_id=entry,
-            message_id=_text(message_id),
-            type=_text(type_),
-            key=_text(key) if key else None,
-            headers=headers,
-            raw_headers=raw_headers,
-            payload=payload if isinstance(payload, bytes) else str(payload).encode(),
-            attempt=attempt,
-        )
+        return decode_entry(self.config.stream, entry_id, fields, attempt)
 
     async def fetch(self, max_messages: int, timeout: float) -> list[Delivery]:
         out: list[Delivery] = []
@@ -295,8 +254,8 @@ class RedisStreamsConsumer:
                 claimed = await client.xclaim(self.key, group, me, 0, list(attempts))
                 for entry_id, fields in claimed:
                     if fields:
-                        out.append(self._delivery(entry_id, fields, attempts[_text(entry_id)] + 1))
-                returned = {_text(e) for e, _ in claimed}
+                        out.append(self._delivery(entry_id, fields, attempts[text(entry_id)] + 1))
+                returned = {text(e) for e, _ in claimed}
                 gone += [e for e in attempts if e not in returned]
             if len(out) < max_messages and now >= self._next_autoclaim:
                 self._next_autoclaim = now + max(0.05, self.config.claim_idle_seconds / 4)
@@ -304,7 +263,7 @@ class RedisStreamsConsumer:
             if len(out) < max_messages and self._recover:
                 out += await self._recover_own(client, max_messages - len(out), gone)
             if len(out) < max_messages:
-                for entry_id, fields in _entries(
+                for entry_id, fields in reply_entries(
                     await self._read(client, max_messages - len(out), None if out else timeout)
                 ):
                     out.append(self._delivery(entry_id, fields, 1))
@@ -320,17 +279,17 @@ class RedisStreamsConsumer:
         reader = await self._reader_for(client)
         args: list[Any] = ["XREADGROUP", "GROUP", self.config.group, self.config.consumer_name]
         args += ["COUNT", count, "STREAMS", self.key, self._recover_cursor]
-        with anyio.fail_after(self.broker._socket_timeout):
-            entries = _entries(await reader.execute_command(*args))
+        with anyio.fail_after(self.connection.socket_timeout):
+            entries = reply_entries(await reader.execute_command(*args))
         if not entries:
             self._recover, self._recover_cursor = False, "0-0"
             return []
         busy = self._held | set(self._acks) | {entry for _, entry, _ in self._retries}
-        lost = [(e, f) for e, f in entries if _text(e) not in busy]
+        lost = [(e, f) for e, f in entries if text(e) not in busy]
         out = await self._with_counts(client, [(e, f) for e, f in lost if f])
         # Past this page only once its deliveries are made: a failure reads it again.
-        self._recover_cursor = _text(entries[-1][0])
-        gone += [_text(e) for e, f in lost if not f]
+        self._recover_cursor = text(entries[-1][0])
+        gone += [text(e) for e, f in lost if not f]
         if out:
             logger.info(
                 "took back own pending entries after a connection failure",
@@ -368,7 +327,7 @@ class RedisStreamsConsumer:
         tail = ["COUNT", count, "STREAMS", self.key, ">"]
         reply = await self._call(reader, [*head, *tail], 0.0)
         self._blocked = False  # the fetch loop comes back for more
-        if timeout is None or _entries(reply):
+        if timeout is None or reply_entries(reply):
             return reply
         block = max(1, int(timeout * 1000))
         self._blocked = True
@@ -384,7 +343,7 @@ class RedisStreamsConsumer:
         loop; redis-py drops a connection whose command was cancelled mid-reply."""
         acks, self._acks = self._acks, []
         try:
-            with anyio.fail_after(blocking + self.broker._socket_timeout):
+            with anyio.fail_after(blocking + self.connection.socket_timeout):
                 if not acks:
                     return await reader.execute_command(*args)
                 async with reader.pipeline(transaction=False) as pipe:
@@ -406,13 +365,13 @@ class RedisStreamsConsumer:
             start_id=self._autoclaim_cursor,
             count=min(count, AUTOCLAIM_COUNT),
         )
-        self._autoclaim_cursor = _text(reply[0])
+        self._autoclaim_cursor = text(reply[0])
         if self._autoclaim_cursor != "0-0":
             self._next_autoclaim = 0.0  # more stale entries: take the next page at once
         entries = [(e, f) for e, f in reply[1] if f]
-        gone += [_text(e) for e, f in reply[1] if not f]
+        gone += [text(e) for e, f in reply[1] if not f]
         if len(reply) > 2:
-            gone += [_text(e) for e in reply[2]]
+            gone += [text(e) for e in reply[2]]
         if not entries:
             return []
         out = await self._with_counts(client, entries)  # XAUTOCLAIM raised the counts
@@ -520,7 +479,7 @@ class RedisStreamsConsumer:
         args: list[Any] = [
             self.config.group,
             delivery.entry_id,
-            self.broker.dead_letter_maxlen or 0,
+            self.dead_letter_maxlen or 0,
         ]
         for name, value in fields.items():
             args += [name, value]
@@ -539,39 +498,39 @@ class RedisStreamsConsumer:
             except rexc.ResponseError:  # no such stream yet
                 return ConsumerLag(lag=None, pending=None)
         for info in groups:
-            if _text(info.get("name")) == self.config.group:
+            if text(info.get("name")) == self.config.group:
                 trimmed, lag = trimmed_unread(info, stream)
                 if trimmed is not None:
                     # Redis forgets the loss of a group that had read nothing yet once it
                     # reads again: what this process saw stays shown.
-                    seen = (self.broker.url, self.key, self.config.group)
+                    seen = (self.connection.url, self.key, self.config.group)
                     trimmed = _TRIMMED_SEEN[seen] = max(trimmed, _TRIMMED_SEEN.get(seen, 0))
                 return ConsumerLag(lag=lag, pending=int(info.get("pending", 0)), trimmed=trimmed)
         return ConsumerLag(lag=None, pending=None)
 
-    async def _dead_entries(self, count: int) -> list[tuple[str, dict[str, Any]]]:
+    async def _deadreply_entries(self, count: int) -> list[tuple[str, dict[str, Any]]]:
         async with self._calls() as client:
             entries = await client.xrange(self.dead_key, "-", "+", count=count)
         out = []
         for entry_id, fields in entries:
-            get = {_text(k): v for k, v in fields.items()}
-            if _text(get.get("group", "")) == self.config.group:
-                out.append((_text(entry_id), get))
+            get = {text(k): v for k, v in fields.items()}
+            if text(get.get("group", "")) == self.config.group:
+                out.append((text(entry_id), get))
         return out
 
     async def dead_letters(self, limit: int = 100) -> list[DeadLetter]:
         out = []
-        for entry_id, get in (await self._dead_entries(DEAD_LETTER_SCAN))[:limit]:
-            at = _text(get.get("at", ""))
+        for entry_id, get in (await self._deadreply_entries(DEAD_LETTER_SCAN))[:limit]:
+            at = text(get.get("at", ""))
             out.append(
                 DeadLetter(
                     entry_id=entry_id,
-                    message_id=_text(get.get("id", "")),
-                    type=_text(get.get("type", "")),
-                    stream=_text(get.get("stream", self.config.stream)),
+                    message_id=text(get.get("id", "")),
+                    type=text(get.get("type", "")),
+                    stream=text(get.get("stream", self.config.stream)),
                     group=self.config.group,
-                    error=_text(get.get("error", "")),
-                    attempts=int(_text(get.get("attempts", "0")) or 0),
+                    error=text(get.get("error", "")),
+                    attempts=int(text(get.get("attempts", "0")) or 0),
                     dead_lettered_at=dt.datetime.fromisoformat(at) if at else None,
                 )
             )
@@ -581,17 +540,17 @@ class RedisStreamsConsumer:
         if not self.config.dead_letter_shared:  # the group's own stream: its length
             async with self._calls() as client:
                 return int(await client.xlen(self.dead_key))
-        return len(await self._dead_entries(DEAD_LETTER_SCAN))
+        return len(await self._deadreply_entries(DEAD_LETTER_SCAN))
 
     async def replay_dead_letters(self, entry_ids: Sequence[str] | None = None) -> int:
         wanted = None if entry_ids is None else set(entry_ids)
         replayed = 0
-        for entry_id, get in await self._dead_entries(DEAD_LETTER_SCAN):
+        for entry_id, get in await self._deadreply_entries(DEAD_LETTER_SCAN):
             if wanted is not None and entry_id not in wanted:
                 continue
             fields = {name: get.get(name, b"") for name in ("id", "type", "key", "headers")}
             fields["payload"] = get.get("payload", b"")
-            target = self.broker._stream_key(_text(get.get("stream", self.config.stream)))
+            target = self.connection.stream_key(text(get.get("stream", self.config.stream)))
             async with self._calls() as client, client.pipeline(transaction=True) as pipe:
                 pipe.xadd(target, fields)
                 pipe.xdel(self.dead_key, entry_id)

@@ -33,9 +33,16 @@ from collections.abc import Sequence
 from typing import Any, Literal, Self
 
 from fastapi_outbox import exceptions
-from fastapi_outbox.brokers.base import PublishResults, redact_url
-from fastapi_outbox.brokers.redis.wire import refusal_code
+from fastapi_outbox.brokers.base import PublishResults
+from fastapi_outbox.brokers.redis.connection import RedisConnection
+from fastapi_outbox.brokers.redis.wire import (
+    entry_fields,
+    entry_values,
+    is_unreachable,
+    refusal_code,
+)
 from fastapi_outbox.events import Envelope
+from fastapi_outbox.redaction import redact_url
 
 logger = logging.getLogger("fastapi_outbox.brokers.redis")
 
@@ -90,44 +97,54 @@ class RedisStreamsPublisher:
 
     def __init__(
         self,
-        url: str = "redis://localhost:6379/0",
+        connection: RedisConnection,
         *,
-        client: Any = None,
         maxlen: int | None = None,
         dedup: DedupMode = "auto",
         dedup_window_seconds: float | None = None,
-        stream_prefix: str = "",
         idmp_producers: int = IDMP_PRODUCERS,
-        socket_timeout: float = 5.0,
-        dead_letter_maxlen: int | None = None,
     ) -> None:
-        """``maxlen`` trims the streams published to; the consumers' dead-letter streams
-        are never trimmed unless ``dead_letter_maxlen`` is set (``MAXLEN ~``)."""
-        for option, value in (("maxlen", maxlen), ("dead_letter_maxlen", dead_letter_maxlen)):
-            if value is not None and value < 1:
-                raise exceptions.ConfigurationError(
-                    f"RedisStreamsBroker: {option} must be >= 1, got {value}"
-                )
+        """``maxlen`` trims the streams published to (``MAXLEN ~``)."""
+        if maxlen is not None and maxlen < 1:
+            raise exceptions.ConfigurationError(
+                f"RedisStreamsBroker: maxlen must be >= 1, got {maxlen}"
+            )
         if dedup not in ("auto", "script", "idmp", "off"):
             raise exceptions.ConfigurationError(
                 f"RedisStreamsBroker: dedup must be auto, script, idmp or off, got {dedup!r}"
             )
-        self.url = url
+        self.connection = connection
         self.maxlen = maxlen
-        self.dead_letter_maxlen = dead_letter_maxlen
         self.dedup: DedupMode = dedup
-        self.stream_prefix = stream_prefix
         self.idmp_producers = idmp_producers
         self._window = dedup_window_seconds
         self._window_explicit = dedup_window_seconds is not None
-        self._socket_timeout = socket_timeout
-        self._client = client
-        self._own_client = client is None
         self._script: Any = None
+        #: The de-duplication in use, chosen on connect from ``dedup`` and the server.
         self._mode: Literal["script", "idmp", "off"] | None = None
+        #: The client ``_script`` was registered on: a new client gets it again.
+        self._script_client: Any = None
 
     def __repr__(self) -> str:
         return f"RedisStreamsBroker({redact_url(self.url)!r})"
+
+    @property
+    def url(self) -> str:
+        return self.connection.url
+
+    @property
+    def stream_prefix(self) -> str:
+        return self.connection.stream_prefix
+
+    @property
+    def client(self) -> Any:
+        """The connection's ``redis.asyncio`` client; BrokerUnavailable before ``connect``."""
+        return self.connection.client
+
+    @property
+    def dedup_mode(self) -> Literal["script", "idmp", "off"] | None:
+        """The de-duplication in use (``dedup`` with "auto" resolved); None before connect."""
+        return self._mode
 
     @property
     def dedup_window_seconds(self) -> float:
@@ -137,97 +154,59 @@ class RedisStreamsPublisher:
         if not self._window_explicit:
             self._window = dedup_window_seconds
 
-    @property
-    def client(self) -> Any:
-        if self._client is None:
-            raise exceptions.BrokerUnavailable(f"{self!r} is not connected")
-        return self._client
-
     async def connect(self) -> None:
-        if self._client is None:
-            import redis.asyncio as aioredis
-
-            self._client = aioredis.Redis.from_url(
-                self.url,
-                socket_timeout=self._socket_timeout,
-                socket_connect_timeout=self._socket_timeout,
-                health_check_interval=30,
+        await self.connection.connect()
+        client = self.connection.client
+        if self._mode is not None and self._script_client is client:
+            return
+        version = self.connection.server_version or (0, 0)
+        mode = self.dedup
+        if mode == "auto":
+            mode = "script"
+        elif mode == "idmp" and version < (8, 6):
+            raise exceptions.ConfigurationError(
+                f"RedisStreamsBroker(dedup='idmp') needs Redis 8.6+, "
+                f"{redact_url(self.url)} runs {'.'.join(map(str, version))}"
             )
-        if self._mode is None:
-            try:
-                info = await self._client.info("server")
-            except Exception as exc:
-                raise self._unavailable(exc) from exc
-            version = tuple(int(p) for p in str(info.get("redis_version", "0")).split(".")[:2])
-            mode = self.dedup
-            if mode == "auto":
-                mode = "script"
-            elif mode == "idmp" and version < (8, 6):
-                raise exceptions.ConfigurationError(
-                    f"RedisStreamsBroker(dedup='idmp') needs Redis 8.6+, "
-                    f"{redact_url(self.url)} runs {'.'.join(map(str, version))}"
-                )
-            self._mode = mode
-            self._script = self._client.register_script(_PUBLISH_SCRIPT)
-            logger.info(
-                "redis broker connected",
-                extra={
-                    "action": "broker.connect",
-                    "broker_url": redact_url(self.url),
-                    "dedup": mode,
-                    "redis_version": ".".join(map(str, version)),
-                },
-            )
-
-    async def aclose(self) -> None:
-        if self._client is not None and self._own_client:
-            await self._client.aclose()
-            self._client = None
-            self._mode = None
-
-    async def ping(self) -> None:
-        try:
-            await self.connect()  # a ping before connect asks the server, not the object
-            await self.client.ping()
-        except exceptions.BrokerUnavailable:
-            raise
-        except Exception as exc:
-            raise self._unavailable(exc) from exc
-
-    def _unavailable(self, exc: BaseException) -> exceptions.BrokerUnavailable:
-        import redis.exceptions as rexc
-
-        if isinstance(exc, rexc.TimeoutError):
-            # No answer in ``socket_timeout``: the processor pings to tell a frozen server
-            # from a call that hangs on what it carries.
-            return exceptions.BrokerTimeout(
-                f"Redis at {redact_url(self.url)} did not answer in time: "
-                f"{type(exc).__name__}: {exc}"
-            )
-        return exceptions.BrokerUnavailable(
-            f"Redis at {redact_url(self.url)} is unreachable: {type(exc).__name__}: {exc}"
+        self._mode = mode
+        self._script = client.register_script(_PUBLISH_SCRIPT)
+        self._script_client = client
+        logger.info(
+            "redis broker connected",
+            extra={
+                "action": "broker.connect",
+                "broker_url": redact_url(self.url),
+                "dedup": mode,
+                "redis_version": ".".join(map(str, version)),
+            },
         )
 
-    def _stream_key(self, stream: str) -> str:
-        return self.stream_prefix + stream
+    async def aclose(self) -> None:
+        await self.connection.aclose()
+        if not self.connection.connected:
+            self._mode = None
+            self._script_client = None
+
+    async def ping(self) -> None:
+        await self.connection.ping()
 
     async def publish(self, batch: Sequence[Envelope]) -> PublishResults:
         if not batch:
             return []
         await self.connect()
-        import redis.exceptions as rexc
-
         by_stream: dict[str, list[int]] = defaultdict(list)
         for index, envelope in enumerate(batch):
-            by_stream[self._stream_key(envelope.stream)].append(index)
+            by_stream[self.connection.stream_key(envelope.stream)].append(index)
         results: PublishResults = [None] * len(batch)
         try:
             if self._mode == "idmp":
                 await self._publish_idmp(batch, by_stream, results)
             else:
                 await self._publish_script(batch, by_stream, results)
-        except (rexc.ConnectionError, rexc.TimeoutError, OSError) as exc:
-            raise self._unavailable(exc) from exc
+        except Exception as exc:
+            if is_unreachable(exc):
+                raise self.connection.unavailable(exc) from exc
+            raise
         for result in results:
             if isinstance(result, exceptions.BrokerRefusing):
                 # Some messages of the batch may be in the stream already: the whole batch
@@ -250,13 +229,7 @@ class RedisStreamsPublisher:
                     for i in chunk:
                         e = batch[i]
                         keys.append(f"outbox:dedup:{{{stream}}}:{e.id}")
-                        args += [
-                            e.message_id,
-                            e.type,
-                            e.key or "",
-                            e.headers_json,
-                            e.payload,
-                        ]
+                        args += entry_values(e)
                     await self._script(keys=keys, args=args, client=pipe)
                     calls.append(chunk)
             replies = await pipe.execute(raise_on_error=False)
@@ -283,12 +256,8 @@ class RedisStreamsPublisher:
                     args: list[Any] = ["XADD", stream, "IDMP", producer, e.id]
                     if self.maxlen:
                         args += ["MAXLEN", "~", self.maxlen]
-                    args += [
-                        "*",
-                        *("id", e.message_id, "type", e.type),
-                        *("key", e.key or "", "headers", e.headers_json),
-                        *("payload", e.payload),
-                    ]
+                    args.append("*")
+                    args += entry_fields(e)
                     pipe.execute_command(*args)
                     order.append(i)
             replies = await pipe.execute(raise_on_error=False)
@@ -303,18 +272,14 @@ class RedisStreamsPublisher:
         (``publish`` then raises it for the whole batch)."""
         code = refusal_code(error)
         if code is not None:
-            return exceptions.BrokerRefusing(
-                f"Redis at {redact_url(self.url)} refuses writes ({code}): {error}"
-            )
+            return self.connection.refusing(code, error)
         return exceptions.MessageRejected(
             f"Redis refused message {envelope.id} on stream {envelope.stream!r}: {error}"
         )
 
     def _raise_if_unreachable(self, reply: BaseException) -> None:
-        import redis.exceptions as rexc
-
-        if isinstance(reply, rexc.ConnectionError | rexc.TimeoutError | OSError):
-            raise self._unavailable(reply)
+        if is_unreachable(reply):
+            raise self.connection.unavailable(reply)
 
     async def __aenter__(self) -> Self:
         await self.connect()

@@ -1,9 +1,30 @@
-"""What the Redis publisher and consumer agree on about Redis itself: which reply errors
-are broker-wide refusals (an outage of the broker, not a fault of a message)."""
+"""What the Redis publisher and consumer agree on about Redis itself: the fields of a
+published entry, which reply errors are broker-wide refusals (an outage of the broker,
+not a fault of a message) and which failures mean Redis cannot be reached: the one
+outage classifier of Redis."""
 
 from __future__ import annotations
 
-__all__ = ["REFUSAL_CODES", "refusal_code"]
+from typing import Any
+
+from fastapi_outbox.brokers.consumer import Delivery, parse_headers
+from fastapi_outbox.events import Envelope
+
+__all__ = [
+    "PUBLISHED_FIELDS",
+    "REFUSAL_CODES",
+    "decode_entry",
+    "entry_fields",
+    "entry_values",
+    "is_unreachable",
+    "refusal_code",
+    "reply_entries",
+    "text",
+]
+
+#: The fields of an entry, in the order the publisher writes them.
+PUBLISHED_FIELDS = (b"id", b"type", b"key", b"headers", b"payload")
+_PUBLISHED = list(PUBLISHED_FIELDS)
 
 #: Error codes with which Redis refuses *every* write for a reason of its own: out of
 #: memory, a read-only replica (after a failover), a failed RDB save (``MISCONF``), a
@@ -37,3 +58,96 @@ def refusal_code(error: BaseException | str) -> str | None:
         code = text.split(" ", 1)[0]
     code = str(code)  # Redis error codes are upper case: "oom" in a text is not one
     return code if code in REFUSAL_CODES else None
+
+
+def is_unreachable(error: BaseException) -> bool:
+    """Whether ``error`` (raised by redis-py or returned in a pipeline's replies) means
+    Redis cannot be reached: a connection failure or a timeout, not a reply."""
+    import redis.exceptions as rexc
+
+    return isinstance(error, rexc.ConnectionError | rexc.TimeoutError | OSError)
+
+
+def entry_values(e: Envelope) -> list[Any]:
+    """The values of ``e``'s entry, in the order of :data:`PUBLISHED_FIELDS`: message id,
+    type, ordering key ("" for none), headers as JSON text (as stored, not re-encoded),
+    payload."""
+    return [e.message_id, e.type, e.key or "", e.headers_json, e.payload]
+
+
+def entry_fields(e: Envelope) -> list[Any]:
+    """``e``'s entry as the ``field, value, …`` arguments of an ``XADD``."""
+    return [
+        *("id", e.message_id, "type", e.type),
+        *("key", e.key or "", "headers", e.headers_json),
+        *("payload", e.payload),
+    ]
+
+
+def text(value: Any) -> str:
+    """A field name or value as text: bytes from our clients, str from a client made with
+    ``decode_responses=True``."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def reply_entries(reply: Any) -> list[Any]:
+    """The ``[entry id, [field, value, …]]`` entries of a raw ``XREADGROUP`` reply: a map
+    stream → entries (RESP3) or a list of ``[stream, entries]`` pairs (RESP2)."""
+    if not reply:
+        return []
+    if isinstance(reply, dict):
+        return [e for entries in reply.values() for e in entries]
+    return [e for _stream, entries in reply for e in entries]
+
+
+def decode_entry(stream: str, entry_id: Any, fields: Any, attempt: int) -> Delivery:
+    """The delivery of entry ``entry_id`` of ``stream``: ``fields`` as a raw reply's flat
+    ``[field, value, …]`` list (the fast path when in the order the publisher writes them)
+    or a mapping. An entry another writer added takes its message id and type from its
+    ``headers`` (``message-id``, ``type``), else the entry id and ""."""
+    if isinstance(fields, list):  # a raw reply's flat [field, value, …]
+        if fields[::2] == _PUBLISHED:  # as the publish script writes them
+            message_id, type_, key, raw_headers, payload = fields[1::2]
+            if message_id and type_ and isinstance(payload, bytes):
+                return Delivery(
+                    stream=stream,
+                    entry_id=entry_id.decode(),
+                    message_id=message_id.decode(),
+                    type=type_.decode(),
+                    key=key.decode() if key else None,
+                    raw_headers=raw_headers,
+                    payload=payload,
+                    attempt=attempt,
+                )
+        if len(fields) % 2:
+            raise ValueError(
+                f"Redis entry {text(entry_id)} of stream {stream!r}: fields and values do "
+                f"not pair up ({len(fields)} items)"
+            )
+        pairs = iter(fields)
+        fields = dict(zip(pairs, pairs, strict=True))
+    # Field names as text: bytes from our clients, str from a client the application
+    # made with decode_responses=True.
+    get = {text(k): v for k, v in fields.items()}.get
+    entry = text(entry_id)
+    raw_headers = get("headers")
+    message_id = get("id")
+    type_ = get("type")
+    headers = None
+    if not message_id or not type_:  # not written by our publisher: from the headers
+        headers = parse_headers(raw_headers)
+        message_id = message_id or headers.get("message-id") or entry
+        type_ = type_ or headers.get("type") or ""
+    payload = get("payload", b"")
+    key = get("key")
+    return Delivery(
+        stream=stream,
+        entry_id=entry,
+        message_id=text(message_id),
+        type=text(type_),
+        key=text(key) if key else None,
+        headers=headers,
+        raw_headers=raw_headers,
+        payload=payload if isinstance(payload, bytes) else str(payload).encode(),
+        attempt=attempt,
+    )

@@ -24,8 +24,9 @@ import json
 import logging
 import secrets
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
 from fastapi.responses import FileResponse, HTMLResponse
@@ -34,12 +35,9 @@ from markupsafe import Markup
 from pydantic import BaseModel, Field
 
 from fastapi_outbox import exceptions
-from fastapi_outbox.events import MessageStatus
 from fastapi_outbox.ops import operations
+from fastapi_outbox.ops.port import OutboxPort
 from fastapi_outbox.redaction import redact
-
-if TYPE_CHECKING:
-    from fastapi_outbox.outbox import Outbox
 
 logger = logging.getLogger("fastapi_outbox.dashboard")
 
@@ -153,17 +151,33 @@ class ActionResult(BaseModel):
     problems: list[str] = Field(default_factory=list)
 
 
-def build_dashboard_router(outbox: Outbox, dependencies: list[Any]) -> APIRouter:
-    router = APIRouter(prefix=PREFIX, tags=["outbox dashboard"], dependencies=dependencies)
-    settings = outbox.settings
+def build_dashboard_router(outbox: OutboxPort, dependencies: Sequence[Any]) -> APIRouter:
+    """The dashboard's routes under ``PREFIX``, every one behind ``dependencies`` (the
+    guard): the overview, the messages pages, the actions and the static files."""
+    router = APIRouter(prefix=PREFIX, tags=["outbox dashboard"], dependencies=list(dependencies))
+    pages = _Pages(outbox.settings.dashboard_show_payloads)
+    _overview_routes(router, outbox, pages)
+    _message_routes(router, outbox, pages)
+    _action_routes(router, outbox)
+    router.add_api_route("/static/{name}", _static, methods=["GET"], include_in_schema=False)
+    return router
 
-    def render(request: Request, template: str, **context: Any) -> HTMLResponse:
+
+class _Pages:
+    """Renders a template as a page: the CSRF token (set as a cookie on first sight), the
+    refresh interval, whether payloads show, and the headers that keep the page from
+    being cached, framed or sniffed."""
+
+    def __init__(self, show_payloads: bool) -> None:
+        self.show_payloads = show_payloads
+
+    def render(self, request: Request, template: str, **context: Any) -> HTMLResponse:
         token = request.cookies.get(CSRF_COOKIE) or secrets.token_urlsafe(32)
         html = _templates.get_template(template).render(
             prefix=PREFIX,
             csrf=token,
             refresh_seconds=REFRESH_SECONDS,
-            show_payloads=settings.dashboard_show_payloads,
+            show_payloads=self.show_payloads,
             **context,
         )
         response = HTMLResponse(html)
@@ -177,56 +191,81 @@ def build_dashboard_router(outbox: Outbox, dependencies: list[Any]) -> APIRouter
             response.set_cookie(CSRF_COOKIE, token, httponly=True, samesite="strict", path=PREFIX)
         return response
 
-    async def check_csrf(request: Request) -> None:
-        cookie = request.cookies.get(CSRF_COOKIE, "")
-        header = request.headers.get(CSRF_HEADER, "")
-        if not cookie or not hmac.compare_digest(cookie, header):
-            raise HTTPException(403, f"missing or wrong {CSRF_HEADER} header (CSRF check)")
-        if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
-            raise HTTPException(415, "actions take a JSON body (application/json)")
 
-    def operator(request: Request) -> str | None:
-        value = getattr(request.state, "outbox_operator", None)
-        return None if value is None else str(value)
+async def _check_csrf(request: Request) -> None:
+    """Every action: the double-submit token in its header, and a JSON body."""
+    cookie = request.cookies.get(CSRF_COOKIE, "")
+    header = request.headers.get(CSRF_HEADER, "")
+    if not cookie or not hmac.compare_digest(cookie, header):
+        raise HTTPException(403, f"missing or wrong {CSRF_HEADER} header (CSRF check)")
+    if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
+        raise HTTPException(415, "actions take a JSON body (application/json)")
 
-    async def overview_context() -> dict[str, Any]:
-        view = await operations.overview(outbox)
-        peak = max((count for _, count in view.per_minute), default=0)
-        totals = {
-            status: sum(int(s[status]) for s in view.streams)
-            for status in ("pending", "processing", "failed", "abandoned", "scheduled")
-        }
-        return {
-            "view": view,
-            "peak": peak,
-            "totals": totals,
-            "published_last_hour": sum(count for _, count in view.per_minute),
-            "now": dt.datetime.now(dt.UTC),
-        }
 
+def _operator(request: Request) -> str | None:
+    """Who acts, as the guard put it on ``request.state.outbox_operator``."""
+    value = getattr(request.state, "outbox_operator", None)
+    return None if value is None else str(value)
+
+
+async def _overview_context(outbox: OutboxPort) -> dict[str, Any]:
+    """What the overview page and its fragment show."""
+    view = await operations.overview(outbox)
+    peak = max((count for _, count in view.per_minute), default=0)
+    totals = {
+        status: sum(int(s[status]) for s in view.streams)
+        for status in ("pending", "processing", "failed", "abandoned", "scheduled")
+    }
+    return {
+        "view": view,
+        "peak": peak,
+        "totals": totals,
+        "published_last_hour": sum(count for _, count in view.per_minute),
+        "now": dt.datetime.now(dt.UTC),
+    }
+
+
+def _overview_data(view: operations.Overview) -> dict[str, Any]:
+    """The overview as JSON (``/api/overview``)."""
+    return {
+        "database_ok": view.database_ok,
+        "streams": view.streams,
+        "brokers": view.brokers,
+        "published_per_minute": [
+            {"minute": minute.isoformat(), "count": count} for minute, count in view.per_minute
+        ],
+        "consumers": [c.model_dump(mode="json") for c in view.consumers],
+    }
+
+
+def _overview_routes(router: APIRouter, outbox: OutboxPort, pages: _Pages) -> None:
     @router.get("", response_class=HTMLResponse, summary="Dashboard overview")
     async def overview_page(request: Request) -> HTMLResponse:
-        return render(request, "overview.html", **await overview_context())
+        return pages.render(request, "overview.html", **await _overview_context(outbox))
 
     @router.get("/fragments/overview", response_class=HTMLResponse, include_in_schema=False)
     async def overview_fragment(request: Request) -> HTMLResponse:
-        return render(request, "_overview.html", **await overview_context())
+        return pages.render(request, "_overview.html", **await _overview_context(outbox))
 
     @router.get("/api/overview", summary="Dashboard overview data")
     async def overview_data() -> dict[str, Any]:
-        view = await operations.overview(outbox)
-        return {
-            "database_ok": view.database_ok,
-            "streams": view.streams,
-            "brokers": view.brokers,
-            "published_per_minute": [
-                {"minute": minute.isoformat(), "count": count} for minute, count in view.per_minute
-            ],
-            "consumers": [
-                c.model_dump(mode="json") if isinstance(c, BaseModel) else c for c in view.consumers
-            ],
-        }
+        return _overview_data(await operations.overview(outbox))
 
+
+def _message_filter(filters: dict[str, str | None]) -> operations.MessageFilter:
+    """The messages page's query as a filter; OperationError for a bad value."""
+    return operations.MessageFilter(
+        status=filters["status"],
+        stream=filters["stream"],
+        broker=filters["broker"],
+        type=filters["type"],
+        key=filters["key"],
+        since=_datetime("since", filters["since"]),
+        until=_datetime("until", filters["until"]),
+    )
+
+
+def _message_routes(router: APIRouter, outbox: OutboxPort, pages: _Pages) -> None:
     @router.get(
         "/messages", response_class=HTMLResponse, summary="Messages", responses=_PAGE_RESPONSES
     )
@@ -252,27 +291,19 @@ def build_dashboard_router(outbox: Outbox, dependencies: list[Any]) -> APIRouter
             "until": until or None,
         }
         try:
-            where = operations.MessageFilter(
-                status=filters["status"],
-                stream=filters["stream"],
-                broker=filters["broker"],
-                type=filters["type"],
-                key=filters["key"],
-                since=_datetime("since", filters["since"]),
-                until=_datetime("until", filters["until"]),
-            )
+            where = _message_filter(filters)
             before_id = _uuid("before", before) if before else None
             rows = await operations.list_messages(outbox, where, before_id=before_id, limit=limit)
         except exceptions.OperationError as exc:
             raise HTTPException(400, str(exc)) from exc
         query = {k: v for k, v in filters.items() if v}
         next_page = {**query, "before": str(rows[-1]["id"])} if len(rows) == limit else None
-        return render(
+        return pages.render(
             request,
             "messages.html",
             rows=rows,
             filters=filters,
-            statuses=[*(s.value for s in MessageStatus), "scheduled"],
+            statuses=list(operations.STATUS_FILTERS),
             next_page=next_page,
             first_page=query if before else None,
         )
@@ -289,50 +320,41 @@ def build_dashboard_router(outbox: Outbox, dependencies: list[Any]) -> APIRouter
             message = await operations.show(outbox, mid)
         except exceptions.MessageNotFound as exc:
             raise HTTPException(404, str(exc)) from exc
-        payload = json.dumps(message["payload"], indent=2, ensure_ascii=False)
-        truncated = len(payload) > PAYLOAD_DISPLAY_CHARS
-        return render(
-            request,
-            "message.html",
-            m=message,
-            headers=message["headers"],
-            payload=payload[:PAYLOAD_DISPLAY_CHARS] if settings.dashboard_show_payloads else None,
-            payload_chars=len(payload),
-            truncated=truncated,
-            replayable=message["status"] in operations.REPLAYABLE,
-            abandonable=message["status"] in operations.ABANDONABLE
-            and message["locked_by"] is None,
-        )
+        return pages.render(request, "message.html", **_message_context(message, pages))
+
+
+def _message_context(message: dict[str, Any], pages: _Pages) -> dict[str, Any]:
+    """What the message page shows: the payload pretty-printed and cut (when payloads
+    show at all), and which actions apply."""
+    payload = json.dumps(message["payload"], indent=2, ensure_ascii=False)
+    return {
+        "m": message,
+        "headers": message["headers"],
+        "payload": payload[:PAYLOAD_DISPLAY_CHARS] if pages.show_payloads else None,
+        "payload_chars": len(payload),
+        "truncated": len(payload) > PAYLOAD_DISPLAY_CHARS,
+        "replayable": message["status"] in operations.REPLAYABLE,
+        "abandonable": message["status"] in operations.ABANDONABLE and message["locked_by"] is None,
+    }
+
+
+def _action_routes(router: APIRouter, outbox: OutboxPort) -> None:
+    guarded = [Depends(_check_csrf)]
 
     @router.post(
         "/api/replay",
         response_model=ActionResult,
-        dependencies=[Depends(check_csrf)],
+        dependencies=guarded,
         summary="Replay messages",
         responses=_ACTION_RESPONSES,
     )
     async def replay(request: Request, body: ReplayRequest) -> ActionResult:
-        who = operator(request)
-        if body.all_abandoned:
-            if body.ids:
-                raise HTTPException(400, "give ids or all_abandoned, not both")
-            if body.count is None:
-                raise HTTPException(
-                    400, "count: all_abandoned replays at most the count the operator confirmed"
-                )
-            count = await operations.replay_abandoned(
-                outbox, stream=body.stream, operator=who, max_rows=body.count
-            )
-            return ActionResult(changed=count)
-        if not body.ids:
-            raise HTTPException(400, "ids: give at least one message id (or all_abandoned)")
-        outcome = await operations.replay(outbox, body.ids, operator=who)
-        return ActionResult(changed=outcome.count, problems=outcome.problems)
+        return await _replay(outbox, body, _operator(request))
 
     @router.post(
         "/api/abandon",
         response_model=ActionResult,
-        dependencies=[Depends(check_csrf)],
+        dependencies=guarded,
         summary="Abandon messages",
         responses=_ACTION_RESPONSES,
     )
@@ -340,47 +362,69 @@ def build_dashboard_router(outbox: Outbox, dependencies: list[Any]) -> APIRouter
         if not body.ids:
             raise HTTPException(400, "ids: give at least one message id")
         outcome = await operations.abandon(
-            outbox, body.ids, operator=operator(request), reason=body.reason
+            outbox, body.ids, operator=_operator(request), reason=body.reason
         )
         return ActionResult(changed=outcome.count, problems=outcome.problems)
 
     @router.post(
         "/api/replay-dead-letters",
         response_model=ActionResult,
-        dependencies=[Depends(check_csrf)],
+        dependencies=guarded,
         summary="Replay a consumer group's dead letters",
         responses=_DEAD_LETTER_RESPONSES,
     )
     async def replay_dead_letters(request: Request, body: DeadLetterReplay) -> ActionResult:
-        try:
-            count = await operations.replay_dead_letters(
-                outbox,
-                body.stream,
-                body.group,
-                body.entry_ids,
-                operator=operator(request),
-                force=body.force,
+        return await _replay_dead_letters(outbox, body, _operator(request))
+
+
+async def _replay(outbox: OutboxPort, body: ReplayRequest, who: str | None) -> ActionResult:
+    """``/api/replay``: the ids given, or every abandoned message up to the count the
+    operator confirmed."""
+    if body.all_abandoned:
+        if body.ids:
+            raise HTTPException(400, "give ids or all_abandoned, not both")
+        if body.count is None:
+            raise HTTPException(
+                400, "count: all_abandoned replays at most the count the operator confirmed"
             )
-        except exceptions.StaleDeadLetters as exc:  # the page asks again, then forces
-            raise HTTPException(409, str(exc)) from exc
-        except exceptions.OperationError as exc:
-            raise HTTPException(400, str(exc)) from exc
-        except exceptions.BrokerUnavailable as exc:
-            raise HTTPException(503, str(exc)) from exc
-        return ActionResult(changed=count)
-
-    @router.get("/static/{name}", include_in_schema=False)
-    async def static(name: str) -> Response:
-        media_type = _STATIC.get(name)
-        if media_type is None:
-            raise HTTPException(404, f"no static file {name!r}")
-        return FileResponse(
-            _HERE / "static" / name,
-            media_type=media_type,
-            headers={"Cache-Control": "max-age=300"},
+        count = await operations.replay_abandoned(
+            outbox, stream=body.stream, operator=who, max_rows=body.count
         )
+        return ActionResult(changed=count)
+    if not body.ids:
+        raise HTTPException(400, "ids: give at least one message id (or all_abandoned)")
+    outcome = await operations.replay(outbox, body.ids, operator=who)
+    return ActionResult(changed=outcome.count, problems=outcome.problems)
 
-    return router
+
+async def _replay_dead_letters(
+    outbox: OutboxPort, body: DeadLetterReplay, who: str | None
+) -> ActionResult:
+    """``/api/replay-dead-letters``: 409 for stale dead letters (the page asks again, then
+    forces), 400 for an unknown group, 503 when its broker does not answer."""
+    try:
+        count = await operations.replay_dead_letters(
+            outbox, body.stream, body.group, body.entry_ids, operator=who, force=body.force
+        )
+    except exceptions.StaleDeadLetters as exc:
+        raise HTTPException(409, str(exc)) from exc
+    except exceptions.OperationError as exc:
+        raise HTTPException(400, str(exc)) from exc
+    except exceptions.BrokerUnavailable as exc:
+        raise HTTPException(503, str(exc)) from exc
+    return ActionResult(changed=count)
+
+
+async def _static(name: str) -> Response:
+    """The vendored CSS and JavaScript (no CDN)."""
+    media_type = _STATIC.get(name)
+    if media_type is None:
+        raise HTTPException(404, f"no static file {name!r}")
+    return FileResponse(
+        _HERE / "static" / name,
+        media_type=media_type,
+        headers={"Cache-Control": "max-age=300"},
+    )
 
 
 def _uuid(field: str, text: str) -> uuid.UUID:

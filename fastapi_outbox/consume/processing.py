@@ -1,0 +1,681 @@
+"""Processing: one delivery through its handler's transaction, its retries and its dead letter.
+
+The transaction a subscriber runs its handlers in (:meth:`Processing._run_batch`, for one
+message or a batch) is the one place where an inbox row's life is decided: the subscriber
+begins it on a connection of its own, inserts the inbox row(s), binds the handler's session
+to that connection and commits the rows, the effects and the events together (see
+:mod:`fastapi_outbox.consume.subscriber` for the whole story). The session event listeners
+here watch the handler's session while it runs: a rollback that reaches the subscriber's
+transaction (:class:`Spoiled`), a second session on the outbox's database (refused).
+
+Around it, one delivery (:meth:`Processing._process`): dead-lettered when past
+``max_attempts`` or undecodable, acknowledged and skipped when not for this handler, else
+handled — a failure retried with backoff then dead-lettered, the database unreachable
+waited out in place (no attempt charged), the broker told (ack, retry, dead letter, release)
+after the commit.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import logging
+import random
+import time
+import typing
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+from sqlalchemy import event as sa_event
+from sqlalchemy.engine import Connection
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
+from sqlalchemy.orm import Session, SessionTransaction
+
+from fastapi_outbox import exceptions
+from fastapi_outbox.aggregates import collect_events, held_aggregates
+from fastapi_outbox.backoff import exponential_delay
+from fastapi_outbox.brokers.consumer import Consumer, Delivery
+from fastapi_outbox.consume.context import AfterCommit, ConsumeContext
+from fastapi_outbox.consume.handlers import (
+    Decoder,
+    Handler,
+    HandlerSignature,
+    NotForHandler,
+    Undeliverable,
+    delivery_context,
+)
+from fastapi_outbox.log import safe_error
+from fastapi_outbox.redaction import redact
+from fastapi_outbox.storage import db_outage
+from fastapi_outbox.write.session_events import JOINED_KEY, state_of
+from fastapi_outbox.write.unit_of_work import UnitOfWork
+
+__all__ = [
+    "DATABASE_PING_SECONDS",
+    "PAUSE_MAX_SECONDS",
+    "PAUSE_MIN_SECONDS",
+    "UNWRITTEN_DEAD_LETTERS_KEPT",
+    "HandlerRun",
+    "Processing",
+    "ReleasedAtStop",
+    "Spoiled",
+    "SubscriberStats",
+    "handler_transaction",
+    "harvest_added",
+]
+
+logger = logging.getLogger("fastapi_outbox.subscribers")
+
+#: Longest wait for the database's answer when telling an outage from a handler's own
+#: connection error.
+DATABASE_PING_SECONDS = 5.0
+#: Backoff of a paused subscriber (broker or database unreachable).
+PAUSE_MIN_SECONDS = 0.2
+PAUSE_MAX_SECONDS = 10.0
+#: Errors of dead letters that could not be written, kept for their next try.
+UNWRITTEN_DEAD_LETTERS_KEPT = 1000
+#: ``session.info`` key of a handler session's :class:`HandlerRun`.
+_RUN_KEY = "fastapi_outbox.handler_run"
+
+
+@dataclasses.dataclass(slots=True)
+class SubscriberStats:
+    """Counters of one subscriber in this process."""
+
+    handled: int = 0
+    duplicates: int = 0
+    skipped: int = 0
+    failures: int = 0
+    dead_lettered: int = 0
+    #: Dead-letter writes that failed (the message stayed pending and comes back).
+    dead_letter_failures: int = 0
+    last_handled_at: float | None = None
+    last_error: str | None = None
+
+
+class Spoiled(Exception):
+    """A handler's rollback reached work it does not own alone: the subscriber's transaction
+    (the fast way: run the message again the careful way) or earlier messages' work of its
+    batch (run the batch message by message)."""
+
+
+class ReleasedAtStop(BaseException):
+    """The database is unavailable and the subscriber stops: the message goes back to the
+    broker uncharged instead of waiting in place. A ``BaseException`` (like a cancellation),
+    so the retry paths' ``except Exception`` never take it for a failure of the handler."""
+
+
+class HandlerRun:
+    """The transaction a subscriber runs its handler(s) in: the handler's session, the
+    unit of work and message of the handler running now, and what a rollback of the
+    session undid."""
+
+    __slots__ = ("before", "engine", "message", "name", "outer", "session", "spoiled", "uow")
+
+    def __init__(
+        self, engine: AsyncEngine, name: str, session: AsyncSession, outer: Connection | None
+    ) -> None:
+        #: The outbox's database and the subscriber's name (for a refused second session).
+        self.engine = engine
+        self.name = name
+        self.session = session
+        #: The fast way: the subscriber's connection, whose transaction the session shares
+        #: (None: the careful way, the session in a savepoint of it).
+        self.outer = outer
+        self.uow: UnitOfWork | None = None
+        self.message = ""
+        #: The careful way: the session's transaction when the current handler began (work
+        #: of earlier handlers of the batch is in it), or None.
+        self.before: SessionTransaction | None = None
+        self.spoiled = False
+
+
+#: The transaction of the handler running in this context (None outside handlers).
+_HANDLER_RUN: contextvars.ContextVar[HandlerRun | None] = contextvars.ContextVar(
+    "fastapi_outbox.handler_run", default=None
+)
+
+
+def handler_transaction(context: ConsumeContext) -> tuple[AsyncSession, UnitOfWork] | None:
+    """The session and unit of work of the handler running in this context when it works on
+    ``context``'s database (its own outbox's, or another outbox's on the same engine), else
+    None: ``outbox.unit_of_work()`` called inside a handler joins them."""
+    run = _HANDLER_RUN.get()
+    if run is None or run.uow is None or run.engine is not context.engine:
+        return None
+    return run.session, run.uow
+
+
+@sa_event.listens_for(Session, "after_soft_rollback")
+def _note_a_rollback_of_the_handler_session(session: Session, previous: SessionTransaction) -> None:
+    """A rollback of a handler session's own transaction (not of a savepoint the handler
+    began). The fast way, that was the subscriber's transaction, inbox rows included: a new
+    one is begun at once, so the handler's later work joins it (and is discarded with it)
+    and never commits on its own; the message goes again the careful way. The careful way,
+    in a batch: when the transaction began before the current handler, earlier messages'
+    work went with it, and the batch goes message by message."""
+    run: HandlerRun | None = session.info.get(_RUN_KEY)
+    if run is None:
+        return
+    transaction = previous
+    while transaction.parent is not None:
+        if transaction.nested:
+            return
+        transaction = transaction.parent
+    if run.outer is not None:
+        run.spoiled = True
+        if run.uow is not None and not run.outer.in_transaction():  # a handler runs
+            run.outer.begin()
+    elif run.before is not None and transaction is run.before:
+        run.spoiled = True
+
+
+@sa_event.listens_for(Session, "after_transaction_create")
+def _refuse_a_second_session(session: Session, transaction: SessionTransaction) -> None:
+    """A session of the handler's own on the outbox's database, begun while a handler runs:
+    its commit would not go with the message's inbox row (a redelivery after a later failure
+    would apply its effects again), so it is refused at its first use — when it begins,
+    before it takes a connection (on SQLite it would wait for the write lock the handler's
+    transaction holds)."""
+    run = _HANDLER_RUN.get()
+    if run is None or run.uow is None or transaction.parent is not None:
+        return  # no handler runs (a task it started may outlive it)
+    if session.info.get(JOINED_KEY):
+        return
+    _refuse_if_ours(run, session.bind)
+
+
+@sa_event.listens_for(Session, "after_begin")
+def _refuse_a_second_connection(session: Session, transaction: Any, connection: Any) -> None:
+    """The same for a session without one bind (``binds=`` per class): judged by the
+    connection it takes."""
+    run = _HANDLER_RUN.get()
+    if run is None or run.uow is None or session.bind is not None:
+        return
+    if session.info.get(JOINED_KEY):
+        return
+    _refuse_if_ours(run, connection)
+
+
+def _refuse_if_ours(run: HandlerRun, bind: Any) -> None:
+    if getattr(bind, "engine", None) is not run.engine.sync_engine:
+        return  # another database: not ours to judge
+    raise exceptions.UnitOfWorkError(
+        f"handler {run.name} opened a second session on the outbox's database "
+        f"(outbox.session_factory() or a sessionmaker of its own) while handling "
+        f"{run.message}: its commit would not go with the message's inbox row, so a "
+        "redelivery would apply its effects again. Use the handler's uow.session, or "
+        "`async with outbox.unit_of_work() as uow:` inside the handler, which joins the "
+        "handler's transaction"
+    )
+
+
+def harvest_added(uow: UnitOfWork, before: list[Any]) -> list[Any]:
+    """Publish, in ``uow``, the events pending on aggregates held by its session or added
+    to it by the handler that just ran (``before``: the session's new objects before it):
+    ``uow.harvest()`` limited to what this handler added, so a batch of n handlers calls
+    ``collect_events`` O(n) times, not O(n²). When the handler flushed (the earlier new
+    objects are no longer new) every new object is looked at. Aggregates attached to the
+    session publish their events at once when raised. Returns the new objects now."""
+    session = uow.session.sync_session
+    candidates = held_aggregates(session)
+    # The session's pending objects in the order added (``session.new`` builds an identity
+    # set of all of them on every call: quadratic over a batch).
+    new = list(session._new.values())
+    n = len(before)
+    kept = n == 0 or (len(new) >= n and new[n - 1] is before[-1])
+    candidates += new[n:] if kept else new
+    for instance in candidates:
+        for event in collect_events(instance):
+            uow.publish(event)
+    return new
+
+
+async def _discard(conn: AsyncConnection, session: AsyncSession | None) -> None:
+    """Roll back a subscriber's transaction and give its connection back. The rollback
+    comes first (closing the session first would roll back its savepoint: a round trip for
+    nothing). A failure here (the database gone) is only logged: the caller re-raises the
+    error that ended the transaction, which is the one to classify."""
+    try:
+        if conn.in_transaction():
+            await conn.rollback()
+        if session is not None:
+            await session.close()
+    except Exception as exc:
+        logger.debug("rollback of a handler's transaction failed: %r", exc)
+    finally:
+        try:
+            await conn.close()
+        except Exception as exc:
+            logger.debug("closing a handler's connection failed: %r", exc)
+
+
+async def _is_database_outage(exc: BaseException, engine: Any) -> bool:
+    """The database is unavailable (not a fault of the message), as the dialect's
+    classifier decides (:mod:`fastapi_outbox.storage.db_outage`): refusing connections, starting
+    up, shutting down, too many clients, pool timeout; an ambiguous ``OSError`` while the
+    database does not answer ``SELECT 1`` either. A handler's own SQL error, or its own
+    ``OSError`` while the database answers, is the handler's failure."""
+    return await db_outage.is_outage(exc, engine, ping_seconds=DATABASE_PING_SECONDS)
+
+
+class Processing:
+    """A subscriber's handling of its deliveries: one message (:meth:`_process`) and the
+    transaction every handler runs in (:meth:`_run_batch`). The state it works on is set by
+    :class:`~fastapi_outbox.consume.subscriber.Subscriber`; the batch handler's call is
+    :class:`~fastapi_outbox.consume.batches.Batches`'s."""
+
+    context: ConsumeContext
+    handler: Handler
+    name: str
+    stream: str
+    group: str
+    max_attempts: int
+    retry_base_delay_seconds: float
+    retry_max_delay_seconds: float
+    dead_letter: str
+    signature: HandlerSignature
+    decoder: Decoder
+    stats: SubscriberStats
+    consumer: Consumer | None
+    _stop: anyio.Event | None
+    _inflight: dict[str, Delivery]
+    _slot_freed: anyio.Event | None
+    _rng: random.Random
+    #: message id -> the error of a dead letter that could not be written: used when
+    #: the message comes back to be dead-lettered again (bounded).
+    _unwritten_dead_letters: dict[str, str]
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop is not None and self._stop.is_set()
+
+    def _log_extra(self, action: str, d: Delivery | None = None, **more: Any) -> dict[str, Any]:
+        extra: dict[str, Any] = {"action": action, "stream": self.stream, "group": self.group}
+        if d is not None:
+            extra.update(message_id=d.message_id, entry_id=d.entry_id, attempt=d.attempt)
+        extra.update(more)
+        return extra
+
+    def _pause_for(self, failures: int) -> float:
+        return exponential_delay(failures + 1, base=PAUSE_MIN_SECONDS, maximum=PAUSE_MAX_SECONDS)
+
+    def _retry_delay(self, attempt: int) -> float:
+        return exponential_delay(
+            attempt,
+            base=self.retry_base_delay_seconds,
+            maximum=self.retry_max_delay_seconds,
+            jitter=0.25,
+            rng=self._rng,
+        )
+
+    async def _wait_slot(self, timeout: float) -> None:
+        assert self._slot_freed is not None
+        with anyio.move_on_after(timeout):
+            await self._slot_freed.wait()
+
+    def _free_slot(self) -> None:
+        assert self._slot_freed is not None
+        self._slot_freed.set()
+        self._slot_freed = anyio.Event()
+
+    # -- one message -------------------------------------------------------------------------
+
+    async def _process(self, d: Delivery, *, in_place: bool) -> None:
+        """``d`` through its handler: acknowledged, retried (``in_place``: here, after the
+        backoff; else by the broker) or dead-lettered."""
+        attempt = d.attempt
+        if attempt > self.max_attempts:
+            await self._past_max_attempts(d)
+            return
+        try:
+            message = self.decoder.decode(d)
+        except Undeliverable as exc:
+            await self._dead_letter(d, str(exc))
+            return
+        except NotForHandler:
+            self.stats.skipped += 1
+            await self._ack(d)
+            return
+        outages = 0
+        while True:
+            try:
+                new = await self._run_handler(d, message)
+            except Exception as exc:
+                if await self._waited_out_database(exc, outages, "the message", d):
+                    outages += 1
+                    continue
+                delay = await self._failed(d, exc, attempt)
+                if delay is None:
+                    return  # dead-lettered
+                if not in_place:
+                    await self._retry_later(d, delay)
+                    return
+                attempt += 1
+                await anyio.sleep(delay)
+                continue
+            if new:
+                self.stats.handled += 1
+            else:
+                self.stats.duplicates += 1
+            self.stats.last_handled_at = time.time()
+            await self._ack(d)
+            return
+
+    async def _past_max_attempts(self, d: Delivery) -> None:
+        """``d`` delivered more than ``max_attempts`` times: acknowledged when its
+        transaction committed before, else dead-lettered without running the handler."""
+        if await self._handled_before(d):
+            # Committed, but the ack was lost (a kill, a broker restart) every time: its
+            # effects are applied; a dead letter would say otherwise.
+            self.stats.duplicates += 1
+            await self._ack(d)
+            return
+        await self._dead_letter(
+            d,
+            f"delivered {d.attempt} times, more than max_attempts={self.max_attempts}, without "
+            "being acknowledged: the consumer crashed or stalled on it every time",
+        )
+
+    async def _failed(self, d: Delivery, exc: Exception, attempt: int) -> float | None:
+        """The handler failed on ``attempt``: counted and logged; dead-lettered on the last
+        attempt (None), else the delay before the next one."""
+        self.stats.failures += 1
+        error = redact(f"{type(exc).__name__}: {exc}")  # kept in the dead letter
+        self.stats.last_error = error[:300]
+        if attempt >= self.max_attempts:
+            logger.warning(
+                "handler failed, dead-lettering",
+                extra=self._log_extra("consumer.failed", d, error=error[:300]),
+                exc_info=True,
+            )
+            await self._dead_letter(d, f"handler {self.name} failed on attempt {attempt}: {error}")
+            return None
+        delay = self._retry_delay(attempt)
+        logger.warning(
+            "handler failed, will retry",
+            extra=self._log_extra(
+                "consumer.failed", d, error=error[:300], retry_in_seconds=round(delay, 3)
+            ),
+        )
+        return delay
+
+    async def _retry_later(self, d: Delivery, delay: float) -> None:
+        """Hand ``d`` back to the broker for a redelivery after ``delay``."""
+        assert self.consumer is not None
+        try:
+            await self.consumer.retry(d, delay)
+        except Exception as retry_exc:  # redelivered after claim_idle anyway
+            logger.warning(
+                "retry request failed",
+                extra=self._log_extra("consumer.retry_failed", d, error=repr(retry_exc)),
+            )
+        self._inflight.pop(d.entry_id, None)  # settled: not released at a stop
+
+    async def _handled_before(self, d: Delivery) -> bool:
+        """Whether the group's inbox holds ``d``'s message id (its transaction committed).
+        The database unavailable: waited out in place, like a handler's transaction."""
+        outages = 0
+        while True:
+            try:
+                return await self.context.inbox.contains(self.group, d.message_id)
+            except Exception as exc:
+                if await self._waited_out_database(exc, outages, "the inbox look-up", d):
+                    outages += 1
+                    continue
+                logger.warning(
+                    "inbox look-up failed; dead-lettering",
+                    extra=self._log_extra("consumer.inbox_failed", d, error=safe_error(exc)),
+                )
+                return False
+
+    async def _run_handler(self, d: Delivery, message: Any) -> bool:
+        """One transaction: inbox row, then the handler (a batch handler: on a one-element
+        list); True when the message was new. The fast way first; the careful way when the
+        handler rolled back its session."""
+        try:
+            new, _ = await self._run_batch([d], [message])
+        except Spoiled:
+            new, _ = await self._run_batch([d], [message], careful=True)
+        return new > 0
+
+    async def _ack(self, d: Delivery) -> None:
+        assert self.consumer is not None
+        try:
+            await self.consumer.ack([d])
+        except Exception as exc:
+            # Committed: a redelivery will find the inbox row and be skipped.
+            logger.warning(
+                "ack failed; the message will be redelivered and skipped",
+                extra=self._log_extra("consumer.ack_failed", d, error=repr(exc)[:300]),
+            )
+        self._inflight.pop(d.entry_id, None)  # settled: not released at a stop
+
+    async def _dead_letter(self, d: Delivery, error: str) -> None:
+        assert self.consumer is not None
+        unwritten = self._unwritten_dead_letters
+        error = (
+            unwritten.pop(d.message_id, "") or error
+        )  # the first reason, not "delivered n times"
+        try:
+            await self.consumer.dead_letter(d, error)
+        except Exception as exc:
+            await self._dead_letter_failed(d, error, exc)
+            return
+        self._inflight.pop(d.entry_id, None)  # settled: not released at a stop
+        self.stats.dead_lettered += 1
+        self.stats.last_error = error[:300]
+        logger.error(
+            "message dead-lettered",
+            extra=self._log_extra(
+                "consumer.dead_lettered", d, dead_letter=self.dead_letter, error=error[:300]
+            ),
+        )
+
+    async def _dead_letter_failed(self, d: Delivery, error: str, exc: Exception) -> None:
+        """The dead letter of ``d`` could not be written: not acknowledged, so the message
+        stays pending (no broker-side delivery limit drops it) and is dead-lettered again
+        when it comes back, after a backoff, with the same ``error``."""
+        assert self.consumer is not None
+        if len(self._unwritten_dead_letters) < UNWRITTEN_DEAD_LETTERS_KEPT:
+            self._unwritten_dead_letters[d.message_id] = error
+        self.stats.dead_letter_failures += 1
+        self.stats.last_error = f"dead-lettering failed: {type(exc).__name__}: {exc}"[:300]
+        logger.error(
+            "dead-lettering failed; the message stays pending and will be redelivered",
+            extra=self._log_extra("consumer.dead_letter_failed", d, error=repr(exc)[:300]),
+        )
+        try:
+            await self.consumer.retry(d, self._retry_delay(d.attempt))
+        except Exception:  # redelivered after claim_idle_seconds anyway
+            logger.debug("retry after a failed dead letter failed", exc_info=True)
+
+    async def _waited_out_database(
+        self, exc: BaseException, outages: int, what: str, d: Delivery | None = None
+    ) -> bool:
+        """When ``exc`` is the database being unreachable: note it, wait the pause for the
+        ``outages + 1``-th outage in a row, and return True (the caller retries in place, no
+        attempt charged). When the subscriber stops (before or during the wait), raise
+        :class:`ReleasedAtStop`: the message goes back to the broker, uncharged."""
+        if not await _is_database_outage(exc, self.context.engine):
+            return False
+        self.stats.last_error = f"database unreachable: {type(exc).__name__}"
+        if not self.stopping:
+            logger.warning(
+                f"database unreachable, retrying {what} in place",
+                extra=self._log_extra("consumer.db_unavailable", d, error=repr(exc)[:200]),
+            )
+            assert self._stop is not None
+            with anyio.move_on_after(self._pause_for(outages + 1)):
+                await self._stop.wait()
+        if self.stopping:
+            raise ReleasedAtStop()
+        return True
+
+    async def _release_unsettled(self, deliveries: Sequence[Delivery]) -> None:
+        """Give back to the broker, uncharged, those of ``deliveries`` not yet acknowledged,
+        dead-lettered or retried (still in ``_inflight``): the database went away while the
+        subscriber stops."""
+        left = [d for d in deliveries if self._inflight.pop(d.entry_id, None) is not None]
+        if not left or self.consumer is None:
+            return
+        with anyio.CancelScope(shield=True), anyio.move_on_after(2.0):
+            try:
+                await self.consumer.release(left)
+            except Exception as exc:
+                logger.warning(
+                    "release failed",
+                    extra=self._log_extra("consumer.release_failed", error=repr(exc)),
+                )
+                return
+        logger.info(
+            "database unreachable at shutdown: messages released, no attempt charged",
+            extra=self._log_extra("consumer.released", count=len(left)),
+        )
+
+    # -- the transaction ---------------------------------------------------------------------
+
+    async def _run_batch(
+        self, todo: list[Delivery], messages: list[Any], *, careful: bool = False
+    ) -> tuple[int, int]:
+        """(handled, duplicates) of one transaction over ``todo`` (``messages[i]``: the
+        decoded message of ``todo[i]``; one message or a batch): the one place where an
+        inbox row's life is decided.
+
+        The subscriber owns the transaction: it begins it on a connection of its own,
+        inserts the inbox rows there and binds the handler's session to that connection;
+        then it commits the inbox rows, the effects and the events together, or rolls all
+        of them back. The session never commits that transaction:
+
+        * the fast way (``join_transaction_mode="rollback_only"``, no round trip added): a
+          handler's ``session.commit()`` flushes and writes its events' outbox rows, and
+          commits nothing; ``begin_nested()`` savepoints work as usual. A rollback of the
+          session itself would undo the inbox rows too: a new transaction is begun at
+          once (the handler's later work is discarded with it) and :class:`Spoiled` is
+          raised after the handler — the caller runs the message(s) again the careful way
+          (one message) or message by message (a batch);
+        * the careful way (``careful=True``, ``"create_savepoint"``): the session's
+          transaction is a savepoint of the subscriber's (SAVEPOINT and RELEASE: two round
+          trips), so ``session.rollback()`` goes back to it and the inbox rows stay. The
+          per-message handlers of a batch share that savepoint: a rollback by one of them
+          that undoes earlier messages' work raises :class:`Spoiled`."""
+        ids = [d.message_id for d in todo]
+        stream = todo[0].stream
+        streams = stream if all(d.stream == stream for d in todo) else [d.stream for d in todo]
+        conn = await self.context.engine.connect()
+        session: AsyncSession | None = None
+        ran: set[str] = set()
+        try:
+            await conn.begin()
+            fresh = await self.context.inbox.record_many(conn, self.group, ids, streams)
+            if fresh:
+                session = self.context.session_factory(
+                    bind=conn,
+                    join_transaction_mode="create_savepoint" if careful else "rollback_only",
+                )
+                session.info[JOINED_KEY] = True
+                outer = None if careful else conn.sync_connection
+                await self._run_in_session(session, outer, todo, messages, fresh, ran)
+            await conn.commit()
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await _discard(conn, session)
+            raise
+        # Committed: the session has nothing left to undo, the connection goes back to
+        # the pool (no shield needed).
+        if session is not None:
+            await session.close()
+        await conn.close()
+        if session is not None:
+            state = state_of(session.sync_session)
+            state.after_commit()  # the session's own commits were not the real one
+            for sink in state.take_notify():
+                await typing.cast(AfterCommit, sink).notify_after_commit()
+        return len(ran), len(todo) - len(ran)
+
+    async def _run_in_session(
+        self,
+        session: AsyncSession,
+        outer: Connection | None,
+        todo: list[Delivery],
+        messages: list[Any],
+        fresh: set[str],
+        ran: set[str],
+    ) -> None:
+        """The handler(s) on the new messages (``fresh``) of ``todo`` with ``session``, then
+        the session's commit (it flushes and writes the events' outbox rows; the careful
+        way: releases the savepoint). :class:`Spoiled` when the session rolled back."""
+        run = HandlerRun(self.context.engine, self.name, session, outer)
+        session.info[_RUN_KEY] = run
+        token = _HANDLER_RUN.set(run)
+        try:
+            if self.signature.batch:
+                await self._run_batch_handler(run, todo, messages, fresh, ran)
+            else:
+                await self._run_handlers(run, todo, messages, fresh, ran)
+        finally:
+            _HANDLER_RUN.reset(token)
+            run.uow = None
+        await session.commit()
+        if run.spoiled:  # rolled back in a hook of the commit
+            raise Spoiled(f"handler {self.name}: the session rolled back")
+
+    async def _run_handlers(
+        self,
+        run: HandlerRun,
+        todo: list[Delivery],
+        messages: list[Any],
+        fresh: set[str],
+        ran: set[str],
+    ) -> None:
+        """The per-message handler on each new message of ``todo``, one after the other on
+        the shared session, each with a unit of work of its own (its events carry its
+        message as cause)."""
+        session = run.session
+        sync_session = session.sync_session
+        before: list[Any] = []  # new objects on the session before the current handler
+        for d, message in zip(todo, messages, strict=True):
+            if d.message_id not in fresh or d.message_id in ran:
+                continue
+            ran.add(d.message_id)
+            correlation, causation, traceparent = delivery_context(d)
+            uow = self.context.make_unit_of_work(
+                UnitOfWork,
+                session,
+                correlation_id=correlation,
+                causation_id=causation,
+                traceparent=traceparent,
+            )
+            run.uow = uow
+            run.message = f"message {d.message_id}"
+            if run.outer is None:
+                # The careful way. Earlier handlers' work: in the session's transaction,
+                # or (events published or objects changed outside one) in a transaction
+                # begun now for it, so that a rollback undoing it is seen.
+                current = sync_session.get_transaction()
+                if current is None and (uow._state.queued or not sync_session._is_clean()):
+                    current = sync_session.begin()
+                run.before = current
+            uow._open()
+            try:
+                await self.handler(message, **{name: uow for name in self.signature.uow_params})
+                before = harvest_added(uow, before)
+            finally:
+                uow._close()
+            if run.spoiled:
+                raise Spoiled(
+                    f"handler {self.name} rolled back its session while handling message "
+                    f"{d.message_id}: handled again in a savepoint of its own"
+                )
+
+    async def _run_batch_handler(
+        self,
+        run: HandlerRun,
+        todo: list[Delivery],
+        messages: list[Any],
+        fresh: set[str],
+        ran: set[str],
+    ) -> None:
+        """A batch handler's call (:class:`~fastapi_outbox.consume.batches.Batches`)."""
+        raise NotImplementedError

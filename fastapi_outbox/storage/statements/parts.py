@@ -1,0 +1,106 @@
+"""The pieces the statements of every caller share: status predicates, the id set of a
+batch, the insert-order columns and the database's clock, each for both dialects.
+
+Every function takes the SQLAlchemy :class:`~sqlalchemy.engine.Dialect` the statement is for
+(or asks :func:`~fastapi_outbox.storage.engine.is_postgres` of it), never an engine: the
+builders stay pure, so ``tests/unit`` compiles them without a database.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from sqlalchemy import ARRAY, Table, Uuid, any_, bindparam, literal_column
+from sqlalchemy.engine import Dialect
+from sqlalchemy.sql.elements import ColumnElement
+
+from fastapi_outbox.events import MessageStatus
+from fastapi_outbox.storage import clock
+from fastapi_outbox.storage.engine import is_postgres
+from fastapi_outbox.storage.schema import ACTIVE_STATUSES
+
+__all__ = [
+    "ABANDONED",
+    "ACTIVE",
+    "ERROR_MAX_CHARS",
+    "FAILED",
+    "PENDING",
+    "PROCESSING",
+    "PUBLISHED",
+    "active",
+    "ids_in",
+    "later",
+    "now",
+    "offset",
+    "order_columns",
+    "status_in",
+]
+
+PENDING = MessageStatus.PENDING.value
+PROCESSING = MessageStatus.PROCESSING.value
+PUBLISHED = MessageStatus.PUBLISHED.value
+FAILED = MessageStatus.FAILED.value
+ABANDONED = MessageStatus.ABANDONED.value
+#: The statuses of the rows that still need work: what the partial due index holds.
+ACTIVE = tuple(s.value for s in ACTIVE_STATUSES)
+#: last_error is truncated to this many characters.
+ERROR_MAX_CHARS = 2000
+
+
+def status_in(alias: Any, *statuses: str) -> ColumnElement[bool]:
+    """``alias.status IN ('a', 'b')`` with the values written into the SQL text, not bound:
+    a partial index serves a statement only when its WHERE provably implies the index
+    predicate, which a generic (prepared) plan of ``status = $1`` never does."""
+    column: ColumnElement[str] = alias.c.status
+    return column.in_([literal_column(f"'{MessageStatus(s).value}'") for s in statuses])
+
+
+def active(alias: Any) -> ColumnElement[bool]:
+    """``status IN ('pending', 'processing', 'failed')``: exactly the partial due index's
+    predicate (see :func:`status_in` for why the values are literals)."""
+    return status_in(alias, *ACTIVE)
+
+
+def ids_in(table: Table, dialect: Dialect, name: str = "ids") -> ColumnElement[bool]:
+    """The batch's rows: ``id = ANY($ids)`` on PostgreSQL (one array parameter, so one
+    cached statement serves every batch size), an expanding ``IN`` on SQLite."""
+    if is_postgres(dialect):
+        return table.c.id == any_(bindparam(name, type_=ARRAY(Uuid())))
+    return table.c.id.in_(bindparam(name, expanding=True))
+
+
+def order_columns(alias: Any, dialect: Dialect) -> tuple[Any, ...]:
+    """Insert order of rows, the order of ordered dispatch: ``seq`` (an identity column) on
+    PostgreSQL, the rowid on SQLite (one writer at a time holding the write lock until
+    commit, so there insert order is commit order).
+
+    Why insert order and not the writing transaction's id: a transaction gets its id at
+    its first write, which may come before it locks the key's aggregate, so two producers
+    of one aggregate can hold ids in the opposite order of their commits. The unit of work
+    inserts outbox rows at the end, after the business writes: a producer that waited for
+    another one's lock inserts after that one committed."""
+    if is_postgres(dialect):
+        return (alias.c.seq,)
+    # Quoted: the table may carry an SQL keyword's name (``order``).
+    quoted = dialect.identifier_preparer.quote(alias.name)
+    return (literal_column(f"{quoted}.rowid"),)
+
+
+def now(dialect: Dialect) -> ColumnElement[dt.datetime]:
+    """The clock every due time is compared with: the database's (see :mod:`clock`), one
+    clock for every process whatever its host's clock says."""
+    return clock.db_now(is_postgres(dialect))
+
+
+def later(dialect: Dialect, seconds: float) -> ColumnElement[dt.datetime]:
+    """The database's now plus ``seconds`` (negative: earlier), the value bound in place."""
+    return clock.db_later(is_postgres(dialect), seconds=seconds)  # type: ignore[no-any-return]
+
+
+def offset(dialect: Dialect, seconds: float) -> Any:
+    """The value of a named :func:`clock.db_later` parameter: an interval on PostgreSQL, a
+    date modifier on SQLite."""
+    if is_postgres(dialect):
+        return dt.timedelta(seconds=seconds)
+    return clock.seconds_modifier(seconds)

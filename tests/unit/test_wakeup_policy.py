@@ -1,0 +1,96 @@
+"""The after-commit wake-up policy (``relay.wakeups.wake_after_commit``) on fake relays:
+who is woken, who is scheduled, and when the committer must still send a NOTIFY."""
+
+from __future__ import annotations
+
+import anyio
+import anyio.abc
+
+from fastapi_outbox.relay.wakeups import Wakeup, wake_after_commit
+
+
+class _Processor:
+    def __init__(self, *, stopping: bool = False) -> None:
+        self.wakeup = Wakeup()
+        self.stopping = stopping
+        self.scheduled: list[float] = []
+
+    def schedule(self, delay_seconds: float) -> None:
+        self.scheduled.append(delay_seconds)
+
+
+class _WalRelay:
+    def __init__(self, *, leader: bool) -> None:
+        self.wakeup = Wakeup()
+        self.leader = leader
+        self.stopping = False
+
+
+class _Notifier:
+    def __init__(self) -> None:
+        self.running = True
+        self.signals = 0
+
+    def signal(self) -> None:
+        self.signals += 1
+
+
+async def _idle(processor: _Processor, tg: anyio.abc.TaskGroup, woken: list[bool]) -> None:
+    async def worker() -> None:
+        woken.append(await processor.wakeup.wait(None))
+
+    tg.start_soon(worker)
+    await anyio.wait_all_tasks_blocked()
+    assert processor.wakeup.idle_waiters == 1
+
+
+def test_nothing_written_wakes_nobody() -> None:
+    assert wake_after_commit({}, {}, None, None, can_notify=True) is False
+
+
+async def test_an_idle_worker_here_takes_rows_due_now_and_no_notify_is_needed() -> None:
+    processor, woken = _Processor(), []
+    async with anyio.create_task_group() as tg:
+        await _idle(processor, tg, woken)
+        assert (
+            wake_after_commit({"default": 0.0}, {"default": processor}, None, None, can_notify=True)
+            is False
+        )
+    assert woken == [True]
+
+
+def test_no_idle_worker_here_asks_for_a_notify_when_one_can_be_sent() -> None:
+    processor = _Processor()
+    assert wake_after_commit({"default": 0.0}, {"default": processor}, None, None, can_notify=True)
+    assert not wake_after_commit(
+        {"default": 0.0}, {"default": processor}, None, None, can_notify=False
+    )
+
+
+def test_a_running_notifier_sends_it_instead_of_the_committer() -> None:
+    notifier = _Notifier()
+    assert not wake_after_commit({"default": 0.0}, {}, None, notifier, can_notify=True)  # type: ignore[arg-type]
+    assert notifier.signals == 1
+
+
+def test_delayed_rows_schedule_the_poller_and_other_processes_are_told() -> None:
+    processor = _Processor()
+    assert wake_after_commit({"default": 5.0}, {"default": processor}, None, None, can_notify=True)
+    assert processor.scheduled == [5.0]
+
+
+def test_a_stopping_or_unknown_relay_leaves_it_to_other_processes() -> None:
+    stopping = _Processor(stopping=True)
+    assert wake_after_commit({"default": 0.0}, {"default": stopping}, None, None, can_notify=True)
+    assert wake_after_commit({"other": 0.0}, {"default": _Processor()}, None, None, can_notify=True)
+
+
+def test_wal_capture_wakes_the_wal_relay_and_only_a_leader_here_suffices() -> None:
+    leader = _WalRelay(leader=True)
+    assert not wake_after_commit({"default": 0.0}, {}, leader, None, can_notify=True)
+    standby = _WalRelay(leader=False)
+    assert wake_after_commit({"default": 0.0}, {}, standby, None, can_notify=True)
+    # Delayed rows are table rows, for the processors, even with capture="wal".
+    processor = _Processor()
+    wake_after_commit({"default": 2.0}, {"default": processor}, leader, None, can_notify=True)
+    assert processor.scheduled == [2.0]
