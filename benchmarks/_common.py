@@ -40,6 +40,12 @@ REDIS_URL = os.environ.get(
 NATS_URL = os.environ.get(
     "BENCH_NATS_URL", os.environ.get("OUTBOX_TEST_NATS_URL", "nats://127.0.0.1:4222")
 )
+RABBITMQ_URL = os.environ.get(
+    "BENCH_RABBITMQ_URL",
+    os.environ.get("OUTBOX_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/"),
+)
+#: Broker kind -> URL.
+BROKER_URLS = {"redis": REDIS_URL, "nats": NATS_URL, "rabbitmq": RABBITMQ_URL}
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 

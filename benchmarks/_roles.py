@@ -9,7 +9,8 @@ Each prints ``READY`` once it is connected and set up, and stops on SIGTERM (or 
 work is done). The relay is the baseline the library is compared with: the minimal
 batched relay of the reference figures — claim 500 rows with one ``UPDATE … RETURNING``
 (raw asyncpg, ``FOR UPDATE SKIP LOCKED``), publish them in one pipelined round trip (Redis
-XADD) or as concurrent JetStream publishes with ``Nats-Msg-Id``, mark them with one
+XADD), as concurrent JetStream publishes with ``Nats-Msg-Id`` or as concurrent aio-pika
+publishes with confirms (RabbitMQ, persistent and mandatory), mark them with one
 ``= ANY($1)`` UPDATE. No retries, backoff, fencing checks or de-duplication scripts.
 """
 
@@ -98,6 +99,36 @@ async def relay(opts: dict[str, Any]) -> None:
 
         async def close() -> None:
             await client.aclose()
+
+    elif url.startswith("amqp"):
+        import aio_pika
+
+        amqp = await aio_pika.connect(url)
+        channel = await amqp.channel(publisher_confirms=True)
+        exchange = await channel.declare_exchange("outbox", "topic", durable=True)
+
+        async def publish(rows: list[Any]) -> list[Any]:
+            # Persistent, mandatory, confirmed: what the library guarantees, by hand.
+            confirms = [
+                exchange.publish(
+                    aio_pika.Message(
+                        r[4].encode(),
+                        message_id=str(r[0]),
+                        type=r[2],
+                        headers={**json.loads(r[5]), "key": r[3] or ""},
+                        content_type="application/json",
+                        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+                    ),
+                    routing_key=r[1],
+                    mandatory=True,
+                )
+                for r in rows
+            ]
+            acks = await asyncio.gather(*confirms, return_exceptions=True)
+            return [r[0] for r, a in zip(rows, acks, strict=True) if not isinstance(a, Exception)]
+
+        async def close() -> None:
+            await amqp.close()
 
     else:
         import nats

@@ -5,7 +5,7 @@ Configured from the environment, so the same module serves uvicorn
 (``fastapi-outbox dispatch --app benchmarks.bench_app:outbox``):
 
 * ``BENCH_DATABASE_URL`` — the run's own database (``postgresql+asyncpg://…/bench_…``);
-* ``BENCH_BROKER_URL`` — ``memory://`` (default), ``redis://…`` or ``nats://…``;
+* ``BENCH_BROKER_URL`` — ``memory://`` (default), ``redis://…``, ``nats://…`` or ``amqp://…``;
 * ``BENCH_BROKER_NAME`` — the outbox broker name (default ``default``): several dispatcher
   groups can share one table, each draining only the rows of its broker name;
 * ``BENCH_POOL_SIZE`` / ``BENCH_MAX_OVERFLOW`` — engine pool (the PostgreSQL server is

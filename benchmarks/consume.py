@@ -1,5 +1,5 @@
 """Consume: handled messages/s of ``@outbox.subscriber`` (inbox, effects once) against a
-minimal hand-written consumer, on Redis Streams and NATS JetStream.
+minimal hand-written consumer, on Redis Streams, NATS JetStream and RabbitMQ.
 
 Each round fills a new stream with N messages in the outbox's publish format (the
 library's own broker ``publish``), then drains it into PostgreSQL:
@@ -14,9 +14,12 @@ library's own broker ``publish``), then drains it into PostgreSQL:
   the engine's connections are opened before the clock starts (the baseline's pool is
   created before it too);
 * **baseline**: ``--loops`` (default 4) concurrent loops, each: read a batch of 100
-  (``XREADGROUP`` / pull ``fetch``), one asyncpg transaction inserting the processed ids
+  (``XREADGROUP`` / pull ``fetch`` / up to 100 pushed to an aio-pika consumer on a channel
+  of the loop's own, prefetch 200), one asyncpg transaction inserting the processed ids
   (``INSERT … SELECT unnest … ON CONFLICT DO NOTHING RETURNING``) and the effects of the new
-  ones (``INSERT … SELECT unnest``), then ack the batch (``XACK`` / ``msg.ack()``).
+  ones (``INSERT … SELECT unnest``), then ack the batch (``XACK`` / ``msg.ack()`` /
+  ``basic.ack`` with ``multiple``). On RabbitMQ each stream gets the library group's quorum
+  queue and the baseline's before it is filled (a queue holds what comes after it).
 
 * **baseline (ORM effects)**: the same loops, the transaction through a SQLAlchemy
   ``AsyncSession`` with the effects as ORM objects (``session.add_all``), as the library's
@@ -33,6 +36,7 @@ first, while the baseline's asyncpg pool lives through the whole run). Rounds al
     python benchmarks/consume.py --sides library_arrays,baseline
     python benchmarks/consume.py --quick      # N=5,000, 2 rounds
     python benchmarks/consume.py --brokers redis
+    python benchmarks/consume.py --brokers rabbitmq
 """
 
 from __future__ import annotations
@@ -51,8 +55,7 @@ from sqlalchemy import BigInteger, Text, insert, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from benchmarks._common import (
-    NATS_URL,
-    REDIS_URL,
+    BROKER_URLS,
     asyncpg_dsn,
     banner,
     bench_database,
@@ -138,9 +141,35 @@ def envelopes(stream: str, count: int) -> list[Envelope]:
     return out
 
 
+async def rabbit_queues(url: str, stream: str, *, delete: bool = False) -> None:
+    """The library group's queue (as it declares it) and the baseline's, bound to
+    ``stream`` on the library's default exchange; or, ``delete``, gone."""
+    import aio_pika
+
+    from fastapi_outbox.brokers.rabbitmq.consumer import DELIVERY_LIMIT
+
+    conn = await aio_pika.connect(url)
+    try:
+        channel = await conn.channel()
+        for name in (f"{stream}.bench", f"{stream}.bench.dlq", f"{stream}.baseline"):
+            if delete:
+                await channel.queue_delete(name)
+            elif not name.endswith(".dlq"):
+                queue = await channel.declare_queue(
+                    name,
+                    durable=True,
+                    arguments={"x-queue-type": "quorum", "x-delivery-limit": DELIVERY_LIMIT},
+                )
+                await queue.bind("outbox", routing_key=stream)
+    finally:
+        await conn.close()
+
+
 async def fill(url: str, stream: str, count: int) -> None:
     broker = broker_from_url(url)
     await broker.connect()
+    if url.startswith("amqp"):
+        await rabbit_queues(url, stream)
     try:
         batch = envelopes(stream, count)
         for start in range(0, count, 500):
@@ -151,7 +180,9 @@ async def fill(url: str, stream: str, count: int) -> None:
 
 
 async def cleanup(kind: str, url: str, stream: str) -> None:
-    if kind == "redis":
+    if kind == "rabbitmq":
+        await rabbit_queues(url, stream, delete=True)
+    elif kind == "redis":
         import redis.asyncio as aioredis
 
         client = aioredis.Redis.from_url(url)
@@ -363,13 +394,56 @@ async def run_baseline_nats(
         await nc.close()
 
 
+async def run_baseline_rabbitmq(
+    pool: Any,
+    url: str,
+    stream: str,
+    count: int,
+    loops: int,
+    store: Any = _store,
+    warmup: int = 0,
+) -> float:
+    import aio_pika
+
+    conn = await aio_pika.connect(url)
+    done = 0
+
+    async def loop() -> None:
+        nonlocal done
+        channel = await conn.channel()
+        await channel.set_qos(prefetch_count=2 * BASELINE_BATCH)
+        queue = await channel.declare_queue(f"{stream}.baseline", passive=True)
+        pushed: asyncio.Queue[Any] = asyncio.Queue()
+        await queue.consume(pushed.put)
+        while done < count:
+            try:
+                msgs = [await asyncio.wait_for(pushed.get(), 0.5)]
+            except TimeoutError:
+                continue
+            while len(msgs) < BASELINE_BATCH and not pushed.empty():
+                msgs.append(pushed.get_nowait())
+            ids = [m.message_id for m in msgs]
+            ns = [json.loads(m.body)["n"] for m in msgs]
+            await store(pool, ids, ns)
+            await msgs[-1].ack(multiple=True)  # this channel's deliveries up to the last
+            done += len(msgs)
+            meter.seen(done)
+
+    meter = Meter(warmup, count)
+    try:
+        await asyncio.wait_for(asyncio.gather(*(loop() for _ in range(loops))), TIMEOUT_SECONDS)
+        return meter.rate(), meter.cpu_us()
+    finally:
+        await conn.close()
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="N=5,000, 2 rounds")
     parser.add_argument("--messages", type=int, help="messages per round")
     parser.add_argument("--rounds", type=int, help="rounds per broker and side")
     parser.add_argument("--loops", type=int, default=4, help="baseline's concurrent loops")
-    parser.add_argument("--brokers", default="redis,nats", help="redis,nats")
+    parser.add_argument("--brokers", default="redis,nats", help="redis,nats,rabbitmq")
     parser.add_argument(
         "--warmup",
         type=int,
@@ -390,7 +464,7 @@ async def main() -> None:
     args = parser.parse_args()
     count = args.messages or (5_000 if args.quick else 100_000)
     rounds = args.rounds or (2 if args.quick else 3)
-    urls = {"redis": loopback(REDIS_URL), "nats": loopback(NATS_URL)}
+    urls = {kind: loopback(url) for kind, url in BROKER_URLS.items()}
     import asyncpg
 
     banner(
@@ -438,6 +512,10 @@ async def main() -> None:
                                     batch=side.removeprefix("library").strip("_"),
                                     concurrency=args.concurrency,
                                     warmup=args.warmup,
+                                )
+                            elif kind == "rabbitmq":
+                                rate, cpu = await run_baseline_rabbitmq(
+                                    pool, url, stream, total, args.loops, store, args.warmup
                                 )
                             elif kind == "redis":
                                 rate, cpu = await run_baseline_redis(

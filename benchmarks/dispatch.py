@@ -47,6 +47,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import (
+    BROKER_URLS,
     NATS_URL,
     REDIS_URL,
     Proc,
@@ -72,6 +73,8 @@ from benchmarks._common import (
 from benchmarks._roles import CLAIM_SQL
 
 TABLE = "outbox_messages"
+#: The exchange both RabbitMQ relays publish to (the library's default).
+RABBITMQ_EXCHANGE = "outbox"
 APP = "benchmarks.bench_app:outbox"
 DRAIN_GOAL = 0.8
 LATENCY_GOALS_MS = (3.0, 15.0)  # p50, p99
@@ -111,6 +114,8 @@ class Brokers:
         self.redis: Any = None
         self.nc: Any = None
         self.js: Any = None
+        self.amqp: Any = None
+        self.amqp_channel: Any = None
         self.created: list[tuple[str, str]] = []
 
     async def connect(self, kinds: list[str]) -> None:
@@ -124,11 +129,23 @@ class Brokers:
 
             self.nc = await nats.connect(loopback(NATS_URL))
             self.js = self.nc.jetstream()
+        if "rabbitmq" in kinds:
+            import aio_pika
+
+            self.amqp = await aio_pika.connect(loopback(BROKER_URLS["rabbitmq"]))
+            self.amqp_channel = await self.amqp.channel()
+            await self.amqp_channel.declare_exchange(RABBITMQ_EXCHANGE, "topic", durable=True)
 
     async def prepare(self, kind: str, stream: str) -> None:
         """A JetStream stream for the subject (duplicate window of the outbox's default
         de-duplication window), so library and baseline publish to the same setup."""
         self.created.append((kind, stream))
+        if kind == "rabbitmq":
+            # The queue a subscriber group would have: durable quorum, bound to the stream.
+            queue = await self.amqp_channel.declare_queue(
+                stream, durable=True, arguments={"x-queue-type": "quorum"}
+            )
+            await queue.bind(RABBITMQ_EXCHANGE, routing_key=stream)
         if kind == "nats":
             from fastapi_outbox import OutboxSettings
 
@@ -138,6 +155,9 @@ class Brokers:
     async def count(self, kind: str, stream: str) -> int:
         if kind == "redis":
             return int(await self.redis.xlen(stream))
+        if kind == "rabbitmq":
+            queue = await self.amqp_channel.declare_queue(stream, passive=True)
+            return int(queue.declaration_result.message_count or 0)
         info = await self.js.stream_info(stream)
         return int(info.state.messages)
 
@@ -153,6 +173,8 @@ class Brokers:
                     batch = []
             if batch:
                 await self.redis.unlink(*batch)
+        elif kind == "rabbitmq":
+            await self.amqp_channel.queue_delete(stream)
         else:
             import nats.js.errors
 
@@ -171,6 +193,8 @@ class Brokers:
             await self.redis.aclose()
         if self.nc is not None:
             await self.nc.close()
+        if self.amqp is not None:
+            await self.amqp.close()
 
 
 # -- dispatcher processes ----------------------------------------------------------------------
@@ -344,7 +368,7 @@ async def drain_suite(
     from fastapi_outbox.relay.wakeups import channel_name
 
     channel = channel_name(TABLE)
-    url = loopback(REDIS_URL if kind == "redis" else NATS_URL)
+    url = loopback(BROKER_URLS[kind])
     results: list[Drain] = []
     profiles: list[tuple[str, Path, Drain]] = []
     # The library runs on its defaults (adaptive claims of 25 up to 500 rows, 2 workers):
@@ -820,7 +844,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--backlog", type=int, help="drain backlog (default 100,000; quick 10,000)")
     p.add_argument("--rounds", type=int, help="drain rounds per relay (default 2; quick 1)")
-    p.add_argument("--brokers", nargs="+", choices=["redis", "nats"], default=["redis", "nats"])
+    p.add_argument(
+        "--brokers",
+        nargs="+",
+        choices=["redis", "nats", "rabbitmq"],
+        default=["redis", "nats"],
+        help="drain targets (rabbitmq: the exchange 'outbox', a quorum queue per run)",
+    )
     p.add_argument(
         "--only",
         nargs="+",

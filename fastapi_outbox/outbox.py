@@ -1,8 +1,12 @@
-"""``Outbox``: the composition root. It wires the engine, the store, the brokers, the
-relays and their supervisor (:mod:`fastapi_outbox.relay.supervisor`), the wake-ups,
-retention, the lifespan and the routers — the only module that knows every part. The
-checks of its configuration are :mod:`fastapi_outbox.config_checks`; the unit of work sees
-it through :class:`fastapi_outbox.write.context.WriteContext`."""
+"""``Outbox``: the composition root. It wires the engine and the storage
+(:mod:`fastapi_outbox.storage.setup`), the brokers (:mod:`fastapi_outbox.brokers.setup`),
+the capture, the relays and their supervisor (:mod:`fastapi_outbox.relay.supervisor`), the
+wake-ups, retention, the subscribers (:mod:`fastapi_outbox.consume.entry`), the lifespan
+and the routers (:mod:`fastapi_outbox.ops.routers`) — the only module that knows every
+part; the logic lives in those parts. The checks of its configuration are
+:mod:`fastapi_outbox.config_checks`; the unit of work sees it through
+:class:`fastapi_outbox.write.context.WriteContext`, a subscriber through
+:class:`fastapi_outbox.consume.context.ConsumeContext`."""
 
 from __future__ import annotations
 
@@ -14,7 +18,6 @@ from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from typing import Any
 
 import anyio
-from sqlalchemy import MetaData, Table
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
@@ -24,39 +27,31 @@ from sqlalchemy.ext.asyncio import (
 
 from fastapi_outbox import config_checks, exceptions
 from fastapi_outbox.brokers.base import Broker
+from fastapi_outbox.brokers.setup import DEFAULT_BROKER as DEFAULT_BROKER
+from fastapi_outbox.brokers.setup import NO_BROKER as NO_BROKER
+from fastapi_outbox.brokers.setup import resolve_broker, setup_brokers
+from fastapi_outbox.consume import entry
 from fastapi_outbox.consume.context import UnitOfWorkT
-from fastapi_outbox.consume.subscriber import Handler, Subscriber, handler_transaction
+from fastapi_outbox.consume.subscriber import Subscriber
 from fastapi_outbox.instrumentation import Instrumentation
-from fastapi_outbox.redaction import redact_url, remember
-from fastapi_outbox.relay.groups_first import declare_or_warn, gate_brokers
+from fastapi_outbox.ops.routers import Routers
+from fastapi_outbox.redaction import redact_url
+from fastapi_outbox.relay.groups_first import declare_groups, declare_or_warn, gate_brokers
 from fastapi_outbox.relay.retention import Cleaner
 from fastapi_outbox.relay.supervisor import Relays, close_brokers
 from fastapi_outbox.relay.table import TableRelay, instance_id
 from fastapi_outbox.relay.wakeups import Listener, Notifier, channel_name
 from fastapi_outbox.relay.wal import WalRelay
 from fastapi_outbox.settings import OutboxSettings
-from fastapi_outbox.storage import partitions, schema
-from fastapi_outbox.storage.engine import create_engine
-from fastapi_outbox.storage.inbox import Inbox, build_inbox_table
-from fastapi_outbox.storage.store import Store
-from fastapi_outbox.storage.wal_slot import WalSlot
-from fastapi_outbox.write.capture import Capture, TableCapture
+from fastapi_outbox.storage.setup import open_engine, setup_storage
+from fastapi_outbox.write.capture import Capture, capture_for
 from fastapi_outbox.write.unit_of_work import (
     UnitOfWork,
     current_outbox,
     register_outbox,
-    transaction,
 )
 
 logger = logging.getLogger("fastapi_outbox")
-
-DEFAULT_BROKER = "default"
-NO_BROKER = (
-    "no broker to dispatch to: pass brokers={'default': RedisStreamsBroker(...)} to Outbox "
-    "(MemoryBroker() for tests and the embedded default), --broker-url to "
-    "`fastapi-outbox dispatch`, or set OUTBOX_BROKER_URL (redis://, nats://, memory://); "
-    "an API-only process sets run_dispatchers=False"
-)
 
 
 class Outbox:
@@ -80,22 +75,17 @@ class Outbox:
         dashboard_dependencies: Sequence[Any] | None = None,
     ) -> None:
         self.settings = settings if settings is not None else OutboxSettings.from_env()
-        if isinstance(database, AsyncEngine):
-            self.engine = database
-            self._owns_engine = False
-        elif isinstance(database, str):
-            self.engine = create_engine(database, dict(engine_options or {}))
-            self._owns_engine = True
-        else:
-            raise exceptions.ConfigurationError(
-                f"Outbox() takes a database URL or an AsyncEngine, not {type(database).__name__}"
-            )
-        # Its secrets are masked wherever a driver's text quotes them (see redaction).
-        remember(self.engine.url.render_as_string(hide_password=False))
-        config_checks.check_database(self.engine.dialect.name)
-        self._setup_brokers(brokers, external_brokers)
+        self.engine, self._owns_engine = open_engine(database, engine_options)
+        wired = setup_brokers(brokers, external_brokers, self.settings)
+        self.brokers, self.external_brokers = wired.brokers, wired.external_brokers
+        self.default_broker = wired.default_broker
         config_checks.check_partitioning(self.settings.partitioning, self.engine.dialect.name)
-        self._setup_storage()
+        self._storage = setup_storage(self.engine, self.settings)
+        self.table, self.store = self._storage.table, self._storage.store
+        #: ``capture="wal"``: the replication slot (its relay runs with the dispatchers).
+        self.wal_slot = self._storage.wal_slot
+        self.capture: Capture = capture_for(self.store, self.wal_slot)
+        self.inbox, self.partitions = self._storage.inbox, self._storage.partitions
         self.session_factory = session_factory or async_sessionmaker(
             self.engine, expire_on_commit=False
         )
@@ -113,85 +103,12 @@ class Outbox:
             instrumentation=self.instrumentation,
             wal_slot=self.wal_slot,
         )
-        self._health_router: Any = None
+        self._routers = Routers(self, self.lifespan)
         self._dependency: Any = None
-        self._router: Any = None
-        self._dashboard_router: Any = None
         self.dashboard_dependencies = (
             None if dashboard_dependencies is None else list(dashboard_dependencies)
         )
         register_outbox(self)
-
-    def _setup_brokers(
-        self, brokers: Mapping[str, Broker] | None, external: Mapping[str, Broker] | None
-    ) -> None:
-        """The brokers, checked and configured. No silent sink: without brokers (and without
-        OUTBOX_BROKER_URL) this outbox can write rows for the "default" broker (an API-only
-        process needs no broker connection) but refuses to dispatch. A memory broker only
-        when asked for by name."""
-        if brokers:
-            self.brokers: dict[str, Broker] = dict(brokers)
-        elif self.settings.broker_url:
-            from fastapi_outbox.brokers import broker_from_url
-
-            self.brokers = {DEFAULT_BROKER: broker_from_url(self.settings.broker_url)}
-        else:
-            self.brokers = {}
-        self.external_brokers: dict[str, Broker] = dict(external or {})
-        config_checks.check_broker_names(self.brokers, self.external_brokers)
-        self.default_broker = (
-            next(iter(self.brokers))
-            if self.brokers and DEFAULT_BROKER not in self.brokers
-            else DEFAULT_BROKER
-        )
-        for broker_name, broker in self.all_brokers.items():
-            if isinstance(getattr(broker, "url", None), str):
-                remember(broker.url)  # type: ignore[attr-defined]
-            broker.configure(dedup_window_seconds=self.settings.dedup_window_seconds)
-            config_checks.check_dedup_window(broker_name, broker, self.settings)
-
-    def _setup_storage(self) -> None:
-        """The outbox table and its store, the capture (table or WAL), the consumers'
-        inbox and, for a partitioned table, its upkeep."""
-        self.table = self._build_table()
-        self.store = Store(self.engine, self.table)
-        self.store.set_timeouts(
-            self.settings.statement_timeout_seconds, self.settings.lock_timeout_seconds
-        )
-        self.capture: Capture = TableCapture(self.store)
-        #: ``capture="wal"``: the replication slot (its relay runs with the dispatchers).
-        self.wal_slot: WalSlot | None = None
-        if self.settings.capture == "wal":
-            self._setup_wal()
-        # The consumers' inbox, on the outbox table's MetaData (the shared one by default).
-        self.inbox = Inbox(
-            self.engine, build_inbox_table(self.settings.inbox_table_name, self.table.metadata)
-        )
-        #: Partition upkeep of a partitioned table (``settings.partitioning``), else None.
-        self.partitions: partitions.Maintainer | None = None
-        if "partitioning" in self.table.info:
-            self.partitions = partitions.Maintainer(
-                self.engine, self.table, self.table.info["partitioning"]
-            )
-
-    def _build_table(self) -> Table:
-        """The shared ``schema.metadata`` (Alembic's) holds the default layout; an ordered
-        or partitioned outbox builds its table, with its index, on a MetaData of its own."""
-        name, partitioning = self.settings.table_name, self.settings.partitioning
-        shared = name == schema.outbox_table.name and not self.settings.ordered and not partitioning
-        return schema.build_table(
-            name,
-            schema.metadata if shared else MetaData(),
-            ordered=self.settings.ordered,
-            partitioning=partitioning,
-        )
-
-    def _setup_wal(self) -> None:
-        from fastapi_outbox.write.wal_capture import WalCapture
-
-        config_checks.check_wal_capture(self.engine.dialect.name, self.engine.dialect.driver)
-        self.wal_slot = WalSlot(self.engine, self.settings.slot_name, self.settings.table_name)
-        self.capture = WalCapture(self.store, self.wal_slot)
 
     def __repr__(self) -> str:
         return f"Outbox({redact_url(str(self.engine.url))!r}, brokers={list(self.all_brokers)})"
@@ -209,18 +126,7 @@ class Outbox:
         return {**self.brokers, **self.external_brokers}
 
     def resolve_broker(self, name: str | None) -> str:
-        if name is None:
-            return self.default_broker
-        if name not in self.brokers and not (name == DEFAULT_BROKER and not self.brokers):
-            hint = (
-                " (it is external: mark the event external=True)"
-                if name in self.external_brokers
-                else ""
-            )
-            raise exceptions.UnknownBroker(
-                f"no broker named {name!r}{hint}; configured: {', '.join(self.brokers)}"
-            )
-        return name
+        return resolve_broker(name, self.brokers, self.external_brokers, self.default_broker)
 
     def trace_headers(self, traceparent: str | None) -> dict[str, str]:
         """W3C trace context to store with a message: the active OpenTelemetry span's when
@@ -255,14 +161,7 @@ class Outbox:
         that way (a savepoint of the handler's transaction, the handler's correlation and
         causation ids unless given): its work commits with the message's inbox row or not
         at all, never on its own."""
-        if session is None:
-            joined = handler_transaction(self)
-            if joined is not None:
-                session, handler_uow = joined
-                correlation_id = correlation_id or handler_uow.correlation_id
-                causation_id = causation_id or handler_uow.causation_id
-                traceparent = traceparent or handler_uow.traceparent
-        async with transaction(
+        async with entry.unit_of_work(
             self,
             session,
             correlation_id=correlation_id,
@@ -289,8 +188,6 @@ class Outbox:
         the session's commit, whoever commits
         (:meth:`fastapi_outbox.write.session_events.SessionState.after_commit`)."""
         await self.relays.notify_after_commit()
-
-    _notify_after_commit = notify_after_commit
 
     async def cancel(self, message_id: uuid.UUID) -> None:
         """Cancel a pending message (a delayed one, typically) before a dispatcher claims it.
@@ -329,27 +226,22 @@ class Outbox:
         ``dead_letter`` is a template (default ``{stream}.{group}.dlq``); ``batch``: handle
         each fetched batch in one transaction (falls back to one transaction per message
         when anything in it fails; not with ``ordered``)."""
-        from fastapi_outbox.consume import subscriber as subscribers
-
-        def decorate(handler: Handler) -> Handler:
-            options = subscribers.subscriber_options(
-                self,
-                broker=broker,
-                concurrency=concurrency,
-                ordered=ordered,
-                max_attempts=max_attempts,
-                batch_size=batch_size,
-                claim_idle_seconds=claim_idle_seconds,
-                retry_base_delay_seconds=retry_base_delay_seconds,
-                retry_max_delay_seconds=retry_max_delay_seconds,
-                dead_letter=dead_letter,
-                start=start,
-                batch=batch,
-            )
-            subscribers.register(self, handler, stream, group, options)
-            return handler
-
-        return decorate
+        return entry.subscribe(
+            self,
+            stream,
+            group,
+            broker=broker,
+            concurrency=concurrency,
+            ordered=ordered,
+            max_attempts=max_attempts,
+            batch_size=batch_size,
+            claim_idle_seconds=claim_idle_seconds,
+            retry_base_delay_seconds=retry_base_delay_seconds,
+            retry_max_delay_seconds=retry_max_delay_seconds,
+            dead_letter=dead_letter,
+            start=start,
+            batch=batch,
+        )
 
     async def consumers_status(self) -> list[Any]:
         """Every subscriber's consumer group: lag, pending, dead letters, last handled
@@ -368,12 +260,7 @@ class Outbox:
         (:meth:`declare_groups`), so messages published before the first deploy of a
         subscriber wait for it whatever its ``start`` (a broker that does not answer is
         logged, not raised: ``db create`` and :meth:`declare_groups` raise)."""
-        await self.store.create_table()
-        await self.inbox.create_table()
-        if self.partitions is not None:
-            await self.partitions.ensure_ahead()
-        if self.wal_slot is not None:
-            await self.wal_slot.create()
+        await self._storage.create()
         if groups and self.subscribers:
             # A broker that does not answer does not fail the tables (an app creating them
             # at start must still start): this process's dispatchers declare the groups
@@ -387,26 +274,10 @@ class Outbox:
         consumer group, JetStream durable and dead-letter stream — or bring an existing
         one to the declared settings (idempotent). BrokerUnavailable when its broker does
         not answer; ConfigurationError naming the subscriber for anything else."""
-        for sub in self.subscribers:
-            if broker is not None and sub.broker_name != broker:
-                continue
-            consumer = sub.make_consumer()
-            try:
-                await consumer.setup()
-            except exceptions.BrokerUnavailable:
-                raise
-            except Exception as exc:
-                raise exceptions.ConfigurationError(
-                    f"{sub!r}: cannot create or update its consumer group on broker "
-                    f"{sub.broker_name!r}: {type(exc).__name__}: {exc}"
-                ) from exc
-            finally:
-                with contextlib.suppress(Exception):
-                    await consumer.aclose()
+        await declare_groups(self.subscribers, broker)
 
     async def drop_tables(self) -> None:
-        await self.store.drop_table()
-        await self.inbox.drop_table()
+        await self._storage.drop()
 
     # -- running -------------------------------------------------------------------------------
 
@@ -501,11 +372,7 @@ class Outbox:
     @property
     def health_router(self) -> Any:
         """``GET /outbox/health``."""
-        if self._health_router is None:
-            from fastapi_outbox.ops.health import build_health_router
-
-            self._health_router = build_health_router(self)
-        return self._health_router
+        return self._routers.health
 
     @property
     def dashboard_router(self) -> Any:
@@ -513,28 +380,12 @@ class Outbox:
         guarded by ``dashboard_dependencies``. Refused without a guard, so no deployment
         exposes replay and abandon by accident: pass ``dashboard_dependencies=[]`` to serve
         it unguarded on purpose (a trusted network)."""
-        if self.dashboard_dependencies is None:
-            raise exceptions.ConfigurationError(
-                "outbox.dashboard_router has no guard: pass Outbox(..., "
-                "dashboard_dependencies=[Depends(require_admin)]) to protect every page and "
-                "action, or dashboard_dependencies=[] to serve it unguarded on purpose"
-            )
-        if self._dashboard_router is None:
-            from fastapi_outbox.ops.dashboard import build_dashboard_router
-
-            self._dashboard_router = build_dashboard_router(self, self.dashboard_dependencies)
-        return self._dashboard_router
+        return self._routers.dashboard(self.dashboard_dependencies)
 
     @property
     def router(self) -> Any:
         """The health router carrying the outbox lifespan: one ``include_router`` line."""
-        if self._router is None:
-            from fastapi import APIRouter
-
-            router = APIRouter(lifespan=self.lifespan)
-            router.include_router(self.health_router)
-            self._router = router
-        return self._router
+        return self._routers.combined
 
     # --- asyncapi ---
 

@@ -1,10 +1,11 @@
 """Shared fixtures: real services on loopback, one schema / stream namespace per test.
 
 Services: PostgreSQL (``OUTBOX_TEST_PG_URL``, default ``postgresql+asyncpg://postgres@127.0.0.1:5432/test``),
-Redis (``OUTBOX_TEST_REDIS_URL``, default ``redis://127.0.0.1:6379/0``) and NATS with JetStream
-(``OUTBOX_TEST_NATS_URL``, default ``nats://127.0.0.1:4222``). A test needing a service that
-does not answer is skipped with the reason, unless ``OUTBOX_REQUIRE_SERVICES=1`` (CI), where
-it fails.
+Redis (``OUTBOX_TEST_REDIS_URL``, default ``redis://127.0.0.1:6379/0``), NATS with JetStream
+(``OUTBOX_TEST_NATS_URL``, default ``nats://127.0.0.1:4222``) and RabbitMQ
+(``OUTBOX_TEST_RABBITMQ_URL``, default ``amqp://guest:guest@127.0.0.1:5672/``). A test needing
+a service that does not answer is skipped with the reason, unless
+``OUTBOX_REQUIRE_SERVICES=1`` (CI), where it fails.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import pytest
 PG_URL = os.environ.get("OUTBOX_TEST_PG_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("OUTBOX_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 NATS_URL = os.environ.get("OUTBOX_TEST_NATS_URL", "nats://127.0.0.1:4222")
+RABBITMQ_URL = os.environ.get("OUTBOX_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/")
 REQUIRE = os.environ.get("OUTBOX_REQUIRE_SERVICES") == "1"
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -113,6 +115,12 @@ def redis_url() -> str:
 def nats_url() -> str:
     need("NATS", NATS_URL, 4222)
     return NATS_URL
+
+
+@pytest.fixture
+def rabbitmq_url() -> str:
+    need("RabbitMQ", RABBITMQ_URL, 5672)
+    return RABBITMQ_URL
 
 
 async def wait_until(

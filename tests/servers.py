@@ -1,13 +1,15 @@
-"""Private broker servers for outage and crash tests: a redis-server or nats-server of one
-test's own, on a port range of its own, started, killed and restarted at will — never the
-shared services on 6379 / 4222 — and a TCP proxy to PostgreSQL whose ``stop`` is a
-database outage for whoever connects through it."""
+"""Private broker servers for outage and crash tests: a redis-server, nats-server or RabbitMQ
+node of one test's own, on a port range of its own, started, killed and restarted at will —
+never the shared services on 6379 / 4222 / 5672 — and a TCP proxy to PostgreSQL whose
+``stop`` is a database outage for whoever connects through it."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shutil
+import signal
 import socket
 import struct
 import subprocess
@@ -354,3 +356,104 @@ class StartingUpProxy(TcpProxy):
                 self.refused += 1
                 break
         writer.close()
+
+
+# -- RabbitMQ -----------------------------------------------------------------------------------
+
+RABBITMQ_SBIN = next(
+    iter(sorted(Path("/usr/lib/rabbitmq/lib").glob("rabbitmq_server-*/sbin"))),
+    Path("/usr/lib/rabbitmq/bin"),
+)
+
+
+class PrivateRabbitMQ:
+    """A RabbitMQ node of one test module's own: its own node name, AMQP and distribution
+    ports, data and log directories, Erlang cookie (``HOME``) and no plugins — never the
+    shared node on 5672. ``kill`` is a SIGKILL of the whole node; ``start`` again keeps
+    its data (durable queues, persistent messages); ``ctl`` runs ``rabbitmqctl`` on it."""
+
+    def __init__(self, directory: Path, ports: range = range(56720, 56760)) -> None:
+        binary(str(RABBITMQ_SBIN / "rabbitmq-server"))
+        # The AMQP port and the next one (Erlang distribution), both free.
+        self.port = free_port(range(ports.start, ports.stop, 2))
+        while answers(self.port + 1):
+            self.port = free_port(range(self.port + 2, ports.stop, 2))
+        self.dist_port = self.port + 1
+        self.node = f"outbox_test_{self.port}@localhost"
+        self.directory = directory
+        self.proc: subprocess.Popen[bytes] | None = None
+        (directory / "enabled_plugins").write_text("[].\n")
+        self.env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith("RABBIT")},
+            "HOME": str(directory),
+            "RABBITMQ_NODENAME": self.node,
+            "RABBITMQ_NODE_IP_ADDRESS": "127.0.0.1",
+            "RABBITMQ_NODE_PORT": str(self.port),
+            "RABBITMQ_DIST_PORT": str(self.dist_port),
+            "RABBITMQ_MNESIA_BASE": str(directory / "mnesia"),
+            "RABBITMQ_LOG_BASE": str(directory / "log"),
+            "RABBITMQ_ENABLED_PLUGINS_FILE": str(directory / "enabled_plugins"),
+            "RABBITMQ_PID_FILE": str(directory / "pid"),
+            "RABBITMQ_CONFIG_FILE": str(directory / "rabbitmq"),
+            "RABBITMQ_ADVANCED_CONFIG_FILE": str(directory / "advanced.config"),
+            # A node that fails to boot writes its crash dump here, not into the cwd.
+            "ERL_CRASH_DUMP": str(directory / "erl_crash.dump"),
+        }
+
+    @property
+    def url(self) -> str:
+        return f"amqp://guest:guest@127.0.0.1:{self.port}/"
+
+    def start(self, timeout: float = 60.0) -> None:
+        with (self.directory / "server.log").open("ab") as log:
+            self.proc = subprocess.Popen(
+                [str(RABBITMQ_SBIN / "rabbitmq-server")],
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + timeout
+        while not answers(self.port):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"RabbitMQ node {self.node} did not start: "
+                    + (self.directory / "server.log").read_text()[-2000:]
+                )
+            time.sleep(0.1)
+
+    def kill(self) -> None:
+        """SIGKILL to the node's whole process group: no shutdown, no final flush."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        deadline = time.monotonic() + 10
+        while answers(self.port) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def settle(self) -> None:
+        """Restart the RabbitMQ application (not the node) cleanly. RabbitMQ 3.10 keeps
+        its registry of quorum queues in a dets file written on a timer (minutes) or at a
+        clean stop: a queue declared moments before a SIGKILL is still listed after the
+        restart but never answers again (a RabbitMQ fault, not the client's; a production
+        queue is older than that). Call this after declaring and before :meth:`kill`."""
+        self.ctl("stop_app")
+        self.ctl("start_app")
+        deadline = time.monotonic() + 30
+        while not answers(self.port) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def ctl(self, *args: str) -> str:
+        done = subprocess.run(
+            [str(RABBITMQ_SBIN / "rabbitmqctl"), "-n", self.node, *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        return done.stdout

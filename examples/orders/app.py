@@ -2,12 +2,14 @@
 
 With no configuration it runs on a local SQLite file and the in-memory broker; set
 ``DATABASE_URL`` (e.g. ``postgresql+asyncpg://postgres@127.0.0.1/test``) and ``BROKER_URL``
-(``redis://127.0.0.1:6379/0`` or ``nats://127.0.0.1:4222``) to run it on real services.
+(``redis://127.0.0.1:6379/0``, ``nats://127.0.0.1:4222`` or
+``amqp://guest:guest@127.0.0.1:5672/``) to run it on real services.
 """
 
 from __future__ import annotations
 
 import base64
+import logging
 import os
 import secrets
 from typing import Annotated, Any
@@ -19,6 +21,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from fastapi_outbox import AggregateRoot, Event, Outbox, UnitOfWork, UnitOfWorkDep
 from fastapi_outbox.brokers import MemoryBroker, broker_from_url
+
+logger = logging.getLogger("examples.orders")
 
 DATABASE_URL = os.environ.get("DATABASE_URL", "sqlite+aiosqlite:///./orders.db")
 BROKER_URL = os.environ.get("BROKER_URL", "memory://")
@@ -126,6 +130,14 @@ async def bill(event: OrderPlaced, uow: UnitOfWork) -> None:
     uow.session.add(invoice)
     await uow.session.flush()
     uow.publish(InvoiceIssued(order_id=event.order_id, invoice_id=invoice.id, amount=event.total))
+
+
+@outbox.subscriber("invoices", group="mailer")
+async def mail_invoice(event: InvoiceIssued) -> None:
+    """Mailer: would email the invoice (a log line here). Its group also gives the
+    ``invoices`` stream a queue on RabbitMQ, where a message no queue is bound to is
+    refused (the relay retries it) rather than dropped."""
+    logger.info("invoice %s of order %s mailed", event.invoice_id, event.order_id)
 
 
 async def _lifespan_tables() -> None:

@@ -1,11 +1,13 @@
 """Brokers: the ``Broker`` and ``Consumer`` protocols (``base``, ``consumer``) and one
-package per broker (``memory``, ``redis``, ``nats``), each made of a ``connection`` (the
-client and what both sides need of the server), a ``wire`` module (encoding, header rules,
-the broker's one refusal and outage classifier), a ``publisher`` and a ``consumer`` that
-each receive the connection and never import each other, and a ``broker`` composing them.
+package per broker (``memory``, ``redis``, ``nats``, ``rabbitmq``), each made of a
+``connection`` (the client and what both sides need of the server), a ``wire`` module
+(encoding, header rules, the broker's one refusal and outage classifier), a ``publisher``
+and a ``consumer`` that each receive the connection and never import each other, and a
+``broker`` composing them.
 
-``RedisStreamsBroker`` and ``NatsJetStreamBroker`` import their client libraries lazily, so
-``fastapi_outbox.brokers`` imports without the ``redis`` or ``nats`` extras installed.
+``RedisStreamsBroker``, ``NatsJetStreamBroker`` and ``RabbitMQBroker`` import their client
+libraries lazily, so ``fastapi_outbox.brokers`` imports without the ``redis``, ``nats`` or
+``rabbitmq`` extras installed.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from fastapi_outbox.brokers.memory.broker import MemoryBroker
 
 if TYPE_CHECKING:
     from fastapi_outbox.brokers.nats.broker import NatsJetStreamBroker
+    from fastapi_outbox.brokers.rabbitmq.broker import RabbitMQBroker
     from fastapi_outbox.brokers.redis.broker import RedisStreamsBroker
 
 __all__ = [
@@ -25,6 +28,7 @@ __all__ = [
     "MemoryBroker",
     "NatsJetStreamBroker",
     "PublishResults",
+    "RabbitMQBroker",
     "RedisStreamsBroker",
     "broker_from_url",
 ]
@@ -39,11 +43,16 @@ def __getattr__(name: str) -> Any:
         from fastapi_outbox.brokers.nats.broker import NatsJetStreamBroker
 
         return NatsJetStreamBroker
+    if name == "RabbitMQBroker":
+        from fastapi_outbox.brokers.rabbitmq.broker import RabbitMQBroker
+
+        return RabbitMQBroker
     raise AttributeError(name)
 
 
 def broker_from_url(url: str, **options: Any) -> Broker:
-    """``memory://``, ``redis://`` / ``rediss://`` / ``unix://`` or ``nats://`` / ``tls://``."""
+    """``memory://``, ``redis://`` / ``rediss://`` / ``unix://``, ``nats://`` / ``tls://`` or
+    ``amqp://`` / ``amqps://`` (RabbitMQ)."""
     scheme = url.split("://", 1)[0].lower() if "://" in url else ""
     if scheme == "memory":
         return MemoryBroker(**options)
@@ -55,6 +64,11 @@ def broker_from_url(url: str, **options: Any) -> Broker:
         from fastapi_outbox.brokers.nats.broker import NatsJetStreamBroker
 
         return NatsJetStreamBroker(url, **options)
+    if scheme in ("amqp", "amqps"):
+        from fastapi_outbox.brokers.rabbitmq.broker import RabbitMQBroker
+
+        return RabbitMQBroker(url, **options)
     raise exceptions.ConfigurationError(
-        f"unsupported broker URL {redact_url(url)!r}: use memory://, redis://, rediss:// or nats://"
+        f"unsupported broker URL {redact_url(url)!r}: "
+        "use memory://, redis://, rediss://, nats:// or amqp://"
     )

@@ -84,6 +84,12 @@ class ConsumerConfig:
     #: Other groups' dead letters share the dead-letter stream (its name template has no
     #: ``{group}``): counting then means reading the entries.
     dead_letter_shared: bool = False
+    #: ``ordered=True``: one consumer of the group at a time where the broker needs that
+    #: for stream order (RabbitMQ: a single-active-consumer queue).
+    ordered: bool = False
+    #: Deliveries the broker may push ahead of ``fetch`` (the subscriber's in-flight
+    #: limit); 0: the transport's default. Brokers that are pulled from ignore it.
+    prefetch: int = 0
 
 
 def parse_headers(raw: bytes | str | None) -> dict[str, str]:

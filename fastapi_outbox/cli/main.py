@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from fastapi_outbox import exceptions
+from fastapi_outbox.brokers.setup import NO_BROKER
 from fastapi_outbox.cli.support import (
     EXIT_FAILED,
     EXIT_OK,
@@ -32,7 +33,7 @@ from fastapi_outbox.cli.support import (
 from fastapi_outbox.cli.support import guard as _guard
 from fastapi_outbox.cli.support import sqlstate as _sqlstate
 from fastapi_outbox.log import JsonFormatter, TextFormatter, safe_error
-from fastapi_outbox.outbox import NO_BROKER, Outbox
+from fastapi_outbox.outbox import Outbox
 from fastapi_outbox.redaction import redact, redact_url
 from fastapi_outbox.settings import OutboxSettings
 
@@ -125,7 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
     _common(dispatch)
     dispatch.add_argument(
         "--broker-url",
-        help=f"broker of --url (redis://, nats://; else {BROKER_URL_ENV}); --app brings its own",
+        help=(
+            f"broker of --url (redis://, nats://, amqp://; else {BROKER_URL_ENV}); "
+            "--app brings its own"
+        ),
     )
     dispatch.add_argument(
         "--http",

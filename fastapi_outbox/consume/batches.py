@@ -1,12 +1,13 @@
-"""Batches: a fetched batch in one transaction, and the batch handlers that take it whole.
+"""Batches: a fetched batch in one transaction, and a batch handler's batch retried whole.
 
 A fetched batch (``batch=True``, the default) runs in one transaction: one multi-row inbox
 insert, the handlers one after the other, one commit, one ack. When anything fails the
 transaction rolls back and every message of the batch goes the per-message way
 (:mod:`fastapi_outbox.consume.processing`): one poison message costs its batch one extra
 pass, never an effect. A batch handler (first parameter ``list[SomeEvent]``) is called once
-per batch with a :class:`~fastapi_outbox.consume.handlers.BatchUnitOfWork`; its failing
-batch is retried whole (``BATCH_HANDLER_TRIES``) before its messages go one by one.
+per batch with a :class:`~fastapi_outbox.consume.handlers.BatchUnitOfWork` (in the
+transaction :meth:`~fastapi_outbox.consume.processing.Processing.run_batch` runs); its
+failing batch is retried whole (``BATCH_HANDLER_TRIES``) before its messages go one by one.
 """
 
 from __future__ import annotations
@@ -19,18 +20,14 @@ from typing import Any
 import anyio
 
 from fastapi_outbox.brokers.consumer import Delivery
-from fastapi_outbox.consume.handlers import (
-    BatchUnitOfWork,
-    NotForHandler,
-    Undeliverable,
-    delivery_context,
-)
+from fastapi_outbox.consume.handlers import NotForHandler, Undeliverable
 from fastapi_outbox.consume.processing import (
-    HandlerRun,
+    InFlight,
     Processing,
+    ProcessingOptions,
     ReleasedAtStop,
     Spoiled,
-    harvest_added,
+    SubscriberStats,
 )
 from fastapi_outbox.log import safe_error
 
@@ -43,16 +40,29 @@ logger = logging.getLogger("fastapi_outbox.subscribers")
 BATCH_HANDLER_TRIES = 2
 
 
-class Batches(Processing):
-    """A subscriber's handling of fetched batches and its batch handler's calls."""
+class Batches:
+    """One run's handling of fetched batches: each in one transaction of ``processing``,
+    acknowledged with ``ack_batch``; the per-message way when anything fails."""
 
-    #: Acknowledges a committed batch: the consumer's ``ack_soon`` (set by ``run``).
-    _ack_batch: Callable[[list[Delivery]], Awaitable[None]]
+    def __init__(
+        self,
+        processing: Processing,
+        options: ProcessingOptions,
+        stats: SubscriberStats,
+        flight: InFlight,
+        ack_batch: Callable[[list[Delivery]], Awaitable[None]],
+    ) -> None:
+        self.processing = processing
+        self.options = options
+        self.stats = stats
+        self.flight = flight
+        #: Acknowledges a committed batch: the consumer's ``ack_soon`` (or its ``ack``).
+        self._ack_batch = ack_batch
 
-    async def _handle_batch(self, batch: list[Delivery]) -> None:
+    async def handle(self, batch: list[Delivery]) -> None:
         """A fetched batch in one transaction (the per-message way when anything fails);
-        settled deliveries leave ``_inflight``, unfinished ones stay for ``run`` to release
-        at a stop."""
+        settled deliveries leave the flight, unfinished ones stay for the subscriber to
+        release at a stop."""
         finished = False
         try:
             todo, messages = await self._split_batch(batch)
@@ -60,14 +70,14 @@ class Batches(Processing):
                 await self._commit_batch(todo, messages)
             finished = True
         except ReleasedAtStop:
-            await self._release_unsettled(batch)
+            await self.processing.release_unsettled(batch)
         finally:
             # Cancelled (a stop): what did not finish stays in flight, so run() releases
             # it to the broker.
             if finished:
                 for d in batch:
-                    self._inflight.pop(d.entry_id, None)
-            self._free_slot()
+                    self.flight.settle(d)
+            self.flight.free_slot()
 
     async def _split_batch(self, batch: list[Delivery]) -> tuple[list[Delivery], list[Any]]:
         """The deliveries of ``batch`` for the batch's transaction and their decoded
@@ -76,15 +86,16 @@ class Batches(Processing):
         other types of the stream."""
         todo: list[Delivery] = []
         messages: list[Any] = []
+        decoder = self.options.decoder
         # A batch handler's redelivered messages go one by one: a poison message, back
         # for another attempt, does not fail a whole batch again.
-        alone = 1 if self.signature.batch else self.max_attempts
+        alone = 1 if self.options.signature.batch else self.options.max_attempts
         for d in batch:
             if d.attempt > alone:  # dead-lettered / retried on the careful path
                 await self._process_one(d)
                 continue
             try:
-                messages.append(self.decoder.decode(d))
+                messages.append(decoder.decode(d))
             except (Undeliverable, NotForHandler):
                 await self._process_one(d)
             else:
@@ -94,14 +105,14 @@ class Batches(Processing):
     async def _commit_batch(self, todo: list[Delivery], messages: list[Any]) -> None:
         """``todo`` in one transaction, then one ack; message by message when it fails."""
         try:
-            if self.signature.batch:
+            if self.options.signature.batch:
                 new, duplicates = await self._run_batch_retrying(todo, messages)
             else:
-                new, duplicates = await self._run_batch(todo, messages)
+                new, duplicates = await self.processing.run_batch(todo, messages)
         except Exception as exc:
             logger.info(
                 "batch failed, handling its messages one by one",
-                extra=self._log_extra(
+                extra=self.options.log_extra(
                     "consumer.batch_failed", count=len(todo), error=repr(exc)[:200]
                 ),
             )
@@ -111,19 +122,18 @@ class Batches(Processing):
         self.stats.handled += new
         self.stats.duplicates += duplicates
         self.stats.last_handled_at = time.time()
-        assert self.consumer is not None
         try:  # the fetch loop fetches again at once (this batch frees its slots)
             await self._ack_batch(todo)
         except Exception as exc:
             logger.warning(
                 "ack failed; the messages will be redelivered and skipped",
-                extra=self._log_extra("consumer.ack_failed", error=repr(exc)[:300]),
+                extra=self.options.log_extra("consumer.ack_failed", error=repr(exc)[:300]),
             )
 
     async def _process_one(self, d: Delivery) -> None:
         """A message of a batch on the per-message path; no longer in flight once done."""
-        await self._process(d, in_place=False)
-        self._inflight.pop(d.entry_id, None)
+        await self.processing.process(d, in_place=False)
+        self.flight.settle(d)
 
     async def _run_batch_retrying(
         self, todo: list[Delivery], messages: list[Any]
@@ -132,27 +142,28 @@ class Batches(Processing):
         tries; the database unreachable costs no try), then the last error is raised and
         the caller goes message by message. A handler that rolled back its session costs no
         try: the batch goes again at once, the careful way."""
+        processing = self.processing
         tries = outages = 0
         careful = False
         while True:
             try:
-                return await self._run_batch(todo, messages, careful=careful)
+                return await processing.run_batch(todo, messages, careful=careful)
             except Spoiled:
                 if careful:
                     raise
                 careful = True
             except Exception as exc:
-                if await self._waited_out_database(exc, outages, "the batch"):
+                if await processing.waited_out_database(exc, outages, "the batch"):
                     outages += 1
                     continue
                 tries += 1
                 self.stats.last_error = safe_error(exc)
-                if tries >= BATCH_HANDLER_TRIES or self.stopping:
+                if tries >= BATCH_HANDLER_TRIES or self.flight.stopping:
                     raise
-                delay = self._retry_delay(tries)
+                delay = processing.retry_delay(tries)
                 logger.warning(
                     "batch handler failed, retrying the batch",
-                    extra=self._log_extra(
+                    extra=self.options.log_extra(
                         "consumer.batch_retry",
                         count=len(todo),
                         error=repr(exc)[:200],
@@ -160,56 +171,3 @@ class Batches(Processing):
                     ),
                 )
                 await anyio.sleep(delay)
-
-    async def _run_batch_handler(
-        self,
-        run: HandlerRun,
-        todo: list[Delivery],
-        messages: list[Any],
-        fresh: set[str],
-        ran: set[str],
-    ) -> None:
-        """The batch handler on the new messages of ``todo``, each once."""
-        if len(fresh) == len(todo):  # all new, each once
-            ran.update(fresh)
-            await self._call_batch_handler(run, todo, messages)
-            return
-        # The new messages, each once (a duplicate entry in the same batch too).
-        pick = []
-        for i, d in enumerate(todo):
-            if d.message_id in fresh and d.message_id not in ran:
-                ran.add(d.message_id)
-                pick.append(i)
-        await self._call_batch_handler(run, [todo[i] for i in pick], [messages[i] for i in pick])
-
-    async def _call_batch_handler(
-        self, run: HandlerRun, deliveries: list[Delivery], messages: list[Any]
-    ) -> None:
-        """The batch handler on the new messages of a batch, in the batch's transaction."""
-        # The context of the last message; the others' correlation ids when asked for.
-        correlation, causation, traceparent = delivery_context(deliveries[-1])
-        uow = self.context.make_unit_of_work(
-            BatchUnitOfWork,
-            run.session,
-            correlation_id=correlation,
-            causation_id=causation,
-            traceparent=traceparent,
-        )
-        uow.for_deliveries(deliveries)
-        run.uow = uow
-        run.message = (
-            f"message {deliveries[0].message_id}"
-            if len(deliveries) == 1
-            else f"a batch of {len(deliveries)} messages from {deliveries[0].message_id}"
-        )
-        uow._open()
-        try:
-            await self.handler(messages, **{name: uow for name in self.signature.uow_params})
-            harvest_added(uow, [])
-        finally:
-            uow._close()
-        if run.spoiled:
-            raise Spoiled(
-                f"handler {self.name} rolled back its session while handling {run.message}: "
-                "handled again in a savepoint of its own"
-            )

@@ -1,18 +1,20 @@
 """Processing: one delivery through its handler's transaction, its retries and its dead letter.
 
-The transaction a subscriber runs its handlers in (:meth:`Processing._run_batch`, for one
-message or a batch) is the one place where an inbox row's life is decided: the subscriber
+:class:`Processing` is one run's handling of deliveries. The transaction a subscriber runs
+its handlers in (:meth:`Processing.run_batch`, for one message or a batch, a per-message or
+a batch handler) is the one place where an inbox row's life is decided: the subscriber
 begins it on a connection of its own, inserts the inbox row(s), binds the handler's session
 to that connection and commits the rows, the effects and the events together (see
 :mod:`fastapi_outbox.consume.subscriber` for the whole story). The session event listeners
 here watch the handler's session while it runs: a rollback that reaches the subscriber's
 transaction (:class:`Spoiled`), a second session on the outbox's database (refused).
 
-Around it, one delivery (:meth:`Processing._process`): dead-lettered when past
+Around it, one delivery (:meth:`Processing.process`): dead-lettered when past
 ``max_attempts`` or undecodable, acknowledged and skipped when not for this handler, else
 handled — a failure retried with backoff then dead-lettered, the database unreachable
 waited out in place (no attempt charged), the broker told (ack, retry, dead letter, release)
-after the commit.
+after the commit. What it knows of its subscriber is a :class:`ProcessingOptions`; what it
+shares with the fetch loop is the run's :class:`InFlight`.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from fastapi_outbox.backoff import exponential_delay
 from fastapi_outbox.brokers.consumer import Consumer, Delivery
 from fastapi_outbox.consume.context import AfterCommit, ConsumeContext
 from fastapi_outbox.consume.handlers import (
+    BatchUnitOfWork,
     Decoder,
     Handler,
     HandlerSignature,
@@ -57,12 +60,15 @@ __all__ = [
     "PAUSE_MIN_SECONDS",
     "UNWRITTEN_DEAD_LETTERS_KEPT",
     "HandlerRun",
+    "InFlight",
     "Processing",
+    "ProcessingOptions",
     "ReleasedAtStop",
     "Spoiled",
     "SubscriberStats",
     "handler_transaction",
     "harvest_added",
+    "pause_for",
 ]
 
 logger = logging.getLogger("fastapi_outbox.subscribers")
@@ -220,8 +226,10 @@ def harvest_added(uow: UnitOfWork, before: list[Any]) -> list[Any]:
     session publish their events at once when raised. Returns the new objects now."""
     session = uow.session.sync_session
     candidates = held_aggregates(session)
-    # The session's pending objects in the order added (``session.new`` builds an identity
-    # set of all of them on every call: quadratic over a batch).
+    # The session's pending objects in the order added. Private SQLAlchemy on purpose:
+    # the public ``session.new`` copies all of them into an identity set on every call
+    # (quadratic over a batch) and does not promise their order; no public API gives them
+    # in order without that copy.
     new = list(session._new.values())
     n = len(before)
     kept = n == 0 or (len(new) >= n and new[n - 1] is before[-1])
@@ -260,77 +268,118 @@ async def _is_database_outage(exc: BaseException, engine: Any) -> bool:
     return await db_outage.is_outage(exc, engine, ping_seconds=DATABASE_PING_SECONDS)
 
 
-class Processing:
-    """A subscriber's handling of its deliveries: one message (:meth:`_process`) and the
-    transaction every handler runs in (:meth:`_run_batch`). The state it works on is set by
-    :class:`~fastapi_outbox.consume.subscriber.Subscriber`; the batch handler's call is
-    :class:`~fastapi_outbox.consume.batches.Batches`'s."""
+def pause_for(failures: int) -> float:
+    """The pause of a subscriber after ``failures`` outages in a row (broker or database
+    unreachable)."""
+    return exponential_delay(failures + 1, base=PAUSE_MIN_SECONDS, maximum=PAUSE_MAX_SECONDS)
 
-    context: ConsumeContext
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ProcessingOptions:
+    """What a subscriber's processing knows of it: its handler, names and retry options
+    (set once by :class:`~fastapi_outbox.consume.subscriber.Subscriber`)."""
+
     handler: Handler
+    #: module.function of the handler.
     name: str
+    signature: HandlerSignature
+    decoder: Decoder
     stream: str
     group: str
+    dead_letter: str
     max_attempts: int
     retry_base_delay_seconds: float
     retry_max_delay_seconds: float
-    dead_letter: str
-    signature: HandlerSignature
-    decoder: Decoder
-    stats: SubscriberStats
-    consumer: Consumer | None
-    _stop: anyio.Event | None
-    _inflight: dict[str, Delivery]
-    _slot_freed: anyio.Event | None
-    _rng: random.Random
-    #: message id -> the error of a dead letter that could not be written: used when
-    #: the message comes back to be dead-lettered again (bounded).
-    _unwritten_dead_letters: dict[str, str]
 
-    @property
-    def stopping(self) -> bool:
-        return self._stop is not None and self._stop.is_set()
-
-    def _log_extra(self, action: str, d: Delivery | None = None, **more: Any) -> dict[str, Any]:
+    def log_extra(self, action: str, d: Delivery | None = None, **more: Any) -> dict[str, Any]:
+        """The ``extra=`` of a subscriber's log record: the action, the stream and group,
+        and the delivery's ids."""
         extra: dict[str, Any] = {"action": action, "stream": self.stream, "group": self.group}
         if d is not None:
             extra.update(message_id=d.message_id, entry_id=d.entry_id, attempt=d.attempt)
         extra.update(more)
         return extra
 
-    def _pause_for(self, failures: int) -> float:
-        return exponential_delay(failures + 1, base=PAUSE_MIN_SECONDS, maximum=PAUSE_MAX_SECONDS)
 
-    def _retry_delay(self, attempt: int) -> float:
+class InFlight:
+    """One run of a subscriber: its deliveries not settled yet (acknowledged, retried,
+    dead-lettered or released), its stop, and the event the fetch loop waits on for a free
+    slot. Shared by the fetch loop, :class:`Processing` and the batches."""
+
+    __slots__ = ("_slot_freed", "deliveries", "stop")
+
+    def __init__(self) -> None:
+        #: entry id -> delivery, from its fetch until it is settled.
+        self.deliveries: dict[str, Delivery] = {}
+        self.stop = anyio.Event()
+        self._slot_freed = anyio.Event()
+
+    @property
+    def stopping(self) -> bool:
+        return self.stop.is_set()
+
+    def settle(self, d: Delivery) -> None:
+        """``d`` is settled: no longer in flight (not released at a stop)."""
+        self.deliveries.pop(d.entry_id, None)
+
+    async def wait_slot(self, timeout: float) -> None:
+        with anyio.move_on_after(timeout):
+            await self._slot_freed.wait()
+
+    def free_slot(self) -> None:
+        self._slot_freed.set()
+        self._slot_freed = anyio.Event()
+
+
+class Processing:
+    """One run's handling of deliveries: one message (:meth:`process`) and the transaction
+    every handler runs in (:meth:`run_batch`, one message or a batch, a per-message or a
+    batch handler). Made by :class:`~fastapi_outbox.consume.subscriber.Subscriber` when it
+    runs, with the run's consumer and :class:`InFlight`."""
+
+    def __init__(
+        self,
+        context: ConsumeContext,
+        consumer: Consumer,
+        options: ProcessingOptions,
+        stats: SubscriberStats,
+        flight: InFlight,
+        *,
+        rng: random.Random,
+        unwritten_dead_letters: dict[str, str],
+    ) -> None:
+        self.context = context
+        self.consumer = consumer
+        self.options = options
+        self.stats = stats
+        self.flight = flight
+        self._rng = rng
+        #: message id -> the error of a dead letter that could not be written: used when
+        #: the message comes back to be dead-lettered again (bounded; the subscriber's,
+        #: kept from one run to the next).
+        self._unwritten_dead_letters = unwritten_dead_letters
+
+    def retry_delay(self, attempt: int) -> float:
+        """The backoff before the try after ``attempt``."""
         return exponential_delay(
             attempt,
-            base=self.retry_base_delay_seconds,
-            maximum=self.retry_max_delay_seconds,
+            base=self.options.retry_base_delay_seconds,
+            maximum=self.options.retry_max_delay_seconds,
             jitter=0.25,
             rng=self._rng,
         )
 
-    async def _wait_slot(self, timeout: float) -> None:
-        assert self._slot_freed is not None
-        with anyio.move_on_after(timeout):
-            await self._slot_freed.wait()
-
-    def _free_slot(self) -> None:
-        assert self._slot_freed is not None
-        self._slot_freed.set()
-        self._slot_freed = anyio.Event()
-
     # -- one message -------------------------------------------------------------------------
 
-    async def _process(self, d: Delivery, *, in_place: bool) -> None:
+    async def process(self, d: Delivery, *, in_place: bool) -> None:
         """``d`` through its handler: acknowledged, retried (``in_place``: here, after the
         backoff; else by the broker) or dead-lettered."""
         attempt = d.attempt
-        if attempt > self.max_attempts:
+        if attempt > self.options.max_attempts:
             await self._past_max_attempts(d)
             return
         try:
-            message = self.decoder.decode(d)
+            message = self.options.decoder.decode(d)
         except Undeliverable as exc:
             await self._dead_letter(d, str(exc))
             return
@@ -343,7 +392,7 @@ class Processing:
             try:
                 new = await self._run_handler(d, message)
             except Exception as exc:
-                if await self._waited_out_database(exc, outages, "the message", d):
+                if await self.waited_out_database(exc, outages, "the message", d):
                     outages += 1
                     continue
                 delay = await self._failed(d, exc, attempt)
@@ -374,8 +423,8 @@ class Processing:
             return
         await self._dead_letter(
             d,
-            f"delivered {d.attempt} times, more than max_attempts={self.max_attempts}, without "
-            "being acknowledged: the consumer crashed or stalled on it every time",
+            f"delivered {d.attempt} times, more than max_attempts={self.options.max_attempts}, "
+            "without being acknowledged: the consumer crashed or stalled on it every time",
         )
 
     async def _failed(self, d: Delivery, exc: Exception, attempt: int) -> float | None:
@@ -384,18 +433,21 @@ class Processing:
         self.stats.failures += 1
         error = redact(f"{type(exc).__name__}: {exc}")  # kept in the dead letter
         self.stats.last_error = error[:300]
-        if attempt >= self.max_attempts:
+        log_extra = self.options.log_extra
+        if attempt >= self.options.max_attempts:
             logger.warning(
                 "handler failed, dead-lettering",
-                extra=self._log_extra("consumer.failed", d, error=error[:300]),
+                extra=log_extra("consumer.failed", d, error=error[:300]),
                 exc_info=True,
             )
-            await self._dead_letter(d, f"handler {self.name} failed on attempt {attempt}: {error}")
+            await self._dead_letter(
+                d, f"handler {self.options.name} failed on attempt {attempt}: {error}"
+            )
             return None
-        delay = self._retry_delay(attempt)
+        delay = self.retry_delay(attempt)
         logger.warning(
             "handler failed, will retry",
-            extra=self._log_extra(
+            extra=log_extra(
                 "consumer.failed", d, error=error[:300], retry_in_seconds=round(delay, 3)
             ),
         )
@@ -403,15 +455,14 @@ class Processing:
 
     async def _retry_later(self, d: Delivery, delay: float) -> None:
         """Hand ``d`` back to the broker for a redelivery after ``delay``."""
-        assert self.consumer is not None
         try:
             await self.consumer.retry(d, delay)
         except Exception as retry_exc:  # redelivered after claim_idle anyway
             logger.warning(
                 "retry request failed",
-                extra=self._log_extra("consumer.retry_failed", d, error=repr(retry_exc)),
+                extra=self.options.log_extra("consumer.retry_failed", d, error=repr(retry_exc)),
             )
-        self._inflight.pop(d.entry_id, None)  # settled: not released at a stop
+        self.flight.settle(d)
 
     async def _handled_before(self, d: Delivery) -> bool:
         """Whether the group's inbox holds ``d``'s message id (its transaction committed).
@@ -419,14 +470,14 @@ class Processing:
         outages = 0
         while True:
             try:
-                return await self.context.inbox.contains(self.group, d.message_id)
+                return await self.context.inbox.contains(self.options.group, d.message_id)
             except Exception as exc:
-                if await self._waited_out_database(exc, outages, "the inbox look-up", d):
+                if await self.waited_out_database(exc, outages, "the inbox look-up", d):
                     outages += 1
                     continue
                 logger.warning(
                     "inbox look-up failed; dead-lettering",
-                    extra=self._log_extra("consumer.inbox_failed", d, error=safe_error(exc)),
+                    extra=self.options.log_extra("consumer.inbox_failed", d, error=safe_error(exc)),
                 )
                 return False
 
@@ -435,25 +486,23 @@ class Processing:
         list); True when the message was new. The fast way first; the careful way when the
         handler rolled back its session."""
         try:
-            new, _ = await self._run_batch([d], [message])
+            new, _ = await self.run_batch([d], [message])
         except Spoiled:
-            new, _ = await self._run_batch([d], [message], careful=True)
+            new, _ = await self.run_batch([d], [message], careful=True)
         return new > 0
 
     async def _ack(self, d: Delivery) -> None:
-        assert self.consumer is not None
         try:
             await self.consumer.ack([d])
         except Exception as exc:
             # Committed: a redelivery will find the inbox row and be skipped.
             logger.warning(
                 "ack failed; the message will be redelivered and skipped",
-                extra=self._log_extra("consumer.ack_failed", d, error=repr(exc)[:300]),
+                extra=self.options.log_extra("consumer.ack_failed", d, error=repr(exc)[:300]),
             )
-        self._inflight.pop(d.entry_id, None)  # settled: not released at a stop
+        self.flight.settle(d)
 
     async def _dead_letter(self, d: Delivery, error: str) -> None:
-        assert self.consumer is not None
         unwritten = self._unwritten_dead_letters
         error = (
             unwritten.pop(d.message_id, "") or error
@@ -463,13 +512,16 @@ class Processing:
         except Exception as exc:
             await self._dead_letter_failed(d, error, exc)
             return
-        self._inflight.pop(d.entry_id, None)  # settled: not released at a stop
+        self.flight.settle(d)
         self.stats.dead_lettered += 1
         self.stats.last_error = error[:300]
         logger.error(
             "message dead-lettered",
-            extra=self._log_extra(
-                "consumer.dead_lettered", d, dead_letter=self.dead_letter, error=error[:300]
+            extra=self.options.log_extra(
+                "consumer.dead_lettered",
+                d,
+                dead_letter=self.options.dead_letter,
+                error=error[:300],
             ),
         )
 
@@ -477,21 +529,20 @@ class Processing:
         """The dead letter of ``d`` could not be written: not acknowledged, so the message
         stays pending (no broker-side delivery limit drops it) and is dead-lettered again
         when it comes back, after a backoff, with the same ``error``."""
-        assert self.consumer is not None
         if len(self._unwritten_dead_letters) < UNWRITTEN_DEAD_LETTERS_KEPT:
             self._unwritten_dead_letters[d.message_id] = error
         self.stats.dead_letter_failures += 1
         self.stats.last_error = f"dead-lettering failed: {type(exc).__name__}: {exc}"[:300]
         logger.error(
             "dead-lettering failed; the message stays pending and will be redelivered",
-            extra=self._log_extra("consumer.dead_letter_failed", d, error=repr(exc)[:300]),
+            extra=self.options.log_extra("consumer.dead_letter_failed", d, error=repr(exc)[:300]),
         )
         try:
-            await self.consumer.retry(d, self._retry_delay(d.attempt))
+            await self.consumer.retry(d, self.retry_delay(d.attempt))
         except Exception:  # redelivered after claim_idle_seconds anyway
             logger.debug("retry after a failed dead letter failed", exc_info=True)
 
-    async def _waited_out_database(
+    async def waited_out_database(
         self, exc: BaseException, outages: int, what: str, d: Delivery | None = None
     ) -> bool:
         """When ``exc`` is the database being unreachable: note it, wait the pause for the
@@ -501,24 +552,24 @@ class Processing:
         if not await _is_database_outage(exc, self.context.engine):
             return False
         self.stats.last_error = f"database unreachable: {type(exc).__name__}"
-        if not self.stopping:
+        if not self.flight.stopping:
             logger.warning(
                 f"database unreachable, retrying {what} in place",
-                extra=self._log_extra("consumer.db_unavailable", d, error=repr(exc)[:200]),
+                extra=self.options.log_extra("consumer.db_unavailable", d, error=repr(exc)[:200]),
             )
-            assert self._stop is not None
-            with anyio.move_on_after(self._pause_for(outages + 1)):
-                await self._stop.wait()
-        if self.stopping:
+            with anyio.move_on_after(pause_for(outages + 1)):
+                await self.flight.stop.wait()
+        if self.flight.stopping:
             raise ReleasedAtStop()
         return True
 
-    async def _release_unsettled(self, deliveries: Sequence[Delivery]) -> None:
+    async def release_unsettled(self, deliveries: Sequence[Delivery]) -> None:
         """Give back to the broker, uncharged, those of ``deliveries`` not yet acknowledged,
-        dead-lettered or retried (still in ``_inflight``): the database went away while the
+        dead-lettered or retried (still in flight): the database went away while the
         subscriber stops."""
-        left = [d for d in deliveries if self._inflight.pop(d.entry_id, None) is not None]
-        if not left or self.consumer is None:
+        inflight = self.flight.deliveries
+        left = [d for d in deliveries if inflight.pop(d.entry_id, None) is not None]
+        if not left:
             return
         with anyio.CancelScope(shield=True), anyio.move_on_after(2.0):
             try:
@@ -526,17 +577,17 @@ class Processing:
             except Exception as exc:
                 logger.warning(
                     "release failed",
-                    extra=self._log_extra("consumer.release_failed", error=repr(exc)),
+                    extra=self.options.log_extra("consumer.release_failed", error=repr(exc)),
                 )
                 return
         logger.info(
             "database unreachable at shutdown: messages released, no attempt charged",
-            extra=self._log_extra("consumer.released", count=len(left)),
+            extra=self.options.log_extra("consumer.released", count=len(left)),
         )
 
     # -- the transaction ---------------------------------------------------------------------
 
-    async def _run_batch(
+    async def run_batch(
         self, todo: list[Delivery], messages: list[Any], *, careful: bool = False
     ) -> tuple[int, int]:
         """(handled, duplicates) of one transaction over ``todo`` (``messages[i]``: the
@@ -568,7 +619,7 @@ class Processing:
         ran: set[str] = set()
         try:
             await conn.begin()
-            fresh = await self.context.inbox.record_many(conn, self.group, ids, streams)
+            fresh = await self.context.inbox.record_many(conn, self.options.group, ids, streams)
             if fresh:
                 session = self.context.session_factory(
                     bind=conn,
@@ -606,11 +657,11 @@ class Processing:
         """The handler(s) on the new messages (``fresh``) of ``todo`` with ``session``, then
         the session's commit (it flushes and writes the events' outbox rows; the careful
         way: releases the savepoint). :class:`Spoiled` when the session rolled back."""
-        run = HandlerRun(self.context.engine, self.name, session, outer)
+        run = HandlerRun(self.context.engine, self.options.name, session, outer)
         session.info[_RUN_KEY] = run
         token = _HANDLER_RUN.set(run)
         try:
-            if self.signature.batch:
+            if self.options.signature.batch:
                 await self._run_batch_handler(run, todo, messages, fresh, ran)
             else:
                 await self._run_handlers(run, todo, messages, fresh, ran)
@@ -619,7 +670,7 @@ class Processing:
             run.uow = None
         await session.commit()
         if run.spoiled:  # rolled back in a hook of the commit
-            raise Spoiled(f"handler {self.name}: the session rolled back")
+            raise Spoiled(f"handler {self.options.name}: the session rolled back")
 
     async def _run_handlers(
         self,
@@ -634,6 +685,7 @@ class Processing:
         message as cause)."""
         session = run.session
         sync_session = session.sync_session
+        handler, uow_params = self.options.handler, self.options.signature.uow_params
         before: list[Any] = []  # new objects on the session before the current handler
         for d, message in zip(todo, messages, strict=True):
             if d.message_id not in fresh or d.message_id in ran:
@@ -653,20 +705,28 @@ class Processing:
                 # The careful way. Earlier handlers' work: in the session's transaction,
                 # or (events published or objects changed outside one) in a transaction
                 # begun now for it, so that a rollback undoing it is seen.
+                # Rows queued by any outbox on the session (``uow.queued`` holds this
+                # outbox's only), or objects added, changed or deleted (what SQLAlchemy's
+                # private ``Session._is_clean()`` tells, through the public collections).
                 current = sync_session.get_transaction()
-                if current is None and (uow._state.queued or not sync_session._is_clean()):
+                if current is None and (
+                    state_of(sync_session).queued
+                    or sync_session.new
+                    or sync_session.dirty
+                    or sync_session.deleted
+                ):
                     current = sync_session.begin()
                 run.before = current
-            uow._open()
+            uow.activate()
             try:
-                await self.handler(message, **{name: uow for name in self.signature.uow_params})
+                await handler(message, **{name: uow for name in uow_params})
                 before = harvest_added(uow, before)
             finally:
-                uow._close()
+                uow.close()
             if run.spoiled:
                 raise Spoiled(
-                    f"handler {self.name} rolled back its session while handling message "
-                    f"{d.message_id}: handled again in a savepoint of its own"
+                    f"handler {self.options.name} rolled back its session while handling "
+                    f"message {d.message_id}: handled again in a savepoint of its own"
                 )
 
     async def _run_batch_handler(
@@ -677,5 +737,48 @@ class Processing:
         fresh: set[str],
         ran: set[str],
     ) -> None:
-        """A batch handler's call (:class:`~fastapi_outbox.consume.batches.Batches`)."""
-        raise NotImplementedError
+        """The batch handler on the new messages of ``todo``, each once."""
+        if len(fresh) == len(todo):  # all new, each once
+            ran.update(fresh)
+            await self._call_batch_handler(run, todo, messages)
+            return
+        # The new messages, each once (a duplicate entry in the same batch too).
+        pick = []
+        for i, d in enumerate(todo):
+            if d.message_id in fresh and d.message_id not in ran:
+                ran.add(d.message_id)
+                pick.append(i)
+        await self._call_batch_handler(run, [todo[i] for i in pick], [messages[i] for i in pick])
+
+    async def _call_batch_handler(
+        self, run: HandlerRun, deliveries: list[Delivery], messages: list[Any]
+    ) -> None:
+        """The batch handler on the new messages of a batch, in the batch's transaction."""
+        # The context of the last message; the others' correlation ids when asked for.
+        correlation, causation, traceparent = delivery_context(deliveries[-1])
+        uow = self.context.make_unit_of_work(
+            BatchUnitOfWork,
+            run.session,
+            correlation_id=correlation,
+            causation_id=causation,
+            traceparent=traceparent,
+        )
+        uow.for_deliveries(deliveries)
+        run.uow = uow
+        run.message = (
+            f"message {deliveries[0].message_id}"
+            if len(deliveries) == 1
+            else f"a batch of {len(deliveries)} messages from {deliveries[0].message_id}"
+        )
+        uow.activate()
+        try:
+            uow_params = self.options.signature.uow_params
+            await self.options.handler(messages, **{name: uow for name in uow_params})
+            harvest_added(uow, [])
+        finally:
+            uow.close()
+        if run.spoiled:
+            raise Spoiled(
+                f"handler {self.options.name} rolled back its session while handling "
+                f"{run.message}: handled again in a savepoint of its own"
+            )

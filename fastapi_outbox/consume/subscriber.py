@@ -16,7 +16,7 @@ applied exactly once, and events the handler publishes go to the outbox in that 
 transaction.
 
 One owner of that transaction
-(:meth:`fastapi_outbox.consume.processing.Processing._run_batch`): the subscriber begins it on a
+(:meth:`fastapi_outbox.consume.processing.Processing.run_batch`): the subscriber begins it on a
 connection of its own, inserts the inbox row(s) there, binds the handler's session to that
 connection, and commits (or rolls back) the inbox rows, the effects and the events together.
 Whatever the handler does with its session, its effects and its inbox row commit together or
@@ -71,15 +71,19 @@ cancelled.
 
 The parts, by job: :mod:`~fastapi_outbox.consume.options` (the options and their checks),
 :mod:`~fastapi_outbox.consume.handlers` (the handler's signature, decoding),
-:mod:`~fastapi_outbox.consume.processing` (one delivery, the handler's transaction),
-:mod:`~fastapi_outbox.consume.batches` (fetched batches, batch handlers); this module holds
-the fetch loop and the :class:`Subscriber` that composes them. A subscriber sees its outbox
+:mod:`~fastapi_outbox.consume.processing` (one delivery, the handler's transaction for
+per-message and batch handlers), :mod:`~fastapi_outbox.consume.batches` (fetched batches, a
+batch handler's retries); this module holds the fetch loop and the :class:`Subscriber` that
+composes them: each run it makes a ``Processing`` and a ``Batches`` holding exactly their
+collaborators (the run's consumer, the handler's options, the context, the counters, the
+deliveries in flight). A subscriber sees its outbox
 through :class:`~fastapi_outbox.consume.context.ConsumeContext`.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import logging
 import math
 import random
@@ -105,7 +109,14 @@ from fastapi_outbox.consume.context import ConsumeContext
 from fastapi_outbox.consume.handlers import BatchUnitOfWork, Decoder, inspect_handler
 from fastapi_outbox.consume.handlers import Handler as Handler  # for outbox.py
 from fastapi_outbox.consume.options import DEAD_LETTER_TEMPLATE
-from fastapi_outbox.consume.processing import ReleasedAtStop, SubscriberStats
+from fastapi_outbox.consume.processing import (
+    InFlight,
+    Processing,
+    ProcessingOptions,
+    ReleasedAtStop,
+    SubscriberStats,
+    pause_for,
+)
 from fastapi_outbox.consume.processing import (  # for outbox.py
     handler_transaction as handler_transaction,
 )
@@ -170,8 +181,12 @@ class ConsumerStatus(BaseModel):
     )
 
 
-class Subscriber(Batches):
-    """One ``@outbox.subscriber``: a handler, its (stream, group) and its runtime."""
+class Subscriber:
+    """One ``@outbox.subscriber``: a handler, its (stream, group) and its runtime — the
+    fetch loop. When it runs it makes the run's :class:`~fastapi_outbox.consume.processing.
+    Processing` (one delivery, the handler's transaction) and
+    :class:`~fastapi_outbox.consume.batches.Batches` (fetched batches), which share the
+    run's :class:`~fastapi_outbox.consume.processing.InFlight` with the loop."""
 
     def __init__(
         self,
@@ -228,7 +243,22 @@ class Subscriber(Batches):
         )
         #: One transaction per fetched batch (not for ordered subscribers).
         self.batch = batch and not ordered
+        self._options = self._processing_options()
         self._init_runtime()
+
+    def _processing_options(self) -> ProcessingOptions:
+        return ProcessingOptions(
+            handler=self.handler,
+            name=self.name,
+            signature=self.signature,
+            decoder=self.decoder,
+            stream=self.stream,
+            group=self.group,
+            dead_letter=self.dead_letter,
+            max_attempts=self.max_attempts,
+            retry_base_delay_seconds=self.retry_base_delay_seconds,
+            retry_max_delay_seconds=self.retry_max_delay_seconds,
+        )
 
     def _init_runtime(self) -> None:
         """The state of a subscriber that has not run yet."""
@@ -237,14 +267,15 @@ class Subscriber(Batches):
         self.running = False
         self.broker_ok: bool | None = None
         self.paused_since: float | None = None
-        self._stop = None
+        #: The current (or last) run's deliveries in flight and stop (None: never run).
+        self._flight: InFlight | None = None
         self._stop_requested_at = 0.0
         self.stopped: anyio.Event | None = None
-        self._inflight = {}
-        self._slot_freed = None
         self._key_locks: dict[str, tuple[anyio.Lock, int]] = {}
         self._rng = random.Random()
-        self._unwritten_dead_letters = {}
+        #: message id -> the error of a dead letter that could not be written (kept from
+        #: one run to the next; see :class:`~fastapi_outbox.consume.processing.Processing`).
+        self._unwritten_dead_letters: dict[str, str] = {}
 
     def __repr__(self) -> str:
         return f"Subscriber({self.stream!r}, group={self.group!r}, handler={self.name})"
@@ -261,6 +292,8 @@ class Subscriber(Batches):
             max_attempts=self.max_attempts,
             start=self.start,
             dead_letter_shared=self.dead_letter_shared,
+            ordered=self.ordered,
+            prefetch=self.concurrency * (self.batch_size if self.batch else 1),
         )
 
     def make_consumer(self) -> Consumer:
@@ -290,79 +323,99 @@ class Subscriber(Batches):
 
     # -- running -----------------------------------------------------------------------------
 
+    @property
+    def stopping(self) -> bool:
+        return self._flight is not None and self._flight.stopping
+
     def stop(self) -> None:
-        if self._stop is not None and not self._stop.is_set():
+        flight = self._flight
+        if flight is not None and not flight.stop.is_set():
             self._stop_requested_at = time.monotonic()
-            self._stop.set()
-            if self._slot_freed is not None:
-                self._free_slot()  # a fetch loop waiting for a free slot sees the stop now
+            flight.stop.set()
+            flight.free_slot()  # a fetch loop waiting for a free slot sees the stop now
 
     async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         """Fetch and handle until :meth:`stop`. Reports started at once: a broker that is
         down at start pauses the subscriber, it does not hold up the app's start."""
-        self._stop, self.stopped = anyio.Event(), anyio.Event()
-        self._slot_freed = anyio.Event()
-        self._inflight.clear()
+        self._flight = flight = InFlight()
+        self.stopped = anyio.Event()
         self.consumer = consumer = self.make_consumer()
+        processing = Processing(
+            self.context,
+            consumer,
+            self._options,
+            self.stats,
+            flight,
+            rng=self._rng,
+            unwritten_dead_letters=self._unwritten_dead_letters,
+        )
         # A consumer of another package may predate ack_soon: its plain ack then.
-        self._ack_batch = getattr(consumer, "ack_soon", None) or consumer.ack
+        ack_batch = getattr(consumer, "ack_soon", None) or consumer.ack
+        batches = Batches(processing, self._options, self.stats, flight, ack_batch)
         self.running = True
         task_status.started()
-        # Work for the handler tasks: a fetched batch, or one delivery. A fixed set of
-        # ``concurrency`` tasks takes it (anyio spawns a task in ~25 µs, an item passes
-        # through the stream in ~2.5 µs).
-        send, receive = anyio.create_memory_object_stream[tuple[Handler, Any]](math.inf)
         try:
-            # The streams close after the task group is done with them (not under workers
-            # still waiting on them when the fetch loop fails).
-            async with send, receive, anyio.create_task_group() as handlers:
-                handlers.start_soon(self._heartbeat)
-                for _ in range(self.concurrency):
-                    handlers.start_soon(self._worker, receive)
-                await self._fetch_loop(consumer, send)
-                # The drain's share of the shutdown counts from the stop (the fetch loop may
-                # have taken up to FETCH_TIMEOUT_SECONDS to see it).
-                budget = self.context.settings.shutdown_timeout_seconds * DRAIN_SHARE
-                with anyio.move_on_after(budget - (time.monotonic() - self._stop_requested_at)):
-                    while self._inflight:
-                        await self._wait_slot(1.0)
-                handlers.cancel_scope.cancel()
+            await self._run(consumer, processing, batches, flight)
         finally:
             # Whatever did not finish — cancelled by the drain's end, or by a cancellation
             # of run() itself — is still in flight: released to the broker, so another
             # consumer takes it now rather than after claim_idle_seconds.
             self.running = False
             with anyio.CancelScope(shield=True):
-                await self._release_unfinished(consumer)
+                await self._release_unfinished(consumer, flight)
                 try:
                     await consumer.aclose()
                 except Exception:
                     logger.debug("consumer close failed", exc_info=True)
-            self._inflight.clear()
+            flight.deliveries.clear()
             self.stopped.set()
 
-    async def _release_unfinished(self, consumer: Consumer) -> None:
-        left = list(self._inflight.values())
+    async def _run(
+        self, consumer: Consumer, processing: Processing, batches: Batches, flight: InFlight
+    ) -> None:
+        """The handler tasks and the fetch loop until the stop, then the drain."""
+        # Work for the handler tasks: a fetched batch, or one delivery. A fixed set of
+        # ``concurrency`` tasks takes it (anyio spawns a task in ~25 µs, an item passes
+        # through the stream in ~2.5 µs).
+        send, receive = anyio.create_memory_object_stream[tuple[Handler, Any]](math.inf)
+        # The streams close after the task group is done with them (not under workers
+        # still waiting on them when the fetch loop fails).
+        async with send, receive, anyio.create_task_group() as handlers:
+            handlers.start_soon(self._heartbeat, flight)
+            for _ in range(self.concurrency):
+                handlers.start_soon(self._worker, receive)
+            await self._fetch_loop(consumer, processing, batches, flight, send)
+            # The drain's share of the shutdown counts from the stop (the fetch loop may
+            # have taken up to FETCH_TIMEOUT_SECONDS to see it).
+            budget = self.context.settings.shutdown_timeout_seconds * DRAIN_SHARE
+            with anyio.move_on_after(budget - (time.monotonic() - self._stop_requested_at)):
+                while flight.deliveries:
+                    await flight.wait_slot(1.0)
+            handlers.cancel_scope.cancel()
+
+    async def _release_unfinished(self, consumer: Consumer, flight: InFlight) -> None:
+        left = list(flight.deliveries.values())
         if not left:
             return
+        log_extra = self._options.log_extra
         with anyio.move_on_after(RELEASE_SECONDS) as scope:
             try:
                 await consumer.release(left)
             except Exception as exc:
                 logger.warning(
                     "release failed",
-                    extra=self._log_extra("consumer.release_failed", error=repr(exc)),
+                    extra=log_extra("consumer.release_failed", error=repr(exc)),
                 )
                 return
         if scope.cancelled_caught:
             logger.warning(
                 "release timed out",
-                extra=self._log_extra("consumer.release_failed", error="timeout"),
+                extra=log_extra("consumer.release_failed", error="timeout"),
             )
             return
         logger.info(
             "released unfinished messages",
-            extra=self._log_extra("consumer.released", count=len(left)),
+            extra=log_extra("consumer.released", count=len(left)),
         )
 
     async def _worker(self, work: MemoryObjectReceiveStream[tuple[Handler, Any]]) -> None:
@@ -370,17 +423,23 @@ class Subscriber(Batches):
             await handle(item)
 
     async def _fetch_loop(
-        self, consumer: Consumer, work: MemoryObjectSendStream[tuple[Handler, Any]]
+        self,
+        consumer: Consumer,
+        processing: Processing,
+        batches: Batches,
+        flight: InFlight,
+        work: MemoryObjectSendStream[tuple[Handler, Any]],
     ) -> None:
-        assert self._stop is not None
-        stop = self._stop
+        stop = flight.stop
+        inflight = flight.deliveries
+        log_extra = self._options.log_extra
         set_up = False
         failures = 0
         limit = self.concurrency * (self.batch_size if self.batch else 1)
         while not stop.is_set():
-            free = limit - len(self._inflight)
+            free = limit - len(inflight)
             if free <= 0:
-                await self._wait_slot(FETCH_TIMEOUT_SECONDS)
+                await flight.wait_slot(FETCH_TIMEOUT_SECONDS)
                 continue
             try:
                 if not set_up:
@@ -395,44 +454,45 @@ class Subscriber(Batches):
                 failures += 1
                 logger.exception(
                     "consumer fetch failed",
-                    extra=self._log_extra("consumer.fetch_failed", error=repr(exc)[:300]),
+                    extra=log_extra("consumer.fetch_failed", error=repr(exc)[:300]),
                 )
                 await self._paused(exc, failures, stop)
                 continue
             if failures:
-                logger.info("broker reachable again", extra=self._log_extra("consumer.resumed"))
+                logger.info("broker reachable again", extra=log_extra("consumer.resumed"))
             failures = 0
             self.broker_ok = True
             self.paused_since = None
             now = time.monotonic()
             for d in batch:
                 d.fetched_at = now
-                self._inflight[d.entry_id] = d
+                inflight[d.entry_id] = d
             if self.batch and len(batch) > 1:
-                work.send_nowait((self._handle_batch, batch))
+                work.send_nowait((batches.handle, batch))
             else:
+                handle = functools.partial(self._handle, processing, flight)
                 for d in batch:
-                    work.send_nowait((self._handle, d))
+                    work.send_nowait((handle, d))
 
     async def _paused(self, exc: BaseException, failures: int, stop: anyio.Event) -> None:
         if self.broker_ok is not False:
             logger.warning(
                 "broker unavailable, consumer paused",
-                extra=self._log_extra("consumer.paused", error=safe_error(exc)),
+                extra=self._options.log_extra("consumer.paused", error=safe_error(exc)),
             )
             self.paused_since = time.time()
         self.broker_ok = False
         self.stats.last_error = safe_error(exc)
-        with anyio.move_on_after(self._pause_for(failures)):
+        with anyio.move_on_after(pause_for(failures)):
             await stop.wait()
 
-    async def _heartbeat(self) -> None:
+    async def _heartbeat(self, flight: InFlight) -> None:
         """Touch deliveries handled for long, so no other consumer reclaims them."""
         every = max(0.05, self.claim_idle_seconds / 3)
         while True:
             await anyio.sleep(every)
             cutoff = time.monotonic() - every
-            old = [d for d in list(self._inflight.values()) if d.fetched_at <= cutoff]
+            old = [d for d in list(flight.deliveries.values()) if d.fetched_at <= cutoff]
             if old and self.consumer is not None:
                 try:
                     await self.consumer.touch(old)
@@ -441,26 +501,26 @@ class Subscriber(Batches):
 
     # -- one message -------------------------------------------------------------------------
 
-    async def _handle(self, d: Delivery) -> None:
+    async def _handle(self, processing: Processing, flight: InFlight, d: Delivery) -> None:
         finished = False
         try:
             if self.ordered and d.key is not None:
                 lock = self._lock_for(d.key)
                 try:
                     async with lock:
-                        await self._process(d, in_place=True)
+                        await processing.process(d, in_place=True)
                 finally:
                     self._unlock_for(d.key)
             else:
-                await self._process(d, in_place=False)
+                await processing.process(d, in_place=False)
             finished = True
         except ReleasedAtStop:
-            await self._release_unsettled([d])
+            await processing.release_unsettled([d])
         finally:
             # Cancelled (a stop): left in flight, so run() releases it to the broker.
             if finished:
-                self._inflight.pop(d.entry_id, None)
-            self._free_slot()
+                flight.settle(d)
+            flight.free_slot()
 
     def _lock_for(self, key: str) -> anyio.Lock:
         lock, users = self._key_locks.get(key, (None, 0))

@@ -5,21 +5,30 @@ declares this process's consumer groups on the broker once before it lets anythi
 published, so the first message of a stream never reaches the broker before the groups of
 the subscribers declared here exist. :func:`gate_brokers` wraps the brokers that this
 process's subscribers consume from and declares their groups before any relay starts,
-bounded in time.
+bounded in time. :func:`declare_groups` is the declaration itself (``Outbox.declare_groups``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
+from typing import Any, Protocol
 
 import anyio
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.brokers.base import Broker
+from fastapi_outbox.brokers.consumer import Consumer
 
-__all__ = ["DECLARE_GROUPS_TIMEOUT_SECONDS", "GroupsFirst", "declare_or_warn", "gate_brokers"]
+__all__ = [
+    "DECLARE_GROUPS_TIMEOUT_SECONDS",
+    "GroupOwner",
+    "GroupsFirst",
+    "declare_groups",
+    "declare_or_warn",
+    "gate_brokers",
+]
 
 logger = logging.getLogger("fastapi_outbox")
 
@@ -28,6 +37,39 @@ logger = logging.getLogger("fastapi_outbox")
 DECLARE_GROUPS_TIMEOUT_SECONDS = 5.0
 
 Declare = Callable[[str], Awaitable[None]]
+
+
+class GroupOwner(Protocol):
+    """What declaring a group needs of a subscriber: its broker's name and a consumer of
+    its group (:class:`fastapi_outbox.consume.subscriber.Subscriber`)."""
+
+    @property
+    def broker_name(self) -> str: ...
+
+    def make_consumer(self) -> Consumer: ...
+
+
+async def declare_groups(subscribers: Iterable[GroupOwner], broker: str | None = None) -> None:
+    """Create the broker-side group of every subscriber (of ``broker``, or all) — Redis
+    consumer group, JetStream durable and dead-letter stream — or bring an existing
+    one to the declared settings (idempotent). BrokerUnavailable when its broker does
+    not answer; ConfigurationError naming the subscriber for anything else."""
+    for sub in subscribers:
+        if broker is not None and sub.broker_name != broker:
+            continue
+        consumer = sub.make_consumer()
+        try:
+            await consumer.setup()
+        except exceptions.BrokerUnavailable:
+            raise
+        except Exception as exc:
+            raise exceptions.ConfigurationError(
+                f"{sub!r}: cannot create or update its consumer group on broker "
+                f"{sub.broker_name!r}: {type(exc).__name__}: {exc}"
+            ) from exc
+        finally:
+            with contextlib.suppress(Exception):
+                await consumer.aclose()
 
 
 class GroupsFirst:

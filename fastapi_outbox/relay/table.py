@@ -23,7 +23,6 @@ import contextlib
 import functools
 import logging
 import os
-import random
 import socket
 import time
 import uuid
@@ -34,7 +33,6 @@ from typing import Any
 import anyio
 
 from fastapi_outbox import exceptions
-from fastapi_outbox.backoff import exponential_delay
 from fastapi_outbox.brokers.base import Broker, PublishResults
 from fastapi_outbox.events import Envelope
 from fastapi_outbox.instrumentation import Instrumentation
@@ -45,9 +43,12 @@ from fastapi_outbox.relay.loop import (
     RelayLoop,
     envelope_of,
 )
+from fastapi_outbox.relay.ordered import publish_ordered
+from fastapi_outbox.relay.outcomes import NotAttempted, Outcomes
+from fastapi_outbox.relay.outcomes import retry_delay as retry_delay
 from fastapi_outbox.settings import OutboxSettings
 from fastapi_outbox.storage import clock
-from fastapi_outbox.storage.store import ERROR_MAX_CHARS, ClaimedRow, Failure, Store
+from fastapi_outbox.storage.store import ClaimedRow, Store
 
 logger = logging.getLogger("fastapi_outbox.dispatcher")
 
@@ -59,18 +60,6 @@ PROBE_TIMEOUT_SECONDS = 2.0
 def instance_id() -> str:
     """Identifies this dispatcher process in claim tokens: host, pid and a random part."""
     return f"{socket.gethostname()[:32]}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
-
-
-def retry_delay(attempts: int, settings: OutboxSettings, rng: random.Random | None = None) -> float:
-    """Exponential backoff with jitter after the ``attempts``-th failed attempt."""
-    return exponential_delay(
-        attempts,
-        base=settings.retry_base_delay_seconds,
-        maximum=settings.retry_max_delay_seconds,
-        multiplier=settings.retry_multiplier,
-        jitter=settings.retry_jitter,
-        rng=rng,
-    )
 
 
 class TableRelay(RelayLoop):
@@ -104,12 +93,30 @@ class TableRelay(RelayLoop):
         self.claim_size = settings.smallest_claim
         # Health (the broker outage state is RelayLoop's).
         self.last_tick: float | None = None  # wall clock of the last successful claim
-        self.published_total = 0
-        self.failed_total = 0
-        self.abandoned_total = 0
+        #: Records the outcome of each claim and publish, and counts them.
+        self.outcomes = Outcomes(
+            store=store,
+            settings=settings,
+            broker_name=broker_name,
+            instrumentation=self.instrumentation,
+            hook=self._hook,
+            rng=self._rng,
+        )
 
     def __repr__(self) -> str:
         return f"Processor(broker={self.broker_name!r})"
+
+    @property
+    def published_total(self) -> int:
+        return self.outcomes.published_total
+
+    @property
+    def failed_total(self) -> int:
+        return self.outcomes.failed_total
+
+    @property
+    def abandoned_total(self) -> int:
+        return self.outcomes.abandoned_total
 
     async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         """Run the workers until :meth:`stop` (or cancellation)."""
@@ -345,7 +352,7 @@ class TableRelay(RelayLoop):
         exhausted = [r for r in batch if r.attempts > settings.max_attempts]
         live = [r for r in batch if r.attempts <= settings.max_attempts]
         if exhausted:
-            await self._abandon_exhausted(exhausted, token)
+            await self.outcomes.abandon_exhausted(exhausted, token)
         expired: list[ClaimedRow] = []
         if settings.retry_deadline_seconds is not None:
             # The row's age as the database counted it at the claim: the dispatcher's own
@@ -355,7 +362,7 @@ class TableRelay(RelayLoop):
             if expired:
                 gone = {r.id for r in expired}
                 live = [r for r in live if r.id not in gone]
-                await self._abandon_expired(expired, token)
+                await self.outcomes.abandon_expired(expired, token)
         if settings.ordered and (exhausted or expired):
             live = await self._give_back_behind(batch, live, [*exhausted, *expired], token)
         if not live:
@@ -383,7 +390,9 @@ class TableRelay(RelayLoop):
         if answered:
             self._broker_up(self.broker_name)
         with anyio.fail_after(self._db_bound):
-            await self._record(live, envelopes, results, token)
+            due = await self.outcomes.record(live, envelopes, results, token)
+        if due is not None and (self._next_due is None or due < self._next_due):
+            self._next_due = due
 
     async def _give_back_behind(
         self,
@@ -437,7 +446,7 @@ class TableRelay(RelayLoop):
         claimed again at once, without the charged message, which backs off. The broker
         failing to answer a ping meanwhile ends the pass as an outage (rest given back,
         processor paused). Ordered: a key stops at its first failure, as in
-        :meth:`_publish_ordered`."""
+        :func:`~fastapi_outbox.relay.ordered.publish_ordered`."""
         settings = self.settings
         logger.warning(
             "publish timed out while the broker answered; trying the batch one by one",
@@ -459,7 +468,7 @@ class TableRelay(RelayLoop):
             raise _GiveBack()  # another worker holds some of them now
         timeout = settings.publish_timeout_seconds
         last_start = time.monotonic() + settings.lease_seconds - 1.25 * timeout
-        results: PublishResults = [_NotAttempted() for _ in envelopes]
+        results: PublishResults = [NotAttempted() for _ in envelopes]
         stopped: set[str] = set()
         for i, envelope in enumerate(envelopes):
             if i and time.monotonic() >= last_start:
@@ -510,7 +519,9 @@ class TableRelay(RelayLoop):
         finish = self._hook(self.instrumentation.publish_started, self.broker_name, envelopes)
         try:
             if self.settings.ordered:
-                results = await self._publish_ordered(envelopes)
+                results = await publish_ordered(
+                    self.broker, envelopes, self.settings.publish_timeout_seconds / 2
+                )
             else:
                 results = await self.broker.publish(envelopes)
         except BaseException as exc:
@@ -521,184 +532,6 @@ class TableRelay(RelayLoop):
             self._hook(finish, results)
         return results
 
-    async def _record(
-        self,
-        rows: list[ClaimedRow],
-        envelopes: list[Envelope],
-        results: PublishResults,
-        token: str,
-    ) -> None:
-        published: list[ClaimedRow] = []
-        failures: list[Failure] = []
-        skipped: list[ClaimedRow] = []
-        for row, result in zip(rows, results, strict=True):
-            if result is None:
-                published.append(row)
-            elif isinstance(result, _NotAttempted):
-                skipped.append(row)
-            else:
-                abandon = row.attempts >= self.settings.max_attempts
-                failures.append(
-                    Failure(
-                        id=row.id,
-                        error=safe_error(result, limit=ERROR_MAX_CHARS),
-                        delay_seconds=retry_delay(row.attempts, self.settings, self._rng),
-                        abandon=abandon,
-                    )
-                )
-        if published:
-            await self._mark_published(published, envelopes, token)
-        if failures:
-            await self._mark_failed(failures, envelopes, token)
-        if skipped:
-            await self.store.release([r.id for r in skipped], token)
-
-    async def _mark_published(
-        self, published: list[ClaimedRow], envelopes: list[Envelope], token: str
-    ) -> None:
-        """Mark the published rows (one statement, fenced by ``token``) and tell the
-        instrumentation."""
-        marked = await self.store.mark_published(
-            [r.id for r in published], token, delete_rows=self.settings.delete_on_publish
-        )
-        if marked < len(published):
-            logger.warning(
-                "lease lost before mark: another worker re-claimed rows",
-                extra={
-                    "action": "mark.lease_lost",
-                    "broker": self.broker_name,
-                    "lost": len(published) - marked,
-                },
-            )
-        self.published_total += len(published)
-        by_id = {e.id: e for e in envelopes}
-        self._hook(
-            self.instrumentation.published,
-            self.broker_name,
-            [by_id[str(r.id)] for r in published],
-        )
-        logger.debug(
-            "published",
-            extra={"action": "publish.ok", "broker": self.broker_name, "count": len(published)},
-        )
-
-    async def _mark_failed(
-        self, failures: list[Failure], envelopes: list[Envelope], token: str
-    ) -> None:
-        """Record the refused rows: a retry after their backoff, or abandoned after
-        ``max_attempts``; tell the instrumentation and the poller when to look again."""
-        await self.store.mark_failed(failures, token)
-        for f in failures:
-            level = logging.ERROR if f.abandon else logging.WARNING
-            logger.log(
-                level,
-                "message abandoned" if f.abandon else "publish failed; will retry",
-                extra={
-                    "action": "publish.abandoned" if f.abandon else "publish.failed",
-                    "broker": self.broker_name,
-                    "message_id": str(f.id),
-                    "retry_in": None if f.abandon else round(f.delay_seconds, 3),
-                    "error": f.error[:300],
-                },
-            )
-        abandoned = [f for f in failures if f.abandon]
-        self.failed_total += len(failures) - len(abandoned)
-        self.abandoned_total += len(abandoned)
-        by_id = {e.id: e for e in envelopes}
-        retried = [by_id[str(f.id)] for f in failures if not f.abandon]
-        if retried:
-            self._hook(self.instrumentation.failed, self.broker_name, retried)
-        if abandoned:
-            self._hook(
-                self.instrumentation.abandoned,
-                self.broker_name,
-                [by_id[str(f.id)] for f in abandoned],
-            )
-        soonest = min((f.delay_seconds for f in failures if not f.abandon), default=None)
-        if soonest is not None:
-            due = time.monotonic() + soonest
-            if self._next_due is None or due < self._next_due:
-                self._next_due = due
-
-    async def _abandon_expired(self, rows: list[ClaimedRow], token: str) -> None:
-        deadline = self.settings.retry_deadline_seconds
-        await self.store.abandon(
-            [r.id for r in rows],
-            token,
-            f"retry deadline of {deadline:g}s passed (retry_deadline_seconds): not published "
-            "that long after its commit",
-        )
-        self.abandoned_total += len(rows)
-        self._hook(self.instrumentation.abandoned, self.broker_name, [envelope_of(r) for r in rows])
-        for r in rows:
-            logger.error(
-                "message abandoned: retry deadline passed",
-                extra={
-                    "action": "publish.abandoned",
-                    "broker": self.broker_name,
-                    "message_id": str(r.id),
-                    "attempts": r.attempts,
-                },
-            )
-
-    async def _abandon_exhausted(self, rows: list[ClaimedRow], token: str) -> None:
-        error = (
-            f"claimed {rows[0].attempts} times (max_attempts={self.settings.max_attempts}) "
-            "without a recorded outcome: the dispatcher probably crashed while publishing it"
-        )
-        await self.store.abandon([r.id for r in rows], token, error)
-        self.abandoned_total += len(rows)
-        self._hook(self.instrumentation.abandoned, self.broker_name, [envelope_of(r) for r in rows])
-        for r in rows:
-            logger.error(
-                "message abandoned after repeated crashes",
-                extra={
-                    "action": "publish.abandoned",
-                    "broker": self.broker_name,
-                    "message_id": str(r.id),
-                    "attempts": r.attempts,
-                },
-            )
-
-    async def _publish_ordered(self, envelopes: list[Envelope]) -> PublishResults:
-        """Per-key order inside a batch: publish in rounds (the n-th message of every key in
-        round n) and stop a key at its first failure; its later messages are given back.
-
-        Rounds are one broker call each, so a deep key costs one round trip per message.
-        They run within a time budget (half of ``publish_timeout_seconds``): once it is
-        spent no new round starts, what was sent is marked and the rest is given back with
-        its attempt refunded and claimed again at once. A key whose queue is deeper than
-        one publish timeout allows therefore drains batch after batch instead of timing
-        out whole and being re-sent from its first message forever."""
-        results: PublishResults = [None] * len(envelopes)
-        # A message without a key is a queue of its own.
-        queues: dict[tuple[str, str] | tuple[None, int], list[int]] = {}
-        for i, e in enumerate(envelopes):
-            queues.setdefault(("key", e.key) if e.key is not None else (None, i), []).append(i)
-        blocked: set[tuple[str, str] | tuple[None, int]] = set()
-        budget_ends = time.monotonic() + self.settings.publish_timeout_seconds / 2
-        depth = 0
-        while True:
-            round_ = [
-                (k, q[depth]) for k, q in queues.items() if len(q) > depth and k not in blocked
-            ]
-            if not round_:
-                break
-            if depth and time.monotonic() >= budget_ends:
-                for k, _first in round_:
-                    for later in queues[k][depth:]:
-                        results[later] = _NotAttempted()
-                break
-            out = await self.broker.publish([envelopes[i] for _, i in round_])
-            for (k, i), res in zip(round_, out, strict=True):
-                results[i] = res
-                if res is not None:
-                    blocked.add(k)
-                    for later in queues[k][depth + 1 :]:
-                        results[later] = _NotAttempted()
-            depth += 1
-        return results
-
 
 class _GiveBack(Exception):
     """Internal: the batch goes back to the table (broker unreachable)."""
@@ -706,10 +539,6 @@ class _GiveBack(Exception):
 
 class _BrokerDown(Exception):
     """Internal: the broker stopped answering during the one-by-one pass."""
-
-
-class _NotAttempted(Exception):
-    """Internal: an ordered message not sent because an earlier one of its key failed."""
 
 
 #: The table relay's first name, importable from every path it was (``fastapi_outbox.dispatcher``).

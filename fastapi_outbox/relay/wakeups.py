@@ -27,6 +27,7 @@ import anyio
 
 from fastapi_outbox.backoff import exponential_delay
 from fastapi_outbox.settings import LISTEN_CHECK_INTERVAL_SECONDS, LISTEN_CHECK_TIMEOUT_SECONDS
+from fastapi_outbox.storage.connector import Held
 from fastapi_outbox.storage.statements.wakeups import NOTIFY_SQL
 from fastapi_outbox.storage.store import Store
 
@@ -120,9 +121,8 @@ class Notifier:
             while True:
                 await self._signal.wait(None)
                 try:
-                    async with self.store.autocommit_engine.connect() as conn:
-                        raw = await conn.get_raw_connection()
-                        driver = raw.driver_connection
+                    async with self.store.connector.held() as held:
+                        driver = held.driver
                         assert driver is not None
                         while True:
                             await driver.execute(NOTIFY_SQL, self.channel, self.instance_id)
@@ -257,17 +257,18 @@ class Listener:
                 await lost.wait()
                 return None
 
-    async def _release(self, conn: Any, driver: Any, *, healthy: bool) -> None:
+    async def _release(self, held: Held, *, healthy: bool) -> None:
         """Give the connection back to the pool without its LISTEN, or — when it is closed,
         silent, or does not answer UNLISTEN within a second — drop it: a half-open
         connection returned to the pool would hang whoever used or closed it next."""
+        driver = held.driver
         if healthy and not driver.is_closed():
             with anyio.move_on_after(RELEASE_TIMEOUT_SECONDS):
                 await driver.remove_listener(self.channel, self._callback)
                 return
         driver.terminate()
         with anyio.move_on_after(RELEASE_TIMEOUT_SECONDS):
-            await conn.invalidate()
+            await held.invalidate()
 
     async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         failures = 0
@@ -287,9 +288,8 @@ class Listener:
         while True:
             lost = anyio.Event()
             try:
-                async with self.store.engine.connect() as conn:
-                    raw = await conn.get_raw_connection()
-                    driver = raw.driver_connection
+                async with self.store.connector.held(autocommit=False) as held:
+                    driver = held.driver
                     assert driver is not None
                     sock = _driver_socket(driver)
                     self.keepalive = sock is not None and set_keepalive(sock, self.check_interval)
@@ -301,7 +301,7 @@ class Listener:
                     finally:
                         self.listening = False
                         with anyio.CancelScope(shield=True):
-                            await self._release(conn, driver, healthy=silent is None)
+                            await self._release(held, healthy=silent is None)
                     if silent is not None:
                         self.silent_losses += 1
                     raw_lost = silent or "connection lost"

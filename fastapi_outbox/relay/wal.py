@@ -233,10 +233,9 @@ class WalRelay(RelayLoop):
         """One dedicated connection: wait to be elected, then lead until it fails or the
         relay stops. The connection is never handed back to the pool: the advisory lock
         (and any state of the slot) goes with it."""
-        async with self.store.autocommit_engine.connect() as conn:
+        async with self.store.connector.held(discard=True) as held:
+            driver = held.driver
             try:
-                raw = await conn.get_raw_connection()
-                driver: Any = raw.driver_connection
                 with anyio.fail_after(self._db_bound):
                     await self.slot.prepare_session(driver)
                 while True:
@@ -262,8 +261,6 @@ class WalRelay(RelayLoop):
             finally:
                 self.leader = False
                 self.oldest_unrelayed = None
-                with anyio.CancelScope(shield=True), anyio.move_on_after(2):
-                    await conn.invalidate()
 
     async def _lead(self, driver: Any) -> None:
         settings = self.settings
@@ -468,20 +465,14 @@ class WalRelay(RelayLoop):
         ``wal_read_timeout_seconds``."""
         self._fail_on_outage = True
         self._drained = 0
-        async with self.store.autocommit_engine.connect() as conn:
-            try:
-                raw = await conn.get_raw_connection()
-                driver: Any = raw.driver_connection
-                if not await self.slot.try_lock(driver):
-                    raise exceptions.UnitOfWorkError(
-                        f"a running WAL relay holds the slot {self.slot.name!r}: stop the "
-                        "dispatchers before draining by hand"
-                    )
-                while await self._step(driver):
-                    pass
-            finally:
-                with anyio.CancelScope(shield=True), anyio.move_on_after(2):
-                    await conn.invalidate()
+        async with self.store.connector.held(discard=True) as held:
+            if not await self.slot.try_lock(held.driver):
+                raise exceptions.UnitOfWorkError(
+                    f"a running WAL relay holds the slot {self.slot.name!r}: stop the "
+                    "dispatchers before draining by hand"
+                )
+            while await self._step(held.driver):
+                pass
         return self._drained
 
     # -- publishing ------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from typing import Any
 from sqlalchemy import Float, Interval, String, bindparam, func, literal_column
 from sqlalchemy.sql.elements import ColumnElement
 
-from fastapi_outbox.storage.schema import UtcDateTime
+from fastapi_outbox.storage.types import UtcDateTime
 
 __all__ = ["age_seconds", "db_later", "db_now", "seconds_modifier", "utcnow", "wall"]
 

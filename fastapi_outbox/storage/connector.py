@@ -8,28 +8,53 @@ no per-execution SQLAlchemy work (statement caching, parameter processing, resul
 wrapping), which on a busy relay costs as much CPU as the publish. Any other driver takes
 the SQLAlchemy path. Nothing outside ``storage/`` touches the driver for these statements
 (procrastinate's ``psycopg_connector``: the manager never touches the driver).
+
+The long sessions — the wake-ups' NOTIFY and LISTEN connections, the WAL relay's elected
+reader — hold one pooled connection each for as long as they run and talk to its driver
+connection directly: :meth:`Connector.held` hands them both, so no caller reaches into
+SQLAlchemy's pool for the driver itself.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import anyio
 from sqlalchemy.engine import Connection
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.util import await_only
 
 from fastapi_outbox.storage.engine import is_postgres, uses_asyncpg
 
-__all__ = ["Connector", "row_count"]
+__all__ = ["Connector", "Held", "row_count"]
+
+#: Bound on dropping a discarded connection (:meth:`Connector.held` with ``discard``): a
+#: connection to a server that went away must not hold up the caller's shutdown.
+DISCARD_TIMEOUT_SECONDS = 2.0
 
 
 def row_count(status: str) -> int:
     """The row count in asyncpg's command tag (``"UPDATE 42"``, ``"DELETE 42"``)."""
     return int(status.rsplit(" ", 1)[-1])
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Held:
+    """A pooled connection held for a long session (:meth:`Connector.held`): ``driver`` is
+    the driver's own connection under it (asyncpg's: LISTEN, termination listeners,
+    session-level locks)."""
+
+    connection: AsyncConnection
+    driver: Any
+
+    async def invalidate(self) -> None:
+        """Drop the connection: the pool never hands it out again (its state is unknown,
+        or it holds what must end with it, such as a session-level advisory lock)."""
+        await self.connection.invalidate()
 
 
 class Connector:
@@ -136,6 +161,31 @@ class Connector:
                     with anyio.CancelScope(shield=True):
                         await conn.invalidate()
                 raise
+
+    @contextlib.asynccontextmanager
+    async def held(self, *, autocommit: bool = True, discard: bool = False) -> AsyncIterator[Held]:
+        """A pooled connection and its driver connection, held for a long session.
+
+        ``autocommit`` (default): from the autocommit engine, for sessions that run single
+        statements (NOTIFY; the WAL relay's slot functions and advisory lock); False: from
+        the engine itself (the LISTEN connection, as it always was). ``discard``: the
+        connection is invalidated when the session ends however it ends (shielded from
+        cancellation, bounded by :data:`DISCARD_TIMEOUT_SECONDS`), never given back to the
+        pool — the WAL relay's session lock and slot state go with it. Without it, the
+        caller decides: the connection goes back to the pool on exit unless the caller
+        called :meth:`Held.invalidate`."""
+        engine = self.autocommit_engine if autocommit else self.engine
+        async with engine.connect() as conn:
+            try:
+                raw = await conn.get_raw_connection()
+                yield Held(conn, raw.driver_connection)
+            finally:
+                if discard:
+                    with (
+                        anyio.CancelScope(shield=True),
+                        anyio.move_on_after(DISCARD_TIMEOUT_SECONDS),
+                    ):
+                        await conn.invalidate()
 
     def insert_sync(
         self, conn: Connection, stmt: Any, keys: Sequence[str], params: list[dict[str, Any]]

@@ -80,6 +80,8 @@ from typing import Any
 
 import anyio
 
+from fastapi_outbox.storage.statements import engine as engine_sql
+
 __all__ = [
     "PING_SECONDS",
     "Verdict",
@@ -253,7 +255,7 @@ async def database_answers(engine: Any, timeout: float = PING_SECONDS) -> bool:
     try:
         with anyio.fail_after(timeout):
             async with engine.connect() as conn:
-                await conn.exec_driver_sql("SELECT 1")
+                await conn.exec_driver_sql(engine_sql.PING)
     except Exception:
         return False
     return True

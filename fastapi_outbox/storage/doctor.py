@@ -20,7 +20,6 @@ import contextlib
 import dataclasses
 import datetime as dt
 import logging
-import re
 from typing import Any
 
 import anyio
@@ -33,6 +32,8 @@ from sqlalchemy.schema import CreateColumn, CreateIndex, CreateTable
 from fastapi_outbox.exceptions import OutboxError
 from fastapi_outbox.log import safe_error
 from fastapi_outbox.storage import partitions
+from fastapi_outbox.storage.statements import doctor as sql
+from fastapi_outbox.storage.statements import partitions as partition_sql
 
 #: Columns of earlier layouts that the library no longer reads or writes.
 OBSOLETE_COLUMNS = {
@@ -75,10 +76,6 @@ class Finding:
     mismatch: bool = True
 
 
-def _q(name: str) -> str:
-    return '"' + name.replace('"', '""') + '"'
-
-
 def _index_body(definition: str) -> str:
     """``USING btree (…) WHERE …`` of a ``pg_get_indexdef``: what an index is, not what it
     is called nor where."""
@@ -89,49 +86,30 @@ def _index_body(definition: str) -> str:
 
 
 def _pg_columns(conn: Connection, relation: str) -> dict[str, tuple[str, bool, str]]:
-    rows = conn.execute(
-        text(
-            "SELECT attname, format_type(atttypid, atttypmod), attnotnull, attidentity "
-            "FROM pg_attribute WHERE attrelid = to_regclass(:r) AND attnum > 0 "
-            "AND NOT attisdropped"
-        ),
-        {"r": relation},
-    ).all()
+    rows = conn.execute(sql.COLUMNS, {"r": relation}).all()
     return {name: (type_, notnull, identity) for name, type_, notnull, identity in rows}
 
 
 def _pg_indexes(conn: Connection, relation: str) -> dict[str, tuple[str, bool, bool]]:
-    rows = conn.execute(
-        text(
-            "SELECT c.relname, pg_get_indexdef(i.indexrelid), i.indisvalid, i.indisprimary "
-            "FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
-            "WHERE i.indrelid = to_regclass(:r)"
-        ),
-        {"r": relation},
-    ).all()
+    rows = conn.execute(sql.INDEXES, {"r": relation}).all()
     return {name: (_index_body(d), valid, primary) for name, d, valid, primary in rows}
 
 
 def _pg_reloptions(conn: Connection, relation: str) -> dict[str, str]:
-    options = conn.execute(
-        text("SELECT reloptions FROM pg_class WHERE oid = to_regclass(:r)"), {"r": relation}
-    ).scalar_one_or_none()
+    options = conn.execute(sql.RELOPTIONS, {"r": relation}).scalar_one_or_none()
     return dict(o.split("=", 1) for o in options or [])
 
 
 def _expected_pg(conn: Connection, table: Table) -> tuple[dict[str, Any], dict[str, Any]]:
     """Columns and indexes of the expected layout, as PostgreSQL reports them: created as a
     temporary table in a savepoint that is rolled back."""
-    create = str(CreateTable(table).compile(dialect=conn.dialect))
-    create = re.sub(r"^\s*CREATE TABLE \S+", f"CREATE TEMPORARY TABLE {_PROBE}", create)
-    create = re.sub(r"\s*PARTITION BY RANGE \(created_at\)", "", create)
+    create = sql.probe_table(str(CreateTable(table).compile(dialect=conn.dialect)), _PROBE)
     with conn.begin_nested() as savepoint:
         conn.execute(text(create))
         for index in table.indexes:
             if index._ddl_if is not None and index._ddl_if.dialect not in (None, "postgresql"):
                 continue
-            ddl = str(CreateIndex(index).compile(dialect=conn.dialect))
-            ddl = re.sub(r" ON \S+ ", f" ON {_PROBE} ", ddl, count=1)
+            ddl = sql.probe_index(str(CreateIndex(index).compile(dialect=conn.dialect)), _PROBE)
             conn.execute(text(ddl))
         columns = _pg_columns(conn, _PROBE)
         indexes = _pg_indexes(conn, _PROBE)
@@ -140,9 +118,7 @@ def _expected_pg(conn: Connection, table: Table) -> tuple[dict[str, Any], dict[s
 
 
 def _pg_partitioned(conn: Connection, table: str) -> bool | None:
-    kind = conn.execute(
-        text("SELECT relkind::text FROM pg_class WHERE oid = to_regclass(:r)"), {"r": _q(table)}
-    ).scalar_one_or_none()
+    kind = conn.execute(sql.RELKIND, {"r": partition_sql.quote(table)}).scalar_one_or_none()
     return None if kind is None else kind == "p"
 
 
@@ -151,7 +127,7 @@ def examine_sync(conn: Connection, table: Table) -> list[Finding]:
     if conn.dialect.name != "postgresql":
         return _examine_sqlite(conn, table)
     name = table.name
-    relation = _q(name)
+    relation = partition_sql.quote(name)
     interval: dt.timedelta | None = table.info.get("partitioning")
     partitioned = _pg_partitioned(conn, name)
     if partitioned is None:
@@ -193,7 +169,6 @@ def _column_findings(
 ) -> list[Finding]:
     """PostgreSQL: missing columns, columns of another type or nullability, and obsolete
     columns the library no longer writes."""
-    relation = _q(table.name)
     findings: list[Finding] = []
     for column in table.columns:
         want = expected_columns[column.name]
@@ -203,7 +178,7 @@ def _column_findings(
             findings.append(
                 Finding(
                     f"column {column.name} is missing",
-                    [f"ALTER TABLE {relation} ADD COLUMN {add}"],
+                    [sql.add_column(table.name, add)],
                 )
             )
         elif have[0] != want[0]:
@@ -212,18 +187,16 @@ def _column_findings(
                     f"column {column.name} is {have[0]}, expected {want[0]}",
                     [
                         "-- rewrites the table under an ACCESS EXCLUSIVE lock: plan a window",
-                        f"ALTER TABLE {relation} ALTER COLUMN {_q(column.name)} TYPE {want[0]} "
-                        f"USING {_q(column.name)}::{want[0]}",
+                        sql.alter_type(table.name, column.name, want[0]),
                     ],
                     automatic=False,
                 )
             )
         elif have[1] != want[1]:
-            verb = "SET" if want[1] else "DROP"
             findings.append(
                 Finding(
                     f"column {column.name} is {'nullable' if not have[1] else 'NOT NULL'}",
-                    [f"ALTER TABLE {relation} ALTER COLUMN {_q(column.name)} {verb} NOT NULL"],
+                    [sql.set_not_null(table.name, column.name, want[1])],
                     automatic=False,
                 )
             )
@@ -232,7 +205,7 @@ def _column_findings(
             findings.append(
                 Finding(
                     f"obsolete column {column_name} ({why})",
-                    [f"ALTER TABLE {relation} DROP COLUMN {_q(column_name)}"],
+                    [sql.drop_column(table.name, column_name)],
                 )
             )
     return findings
@@ -281,15 +254,13 @@ def _index_finding(
     # CONCURRENTLY on a plain table: a live table keeps taking writes while the index
     # builds. PostgreSQL has no CONCURRENTLY for an index on a partitioned table.
     concurrently = not partitioned
-    ddl = str(CreateIndex(index).compile(dialect=dialect)).replace(
-        "CREATE INDEX ",
-        f"CREATE INDEX {'CONCURRENTLY ' if concurrently else ''}IF NOT EXISTS ",
-        1,
+    ddl = sql.create_index(
+        str(CreateIndex(index).compile(dialect=dialect)), concurrently=concurrently
     )
-    relation = _q(table.name)
+    relation = partition_sql.quote(table.name)
     if have is None:
         return [Finding(f"index {name} is missing", [ddl], concurrently=concurrently)]
-    drop = f"DROP INDEX {'CONCURRENTLY ' if concurrently else ''}IF EXISTS {_q(name)}"
+    drop = sql.drop_index(name, concurrently=concurrently)
     if have[0] != body:
         # Build the new one under a temporary name, then swap: claims keep an index.
         new = f"{name[:55]}_new"
@@ -297,10 +268,10 @@ def _index_finding(
             Finding(
                 f"index {name} is {have[0]}, expected {body}",
                 [
-                    f"DROP INDEX {'CONCURRENTLY ' if concurrently else ''}IF EXISTS {_q(new)}",
-                    ddl.replace(f"EXISTS {name} ", f"EXISTS {new} ", 1),
+                    sql.drop_index(new, concurrently=concurrently),
+                    sql.rename_in_create(ddl, name, new),
                     drop,
-                    f"ALTER INDEX {_q(new)} RENAME TO {_q(name)}",
+                    sql.rename_index(new, name),
                 ],
                 concurrently=concurrently,
             )
@@ -325,12 +296,13 @@ def _partition_findings(conn: Connection, name: str, interval: dt.timedelta) -> 
                 f"table {name} has no DEFAULT partition (a producer fails when no partition "
                 "covers its time)",
                 [
-                    f"CREATE TABLE {_q(partitions.default_name(name))} PARTITION OF {_q(name)} "
-                    f"DEFAULT WITH ({partitions.storage_sql()})"
+                    partition_sql.create_default(
+                        name, partitions.default_name(name), if_not_exists=False
+                    )
                 ],
             )
         )
-    now = conn.execute(text("SELECT now()")).scalar_one()
+    now = conn.execute(partition_sql.DB_NOW).scalar_one()
     # The cleaner keeps AHEAD_SECONDS ready; less than a day ahead means it is not running.
     missing = partitions.wanted_ranges(now, interval, found, ahead=DOCTOR_AHEAD_SECONDS)
     if missing:
@@ -340,9 +312,9 @@ def _partition_findings(conn: Connection, name: str, interval: dt.timedelta) -> 
                 f"{missing[0][0].isoformat()}); the cleaner creates them, so are dispatchers "
                 "running?",
                 [
-                    f"CREATE TABLE {_q(partitions.partition_name(name, lo))} PARTITION OF "
-                    f"{_q(name)} FOR VALUES FROM ('{lo.isoformat()}') TO ('{hi.isoformat()}') "
-                    f"WITH ({partitions.storage_sql()})"
+                    partition_sql.partition_of(
+                        name, partitions.partition_name(name, lo), lo, hi, if_not_exists=False
+                    )
                     for lo, hi in missing
                 ],
             )
@@ -354,7 +326,7 @@ def _partition_findings(conn: Connection, name: str, interval: dt.timedelta) -> 
 def _storage_findings(conn: Connection, relations: list[str]) -> list[Finding]:
     findings = []
     for relation in relations:
-        options = _pg_reloptions(conn, _q(relation))
+        options = _pg_reloptions(conn, partition_sql.quote(relation))
         wrong = {k: v for k, v in partitions.AUTOVACUUM.items() if options.get(k) != v}
         if wrong:
             settings = ", ".join(f"{k} = {v}" for k, v in wrong.items())
@@ -362,7 +334,7 @@ def _storage_findings(conn: Connection, relations: list[str]) -> list[Finding]:
                 Finding(
                     f"{relation}: autovacuum settings {', '.join(sorted(wrong))} not set "
                     "(vacuum would wait for a fraction of the table to be dead rows)",
-                    [f"ALTER TABLE {_q(relation)} SET ({settings})"],
+                    [sql.set_storage(relation, settings)],
                 )
             )
     return findings
@@ -373,8 +345,7 @@ def _storage_findings(conn: Connection, relations: list[str]) -> list[Finding]:
 
 def _examine_sqlite(conn: Connection, table: Table) -> list[Finding]:
     name = table.name
-    relation = _q(name)
-    columns = {row[1] for row in conn.execute(text(f"PRAGMA table_info({relation})"))}
+    columns = {row[1] for row in conn.execute(sql.sqlite_columns(name))}
     if not columns:
         return [Finding(f"table {name} does not exist", ["-- fastapi-outbox db create"])]
     findings: list[Finding] = []
@@ -386,15 +357,12 @@ def _examine_sqlite(conn: Connection, table: Table) -> list[Finding]:
             findings.append(
                 Finding(
                     f"column {column.name} is missing",
-                    [f"ALTER TABLE {relation} ADD COLUMN {add}"],
+                    [sql.add_column(name, add)],
                 )
             )
     live = {
         row[0]: " ".join(str(row[1]).split())
-        for row in conn.execute(
-            text("SELECT name, sql FROM sqlite_master WHERE type = 'index' AND tbl_name = :t"),
-            {"t": name},
-        )
+        for row in conn.execute(sql.SQLITE_INDEXES, {"t": name})
         if row[1] is not None
     }
     for index in sorted(table.indexes, key=lambda i: i.name or ""):
@@ -408,7 +376,7 @@ def _examine_sqlite(conn: Connection, table: Table) -> list[Finding]:
             findings.append(
                 Finding(
                     f"index {index_name} is {live[index_name]!r}, expected {ddl!r}",
-                    [f"DROP INDEX {_q(index_name)}", ddl],
+                    [sql.drop_index(index_name, if_exists=False), ddl],
                 )
             )
     for column_name, why in OBSOLETE_COLUMNS.items():
@@ -416,7 +384,7 @@ def _examine_sqlite(conn: Connection, table: Table) -> list[Finding]:
             findings.append(
                 Finding(
                     f"obsolete column {column_name} ({why})",
-                    [f"ALTER TABLE {relation} DROP COLUMN {_q(column_name)}"],
+                    [sql.drop_column(table.name, column_name)],
                 )
             )
     return findings
@@ -497,7 +465,7 @@ async def _upgrade_once(
             async with autocommit.connect() as conn:
                 if lock_timeout_seconds is not None:
                     ms = max(1, int(lock_timeout_seconds * 1000))
-                    await conn.execute(text(f"SET lock_timeout = {ms}"))
+                    await conn.execute(sql.lock_timeout(ms))
                 try:
                     for statement in finding.fix:
                         if not statement.startswith("--"):
@@ -505,7 +473,7 @@ async def _upgrade_once(
                 finally:
                     if lock_timeout_seconds is not None and not conn.invalidated:
                         with contextlib.suppress(DBAPIError):
-                            await conn.execute(text("RESET lock_timeout"))
+                            await conn.execute(sql.RESET_LOCK_TIMEOUT)
         except DBAPIError as exc:  # e.g. a partition whose range has rows in DEFAULT
             if _sqlstate(exc) == LOCK_NOT_AVAILABLE:
                 return applied, left, finding

@@ -4,9 +4,9 @@
 :class:`~sqlalchemy.ext.asyncio.AsyncEngine` with the project's defaults (SQLite: WAL, a busy
 timeout and ``BEGIN IMMEDIATE``, so the embedded default copes with a dispatcher and
 requests writing at once; PostgreSQL: a pool sized for the relays and the requests).
-:func:`is_postgres` and :func:`uses_asyncpg` are the two questions the statements and the
-connector ask of an engine or a connection: which SQL to write, and whether the driver's
-connection can run it directly.
+:func:`is_postgres` and :func:`uses_asyncpg` (re-exported from
+:mod:`~fastapi_outbox.storage.dialects`) are the two questions the statements and the
+connector ask of an engine or a connection.
 """
 
 from __future__ import annotations
@@ -14,12 +14,14 @@ from __future__ import annotations
 from typing import Any
 
 from sqlalchemy import event
-from sqlalchemy.engine import Connection, Dialect
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import StaticPool
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.redaction import redact, redact_url, remember
+from fastapi_outbox.storage.dialects import is_postgres as is_postgres
+from fastapi_outbox.storage.dialects import uses_asyncpg as uses_asyncpg
+from fastapi_outbox.storage.statements import engine as engine_sql
 
 __all__ = [
     "POOL_MAX_OVERFLOW",
@@ -38,24 +40,6 @@ POOL_MAX_OVERFLOW = 20
 #: SQLite: how long a writer waits for the write lock (the driver's, then SQLite's own).
 SQLITE_CONNECT_TIMEOUT_SECONDS = 30
 SQLITE_BUSY_TIMEOUT_MS = 30_000
-
-_Bound = AsyncEngine | AsyncConnection | Connection | Dialect
-
-
-def _dialect(bound: _Bound) -> Dialect:
-    return bound if isinstance(bound, Dialect) else bound.dialect
-
-
-def is_postgres(bound: _Bound) -> bool:
-    """True on PostgreSQL (any driver): the statements use arrays, ``FOR UPDATE SKIP
-    LOCKED``, ``seq`` and ``now()``; on SQLite an expanding IN, the rowid and ``'now'``."""
-    return _dialect(bound).name == "postgresql"
-
-
-def uses_asyncpg(bound: _Bound) -> bool:
-    """True when the driver is asyncpg: the hot statements then run on its connection
-    (see :mod:`fastapi_outbox.storage.connector`)."""
-    return _dialect(bound).driver == "asyncpg"
 
 
 def create_engine(url: str, options: dict[str, Any]) -> AsyncEngine:
@@ -86,16 +70,14 @@ def _tune_sqlite(engine: AsyncEngine) -> None:
     def _on_connect(dbapi_connection: Any, record: Any) -> None:
         dbapi_connection.isolation_level = None  # we issue BEGIN ourselves
         cursor = dbapi_connection.cursor()
-        if engine.url.database not in (None, "", ":memory:"):
-            cursor.execute("PRAGMA journal_mode=WAL")
-        cursor.execute("PRAGMA synchronous=NORMAL")
-        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
-        cursor.execute("PRAGMA foreign_keys=ON")
+        file_database = engine.url.database not in (None, "", ":memory:")
+        for pragma in engine_sql.sqlite_pragmas(SQLITE_BUSY_TIMEOUT_MS, wal=file_database):
+            cursor.execute(pragma)
         cursor.close()
 
     @event.listens_for(sync_engine, "begin")
     def _on_begin(conn: Any) -> None:
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
+        conn.exec_driver_sql(engine_sql.BEGIN_IMMEDIATE)
 
 
 def engine_defaults(url: str, options: dict[str, Any]) -> dict[str, Any]:

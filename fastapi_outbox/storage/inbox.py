@@ -89,7 +89,7 @@ class Inbox:
         self.is_postgres = engine.dialect.name == "postgresql"
         dialect_insert: Any = postgresql.insert if self.is_postgres else sqlite.insert
         # record / record_many (SQLAlchemy path). Caller: the subscriber's transaction
-        # (fastapi_outbox.consume.processing.Processing._run_batch), before its handlers run.
+        # (fastapi_outbox.consume.processing.Processing.run_batch), before its handlers run.
         # - ON CONFLICT DO NOTHING on the primary key: the row count (or the ids RETURNING
         #   gives back) says whether the message is new to the group; a concurrent insert
         #   of the same id waits on the key and then inserts nothing (effects once);

@@ -48,6 +48,9 @@ from fastapi_outbox.settings import (
     check_partitioned_table_name,
 )
 from fastapi_outbox.settings import parse_interval as parse_interval  # re-exported
+from fastapi_outbox.storage.statements import partitions as sql
+from fastapi_outbox.storage.statements.partitions import AUTOVACUUM as AUTOVACUUM
+from fastapi_outbox.storage.statements.partitions import storage_sql as storage_sql
 
 logger = logging.getLogger("fastapi_outbox.partitions")
 
@@ -60,20 +63,11 @@ AHEAD_SECONDS = 2 * 86400.0
 LOCK_TIMEOUT_SECONDS = 2.0
 #: Longest table name that leaves room for the partition suffix (``_p202611251200``).
 MAX_TABLE_NAME = MAX_PARTITIONED_TABLE_NAME
-#: Storage parameters of every outbox table and partition: autovacuum follows a queue's
-#: churn (a fixed number of dead rows) rather than the table's size.
-AUTOVACUUM = {
-    "autovacuum_vacuum_scale_factor": "0.0",
-    "autovacuum_vacuum_threshold": "5000",
-    "autovacuum_analyze_scale_factor": "0.0",
-    "autovacuum_analyze_threshold": "5000",
-}
 
 _BOUND = re.compile(r"FROM \((.+?)\) TO \((.+?)\)")
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 _MIN = dt.datetime.min.replace(tzinfo=dt.UTC)
 _MAX = dt.datetime.max.replace(tzinfo=dt.UTC)
-_ACTIVE_SQL = "status IN ('pending', 'processing', 'failed')"
 
 
 def default_name(table: str) -> str:
@@ -84,10 +78,6 @@ def partition_name(table: str, start: dt.datetime) -> str:
     if start.hour == start.minute == 0:
         return f"{table}_p{start:%Y%m%d}"
     return f"{table}_p{start:%Y%m%d%H%M}"
-
-
-def storage_sql() -> str:
-    return ", ".join(f"{k} = {v}" for k, v in AUTOVACUUM.items())
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -107,24 +97,13 @@ def _bound(value: str) -> dt.datetime | None:
     return dt.datetime.fromisoformat(value.strip("'")).astimezone(dt.UTC)
 
 
-def _q(name: str) -> str:
-    # Names are checked plain identifiers (table_name), quoted for keywords.
-    return '"' + name.replace('"', '""') + '"'
-
-
 # -- reading the catalogue ------------------------------------------------------------------
 
 
 def list_partitions(conn: Connection, table: str) -> list[Partition]:
     """The partitions of ``table``, by start (DEFAULT last). The bounds are read in UTC."""
-    conn.execute(text("SET LOCAL TimeZone = 'UTC'"))
-    rows = conn.execute(
-        text(
-            "SELECT c.relname, pg_get_expr(c.relpartbound, c.oid) FROM pg_inherits i "
-            "JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = to_regclass(:name)"
-        ),
-        {"name": _q(table)},
-    ).all()
+    conn.execute(sql.UTC)
+    rows = conn.execute(sql.list_partitions(), {"name": sql.quote(table)}).all()
     out = []
     for name, bound in rows:
         if bound == "DEFAULT":
@@ -138,7 +117,7 @@ def list_partitions(conn: Connection, table: str) -> list[Partition]:
 
 
 def _db_now(conn: Connection) -> dt.datetime:
-    now: dt.datetime = conn.execute(text("SELECT now()")).scalar_one()
+    now: dt.datetime = conn.execute(sql.DB_NOW).scalar_one()
     return now.astimezone(dt.UTC)
 
 
@@ -178,17 +157,12 @@ def wanted_ranges(
 
 def create_default_sync(conn: Connection, table: str) -> None:
     """The DEFAULT partition (idempotent)."""
-    conn.execute(
-        text(
-            f"CREATE TABLE IF NOT EXISTS {_q(default_name(table))} PARTITION OF {_q(table)} "
-            f"DEFAULT WITH ({storage_sql()})"
-        )
-    )
+    conn.execute(text(sql.create_default(table, default_name(table))))
 
 
 def _lock_timeout(conn: Connection) -> None:
     """Maintenance gives way to traffic: its locks are waited for this long at most."""
-    conn.execute(text(f"SET LOCAL lock_timeout = '{int(LOCK_TIMEOUT_SECONDS * 1000)}ms'"))
+    conn.execute(sql.lock_timeout(LOCK_TIMEOUT_SECONDS))
 
 
 def ranges_to_create(
@@ -213,17 +187,11 @@ def create_partition_sync(
     # Every dispatcher process runs this: one at a time, the others skip what is done.
     if (
         not _try_lock(conn, table)
-        or conn.execute(
-            text("SELECT to_regclass(:name) IS NOT NULL"), {"name": _q(name)}
-        ).scalar_one()
+        or conn.execute(sql.RELATION_EXISTS, {"name": sql.quote(name)}).scalar_one()
     ):
         return None
     taken = conn.execute(
-        text(
-            f"SELECT EXISTS (SELECT 1 FROM {_q(default_name(table))} "
-            "WHERE created_at >= :lo AND created_at < :hi)"
-        ),
-        {"lo": lo, "hi": hi},
+        sql.default_has_rows(default_name(table)), {"lo": lo, "hi": hi}
     ).scalar_one()
     if taken:
         logger.warning(
@@ -231,20 +199,9 @@ def create_partition_sync(
             extra={"action": "partition.skipped", "table": table, "partition": name},
         )
         return None
-    # LIKE + ATTACH rather than PARTITION OF: ATTACH locks the parent in SHARE UPDATE
-    # EXCLUSIVE mode only, so producers and dispatchers go on meanwhile. The partitioned
-    # indexes are created on the new (empty) table by the ATTACH.
-    conn.execute(
-        text(
-            f"CREATE TABLE {_q(name)} (LIKE {_q(table)} INCLUDING DEFAULTS) WITH ({storage_sql()})"
-        )
-    )
-    conn.execute(
-        text(
-            f"ALTER TABLE {_q(table)} ATTACH PARTITION {_q(name)} "
-            f"FOR VALUES FROM ('{lo.isoformat()}') TO ('{hi.isoformat()}')"
-        )
-    )
+    # LIKE + ATTACH rather than PARTITION OF: see sql.create_like.
+    conn.execute(sql.create_like(name, table))
+    conn.execute(sql.attach(table, name, lo, hi))
     logger.info(
         "partition created",
         extra={"action": "partition.created", "table": table, "partition": name},
@@ -271,21 +228,15 @@ def _finished_sync(
 ) -> bool:
     """Whether every row of partition ``name`` is done and past retention, through its
     partial indexes only (never a scan of the partition). A None cutoff: kept forever."""
-    q = _q(name)
-    checks = [f"EXISTS (SELECT 1 FROM {q} WHERE {_ACTIVE_SQL})"]
     params: dict[str, Any] = {}
-    for status, column, cutoff in (
-        ("published", "published_at", published_cutoff),
-        ("abandoned", "abandoned_at", abandoned_cutoff),
-    ):
-        if cutoff is None:
-            checks.append(f"EXISTS (SELECT 1 FROM {q} WHERE status IN ('{status}'))")
-        else:
-            checks.append(
-                f"EXISTS (SELECT 1 FROM {q} WHERE status IN ('{status}') AND {column} >= :{status})"
-            )
-            params[status] = cutoff
-    busy = conn.execute(text("SELECT " + " OR ".join(checks)), params).scalar_one()
+    if published_cutoff is not None:
+        params["published"] = published_cutoff
+    if abandoned_cutoff is not None:
+        params["abandoned"] = abandoned_cutoff
+    statement = sql.busy(
+        name, published=published_cutoff is not None, abandoned=abandoned_cutoff is not None
+    )
+    busy = conn.execute(statement, params).scalar_one()
     return not busy
 
 
@@ -326,11 +277,7 @@ def _try_lock(conn: Connection, table: str) -> bool:
     dispatcher process runs the maintenance, one at a time does it. (Two ATTACHes at once
     deadlock: each holds what the other's needs — the DEFAULT partition, the parent.)"""
     key = f"fastapi_outbox:partitions:{table}"
-    return bool(
-        conn.execute(
-            text("SELECT pg_try_advisory_xact_lock(hashtext(:key))"), {"key": key}
-        ).scalar_one()
-    )
+    return bool(conn.execute(sql.TRY_LOCK, {"key": key}).scalar_one())
 
 
 class Reactivated(Exception):
@@ -346,17 +293,14 @@ def drop_partition_sync(conn: Connection, table: str, name: str) -> None:
     old ``created_at``."""
     gone = (
         not _try_lock(conn, table)
-        or conn.execute(text("SELECT to_regclass(:name) IS NULL"), {"name": _q(name)}).scalar_one()
+        or conn.execute(sql.RELATION_MISSING, {"name": sql.quote(name)}).scalar_one()
     )
     if gone:  # another process is dropping it, or has
         raise Reactivated(name)
-    conn.execute(text(f"ALTER TABLE {_q(table)} DETACH PARTITION {_q(name)}"))
-    active = conn.execute(
-        text(f"SELECT EXISTS (SELECT 1 FROM {_q(name)} WHERE {_ACTIVE_SQL})")
-    ).scalar_one()
-    if active:
+    conn.execute(sql.detach(table, name))
+    if conn.execute(sql.any_active(name)).scalar_one():
         raise Reactivated(name)
-    conn.execute(text(f"DROP TABLE {_q(name)}"))
+    conn.execute(sql.drop(name))
 
 
 def install(table: Table, interval: dt.timedelta) -> None:
@@ -373,17 +317,9 @@ def install(table: Table, interval: dt.timedelta) -> None:
 def statements(table: str, interval: dt.timedelta, now: dt.datetime) -> list[str]:
     """The SQL that creates the DEFAULT partition and the partitions ahead of ``now`` for a
     new partitioned table (``db sql``, hand-written migrations)."""
-    out = [
-        f"CREATE TABLE IF NOT EXISTS {_q(default_name(table))} PARTITION OF {_q(table)} "
-        f"DEFAULT WITH ({storage_sql()})"
-    ]
+    out = [sql.create_default(table, default_name(table))]
     for lo, hi in wanted_ranges(now, interval, []):
-        name = partition_name(table, lo)
-        out.append(
-            f"CREATE TABLE IF NOT EXISTS {_q(name)} PARTITION OF {_q(table)} "
-            f"FOR VALUES FROM ('{lo.isoformat()}') TO ('{hi.isoformat()}') "
-            f"WITH ({storage_sql()})"
-        )
+        out.append(sql.partition_of(table, partition_name(table, lo), lo, hi))
     return out
 
 

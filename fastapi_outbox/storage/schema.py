@@ -29,7 +29,6 @@ from typing import Any
 from sqlalchemy import (
     BigInteger,
     Column,
-    Dialect,
     Identity,
     Index,
     Integer,
@@ -40,63 +39,20 @@ from sqlalchemy import (
     Uuid,
     text,
 )
-from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine.interfaces import Dialect as DialectT
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.schema import CreateIndex, CreateTable
-from sqlalchemy.types import DateTime, TypeDecorator, TypeEngine
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.events import MessageStatus
 from fastapi_outbox.settings import check_table_name
 from fastapi_outbox.storage import partitions
+from fastapi_outbox.storage.statements.partitions import ACTIVE_SQL as _ACTIVE_SQL
+from fastapi_outbox.storage.types import ACTIVE_STATUSES as ACTIVE_STATUSES
+from fastapi_outbox.storage.types import JsonText as JsonText
+from fastapi_outbox.storage.types import UtcDateTime as UtcDateTime
 
 __all__ = ["build_table", "ddl", "metadata", "outbox_table"]
-
-#: Statuses of rows that still need work; the partial indexes cover exactly these.
-ACTIVE_STATUSES = (MessageStatus.PENDING, MessageStatus.PROCESSING, MessageStatus.FAILED)
-_ACTIVE_SQL = "status IN ('pending', 'processing', 'failed')"
-
-
-class UtcDateTime(TypeDecorator[dt.datetime]):
-    """``timestamptz`` on PostgreSQL; on SQLite an ISO string in UTC that sorts as text."""
-
-    impl = DateTime(timezone=True)
-    cache_ok = True
-
-    def process_bind_param(self, value: Any, dialect: Dialect) -> Any:
-        if value is not None and dialect.name != "postgresql":
-            if value.tzinfo is None:
-                raise ValueError("naive datetime given for a UTC column")
-            value = value.astimezone(dt.UTC).replace(tzinfo=None)
-        return value
-
-    def process_result_value(self, value: Any, dialect: Dialect) -> Any:
-        if value is not None and value.tzinfo is None:
-            value = value.replace(tzinfo=dt.UTC)
-        return value
-
-
-class JsonText(TypeDecorator[str]):
-    """JSON stored and returned as already-encoded text (JSONB on PostgreSQL).
-
-    No json.dumps/json.loads happens in SQLAlchemy: the unit of work encodes each payload
-    once (it needs the size anyway) and the dispatcher publishes the text it reads back.
-    """
-
-    impl = Text
-    cache_ok = True
-
-    def load_dialect_impl(self, dialect: Dialect) -> TypeEngine[Any]:
-        if dialect.name == "postgresql":
-            return dialect.type_descriptor(postgresql.JSONB())
-        return dialect.type_descriptor(Text())
-
-    def bind_processor(self, dialect: Dialect) -> Any:
-        return None  # already JSON text
-
-    def result_processor(self, dialect: Dialect, coltype: Any) -> Any:
-        return None  # keep the JSON text
 
 
 def build_table(

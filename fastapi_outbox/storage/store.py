@@ -27,8 +27,10 @@ from sqlalchemy import Table
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from fastapi_outbox.storage import schema
+from fastapi_outbox.storage import read_models, schema
 from fastapi_outbox.storage.connector import Connector
+from fastapi_outbox.storage.read_models import BrokerStats as BrokerStats
+from fastapi_outbox.storage.read_models import aware as _aware
 from fastapi_outbox.storage.statements import operations as ops_sql
 from fastapi_outbox.storage.statements import relay as relay_sql
 from fastapi_outbox.storage.statements import retention as retention_sql
@@ -60,21 +62,6 @@ __all__ = [
 ]
 
 
-def _aware(value: Any) -> dt.datetime:
-    """A time read back from the database as an aware UTC datetime (SQLite returns the
-    stored text, or a naive datetime)."""
-    if isinstance(value, str):
-        value = dt.datetime.fromisoformat(value)
-    aware: dt.datetime = value if value.tzinfo is not None else value.replace(tzinfo=dt.UTC)
-    return aware
-
-
-def _age(now: dt.datetime, since: Any) -> float | None:
-    """Seconds from ``since`` (a due time) to ``now``; None while it is not yet due."""
-    seconds = (now - _aware(since)).total_seconds()
-    return seconds if seconds >= 0 else None
-
-
 @dataclasses.dataclass(slots=True)
 class ClaimedRow:
     """A row taken by a claim: what the dispatcher needs to publish it."""
@@ -100,27 +87,6 @@ class Failure:
     error: str
     delay_seconds: float
     abandon: bool
-
-
-@dataclasses.dataclass(slots=True)
-class BrokerStats:
-    """Counts of one broker's rows (health endpoint, ``status`` command)."""
-
-    broker: str
-    pending: int = 0
-    processing: int = 0
-    failed: int = 0
-    abandoned: int = 0
-    oldest_pending_age_seconds: float | None = None
-    published_last_minute: int = 0
-    #: Pending rows not due yet (delayed messages); included in ``pending``.
-    scheduled: int = 0
-    #: Only with ``stats(published_totals=True)``.
-    published: int | None = None
-    #: Ordered dispatch: keys whose later messages wait behind an abandoned message, and
-    #: the first such message by id (None when none blocks).
-    blocked_keys: int = 0
-    blocking_message: str | None = None
 
 
 class Store:
@@ -411,45 +377,17 @@ class Store:
         stalled; with ``ordered`` neither do the rows of its key behind it.
         ``published_totals`` adds the count of published rows, which costs a scan of all
         of them (the CLI's ``status``, never the health endpoint)."""
-        out: dict[str, BrokerStats] = {name: BrokerStats(name) for name in brokers}
-
-        def entry(name: str) -> BrokerStats:
-            return out.setdefault(name, BrokerStats(name))
-
         statements = self.stats_statements()
+        names = ["active"]
+        names += ["waiting_ordered", "blocking_ordered"] if ordered else []
+        names += ["abandoned", "scheduled", "recent"]
+        names += ["published"] if published_totals else []
         async with self.autocommit_engine.connect() as conn:
             db_now = _aware((await conn.execute(ops_sql.database_now(self.dialect))).scalar_one())
-            for broker, status, count, oldest in await conn.execute(statements["active"]):
-                setattr(entry(broker), status, int(count))
-                if status == PENDING and oldest is not None and not ordered:
-                    entry(broker).oldest_pending_age_seconds = _age(db_now, oldest)
-            if ordered:
-                await self._ordered_stats(conn, statements, db_now, entry)
-            for broker, count in await conn.execute(statements["abandoned"]):
-                entry(broker).abandoned = int(count)
-            for broker, count in await conn.execute(statements["scheduled"]):
-                entry(broker).scheduled = int(count)
-            for broker, count in await conn.execute(statements["recent"]):
-                entry(broker).published_last_minute = int(count)
-            if published_totals:
-                for s in out.values():
-                    s.published = 0
-                for broker, count in await conn.execute(statements["published"]):
-                    entry(broker).published = int(count)
-        return out
-
-    @staticmethod
-    async def _ordered_stats(
-        conn: AsyncConnection, statements: dict[str, Any], db_now: dt.datetime, entry: Any
-    ) -> None:
-        """Ordered dispatch: the pending age of the rows a dispatcher could take now, and
-        the keys blocked behind an abandoned row."""
-        for broker, oldest in await conn.execute(statements["waiting_ordered"]):
-            if oldest is not None:
-                entry(broker).oldest_pending_age_seconds = _age(db_now, oldest)
-        for broker, count, first in await conn.execute(statements["blocking_ordered"]):
-            entry(broker).blocked_keys = int(count)
-            entry(broker).blocking_message = None if first is None else str(uuid.UUID(str(first)))
+            rows = {name: (await conn.execute(statements[name])).all() for name in names}
+        return read_models.broker_stats(
+            brokers, db_now, rows, ordered=ordered, published_totals=published_totals
+        )
 
     async def count_matching(
         self,
@@ -514,23 +452,13 @@ class Store:
         with the oldest due pending row per stream: from the partial indexes (the dashboard's
         overview; cheap on a table of published rows)."""
         statements = ops_sql.stream_stats(self.table, self.dialect)
-        out: dict[tuple[str, str], dict[str, Any]] = {}
-
-        def entry(broker: str, stream: str) -> dict[str, Any]:
-            return out.setdefault((broker, stream), _stream_entry(broker, stream))
-
         async with self.autocommit_engine.connect() as conn:
             db_now = _aware((await conn.execute(ops_sql.database_now(self.dialect))).scalar_one())
-            for broker, stream, status, count, oldest in await conn.execute(statements["active"]):
-                e = entry(broker, stream)
-                e[status] = int(count)
-                if status == PENDING and oldest is not None:
-                    e["oldest_pending_age_seconds"] = _age(db_now, oldest)
-            for broker, stream, count in await conn.execute(statements["abandoned"]):
-                entry(broker, stream)[ABANDONED] = int(count)
-            for broker, stream, count in await conn.execute(statements["scheduled"]):
-                entry(broker, stream)["scheduled"] = int(count)
-        return sorted(out.values(), key=lambda e: (e["broker"], e["stream"]))
+            rows = {
+                name: (await conn.execute(statements[name])).all()
+                for name in ("active", "abandoned", "scheduled")
+            }
+        return read_models.stream_stats(db_now, rows)
 
     async def published_per_minute(self, minutes: int = 60) -> list[tuple[dt.datetime, int]]:
         """Published rows per minute over the last ``minutes`` (a range scan of the
@@ -538,15 +466,8 @@ class Store:
         stmt = ops_sql.published_per_minute(self.table, minutes, self.dialect)
         async with self.autocommit_engine.connect() as conn:
             db_now = _aware((await conn.execute(ops_sql.database_now(self.dialect))).scalar_one())
-            counts: dict[dt.datetime, int] = {}
-            for minute, count in await conn.execute(stmt):
-                counts[_aware(minute).replace(second=0, microsecond=0)] = int(count)
-        end = db_now.replace(second=0, microsecond=0)
-        start = end - dt.timedelta(minutes=minutes - 1)
-        return [
-            (start + dt.timedelta(minutes=i), counts.get(start + dt.timedelta(minutes=i), 0))
-            for i in range(minutes)
-        ]
+            rows = (await conn.execute(stmt)).all()
+        return read_models.per_minute(db_now, rows, minutes)
 
     async def states(self, ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, tuple[str, bool]]:
         """(status, held by a dispatcher) of each of ``ids`` that exists: one statement for
@@ -607,17 +528,3 @@ class Store:
         """``NOTIFY channel`` on a pooled connection, outside any business transaction."""
         async with self.autocommit_engine.connect() as conn:
             await conn.execute(wakeups_sql.notify(channel, payload))
-
-
-def _stream_entry(broker: str, stream: str) -> dict[str, Any]:
-    """A zeroed row of :meth:`Store.stream_stats`."""
-    return {
-        "broker": broker,
-        "stream": stream,
-        PENDING: 0,
-        PROCESSING: 0,
-        FAILED: 0,
-        ABANDONED: 0,
-        "scheduled": 0,
-        "oldest_pending_age_seconds": None,
-    }

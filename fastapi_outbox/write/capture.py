@@ -17,8 +17,9 @@ from typing import Any, Protocol
 from sqlalchemy.engine import Connection
 
 from fastapi_outbox.storage.store import Store
+from fastapi_outbox.storage.wal_slot import WalSlot
 
-__all__ = ["Capture", "TableCapture"]
+__all__ = ["Capture", "TableCapture", "capture_for"]
 
 
 class Capture(Protocol):
@@ -37,3 +38,13 @@ class TableCapture:
 
     def write(self, connection: Connection, rows: list[dict[str, Any]]) -> None:
         self.store.insert_rows_sync(connection, rows)
+
+
+def capture_for(store: Store, wal_slot: WalSlot | None) -> Capture:
+    """The capture of an outbox: :class:`TableCapture`, or with a WAL slot
+    (``capture="wal"``) :class:`~fastapi_outbox.write.wal_capture.WalCapture`."""
+    if wal_slot is None:
+        return TableCapture(store)
+    from fastapi_outbox.write.wal_capture import WalCapture
+
+    return WalCapture(store, wal_slot)

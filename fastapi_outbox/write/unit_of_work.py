@@ -233,10 +233,6 @@ class UnitOfWork:
         self._closed = True
         self._state.pop_publisher(self._publish_raised)
 
-    # Old private names, still called by modules that have not moved to the public ones.
-    _open = activate
-    _close = close
-
     def take_notify(self) -> list[Any]:
         """The outboxes still to be told about a commit made outside SQLAlchemy's greenlet
         (a sync ``Session``; an ``AsyncSession``'s commit has told them already)."""

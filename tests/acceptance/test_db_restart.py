@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import anyio
 import pytest
 
-from tests.integration.test_db_outage import BACKLOG, backlog_through_an_outage
+from tests.integration.consume.test_db_outage import BACKLOG, backlog_through_an_outage
 from tests.servers import PrivatePostgres, answers
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]

@@ -249,3 +249,40 @@ async def test_postgresql_and_redis(
             await assert_healthy(client, service)
     finally:
         await redis.aclose()
+
+
+async def test_postgresql_and_rabbitmq(
+    pg_url: str, rabbitmq_url: str, start_example: Callable[..., Service]
+) -> None:
+    """``BROKER_URL=amqp://…``: the order goes through the ``outbox`` exchange to the
+    billing group's queue and comes back as an invoice; InvoiceIssued reaches the mailer's
+    queue (nothing is left unroutable), and the service reports healthy."""
+    import aio_pika
+
+    queues = ("orders.billing", "orders.billing.dlq", "invoices.mailer", "invoices.mailer.dlq")
+
+    async def clear() -> None:
+        # The example's names are fixed on the shared RabbitMQ: nothing of earlier runs.
+        conn = await aio_pika.connect(rabbitmq_url)
+        try:
+            channel = await conn.channel()
+            for name in queues:
+                await channel.queue_delete(name)
+        finally:
+            await conn.close()
+
+    await clear()
+    service = start_example(DATABASE_URL=pg_url, BROKER_URL=rabbitmq_url)
+    try:
+        async with httpx.AsyncClient(timeout=10) as client:
+            await service.wait_ready(client)
+            customer = unique("ada")
+            order_id = await place_order(client, service, customer)
+            invoice = await invoice_of(client, service, customer)
+            assert (invoice["order_id"], invoice["amount"]) == (order_id, 42.0)
+            await wait_until(lambda: "mailed" in service.output(), timeout=15)
+            await assert_healthy(client, service)
+    finally:
+        service.process.terminate()  # before its queues go: it would declare them again
+        service.process.wait(15)
+        await clear()

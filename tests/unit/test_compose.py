@@ -32,6 +32,8 @@ IMAGE_TOOLS: dict[tuple[str, str], set[str]] = {
     ("redis", "alpine"): _BUSYBOX | {"redis-server", "redis-cli"},
     ("nats", "scratch"): {"nats-server"},
     ("nats", "alpine"): _BUSYBOX | {"nats-server"},
+    ("rabbitmq", "debian"): _DEBIAN | {"rabbitmq-server", "rabbitmqctl", "rabbitmq-diagnostics"},
+    ("rabbitmq", "alpine"): _BUSYBOX | {"rabbitmq-server", "rabbitmqctl", "rabbitmq-diagnostics"},
 }
 SHELLS = {"sh", "bash"}
 
@@ -63,14 +65,14 @@ def services() -> dict[str, Any]:
 
 
 def test_every_service_has_a_health_check_so_up_wait_can_wait() -> None:
-    assert set(services()) == {"postgres", "redis", "nats"}
+    assert set(services()) == {"postgres", "redis", "nats", "rabbitmq"}
     for name, service in services().items():
         check = service.get("healthcheck")
         assert check and check.get("test"), f"{name}: no health check"
         assert not check.get("disable"), name
 
 
-@pytest.mark.parametrize("name", ["postgres", "redis", "nats"])
+@pytest.mark.parametrize("name", ["postgres", "redis", "nats", "rabbitmq"])
 def test_each_health_check_runs_a_program_its_image_has(name: str) -> None:
     service = services()[name]
     tools = IMAGE_TOOLS[family(service["image"])]
@@ -101,5 +103,6 @@ def test_the_services_listen_where_the_readme_and_tests_look() -> None:
     assert "127.0.0.1:5432:5432" in ports["postgres"]
     assert "127.0.0.1:6379:6379" in ports["redis"]
     assert "127.0.0.1:4222:4222" in ports["nats"]
+    assert "127.0.0.1:5672:5672" in ports["rabbitmq"]
     readme = (ROOT / "README.md").read_text()
     assert "docker compose up --wait" in readme

@@ -1,5 +1,5 @@
 """NATS durable names and the refusal of an existing durable's settings (the update itself
-is tested on the real server in tests/integration/test_consumer_groups.py)."""
+is tested on the real server in tests/integration/consume/test_consumer_groups.py)."""
 
 from __future__ import annotations
 

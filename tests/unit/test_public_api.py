@@ -21,7 +21,12 @@ from fastapi_outbox import (
     unit_of_work,
 )
 from fastapi_outbox import brokers as brokers_module
-from fastapi_outbox.brokers import MemoryBroker, NatsJetStreamBroker, RedisStreamsBroker
+from fastapi_outbox.brokers import (
+    MemoryBroker,
+    NatsJetStreamBroker,
+    RabbitMQBroker,
+    RedisStreamsBroker,
+)
 
 PACKAGE_DIR = Path(fastapi_outbox.__file__).parent
 
@@ -60,7 +65,7 @@ def test_design_names_are_importable() -> None:
     assert isinstance(Outbox, type) and isinstance(OutboxSettings, type)
     assert isinstance(UnitOfWork, type) and callable(unit_of_work)
     assert issubclass(Event, object) and isinstance(AggregateRoot, type)
-    assert {MemoryBroker, RedisStreamsBroker, NatsJetStreamBroker} <= {
+    assert {MemoryBroker, RedisStreamsBroker, NatsJetStreamBroker, RabbitMQBroker} <= {
         getattr(brokers_module, n) for n in brokers_module.__all__
     }
 
@@ -75,6 +80,7 @@ def test_all_is_exact_and_every_name_resolves() -> None:
         "MemoryBroker",
         "NatsJetStreamBroker",
         "PublishResults",
+        "RabbitMQBroker",
         "RedisStreamsBroker",
         "broker_from_url",
     }
@@ -248,6 +254,48 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "NatsJetStreamConsumer",
         "durable_name",
     },
+    "fastapi_outbox.brokers.rabbitmq": {
+        "CONFIRM_TIMEOUT_SECONDS",
+        "CONNECT_TIMEOUT_SECONDS",
+        "DEFAULT_EXCHANGE",
+        "DEFAULT_URL",
+        "KEY_HEADER",
+        "QUEUE_TEMPLATE",
+        "RabbitMQBroker",
+        "RabbitMQConnection",
+        "outage",
+    },
+    "fastapi_outbox.brokers.rabbitmq.broker": {"RabbitMQBroker"},
+    "fastapi_outbox.brokers.rabbitmq.connection": {
+        "CONFIRM_TIMEOUT_SECONDS",
+        "CONNECT_TIMEOUT_SECONDS",
+        "RabbitMQConnection",
+    },
+    "fastapi_outbox.brokers.rabbitmq.consumer": {
+        "DEAD_LETTER_ID",
+        "DEAD_LETTER_SCAN",
+        "DEFAULT_PREFETCH",
+        "DELIVERY_LIMIT",
+        "RabbitMQConsumer",
+    },
+    "fastapi_outbox.brokers.rabbitmq.publisher": {
+        "DEFAULT_EXCHANGE",
+        "DEFAULT_URL",
+        "RabbitMQPublisher",
+    },
+    "fastapi_outbox.brokers.rabbitmq.wire": {
+        "BROKER_HEADERS",
+        "DELIVERY_COUNT_HEADER",
+        "KEY_HEADER",
+        "QUEUE_TEMPLATE",
+        "delivery_attempt",
+        "header_problem",
+        "message_headers",
+        "message_identity",
+        "outage",
+        "queue_name",
+        "user_headers",
+    },
     "fastapi_outbox.brokers.redis": {
         "DEDUP_WINDOW_SECONDS",
         "DedupMode",
@@ -271,6 +319,13 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "refusal_code",
         "reply_entries",
         "text",
+    },
+    "fastapi_outbox.brokers.setup": {
+        "DEFAULT_BROKER",
+        "NO_BROKER",
+        "BrokerSetup",
+        "resolve_broker",
+        "setup_brokers",
     },
     "fastapi_outbox.brokers.redis_consumer": {
         "AUTOCLAIM_COUNT",
@@ -322,6 +377,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
     },
     "fastapi_outbox.consume.batches": {"BATCH_HANDLER_TRIES", "Batches"},
     "fastapi_outbox.consume.context": {"AfterCommit", "ConsumeContext", "UnitOfWorkT"},
+    "fastapi_outbox.consume.entry": {"OutboxSide", "subscribe", "unit_of_work"},
     "fastapi_outbox.consume.handlers": {
         "BatchUnitOfWork",
         "Decoder",
@@ -347,12 +403,15 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "PAUSE_MIN_SECONDS",
         "UNWRITTEN_DEAD_LETTERS_KEPT",
         "HandlerRun",
+        "InFlight",
         "Processing",
+        "ProcessingOptions",
         "ReleasedAtStop",
         "Spoiled",
         "SubscriberStats",
         "handler_transaction",
         "harvest_added",
+        "pause_for",
     },
     "fastapi_outbox.consume.subscriber": {
         "BatchUnitOfWork",
@@ -477,6 +536,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "show",
         "stale_dead_letters",
     },
+    "fastapi_outbox.ops.routers": {"NO_DASHBOARD_GUARD", "Routers"},
     "fastapi_outbox.ops.dashboard": {"CSRF_COOKIE", "CSRF_HEADER", "build_dashboard_router"},
     "fastapi_outbox.ops.asyncapi": {
         "ASYNCAPI_PATH",
@@ -515,10 +575,14 @@ PUBLIC_ALL: dict[str, set[str]] = {
     "fastapi_outbox.backoff": {"exponential_delay"},
     "fastapi_outbox.relay.groups_first": {
         "DECLARE_GROUPS_TIMEOUT_SECONDS",
+        "GroupOwner",
         "GroupsFirst",
+        "declare_groups",
         "declare_or_warn",
         "gate_brokers",
     },
+    "fastapi_outbox.relay.ordered": {"publish_ordered"},
+    "fastapi_outbox.relay.outcomes": {"NotAttempted", "Outcomes", "retry_delay"},
     "fastapi_outbox.relay.supervisor": {
         "Relays",
         "Service",
@@ -546,6 +610,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
     },
     "fastapi_outbox.storage.connector": {
         "Connector",
+        "Held",
         "row_count",
     },
     "fastapi_outbox.storage.db_outage": {
@@ -558,6 +623,10 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "is_outage",
         "sqlstate_of",
     },
+    "fastapi_outbox.storage.dialects": {
+        "is_postgres",
+        "uses_asyncpg",
+    },
     "fastapi_outbox.storage.engine": {
         "POOL_MAX_OVERFLOW",
         "POOL_SIZE",
@@ -569,7 +638,47 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "uses_asyncpg",
     },
     "fastapi_outbox.storage.inbox": {"Inbox", "build_inbox_table", "inbox_table"},
+    "fastapi_outbox.storage.read_models": {
+        "BrokerStats",
+        "age",
+        "aware",
+        "broker_stats",
+        "per_minute",
+        "stream_stats",
+    },
     "fastapi_outbox.storage.schema": {"build_table", "ddl", "metadata", "outbox_table"},
+    "fastapi_outbox.storage.statements.doctor": {
+        "COLUMNS",
+        "INDEXES",
+        "RELKIND",
+        "RELOPTIONS",
+        "RESET_LOCK_TIMEOUT",
+        "SQLITE_INDEXES",
+        "add_column",
+        "alter_type",
+        "create_index",
+        "drop_column",
+        "drop_index",
+        "lock_timeout",
+        "probe_index",
+        "probe_table",
+        "rename_in_create",
+        "rename_index",
+        "set_not_null",
+        "set_storage",
+        "sqlite_columns",
+    },
+    "fastapi_outbox.storage.statements.engine": {
+        "BEGIN_IMMEDIATE",
+        "PING",
+        "sqlite_pragmas",
+    },
+    "fastapi_outbox.storage.setup": {
+        "Storage",
+        "build_outbox_table",
+        "open_engine",
+        "setup_storage",
+    },
     "fastapi_outbox.storage.statements.operations": {
         "abandon_unclaimed",
         "blocking_ordered",
@@ -602,6 +711,28 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "offset",
         "order_columns",
         "status_in",
+    },
+    "fastapi_outbox.storage.statements.partitions": {
+        "ACTIVE_SQL",
+        "AUTOVACUUM",
+        "DB_NOW",
+        "RELATION_EXISTS",
+        "RELATION_MISSING",
+        "TRY_LOCK",
+        "UTC",
+        "any_active",
+        "attach",
+        "busy",
+        "create_default",
+        "create_like",
+        "default_has_rows",
+        "detach",
+        "drop",
+        "list_partitions",
+        "lock_timeout",
+        "partition_of",
+        "quote",
+        "storage_sql",
     },
     "fastapi_outbox.storage.statements.relay": {
         "CLAIM_COLUMNS",
@@ -658,6 +789,11 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "PUBLISHED",
         "Store",
     },
+    "fastapi_outbox.storage.types": {
+        "ACTIVE_STATUSES",
+        "JsonText",
+        "UtcDateTime",
+    },
     "fastapi_outbox.storage.wal_slot": {
         "Read",
         "SlotStats",
@@ -711,7 +847,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "decode",
         "encode",
     },
-    "fastapi_outbox.write.capture": {"Capture", "TableCapture"},
+    "fastapi_outbox.write.capture": {"Capture", "TableCapture", "capture_for"},
     "fastapi_outbox.write.context": {"WriteContext"},
     "fastapi_outbox.write.session_events": {
         "JOINED_KEY",

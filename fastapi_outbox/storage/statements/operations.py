@@ -37,7 +37,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.engine import Dialect
 
-from fastapi_outbox.storage.engine import is_postgres
+from fastapi_outbox.storage.dialects import is_postgres
 from fastapi_outbox.storage.statements.parts import (
     ABANDONED,
     ACTIVE,

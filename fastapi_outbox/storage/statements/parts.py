@@ -17,8 +17,8 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from fastapi_outbox.events import MessageStatus
 from fastapi_outbox.storage import clock
-from fastapi_outbox.storage.engine import is_postgres
-from fastapi_outbox.storage.schema import ACTIVE_STATUSES
+from fastapi_outbox.storage.dialects import is_postgres
+from fastapi_outbox.storage.types import ACTIVE_STATUSES
 
 __all__ = [
     "ABANDONED",

@@ -39,7 +39,7 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.sql.elements import ColumnElement
 
 from fastapi_outbox.storage import clock
-from fastapi_outbox.storage.engine import is_postgres
+from fastapi_outbox.storage.dialects import is_postgres
 from fastapi_outbox.storage.statements.parts import (
     ABANDONED,
     ACTIVE,

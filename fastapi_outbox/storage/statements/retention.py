@@ -11,7 +11,7 @@ from typing import Any
 from sqlalchemy import Table, delete, exists, or_, select, tuple_
 from sqlalchemy.engine import Dialect
 
-from fastapi_outbox.storage.engine import is_postgres
+from fastapi_outbox.storage.dialects import is_postgres
 from fastapi_outbox.storage.statements.parts import PUBLISHED, active, later, order_columns
 
 __all__ = ["purge"]

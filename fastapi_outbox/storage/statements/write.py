@@ -17,8 +17,8 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.sql.elements import TextClause
 
 from fastapi_outbox.storage import clock
-from fastapi_outbox.storage.engine import is_postgres
-from fastapi_outbox.storage.schema import UtcDateTime
+from fastapi_outbox.storage.dialects import is_postgres
+from fastapi_outbox.storage.types import UtcDateTime
 
 __all__ = [
     "EMIT_SQL",

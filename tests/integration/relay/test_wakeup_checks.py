@@ -34,14 +34,14 @@ from fastapi_outbox.brokers import MemoryBroker, RedisStreamsBroker
 from fastapi_outbox.events import Message
 from fastapi_outbox.relay import wakeups as notify
 from tests.conftest import unique, wait_until
-from tests.integration import test_wakeup
-from tests.integration.test_wakeup import count_claims, idle
+from tests.integration.relay import test_wakeup
+from tests.integration.relay.test_wakeup import count_claims, idle
 from tests.servers import TcpProxy
 
 SLOW_POLL = {"poll_interval_seconds": 30.0, "max_poll_interval_seconds": 30.0}
 #: Far below the 30 s poll: a message published within this was woken.
 WAKE_WITHIN = 5.0
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 #: The fixture of test_wakeup: ``await make_outbox(url, broker, **settings)``.
 make_outbox = test_wakeup.make_outbox
 

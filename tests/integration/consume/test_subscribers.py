@@ -324,7 +324,7 @@ async def test_a_handler_that_commits_itself_runs_once_inside_its_batch(
 ) -> None:
     """A handler's own commit inside a batch releases the session's savepoint in the
     batch's transaction: the batch is not refused, each handler runs once (the effects of
-    every idiom: tests/integration/test_handler_idioms.py)."""
+    every idiom: tests/integration/consume/test_handler_idioms.py)."""
     outbox = await new_outbox(sqlite_url)
     calls: list[int] = []
 

@@ -324,7 +324,7 @@ async def test_the_readme_procedure_moves_a_plain_table_to_partitions(pg_url: st
     new partitions."""
     import asyncpg
 
-    readme = (Path(__file__).parents[2] / "docs" / "how-to" / "partitions.md").read_text()
+    readme = (Path(__file__).parents[3] / "docs" / "how-to" / "partitions.md").read_text()
     block = readme.split("```sql\n-- Move outbox_messages to daily partitions")[1]
     script = block.split("\n", 1)[1].split("```")[0]  # from the line after the title
     tomorrow = midnight(dt.datetime.now(dt.UTC)) + DAY

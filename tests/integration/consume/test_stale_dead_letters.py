@@ -16,8 +16,8 @@ from fastapi_outbox import Message, Outbox
 from fastapi_outbox.brokers import broker_from_url
 from fastapi_outbox.ops.dashboard.router import CSRF_COOKIE, CSRF_HEADER
 from tests.conftest import asgi_client, run_cli
-from tests.integration.test_consumer_contract import _redis
-from tests.integration.test_consumer_operations import _fetch
+from tests.integration.consume.test_consumer_contract import _redis
+from tests.integration.ops.test_consumer_operations import _fetch
 
 APP = "tests.integration.consumer_cli_app:outbox"
 

@@ -15,7 +15,7 @@ from fastapi_outbox import Outbox, OutboxSettings
 from fastapi_outbox.brokers import MemoryBroker
 from fastapi_outbox.storage import doctor
 from tests.conftest import unique, wait_until
-from tests.integration.test_upgrade import PRE_RELEASE, fill
+from tests.integration.storage.test_upgrade import PRE_RELEASE, fill
 
 
 async def hold_lock(url: str) -> asyncpg.Connection:

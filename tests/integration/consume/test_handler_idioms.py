@@ -7,7 +7,8 @@ rollback then more work (the insert-if-absent idiom), its own commit then a roll
 savepoint rolled back and one released, an exception after a flush, a second unit of work,
 a second session — run the three ways a subscriber runs handlers: a batch of per-message
 handlers (the default), one message per transaction (``batch=False``), and a batch handler
-(``list[Event]``); on SQLite and PostgreSQL. Every message is delivered twice (a second
+(``list[Event]``); on the memory broker with SQLite and PostgreSQL, and on RabbitMQ with
+PostgreSQL. Every message is delivered twice (a second
 stream entry with the same message id, after the first was handled), and the idioms that
 fail do so on the first call for each message. The test counts the effects in the database
 and the events in the outbox (and on the broker, from the running dispatcher): each exactly
@@ -17,6 +18,7 @@ once.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -27,9 +29,9 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from fastapi_outbox import Event, Outbox, OutboxSettings, UnitOfWork, uuid7
-from fastapi_outbox.brokers import MemoryBroker
+from fastapi_outbox.brokers import Broker, MemoryBroker
 from fastapi_outbox.events import Envelope
-from tests.conftest import wait_until
+from tests.conftest import unique, wait_until
 
 MESSAGES = 6
 JOBS = "idiom_jobs"
@@ -170,11 +172,82 @@ IDIOMS: dict[Idiom, tuple[set[str], set[str]] | None] = {
 MODES = ["batch", "one_by_one", "batch_handler"]
 
 
-@pytest.fixture
-async def outbox(db_url: str) -> AsyncIterator[Outbox]:
+class Feed:
+    """The test's side of the broker: puts messages on ``JOBS`` and reads what the
+    dispatcher published to ``idiom_done``."""
+
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+        self.done: list[dict[str, Any]] = []
+
+    async def published(self) -> list[dict[str, Any]]:
+        """Payloads published to ``idiom_done`` so far."""
+        assert isinstance(self.broker, MemoryBroker)
+        return [json.loads(m.payload) for m in self.broker.on_stream("idiom_done")]
+
+
+class RabbitFeed(Feed):
+    """RabbitMQ: ``idiom_done`` read from a queue of the test's own bound to it."""
+
+    def __init__(self, broker: Broker, queue: Any) -> None:
+        super().__init__(broker)
+        self.queue = queue
+
+    async def published(self) -> list[dict[str, Any]]:
+        while (m := await self.queue.get(no_ack=True, fail=False)) is not None:
+            self.done.append(json.loads(m.body))
+        return self.done
+
+
+FEEDS: dict[Outbox, Feed] = {}
+
+
+def feed_of(outbox: Outbox) -> Feed:
+    return FEEDS[outbox]
+
+
+@pytest.fixture(params=["memory-sqlite", "memory-postgres", "rabbitmq-postgres"])
+async def outbox(request: pytest.FixtureRequest, tmp_path: Any) -> AsyncIterator[Outbox]:
+    kind, db = request.param.split("-")
+    db_url = (
+        f"sqlite+aiosqlite:///{tmp_path}/test.db"
+        if db == "sqlite"
+        else str(request.getfixturevalue("pg_url"))
+    )
+    if kind == "memory":
+        broker: Broker = MemoryBroker()
+        async with _outbox(db_url, broker) as outbox:
+            FEEDS[outbox] = Feed(broker)
+            yield outbox
+        return
+    import aio_pika
+
+    from fastapi_outbox.brokers import RabbitMQBroker
+
+    url = str(request.getfixturevalue("rabbitmq_url"))
+    exchange, prefix = unique("idioms"), unique("idioms") + "."
+    broker = RabbitMQBroker(url, exchange=exchange, queue_prefix=prefix)
+    conn = await aio_pika.connect(url)
+    channel = await conn.channel()
+    x = await channel.declare_exchange(exchange, "topic", durable=True)
+    done = await channel.declare_queue(prefix + "done", durable=True)
+    await done.bind(x, routing_key="idiom_done")
+    try:
+        async with _outbox(db_url, broker) as outbox:
+            FEEDS[outbox] = RabbitFeed(broker, done)
+            yield outbox
+    finally:
+        for name in (f"{JOBS}.idioms", f"{JOBS}.idioms.dlq", "done"):
+            await channel.queue_delete(prefix + name)
+        await channel.exchange_delete(exchange)
+        await conn.close()
+
+
+@contextlib.asynccontextmanager
+async def _outbox(db_url: str, broker: Broker) -> AsyncIterator[Outbox]:
     outbox = Outbox(
         db_url,
-        brokers={"default": MemoryBroker()},
+        brokers={"default": broker},
         settings=OutboxSettings(
             poll_interval_seconds=0.05,
             consumer_claim_idle_seconds=1.0,
@@ -187,8 +260,11 @@ async def outbox(db_url: str) -> AsyncIterator[Outbox]:
         await conn.run_sync(Base.metadata.create_all)
         await conn.execute(Customer.__table__.insert(), [{"id": n} for n in range(0, MESSAGES, 2)])
     await outbox.create_tables()
-    yield outbox
-    await outbox.aclose()
+    try:
+        yield outbox
+    finally:
+        FEEDS.pop(outbox, None)
+        await outbox.aclose()
 
 
 def declare(outbox: Outbox, idiom: Idiom, mode: str, calls: collections.Counter[int]) -> None:
@@ -216,9 +292,9 @@ def declare(outbox: Outbox, idiom: Idiom, mode: str, calls: collections.Counter[
     )
 
 
-async def deliver(broker: MemoryBroker, ids: list[str]) -> None:
+async def deliver(broker: Broker, ids: list[str]) -> None:
     """One stream entry per message id (message ``n`` has id ``ids[n]``)."""
-    await broker.publish(
+    results = await broker.publish(
         [
             Envelope(
                 str(uuid7()),
@@ -231,6 +307,7 @@ async def deliver(broker: MemoryBroker, ids: list[str]) -> None:
             for n, message_id in enumerate(ids)
         ]
     )
+    assert results == [None] * len(ids), results
 
 
 async def committed(outbox: Outbox) -> tuple[collections.Counter[Any], collections.Counter[Any]]:
@@ -250,7 +327,7 @@ async def test_effects_once_whatever_the_handler_does_with_its_session(
     outbox: Outbox, idiom: Idiom, mode: str
 ) -> None:
     broker = outbox.brokers["default"]
-    assert isinstance(broker, MemoryBroker)
+    feed = feed_of(outbox)
     calls: collections.Counter[int] = collections.Counter()
     declare(outbox, idiom, mode, calls)
     sub = outbox.subscribers[0]
@@ -272,15 +349,13 @@ async def test_effects_once_whatever_the_handler_does_with_its_session(
             effects, events = await committed(outbox)
             want_events = {(n, label) for n in range(MESSAGES) for label in expected[1]}
             # The running dispatcher publishes exactly the committed events.
-            await wait_until(
-                lambda: sum(m.stream == "idiom_done" for m in broker.messages) >= len(want_events),
-                timeout=15,
-            )
+
+            async def all_published() -> bool:
+                return len(await feed.published()) >= len(want_events)
+
+            await wait_until(all_published, timeout=15)
             published = collections.Counter(
-                (body["n"], body["label"])
-                for body in (
-                    json.loads(m.payload) for m in broker.messages if m.stream == "idiom_done"
-                )
+                (body["n"], body["label"]) for body in await feed.published()
             )
     group = (await outbox.inbox.group_stats(["idioms"])).get("idioms")
     if expected is None:
@@ -311,7 +386,7 @@ async def test_dispatchers_are_woken_by_the_subscribers_commit_not_the_handlers(
     """A handler's own commit commits nothing, so it wakes no dispatcher: the wake-up (and a
     NOTIFY, when one is due) follows the subscriber's commit, once."""
     broker = outbox.brokers["default"]
-    assert isinstance(broker, MemoryBroker)
+    feed = feed_of(outbox)
     woken: list[dict[str, float]] = []
     seen_by_handler: list[int] = []
     committed = outbox.committed
@@ -332,7 +407,11 @@ async def test_dispatchers_are_woken_by_the_subscribers_commit_not_the_handlers(
     async with outbox.dispatcher():
         await deliver(broker, [str(uuid7())])
         await wait_until(lambda: sub.stats.handled == 1, timeout=30)
-        await wait_until(lambda: len(broker.on_stream("idiom_done")) == 1, timeout=15)
+
+        async def published() -> bool:
+            return len(await feed.published()) == 1
+
+        await wait_until(published, timeout=15)
     assert seen_by_handler == [0]  # nothing woken by the handler's own commit
     assert woken == [{"default": 0.0}]  # once, by the subscriber's commit
 
@@ -350,7 +429,6 @@ async def test_a_unit_of_work_of_another_outbox_on_the_same_database_joins_too(
     )
     await other.create_tables()
     broker = outbox.brokers["default"]
-    assert isinstance(broker, MemoryBroker)
 
     async def publishes_elsewhere(uow: UnitOfWork, ns: list[int], first: bool) -> None:
         effect(uow, ns, "a", event=False)

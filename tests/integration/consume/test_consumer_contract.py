@@ -1,4 +1,5 @@
-"""Subscribers with the inbox, one contract on every broker: memory, Redis Streams, NATS.
+"""Subscribers with the inbox, one contract on every broker: memory, Redis Streams, NATS,
+RabbitMQ.
 
 Effects are rows in PostgreSQL (SQLite for the memory broker's embedded default), counted
 per message id; duplicates are injected straight into the real stream (same message id,
@@ -139,6 +140,52 @@ async def _nats(url: str, db_url: str) -> AsyncIterator[Harness]:
 
 
 @contextlib.asynccontextmanager
+async def _rabbitmq(url: str, db_url: str) -> AsyncIterator[Harness]:
+    """The broker on an exchange of this test's own; the queues its groups declared
+    (``{stream}.{group}`` and the dead-letter queues) are deleted after."""
+    import aio_pika
+
+    from fastapi_outbox.brokers import RabbitMQBroker
+
+    exchange = unique("consumer_x")
+    broker = RabbitMQBroker(url, exchange=exchange)
+    conn = await aio_pika.connect(url)
+    channel = await conn.channel(publisher_confirms=True)
+
+    async def inject(
+        stream: str, message_id: str, type_: str, payload: dict[str, Any], headers: dict[str, str]
+    ) -> None:
+        x = await channel.declare_exchange(exchange, "topic", durable=True)
+        await x.publish(
+            aio_pika.Message(
+                json.dumps(payload).encode(),
+                message_id=message_id,
+                type=type_,
+                headers={**headers, "message-id": message_id, "type": type_},
+                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            ),
+            routing_key=stream,
+            mandatory=True,  # a stream no group is bound to fails the test, never drops
+        )
+
+    harness = Harness("rabbitmq", broker, db_url, inject)
+    try:
+        yield harness
+    finally:
+        await broker.aclose()
+        for stream in harness.streams:
+            for group in GROUPS:
+                for name in (f"{stream}.{group}", f"{stream}.{group}.dlq"):
+                    await channel.queue_delete(name)
+        await channel.exchange_delete(exchange)
+        await conn.close()
+
+
+#: The groups the tests of this module use (the RabbitMQ harness deletes their queues).
+GROUPS = ("billing", "audit", "tracking")
+
+
+@contextlib.asynccontextmanager
 async def _memory(db_url: str) -> AsyncIterator[Harness]:
     broker = MemoryBroker()
 
@@ -161,7 +208,7 @@ async def _memory(db_url: str) -> AsyncIterator[Harness]:
     yield Harness("memory", broker, db_url, inject)
 
 
-@pytest.fixture(params=["memory", "redis", "nats"])
+@pytest.fixture(params=["memory", "redis", "nats", "rabbitmq"])
 async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
     kind = request.param
     if kind == "memory":
@@ -171,6 +218,9 @@ async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
     pg_url = str(request.getfixturevalue("pg_url"))
     if kind == "redis":
         async with _redis(str(request.getfixturevalue("redis_url")), pg_url) as h:
+            yield h
+    elif kind == "rabbitmq":
+        async with _rabbitmq(str(request.getfixturevalue("rabbitmq_url")), pg_url) as h:
             yield h
     else:
         async with _nats(str(request.getfixturevalue("nats_url")), pg_url) as h:
@@ -453,6 +503,9 @@ async def test_batch_handler_effects_once_with_redelivery_duplicates_and_causati
     outbox.subscriber(invoices, group="audit", start="all")(audit)
     subscriber = outbox.subscribers[0]
     assert subscriber.batch_handler
+    # The groups exist before anything is published to the stream (``db create`` does
+    # this in a deployment): a RabbitMQ queue receives only what comes after it.
+    await outbox.declare_groups()
     n = 30
     ids = [str(uuid7()) for _ in range(n)]
     for i, mid in enumerate(ids):  # on the stream before the subscriber starts: one batch
@@ -511,6 +564,7 @@ async def test_batch_handler_poison_is_isolated_and_dead_lettered(harness: Harne
     bill.__annotations__["events"] = list[OrderPlaced]  # type: ignore[valid-type]
     outbox.subscriber(orders, group="billing", start="all")(bill)
     subscriber = outbox.subscribers[0]
+    await outbox.declare_groups()  # before the first message (see above)
     for i in range(10):
         await h.inject(orders, f"m{i}", "OrderPlaced", {"order_id": i}, {})
     async with outbox.dispatcher():

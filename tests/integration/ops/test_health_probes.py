@@ -21,7 +21,7 @@ from fastapi_outbox import BrokerRefusing, Message, MessageRejected, Outbox, Out
 from fastapi_outbox.brokers import MemoryBroker
 from fastapi_outbox.events import Envelope
 from tests.conftest import asgi_client, unique, wait_until
-from tests.integration.test_health import build_app, publish
+from tests.integration.ops.test_health import build_app, publish
 
 
 class RefusingBroker(MemoryBroker):

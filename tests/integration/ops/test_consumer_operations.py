@@ -1,5 +1,5 @@
 """Operating consumers: ``fastapi-outbox consumers`` (lag, pending, dead letters, inbox),
-``replay --dead-letter`` and the consumers in ``/outbox/health``, on Redis and NATS."""
+``replay --dead-letter`` and the consumers in ``/outbox/health``, on Redis, NATS and RabbitMQ."""
 
 from __future__ import annotations
 
@@ -12,21 +12,23 @@ from fastapi_outbox import Message, Outbox, OutboxSettings
 from fastapi_outbox.brokers import broker_from_url
 from fastapi_outbox.ops.health import compute_health
 from tests.conftest import run_cli
-from tests.integration.test_consumer_contract import _nats, _redis
+from tests.integration.consume.test_consumer_contract import _nats, _rabbitmq, _redis
 
 APP = "tests.integration.consumer_cli_app:outbox"
 
 
-@pytest.mark.parametrize("kind", ["redis", "nats"])
+@pytest.mark.parametrize("kind", ["redis", "nats", "rabbitmq"])
 async def test_consumers_command_health_and_dead_letter_replay(
     kind: str, pg_url: str, request: pytest.FixtureRequest
 ) -> None:
     url = str(request.getfixturevalue(f"{kind}_url"))
-    harness_of = _redis if kind == "redis" else _nats
+    harness_of = {"redis": _redis, "nats": _nats, "rabbitmq": _rabbitmq}[kind]
     async with harness_of(url, pg_url) as h:
         stream = h.stream()
+        # RabbitMQ: the harness's exchange (the test's own).
+        options = {"exchange": h.broker.exchange} if kind == "rabbitmq" else {}  # type: ignore[attr-defined]
         outbox = Outbox(
-            pg_url, brokers={"default": broker_from_url(url)}, settings=OutboxSettings()
+            pg_url, brokers={"default": broker_from_url(url, **options)}, settings=OutboxSettings()
         )
         await outbox.create_tables()
 
@@ -47,12 +49,14 @@ async def test_consumers_command_health_and_dead_letter_replay(
             "CONSUMER_DATABASE_URL": pg_url,
             "CONSUMER_BROKER_URL": url,
             "CONSUMER_STREAM": stream,
+            **({"CONSUMER_EXCHANGE": options["exchange"]} if options else {}),
         }
         listed = run_cli("consumers", "--app", APP, "--json", "--dead-letters", env=env)
         assert listed.returncode == 0, listed.stderr
         [row] = json.loads(listed.stdout)
         assert (row["stream"], row["group"], row["broker"]) == (stream, "billing", "default")
-        assert row["pending"] == 1 and row["lag"] == 0
+        # AMQP does not count a queue's unacknowledged deliveries: RabbitMQ says None.
+        assert row["pending"] == (None if kind == "rabbitmq" else 1) and row["lag"] == 0
         assert row["dead_letters"] == 1 and row["handled"] == 0
         [letter] = row["dead_letter_entries"]
         assert letter["message_id"] == "m-0" and "billing is broken" in letter["error"]

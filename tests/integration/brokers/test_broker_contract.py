@@ -1,9 +1,11 @@
-"""One contract, every broker: MemoryBroker, RedisStreamsBroker and NatsJetStreamBroker.
+"""One contract, every broker: MemoryBroker, RedisStreamsBroker, NatsJetStreamBroker and
+RabbitMQBroker.
 
 Each broker is driven through the ``Broker`` protocol only, and what it published is read
-back from the real server (XRANGE on Redis, the JetStream stream on NATS), never from the
-broker object itself. Broker-specific guarantees (stream creation and acknowledgement on
-NATS, MAXLEN on Redis, URL parsing) follow the shared contract.
+back from the real server (XRANGE on Redis, the JetStream stream on NATS, a queue bound to
+the test's own exchange on RabbitMQ), never from the broker object itself.
+Broker-specific guarantees (stream creation and acknowledgement on NATS, MAXLEN on Redis,
+unroutable messages on RabbitMQ, URL parsing) follow the shared contract.
 
 Adding a broker (as faststream's ``tests/brokers/base`` is subclassed per broker): write
 one async generator ``<name>_harness(request)`` that yields a :class:`Harness` — the
@@ -34,6 +36,7 @@ from fastapi_outbox.brokers import (
     Broker,
     MemoryBroker,
     NatsJetStreamBroker,
+    RabbitMQBroker,
     RedisStreamsBroker,
     broker_from_url,
 )
@@ -71,9 +74,14 @@ class Harness:
     #: A broker object of this kind whose server cannot be reached.
     unreachable: Callable[[], Broker]
     streams: list[str] = field(default_factory=list)
+    #: The server drops a republished envelope (Redis, NATS); RabbitMQ has no
+    #: de-duplication: the copy arrives with the same message id and the inbox skips it.
+    dedups: bool = True
+    #: Before every stream name (RabbitMQ: the words its catch-all binding matches).
+    stream_prefix: str = ""
 
     def stream(self) -> str:
-        name = unique("orders")
+        name = self.stream_prefix + unique("orders")
         self.streams.append(name)
         return name
 
@@ -206,11 +214,70 @@ async def nats_harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]
         await nc.close()
 
 
+async def rabbitmq_harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
+    """The broker on an exchange of this test's own; a queue of the test's own bound with
+    ``contract.#`` receives every stream the harness names (``contract.orders_…``) and
+    none of the poison's (a stream nothing is bound to: returned unroutable)."""
+    import aio_pika
+
+    url = str(request.getfixturevalue("rabbitmq_url"))
+    from fastapi_outbox.brokers.rabbitmq.wire import user_headers
+
+    exchange = unique("contract_x")
+    conn = await aio_pika.connect(url)
+    channel = await conn.channel()
+    x = await channel.declare_exchange(exchange, "topic", durable=True)
+    queue = await channel.declare_queue(unique("contract_q"), durable=True)
+    await queue.bind(x, routing_key="contract.#")
+    seen: dict[str, list[Received]] = {}
+
+    async def read(stream: str) -> list[Received]:
+        while (m := await queue.get(no_ack=True, fail=False)) is not None:
+            headers = m.headers or {}
+            key = headers.get("key")
+            assert m.delivery_mode == aio_pika.DeliveryMode.PERSISTENT
+            assert m.message_id == headers["message-id"] and m.type == headers["type"]
+            received = Received(
+                id=str(m.message_id),
+                type=str(m.type),
+                key=str(key) if key is not None else None,
+                headers=user_headers(headers),
+                payload=m.body,
+            )
+            seen.setdefault(str(m.routing_key), []).append(received)
+        return seen.get(stream, [])
+
+    async def poison() -> Envelope:
+        return envelope(unique("unbound"), 0)
+
+    def fresh() -> Broker:
+        return RabbitMQBroker(url, exchange=exchange)
+
+    harness = Harness(
+        "rabbitmq",
+        fresh(),
+        read,
+        fresh,
+        poison,
+        lambda: RabbitMQBroker(f"amqp://u:secret@127.0.0.1:{any_free_port()}/"),
+        dedups=False,
+        stream_prefix="contract.",
+    )
+    try:
+        yield harness
+    finally:
+        await harness.broker.aclose()
+        await queue.delete(if_unused=False, if_empty=False)
+        await x.delete()
+        await conn.close()
+
+
 #: Every broker the shared contract runs against: one entry per broker.
 HARNESSES: dict[str, Callable[[pytest.FixtureRequest], AsyncIterator[Harness]]] = {
     "memory": memory_harness,
     "redis": redis_harness,
     "nats": nats_harness,
+    "rabbitmq": rabbitmq_harness,
 }
 
 
@@ -269,7 +336,10 @@ async def test_republishing_an_envelope_adds_no_duplicate(harness: Harness) -> N
 
     assert again == [None, None]  # a duplicate is a success, not an error
     assert from_new_process == [None, None]
-    assert_landed(await harness.read(stream), [*batch, extra])
+    if harness.dedups:
+        assert_landed(await harness.read(stream), [*batch, extra])
+    else:  # each copy carries the message id its consumers' inbox skips it by
+        assert_landed(await harness.read(stream), [*batch, *batch[1:], batch[0], extra])
 
 
 async def test_a_refused_message_fails_alone(harness: Harness) -> None:
@@ -340,6 +410,11 @@ def test_broker_from_url_picks_the_implementation() -> None:
     assert isinstance(nats_broker, NatsJetStreamBroker)
     assert nats_broker.create_streams is False
     assert "secret" not in repr(nats_broker)
+    rabbit = broker_from_url("amqp://user:secret@127.0.0.1:5672/", exchange="events")
+    assert isinstance(rabbit, RabbitMQBroker)
+    assert rabbit.exchange == "events"
+    assert "secret" not in repr(rabbit)
+    assert isinstance(broker_from_url("amqps://127.0.0.1:5671/vhost"), RabbitMQBroker)
 
 
 @pytest.mark.parametrize(
@@ -599,3 +674,166 @@ async def test_redis_dedup_keys_expire_after_the_configured_window(redis_url: st
         await broker.aclose()
         await client.delete(stream, f"outbox:dedup:{{{stream}}}:{e.id}")
         await client.aclose()
+
+
+# -- RabbitMQ -------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def amqp_channel(rabbitmq_url: str) -> AsyncIterator[Any]:
+    import aio_pika
+
+    conn = await aio_pika.connect(rabbitmq_url)
+    try:
+        yield await conn.channel()
+    finally:
+        await conn.close()
+
+
+@pytest.mark.parametrize("batch_frames", [True, False], ids=["one write", "per message"])
+async def test_rabbitmq_unroutable_message_fails_with_a_clear_error(
+    rabbitmq_url: str, amqp_channel: Any, batch_frames: bool
+) -> None:
+    """``mandatory``: a message no queue is bound to is returned, and fails by itself
+    with the stream named, never silently dropped; the routed ones of its batch go — the
+    batch written as one buffer or published message by message."""
+    exchange, routed, unbound = unique("rx"), unique("routed"), unique("unbound")
+    broker = RabbitMQBroker(rabbitmq_url, exchange=exchange)
+    broker.batch_frames = batch_frames
+    await broker.connect()
+    queue = await amqp_channel.declare_queue(unique("rq"), durable=True)
+    await queue.bind(exchange, routing_key=routed)
+    long_name = envelope(routed, 3)
+    long_name.headers["h" * 300] = "x"
+    try:
+        batch = [envelope(routed, 0), envelope(unbound, 1), envelope(routed, 2), long_name]
+        results = await broker.publish(batch)
+        assert results[0] is None and results[2] is None
+        assert isinstance(results[1], exceptions.MessageRejected)
+        assert f"no queue bound for stream {unbound!r}" in str(results[1])
+        assert batch[1].id in str(results[1])
+        assert isinstance(results[3], exceptions.MessageRejected)
+        assert "header name" in str(results[3])
+        m = await queue.get(no_ack=True)
+        assert m.correlation_id == "corr-0" and m.content_type == "application/json"
+        assert m.timestamp is None  # no occurred-at header in these envelopes
+        assert (await queue.get(no_ack=True)).message_id == batch[2].headers["message-id"]
+        assert await queue.get(no_ack=True, fail=False) is None
+    finally:
+        await broker.aclose()
+        await queue.delete(if_unused=False, if_empty=False)
+        await amqp_channel.exchange_delete(exchange)
+
+
+async def test_rabbitmq_group_queue_is_quorum_and_ordered_is_single_active_consumer(
+    rabbitmq_url: str, amqp_channel: Any
+) -> None:
+    """A group's queue is a durable quorum queue bound to its stream; ``ordered=True``
+    declares it single-active-consumer, and a queue that exists with other arguments
+    refuses the start naming the setting."""
+    import aiormq.exceptions
+
+    from fastapi_outbox.brokers.consumer import ConsumerConfig
+
+    exchange, stream = unique("rx"), unique("orders")
+    broker = RabbitMQBroker(rabbitmq_url, exchange=exchange)
+
+    def config(ordered: bool) -> ConsumerConfig:
+        return ConsumerConfig(
+            stream=stream,
+            group="billing",
+            consumer_name="c1",
+            dead_letter=f"{stream}.billing.dlq",
+            claim_idle_seconds=30,
+            max_attempts=3,
+            ordered=ordered,
+        )
+
+    try:
+        ordered = broker.consumer(config(ordered=True))
+        await ordered.setup()
+        await ordered.setup()  # idempotent
+        # Passive declares of what exists; a different argument is refused by RabbitMQ.
+        await amqp_channel.declare_queue(f"{stream}.billing", passive=True)
+        await amqp_channel.declare_queue(f"{stream}.billing.dlq", passive=True)
+        with pytest.raises(aiormq.exceptions.ChannelPreconditionFailed):
+            await amqp_channel.declare_queue(
+                f"{stream}.billing",
+                durable=True,
+                arguments={"x-queue-type": "quorum", "x-single-active-consumer": False},
+            )
+        unordered = broker.consumer(config(ordered=False))
+        with pytest.raises(exceptions.ConfigurationError, match="single-active-consumer"):
+            await unordered.setup()
+        assert await broker.publish([envelope(stream, 0)]) == [None]  # bound: routable
+        assert (await ordered.lag()).lag == 1
+    finally:
+        await broker.aclose()
+        import aio_pika
+
+        conn = await aio_pika.connect(rabbitmq_url)
+        channel = await conn.channel()
+        for name in (f"{stream}.billing", f"{stream}.billing.dlq"):
+            await channel.queue_delete(name)
+        await channel.exchange_delete(exchange)
+        await conn.close()
+
+
+async def test_rabbitmq_ordered_group_has_one_active_consumer_across_processes(
+    rabbitmq_url: str,
+) -> None:
+    """``ordered=True``: two consumers of the group (two processes) — only the first gets
+    deliveries, in stream order; when it goes away, its unacknowledged delivery and the
+    rest go to the second, still in order."""
+    from fastapi_outbox.brokers.consumer import ConsumerConfig
+
+    exchange, stream = unique("rx"), unique("orders")
+    config = ConsumerConfig(
+        stream=stream,
+        group="billing",
+        consumer_name="c",
+        dead_letter=f"{stream}.billing.dlq",
+        claim_idle_seconds=30,
+        max_attempts=3,
+        ordered=True,
+        prefetch=10,
+    )
+    first_broker = RabbitMQBroker(rabbitmq_url, exchange=exchange)
+    second_broker = RabbitMQBroker(rabbitmq_url, exchange=exchange)
+    first, second = first_broker.consumer(config), second_broker.consumer(config)
+    try:
+        await first.setup()
+        assert await first.fetch(1, 0.2) == []  # consuming, first in line
+        assert await second.fetch(1, 0.2) == []
+        batch = [envelope(stream, n, key="k") for n in range(4)]
+        assert await first_broker.publish(batch) == [None] * 4
+        got = []
+        for _ in range(20):
+            got += await first.fetch(4 - len(got), 0.5)
+            if len(got) >= 4:
+                break
+        assert [d.message_id for d in got] == [e.id for e in batch]
+        assert await second.fetch(4, 0.5) == []  # not the active consumer
+        await first.ack(got[:2])
+        await first.aclose()  # the process goes away: the rest move to the second
+        moved = []
+        for _ in range(20):
+            moved += await second.fetch(2 - len(moved), 0.5)
+            if len(moved) >= 2:
+                break
+        assert [d.message_id for d in moved] == [e.id for e in batch[2:]]
+        assert [d.attempt for d in moved] == [2, 2]  # the first delivery counted
+        await second.ack(moved)
+    finally:
+        await first.aclose()
+        await second.aclose()
+        await first_broker.aclose()
+        await second_broker.aclose()
+        import aio_pika
+
+        conn = await aio_pika.connect(rabbitmq_url)
+        channel = await conn.channel()
+        for name in (f"{stream}.billing", f"{stream}.billing.dlq"):
+            await channel.queue_delete(name)
+        await channel.exchange_delete(exchange)
+        await conn.close()

@@ -1,0 +1,108 @@
+"""An outbox's storage, composed from its settings: the outbox table (its layout chosen
+by ``table_name``, ``ordered`` and ``partitioning``) and its
+:class:`~fastapi_outbox.storage.store.Store`, the WAL slot of ``capture="wal"``, the
+consumers' inbox and the upkeep of a partitioned table; and their creation and removal
+(``create_tables``, ``drop_tables``). The composition root
+(:class:`fastapi_outbox.outbox.Outbox`) calls :func:`open_engine` and :func:`setup_storage`
+once."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from sqlalchemy import MetaData, Table
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from fastapi_outbox import config_checks, exceptions
+from fastapi_outbox.redaction import remember
+from fastapi_outbox.settings import OutboxSettings
+from fastapi_outbox.storage import partitions, schema
+from fastapi_outbox.storage.engine import create_engine
+from fastapi_outbox.storage.inbox import Inbox, build_inbox_table
+from fastapi_outbox.storage.store import Store
+from fastapi_outbox.storage.wal_slot import WalSlot
+
+__all__ = ["Storage", "build_outbox_table", "open_engine", "setup_storage"]
+
+
+@dataclasses.dataclass
+class Storage:
+    """The tables of one outbox and what runs SQL on them."""
+
+    table: Table
+    store: Store
+    #: ``capture="wal"``: the replication slot (its relay runs with the dispatchers).
+    wal_slot: WalSlot | None
+    #: The consumers' inbox, on the outbox table's MetaData.
+    inbox: Inbox
+    #: Partition upkeep of a partitioned table (``settings.partitioning``), else None.
+    partitions: partitions.Maintainer | None
+
+    async def create(self) -> None:
+        """The outbox table, the inbox table and their indexes; partitioned: also the
+        DEFAULT partition and the partitions of the coming days; capture="wal": the
+        replication slot and its publication."""
+        await self.store.create_table()
+        await self.inbox.create_table()
+        if self.partitions is not None:
+            await self.partitions.ensure_ahead()
+        if self.wal_slot is not None:
+            await self.wal_slot.create()
+
+    async def drop(self) -> None:
+        """The outbox table and the inbox table."""
+        await self.store.drop_table()
+        await self.inbox.drop_table()
+
+
+def open_engine(
+    database: str | AsyncEngine, engine_options: Mapping[str, Any] | None
+) -> tuple[AsyncEngine, bool]:
+    """The engine of ``Outbox(database)`` and whether the outbox owns it (created it from a
+    URL, so disposes of it on close); its secrets are remembered for masking wherever a
+    driver's text quotes them (:mod:`fastapi_outbox.redaction`), and its database checked."""
+    if isinstance(database, AsyncEngine):
+        engine, owned = database, False
+    elif isinstance(database, str):
+        engine, owned = create_engine(database, dict(engine_options or {})), True
+    else:
+        raise exceptions.ConfigurationError(
+            f"Outbox() takes a database URL or an AsyncEngine, not {type(database).__name__}"
+        )
+    remember(engine.url.render_as_string(hide_password=False))
+    config_checks.check_database(engine.dialect.name)
+    return engine, owned
+
+
+def build_outbox_table(settings: OutboxSettings) -> Table:
+    """The shared ``schema.metadata`` (Alembic's) holds the default layout; an ordered
+    or partitioned outbox builds its table, with its index, on a MetaData of its own."""
+    name, partitioning = settings.table_name, settings.partitioning
+    shared = name == schema.outbox_table.name and not settings.ordered and not partitioning
+    return schema.build_table(
+        name,
+        schema.metadata if shared else MetaData(),
+        ordered=settings.ordered,
+        partitioning=partitioning,
+    )
+
+
+def setup_storage(engine: AsyncEngine, settings: OutboxSettings) -> Storage:
+    """The outbox table and its store (with the settings' statement and lock timeouts),
+    the WAL slot when ``capture="wal"`` (refused where the database cannot), the
+    consumers' inbox (on the outbox table's MetaData: the shared one by default) and, for
+    a partitioned table, its upkeep."""
+    table = build_outbox_table(settings)
+    store = Store(engine, table)
+    store.set_timeouts(settings.statement_timeout_seconds, settings.lock_timeout_seconds)
+    wal_slot: WalSlot | None = None
+    if settings.capture == "wal":
+        config_checks.check_wal_capture(engine.dialect.name, engine.dialect.driver)
+        wal_slot = WalSlot(engine, settings.slot_name, settings.table_name)
+    inbox = Inbox(engine, build_inbox_table(settings.inbox_table_name, table.metadata))
+    maintainer: partitions.Maintainer | None = None
+    if "partitioning" in table.info:
+        maintainer = partitions.Maintainer(engine, table, table.info["partitioning"])
+    return Storage(table, store, wal_slot, inbox, maintainer)

@@ -1,0 +1,198 @@
+"""The statements of partition upkeep (PostgreSQL, ``partitioning="daily"``/``"hourly"``):
+the catalogue reads, the maintenance lock, creating, attaching, detaching and dropping a
+partition, and the DDL of ``db sql``.
+
+Caller: :mod:`fastapi_outbox.storage.partitions` (``list_partitions``, ``ranges_to_create``,
+``create_partition_sync``, ``expired_candidates``, ``drop_partition_sync``,
+``statements``: run by ``create_tables()``/``db create``, the relay's cleaner through
+``Maintainer``, and ``db sql``) and :mod:`fastapi_outbox.storage.doctor` (the fixes it
+suggests for a missing DEFAULT partition or partitions ahead). Names come in plain (the
+table name is checked by the settings) and are double-quoted here, for keywords. DDL takes
+no bound parameters, so bounds and storage parameters are literals; every builder is pure.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from sqlalchemy import text
+from sqlalchemy.sql.elements import TextClause
+
+__all__ = [
+    "ACTIVE_SQL",
+    "AUTOVACUUM",
+    "DB_NOW",
+    "RELATION_EXISTS",
+    "RELATION_MISSING",
+    "TRY_LOCK",
+    "UTC",
+    "any_active",
+    "attach",
+    "busy",
+    "create_default",
+    "create_like",
+    "default_has_rows",
+    "detach",
+    "drop",
+    "list_partitions",
+    "lock_timeout",
+    "partition_of",
+    "quote",
+    "storage_sql",
+]
+
+#: Storage parameters of every outbox table and partition: autovacuum follows a queue's
+#: churn (a fixed number of dead rows) rather than the table's size.
+AUTOVACUUM = {
+    "autovacuum_vacuum_scale_factor": "0.0",
+    "autovacuum_vacuum_threshold": "5000",
+    "autovacuum_analyze_scale_factor": "0.0",
+    "autovacuum_analyze_threshold": "5000",
+}
+#: The rows that still need work, with literal statuses: the predicate of the partial
+#: indexes (ix_<table>_due …), so a check with it is an index probe, never a scan.
+ACTIVE_SQL = "status IN ('pending', 'processing', 'failed')"
+
+
+def quote(name: str) -> str:
+    """``name`` as a quoted identifier (names are checked plain identifiers; quoted for
+    keywords)."""
+    return '"' + name.replace('"', '""') + '"'
+
+
+def storage_sql() -> str:
+    """:data:`AUTOVACUUM` as the body of a ``WITH (…)`` clause."""
+    return ", ".join(f"{k} = {v}" for k, v in AUTOVACUUM.items())
+
+
+#: ``list_partitions``, first in its transaction: ``pg_get_expr`` prints range bounds in
+#: the session's time zone; in UTC they parse the same on every server.
+UTC = text("SET LOCAL TimeZone = 'UTC'")
+#: ``list_partitions``: each partition of ``:name`` (a quoted name, resolved by
+#: ``to_regclass`` with the search path) and its bound as text (``FOR VALUES FROM (…) TO
+#: (…)`` or ``DEFAULT``). ``pg_inherits`` lists direct children only: a partition's own
+#: partitions are not ours.
+LIST_PARTITIONS_SQL = (
+    "SELECT c.relname, pg_get_expr(c.relpartbound, c.oid) FROM pg_inherits i "
+    "JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = to_regclass(:name)"
+)
+#: ``ranges_to_create`` and ``expired_candidates``: the database's clock (the transaction's
+#: start), not the process's, so every process cuts ranges and retention alike.
+DB_NOW = text("SELECT now()")
+#: ``create_partition_sync``: the partition ``:name`` exists already (another process, or
+#: an earlier run, made it): nothing to do.
+RELATION_EXISTS = text("SELECT to_regclass(:name) IS NOT NULL")
+#: ``drop_partition_sync``: the partition ``:name`` is gone (another process dropped it).
+RELATION_MISSING = text("SELECT to_regclass(:name) IS NULL")
+#: The table's maintenance lock (``:key`` names the table): transaction-scoped, so it ends
+#: with the catalogue change it guards, and *try*: a process that does not get it skips
+#: the upkeep instead of queueing behind another process doing the same.
+TRY_LOCK = text("SELECT pg_try_advisory_xact_lock(hashtext(:key))")
+
+
+def list_partitions() -> TextClause:
+    """:data:`LIST_PARTITIONS_SQL` (bound: ``:name``, the quoted table name)."""
+    return text(LIST_PARTITIONS_SQL)
+
+
+def lock_timeout(seconds: float) -> TextClause:
+    """``Maintainer``, before each create or drop: its locks are waited for ``seconds`` at
+    most (``SET LOCAL``: for this transaction only), so maintenance never queues producers
+    behind a long transaction; a change that times out is tried at the next run."""
+    return text(f"SET LOCAL lock_timeout = '{int(seconds * 1000)}ms'")
+
+
+def create_default(table: str, default: str, *, if_not_exists: bool = True) -> str:
+    """The DEFAULT partition ``default`` of ``table``: it takes rows no partition covers,
+    so a maintenance job that did not run never fails a producer. ``IF NOT EXISTS``
+    (``create_default_sync``, ``db sql``): idempotent; without it (the doctor's fix, run
+    only when it is missing) a concurrent creation is an error the operator sees."""
+    exists = "IF NOT EXISTS " if if_not_exists else ""
+    return (
+        f"CREATE TABLE {exists}{quote(default)} PARTITION OF {quote(table)} "
+        f"DEFAULT WITH ({storage_sql()})"
+    )
+
+
+def partition_of(
+    table: str, name: str, lo: dt.datetime, hi: dt.datetime, *, if_not_exists: bool = True
+) -> str:
+    """``db sql`` (``IF NOT EXISTS``) and the doctor's fix: the partition ``name`` of
+    ``[lo, hi)`` created directly as a partition — on a new table, where the ACCESS
+    EXCLUSIVE lock on the parent costs nothing; the cleaner uses :func:`create_like` and
+    :func:`attach` instead."""
+    exists = "IF NOT EXISTS " if if_not_exists else ""
+    return (
+        f"CREATE TABLE {exists}{quote(name)} PARTITION OF {quote(table)} "
+        f"FOR VALUES FROM ('{lo.isoformat()}') TO ('{hi.isoformat()}') "
+        f"WITH ({storage_sql()})"
+    )
+
+
+def default_has_rows(default: str) -> TextClause:
+    """``create_partition_sync``: does the DEFAULT partition hold rows of ``[:lo, :hi)``
+    (the job did not run in time)? ATTACH would fail on them, so the range is left to the
+    DEFAULT partition. ``EXISTS``: stops at the first row."""
+    return text(
+        f"SELECT EXISTS (SELECT 1 FROM {quote(default)} "
+        "WHERE created_at >= :lo AND created_at < :hi)"
+    )
+
+
+def create_like(name: str, table: str) -> TextClause:
+    """``create_partition_sync``: a plain table shaped like the parent (``INCLUDING
+    DEFAULTS``: the column defaults), to be attached. LIKE + ATTACH rather than PARTITION
+    OF: ATTACH locks the parent in SHARE UPDATE EXCLUSIVE mode only, so producers and
+    relays go on meanwhile; the partitioned indexes are created on it by the ATTACH."""
+    return text(
+        f"CREATE TABLE {quote(name)} (LIKE {quote(table)} INCLUDING DEFAULTS) "
+        f"WITH ({storage_sql()})"
+    )
+
+
+def attach(table: str, name: str, lo: dt.datetime, hi: dt.datetime) -> TextClause:
+    """``create_partition_sync``: attach ``name`` for ``[lo, hi)`` (bounds in UTC ISO
+    form; checks the empty table, and the DEFAULT partition under a short lock)."""
+    return text(
+        f"ALTER TABLE {quote(table)} ATTACH PARTITION {quote(name)} "
+        f"FOR VALUES FROM ('{lo.isoformat()}') TO ('{hi.isoformat()}')"
+    )
+
+
+def busy(name: str, *, published: bool, abandoned: bool) -> TextClause:
+    """``expired_candidates``: does partition ``name`` hold a row still to keep — an active
+    one, or a published (abandoned) one finished at or after ``:published``
+    (``:abandoned``)? ``published``/``abandoned`` False: that retention is forever, so any
+    such row keeps the partition. Each ``EXISTS`` has the predicate of one partial index
+    (due, published, abandoned), so the check probes indexes and never scans."""
+    checks = [f"EXISTS (SELECT 1 FROM {quote(name)} WHERE {ACTIVE_SQL})"]
+    for status, column, cutoff in (
+        ("published", "published_at", published),
+        ("abandoned", "abandoned_at", abandoned),
+    ):
+        if not cutoff:
+            checks.append(f"EXISTS (SELECT 1 FROM {quote(name)} WHERE status IN ('{status}'))")
+        else:
+            checks.append(
+                f"EXISTS (SELECT 1 FROM {quote(name)} WHERE status IN ('{status}') "
+                f"AND {column} >= :{status})"
+            )
+    return text("SELECT " + " OR ".join(checks))
+
+
+def detach(table: str, name: str) -> TextClause:
+    """``drop_partition_sync``: a plain DETACH (PostgreSQL refuses ``CONCURRENTLY`` when a
+    DEFAULT partition exists): a brief ACCESS EXCLUSIVE lock on the parent, bounded by
+    :func:`lock_timeout`."""
+    return text(f"ALTER TABLE {quote(table)} DETACH PARTITION {quote(name)}")
+
+
+def any_active(name: str) -> TextClause:
+    """``drop_partition_sync``, after the detach and under its lock: did a row of ``name``
+    become active again (a replay since it was chosen)? Then the drop rolls back."""
+    return text(f"SELECT EXISTS (SELECT 1 FROM {quote(name)} WHERE {ACTIVE_SQL})")
+
+
+def drop(name: str) -> TextClause:
+    """``drop_partition_sync``: the detached partition, in the detach's transaction."""
+    return text(f"DROP TABLE {quote(name)}")
