@@ -198,3 +198,16 @@ def test_the_cli_prints_the_document(capsys: pytest.CaptureFixture[str]) -> None
     assert_valid(document)
     assert document["info"]["title"] == "orders"
     assert document["channels"]["orders"]["address"] == "orders"
+
+
+def test_a_rabbitmq_server_is_amqp_without_its_password() -> None:
+    from fastapi_outbox.brokers import RabbitMQBroker
+
+    outbox = Outbox(
+        "sqlite+aiosqlite:///:memory:",
+        brokers={"default": RabbitMQBroker("amqp://guest:pa55@rabbit.internal:5672/")},
+    )
+    document = outbox.asyncapi(events=[])
+    assert document["servers"] == {"default": {"host": "rabbit.internal:5672", "protocol": "amqp"}}
+    assert "pa55" not in json.dumps(document)
+    assert_valid(document)
