@@ -1,4 +1,4 @@
-"""nox sessions: tests, lint, typecheck, bench. ``nox -s tests`` etc."""
+"""nox sessions: tests, lint, typecheck, docs, bench. ``nox -s tests`` etc."""
 
 from __future__ import annotations
 
@@ -31,6 +31,18 @@ def typecheck(session: nox.Session) -> None:
 
 
 @nox.session
+def docs(session: nox.Session) -> None:
+    """Build the documentation site into site/ with --strict (a broken link, reference or
+    generated table fails); ``nox -s docs -- serve`` serves it on 127.0.0.1:8000 instead."""
+    session.install("-e", ".[docs]")
+    env = {"NO_MKDOCS_2_WARNING": "1"}
+    if session.posargs[:1] == ["serve"]:
+        session.run("mkdocs", "serve", "--strict", env=env)
+    else:
+        session.run("mkdocs", "build", "--strict", env=env)
+
+
+@nox.session
 def bench(session: nox.Session) -> None:
     """Benchmarks on the local services; pass a script name to run only that one."""
     session.install("-e", ".[test]", "py-spy")  # py-spy: hot spots when a goal is missed
@@ -50,6 +62,6 @@ def bench(session: nox.Session) -> None:
 
 @nox.session
 def screenshots(session: nox.Session) -> None:
-    """Regenerate the dashboard screenshots of the README (needs: apt-get install chromium)."""
+    """Regenerate the dashboard screenshots of the docs (needs: apt-get install chromium)."""
     session.install("-e", ".[test]")
     session.run("python", "docs/screenshots.py")

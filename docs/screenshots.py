@@ -1,5 +1,6 @@
-"""Screenshots of the operator dashboard for the README: ``nox -s screenshots``, or
-``python docs/screenshots.py`` (needs Chromium: ``apt-get install chromium``).
+"""Screenshots of the operator dashboard for the docs (tutorial, operations):
+``nox -s screenshots``, or ``python docs/screenshots.py`` (needs Chromium:
+``apt-get install chromium``).
 
 Serves a demo outbox on SQLite (some published traffic over the last hour, a failing
 message, abandoned messages, scheduled ones, and a billing subscriber that handled orders

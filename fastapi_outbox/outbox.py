@@ -387,6 +387,24 @@ class Outbox:
         """The health router carrying the outbox lifespan: one ``include_router`` line."""
         return self._routers.combined
 
+    # --- asyncapi ---
+
+    def asyncapi(self, **options: Any) -> dict[str, Any]:
+        """The AsyncAPI 3.0 document of this outbox's streams, events and subscribers
+        (:func:`fastapi_outbox.ops.asyncapi.build_asyncapi`; ``title=``, ``version=``,
+        ``description=``, ``events=``)."""
+        from fastapi_outbox.ops.asyncapi import build_asyncapi
+
+        return build_asyncapi(self, **options)
+
+    @property
+    def asyncapi_router(self) -> Any:
+        """``GET /outbox/asyncapi.json``, guarded by ``dashboard_dependencies`` like the
+        dashboard (refused without a guard; ``[]`` serves it unguarded on purpose)."""
+        from fastapi_outbox.ops.asyncapi import build_asyncapi_router
+
+        return build_asyncapi_router(self, self.dashboard_dependencies)
+
     # --- context for consume/ ---
     # What a subscriber sees of its outbox is :class:`fastapi_outbox.consume.context.ConsumeContext`
     # (engine, session_factory, settings, inbox, instance, brokers, default_broker,

@@ -12,9 +12,9 @@ import base64
 import logging
 import os
 import secrets
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import Depends, FastAPI, HTTPException, Path, Request
 from pydantic import BaseModel, Field
 from sqlalchemy import ForeignKey, String, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -76,10 +76,19 @@ class InvoiceIssued(Event, stream="invoices", key="order_id"):
     amount: float
 
 
+#: Printable text only: no control characters (PostgreSQL cannot store NUL in text).
+PRINTABLE = r"^[^\x00-\x1f\x7f]+$"
+#: The orders' ids are PostgreSQL ``integer``s: a larger id is no order, not a server error.
+OrderId = Annotated[int, Path(ge=1, le=2**31 - 1)]
+
+
 class NewOrder(BaseModel):
-    customer: str = Field(min_length=1, max_length=100)
+    # The bounds are the columns' own, so every request the schema allows can be stored.
+    customer: str = Field(min_length=1, max_length=100, pattern=PRINTABLE)
     total: float = Field(ge=0)
-    skus: list[str] = Field(default_factory=list, max_length=100)
+    skus: list[Annotated[str, Field(min_length=1, max_length=50, pattern=PRINTABLE)]] = Field(
+        default_factory=list, max_length=100
+    )
 
 
 #: The dashboard's token: DASHBOARD_TOKEN, or one made up at start (printed by __main__).
@@ -149,7 +158,12 @@ def create_app() -> FastAPI:
 
     app = FastAPI(title="orders (fastapi-outbox example)", lifespan=lifespan)
     app.include_router(outbox.health_router)
-    app.include_router(outbox.dashboard_router)
+    # The guard is this app's: its answer is documented where the routers are included.
+    guarded: dict[int | str, dict[str, Any]] = {
+        401: {"description": "No dashboard token, or a wrong one."}
+    }
+    app.include_router(outbox.dashboard_router, responses=guarded)
+    app.include_router(outbox.asyncapi_router, responses=guarded)  # /outbox/asyncapi.json
 
     @app.post("/orders", status_code=201)
     async def place_order(body: NewOrder, uow: UnitOfWorkDep) -> dict[str, Any]:
@@ -163,8 +177,14 @@ def create_app() -> FastAPI:
         )
         return {"id": order.id}
 
-    @app.post("/orders/{order_id}/cancel")
-    async def cancel_order(order_id: int, uow: UnitOfWorkDep) -> dict[str, Any]:
+    @app.post(
+        "/orders/{order_id}/cancel",
+        responses={
+            404: {"description": "No such order."},
+            409: {"description": "The order is already cancelled."},
+        },
+    )
+    async def cancel_order(order_id: OrderId, uow: UnitOfWorkDep) -> dict[str, Any]:
         order = await uow.session.get(Order, order_id)
         if order is None:
             raise HTTPException(404, f"order {order_id} not found")

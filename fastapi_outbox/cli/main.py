@@ -145,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     from fastapi_outbox.cli import consumers as consumers_cli
 
     consumers_cli.add_commands(sub, _common)
+    from fastapi_outbox.cli import asyncapi
+
+    asyncapi.add_command(sub)
     return parser
 
 
@@ -217,6 +220,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 async def _run(args: argparse.Namespace) -> int:
     from fastapi_outbox.cli import admin
 
+    if args.command == "asyncapi":  # builds a document; connects to nothing
+        from fastapi_outbox.cli import asyncapi
+
+        return asyncapi.run(args, load_outbox(args.app))
     if args.command == "db" and args.db_command == "sql" and not args.url and not args.app:
         return _print_ddl(args)
     outbox = resolve_outbox(args)

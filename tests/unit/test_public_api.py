@@ -344,6 +344,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "main",
         "resolve_outbox",
     },
+    "fastapi_outbox.cli.asyncapi": {"add_command", "run"},
     "fastapi_outbox.cli_support": {
         "CliError",
         "EXIT_FAILED",
@@ -537,6 +538,14 @@ PUBLIC_ALL: dict[str, set[str]] = {
     },
     "fastapi_outbox.ops.routers": {"NO_DASHBOARD_GUARD", "Routers"},
     "fastapi_outbox.ops.dashboard": {"CSRF_COOKIE", "CSRF_HEADER", "build_dashboard_router"},
+    "fastapi_outbox.ops.asyncapi": {
+        "ASYNCAPI_PATH",
+        "ASYNCAPI_VERSION",
+        "AsyncApiSource",
+        "build_asyncapi",
+        "build_asyncapi_router",
+        "event_classes",
+    },
     "fastapi_outbox.ops.metrics": {"PrometheusInstrumentation", "metrics_router", "mount_metrics"},
     "fastapi_outbox.partitions": {
         "AHEAD_SECONDS",
@@ -816,7 +825,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "Subscriber",
         "SubscriberStats",
     },
-    "fastapi_outbox.testing": {"drain", "memory_broker", "sqlite_outbox"},
+    "fastapi_outbox.testing": {"OutboxHarness", "drain", "memory_broker", "sqlite_outbox"},
     "fastapi_outbox.unit_of_work": {"UnitOfWork", "UnitOfWorkDep", "unit_of_work"},
     "fastapi_outbox.wal_capture": {"WalCapture"},
     "fastapi_outbox.wal_relay": {

@@ -49,6 +49,26 @@ PAYLOAD_DISPLAY_CHARS = 20_000
 PAGE_SIZE = 50
 REFRESH_SECONDS = 5
 _HERE = Path(__file__).parent
+#: What the pages and actions answer besides 200 and 422, in the OpenAPI document (the guard's
+#: own answers, a 401 say, are the app's to document where it includes the router).
+_BAD_ID: dict[int | str, dict[str, Any]] = {
+    400: {"description": "A message id that is not a UUID."}
+}
+_PAGE_RESPONSES: dict[int | str, dict[str, Any]] = {**_BAD_ID}
+_MESSAGE_RESPONSES: dict[int | str, dict[str, Any]] = {
+    **_BAD_ID,
+    404: {"description": "No such message."},
+}
+_ACTION_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: {"description": "The request names no message, or contradicts itself."},
+    403: {"description": "Missing or wrong CSRF header (X-Outbox-CSRF)."},
+    415: {"description": "The body is not JSON."},
+}
+_DEAD_LETTER_RESPONSES: dict[int | str, dict[str, Any]] = {
+    **_ACTION_RESPONSES,
+    409: {"description": "Stale dead letters: confirm with force."},
+    503: {"description": "The consumer group's broker is unavailable."},
+}
 _STATIC = {
     "dashboard.css": "text/css",
     "dashboard.js": "text/javascript",
@@ -246,7 +266,9 @@ def _message_filter(filters: dict[str, str | None]) -> operations.MessageFilter:
 
 
 def _message_routes(router: APIRouter, outbox: OutboxPort, pages: _Pages) -> None:
-    @router.get("/messages", response_class=HTMLResponse, summary="Messages")
+    @router.get(
+        "/messages", response_class=HTMLResponse, summary="Messages", responses=_PAGE_RESPONSES
+    )
     async def messages_page(
         request: Request,
         status: str | None = None,
@@ -286,7 +308,12 @@ def _message_routes(router: APIRouter, outbox: OutboxPort, pages: _Pages) -> Non
             first_page=query if before else None,
         )
 
-    @router.get("/messages/{message_id}", response_class=HTMLResponse, summary="One message")
+    @router.get(
+        "/messages/{message_id}",
+        response_class=HTMLResponse,
+        summary="One message",
+        responses=_MESSAGE_RESPONSES,
+    )
     async def message_page(request: Request, message_id: str) -> HTMLResponse:
         mid = _uuid("message id", message_id)
         try:
@@ -315,7 +342,11 @@ def _action_routes(router: APIRouter, outbox: OutboxPort) -> None:
     guarded = [Depends(_check_csrf)]
 
     @router.post(
-        "/api/replay", response_model=ActionResult, dependencies=guarded, summary="Replay messages"
+        "/api/replay",
+        response_model=ActionResult,
+        dependencies=guarded,
+        summary="Replay messages",
+        responses=_ACTION_RESPONSES,
     )
     async def replay(request: Request, body: ReplayRequest) -> ActionResult:
         return await _replay(outbox, body, _operator(request))
@@ -325,6 +356,7 @@ def _action_routes(router: APIRouter, outbox: OutboxPort) -> None:
         response_model=ActionResult,
         dependencies=guarded,
         summary="Abandon messages",
+        responses=_ACTION_RESPONSES,
     )
     async def abandon(request: Request, body: Ids) -> ActionResult:
         if not body.ids:
@@ -339,6 +371,7 @@ def _action_routes(router: APIRouter, outbox: OutboxPort) -> None:
         response_model=ActionResult,
         dependencies=guarded,
         summary="Replay a consumer group's dead letters",
+        responses=_DEAD_LETTER_RESPONSES,
     )
     async def replay_dead_letters(request: Request, body: DeadLetterReplay) -> ActionResult:
         return await _replay_dead_letters(outbox, body, _operator(request))

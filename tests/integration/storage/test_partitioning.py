@@ -319,11 +319,12 @@ def test_cli_db_sql_and_create_with_partitioning(pg_url: str) -> None:
 
 
 async def test_the_readme_procedure_moves_a_plain_table_to_partitions(pg_url: str) -> None:
-    """The README's SQL, as written (the cut-over moved to tomorrow): rows of the old table
-    stay where they are and are still dispatched; new rows go to the new partitions."""
+    """The docs' SQL (docs/how-to/partitions.md), as written (the cut-over moved to tomorrow):
+    rows of the old table stay where they are and are still dispatched; new rows go to the
+    new partitions."""
     import asyncpg
 
-    readme = (Path(__file__).parents[3] / "README.md").read_text()
+    readme = (Path(__file__).parents[3] / "docs" / "how-to" / "partitions.md").read_text()
     block = readme.split("```sql\n-- Move outbox_messages to daily partitions")[1]
     script = block.split("\n", 1)[1].split("```")[0]  # from the line after the title
     tomorrow = midnight(dt.datetime.now(dt.UTC)) + DAY

@@ -1,0 +1,213 @@
+"""``outbox.asyncapi()``: an AsyncAPI 3.0 document valid against the official JSON Schema
+(``data/asyncapi-3.0.0.schema.json``, the AsyncAPI Initiative's ``3.0.0-without-$id.json``,
+Apache-2.0), whose references all resolve; served guarded and printed by the CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import pytest
+
+from fastapi_outbox import ConfigurationError, Event, Message, Outbox, UnitOfWork
+from fastapi_outbox.brokers import MemoryBroker, RedisStreamsBroker
+from fastapi_outbox.cli import main
+from fastapi_outbox.ops.asyncapi import build_asyncapi
+
+SCHEMA = json.loads((Path(__file__).parent / "data" / "asyncapi-3.0.0.schema.json").read_text())
+VALIDATOR = jsonschema.Draft7Validator(
+    SCHEMA, format_checker=jsonschema.Draft7Validator.FORMAT_CHECKER
+)
+
+
+class Address(Event, abstract=True):
+    street: str
+
+
+class Line(Event, abstract=True):
+    sku: str
+    quantity: int
+
+
+class ParcelShipped(Event, stream="parcels.shipped", key="parcel_id", external=True):
+    """A parcel left the warehouse."""
+
+    parcel_id: int
+    lines: list[Line]
+    carrier: str | None = None
+
+
+class ParcelLost(Event, stream="parcels.shipped", type_name="parcel-lost/v2"):
+    parcel_id: int
+
+
+def _resolve(document: dict[str, Any], pointer: str) -> Any:
+    assert pointer.startswith("#/"), pointer
+    node: Any = document
+    for part in pointer[2:].split("/"):
+        node = node[part.replace("~1", "/").replace("~0", "~")]
+    return node
+
+
+def _refs(node: Any) -> list[str]:
+    if isinstance(node, dict):
+        found = [node["$ref"]] if isinstance(node.get("$ref"), str) else []
+        return found + [r for v in node.values() for r in _refs(v)]
+    if isinstance(node, list):
+        return [r for v in node for r in _refs(v)]
+    return []
+
+
+def assert_valid(document: dict[str, Any]) -> None:
+    errors = [
+        f"{list(e.absolute_path)}: {e.message[:200]}" for e in VALIDATOR.iter_errors(document)
+    ]
+    assert errors == []
+    for ref in _refs(document):
+        _resolve(document, ref)  # KeyError: a reference that points nowhere
+
+
+def _outbox() -> Outbox:
+    outbox = Outbox(
+        "sqlite+aiosqlite:///:memory:",
+        brokers={"default": RedisStreamsBroker("redis://user:s3cret@cache.internal:6380/0")},
+        external_brokers={"partner": MemoryBroker()},
+        dashboard_dependencies=[],
+    )
+
+    @outbox.subscriber("parcels.shipped", group="tracking")
+    async def track(event: ParcelShipped | ParcelLost, uow: UnitOfWork) -> None:
+        """Tracking: follow every parcel."""
+
+    @outbox.subscriber("parcels.shipped", group="audit")
+    async def audit(message: Message) -> None: ...
+
+    @outbox.subscriber("returns", group="tracking")
+    async def returns(events: list[ParcelLost], uow: UnitOfWork) -> None: ...
+
+    return outbox
+
+
+def test_the_document_is_valid_asyncapi_3_and_every_reference_resolves() -> None:
+    document = _outbox().asyncapi(title="parcels", version="2.1.0")
+    assert_valid(document)
+    assert document["asyncapi"] == "3.0.0"
+    assert document["info"] == {"title": "parcels", "version": "2.1.0"}
+
+
+def test_the_checker_refuses_an_invalid_document() -> None:
+    # The schema really is applied: a wrong action and a missing info are errors.
+    document = _outbox().asyncapi()
+    document["operations"]["publish.parcels.shipped"]["action"] = "publish"
+    del document["info"]
+    assert len(list(VALIDATOR.iter_errors(document))) >= 2
+
+
+def test_streams_events_keys_headers_and_groups_are_described() -> None:
+    document = _outbox().asyncapi(events=[ParcelShipped, ParcelLost])
+    channels = document["channels"]
+    assert {c["address"] for c in channels.values()} == {"parcels.shipped", "returns"}
+    shipped = channels["parcels.shipped"]
+    assert set(shipped["messages"]) == {"ParcelShipped", "parcel-lost_v2", "RawMessage"}
+    # An external event's channel names the external broker's server too.
+    assert shipped["servers"] == [{"$ref": "#/servers/default"}, {"$ref": "#/servers/partner"}]
+
+    messages = document["components"]["messages"]
+    placed = messages["ParcelShipped"]
+    assert placed["name"] == "ParcelShipped" and placed["x-key"] == "parcel_id"
+    assert placed["x-external"] is True and placed["summary"] == "A parcel left the warehouse."
+    assert messages["parcel-lost_v2"]["name"] == "parcel-lost/v2"
+    headers = placed["headers"]
+    assert headers["required"] == ["message-id", "type", "occurred-at"]
+    assert headers["properties"]["type"]["const"] == "ParcelShipped"
+    assert {"correlation-id", "causation-id", "traceparent"} <= set(headers["properties"])
+    assert placed["correlationId"]["location"] == "$message.header#/correlation-id"
+
+    # The payload schema is pydantic's, nested models hoisted into components.schemas.
+    schemas = document["components"]["schemas"]
+    payload = _resolve(document, placed["payload"]["$ref"])
+    assert payload == schemas["ParcelShipped"]
+    assert payload["required"] == ["parcel_id", "lines"]
+    assert payload["properties"]["lines"]["items"] == {"$ref": "#/components/schemas/Line"}
+    assert schemas["Line"]["properties"]["quantity"]["type"] == "integer"
+
+    operations = document["operations"]
+    tracking = operations["consume.parcels.shipped.tracking"]
+    assert tracking["action"] == "receive" and tracking["x-group"] == "tracking"
+    assert tracking["x-dead-letter"] == "parcels.shipped.tracking.dlq"
+    assert tracking["description"] == "Tracking: follow every parcel."
+    assert [m["$ref"].rsplit("/", 1)[1] for m in tracking["messages"]] == [
+        "ParcelShipped",
+        "parcel-lost_v2",
+    ]
+    audit = operations["consume.parcels.shipped.audit"]
+    assert audit["messages"] == [{"$ref": "#/channels/parcels.shipped/messages/RawMessage"}]
+    batch = operations["consume.returns.tracking"]
+    assert batch["messages"] == [{"$ref": "#/channels/returns/messages/parcel-lost_v2"}]
+    sends = {k: v for k, v in operations.items() if v["action"] == "send"}
+    assert set(sends) == {"publish.parcels.shipped"}
+
+
+def test_servers_name_host_and_protocol_never_credentials() -> None:
+    document = _outbox().asyncapi(events=[])
+    assert document["servers"] == {
+        "default": {"host": "cache.internal:6380", "protocol": "redis"},
+        "partner": {"host": "in-process", "protocol": "memory"},
+    }
+    assert "s3cret" not in json.dumps(document) and "user" not in json.dumps(document["servers"])
+
+
+def test_default_events_are_every_concrete_event_class_of_the_process() -> None:
+    document = build_asyncapi(_outbox())
+    names = set(document["components"]["messages"])
+    assert {"ParcelShipped", "parcel-lost_v2"} <= names
+    assert "Address" not in names and "Line" not in names  # abstract bases are not events
+
+
+async def test_the_router_serves_it_behind_the_dashboard_guard() -> None:
+    from examples.orders.app import DASHBOARD_TOKEN, app
+
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        refused = await client.get("/outbox/asyncapi.json")
+        served = await client.get(
+            "/outbox/asyncapi.json", headers={"Authorization": f"Bearer {DASHBOARD_TOKEN}"}
+        )
+    assert refused.status_code == 401
+    assert served.status_code == 200
+    document = served.json()
+    assert_valid(document)
+    assert {"OrderPlaced", "OrderCancelled", "InvoiceIssued"} <= set(
+        document["components"]["messages"]
+    )
+    assert document["operations"]["consume.orders.billing"]["x-group"] == "billing"
+
+
+def test_the_router_is_refused_without_a_guard() -> None:
+    outbox = Outbox("sqlite+aiosqlite:///:memory:", brokers={"default": MemoryBroker()})
+    with pytest.raises(ConfigurationError, match="dashboard_dependencies"):
+        outbox.asyncapi_router  # noqa: B018
+
+
+def test_the_cli_prints_the_document(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["asyncapi", "--app", "examples.orders.app:outbox", "--title", "orders"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert_valid(document)
+    assert document["info"]["title"] == "orders"
+    assert document["channels"]["orders"]["address"] == "orders"
+
+
+def test_a_rabbitmq_server_is_amqp_without_its_password() -> None:
+    from fastapi_outbox.brokers import RabbitMQBroker
+
+    outbox = Outbox(
+        "sqlite+aiosqlite:///:memory:",
+        brokers={"default": RabbitMQBroker("amqp://guest:pa55@rabbit.internal:5672/")},
+    )
+    document = outbox.asyncapi(events=[])
+    assert document["servers"] == {"default": {"host": "rabbit.internal:5672", "protocol": "amqp"}}
+    assert "pa55" not in json.dumps(document)
+    assert_valid(document)
