@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from fastapi_outbox import exceptions
+from fastapi_outbox.brokers.consumer import Delivery
 from fastapi_outbox.events import (
     HEADER_CAUSATION_ID,
     HEADER_CORRELATION_ID,
@@ -40,15 +41,18 @@ __all__ = [
     "BINARY_PREFIX",
     "CONTENT_TYPE_JSON",
     "CONTENT_TYPE_STRUCTURED",
+    "DEFAULT_SOURCE",
     "SPECVERSION",
     "CloudEvent",
     "CloudEventsMode",
     "CloudEventsOptions",
     "EnvelopeFormat",
+    "as_delivery",
     "attributes",
     "decode",
     "encode",
     "is_cloudevent",
+    "to_envelope",
 ]
 
 SPECVERSION = "1.0"
@@ -239,4 +243,47 @@ def _event(attrs: dict[str, Any], payload: bytes) -> CloudEvent:
         key=str(key) if key else None,
         headers=headers,
         payload=payload,
+    )
+
+
+def to_envelope(
+    envelope: Envelope, options: CloudEventsOptions, *, prefix: str = BINARY_PREFIX
+) -> Envelope:
+    """``envelope`` as a broker that carries headers and a body sends it with
+    ``options``: itself when the envelope format is native, else the same row (id, stream,
+    type, key) with the CloudEvent's headers and body."""
+    if not options.enabled:
+        return envelope
+    headers, body = encode(envelope, options.source, options.mode, prefix=prefix)
+    return Envelope(envelope.id, envelope.stream, envelope.type, envelope.key, body, headers)
+
+
+def as_delivery(
+    headers: Mapping[str, Any],
+    body: bytes,
+    *,
+    stream: str,
+    entry_id: str,
+    attempt: int,
+    key: str | None = None,
+    handle: Any = None,
+) -> Delivery | None:
+    """The delivery of a message of ``headers`` and ``body`` when it is a CloudEvent (in
+    either mode, from any producer), else None: what every consumer calls before reading
+    a message as native."""
+    if not is_cloudevent(headers):
+        return None
+    event = decode(headers, body)
+    if event is None:
+        return None
+    return Delivery(
+        stream=stream,
+        entry_id=entry_id,
+        message_id=event.message_id,
+        type=event.type,
+        key=event.key or key,
+        headers=event.headers,
+        payload=event.payload,
+        attempt=attempt,
+        handle=handle,
     )

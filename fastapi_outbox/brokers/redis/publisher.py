@@ -34,6 +34,7 @@ from typing import Any, Literal, Self
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.brokers.base import PublishResults
+from fastapi_outbox.brokers.cloudevents import CloudEventsOptions, to_envelope
 from fastapi_outbox.brokers.redis.connection import RedisConnection
 from fastapi_outbox.brokers.redis.wire import (
     entry_fields,
@@ -103,8 +104,11 @@ class RedisStreamsPublisher:
         dedup: DedupMode = "auto",
         dedup_window_seconds: float | None = None,
         idmp_producers: int = IDMP_PRODUCERS,
+        envelope_format: CloudEventsOptions | None = None,
     ) -> None:
-        """``maxlen`` trims the streams published to (``MAXLEN ~``)."""
+        """``maxlen`` trims the streams published to (``MAXLEN ~``). ``envelope_format``
+        with CloudEvents writes each entry's ``headers`` field as the CloudEvent's headers
+        (binary: ``ce-*``; structured: its content type) and ``payload`` as its body."""
         if maxlen is not None and maxlen < 1:
             raise exceptions.ConfigurationError(
                 f"RedisStreamsBroker: maxlen must be >= 1, got {maxlen}"
@@ -114,6 +118,7 @@ class RedisStreamsPublisher:
                 f"RedisStreamsBroker: dedup must be auto, script, idmp or off, got {dedup!r}"
             )
         self.connection = connection
+        self.envelope_format = envelope_format or CloudEventsOptions()
         self.maxlen = maxlen
         self.dedup: DedupMode = dedup
         self.idmp_producers = idmp_producers
@@ -194,6 +199,8 @@ class RedisStreamsPublisher:
         if not batch:
             return []
         await self.connect()
+        if self.envelope_format.enabled:
+            batch = [to_envelope(e, self.envelope_format) for e in batch]
         by_stream: dict[str, list[int]] = defaultdict(list)
         for index, envelope in enumerate(batch):
             by_stream[self.connection.stream_key(envelope.stream)].append(index)
