@@ -6,6 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from fastapi_outbox.brokers.cloudevents import (
+    DEFAULT_SOURCE,
+    CloudEventsMode,
+    CloudEventsOptions,
+    EnvelopeFormat,
+)
 from fastapi_outbox.brokers.consumer import ConsumerConfig
 from fastapi_outbox.brokers.nats.connection import (
     ACK_TIMEOUT_SECONDS,
@@ -38,12 +44,17 @@ class NatsJetStreamBroker(NatsJetStreamPublisher):
         stream_max_bytes: int | None = STREAM_MAX_BYTES,
         dead_letter_max_age_seconds: float | None = None,
         dead_letter_max_bytes: int | None = None,
+        envelope: EnvelopeFormat = "native",
+        cloudevents_mode: CloudEventsMode = "binary",
+        cloudevents_source: str = DEFAULT_SOURCE,
     ) -> None:
         """``stream_max_age_seconds`` / ``stream_max_bytes``: limits of the streams this
         broker creates (``None``: unlimited); ``stream_config``: any other
         ``StreamConfig`` field, which wins over both. The dead-letter streams the
         consumers create have no age or size limit (a dead letter waits for an operator)
-        unless ``dead_letter_max_age_seconds`` / ``dead_letter_max_bytes`` set one."""
+        unless ``dead_letter_max_age_seconds`` / ``dead_letter_max_bytes`` set one.
+        ``envelope="cloudevents"`` publishes CloudEvents (``cloudevents_mode`` binary or
+        structured) from ``cloudevents_source``; consumers read either envelope."""
         super().__init__(
             NatsConnection(
                 url,
@@ -57,7 +68,8 @@ class NatsJetStreamBroker(NatsJetStreamPublisher):
                 stream_max_bytes=stream_max_bytes,
                 dead_letter_max_age_seconds=dead_letter_max_age_seconds,
                 dead_letter_max_bytes=dead_letter_max_bytes,
-            )
+            ),
+            envelope_format=CloudEventsOptions(envelope, cloudevents_mode, cloudevents_source),
         )
 
     def consumer(self, config: ConsumerConfig) -> NatsJetStreamConsumer:

@@ -119,7 +119,48 @@ async def _redis(url: str, mode: CloudEventsMode) -> AsyncIterator[Side]:
         await client.aclose()
 
 
-KINDS = ["memory", "redis"]
+@contextlib.asynccontextmanager
+async def _nats(url: str, mode: CloudEventsMode) -> AsyncIterator[Side]:
+    import nats
+
+    from fastapi_outbox.brokers import NatsJetStreamBroker
+    from fastapi_outbox.brokers.nats.wire import stream_name_for
+
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    broker = NatsJetStreamBroker(
+        url, envelope="cloudevents", cloudevents_mode=mode, cloudevents_source=SOURCE
+    )
+
+    async def read(stream: str) -> list[RawMessage]:
+        name = await js.find_stream_name_by_subject(stream)
+        info = await js.stream_info(name)
+        out = []
+        for seq in range(info.state.first_seq, info.state.last_seq + 1):
+            msg = await js.get_msg(name, seq)
+            headers = {k: v for k, v in (msg.headers or {}).items() if not k.startswith("Nats-")}
+            out.append((headers, msg.data or b""))
+        return out
+
+    async def write(stream: str, headers: dict[str, str], body: bytes) -> None:
+        await broker.connect()
+        await broker.ensure_stream(stream)  # a stream captures the subject
+        await js.publish(stream, body, headers=headers)
+
+    side = Side(broker, mode, read, write)
+    try:
+        yield side
+    finally:
+        await broker.aclose()
+        names = {stream_name_for(s) for s in side.streams}
+        for info in await js.streams_info():
+            if any(info.config.name.startswith(n) for n in names):
+                with contextlib.suppress(Exception):
+                    await js.delete_stream(info.config.name)
+        await nc.close()
+
+
+KINDS = ["memory", "redis", "nats"]
 MODES: list[CloudEventsMode] = ["binary", "structured"]
 
 
@@ -131,6 +172,9 @@ async def side(request: pytest.FixtureRequest) -> AsyncIterator[Side]:
             yield s
     elif kind == "redis":
         async with _redis(str(request.getfixturevalue("redis_url")), mode) as s:
+            yield s
+    elif kind == "nats":
+        async with _nats(str(request.getfixturevalue("nats_url")), mode) as s:
             yield s
 
 
