@@ -60,8 +60,13 @@ CONTENT_TYPE_JSON = "application/json"
 CONTENT_TYPE_STRUCTURED = "application/cloudevents+json"
 #: Binary-mode header prefix (HTTP, Kafka, NATS, and the Redis ``headers`` field).
 BINARY_PREFIX = "ce-"
-#: Binary-mode application-property prefix of the AMQP binding.
-AMQP_BINARY_PREFIX = "ce_"
+#: Binary-mode application-property prefix of the AMQP 1.0 binding (RabbitMQ's AMQP
+#: 0-9-1 binding uses ``ce-`` headers, as HTTP does); read, like ``ce_`` (Kafka) and
+#: ``cloudEvents:``, from other producers.
+AMQP_BINARY_PREFIX = "cloudEvents_"
+#: Every binary-mode prefix a consumer recognises, lower-cased.
+_READ_PREFIXES = ("ce-", "ce_", "cloudevents_", "cloudevents:")
+_SPECVERSION_HEADERS = frozenset(p + "specversion" for p in _READ_PREFIXES)
 #: The source when a broker is given none.
 DEFAULT_SOURCE = "/fastapi-outbox"
 
@@ -187,10 +192,10 @@ def _text(value: Any) -> str:
 def is_cloudevent(headers: Mapping[str, Any]) -> bool:
     """Whether a message with ``headers`` is a CloudEvent: structured (its content type is
     ``application/cloudevents+json``) or binary (a ``ce-specversion``/``ce_specversion``
-    header)."""
+    header, or ``ce_``/``cloudEvents_``/``cloudEvents:``)."""
     if _content_type(headers).startswith("application/cloudevents"):
         return True
-    return any(name.lower() in ("ce-specversion", "ce_specversion") for name in headers)
+    return any(name.lower() in _SPECVERSION_HEADERS for name in headers)
 
 
 def decode(headers: Mapping[str, Any], body: bytes) -> CloudEvent | None:
@@ -213,8 +218,10 @@ def decode(headers: Mapping[str, Any], body: bytes) -> CloudEvent | None:
         attrs = {}
         for name, value in headers.items():
             lowered = name.lower()
-            if lowered.startswith((BINARY_PREFIX, AMQP_BINARY_PREFIX)):
-                attrs[lowered[3:]] = _text(value)
+            for prefix in _READ_PREFIXES:
+                if lowered.startswith(prefix):
+                    attrs[lowered[len(prefix) :]] = _text(value)
+                    break
         if "specversion" not in attrs:
             return None
         content_type = _content_type(headers)

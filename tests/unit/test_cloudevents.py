@@ -75,7 +75,7 @@ def test_structured_mode_is_one_json_document() -> None:
 
 def test_the_amqp_prefix() -> None:
     headers, _ = ce.encode(_envelope(), "/s", "binary", prefix=ce.AMQP_BINARY_PREFIX)
-    assert headers["ce_id"] == HEADERS["message-id"]
+    assert headers["cloudEvents_id"] == HEADERS["message-id"]
     assert ce.is_cloudevent(headers)
     decoded = ce.decode(headers, _envelope().payload)
     assert decoded is not None and decoded.message_id == HEADERS["message-id"]
@@ -158,3 +158,29 @@ def test_a_structured_body_that_is_not_an_object_is_refused() -> None:
 def test_options_are_checked(kwargs: dict[str, str]) -> None:
     with pytest.raises(ConfigurationError):
         ce.CloudEventsOptions(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("prefix", ["ce_", "cloudEvents:"])
+def test_other_binary_prefixes_are_read(prefix: str) -> None:
+    headers = {prefix + "specversion": "1.0", prefix + "id": "i", prefix + "type": "t"}
+    event = ce.decode(headers, b"{}")
+    assert event is not None and (event.message_id, event.type) == ("i", "t")
+
+
+@pytest.mark.parametrize("mode", ["binary", "structured"])
+def test_a_redis_entry_carries_the_message_id_not_the_row_id(mode: ce.CloudEventsMode) -> None:
+    from fastapi_outbox.brokers.redis.wire import PUBLISHED_FIELDS, decode_entry, entry_values
+
+    options = ce.CloudEventsOptions("cloudevents", mode, "/s")
+    values = entry_values(_envelope(), options)
+    assert values[0] == HEADERS["message-id"]
+    raw = [
+        part if isinstance(part, bytes) else part.encode()
+        for pair in zip(PUBLISHED_FIELDS, values, strict=True)
+        for part in pair
+    ]
+    delivery = decode_entry("orders", b"1-0", raw, 1)
+    assert delivery.message_id == HEADERS["message-id"]
+    assert delivery.key == "order-42"
+    assert json.loads(delivery.payload) == {"order_id": 42, "total": "9.90"}
+    assert delivery.headers["correlation-id"] == "corr-1"

@@ -34,7 +34,7 @@ from typing import Any, Literal, Self
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.brokers.base import PublishResults
-from fastapi_outbox.brokers.cloudevents import CloudEventsOptions, to_envelope
+from fastapi_outbox.brokers.cloudevents import CloudEventsOptions
 from fastapi_outbox.brokers.redis.connection import RedisConnection
 from fastapi_outbox.brokers.redis.wire import (
     entry_fields,
@@ -199,8 +199,6 @@ class RedisStreamsPublisher:
         if not batch:
             return []
         await self.connect()
-        if self.envelope_format.enabled:
-            batch = [to_envelope(e, self.envelope_format) for e in batch]
         by_stream: dict[str, list[int]] = defaultdict(list)
         for index, envelope in enumerate(batch):
             by_stream[self.connection.stream_key(envelope.stream)].append(index)
@@ -236,7 +234,7 @@ class RedisStreamsPublisher:
                     for i in chunk:
                         e = batch[i]
                         keys.append(f"outbox:dedup:{{{stream}}}:{e.id}")
-                        args += entry_values(e)
+                        args += entry_values(e, self.envelope_format)
                     await self._script(keys=keys, args=args, client=pipe)
                     calls.append(chunk)
             replies = await pipe.execute(raise_on_error=False)
@@ -264,7 +262,7 @@ class RedisStreamsPublisher:
                     if self.maxlen:
                         args += ["MAXLEN", "~", self.maxlen]
                     args.append("*")
-                    args += entry_fields(e)
+                    args += entry_fields(e, self.envelope_format)
                     pipe.execute_command(*args)
                     order.append(i)
             replies = await pipe.execute(raise_on_error=False)

@@ -5,9 +5,11 @@ outage classifier of Redis."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from fastapi_outbox.brokers import cloudevents
+from fastapi_outbox.brokers.cloudevents import CloudEventsOptions
 from fastapi_outbox.brokers.consumer import Delivery, parse_headers
 from fastapi_outbox.events import Envelope
 
@@ -69,20 +71,22 @@ def is_unreachable(error: BaseException) -> bool:
     return isinstance(error, rexc.ConnectionError | rexc.TimeoutError | OSError)
 
 
-def entry_values(e: Envelope) -> list[Any]:
+def entry_values(e: Envelope, envelope_format: CloudEventsOptions | None = None) -> list[Any]:
     """The values of ``e``'s entry, in the order of :data:`PUBLISHED_FIELDS`: message id,
     type, ordering key ("" for none), headers as JSON text (as stored, not re-encoded),
-    payload."""
+    payload. With CloudEvents (``envelope_format``) the headers are the CloudEvent's
+    (binary: ``ce-*`` and ``content-type``; structured: ``content-type``) and the payload
+    its body."""
+    if envelope_format is not None and envelope_format.enabled:
+        headers, body = cloudevents.encode(e, envelope_format.source, envelope_format.mode)
+        return [e.message_id, e.type, e.key or "", json.dumps(headers), body]
     return [e.message_id, e.type, e.key or "", e.headers_json, e.payload]
 
 
-def entry_fields(e: Envelope) -> list[Any]:
+def entry_fields(e: Envelope, envelope_format: CloudEventsOptions | None = None) -> list[Any]:
     """``e``'s entry as the ``field, value, …`` arguments of an ``XADD``."""
-    return [
-        *("id", e.message_id, "type", e.type),
-        *("key", e.key or "", "headers", e.headers_json),
-        *("payload", e.payload),
-    ]
+    values = entry_values(e, envelope_format)
+    return [part for pair in zip(PUBLISHED_FIELDS, values, strict=True) for part in pair]
 
 
 def text(value: Any) -> str:

@@ -181,7 +181,7 @@ async def side(request: pytest.FixtureRequest) -> AsyncIterator[Side]:
 def _envelope(stream: str, n: int) -> Envelope:
     message_id = str(uuid7())
     return Envelope(
-        id=message_id,
+        id=str(uuid7()),  # the row id: another id than the message's, as for a second broker
         stream=stream,
         type="OrderPlaced",
         key=f"order-{n}",
