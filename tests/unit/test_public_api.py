@@ -303,9 +303,12 @@ PUBLIC_ALL: dict[str, set[str]] = {
     },
     "fastapi_outbox.brokers.rabbitmq.wire": {
         "BROKER_HEADERS",
+        "CONTENT_TYPE",
         "DELIVERY_COUNT_HEADER",
         "KEY_HEADER",
         "QUEUE_TEMPLATE",
+        "cloudevent_headers",
+        "cloudevent_message",
         "delivery_attempt",
         "header_problem",
         "message_headers",

@@ -160,7 +160,64 @@ async def _nats(url: str, mode: CloudEventsMode) -> AsyncIterator[Side]:
         await nc.close()
 
 
-KINDS = ["memory", "redis", "nats"]
+@contextlib.asynccontextmanager
+async def _rabbitmq(url: str, mode: CloudEventsMode) -> AsyncIterator[Side]:
+    """The broker on an exchange of this test's own; a queue of the test's own bound with
+    ``#`` holds what it publishes, read back as the RabbitMQ binding's message."""
+    import aio_pika
+
+    from fastapi_outbox.brokers import RabbitMQBroker
+
+    exchange = unique("ce_x")
+    broker = RabbitMQBroker(
+        url,
+        exchange=exchange,
+        envelope="cloudevents",
+        cloudevents_mode=mode,
+        cloudevents_source=SOURCE,
+    )
+    conn = await aio_pika.connect(url)
+    channel = await conn.channel(publisher_confirms=True)
+    x = await channel.declare_exchange(exchange, "topic", durable=True)
+    tap = await channel.declare_queue(unique("ce_tap"), durable=True)
+    await tap.bind(x, routing_key="#")
+    seen: dict[str, list[RawMessage]] = {}
+
+    async def read(stream: str) -> list[RawMessage]:
+        while (m := await tap.get(no_ack=True, fail=False)) is not None:
+            headers = {k: str(v) for k, v in (m.headers or {}).items()}
+            if m.content_type:
+                headers["content-type"] = m.content_type
+            seen.setdefault(str(m.routing_key), []).append((headers, m.body))
+        return seen.get(stream, [])
+
+    async def write(stream: str, headers: dict[str, str], body: bytes) -> None:
+        # A producer on the RabbitMQ binding: ce-* headers, content type as the property.
+        content_type = headers.get("content-type")
+        await x.publish(
+            aio_pika.Message(
+                body,
+                content_type=content_type,
+                headers={k: v for k, v in headers.items() if k != "content-type"},
+                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            ),
+            routing_key=stream,
+        )
+
+    side = Side(broker, mode, read, write)
+    try:
+        yield side
+    finally:
+        await broker.aclose()
+        for stream in side.streams:
+            for name in (f"{stream}.payments", f"{stream}.payments.dlq"):
+                await channel.queue_delete(name)
+        await tap.delete(if_unused=False, if_empty=False)
+        await x.delete()
+        await conn.close()
+
+
+KINDS = ["memory", "redis", "nats", "rabbitmq"]
 MODES: list[CloudEventsMode] = ["binary", "structured"]
 
 
@@ -175,6 +232,9 @@ async def side(request: pytest.FixtureRequest) -> AsyncIterator[Side]:
             yield s
     elif kind == "nats":
         async with _nats(str(request.getfixturevalue("nats_url")), mode) as s:
+            yield s
+    else:
+        async with _rabbitmq(str(request.getfixturevalue("rabbitmq_url")), mode) as s:
             yield s
 
 
