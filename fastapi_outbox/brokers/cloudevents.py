@@ -211,7 +211,7 @@ def decode(headers: Mapping[str, Any], body: bytes) -> CloudEvent | None:
             # The payload of a Delivery is JSON: the data re-encoded as JSON.
             payload = json.dumps(document["data"], separators=(",", ":")).encode()
         elif "data_base64" in document:
-            payload = base64.b64decode(document["data_base64"])
+            payload = base64.b64decode(document["data_base64"], validate=True)
         else:
             payload = b""
     else:
@@ -277,10 +277,15 @@ def as_delivery(
 ) -> Delivery | None:
     """The delivery of a message of ``headers`` and ``body`` when it is a CloudEvent (in
     either mode, from any producer), else None: what every consumer calls before reading
-    a message as native."""
+    a message as native. A malformed CloudEvent (no ``id`` or ``type``, a structured
+    body that is not a JSON object) is read as native too: it reaches the processing of
+    the message, which dead-letters what it cannot handle, and never stops the fetch."""
     if not is_cloudevent(headers):
         return None
-    event = decode(headers, body)
+    try:
+        event = decode(headers, body)
+    except ValueError:
+        return None
     if event is None:
         return None
     return Delivery(

@@ -184,3 +184,29 @@ def test_a_redis_entry_carries_the_message_id_not_the_row_id(mode: ce.CloudEvent
     assert delivery.key == "order-42"
     assert json.loads(delivery.payload) == {"order_id": 42, "total": "9.90"}
     assert delivery.headers["correlation-id"] == "corr-1"
+
+
+@pytest.mark.parametrize(
+    ("headers", "body"),
+    [
+        ({"ce-specversion": "1.0", "ce-type": "t"}, b"{}"),
+        ({"content-type": "application/cloudevents+json"}, b"not json"),
+        (
+            {"content-type": "application/cloudevents+json"},
+            b'{"id": "i", "type": "t", "data_base64": "!"}',
+        ),
+    ],
+)
+def test_a_malformed_cloudevent_is_delivered_as_native(
+    headers: dict[str, str], body: bytes
+) -> None:
+    assert ce.as_delivery(headers, body, stream="s", entry_id="1", attempt=1) is None
+
+
+def test_as_delivery_maps_a_cloudevent() -> None:
+    headers, body = ce.encode(_envelope(), "/s", "binary")
+    d = ce.as_delivery(headers, body, stream="orders", entry_id="7", attempt=2, handle="h")
+    assert d is not None
+    assert (d.stream, d.entry_id, d.attempt, d.handle) == ("orders", "7", 2, "h")
+    assert (d.message_id, d.type, d.key) == (HEADERS["message-id"], "OrderPlaced", "order-42")
+    assert d.headers["occurred-at"] == HEADERS["occurred-at"]
