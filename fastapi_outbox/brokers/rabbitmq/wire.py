@@ -134,8 +134,10 @@ def cloudevent_headers(raw: dict[str, Any], content_type: str | None) -> dict[st
     """The headers to read a delivery as a CloudEvent from (its AMQP headers and its
     ``content_type`` as ``content-type``) when it is one, in either mode and from any
     producer, else None."""
-    headers = {**raw, "content-type": content_type} if content_type else raw
-    return headers if cloudevents.is_cloudevent(headers) else None
+    structured = bool(content_type) and str(content_type).startswith("application/cloudevents")
+    if not structured and not cloudevents.is_cloudevent(raw):
+        return None  # the common case: no copy of the headers
+    return {**raw, "content-type": content_type} if content_type else raw
 
 
 def user_headers(raw: dict[str, Any] | None) -> dict[str, str]:
