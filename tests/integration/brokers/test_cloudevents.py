@@ -15,6 +15,7 @@ import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 from cloudevents.v1.conversion import to_binary, to_structured
@@ -29,7 +30,7 @@ from fastapi_outbox.events import Envelope
 from tests.conftest import unique, wait_until
 
 SOURCE = "/orders-service"
-FAST = {
+FAST: dict[str, Any] = {
     "consumer_claim_idle_seconds": 1.0,
     "consumer_retry_base_delay_seconds": 0.05,
     "consumer_retry_max_delay_seconds": 0.2,
