@@ -6,6 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from fastapi_outbox.brokers.cloudevents import (
+    DEFAULT_SOURCE,
+    CloudEventsMode,
+    CloudEventsOptions,
+    EnvelopeFormat,
+)
 from fastapi_outbox.brokers.consumer import ConsumerConfig
 from fastapi_outbox.brokers.memory.connection import MemoryConnection
 from fastapi_outbox.brokers.memory.consumer import MemoryConsumer
@@ -23,8 +29,15 @@ class MemoryBroker(MemoryPublisher):
         self,
         *,
         reject: Callable[[Envelope], BaseException | None] | None = None,
+        envelope: EnvelopeFormat = "native",
+        cloudevents_mode: CloudEventsMode = "binary",
+        cloudevents_source: str = DEFAULT_SOURCE,
     ) -> None:
-        super().__init__(MemoryConnection(), reject=reject)
+        """``envelope="cloudevents"`` stores each message as a CloudEvent
+        (``cloudevents_mode`` binary: ``ce-*`` headers and the payload; structured: one
+        ``application/cloudevents+json`` document) from ``cloudevents_source``."""
+        options = CloudEventsOptions(envelope, cloudevents_mode, cloudevents_source)
+        super().__init__(MemoryConnection(), reject=reject, envelope_format=options)
 
     def consumer(self, config: ConsumerConfig) -> MemoryConsumer:
         """The consumer side (``@outbox.subscriber`` on a memory broker)."""

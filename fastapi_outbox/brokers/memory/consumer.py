@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import anyio
 
+from fastapi_outbox.brokers import cloudevents
 from fastapi_outbox.brokers import consumer as consumer_mod
 from fastapi_outbox.brokers.consumer import ConsumerConfig, ConsumerLag, DeadLetter, Delivery
 from fastapi_outbox.brokers.memory.connection import MemoryConnection
@@ -55,6 +56,11 @@ class MemoryConsumer:
 
     def _delivery(self, index: int, count: float) -> Delivery:
         e = self.connection.messages[index]
+        event = cloudevents.as_delivery(
+            e.headers, e.payload, stream=e.stream, entry_id=str(index), attempt=int(count)
+        )
+        if event is not None:
+            return event
         return Delivery(
             stream=e.stream,
             entry_id=str(index),

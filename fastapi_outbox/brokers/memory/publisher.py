@@ -13,6 +13,7 @@ from typing import Self
 import anyio
 
 from fastapi_outbox.brokers.base import PublishResults
+from fastapi_outbox.brokers.cloudevents import CloudEventsOptions, to_envelope
 from fastapi_outbox.brokers.memory.connection import MemoryConnection
 from fastapi_outbox.events import Envelope
 
@@ -25,8 +26,11 @@ class MemoryPublisher:
         connection: MemoryConnection,
         *,
         reject: Callable[[Envelope], BaseException | None] | None = None,
+        envelope_format: CloudEventsOptions | None = None,
     ) -> None:
         self.connection = connection
+        #: The envelope on the wire: native, or CloudEvents (binary or structured).
+        self.envelope_format = envelope_format or CloudEventsOptions()
         self.publish_calls = 0
         self.reject = reject
 
@@ -67,7 +71,7 @@ class MemoryPublisher:
             error = self.reject(envelope) if self.reject is not None else None
             results.append(error)
             if error is None:
-                accepted.append(envelope)
+                accepted.append(to_envelope(envelope, self.envelope_format))
         self.connection.store(accepted)
         return results
 

@@ -6,6 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from fastapi_outbox.brokers.cloudevents import (
+    DEFAULT_SOURCE,
+    CloudEventsMode,
+    CloudEventsOptions,
+    EnvelopeFormat,
+)
 from fastapi_outbox.brokers.consumer import ConsumerConfig
 from fastapi_outbox.brokers.nats.connection import (
     ACK_TIMEOUT_SECONDS,
@@ -39,6 +45,9 @@ class NatsJetStreamBroker(NatsJetStreamPublisher):
         dead_letter_max_age_seconds: float | None = None,
         dead_letter_max_bytes: int | None = None,
         replicas: int = 1,
+        envelope: EnvelopeFormat = "native",
+        cloudevents_mode: CloudEventsMode = "binary",
+        cloudevents_source: str = DEFAULT_SOURCE,
     ) -> None:
         """``stream_max_age_seconds`` / ``stream_max_bytes``: limits of the streams this
         broker creates (``None``: unlimited); ``stream_config``: any other
@@ -48,7 +57,9 @@ class NatsJetStreamBroker(NatsJetStreamPublisher):
         ``replicas``: the JetStream replicas (``num_replicas``, 1 to 5) of every stream
         it creates, dead-letter streams included; on a cluster, 1 is logged as a warning
         (a node lost is its streams lost until it returns). ``url`` may list several
-        servers, comma-separated: the client reconnects to any of them."""
+        servers, comma-separated: the client reconnects to any of them.
+        ``envelope="cloudevents"`` publishes CloudEvents (``cloudevents_mode`` binary or
+        structured) from ``cloudevents_source``; consumers read either envelope."""
         super().__init__(
             NatsConnection(
                 url,
@@ -63,7 +74,8 @@ class NatsJetStreamBroker(NatsJetStreamPublisher):
                 dead_letter_max_age_seconds=dead_letter_max_age_seconds,
                 dead_letter_max_bytes=dead_letter_max_bytes,
                 replicas=replicas,
-            )
+            ),
+            envelope_format=CloudEventsOptions(envelope, cloudevents_mode, cloudevents_source),
         )
 
     def consumer(self, config: ConsumerConfig) -> NatsJetStreamConsumer:

@@ -28,6 +28,7 @@ from typing import Any, Self
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.brokers.base import PublishResults
+from fastapi_outbox.brokers.cloudevents import CloudEventsOptions, to_envelope
 from fastapi_outbox.brokers.nats.connection import NatsConnection
 from fastapi_outbox.brokers.nats.wire import (
     ack_error,
@@ -60,8 +61,13 @@ class _Batch:
 class NatsJetStreamPublisher:
     """Publishes to NATS JetStream (``nats-py``), de-duplicated by ``Nats-Msg-Id``."""
 
-    def __init__(self, connection: NatsConnection) -> None:
+    def __init__(
+        self, connection: NatsConnection, *, envelope_format: CloudEventsOptions | None = None
+    ) -> None:
+        """``envelope_format`` with CloudEvents sends each message as a CloudEvent (binary:
+        ``ce-*`` headers and the payload; structured: one JSON document)."""
         self.connection = connection
+        self.envelope_format = envelope_format or CloudEventsOptions()
         self._lock = asyncio.Lock()
         # Acks: the reply subjects of the messages in flight, each with its batch and index.
         self._ack_sub: Any = None
@@ -164,6 +170,8 @@ class NatsJetStreamPublisher:
         if not batch:
             return []
         await self.connect()
+        if self.envelope_format.enabled:
+            batch = [to_envelope(e, self.envelope_format) for e in batch]
         connection = self.connection
         connection.ensure_connected()
         results: PublishResults = [None] * len(batch)

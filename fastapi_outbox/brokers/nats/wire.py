@@ -10,6 +10,7 @@ import json
 import re
 from typing import Any
 
+from fastapi_outbox.brokers import cloudevents
 from fastapi_outbox.brokers.consumer import Delivery
 from fastapi_outbox.events import HEADER_MESSAGE_ID, HEADER_TYPE, Envelope
 
@@ -260,9 +261,22 @@ def decode_message(stream: str, msg: Any) -> Delivery:
     consumer) of ``stream``: the entry id is its stream sequence, the attempt its delivery
     count, the message id the ``message-id`` header (else ``Nats-Msg-Id``, else the
     sequence), the ordering key the ``key`` header; the other headers are read when first
-    asked for."""
+    asked for. A CloudEvent (``ce-*`` headers, or an ``application/cloudevents+json``
+    body) is read as one, from any producer."""
     raw = msg.headers or {}
     seq, delivered = sequence_and_count(msg)
+    if "ce-specversion" in raw or "content-type" in raw or "Content-Type" in raw:
+        event = cloudevents.as_delivery(
+            raw,
+            msg.data,
+            stream=stream,
+            entry_id=seq,
+            attempt=delivered,
+            key=raw.get(KEY_HEADER),
+            handle=msg,
+        )
+        if event is not None:  # a CloudEvent, in binary or structured mode
+            return event
     return _NatsDelivery(
         stream=stream,
         entry_id=seq,

@@ -9,6 +9,12 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi_outbox import exceptions
+from fastapi_outbox.brokers.cloudevents import (
+    DEFAULT_SOURCE,
+    CloudEventsMode,
+    CloudEventsOptions,
+    EnvelopeFormat,
+)
 from fastapi_outbox.brokers.consumer import ConsumerConfig
 from fastapi_outbox.brokers.rabbitmq.connection import (
     CONFIRM_TIMEOUT_SECONDS,
@@ -41,13 +47,18 @@ class RabbitMQBroker(RabbitMQPublisher):
         queue_arguments: dict[str, Any] | None = None,
         confirm_timeout_seconds: float = CONFIRM_TIMEOUT_SECONDS,
         connect_timeout_seconds: float = CONNECT_TIMEOUT_SECONDS,
+        envelope: EnvelopeFormat = "native",
+        cloudevents_mode: CloudEventsMode = "binary",
+        cloudevents_source: str = DEFAULT_SOURCE,
     ) -> None:
         """``exchange``: the durable topic exchange (created when missing);
         ``queue_name``: the quorum queue of a subscriber group, ``{stream}`` and
         ``{group}`` filled in; ``queue_prefix``: before the name of every queue the
         consumers declare, their dead-letter queues included (services or tests sharing a
         virtual host); ``queue_arguments``: extra arguments of the groups' queues
-        (``x-max-length``, ``x-expires``…)."""
+        (``x-max-length``, ``x-expires``…). ``envelope="cloudevents"`` publishes
+        CloudEvents (``cloudevents_mode`` binary or structured, per the RabbitMQ binding)
+        from ``cloudevents_source``; consumers read either envelope."""
         if not exchange:
             raise exceptions.ConfigurationError(
                 "RabbitMQBroker: exchange must be a name (the default exchange routes by "
@@ -75,7 +86,10 @@ class RabbitMQBroker(RabbitMQPublisher):
                 name=f"fastapi-outbox {role}",
             )
 
-        super().__init__(connection("publisher"))
+        super().__init__(
+            connection("publisher"),
+            envelope_format=CloudEventsOptions(envelope, cloudevents_mode, cloudevents_source),
+        )
         self.queue_name = queue_name
         self.queue_prefix = queue_prefix
         self.queue_arguments = dict(queue_arguments or {})

@@ -44,11 +44,14 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi_outbox import exceptions
+from fastapi_outbox.brokers import cloudevents
 from fastapi_outbox.brokers import consumer as consumer_mod
 from fastapi_outbox.brokers.consumer import ConsumerConfig, ConsumerLag, DeadLetter, Delivery
 from fastapi_outbox.brokers.rabbitmq.connection import RabbitMQConnection
 from fastapi_outbox.brokers.rabbitmq.wire import (
+    CONTENT_TYPE,
     KEY_HEADER,
+    cloudevent_headers,
     delivery_attempt,
     message_identity,
     queue_name,
@@ -245,9 +248,22 @@ class RabbitMQConsumer:
     def _delivery(self, message: Any) -> Delivery:
         properties = message.header.properties
         raw = properties.headers or {}
-        message_id, type_ = message_identity(raw, properties.message_id)
         key = raw.get(KEY_HEADER)
         tag = message.delivery.delivery_tag
+        ce_headers = cloudevent_headers(raw, properties.content_type)
+        if ce_headers is not None:  # a CloudEvent, binary or structured, from any producer
+            event = cloudevents.as_delivery(
+                ce_headers,
+                message.body,
+                stream=self.config.stream,
+                entry_id=f"{self._epoch}.{tag}",
+                attempt=delivery_attempt(raw),
+                key=key.decode() if isinstance(key, bytes) else key,
+                handle=(message.channel, tag, properties),
+            )
+            if event is not None:
+                return event
+        message_id, type_ = message_identity(raw, properties.message_id)
         return _RabbitDelivery(
             stream=self.config.stream,
             entry_id=f"{self._epoch}.{tag}",
@@ -436,8 +452,12 @@ class RabbitMQConsumer:
         }
         if delivery.key is not None:
             headers[KEY_HEADER] = delivery.key
+        content_type = original.content_type
+        if content_type and content_type.startswith("application/cloudevents"):
+            # The payload alone goes on, not the CloudEvent's structured body.
+            content_type = CONTENT_TYPE
         properties = Basic.Properties(
-            content_type=original.content_type,
+            content_type=content_type,
             delivery_mode=2,
             headers=headers,
             message_id=original.message_id,

@@ -33,8 +33,11 @@ from typing import Any, Self
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.brokers.base import PublishResults, redact_url
+from fastapi_outbox.brokers.cloudevents import CloudEventsOptions
 from fastapi_outbox.brokers.rabbitmq.connection import RabbitMQConnection
 from fastapi_outbox.brokers.rabbitmq.wire import (
+    CONTENT_TYPE,
+    cloudevent_message,
     header_problem,
     message_headers,
     outage,
@@ -46,16 +49,19 @@ __all__ = ["DEFAULT_EXCHANGE", "DEFAULT_URL", "RabbitMQPublisher"]
 DEFAULT_URL = "amqp://guest:guest@localhost:5672/"
 #: The durable topic exchange messages are published to.
 DEFAULT_EXCHANGE = "outbox"
-CONTENT_TYPE = "application/json"
 PERSISTENT = 2
 
 
 class RabbitMQPublisher:
     """Publishes to RabbitMQ (aio-pika / aiormq) with publisher confirms."""
 
-    def __init__(self, connection: RabbitMQConnection) -> None:
-        """Publishes on ``connection`` (its exchange, its confirm timeout)."""
+    def __init__(
+        self, connection: RabbitMQConnection, *, envelope_format: CloudEventsOptions | None = None
+    ) -> None:
+        """Publishes on ``connection`` (its exchange, its confirm timeout);
+        ``envelope_format`` with CloudEvents sends each message as a CloudEvent."""
         self.connection = connection
+        self.envelope_format = envelope_format or CloudEventsOptions()
         self.url = connection.url
         self.exchange = connection.exchange
         self.confirm_timeout_seconds = connection.confirm_timeout_seconds
@@ -92,10 +98,14 @@ class RabbitMQPublisher:
         tasks: dict[int, asyncio.Future[Any]] = {}
         async with conn.confirming() as channel:
             exchange = self.exchange
+            cloud = self.envelope_format.enabled
             try:
                 messages: list[tuple[int, bytes, str, Any]] = []
                 for i, e in enumerate(batch):
                     headers, props = message_headers(e)
+                    body, content_type = e.payload, CONTENT_TYPE
+                    if cloud:
+                        headers, content_type, body = cloudevent_message(e, self.envelope_format)
                     problem = header_problem(headers, e.stream)
                     if problem is not None:
                         results[i] = exceptions.MessageRejected(
@@ -103,12 +113,12 @@ class RabbitMQPublisher:
                         )
                         continue
                     properties = Basic.Properties(
-                        content_type=CONTENT_TYPE,
+                        content_type=content_type,
                         delivery_mode=PERSISTENT,
                         headers=headers,
                         **props,
                     )
-                    messages.append((i, e.payload, e.stream, properties))
+                    messages.append((i, body, e.stream, properties))
                 if self.batch_frames and _can_write_frames(channel):
                     tasks = await _write_batch(channel, exchange, messages)
                 else:

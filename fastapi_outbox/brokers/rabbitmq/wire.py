@@ -22,6 +22,8 @@ import datetime as dt
 from typing import Any
 
 from fastapi_outbox import exceptions
+from fastapi_outbox.brokers import cloudevents
+from fastapi_outbox.brokers.cloudevents import CloudEventsOptions
 from fastapi_outbox.events import (
     HEADER_CORRELATION_ID,
     HEADER_MESSAGE_ID,
@@ -33,9 +35,12 @@ from fastapi_outbox.redaction import redact_url
 
 __all__ = [
     "BROKER_HEADERS",
+    "CONTENT_TYPE",
     "DELIVERY_COUNT_HEADER",
     "KEY_HEADER",
     "QUEUE_TEMPLATE",
+    "cloudevent_headers",
+    "cloudevent_message",
     "delivery_attempt",
     "header_problem",
     "message_headers",
@@ -45,6 +50,8 @@ __all__ = [
     "user_headers",
 ]
 
+#: The content type of a native message's body.
+CONTENT_TYPE = "application/json"
 #: Header carrying the envelope's ordering key (as on NATS; Redis carries it as a field).
 KEY_HEADER = "key"
 #: The quorum queue's count of earlier deliveries of a message (0 on the first).
@@ -108,6 +115,29 @@ def message_headers(e: Envelope) -> tuple[dict[str, Any], dict[str, Any]]:
         "correlation_id": headers.get(HEADER_CORRELATION_ID),
     }
     return headers, properties
+
+
+def cloudevent_message(
+    e: Envelope, options: CloudEventsOptions
+) -> tuple[dict[str, Any], str, bytes]:
+    """(AMQP headers, ``content_type``, body) of ``e`` as a CloudEvent, per the RabbitMQ
+    (AMQP 0-9-1) protocol binding: binary mode puts the attributes in ``ce-*`` headers and
+    ``datacontenttype`` in ``content_type``; structured mode sends the whole event as an
+    ``application/cloudevents+json`` body. The properties stay those of
+    :func:`message_headers` (``message_id``, ``type``, ``timestamp``…)."""
+    headers, body = cloudevents.encode(e, options.source, options.mode)
+    content_type = headers.pop("content-type")
+    return dict(headers), content_type, body
+
+
+def cloudevent_headers(raw: dict[str, Any], content_type: str | None) -> dict[str, Any] | None:
+    """The headers to read a delivery as a CloudEvent from (its AMQP headers and its
+    ``content_type`` as ``content-type``) when it is one, in either mode and from any
+    producer, else None."""
+    structured = bool(content_type) and str(content_type).startswith("application/cloudevents")
+    if not structured and not cloudevents.is_cloudevent(raw):
+        return None  # the common case: no copy of the headers
+    return {**raw, "content-type": content_type} if content_type else raw
 
 
 def user_headers(raw: dict[str, Any] | None) -> dict[str, str]:

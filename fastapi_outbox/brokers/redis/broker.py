@@ -7,6 +7,12 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi_outbox import exceptions
+from fastapi_outbox.brokers.cloudevents import (
+    DEFAULT_SOURCE,
+    CloudEventsMode,
+    CloudEventsOptions,
+    EnvelopeFormat,
+)
 from fastapi_outbox.brokers.consumer import ConsumerConfig
 from fastapi_outbox.brokers.redis.connection import SOCKET_TIMEOUT_SECONDS, RedisConnection
 from fastapi_outbox.brokers.redis.consumer import RedisStreamsConsumer
@@ -36,9 +42,14 @@ class RedisStreamsBroker(RedisStreamsPublisher):
         idmp_producers: int = IDMP_PRODUCERS,
         socket_timeout: float = SOCKET_TIMEOUT_SECONDS,
         dead_letter_maxlen: int | None = None,
+        envelope: EnvelopeFormat = "native",
+        cloudevents_mode: CloudEventsMode = "binary",
+        cloudevents_source: str = DEFAULT_SOURCE,
     ) -> None:
         """``maxlen`` trims the streams published to; the consumers' dead-letter streams
-        are never trimmed unless ``dead_letter_maxlen`` is set (``MAXLEN ~``)."""
+        are never trimmed unless ``dead_letter_maxlen`` is set (``MAXLEN ~``).
+        ``envelope="cloudevents"`` publishes CloudEvents (``cloudevents_mode`` binary or
+        structured) from ``cloudevents_source``; consumers read either envelope."""
         if dead_letter_maxlen is not None and dead_letter_maxlen < 1:
             raise exceptions.ConfigurationError(
                 f"RedisStreamsBroker: dead_letter_maxlen must be >= 1, got {dead_letter_maxlen}"
@@ -52,6 +63,7 @@ class RedisStreamsBroker(RedisStreamsPublisher):
             dedup=dedup,
             dedup_window_seconds=dedup_window_seconds,
             idmp_producers=idmp_producers,
+            envelope_format=CloudEventsOptions(envelope, cloudevents_mode, cloudevents_source),
         )
         self.dead_letter_maxlen = dead_letter_maxlen
 

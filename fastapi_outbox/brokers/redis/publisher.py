@@ -34,6 +34,7 @@ from typing import Any, Literal, Self
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.brokers.base import PublishResults
+from fastapi_outbox.brokers.cloudevents import CloudEventsOptions
 from fastapi_outbox.brokers.redis.connection import RedisConnection
 from fastapi_outbox.brokers.redis.wire import (
     entry_fields,
@@ -103,8 +104,11 @@ class RedisStreamsPublisher:
         dedup: DedupMode = "auto",
         dedup_window_seconds: float | None = None,
         idmp_producers: int = IDMP_PRODUCERS,
+        envelope_format: CloudEventsOptions | None = None,
     ) -> None:
-        """``maxlen`` trims the streams published to (``MAXLEN ~``)."""
+        """``maxlen`` trims the streams published to (``MAXLEN ~``). ``envelope_format``
+        with CloudEvents writes each entry's ``headers`` field as the CloudEvent's headers
+        (binary: ``ce-*``; structured: its content type) and ``payload`` as its body."""
         if maxlen is not None and maxlen < 1:
             raise exceptions.ConfigurationError(
                 f"RedisStreamsBroker: maxlen must be >= 1, got {maxlen}"
@@ -114,6 +118,7 @@ class RedisStreamsPublisher:
                 f"RedisStreamsBroker: dedup must be auto, script, idmp or off, got {dedup!r}"
             )
         self.connection = connection
+        self.envelope_format = envelope_format or CloudEventsOptions()
         self.maxlen = maxlen
         self.dedup: DedupMode = dedup
         self.idmp_producers = idmp_producers
@@ -229,7 +234,7 @@ class RedisStreamsPublisher:
                     for i in chunk:
                         e = batch[i]
                         keys.append(f"outbox:dedup:{{{stream}}}:{e.id}")
-                        args += entry_values(e)
+                        args += entry_values(e, self.envelope_format)
                     await self._script(keys=keys, args=args, client=pipe)
                     calls.append(chunk)
             replies = await pipe.execute(raise_on_error=False)
@@ -257,7 +262,7 @@ class RedisStreamsPublisher:
                     if self.maxlen:
                         args += ["MAXLEN", "~", self.maxlen]
                     args.append("*")
-                    args += entry_fields(e)
+                    args += entry_fields(e, self.envelope_format)
                     pipe.execute_command(*args)
                     order.append(i)
             replies = await pipe.execute(raise_on_error=False)

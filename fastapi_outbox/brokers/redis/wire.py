@@ -5,8 +5,11 @@ outage classifier of Redis."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+from fastapi_outbox.brokers import cloudevents
+from fastapi_outbox.brokers.cloudevents import CloudEventsOptions
 from fastapi_outbox.brokers.consumer import Delivery, parse_headers
 from fastapi_outbox.events import Envelope
 
@@ -68,20 +71,22 @@ def is_unreachable(error: BaseException) -> bool:
     return isinstance(error, rexc.ConnectionError | rexc.TimeoutError | OSError)
 
 
-def entry_values(e: Envelope) -> list[Any]:
+def entry_values(e: Envelope, envelope_format: CloudEventsOptions | None = None) -> list[Any]:
     """The values of ``e``'s entry, in the order of :data:`PUBLISHED_FIELDS`: message id,
     type, ordering key ("" for none), headers as JSON text (as stored, not re-encoded),
-    payload."""
+    payload. With CloudEvents (``envelope_format``) the headers are the CloudEvent's
+    (binary: ``ce-*`` and ``content-type``; structured: ``content-type``) and the payload
+    its body."""
+    if envelope_format is not None and envelope_format.enabled:
+        headers, body = cloudevents.encode(e, envelope_format.source, envelope_format.mode)
+        return [e.message_id, e.type, e.key or "", json.dumps(headers), body]
     return [e.message_id, e.type, e.key or "", e.headers_json, e.payload]
 
 
-def entry_fields(e: Envelope) -> list[Any]:
+def entry_fields(e: Envelope, envelope_format: CloudEventsOptions | None = None) -> list[Any]:
     """``e``'s entry as the ``field, value, …`` arguments of an ``XADD``."""
-    return [
-        *("id", e.message_id, "type", e.type),
-        *("key", e.key or "", "headers", e.headers_json),
-        *("payload", e.payload),
-    ]
+    values = entry_values(e, envelope_format)
+    return [part for pair in zip(PUBLISHED_FIELDS, values, strict=True) for part in pair]
 
 
 def text(value: Any) -> str:
@@ -100,6 +105,43 @@ def reply_entries(reply: Any) -> list[Any]:
     return [e for _stream, entries in reply for e in entries]
 
 
+def _maybe_cloudevent(raw_headers: Any) -> bool:
+    """Whether an entry's ``headers`` text may hold a CloudEvent's headers: a cheap
+    substring test on the fast path, confirmed by :func:`_cloudevent`."""
+    if not raw_headers:
+        return False
+    raw = raw_headers if isinstance(raw_headers, bytes) else str(raw_headers).encode()
+    return b"ce-specversion" in raw or b"application/cloudevents" in raw
+
+
+def _cloudevent(stream: str, entry: str, named: dict[str, Any], attempt: int) -> Delivery | None:
+    """The delivery of an entry that holds a CloudEvent, else None. The CloudEvent's
+    headers are the ``headers`` field (JSON, as our publisher writes them) or, from a
+    producer that writes one field per header, the entry's other fields; its body is
+    the ``payload`` field (or ``data``)."""
+    raw_headers = named.get("headers")
+    if raw_headers:
+        if not _maybe_cloudevent(raw_headers):
+            return None
+        headers: dict[str, Any] = parse_headers(raw_headers)
+    else:
+        headers = {
+            name: text(value)
+            for name, value in named.items()
+            if name not in ("payload", "data", "key")
+        }
+    body = named.get("payload", named.get("data", b""))
+    key = named.get("key")
+    return cloudevents.as_delivery(
+        headers,
+        body if isinstance(body, bytes) else str(body).encode(),
+        stream=stream,
+        entry_id=entry,
+        attempt=attempt,
+        key=text(key) if key else None,
+    )
+
+
 def decode_entry(stream: str, entry_id: Any, fields: Any, attempt: int) -> Delivery:
     """The delivery of entry ``entry_id`` of ``stream``: ``fields`` as a raw reply's flat
     ``[field, value, …]`` list (the fast path when in the order the publisher writes them)
@@ -108,7 +150,12 @@ def decode_entry(stream: str, entry_id: Any, fields: Any, attempt: int) -> Deliv
     if isinstance(fields, list):  # a raw reply's flat [field, value, …]
         if fields[::2] == _PUBLISHED:  # as the publish script writes them
             message_id, type_, key, raw_headers, payload = fields[1::2]
-            if message_id and type_ and isinstance(payload, bytes):
+            if (
+                message_id
+                and type_
+                and isinstance(payload, bytes)
+                and not _maybe_cloudevent(raw_headers)
+            ):
                 return Delivery(
                     stream=stream,
                     entry_id=entry_id.decode(),
@@ -128,8 +175,12 @@ def decode_entry(stream: str, entry_id: Any, fields: Any, attempt: int) -> Deliv
         fields = dict(zip(pairs, pairs, strict=True))
     # Field names as text: bytes from our clients, str from a client the application
     # made with decode_responses=True.
-    get = {text(k): v for k, v in fields.items()}.get
+    named = {text(k): v for k, v in fields.items()}
+    get = named.get
     entry = text(entry_id)
+    event = _cloudevent(stream, entry, named, attempt)
+    if event is not None:
+        return event
     raw_headers = get("headers")
     message_id = get("id")
     type_ = get("type")
