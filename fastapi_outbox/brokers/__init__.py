@@ -13,6 +13,7 @@ libraries lazily, so ``fastapi_outbox.brokers`` imports without the ``redis``, `
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qsl, urlencode
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.brokers.base import Broker, PublishResults, redact_url
@@ -50,9 +51,59 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(name)
 
 
+#: Query parameters of a broker URL that are the broker's own options (the others stay in
+#: the URL, for the client library): name → converter.
+URL_OPTIONS: dict[str, Any] = {
+    "envelope": str,
+    "cloudevents_mode": str,
+    "cloudevents_source": str,
+    "replicas": int,
+}
+#: Options only some brokers take: option → the URL schemes that accept it.
+_SCHEMES_OF: dict[str, tuple[str, ...]] = {"replicas": ("nats", "tls")}
+
+
+def url_options(url: str) -> tuple[str, dict[str, Any]]:
+    """``url`` without the query parameters that are broker options (``envelope``,
+    ``cloudevents_mode``, ``cloudevents_source``, ``replicas``), and those options,
+    converted: ``nats://a:4222,nats://b:4222?replicas=3&envelope=cloudevents``. Other
+    parameters (``redis://…?socket_timeout=5``) stay in the URL."""
+    if "?" not in url:
+        return url, {}
+    base, query = url.split("?", 1)
+    scheme = base.split("://", 1)[0].lower() if "://" in base else ""
+    options: dict[str, Any] = {}
+    rest: list[tuple[str, str]] = []
+    for name, value in parse_qsl(query, keep_blank_values=True):
+        if name not in URL_OPTIONS:
+            rest.append((name, value))
+            continue
+        if name in options:
+            raise exceptions.ConfigurationError(
+                f"broker URL {redact_url(url)!r}: option {name!r} given twice"
+            )
+        if scheme not in _SCHEMES_OF.get(name, (scheme,)):
+            raise exceptions.ConfigurationError(
+                f"broker URL {redact_url(url)!r}: option {name!r} is for "
+                f"{' or '.join(s + '://' for s in _SCHEMES_OF[name])} URLs only"
+            )
+        try:
+            options[name] = URL_OPTIONS[name](value)
+        except ValueError:
+            raise exceptions.ConfigurationError(
+                f"broker URL {redact_url(url)!r}: option {name}={value!r} is not "
+                f"{'an integer' if URL_OPTIONS[name] is int else 'valid'}"
+            ) from None
+    return (f"{base}?{urlencode(rest)}" if rest else base), options
+
+
 def broker_from_url(url: str, **options: Any) -> Broker:
     """``memory://``, ``redis://`` / ``rediss://`` / ``unix://``, ``nats://`` / ``tls://`` or
-    ``amqp://`` / ``amqps://`` (RabbitMQ)."""
+    ``amqp://`` / ``amqps://`` (RabbitMQ). Broker options may ride in the URL's query
+    (:func:`url_options`: ``?envelope=cloudevents``, ``?replicas=3`` for NATS); keyword
+    ``options`` win over them."""
+    url, from_query = url_options(url)
+    options = {**from_query, **options}
     scheme = url.split("://", 1)[0].lower() if "://" in url else ""
     if scheme == "memory":
         return MemoryBroker(**options)
