@@ -58,7 +58,7 @@ INTERNAL_HEADERS = frozenset(
 
 
 class MessageStatus(enum.StrEnum):
-    """Lifecycle of an outbox row (see the state machine in the README)."""
+    """Lifecycle of an outbox row (the state machine: docs/explanation/how-it-works.md)."""
 
     PENDING = "pending"
     PROCESSING = "processing"

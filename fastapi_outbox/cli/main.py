@@ -312,7 +312,8 @@ async def _upgrade(outbox: Outbox) -> int:
 
 
 async def _drop_slot(outbox: Outbox, *, force: bool) -> int:
-    """``db drop-slot``: after switching back to capture='table' (README: switching modes)."""
+    """``db drop-slot``: after switching back to capture='table' (docs/how-to/wal-capture.md,
+    switching modes)."""
     from fastapi_outbox.storage.wal_slot import WalSlot
 
     slot = outbox.wal_slot or WalSlot(

@@ -22,7 +22,8 @@ key until the first commits, then inserts nothing: effects happen once either wa
 The table lives on the same ``MetaData`` as the outbox table (``fastapi_outbox.metadata``),
 so Alembic, ``create_tables()``, ``db create`` and ``db sql`` include it. Retention
 (``inbox_retention_seconds``) deletes old rows in bounded batches with the outbox's cleanup;
-it must outlast every redelivery and replay window (see the README).
+it must outlast every redelivery and replay window (docs/how-to/consumers.md, "Retention of
+the inbox").
 """
 
 from __future__ import annotations
