@@ -52,7 +52,7 @@ from fastapi_outbox.storage.types import ACTIVE_STATUSES as ACTIVE_STATUSES
 from fastapi_outbox.storage.types import JsonText as JsonText
 from fastapi_outbox.storage.types import UtcDateTime as UtcDateTime
 
-__all__ = ["build_table", "ddl", "metadata", "outbox_table"]
+__all__ = ["build_archive_table", "build_table", "ddl", "metadata", "outbox_table"]
 
 
 def build_table(
@@ -206,6 +206,61 @@ def _add_ordered_index(table: Table) -> None:
         postgresql_where=text("status = 'abandoned' AND key IS NOT NULL"),
         sqlite_where=text("status = 'abandoned' AND key IS NOT NULL"),
     )
+
+
+def build_archive_table(outbox: Table, name: str) -> Table:
+    """The archive of ``outbox`` (``OutboxSettings(archive=True)``), called ``name``, on
+    the outbox table's ``MetaData``: the outbox's columns (``seq`` a plain number, no
+    server defaults: rows arrive with their values) plus ``archived_at``.
+
+    A plain outbox gets a plain archive with two indexes only, the primary key (``show``,
+    the newest-first listing) and ``archived_at`` (the archive's retention), so a move
+    costs little. A partitioned outbox gets an archive partitioned the same way, with the
+    outbox's primary key and indexes: a finished partition detached from the outbox is
+    attached to it as it is (its indexes are taken over, none is built), and only its
+    DEFAULT partition (the rows moved in batches) gets an ``archived_at`` index."""
+    md = outbox.metadata
+    if name in md.tables:
+        return md.tables[name]
+    partitioned = "partitioning" in outbox.info
+    columns: list[Column[Any]] = []
+    for column in outbox.c:
+        copy = Column(
+            column.name,
+            column.type,
+            nullable=column.nullable,
+            primary_key=column.primary_key if partitioned else column.name == "id",
+            comment=column.comment,
+        )
+        columns.append(copy)
+    columns.append(Column("archived_at", UtcDateTime(), nullable=False, comment="moved at"))
+    options = outbox.dialect_options["postgresql"]
+    table = Table(
+        name,
+        md,
+        *columns,
+        **(
+            {"postgresql_partition_by": options["partition_by"]}
+            if partitioned
+            else {"postgresql_with": partitions.AUTOVACUUM}
+        ),
+    )
+    table.info["archive_of"] = outbox.name
+    if partitioned:
+        table.info["partitioning"] = outbox.info["partitioning"]
+        for index in outbox.indexes:
+            copy_index = Index(
+                (index.name or "").replace(outbox.name, name, 1),
+                *[table.c[c.name] for c in index.columns],
+                unique=index.unique,
+                **index.dialect_kwargs,
+            )
+            if index._ddl_if is not None:
+                copy_index.ddl_if(dialect=index._ddl_if.dialect)
+        partitions.install_archive(table)
+    else:
+        Index(f"ix_{name}_archived_at", table.c.archived_at)
+    return table
 
 
 #: The default ``MetaData`` with the default table, for Alembic's ``target_metadata``.

@@ -667,7 +667,25 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "per_minute",
         "stream_stats",
     },
-    "fastapi_outbox.storage.schema": {"build_table", "ddl", "metadata", "outbox_table"},
+    "fastapi_outbox.storage.schema": {
+        "build_archive_table",
+        "build_table",
+        "ddl",
+        "metadata",
+        "outbox_table",
+    },
+    "fastapi_outbox.storage.archive": {"Archive"},
+    "fastapi_outbox.storage.statements.archive": {
+        "PARTITION_BOUND",
+        "add_archived_at",
+        "archive_busy",
+        "attach_as",
+        "copy_rows",
+        "move",
+        "move_delete",
+        "move_insert",
+        "purge",
+    },
     "fastapi_outbox.storage.statements.doctor": {
         "COLUMNS",
         "INDEXES",
@@ -770,6 +788,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
     },
     "fastapi_outbox.storage.statements.retention": {
         "purge",
+        "victims",
     },
     "fastapi_outbox.storage.statements.wakeups": {
         "NOTIFY_SQL",
