@@ -208,9 +208,10 @@ def _add_ordered_index(table: Table) -> None:
     )
 
 
-def build_archive_table(outbox: Table, name: str) -> Table:
+def build_archive_table(outbox: Table, name: str, metadata_: MetaData | None = None) -> Table:
     """The archive of ``outbox`` (``OutboxSettings(archive=True)``), called ``name``, on
-    the outbox table's ``MetaData``: the outbox's columns (``seq`` a plain number, no
+    ``metadata_`` (a new ``MetaData`` when None: the shared one of Alembic's ``env.py``
+    only gets it when asked to): the outbox's columns (``seq`` a plain number, no
     server defaults: rows arrive with their values) plus ``archived_at``.
 
     A plain outbox gets a plain archive with two indexes only, the primary key (``show``,
@@ -219,7 +220,7 @@ def build_archive_table(outbox: Table, name: str) -> Table:
     outbox's primary key and indexes: a finished partition detached from the outbox is
     attached to it as it is (its indexes are taken over, none is built), and only its
     DEFAULT partition (the rows moved in batches) gets an ``archived_at`` index."""
-    md = outbox.metadata
+    md = metadata_ if metadata_ is not None else MetaData()
     if name in md.tables:
         return md.tables[name]
     partitioned = "partitioning" in outbox.info
