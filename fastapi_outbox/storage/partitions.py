@@ -322,15 +322,20 @@ def install_archive(table: Table) -> None:
     event.listen(table, "after_create", after_create)
 
 
-def create_archive_default_sync(conn: Connection, archive: str) -> None:
+def archive_default_statements(archive: str) -> list[str]:
+    """The DEFAULT partition of a partitioned archive and its ``archived_at`` index
+    (``db sql``, :func:`create_archive_default_sync`)."""
     default = default_name(archive)
-    create_default_sync(conn, archive)
-    conn.execute(
-        text(
-            f"CREATE INDEX IF NOT EXISTS {sql.quote(archive_default_index(archive))} "
-            f"ON {sql.quote(default)} (archived_at)"
-        )
-    )
+    return [
+        sql.create_default(archive, default),
+        f"CREATE INDEX IF NOT EXISTS {sql.quote(archive_default_index(archive))} "
+        f"ON {sql.quote(default)} (archived_at)",
+    ]
+
+
+def create_archive_default_sync(conn: Connection, archive: str) -> None:
+    for statement in archive_default_statements(archive):
+        conn.execute(text(statement))
 
 
 def archive_partition_sync(

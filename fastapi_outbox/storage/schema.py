@@ -279,7 +279,11 @@ def ddl(table: Table, dialect: DialectT) -> str:
         if index._ddl_if is None or index._ddl_if.dialect in (None, dialect.name)
     ]
     interval = table.info.get("partitioning")
-    if interval is not None and dialect.name == "postgresql":
+    if interval is not None and dialect.name == "postgresql" and "archive_of" in table.info:
+        # A partitioned archive: its DEFAULT partition; its other partitions come from
+        # the outbox table, re-attached.
+        statements += partitions.archive_default_statements(table.name)
+    elif interval is not None and dialect.name == "postgresql":
         # The DEFAULT partition and the partitions of the coming days, as of now.
         now = dt.datetime.now(dt.UTC)
         statements += partitions.statements(table.name, interval, now)

@@ -14,7 +14,7 @@ from sqlalchemy import select, text, update
 
 from fastapi_outbox import Message, Outbox, OutboxSettings
 from fastapi_outbox.brokers import MemoryBroker
-from fastapi_outbox.storage import partitions
+from fastapi_outbox.storage import doctor, partitions
 from tests.conftest import unique
 
 HOUR = 3600.0
@@ -72,12 +72,18 @@ async def seed(outbox: Outbox, stream: str) -> tuple[set[uuid.UUID], set[uuid.UU
     return due, stay
 
 
+async def mismatches(outbox: Outbox, table: Any) -> list[str]:
+    return [f.what for f in await doctor.examine(outbox.engine, table) if f.mismatch]
+
+
 async def test_retention_moves_finished_rows_once_in_batches(db_url: str) -> None:
     outbox = archiving(db_url)
     assert outbox.archive is not None
     archive = outbox.archive.table
     try:
+        assert await mismatches(outbox, archive) == [f"table {archive.name} does not exist"]
         await outbox.create_tables()
+        assert await mismatches(outbox, archive) == []  # the doctor knows the archive
         due, stay = await seed(outbox, unique("orders"))
         sample = next(iter(due))
         before = await outbox.store.get(sample)
@@ -191,6 +197,7 @@ async def test_a_finished_partition_is_reattached_to_the_archive(pg_url: str) ->
     today = now.replace(hour=0, minute=0, second=0, microsecond=0)
     try:
         await outbox.create_tables()
+        assert await mismatches(outbox, outbox.archive.table) == []
         async with outbox.engine.begin() as conn:
             for days in (5, 4):
                 lo = today - days * DAY
@@ -229,6 +236,7 @@ async def test_a_finished_partition_is_reattached_to_the_archive(pg_url: str) ->
                 await conn.execute(text("SELECT to_regclass(:n)::oid"), {"n": old_partition})
             ).scalar_one()
         assert oid_after == oid_before
+        assert await mismatches(outbox, outbox.archive.table) == []
         assert set(await where_rows(outbox, table)) == {*mixed, pending}
         shown = await outbox.archive.get(expired[0])
         assert shown is not None and shown["archived_at"] is not None
