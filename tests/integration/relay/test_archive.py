@@ -6,6 +6,7 @@ retention."""
 from __future__ import annotations
 
 import datetime as dt
+import secrets
 import uuid
 from typing import Any
 
@@ -182,6 +183,25 @@ async def where_rows(outbox: Outbox, table: str) -> dict[uuid.UUID, str]:
         return {row[0]: row[1] for row in rows}
 
 
+def id_at(at: dt.datetime) -> uuid.UUID:
+    """A UUIDv7-like id of time ``at``: rows land in the partition of ``at`` whether the
+    table is partitioned by ``created_at`` or by the id's time."""
+    return uuid.UUID(f"{int(at.timestamp() * 1000):012x}7{secrets.token_hex(10)[:19]}")
+
+
+async def age(outbox: Outbox, ids: list[uuid.UUID], at: dt.datetime, **values: Any) -> list[Any]:
+    """Give rows the time ``at`` (ids included); their new ids."""
+    t = outbox.table
+    new = []
+    async with outbox.engine.begin() as conn:
+        for old in ids:
+            new.append(id_at(at))
+            await conn.execute(
+                update(t).where(t.c.id == old).values(id=new[-1], created_at=at, **values)
+            )
+    return new
+
+
 @pytest.mark.postgres
 async def test_a_finished_partition_is_reattached_to_the_archive(pg_url: str) -> None:
     outbox = archiving(
@@ -199,26 +219,53 @@ async def test_a_finished_partition_is_reattached_to_the_archive(pg_url: str) ->
         await outbox.create_tables()
         assert await mismatches(outbox, outbox.archive.table) == []
         async with outbox.engine.begin() as conn:
-            for days in (5, 4):
+            for days in (6, 5, 4):
                 lo = today - days * DAY
                 await conn.run_sync(partitions.create_partition_sync, table, lo, lo + DAY)
         done = dict(status="published", locked_by=None)
         # 5 days ago, all published: the whole partition goes to the archive.
-        expired = await publish(outbox, stream, 6)
-        await set_rows(
-            outbox, expired, created_at=now - 5 * DAY, published_at=now - 5 * DAY, **done
+        expired = await age(
+            outbox,
+            await publish(outbox, stream, 6),
+            now - 5 * DAY,
+            published_at=now - 5 * DAY,
+            **done,
         )
+        # 6 days ago, all published, but the archive's DEFAULT partition already holds a
+        # row of that range (a stray copy): the attach is refused, the rows are copied.
+        refused = await age(
+            outbox,
+            await publish(outbox, stream, 2),
+            now - 6 * DAY,
+            published_at=now - 6 * DAY,
+            **done,
+        )
+        stray = id_at(now - 6 * DAY)
+        row = dict(await outbox.store.get(refused[0]) or {})
+        async with outbox.engine.begin() as conn:
+            await conn.execute(
+                outbox.archive.table.insert().values(**{**row, "id": stray, "archived_at": now})
+            )
         # 4 days ago with a row still pending: stays, rows and all (no batched move there).
-        mixed = await publish(outbox, stream, 3)
-        await set_rows(outbox, mixed, created_at=now - 4 * DAY, published_at=now - 4 * DAY, **done)
-        [pending] = await publish(outbox, stream, 1)
-        await set_rows(outbox, [pending], created_at=now - 4 * DAY)
+        mixed = await age(
+            outbox,
+            await publish(outbox, stream, 3),
+            now - 4 * DAY,
+            published_at=now - 4 * DAY,
+            **done,
+        )
+        [pending] = await age(outbox, await publish(outbox, stream, 1), now - 4 * DAY)
         # 30 days ago, in the DEFAULT partition: moved in a batch.
-        strays = await publish(outbox, stream, 2)
-        await set_rows(
-            outbox, strays, created_at=now - 30 * DAY, published_at=now - 30 * DAY, **done
+        strays = await age(
+            outbox,
+            await publish(outbox, stream, 2),
+            now - 30 * DAY,
+            published_at=now - 30 * DAY,
+            **done,
         )
         old_partition = partitions.partition_name(table, today - 5 * DAY)
+        refused_partition = partitions.partition_name(table, today - 6 * DAY)
+        assert {(await where_rows(outbox, table))[i] for i in expired} == {old_partition}
         async with outbox.engine.connect() as conn:
             oid_before = (
                 await conn.execute(text("SELECT to_regclass(:n)::oid"), {"n": old_partition})
@@ -226,22 +273,27 @@ async def test_a_finished_partition_is_reattached_to_the_archive(pg_url: str) ->
 
         await outbox.cleaner.run_once()
 
-        assert outbox.cleaner.archived_partitions == [old_partition]
+        assert outbox.cleaner.archived_partitions == [refused_partition, old_partition]
         in_archive = await where_rows(outbox, archive)
         # The same relation (same oid: attached, not copied), now a partition of the archive.
         assert {in_archive[i] for i in expired} == {old_partition}
-        assert {in_archive[i] for i in strays} == {partitions.default_name(archive)}
+        default = partitions.default_name(archive)
+        assert {in_archive[i] for i in [*strays, *refused, stray]} == {default}
         async with outbox.engine.connect() as conn:
             oid_after = (
                 await conn.execute(text("SELECT to_regclass(:n)::oid"), {"n": old_partition})
             ).scalar_one()
-        assert oid_after == oid_before
+            refused_gone = (
+                await conn.execute(text("SELECT to_regclass(:n) IS NULL"), {"n": refused_partition})
+            ).scalar_one()
+        assert oid_after == oid_before and refused_gone
         assert await mismatches(outbox, outbox.archive.table) == []
         assert set(await where_rows(outbox, table)) == {*mixed, pending}
         shown = await outbox.archive.get(expired[0])
         assert shown is not None and shown["archived_at"] is not None
 
-        # The archive's retention drops the re-attached partition whole.
+        # The archive's retention drops the re-attached partition whole (and deletes the
+        # DEFAULT partition's rows in batches).
         outbox.cleaner.settings = outbox.settings.model_copy(
             update={"archive_retention_seconds": 0.001}
         )
