@@ -162,6 +162,29 @@ async def test_archive_retention_deletes_only_old_archived_rows(db_url: str) -> 
         await outbox.aclose()
 
 
+async def test_ordered_an_abandoned_row_its_key_waits_for_stays(db_url: str) -> None:
+    """ordered=True: an abandoned message a later one of its key still waits for is not
+    archived (as retention does not delete it): archiving it would open a silent gap."""
+    outbox = archiving(db_url, ordered=True)
+    assert outbox.archive is not None
+    try:
+        await outbox.create_tables()
+        stream, old = unique("orders"), dt.datetime.now(dt.UTC) - 2 * DAY
+        async with outbox.unit_of_work() as uow:
+            blocking = uow.publish(Message(stream=stream, type="T", key="k1", payload={}))
+            waiting = uow.publish(Message(stream=stream, type="T", key="k1", payload={}))
+            free = uow.publish(Message(stream=stream, type="T", key="k2", payload={}))
+        await set_rows(outbox, [blocking, free], status="abandoned", abandoned_at=old)
+
+        assert await outbox.cleaner.run_once() == 1
+
+        assert set(await ids_of(outbox, outbox.archive.table)) == {free}
+        assert set(await ids_of(outbox, outbox.table)) == {blocking, waiting}
+    finally:
+        await outbox.drop_tables()
+        await outbox.aclose()
+
+
 def test_archive_settings_refuse_clearly() -> None:
     from pydantic import ValidationError
 
