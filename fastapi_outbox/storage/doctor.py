@@ -330,15 +330,10 @@ def _archive_default_findings(conn: Connection, name: str) -> list[Finding]:
     partition (rows moved in batches) is expected."""
     if any(p.is_default for p in partitions.list_partitions(conn, name)):
         return []
-    default = partitions.default_name(name)
     return [
         Finding(
             f"archive {name} has no DEFAULT partition",
-            [
-                partition_sql.create_default(name, default),
-                f"CREATE INDEX {partition_sql.quote(partitions.archive_default_index(name))} "
-                f"ON {partition_sql.quote(default)} (archived_at)",
-            ],
+            partitions.archive_default_statements(name),
         )
     ]
 

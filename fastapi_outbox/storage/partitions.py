@@ -328,8 +328,7 @@ def archive_default_statements(archive: str) -> list[str]:
     default = default_name(archive)
     return [
         sql.create_default(archive, default),
-        f"CREATE INDEX IF NOT EXISTS {sql.quote(archive_default_index(archive))} "
-        f"ON {sql.quote(default)} (archived_at)",
+        archive_sql.archived_at_index(archive_default_index(archive), default),
     ]
 
 

@@ -679,6 +679,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "PARTITION_BOUND",
         "add_archived_at",
         "archive_busy",
+        "archived_at_index",
         "attach_as",
         "copy_rows",
         "move",

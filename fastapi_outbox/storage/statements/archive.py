@@ -3,9 +3,11 @@ rows from the outbox table to the archive table, the archive's own retention, an
 catalogue changes that re-attach a finished partition to a partitioned archive.
 
 Caller: :class:`fastapi_outbox.storage.archive.Archive` (``move_batch``, ``purge_batch``),
-run by the relay's cleaner (:mod:`fastapi_outbox.relay.retention`), and
+run by the relay's cleaner (:mod:`fastapi_outbox.relay.retention`),
 :mod:`fastapi_outbox.storage.partitions` (``archive_partition_sync``,
-``expired_archive_partitions``). Every builder is pure.
+``expired_archive_partitions``, ``archive_default_statements``) and
+:mod:`fastapi_outbox.storage.doctor` (the fix for a missing DEFAULT partition of the
+archive). Every builder is pure.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ __all__ = [
     "PARTITION_BOUND",
     "add_archived_at",
     "archive_busy",
+    "archived_at_index",
     "attach_as",
     "copy_rows",
     "move",
@@ -152,6 +155,13 @@ def purge(table: Table, older_than_seconds: float, limit: int, dialect: Dialect)
 PARTITION_BOUND = text(
     "SELECT pg_get_expr(c.relpartbound, c.oid) FROM pg_class c WHERE c.oid = to_regclass(:name)"
 )
+
+
+def archived_at_index(index: str, default: str) -> str:
+    """``create_archive_default_sync``, ``db sql`` and the doctor's fix: the ``archived_at``
+    index of a partitioned archive's DEFAULT partition ``default`` (the only partition
+    whose rows the archive's retention deletes in batches; the others are dropped whole)."""
+    return f"CREATE INDEX IF NOT EXISTS {quote(index)} ON {quote(default)} (archived_at)"
 
 
 def add_archived_at(name: str) -> TextClause:
