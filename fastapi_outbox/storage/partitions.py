@@ -347,11 +347,13 @@ def archive_partition_sync(
     (its DEFAULT partition holds rows of that range), the rows are copied and the partition
     dropped instead, in a savepoint of the same transaction; returns whether the partition
     was attached (False: copied). :class:`Reactivated` as for a drop."""
-    gone = (
-        not _try_lock(conn, table)
-        or conn.execute(sql.RELATION_MISSING, {"name": sql.quote(name)}).scalar_one()
+    ours = (
+        _try_lock(conn, table)
+        and conn.execute(
+            archive_sql.PARTITION_OF, {"name": sql.quote(name), "parent": sql.quote(table)}
+        ).scalar_one()
     )
-    if gone:
+    if not ours:  # another process is archiving it, or has
         raise Reactivated(name)
     bound = conn.execute(archive_sql.PARTITION_BOUND, {"name": sql.quote(name)}).scalar_one()
     conn.execute(sql.detach(table, name))

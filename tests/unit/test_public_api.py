@@ -677,6 +677,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
     "fastapi_outbox.storage.archive": {"Archive"},
     "fastapi_outbox.storage.statements.archive": {
         "PARTITION_BOUND",
+        "PARTITION_OF",
         "add_archived_at",
         "archive_busy",
         "archived_at_index",

@@ -24,6 +24,7 @@ from fastapi_outbox.storage.statements.retention import victims
 
 __all__ = [
     "PARTITION_BOUND",
+    "PARTITION_OF",
     "add_archived_at",
     "archive_busy",
     "archived_at_index",
@@ -162,6 +163,15 @@ def archived_at_index(index: str, default: str) -> str:
     index of a partitioned archive's DEFAULT partition ``default`` (the only partition
     whose rows the archive's retention deletes in batches; the others are dropped whole)."""
     return f"CREATE INDEX IF NOT EXISTS {quote(index)} ON {quote(default)} (archived_at)"
+
+
+#: ``archive_partition_sync``, under the maintenance lock: is ``:name`` still a partition of
+#: ``:parent`` (both quoted names)? Another process may have archived it since the
+#: candidates were chosen (it then belongs to the archive).
+PARTITION_OF = text(
+    "SELECT EXISTS (SELECT 1 FROM pg_inherits WHERE inhrelid = to_regclass(:name) "
+    "AND inhparent = to_regclass(:parent))"
+)
 
 
 def add_archived_at(name: str) -> TextClause:

@@ -310,6 +310,13 @@ async def test_a_finished_partition_is_reattached_to_the_archive(pg_url: str) ->
                 await conn.execute(text("SELECT to_regclass(:n) IS NULL"), {"n": refused_partition})
             ).scalar_one()
         assert oid_after == oid_before and refused_gone
+        # A process that chose the same partition before it was archived leaves it alone.
+        columns = [c.name for c in outbox.table.c]
+        with pytest.raises(partitions.Reactivated):
+            async with outbox.engine.begin() as conn:
+                await conn.run_sync(
+                    partitions.archive_partition_sync, table, archive, old_partition, columns
+                )
         assert await mismatches(outbox, outbox.archive.table) == []
         assert set(await where_rows(outbox, table)) == {*mixed, pending}
         shown = await outbox.archive.get(expired[0])
