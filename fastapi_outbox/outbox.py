@@ -86,6 +86,8 @@ class Outbox:
         self.wal_slot = self._storage.wal_slot
         self.capture: Capture = capture_for(self.store, self.wal_slot)
         self.inbox, self.partitions = self._storage.inbox, self._storage.partitions
+        #: ``archive=True``: the archive table retention moves finished rows to.
+        self.archive = self._storage.archive
         self.session_factory = session_factory or async_sessionmaker(
             self.engine, expire_on_commit=False
         )
@@ -93,7 +95,9 @@ class Outbox:
         self.instance = instance_id()
         self.channel = channel_name(self.settings.table_name)
         self.subscribers: list[Subscriber] = []
-        self.cleaner = Cleaner(self.store, self.settings, self.partitions, inbox=self.inbox)
+        self.cleaner = Cleaner(
+            self.store, self.settings, self.partitions, inbox=self.inbox, archive=self.archive
+        )
         #: The relays and their wake-ups, supervised while the dispatchers run.
         self.relays = Relays(
             store=self.store,

@@ -155,6 +155,23 @@ class OutboxSettings(BaseSettings):
     )
     published_retention_seconds: float | None = Field(default=PUBLISHED_RETENTION_SECONDS, ge=0)
     abandoned_retention_seconds: float | None = Field(default=ABANDONED_RETENTION_SECONDS, ge=0)
+    archive: bool = Field(
+        default=False,
+        description="Retention moves published and abandoned rows past their retention to "
+        "the archive table (archive_table_name) instead of deleting them; a partitioned "
+        "table's finished partitions are re-attached to the archive, no row copied. "
+        "`fastapi-outbox archive list/show` and the dashboard find archived messages.",
+    )
+    archive_table_name: str | None = Field(
+        default=None,
+        description="Name of the archive table (archive=True); None: '<table_name>_archive'.",
+    )
+    archive_retention_seconds: float | None = Field(
+        default=None,
+        gt=0,
+        description="Archived rows are deleted this long after they were archived (a "
+        "partitioned archive drops whole partitions); None: kept forever.",
+    )
     cleanup_interval_seconds: float = Field(default=CLEANUP_INTERVAL_SECONDS, gt=0)
     cleanup_batch_size: int = Field(default=CLEANUP_BATCH_SIZE, ge=1, le=100_000)
     health_max_pending_age_seconds: float = Field(default=HEALTH_MAX_PENDING_AGE_SECONDS, gt=0)
@@ -318,6 +335,21 @@ class OutboxSettings(BaseSettings):
     def _plain_identifier(cls, value: str) -> str:
         return check_table_name(value)
 
+    @field_validator("archive_table_name")
+    @classmethod
+    def _archive_identifier(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        try:
+            return check_table_name(value)
+        except ValueError as exc:
+            raise ValueError(str(exc).replace("table_name", "archive_table_name", 1)) from None
+
+    @property
+    def archive_name(self) -> str:
+        """The effective ``archive_table_name``."""
+        return self.archive_table_name or f"{self.table_name}_archive"
+
     @field_validator("partitioning")
     @classmethod
     def _interval(cls, value: str | None) -> str | None:
@@ -404,7 +436,10 @@ class OutboxSettings(BaseSettings):
             )
 
     def _consistent_retention(self) -> None:
-        """Abandoned messages are kept long enough for an operator to replay them."""
+        """Abandoned messages are kept long enough for an operator to replay them; the
+        archive's name fits beside the outbox's."""
+        if self.archive:
+            self._consistent_archive()
         if (
             self.abandoned_retention_seconds is not None
             and self.abandoned_retention_seconds < MIN_ABANDONED_RETENTION_SECONDS
@@ -483,6 +518,31 @@ class OutboxSettings(BaseSettings):
     def dedup_window_needed_seconds(self) -> float:
         """The shortest de-duplication window a broker may be given (without the margin)."""
         return self.lease_seconds + self.retry_max_delay_seconds + self.dedup_outage_seconds
+
+    def _consistent_archive(self) -> None:
+        name = self.archive_name
+        if name in (self.table_name, self.inbox_table_name):
+            raise ValueError(
+                f"archive_table_name (OUTBOX_ARCHIVE_TABLE_NAME) {name!r} is the name of the "
+                "outbox or inbox table: the archive needs a table of its own"
+            )
+        if len(name) > 63:
+            raise ValueError(
+                f"archive_table_name (OUTBOX_ARCHIVE_TABLE_NAME): the archive of table "
+                f"{self.table_name!r} would be {name!r}, longer than 63 characters; set a "
+                "shorter archive_table_name"
+            )
+        if self.partitioning is not None and len(name) > MAX_PARTITIONED_TABLE_NAME:
+            raise ValueError(
+                f"archive_table_name (OUTBOX_ARCHIVE_TABLE_NAME) {name!r} is too long for a "
+                f"partitioned archive: at most {MAX_PARTITIONED_TABLE_NAME} characters"
+            )
+        if self.delete_on_publish:
+            raise ValueError(
+                "archive=True (OUTBOX_ARCHIVE) keeps published messages, "
+                "delete_on_publish=True (OUTBOX_DELETE_ON_PUBLISH) deletes them at once: "
+                "choose one"
+            )
 
 
 def check_table_name(value: str) -> str:

@@ -1,6 +1,6 @@
 """Admin commands of the CLI: ``status``, ``list``, ``show``, ``replay``, ``abandon``,
-``purge`` — thin wrappers over :mod:`fastapi_outbox.ops.operations`, which the dashboard
-calls too.
+``purge``, ``archive list``/``archive show`` — thin wrappers over
+:mod:`fastapi_outbox.ops.operations`, which the dashboard calls too.
 
 Long operations (``purge``, ``replay --abandoned``) run in bounded batches and report
 ``done/total (pct%)`` on stderr: on a terminal by default, on demand with ``--progress``
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime as dt
 import json
 import re
 import sys
@@ -62,6 +63,22 @@ def parse_uuid(text: str) -> uuid.UUID:
         return uuid.UUID(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"invalid message id {text!r}: not a UUID") from None
+
+
+def parse_since(text: str) -> dt.datetime:
+    """An ISO time (``2026-11-20``, ``2026-11-20T10:00:00+00:00``; UTC when it names no
+    zone) or an age (``7d``: seven days ago)."""
+    try:
+        return dt.datetime.now(dt.UTC) - dt.timedelta(seconds=parse_duration(text))
+    except argparse.ArgumentTypeError:
+        pass
+    try:
+        at = dt.datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"invalid time {text!r}: use an ISO time (2026-11-20T10:00:00) or an age (7d)"
+        ) from None
+    return at if at.tzinfo is not None else at.replace(tzinfo=dt.UTC)
 
 
 def add_commands(
@@ -112,6 +129,26 @@ def add_commands(
     common(cancel)
     _id_arguments(cancel)
     destructive_options(cancel)
+
+    archive = sub.add_parser(
+        "archive", help="messages retention moved to the archive table (archive=True)"
+    )
+    archive_sub = archive.add_subparsers(dest="archive_command", required=True, metavar="ACTION")
+    archived = archive_sub.add_parser("list", help="archived messages, newest first (no payloads)")
+    common(archived)
+    archived.add_argument("--status", choices=["published", "abandoned"])
+    archived.add_argument("--stream")
+    archived.add_argument("--broker")
+    archived.add_argument("--type", dest="type_")
+    archived.add_argument("--key")
+    archived.add_argument(
+        "--since", type=parse_since, metavar="TIME", help="created at or after (ISO time or AGE)"
+    )
+    archived.add_argument("--limit", type=int, default=50)
+    archived.add_argument("--json", action="store_true")
+    archived_show = archive_sub.add_parser("show", help="one archived message with its payload")
+    common(archived_show)
+    archived_show.add_argument("id", type=parse_uuid)
 
     purge = sub.add_parser("purge", help="delete finished messages in batches")
     common(purge)
@@ -315,6 +352,45 @@ async def _show(args: argparse.Namespace, outbox: Outbox) -> int:
     return EXIT_OK
 
 
+#: ``archive list`` columns, in this order.
+ARCHIVE_COLUMNS = ["id", "broker", "stream", "type", "key", "status", "created_at", "archived_at"]
+
+
+async def _archive(args: argparse.Namespace, outbox: Outbox) -> int:
+    """``archive list`` and ``archive show``: the archive table of ``archive=True``."""
+    if outbox.archive is None:
+        raise CliError(
+            f"{target(outbox)} has no archive: set archive=True (OUTBOX_ARCHIVE=1, or "
+            "OutboxSettings(archive=True) in the --app's Outbox)"
+        )
+    if args.archive_command == "show":
+        try:
+            data = await _guard(operations.show(outbox, args.id, archived=True), outbox)
+        except exceptions.MessageNotFound as exc:
+            raise CliError(str(exc), EXIT_FAILED) from exc
+        print(json.dumps(data, indent=2, default=str))
+        return EXIT_OK
+    if args.limit < 1:
+        raise CliError("--limit must be at least 1")
+    try:
+        where = operations.MessageFilter(
+            status=args.status,
+            stream=args.stream,
+            broker=args.broker,
+            type=args.type_,
+            key=args.key,
+            since=args.since,
+        )
+        rows = await _guard(operations.list_archived(outbox, where, limit=args.limit), outbox)
+    except exceptions.OperationError as exc:
+        raise CliError(str(exc)) from exc
+    if args.json:
+        print(json.dumps([dict(r) for r in rows], indent=2, default=str))
+    else:
+        print(render_table([dict(r) for r in rows], ARCHIVE_COLUMNS))
+    return EXIT_OK
+
+
 async def _replay(args: argparse.Namespace, outbox: Outbox) -> int:
     if getattr(args, "dead_letter", None):
         from fastapi_outbox.cli import consumers as consumers_cli
@@ -476,4 +552,5 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace, Outbox], Awaitable[int]]] = {
     "abandon": _abandon,
     "cancel": _cancel,
     "purge": _purge,
+    "archive": _archive,
 }

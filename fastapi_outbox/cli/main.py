@@ -234,6 +234,8 @@ async def _run(args: argparse.Namespace) -> int:
 
                 print(ddl(outbox.table, outbox.engine.dialect), end="")
                 print("\n" + ddl(outbox.inbox.table, outbox.engine.dialect), end="")
+                if outbox.archive is not None:
+                    print("\n" + ddl(outbox.archive.table, outbox.engine.dialect), end="")
                 return EXIT_OK
             if args.db_command == "upgrade":
                 return await _upgrade(outbox)
@@ -252,6 +254,8 @@ async def _run(args: argparse.Namespace) -> int:
                 f"created table {outbox.table.name} and inbox table {outbox.inbox.table.name} "
                 f"on {redact_url(str(outbox.engine.url))}"
             )
+            if outbox.archive is not None:
+                print(f"archive table {outbox.archive.name} ready")
             if outbox.wal_slot is not None:
                 print(f"replication slot and publication {outbox.wal_slot.name} ready")
             for sub in outbox.subscribers:
@@ -274,6 +278,8 @@ async def _doctor(outbox: Outbox) -> int:
     from fastapi_outbox.storage import doctor
 
     findings = await _guard(doctor.examine(outbox.engine, outbox.table), outbox)
+    if outbox.archive is not None:  # archive=True: the archive table too
+        findings += await _guard(doctor.examine(outbox.engine, outbox.archive.table), outbox)
     where = redact_url(str(outbox.engine.url))
     mismatches = [f for f in findings if f.mismatch]
     for finding in findings:
@@ -362,7 +368,7 @@ def _print_ddl(args: argparse.Namespace) -> int:
     from sqlalchemy.dialects import postgresql, sqlite
 
     from fastapi_outbox.storage.inbox import build_inbox_table
-    from fastapi_outbox.storage.schema import build_table, ddl
+    from fastapi_outbox.storage.schema import build_archive_table, build_table, ddl
 
     try:
         settings = OutboxSettings.from_env()
@@ -377,12 +383,15 @@ def _print_ddl(args: argparse.Namespace) -> int:
             partitioning=settings.partitioning,
         )
         inbox = build_inbox_table(settings.inbox_table_name)
+        archive = build_archive_table(table, settings.archive_name) if settings.archive else None
     except exceptions.ConfigurationError as exc:  # bad --table or OUTBOX_* variable
         raise CliError(str(exc)) from exc
     module = sqlite if args.dialect == "sqlite" else postgresql
     dialect = module.dialect()
     print(ddl(table, dialect), end="")
     print("\n" + ddl(inbox, dialect), end="")
+    if archive is not None:
+        print("\n" + ddl(archive, dialect), end="")
     return EXIT_OK
 
 

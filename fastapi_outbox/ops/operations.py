@@ -201,15 +201,61 @@ async def list_messages(
     )
 
 
-async def show(outbox: OutboxPort, message_id: uuid.UUID) -> dict[str, Any]:
-    """One message with its headers and payload decoded; MessageNotFound when absent."""
-    row = await outbox.store.get(message_id)
+async def show(
+    outbox: OutboxPort, message_id: uuid.UUID, *, archived: bool = False
+) -> dict[str, Any]:
+    """One message with its headers and payload decoded; MessageNotFound when absent.
+    The outbox table, then the archive (``archive=True``); ``archived``: the archive only.
+    An archived message carries ``archived: True`` and its ``archived_at``."""
+    if archived and outbox.archive is None:
+        raise exceptions.OperationError(
+            "this outbox has no archive: archive=True (OUTBOX_ARCHIVE) is not set"
+        )
+    row = None if archived else await outbox.store.get(message_id)
+    if row is None and outbox.archive is not None:
+        row = await outbox.archive.get(message_id)
     if row is None:
-        raise exceptions.MessageNotFound(f"no outbox message with id {message_id}")
+        if archived:
+            raise exceptions.MessageNotFound(f"no archived message with id {message_id}")
+        also = " (nor in the archive)" if outbox.archive is not None else ""
+        raise exceptions.MessageNotFound(f"no outbox message with id {message_id}{also}")
     data = {k: v for k, v in dict(row).items() if k not in ("payload", "headers")}
+    data["archived"] = "archived_at" in data
     data["headers"] = json.loads(row["headers"])
     data["payload"] = json.loads(row["payload"])
     return data
+
+
+async def list_archived(
+    outbox: OutboxPort,
+    where: MessageFilter,
+    *,
+    before_id: uuid.UUID | None = None,
+    limit: int = 50,
+) -> list[Mapping[str, Any]]:
+    """A page of archived messages without payloads, newest first (``archive list``);
+    OperationError when the outbox has no archive or a filter does not apply."""
+    if outbox.archive is None:
+        raise exceptions.OperationError(
+            "this outbox has no archive: archive=True (OUTBOX_ARCHIVE) is not set"
+        )
+    if not 1 <= limit <= MAX_PAGE_SIZE:
+        raise exceptions.OperationError(f"limit: must be 1 to {MAX_PAGE_SIZE}, not {limit}")
+    if where.status not in (None, "published", "abandoned"):
+        raise exceptions.OperationError(
+            f"status: archived messages are published or abandoned, not {where.status!r}"
+        )
+    return await outbox.archive.list_messages(
+        status=where.status,
+        stream=where.stream,
+        broker=where.broker,
+        type_=where.type,
+        key=where.key,
+        since=where.since,
+        until=where.until,
+        before_id=before_id,
+        limit=limit,
+    )
 
 
 async def replay(

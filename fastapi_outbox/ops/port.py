@@ -18,6 +18,7 @@ What the port holds, by what ``ops/`` does with it:
   (:class:`SlotView`), the LISTEN connection (:class:`ListenerState`), each subscriber's
   state (:class:`SubscriberView`), the inbox's per-group figures (:class:`InboxView`), the
   instrumentation (metrics) and the dashboard's guard (health's detail);
+* the archive table of ``archive=True`` (:class:`ArchiveView`): one message, a listing;
 * store queries and actions (:class:`MessageStore`): counts, listings, one message, the
   database's clock, and the row changes an operator asks for (replay, abandon, cancel,
   purge batches), each one of :class:`~fastapi_outbox.storage.store.Store`'s public
@@ -126,6 +127,31 @@ class MessageStore(Protocol):
         ...
 
 
+class ArchiveView(Protocol):
+    """The archive table of ``archive=True`` as ``ops/`` reads it (``Archive``'s methods):
+    ``show`` and the message page fall back to it, ``archive list`` pages through it."""
+
+    async def get(self, message_id: uuid.UUID) -> Mapping[str, Any] | None:
+        """One archived message, payload and headers as JSON text."""
+        ...
+
+    async def list_messages(
+        self,
+        *,
+        status: str | None = None,
+        stream: str | None = None,
+        broker: str | None = None,
+        type_: str | None = None,
+        key: str | None = None,
+        since: dt.datetime | None = None,
+        until: dt.datetime | None = None,
+        before_id: uuid.UUID | None = None,
+        limit: int = 50,
+    ) -> list[Mapping[str, Any]]:
+        """A keyset page of archived messages without payloads, newest first."""
+        ...
+
+
 class InboxView(Protocol):
     """The consumers' inbox, as the consumers view reads it."""
 
@@ -229,6 +255,11 @@ class OutboxPort(Protocol):
     def store(self) -> MessageStore: ...
     @property
     def inbox(self) -> InboxView: ...
+    @property
+    def archive(self) -> ArchiveView | None:
+        """The archive table (``archive=True``), else None."""
+        ...
+
     @property
     def all_brokers(self) -> Mapping[str, object]:
         """Every broker by name, internal and external, in the order configured."""

@@ -3,6 +3,11 @@
 Each batch is one short transaction deleting at most ``cleanup_batch_size`` rows found
 through a partial index (``FOR UPDATE SKIP LOCKED`` on PostgreSQL), so a cleanup never
 locks the table, never runs one table-wide DELETE, and never stalls dispatch.
+
+``archive=True``: the same batches move the rows to the archive table instead
+(:class:`~fastapi_outbox.storage.archive.Archive`), a partitioned table's finished
+partitions are re-attached to the archive instead of dropped, and the archive's own
+retention (``archive_retention_seconds``) runs after.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import anyio
 
 from fastapi_outbox.log import safe_error
 from fastapi_outbox.settings import OutboxSettings
+from fastapi_outbox.storage.archive import Archive
 from fastapi_outbox.storage.inbox import Inbox
 from fastapi_outbox.storage.partitions import Maintainer
 from fastapi_outbox.storage.store import ABANDONED, PUBLISHED, Store
@@ -63,6 +69,20 @@ async def purge(
     return total
 
 
+class _Mover:
+    """An archive seen as :class:`PurgesBatches`: :func:`purge`'s batches move the rows."""
+
+    def __init__(self, archive: Archive) -> None:
+        self.archive = archive
+
+    async def purge_batch(
+        self, status: str, older_than_seconds: float, limit: int, *, keep_blocking: bool = False
+    ) -> int:
+        return await self.archive.move_batch(
+            status, older_than_seconds, limit, keep_blocking=keep_blocking
+        )
+
+
 class Cleaner:
     """The periodic retention task started with the dispatchers."""
 
@@ -73,8 +93,13 @@ class Cleaner:
         partitions: Maintainer | None = None,
         *,
         inbox: Inbox | None = None,
+        archive: Archive | None = None,
     ) -> None:
         self.store = store
+        #: ``archive=True``: finished rows move there instead of being deleted.
+        self.archive = archive
+        self.archived_partitions: list[str] = []
+        self.archived_total = 0
         self.settings = settings
         #: A partitioned table's upkeep: partitions ahead created and expired ones dropped
         #: before the batched DELETE (which then only meets the DEFAULT partition's rows
@@ -103,13 +128,10 @@ class Cleaner:
             self._stop.set()
 
     async def run_once(self) -> int:
+        """One cleanup; the rows deleted (``archive=True``: moved to the archive)."""
         deleted = 0
         if self.partitions is not None:
-            _, dropped = await self.partitions.run_once(
-                self.settings.published_retention_seconds,
-                self.settings.abandoned_retention_seconds,
-            )
-            self.dropped_partitions += dropped
+            await self._partitions()
         for status, retention in (
             (PUBLISHED, self.settings.published_retention_seconds),
             (ABANDONED, self.settings.abandoned_retention_seconds),
@@ -117,7 +139,7 @@ class Cleaner:
             if retention is None:
                 continue
             n = await purge(
-                self.store,
+                self.store if self.archive is None else _Mover(self.archive),
                 status,
                 retention,
                 batch_size=self.settings.cleanup_batch_size,
@@ -127,14 +149,62 @@ class Cleaner:
             )
             if n:
                 logger.info(
-                    "retention cleanup",
-                    extra={"action": "retention.deleted", "status": status, "count": n},
+                    "retention cleanup" if self.archive is None else "retention archived",
+                    extra={
+                        "action": "retention.deleted"
+                        if self.archive is None
+                        else "retention.archived",
+                        "status": status,
+                        "count": n,
+                    },
                 )
             deleted += n
+        if self.archive is not None:
+            self.archived_total += deleted
+            await self._purge_archive(self.archive)
         deleted += await self._purge_inbox()
         self.deleted_total += deleted
         self.last_run = anyio.current_time()
         return deleted
+
+    async def _partitions(self) -> None:
+        """Partitions ahead created; expired ones dropped (``archive=True``: re-attached to
+        the archive)."""
+        assert self.partitions is not None
+        published = self.settings.published_retention_seconds
+        abandoned = self.settings.abandoned_retention_seconds
+        if self.archive is None:
+            _, dropped = await self.partitions.run_once(published, abandoned)
+            self.dropped_partitions += dropped
+            return
+        await self.partitions.ensure_ahead()
+        self.archived_partitions += await self.partitions.archive_expired(
+            self.archive.table, published, abandoned
+        )
+
+    async def _purge_archive(self, archive: Archive) -> int:
+        """The archive's retention: rows archived longer ago than
+        ``archive_retention_seconds``, in bounded batches (a partitioned archive: whole
+        partitions first)."""
+        retention = self.settings.archive_retention_seconds
+        if retention is None:
+            return 0
+        if self.partitions is not None:
+            await self.partitions.drop_archive_expired(archive.table, retention)
+        total = 0
+        batch = self.settings.cleanup_batch_size
+        while True:
+            n = await archive.purge_batch(retention, batch)
+            total += n
+            if n < batch:
+                break
+            await anyio.sleep(BATCH_PAUSE_SECONDS)
+        if total:
+            logger.info(
+                "archive retention cleanup",
+                extra={"action": "retention.archive_deleted", "count": total},
+            )
+        return total
 
     async def _purge_inbox(self) -> int:
         """Inbox rows past ``inbox_retention_seconds``, in bounded batches."""
@@ -170,6 +240,7 @@ class Cleaner:
             and self.settings.abandoned_retention_seconds is None
             and self.partitions is None
             and (self.inbox is None or self.settings.inbox_retention_seconds is None)
+            and (self.archive is None or self.settings.archive_retention_seconds is None)
         ):
             return
         while not stop.is_set():

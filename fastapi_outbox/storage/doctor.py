@@ -154,8 +154,10 @@ def examine_sync(conn: Connection, table: Table) -> list[Finding]:
                 automatic=False,
             )
         )
-    if partitioned and interval is not None:
+    if partitioned and interval is not None and "archive_of" not in table.info:
         findings += _partition_findings(conn, name, interval)
+    elif partitioned and interval is not None:  # an archive: its DEFAULT partition only
+        findings += _archive_default_findings(conn, name)
     if not partitioned:
         findings += _storage_findings(conn, [name])
     return findings
@@ -321,6 +323,19 @@ def _partition_findings(conn: Connection, name: str, interval: dt.timedelta) -> 
         )
     findings += _storage_findings(conn, [p.name for p in found])
     return findings
+
+
+def _archive_default_findings(conn: Connection, name: str) -> list[Finding]:
+    """A partitioned archive's partitions are the outbox's, re-attached: only its DEFAULT
+    partition (rows moved in batches) is expected."""
+    if any(p.is_default for p in partitions.list_partitions(conn, name)):
+        return []
+    return [
+        Finding(
+            f"archive {name} has no DEFAULT partition",
+            partitions.archive_default_statements(name),
+        )
+    ]
 
 
 def _storage_findings(conn: Connection, relations: list[str]) -> list[Finding]:

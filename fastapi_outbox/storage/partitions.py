@@ -48,6 +48,7 @@ from fastapi_outbox.settings import (
     check_partitioned_table_name,
 )
 from fastapi_outbox.settings import parse_interval as parse_interval  # re-exported
+from fastapi_outbox.storage.statements import archive as archive_sql
 from fastapi_outbox.storage.statements import partitions as sql
 from fastapi_outbox.storage.statements.partitions import AUTOVACUUM as AUTOVACUUM
 from fastapi_outbox.storage.statements.partitions import storage_sql as storage_sql
@@ -303,6 +304,117 @@ def drop_partition_sync(conn: Connection, table: str, name: str) -> None:
     conn.execute(sql.drop(name))
 
 
+def archive_default_index(archive: str) -> str:
+    """Name of the ``archived_at`` index of a partitioned archive's DEFAULT partition."""
+    return f"{archive}_default_at"
+
+
+def install_archive(table: Table) -> None:
+    """Make ``table.create()`` of a partitioned archive also create its DEFAULT partition
+    (rows moved in batches from the outbox's DEFAULT partition) with an ``archived_at``
+    index of its own (the archive's retention deletes there in batches). No partition
+    ahead: the archive's partitions are the outbox's, re-attached."""
+
+    def after_create(target: Table, connection: Connection, **kw: Any) -> None:
+        if connection.dialect.name == "postgresql":
+            create_archive_default_sync(connection, target.name)
+
+    event.listen(table, "after_create", after_create)
+
+
+def archive_default_statements(archive: str) -> list[str]:
+    """The DEFAULT partition of a partitioned archive and its ``archived_at`` index
+    (``db sql``, :func:`create_archive_default_sync`)."""
+    default = default_name(archive)
+    return [
+        sql.create_default(archive, default),
+        archive_sql.archived_at_index(archive_default_index(archive), default),
+    ]
+
+
+def create_archive_default_sync(conn: Connection, archive: str) -> None:
+    for statement in archive_default_statements(archive):
+        conn.execute(text(statement))
+
+
+def archive_partition_sync(
+    conn: Connection, table: str, archive: str, name: str, columns: list[str]
+) -> bool:
+    """Move the finished partition ``name`` of ``table`` into the archive with no row
+    copied: detach it (as :func:`drop_partition_sync` does, with the same re-check that no
+    row became active), add the archive's ``archived_at`` column (a catalogue change) and
+    attach it to the archive with the bound it had. When the archive refuses the attach
+    (its DEFAULT partition holds rows of that range), the rows are copied and the partition
+    dropped instead, in a savepoint of the same transaction; returns whether the partition
+    was attached (False: copied). :class:`Reactivated` as for a drop."""
+    ours = (
+        _try_lock(conn, table)
+        and conn.execute(
+            archive_sql.PARTITION_OF, {"name": sql.quote(name), "parent": sql.quote(table)}
+        ).scalar_one()
+    )
+    if not ours:  # another process is archiving it, or has
+        raise Reactivated(name)
+    bound = conn.execute(archive_sql.PARTITION_BOUND, {"name": sql.quote(name)}).scalar_one()
+    conn.execute(sql.detach(table, name))
+    if conn.execute(sql.any_active(name)).scalar_one():
+        raise Reactivated(name)
+    conn.execute(archive_sql.add_archived_at(name))
+    try:
+        with conn.begin_nested():
+            conn.execute(archive_sql.attach_as(archive, name, bound))
+    except DBAPIError as exc:
+        if _sqlstate(exc) != CHECK_VIOLATION:
+            raise  # lock_timeout…: the whole change rolls back, the next run tries again
+        logger.warning(
+            "partition could not be attached to the archive; its rows are copied",
+            extra={"action": "archive.copied", "table": table, "partition": name},
+        )
+        conn.execute(archive_sql.copy_rows(archive, name, [*columns, "archived_at"]))
+        conn.execute(sql.drop(name))
+        return False
+    return True
+
+
+#: SQLSTATE of an ATTACH refused because the archive's DEFAULT partition holds rows of the
+#: range ("updated partition constraint for default partition would be violated").
+CHECK_VIOLATION = "23514"
+
+
+def _sqlstate(exc: DBAPIError) -> str | None:
+    orig = getattr(exc, "orig", None)
+    code = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+    return str(code) if code is not None else None
+
+
+def expired_archive_partitions(
+    conn: Connection, archive: str, retention_seconds: float
+) -> list[str]:
+    """The archive's range partitions whose rows were all archived more than
+    ``retention_seconds`` ago (the DEFAULT partition is purged in batches)."""
+    if not _try_lock(conn, archive):
+        return []
+    cutoff = _db_now(conn) - dt.timedelta(seconds=retention_seconds)
+    return [
+        p.name
+        for p in list_partitions(conn, archive)
+        if not p.is_default
+        and not conn.execute(archive_sql.archive_busy(p.name), {"cutoff": cutoff}).scalar_one()
+    ]
+
+
+def drop_archive_partition_sync(conn: Connection, archive: str, name: str) -> None:
+    """Detach and drop an expired archive partition (one short catalogue change)."""
+    gone = (
+        not _try_lock(conn, archive)
+        or conn.execute(sql.RELATION_MISSING, {"name": sql.quote(name)}).scalar_one()
+    )
+    if gone:
+        raise Reactivated(name)
+    conn.execute(sql.detach(archive, name))
+    conn.execute(sql.drop(name))
+
+
 def install(table: Table, interval: dt.timedelta) -> None:
     """Make ``table.create()`` (``create_all``, Alembic's ``op.get_bind()``) also create the
     DEFAULT partition and the partitions ahead, on PostgreSQL."""
@@ -376,6 +488,73 @@ class Maintainer:
             logger.info(
                 "partition dropped",
                 extra={"action": "partition.dropped", "table": name, "partition": partition},
+            )
+        return dropped
+
+    async def archive_expired(
+        self,
+        archive: Table,
+        published_retention_seconds: float | None,
+        abandoned_retention_seconds: float | None,
+    ) -> list[str]:
+        """``archive=True``: the partitions :meth:`drop_expired` would drop are re-attached
+        to ``archive`` instead, each in a transaction of its own; the names moved."""
+        name = self.table.name
+        columns = [c.name for c in self.table.c]
+        async with self.engine.begin() as conn:
+            candidates = await conn.run_sync(
+                expired_candidates, name, published_retention_seconds, abandoned_retention_seconds
+            )
+        moved = []
+        for partition in candidates:
+            try:
+                async with self.engine.begin() as conn:
+                    await conn.run_sync(_lock_timeout)
+                    attached = await conn.run_sync(
+                        archive_partition_sync, name, archive.name, partition, columns
+                    )
+            except Reactivated:
+                continue
+            except DBAPIError as exc:
+                _failed("archive.attach_failed", name, partition, exc)
+                continue
+            moved.append(partition)
+            logger.info(
+                "partition archived",
+                extra={
+                    "action": "archive.attached" if attached else "archive.copied",
+                    "table": name,
+                    "partition": partition,
+                    "archive": archive.name,
+                },
+            )
+        return moved
+
+    async def drop_archive_expired(self, archive: Table, retention_seconds: float) -> list[str]:
+        """The archive's partitions past ``retention_seconds``, dropped whole."""
+        async with self.engine.begin() as conn:
+            candidates = await conn.run_sync(
+                expired_archive_partitions, archive.name, retention_seconds
+            )
+        dropped = []
+        for partition in candidates:
+            try:
+                async with self.engine.begin() as conn:
+                    await conn.run_sync(_lock_timeout)
+                    await conn.run_sync(drop_archive_partition_sync, archive.name, partition)
+            except Reactivated:
+                continue
+            except DBAPIError as exc:
+                _failed("archive.drop_failed", archive.name, partition, exc)
+                continue
+            dropped.append(partition)
+            logger.info(
+                "archive partition dropped",
+                extra={
+                    "action": "archive.partition_dropped",
+                    "table": archive.name,
+                    "partition": partition,
+                },
             )
         return dropped
 

@@ -52,7 +52,7 @@ from fastapi_outbox.storage.types import ACTIVE_STATUSES as ACTIVE_STATUSES
 from fastapi_outbox.storage.types import JsonText as JsonText
 from fastapi_outbox.storage.types import UtcDateTime as UtcDateTime
 
-__all__ = ["build_table", "ddl", "metadata", "outbox_table"]
+__all__ = ["build_archive_table", "build_table", "ddl", "metadata", "outbox_table"]
 
 
 def build_table(
@@ -208,6 +208,62 @@ def _add_ordered_index(table: Table) -> None:
     )
 
 
+def build_archive_table(outbox: Table, name: str, metadata_: MetaData | None = None) -> Table:
+    """The archive of ``outbox`` (``OutboxSettings(archive=True)``), called ``name``, on
+    ``metadata_`` (a new ``MetaData`` when None: the shared one of Alembic's ``env.py``
+    only gets it when asked to): the outbox's columns (``seq`` a plain number, no
+    server defaults: rows arrive with their values) plus ``archived_at``.
+
+    A plain outbox gets a plain archive with two indexes only, the primary key (``show``,
+    the newest-first listing) and ``archived_at`` (the archive's retention), so a move
+    costs little. A partitioned outbox gets an archive partitioned the same way, with the
+    outbox's primary key and indexes: a finished partition detached from the outbox is
+    attached to it as it is (its indexes are taken over, none is built), and only its
+    DEFAULT partition (the rows moved in batches) gets an ``archived_at`` index."""
+    md = metadata_ if metadata_ is not None else MetaData()
+    if name in md.tables:
+        return md.tables[name]
+    partitioned = "partitioning" in outbox.info
+    columns: list[Column[Any]] = []
+    for column in outbox.c:
+        copy = Column(
+            column.name,
+            column.type,
+            nullable=column.nullable,
+            primary_key=column.primary_key if partitioned else column.name == "id",
+            comment=column.comment,
+        )
+        columns.append(copy)
+    columns.append(Column("archived_at", UtcDateTime(), nullable=False, comment="moved at"))
+    options = outbox.dialect_options["postgresql"]
+    table = Table(
+        name,
+        md,
+        *columns,
+        **(
+            {"postgresql_partition_by": options["partition_by"]}
+            if partitioned
+            else {"postgresql_with": partitions.AUTOVACUUM}
+        ),
+    )
+    table.info["archive_of"] = outbox.name
+    if partitioned:
+        table.info["partitioning"] = outbox.info["partitioning"]
+        for index in outbox.indexes:
+            copy_index = Index(
+                (index.name or "").replace(outbox.name, name, 1),
+                *[table.c[c.name] for c in index.columns],
+                unique=index.unique,
+                **index.dialect_kwargs,
+            )
+            if index._ddl_if is not None:
+                copy_index.ddl_if(dialect=index._ddl_if.dialect)
+        partitions.install_archive(table)
+    else:
+        Index(f"ix_{name}_archived_at", table.c.archived_at)
+    return table
+
+
 #: The default ``MetaData`` with the default table, for Alembic's ``target_metadata``.
 metadata = MetaData()
 outbox_table = build_table("outbox_messages", metadata)
@@ -223,7 +279,11 @@ def ddl(table: Table, dialect: DialectT) -> str:
         if index._ddl_if is None or index._ddl_if.dialect in (None, dialect.name)
     ]
     interval = table.info.get("partitioning")
-    if interval is not None and dialect.name == "postgresql":
+    if interval is not None and dialect.name == "postgresql" and "archive_of" in table.info:
+        # A partitioned archive: its DEFAULT partition; its other partitions come from
+        # the outbox table, re-attached.
+        statements += partitions.archive_default_statements(table.name)
+    elif interval is not None and dialect.name == "postgresql":
         # The DEFAULT partition and the partitions of the coming days, as of now.
         now = dt.datetime.now(dt.UTC)
         statements += partitions.statements(table.name, interval, now)

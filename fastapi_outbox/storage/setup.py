@@ -19,6 +19,7 @@ from fastapi_outbox import config_checks, exceptions
 from fastapi_outbox.redaction import remember
 from fastapi_outbox.settings import OutboxSettings
 from fastapi_outbox.storage import partitions, schema
+from fastapi_outbox.storage.archive import Archive
 from fastapi_outbox.storage.engine import create_engine
 from fastapi_outbox.storage.inbox import Inbox, build_inbox_table
 from fastapi_outbox.storage.store import Store
@@ -39,6 +40,8 @@ class Storage:
     inbox: Inbox
     #: Partition upkeep of a partitioned table (``settings.partitioning``), else None.
     partitions: partitions.Maintainer | None
+    #: The archive table of ``archive=True``, else None.
+    archive: Archive | None = None
 
     async def create(self) -> None:
         """The outbox table, the inbox table and their indexes; partitioned: also the
@@ -46,15 +49,19 @@ class Storage:
         replication slot and its publication."""
         await self.store.create_table()
         await self.inbox.create_table()
+        if self.archive is not None:
+            await self.archive.create_table()
         if self.partitions is not None:
             await self.partitions.ensure_ahead()
         if self.wal_slot is not None:
             await self.wal_slot.create()
 
     async def drop(self) -> None:
-        """The outbox table and the inbox table."""
+        """The outbox table, the inbox table (and the archive table)."""
         await self.store.drop_table()
         await self.inbox.drop_table()
+        if self.archive is not None:
+            await self.archive.drop_table()
 
 
 def open_engine(
@@ -105,4 +112,5 @@ def setup_storage(engine: AsyncEngine, settings: OutboxSettings) -> Storage:
     maintainer: partitions.Maintainer | None = None
     if "partitioning" in table.info:
         maintainer = partitions.Maintainer(engine, table, table.info["partitioning"])
-    return Storage(table, store, wal_slot, inbox, maintainer)
+    archive = Archive(engine, table, settings.archive_name) if settings.archive else None
+    return Storage(table, store, wal_slot, inbox, maintainer, archive)

@@ -17,6 +17,7 @@ from fastapi_outbox.ops import port
 from fastapi_outbox.relay.table import Processor
 from fastapi_outbox.relay.wakeups import Listener
 from fastapi_outbox.relay.wal import WalRelay
+from fastapi_outbox.storage.archive import Archive
 from fastapi_outbox.storage.wal_slot import WalSlot
 
 
@@ -69,6 +70,7 @@ def built(outbox: Outbox) -> dict[type, Any]:
         port.SlotView: slot,
         port.ListenerState: Listener(outbox.store, outbox.channel, outbox.instance, lambda: None),
         port.SubscriberView: outbox.subscribers[0],
+        port.ArchiveView: Archive(outbox.engine, outbox.table, "outbox_messages_archive"),
     }
 
 
@@ -81,6 +83,7 @@ PROTOCOLS = [
     port.SlotView,
     port.ListenerState,
     port.SubscriberView,
+    port.ArchiveView,
 ]
 
 

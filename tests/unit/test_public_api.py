@@ -667,7 +667,27 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "per_minute",
         "stream_stats",
     },
-    "fastapi_outbox.storage.schema": {"build_table", "ddl", "metadata", "outbox_table"},
+    "fastapi_outbox.storage.schema": {
+        "build_archive_table",
+        "build_table",
+        "ddl",
+        "metadata",
+        "outbox_table",
+    },
+    "fastapi_outbox.storage.archive": {"Archive"},
+    "fastapi_outbox.storage.statements.archive": {
+        "PARTITION_BOUND",
+        "PARTITION_OF",
+        "add_archived_at",
+        "archive_busy",
+        "archived_at_index",
+        "attach_as",
+        "copy_rows",
+        "move",
+        "move_delete",
+        "move_insert",
+        "purge",
+    },
     "fastapi_outbox.storage.statements.doctor": {
         "COLUMNS",
         "INDEXES",
@@ -770,6 +790,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
     },
     "fastapi_outbox.storage.statements.retention": {
         "purge",
+        "victims",
     },
     "fastapi_outbox.storage.statements.wakeups": {
         "NOTIFY_SQL",

@@ -333,8 +333,11 @@ def _message_context(message: dict[str, Any], pages: _Pages) -> dict[str, Any]:
         "payload": payload[:PAYLOAD_DISPLAY_CHARS] if pages.show_payloads else None,
         "payload_chars": len(payload),
         "truncated": len(payload) > PAYLOAD_DISPLAY_CHARS,
-        "replayable": message["status"] in operations.REPLAYABLE,
-        "abandonable": message["status"] in operations.ABANDONABLE and message["locked_by"] is None,
+        # An archived message is read-only: it left the outbox table.
+        "replayable": not message["archived"] and message["status"] in operations.REPLAYABLE,
+        "abandonable": not message["archived"]
+        and message["status"] in operations.ABANDONABLE
+        and message["locked_by"] is None,
     }
 
 

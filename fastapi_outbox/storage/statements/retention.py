@@ -1,7 +1,9 @@
 """Retention's statement: the bounded DELETE of finished rows.
 
 Caller: :func:`fastapi_outbox.relay.retention.purge` through ``Store.purge_batch`` (and the
-CLI's ``purge``, which runs the same loop); ``benchmarks/scale.py`` measures its WAL.
+CLI's ``purge``, which runs the same loop); ``benchmarks/scale.py`` measures its WAL. The
+archive's move (:mod:`fastapi_outbox.storage.statements.archive`) picks its rows with
+:func:`victims`.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from sqlalchemy.engine import Dialect
 from fastapi_outbox.storage.dialects import is_postgres
 from fastapi_outbox.storage.statements.parts import PUBLISHED, active, later, order_columns
 
-__all__ = ["purge"]
+__all__ = ["purge", "victims"]
 
 
 def purge(
@@ -36,14 +38,37 @@ def purge(
     (ordered dispatch): an abandoned keyed row that a later active row of its key still
     waits for is kept — deleting it would let the key go on with a gap."""
     t = table
+    chosen = victims(t, status, older_than_seconds, limit, dialect, keep_blocking=keep_blocking)
+    return delete(t).where(t.c.id.in_(chosen.scalar_subquery()))
+
+
+def victims(
+    table: Table,
+    status: str,
+    older_than_seconds: float,
+    limit: int,
+    dialect: Dialect,
+    *,
+    keep_blocking: bool = False,
+    whole: Table | None = None,
+    ordered: bool = False,
+) -> Any:
+    """The ids of one batch of :func:`purge` (and of the archive's move,
+    :func:`fastapi_outbox.storage.statements.archive.move`): ``table`` is where the rows are
+    taken from, ``whole`` the outbox table the ``keep_blocking`` check looks in (the same
+    table unless the rows are taken from one partition). ``ordered``: by finish time then
+    id, so that two evaluations in one transaction pick the same rows (SQLite's move)."""
+    t = table
     finished = t.c.published_at if status == PUBLISHED else t.c.abandoned_at
-    victims = (
+    chosen = (
         select(t.c.id)
         .where(t.c.status == status, finished < later(dialect, -older_than_seconds))
         .limit(limit)
     )
+    if ordered:
+        chosen = chosen.order_by(finished, t.c.id)
     if keep_blocking:
-        e = t.alias("e")
+        e = (whole if whole is not None else t).alias("e")
         waited_for = exists().where(
             # A later row (insert order) of the same key on the same broker, still active.
             e.c.broker == t.c.broker,
@@ -51,7 +76,7 @@ def purge(
             active(e),
             tuple_(*order_columns(e, dialect)) > tuple_(*order_columns(t, dialect)),
         )
-        victims = victims.where(or_(t.c.key.is_(None), ~waited_for))
+        chosen = chosen.where(or_(t.c.key.is_(None), ~waited_for))
     if is_postgres(dialect):
-        victims = victims.with_for_update(skip_locked=True)
-    return delete(t).where(t.c.id.in_(victims.scalar_subquery()))
+        chosen = chosen.with_for_update(skip_locked=True)
+    return chosen
