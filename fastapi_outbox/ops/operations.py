@@ -28,8 +28,9 @@ import anyio
 from fastapi_outbox import exceptions
 from fastapi_outbox.brokers.consumer import DeadLetter
 from fastapi_outbox.consume.subscriber import ConsumerStatus
-from fastapi_outbox.events import MessageStatus
+from fastapi_outbox.events import HEADER_MESSAGE_ID, MessageStatus
 from fastapi_outbox.ops.port import OutboxPort, SubscriberView, relay_here, wall_time
+from fastapi_outbox.payloads import Revealed
 from fastapi_outbox.relay import retention
 from fastapi_outbox.storage.inbox import GroupStats
 
@@ -207,8 +208,20 @@ async def show(outbox: OutboxPort, message_id: uuid.UUID) -> dict[str, Any]:
     if row is None:
         raise exceptions.MessageNotFound(f"no outbox message with id {message_id}")
     data = {k: v for k, v in dict(row).items() if k not in ("payload", "headers")}
-    data["headers"] = json.loads(row["headers"])
-    data["payload"] = json.loads(row["payload"])
+    headers = json.loads(row["headers"])
+    shown = await outbox.payloads.reveal(
+        str(headers.get(HEADER_MESSAGE_ID, row["id"])),
+        row["stream"],
+        row["type"],
+        row["payload"],
+        headers,
+    )
+    data["headers"] = shown.headers
+    if isinstance(shown, Revealed):  # encrypted under a key this process lacks, ...
+        data["payload"] = None
+        data["payload_note"] = shown.note
+    else:
+        data["payload"] = json.loads(shown.payload)
     return data
 
 

@@ -331,6 +331,8 @@ def _message_context(message: dict[str, Any], pages: _Pages) -> dict[str, Any]:
         "m": message,
         "headers": message["headers"],
         "payload": payload[:PAYLOAD_DISPLAY_CHARS] if pages.show_payloads else None,
+        # "encrypted (key k2)": this process does not hold the key (fastapi_outbox.payloads)
+        "payload_note": message.get("payload_note"),
         "payload_chars": len(payload),
         "truncated": len(payload) > PAYLOAD_DISPLAY_CHARS,
         "replayable": message["status"] in operations.REPLAYABLE,
