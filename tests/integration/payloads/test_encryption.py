@@ -276,3 +276,23 @@ async def test_the_dashboard_shows_encrypted_unless_it_holds_the_key(sqlite_url:
             assert (MARKER in page.text) is expect_marker
         finally:
             await ops.aclose()
+
+
+@pytest.mark.parametrize("mode", ["binary", "structured"])
+async def test_cloudevents_carry_the_key_id_and_the_ciphertext(sqlite_url: str, mode: str) -> None:
+    Secret = secret_event(unique("enc"))
+    broker = MemoryBroker(envelope="cloudevents", cloudevents_mode=mode)  # type: ignore[arg-type]
+    outbox = Outbox(sqlite_url, brokers={"default": broker}, settings=settings({"k1": K1}))
+    got: list[Any] = []
+    try:
+        await outbox.create_tables()
+        subscribe(outbox, Secret, got.append)
+        async with outbox.dispatcher():
+            async with outbox.unit_of_work() as uow:
+                uow.publish(Secret(card=MARKER), headers={"card-holder": MARKER})
+            await wait_until(lambda: len(got) == 1, timeout=10)
+        [sent] = broker.messages
+        assert no_marker(sent.payload, sent.headers_json)
+        assert got[0].card == MARKER
+    finally:
+        await outbox.aclose()
