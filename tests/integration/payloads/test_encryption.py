@@ -340,3 +340,41 @@ async def test_cli_show_without_the_key_prints_the_note(sqlite_url: str) -> None
     shown = json.loads(done.stdout)
     assert shown["payload"] is None and shown["payload_note"] == "encrypted (key k1)"
     assert shown["headers"]["encryption-key-id"] == "k1" and MARKER not in done.stdout
+
+
+@pytest.mark.rabbitmq
+async def test_rabbitmq_message_holds_no_plaintext(sqlite_url: str, rabbitmq_url: str) -> None:
+    import aio_pika
+
+    from fastapi_outbox.brokers import RabbitMQBroker
+
+    stream, exchange = unique("enc"), unique("enc_x")
+    Secret = secret_event(stream)
+    outbox = Outbox(
+        sqlite_url,
+        brokers={"default": RabbitMQBroker(rabbitmq_url, exchange=exchange)},
+        settings=settings({"k1": K1}),
+    )
+    conn = await aio_pika.connect(rabbitmq_url)
+    channel = await conn.channel()
+    got: list[Any] = []
+    try:
+        await outbox.create_tables()
+        x = await channel.declare_exchange(exchange, "topic", durable=True)
+        spy = await channel.declare_queue(unique("enc_spy"), exclusive=True)
+        await spy.bind(x, routing_key=stream)
+        subscribe(outbox, Secret, got.append)
+        async with outbox.dispatcher():
+            async with outbox.unit_of_work() as uow:
+                uow.publish(Secret(card=MARKER), headers={"card-holder": MARKER})
+            await wait_until(lambda: len(got) == 1, timeout=15)
+        raw = await spy.get(timeout=5)
+        assert raw is not None
+        assert no_marker(raw.body, json.dumps({k: str(v) for k, v in raw.headers.items()}))
+        assert got[0].card == MARKER
+    finally:
+        await outbox.aclose()
+        for name in (f"{stream}.g", f"{stream}.g.dlq"):
+            await channel.queue_delete(name)
+        await channel.exchange_delete(exchange)
+        await conn.close()
