@@ -35,6 +35,7 @@ from fastapi_outbox.consume.context import UnitOfWorkT
 from fastapi_outbox.consume.subscriber import Subscriber
 from fastapi_outbox.instrumentation import Instrumentation
 from fastapi_outbox.ops.routers import Routers
+from fastapi_outbox.payloads import build_payloads
 from fastapi_outbox.redaction import redact_url
 from fastapi_outbox.relay.groups_first import declare_groups, declare_or_warn, gate_brokers
 from fastapi_outbox.relay.retention import Cleaner
@@ -88,6 +89,8 @@ class Outbox:
         self.inbox, self.partitions = self._storage.inbox, self._storage.partitions
         #: ``archive=True``: the archive table retention moves finished rows to.
         self.archive = self._storage.archive
+        #: The payload stages (encryption, claim-check): publish seals, subscribers restore.
+        self.payloads = build_payloads(self.settings)
         self.session_factory = session_factory or async_sessionmaker(
             self.engine, expire_on_commit=False
         )

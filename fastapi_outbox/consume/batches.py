@@ -20,7 +20,6 @@ from typing import Any
 import anyio
 
 from fastapi_outbox.brokers.consumer import Delivery
-from fastapi_outbox.consume.handlers import NotForHandler, Undeliverable
 from fastapi_outbox.consume.processing import (
     InFlight,
     Processing,
@@ -87,6 +86,7 @@ class Batches:
         todo: list[Delivery] = []
         messages: list[Any] = []
         decoder = self.options.decoder
+        restore = self.processing.context.payloads.restore
         # A batch handler's redelivered messages go one by one: a poison message, back
         # for another attempt, does not fail a whole batch again.
         alone = 1 if self.options.signature.batch else self.options.max_attempts
@@ -95,8 +95,10 @@ class Batches:
                 await self._process_one(d)
                 continue
             try:
-                messages.append(decoder.decode(d))
-            except (Undeliverable, NotForHandler):
+                messages.append(decoder.decode(await restore(d)))
+            except Exception:
+                # Undeliverable, NotForHandler, PayloadUnreadable, a payload stage that
+                # failed: the per-message path dead-letters, skips or retries it.
                 await self._process_one(d)
             else:
                 todo.append(d)

@@ -15,6 +15,7 @@ from typing import Any, Protocol, TypeVar
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from fastapi_outbox.brokers.base import Broker
+from fastapi_outbox.payloads import Payloads
 from fastapi_outbox.settings import OutboxSettings
 from fastapi_outbox.storage.inbox import Inbox
 from fastapi_outbox.write.unit_of_work import UnitOfWork
@@ -46,6 +47,10 @@ class ConsumeContext(AfterCommit, Protocol):
     @property
     def settings(self) -> OutboxSettings:
         """The ``consumer_*`` defaults and ``shutdown_timeout_seconds``."""
+
+    @property
+    def payloads(self) -> Payloads:
+        """The payload stages a delivery is restored through before it is decoded."""
 
     @property
     def inbox(self) -> Inbox:

@@ -48,6 +48,7 @@ from fastapi_outbox.consume.handlers import (
     Undeliverable,
     delivery_context,
 )
+from fastapi_outbox.exceptions import PayloadUnreadable
 from fastapi_outbox.log import safe_error
 from fastapi_outbox.redaction import redact
 from fastapi_outbox.storage import db_outage
@@ -379,13 +380,18 @@ class Processing:
             await self._past_max_attempts(d)
             return
         try:
-            message = self.options.decoder.decode(d)
-        except Undeliverable as exc:
+            message = self.options.decoder.decode(await self.context.payloads.restore(d))
+        except (Undeliverable, PayloadUnreadable) as exc:
             await self._dead_letter(d, str(exc))
             return
         except NotForHandler:
             self.stats.skipped += 1
             await self._ack(d)
+            return
+        except Exception as exc:  # a payload stage failed (a store unreachable): an attempt
+            delay = await self._failed(d, exc, attempt)
+            if delay is not None:
+                await self._retry_later(d, delay)
             return
         outages = 0
         while True:

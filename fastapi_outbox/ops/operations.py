@@ -28,8 +28,9 @@ import anyio
 from fastapi_outbox import exceptions
 from fastapi_outbox.brokers.consumer import DeadLetter
 from fastapi_outbox.consume.subscriber import ConsumerStatus
-from fastapi_outbox.events import MessageStatus
+from fastapi_outbox.events import HEADER_MESSAGE_ID, MessageStatus
 from fastapi_outbox.ops.port import OutboxPort, SubscriberView, relay_here, wall_time
+from fastapi_outbox.payloads import Revealed
 from fastapi_outbox.relay import retention
 from fastapi_outbox.storage.inbox import GroupStats
 
@@ -202,11 +203,14 @@ async def list_messages(
 
 
 async def show(
-    outbox: OutboxPort, message_id: uuid.UUID, *, archived: bool = False
+    outbox: OutboxPort, message_id: uuid.UUID, *, archived: bool = False, reveal: bool = True
 ) -> dict[str, Any]:
     """One message with its headers and payload decoded; MessageNotFound when absent.
     The outbox table, then the archive (``archive=True``); ``archived``: the archive only.
-    An archived message carries ``archived: True`` and its ``archived_at``."""
+    An archived message carries ``archived: True`` and its ``archived_at``.
+    ``reveal``: encrypted payloads and headers are decrypted when this process holds the
+    key (else ``payload`` is None and ``payload_note`` says ``encrypted (key k2)``); False:
+    they stay as stored (a dashboard that shows no payloads)."""
     if archived and outbox.archive is None:
         raise exceptions.OperationError(
             "this outbox has no archive: archive=True (OUTBOX_ARCHIVE) is not set"
@@ -221,8 +225,23 @@ async def show(
         raise exceptions.MessageNotFound(f"no outbox message with id {message_id}{also}")
     data = {k: v for k, v in dict(row).items() if k not in ("payload", "headers")}
     data["archived"] = "archived_at" in data
-    data["headers"] = json.loads(row["headers"])
-    data["payload"] = json.loads(row["payload"])
+    headers = json.loads(row["headers"])
+    if not reveal:
+        data["headers"], data["payload"] = headers, json.loads(row["payload"])
+        return data
+    shown = await outbox.payloads.reveal(
+        str(headers.get(HEADER_MESSAGE_ID, row["id"])),
+        row["stream"],
+        row["type"],
+        row["payload"],
+        headers,
+    )
+    data["headers"] = shown.headers
+    if isinstance(shown, Revealed):  # encrypted under a key this process lacks, ...
+        data["payload"] = None
+        data["payload_note"] = shown.note
+    else:
+        data["payload"] = json.loads(shown.payload)
     return data
 
 

@@ -35,6 +35,7 @@ from typing import Any, Protocol, runtime_checkable
 from fastapi_outbox.brokers.consumer import Consumer
 from fastapi_outbox.consume.subscriber import SubscriberStats
 from fastapi_outbox.instrumentation import Instrumentation
+from fastapi_outbox.payloads import Payloads
 from fastapi_outbox.settings import OutboxSettings
 from fastapi_outbox.storage.inbox import GroupStats
 from fastapi_outbox.storage.store import ABANDONED, BrokerStats
@@ -253,6 +254,11 @@ class OutboxPort(Protocol):
     def settings(self) -> OutboxSettings: ...
     @property
     def store(self) -> MessageStore: ...
+    @property
+    def payloads(self) -> Payloads:
+        """The payload stages: what ``show`` can read of an encrypted payload."""
+        ...
+
     @property
     def inbox(self) -> InboxView: ...
     @property

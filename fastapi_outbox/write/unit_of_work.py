@@ -161,6 +161,14 @@ class UnitOfWork:
         user_headers = _check_headers(extra_headers, stream, type_name)
         due_in, due_at = _delay(delay, deliver_at, settings.max_delay_seconds, type_name)
         message_id = uuid7()
+        payloads = self.outbox.payloads
+        if user_headers:
+            payloads.refuse_reserved(user_headers, type_name)
+        if payloads.seals:  # encryption, then claim-check (fastapi_outbox.payloads)
+            payload, user_headers = payloads.seal(
+                str(message_id), stream, type_name, payload, user_headers,
+                self.session.sync_session,
+            )  # fmt: skip
         rows = [
             {
                 "id": row_id,

@@ -190,6 +190,15 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "run",
     },
     "fastapi_outbox.brokers.base": {"Broker", "PublishResults", "redact_url"},
+    "fastapi_outbox.payloads": {"Parts", "PayloadStage", "Payloads", "Revealed", "build_payloads"},
+    "fastapi_outbox.payloads.encryption": {
+        "HEADER_ENCRYPTED_HEADERS",
+        "HEADER_KEY_ID",
+        "EncryptionStage",
+        "KeyRing",
+    },
+    "fastapi_outbox.payloads.pipeline": {"Payloads", "build_payloads"},
+    "fastapi_outbox.payloads.stages": {"Parts", "PayloadStage", "Revealed"},
     "fastapi_outbox.brokers.consumer": {
         "Consumer",
         "ConsumerConfig",
@@ -488,6 +497,8 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "Event",
         "HEADER_CAUSATION_ID",
         "HEADER_CORRELATION_ID",
+        "HEADER_ENCRYPTED_HEADERS",
+        "HEADER_ENCRYPTION_KEY_ID",
         "HEADER_MESSAGE_ID",
         "HEADER_OCCURRED_AT",
         "HEADER_TRACEPARENT",
@@ -904,6 +915,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
 
 CAPABILITY_PACKAGES = [
     "fastapi_outbox.storage",
+    "fastapi_outbox.payloads",
     "fastapi_outbox.write",
     "fastapi_outbox.relay",
     "fastapi_outbox.consume",
