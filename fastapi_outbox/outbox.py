@@ -43,8 +43,10 @@ from fastapi_outbox.relay.table import TableRelay, instance_id
 from fastapi_outbox.relay.wakeups import Listener, Notifier, channel_name
 from fastapi_outbox.relay.wal import WalRelay
 from fastapi_outbox.settings import OutboxSettings
+from fastapi_outbox.storage.claim_check import known_in
 from fastapi_outbox.storage.setup import open_engine, setup_storage
 from fastapi_outbox.write.capture import Capture, capture_for
+from fastapi_outbox.write.claim_check import put_claims
 from fastapi_outbox.write.unit_of_work import (
     UnitOfWork,
     current_outbox,
@@ -86,6 +88,8 @@ class Outbox:
         self.wal_slot = self._storage.wal_slot
         self.capture: Capture = capture_for(self.store, self.wal_slot)
         self.inbox, self.partitions = self._storage.inbox, self._storage.partitions
+        #: ``claim_check_bytes`` set: the store of claim-checked payloads (else None).
+        self.payloads = self._storage.payloads
         self.session_factory = session_factory or async_sessionmaker(
             self.engine, expire_on_commit=False
         )
@@ -93,7 +97,14 @@ class Outbox:
         self.instance = instance_id()
         self.channel = channel_name(self.settings.table_name)
         self.subscribers: list[Subscriber] = []
-        self.cleaner = Cleaner(self.store, self.settings, self.partitions, inbox=self.inbox)
+        self.cleaner = Cleaner(
+            self.store,
+            self.settings,
+            self.partitions,
+            inbox=self.inbox,
+            payloads=self.payloads,
+            known=None if self.payloads is None else known_in(self.engine, self.table),
+        )
         #: The relays and their wake-ups, supervised while the dispatchers run.
         self.relays = Relays(
             store=self.store,
@@ -174,6 +185,7 @@ class Outbox:
         """Record outbox messages on a session's connection, through this outbox's capture
         (called by the session's ``before_commit``; see
         :mod:`fastapi_outbox.write.session_events`)."""
+        put_claims(self.payloads, connection, rows)
         self.capture.write(connection, rows)
 
     def committed(self, brokers: Mapping[str, float]) -> bool:

@@ -30,6 +30,7 @@ from fastapi_outbox.consume.processing import (
     SubscriberStats,
 )
 from fastapi_outbox.log import safe_error
+from fastapi_outbox.storage.claim_check import claim_check_of
 
 __all__ = ["BATCH_HANDLER_TRIES", "Batches"]
 
@@ -91,7 +92,8 @@ class Batches:
         # for another attempt, does not fail a whole batch again.
         alone = 1 if self.options.signature.batch else self.options.max_attempts
         for d in batch:
-            if d.attempt > alone:  # dead-lettered / retried on the careful path
+            # Claim-checked: its payload is fetched on the per-message path.
+            if d.attempt > alone or claim_check_of(d) is not None:
                 await self._process_one(d)
                 continue
             try:

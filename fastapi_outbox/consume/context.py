@@ -16,6 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from fastapi_outbox.brokers.base import Broker
 from fastapi_outbox.settings import OutboxSettings
+from fastapi_outbox.storage.claim_check import PayloadStore
 from fastapi_outbox.storage.inbox import Inbox
 from fastapi_outbox.write.unit_of_work import UnitOfWork
 
@@ -50,6 +51,10 @@ class ConsumeContext(AfterCommit, Protocol):
     @property
     def inbox(self) -> Inbox:
         """The consumers' inbox table: which message ids each group handled."""
+
+    @property
+    def payloads(self) -> PayloadStore | None:
+        """Where claim-checked payloads are (``claim_check_bytes`` set), else None."""
 
     @property
     def instance(self) -> str:

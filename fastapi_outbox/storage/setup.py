@@ -19,6 +19,7 @@ from fastapi_outbox import config_checks, exceptions
 from fastapi_outbox.redaction import remember
 from fastapi_outbox.settings import OutboxSettings
 from fastapi_outbox.storage import partitions, schema
+from fastapi_outbox.storage.claim_check import PayloadStore, payload_store_for
 from fastapi_outbox.storage.engine import create_engine
 from fastapi_outbox.storage.inbox import Inbox, build_inbox_table
 from fastapi_outbox.storage.store import Store
@@ -39,6 +40,8 @@ class Storage:
     inbox: Inbox
     #: Partition upkeep of a partitioned table (``settings.partitioning``), else None.
     partitions: partitions.Maintainer | None
+    #: ``claim_check_bytes`` set: where claim-checked payloads go, else None.
+    payloads: PayloadStore | None = None
 
     async def create(self) -> None:
         """The outbox table, the inbox table and their indexes; partitioned: also the
@@ -50,11 +53,15 @@ class Storage:
             await self.partitions.ensure_ahead()
         if self.wal_slot is not None:
             await self.wal_slot.create()
+        if self.payloads is not None:
+            await self.payloads.create()
 
     async def drop(self) -> None:
         """The outbox table and the inbox table."""
         await self.store.drop_table()
         await self.inbox.drop_table()
+        if self.payloads is not None:
+            await self.payloads.drop()
 
 
 def open_engine(
@@ -105,4 +112,5 @@ def setup_storage(engine: AsyncEngine, settings: OutboxSettings) -> Storage:
     maintainer: partitions.Maintainer | None = None
     if "partitioning" in table.info:
         maintainer = partitions.Maintainer(engine, table, table.info["partitioning"])
-    return Storage(table, store, wal_slot, inbox, maintainer)
+    payloads = payload_store_for(engine, settings, table.metadata)
+    return Storage(table, store, wal_slot, inbox, maintainer, payloads)

@@ -658,6 +658,19 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "is_postgres",
         "uses_asyncpg",
     },
+    "fastapi_outbox.storage.claim_check": {
+        "HEADER_CLAIM_CHECK",
+        "HEADER_CLAIM_CHECK_SIZE",
+        "ORPHAN_GRACE_SECONDS",
+        "STUB_PAYLOAD",
+        "DatabasePayloadStore",
+        "FilePayloadStore",
+        "PayloadStore",
+        "build_payload_table",
+        "claim_check_of",
+        "known_in",
+        "payload_store_for",
+    },
     "fastapi_outbox.storage.inbox": {"Inbox", "build_inbox_table", "inbox_table"},
     "fastapi_outbox.storage.read_models": {
         "BrokerStats",
@@ -768,6 +781,12 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "release",
         "transaction_bounds",
     },
+    "fastapi_outbox.storage.statements.payloads": {
+        "fetch",
+        "insert_payload",
+        "known_messages",
+        "purge",
+    },
     "fastapi_outbox.storage.statements.retention": {
         "purge",
     },
@@ -869,6 +888,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "encode",
     },
     "fastapi_outbox.write.capture": {"Capture", "TableCapture", "capture_for"},
+    "fastapi_outbox.write.claim_check": {"ROW_KEY", "check_in", "put_claims"},
     "fastapi_outbox.write.context": {"WriteContext"},
     "fastapi_outbox.write.session_events": {
         "JOINED_KEY",
