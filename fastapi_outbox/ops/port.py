@@ -35,6 +35,7 @@ from fastapi_outbox.brokers.consumer import Consumer
 from fastapi_outbox.consume.subscriber import SubscriberStats
 from fastapi_outbox.instrumentation import Instrumentation
 from fastapi_outbox.settings import OutboxSettings
+from fastapi_outbox.storage.claim_check import PayloadStore
 from fastapi_outbox.storage.inbox import GroupStats
 from fastapi_outbox.storage.store import ABANDONED, BrokerStats
 from fastapi_outbox.storage.wal_slot import SlotStats, Undecodable
@@ -229,6 +230,11 @@ class OutboxPort(Protocol):
     def store(self) -> MessageStore: ...
     @property
     def inbox(self) -> InboxView: ...
+    @property
+    def payloads(self) -> PayloadStore | None:
+        """Where claim-checked payloads are (``claim_check_bytes`` set), else None."""
+        ...
+
     @property
     def all_brokers(self) -> Mapping[str, object]:
         """Every broker by name, internal and external, in the order configured."""

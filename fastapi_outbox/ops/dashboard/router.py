@@ -326,9 +326,14 @@ def _message_routes(router: APIRouter, outbox: OutboxPort, pages: _Pages) -> Non
 def _message_context(message: dict[str, Any], pages: _Pages) -> dict[str, Any]:
     """What the message page shows: the payload pretty-printed and cut (when payloads
     show at all), and which actions apply."""
-    payload = json.dumps(message["payload"], indent=2, ensure_ascii=False)
+    claim = message.get("claim_check")
+    if claim is not None and claim["preview"] is not None:
+        payload = claim["preview"]  # the first characters of a large claim-checked payload
+    else:
+        payload = json.dumps(message["payload"], indent=2, ensure_ascii=False)
     return {
         "m": message,
+        "claim": claim,
         "headers": message["headers"],
         "payload": payload[:PAYLOAD_DISPLAY_CHARS] if pages.show_payloads else None,
         "payload_chars": len(payload),

@@ -273,3 +273,48 @@ async def test_a_payload_gone_dead_letters_its_message(redis_url: str, pg_url: s
         assert letter.message_id == str(gone)
         assert f"message {gone} (reference {gone}) is gone" in letter.error
         await outbox.aclose()
+
+
+async def test_show_and_the_dashboard_page_display_the_reference_and_the_payload(
+    sqlite_url: str,
+) -> None:
+    from fastapi import FastAPI
+
+    from fastapi_outbox.ops import operations
+    from tests.conftest import asgi_client
+
+    outbox = Outbox(
+        sqlite_url,
+        brokers={},
+        settings=OutboxSettings(**{**SETTINGS, "run_dispatchers": False}),
+        dashboard_dependencies=[],
+    )
+    await outbox.create_tables()
+    async with outbox.unit_of_work() as uow:
+        large = uow.publish(Scan(name="large", blob="L" * 3 * 1024 * 1024))
+        medium = uow.publish(Scan(name="medium", blob="M" * 100_000))
+    # `fastapi-outbox show` prints operations.show's dict.
+    shown = await operations.show(outbox, large)
+    claim = shown["claim_check"]
+    assert claim["label"] == f"claim-check: {large} (3.0 MiB)"
+    assert claim["stored"] is True and claim["store"] == "database"
+    assert claim["preview"].startswith('{"name":"large","blob":"LLL')
+    assert len(claim["preview"]) == operations.CLAIM_CHECK_PREVIEW_CHARS
+    shown = await operations.show(outbox, medium)
+    assert shown["payload"] == {"name": "medium", "blob": "M" * 100_000}  # whole
+    app = FastAPI()
+    app.include_router(outbox.dashboard_router)
+    async with asgi_client(app) as client:
+        page = await client.get(f"/outbox/dashboard/messages/{large}")
+    assert page.status_code == 200
+    assert f"claim-check: {large} (3.0 MiB)" in page.text
+    assert "LLLLLLLLLL" in page.text
+    # Gone from the store: said so, on the page and by show.
+    store = outbox.payloads
+    assert isinstance(store, DatabasePayloadStore)
+    async with outbox.engine.begin() as conn:
+        await conn.execute(store.table.delete())
+    shown = await operations.show(outbox, large)
+    assert shown["claim_check"]["stored"] is False
+    assert "gone from the store" in shown["claim_check"]["note"]
+    await outbox.aclose()
