@@ -380,9 +380,15 @@ class Processing:
             await self._past_max_attempts(d)
             return
         ref = claim_check_of(d)
-        if ref is not None and not await self._check_out(d, ref):
+        claimed = None if ref is None else await self._check_out(d, ref)
+        if ref is not None and claimed is None:
             return
+        stub = d.payload
         try:
+            if claimed is not None:
+                # Decoded from the whole payload; the delivery keeps its stub, so that a
+                # dead letter or a retry carries the reference, not megabytes.
+                d.payload = claimed
             message = self.options.decoder.decode(d)
         except Undeliverable as exc:
             await self._dead_letter(d, str(exc))
@@ -391,6 +397,8 @@ class Processing:
             self.stats.skipped += 1
             await self._ack(d)
             return
+        finally:
+            d.payload = stub
         outages = 0
         while True:
             try:
@@ -416,11 +424,11 @@ class Processing:
             await self._ack(d)
             return
 
-    async def _check_out(self, d: Delivery, ref: str) -> bool:
-        """Put the claim-checked payload ``ref`` of ``d`` back in place of its stub; False
-        when ``d`` was settled instead: dead-lettered (the payload is gone, or no store is
-        configured), or retried later (the store failed). The database unreachable (the
-        database store) is waited out in place, no attempt charged."""
+    async def _check_out(self, d: Delivery, ref: str) -> bytes | None:
+        """The claim-checked payload ``ref`` of ``d``; None when ``d`` was settled
+        instead: dead-lettered (the payload is gone, or no store is configured), or
+        retried later (the store failed). The database unreachable (the database store)
+        is waited out in place, no attempt charged."""
         store = self.context.payloads
         if store is None:
             await self._dead_letter(
@@ -429,7 +437,7 @@ class Processing:
                 "has no claim-check store: set claim_check_bytes and claim_check_store as "
                 "the producer's",
             )
-            return False
+            return None
         outages = 0
         while True:
             try:
@@ -450,7 +458,7 @@ class Processing:
                     )
                 else:
                     await self._retry_later(d, self.retry_delay(d.attempt))
-                return False
+                return None
         if data is None:
             await self._dead_letter(
                 d,
@@ -459,9 +467,8 @@ class Processing:
                 "(claim_check_retention_seconds: the longer of published_retention_seconds "
                 "and inbox_retention_seconds) or never stored",
             )
-            return False
-        d.payload = data
-        return True
+            return None
+        return data
 
     async def _past_max_attempts(self, d: Delivery) -> None:
         """``d`` delivered more than ``max_attempts`` times: acknowledged when its

@@ -146,14 +146,28 @@ async def test_a_5mb_payload_reaches_the_handler_whole_once(
         async def handle(event: Scan, uow: UnitOfWork) -> None:
             seen.append((event.name, len(event.blob)))
 
+        @outbox.subscriber(stream, group="refuser", start="all")
+        async def refuse(event: Scan, uow: UnitOfWork) -> None:
+            if event.name == "big":
+                raise ValueError(f"refused {len(event.blob)} bytes")
+
         await outbox.create_tables()
+        refuser = outbox.subscribers[1]
         async with outbox.dispatcher():
             async with outbox.unit_of_work() as uow:
                 big_id = uow.publish(event_cls(name="big", blob=big))
                 uow.publish(event_cls(name="small", blob="y"))
-            await wait_until(lambda: len(seen) == 2, timeout=30)
+            await wait_until(
+                lambda: len(seen) == 2 and refuser.stats.dead_lettered == 1, timeout=30
+            )
         assert sorted(seen) == [("big", MB5), ("small", 1)]
         assert outbox.subscribers[0].stats.handled == 2
+        # The handler saw the whole payload; the dead letter carries the reference (NATS
+        # would refuse 5 MB there).
+        [letter] = await refuser.make_consumer().dead_letters()
+        assert letter.message_id == str(big_id)
+        assert f"refused {MB5} bytes" in letter.error
+        assert refuser.stats.dead_letter_failures == 0
         # The outbox row and the broker carried a stub and the reference, not 5 MB.
         async with outbox.engine.connect() as conn:
             rows = (await conn.execute(select(outbox.table.c.id, outbox.table.c.payload))).all()
