@@ -23,6 +23,9 @@ errors raised by the library name the setting, broker, table or message id invol
     │   └── BrokerTimeout           a publish got no answer in time; the processor pings the
     │                               broker to tell an outage from a message that hangs
     │   └── MessageRejected         the broker refused one message: retry that message only
+    ├── PayloadUnreadable           a delivered payload cannot be restored (tampered with,
+    │   │                           sealed for another message): dead-lettered, not retried
+    │   └── UnknownEncryptionKey    its encryption key id is not among this process's keys
     ├── MessageNotFound             an admin command named a message id that does not exist
     ├── OperationError              an operator's request is malformed (a filter, a limit)
     │   └── StaleDeadLetters        a replay of dead letters older than the inbox retention,
@@ -107,6 +110,17 @@ class BrokerTimeout(BrokerUnavailable):
 
 class MessageRejected(BrokerError):
     """The broker refused this message; it is retried on its own with backoff."""
+
+
+class PayloadUnreadable(OutboxError):
+    """A delivered payload cannot be restored to the plain event (its ciphertext fails
+    authentication, or it was sealed for another message): the message is dead-lettered,
+    not retried, since no retry can read it."""
+
+
+class UnknownEncryptionKey(PayloadUnreadable):
+    """A message is encrypted under a key id this process does not hold (add the key to
+    ``encryption_keys`` of every consumer before any producer encrypts with it)."""
 
 
 class MessageNotFound(OutboxError, LookupError):

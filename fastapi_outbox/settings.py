@@ -6,12 +6,15 @@ values fail when the settings are built, with a message naming the setting.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import datetime as dt
 import re
-from typing import Any, Literal
+from collections.abc import Callable, Mapping
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from fastapi_outbox import exceptions
 
@@ -92,6 +95,13 @@ LISTEN_CHECK_TIMEOUT_SECONDS = 5.0
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 _SLOT_NAME = re.compile(r"^[a-z0-9_]{1,63}$")
+#: An encryption key id travels in a header: letters, digits and ``._-``.
+ENCRYPTION_KEY_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+#: AES key sizes (bytes) AES-GCM takes.
+ENCRYPTION_KEY_SIZES = (16, 24, 32)
+
+#: ``encryption_keys``: key id -> key, or a callable returning them (a KMS).
+EncryptionKeys = dict[str, bytes] | Callable[[], Mapping[str, bytes]]
 
 
 class OutboxSettings(BaseSettings):
@@ -191,6 +201,32 @@ class OutboxSettings(BaseSettings):
         default=True,
         description="The dashboard shows message payloads (False: for data that must not be "
         "shown to operators).",
+    )
+    encryption_keys: Annotated[EncryptionKeys | None, NoDecode] = Field(
+        default=None,
+        repr=False,
+        description="AES-GCM keys by key id (16, 24 or 32 bytes each), or a callable "
+        "returning them (a KMS; called at start and again, at most every "
+        "encryption_reload_seconds, when a message names a key id it lacks). The last key "
+        "encrypts, every key decrypts. Environment: k1:base64,k2:base64. Set: payloads "
+        "(of encryption_streams, default every stream) are encrypted before they reach the "
+        "table, the WAL and the broker.",
+    )
+    encryption_streams: list[str] | None = Field(
+        default=None,
+        description="With encryption_keys: the streams whose payloads are encrypted (None: "
+        "every stream). Consumers decrypt whatever arrives encrypted, whatever this says.",
+    )
+    encrypted_headers: list[str] = Field(
+        default_factory=list,
+        description="Names of user headers whose values are encrypted with the payload "
+        "(case-insensitive); other headers, the key, the type and the stream stay clear.",
+    )
+    encryption_reload_seconds: float = Field(
+        default=30.0,
+        ge=0,
+        description="Least time between two calls of a callable encryption_keys when a "
+        "message names a key id this process lacks.",
     )
     run_dispatchers: bool = Field(
         default=True, description="Start dispatchers in the app lifespan (False: API only)."
@@ -340,6 +376,20 @@ class OutboxSettings(BaseSettings):
     def _interval(cls, value: str | None) -> str | None:
         if value is not None:
             parse_interval(value)
+        return value
+
+    @field_validator("encryption_keys", mode="before")
+    @classmethod
+    def _keys_from_text(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return parse_encryption_keys(value)
+        return value
+
+    @field_validator("encryption_keys")
+    @classmethod
+    def _key_sizes(cls, value: EncryptionKeys | None) -> EncryptionKeys | None:
+        if isinstance(value, dict):
+            check_encryption_keys(value)
         return value
 
     @field_validator("wal_slot_name")
@@ -589,3 +639,38 @@ def check_partitioned_table_name(name: str) -> None:
             f"{MAX_PARTITIONED_TABLE_NAME} characters, so partition names stay within "
             "PostgreSQL's 63"
         )
+
+
+def parse_encryption_keys(text: str) -> dict[str, bytes]:
+    """``OUTBOX_ENCRYPTION_KEYS``: ``k1:base64,k2:base64`` (the last one encrypts)."""
+    keys: dict[str, bytes] = {}
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        key_id, sep, encoded = item.partition(":")
+        key_id = key_id.strip()
+        if not sep:
+            raise ValueError(
+                f"encryption_keys: {key_id!r} has no key: write key_id:base64 (k1:base64,…)"
+            )
+        try:
+            keys[key_id] = base64.b64decode(encoded.strip(), validate=True)
+        except (binascii.Error, ValueError):
+            raise ValueError(f"encryption_keys: the key of {key_id!r} is not base64") from None
+    return check_encryption_keys(keys)
+
+
+def check_encryption_keys(keys: Mapping[str, bytes]) -> dict[str, bytes]:
+    """``keys`` as a dict, each id a header-safe name and each key an AES key; ValueError
+    naming the key id otherwise (never the key)."""
+    for key_id, key in keys.items():
+        if not isinstance(key_id, str) or not ENCRYPTION_KEY_ID.match(key_id):
+            raise ValueError(
+                f"encryption_keys: invalid key id {key_id!r} (1-64 letters, digits and ._-)"
+            )
+        if not isinstance(key, bytes) or len(key) not in ENCRYPTION_KEY_SIZES:
+            size = len(key) if isinstance(key, bytes) else type(key).__name__
+            raise ValueError(
+                f"encryption_keys: key {key_id!r} is {size} bytes; AES-GCM takes 16, 24 or 32"
+            )
+    return dict(keys)

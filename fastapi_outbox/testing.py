@@ -31,9 +31,10 @@ from typing import TYPE_CHECKING, Any, Self, TypeVar
 import anyio
 import pytest
 
-from fastapi_outbox.brokers.consumer import DeadLetter
+from fastapi_outbox.brokers.consumer import DeadLetter, Delivery
 from fastapi_outbox.brokers.memory.broker import MemoryBroker
 from fastapi_outbox.events import Envelope, Event
+from fastapi_outbox.exceptions import PayloadUnreadable
 from fastapi_outbox.relay.table import Processor, process_batch
 
 if TYPE_CHECKING:
@@ -166,6 +167,8 @@ class OutboxHarness:
         self._task: asyncio.Task[None] | None = None
         self._stop: anyio.Event | None = None
         self._handled: dict[str, set[str]] = {}
+        #: id(envelope) -> its payload restored (decrypted, ...), as of the last wait_idle.
+        self._plain: dict[int, Any] = {}
 
     async def __aenter__(self) -> Self:
         outbox = self.outbox
@@ -284,7 +287,7 @@ class OutboxHarness:
     def published(self, event_type: type[E], *, broker: str | None = None) -> list[E]:
         """The events of ``event_type`` relayed to the brokers, in publish order."""
         return [
-            event_type.model_validate(m.json())
+            event_type.model_validate(self._plain.get(id(m)) or m.json())
             for m in self.messages(event_type.__outbox_stream__, broker=broker)
             if m.type == event_type.__outbox_type__
         ]
@@ -299,7 +302,7 @@ class OutboxHarness:
             if (group is None or s.group == group) and s.stream == event_type.__outbox_stream__
         }
         return [
-            event_type.model_validate(m.json())
+            event_type.model_validate(self._plain.get(id(m)) or m.json())
             for m in self.messages(event_type.__outbox_stream__)
             if m.type == event_type.__outbox_type__
             and any(m.message_id in self._handled.get(g, ()) for g in groups)
@@ -316,6 +319,26 @@ class OutboxHarness:
                 ):
                     seen.add(m.message_id)
         self._handled = handled
+        # Encrypted payloads as the handlers saw them (``published``/``handled`` list
+        # plain events).
+        for m in self.messages():
+            if id(m) not in self._plain:
+                d = Delivery(
+                    stream=m.stream,
+                    entry_id=m.id,
+                    message_id=m.message_id,
+                    type=m.type,
+                    key=m.key,
+                    payload=m.payload,
+                    attempt=1,
+                    headers=m.headers,
+                )
+                try:
+                    restored = await self.outbox.payloads.restore(d)
+                except PayloadUnreadable:  # dead-lettered for it: listed as it is
+                    continue
+                if restored is not d:
+                    self._plain[id(m)] = restored.json()
 
     async def dead_letters(self, group: str | None = None) -> list[DeadLetter]:
         """The dead letters of every subscriber (or of ``group``): message id, type,

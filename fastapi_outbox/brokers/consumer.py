@@ -160,6 +160,31 @@ class Delivery:
             self._headers = parse_headers(self.raw_headers)
         return self._headers
 
+    def has_header(self, name: str) -> bool:
+        """Whether header ``name`` is present; headers still in their JSON text are only
+        parsed when the name occurs in it (the payload stages' cheap check)."""
+        raw = self.raw_headers
+        if self._headers is None and raw is not None and name.encode() not in raw:
+            return False
+        return name in self.headers
+
+    def restored(self, payload: bytes, headers: dict[str, str]) -> Delivery:
+        """A copy with the payload and headers the payload stages restored (the handler's
+        view); the original stays the one acknowledged and dead-lettered."""
+        copy = Delivery(
+            stream=self.stream,
+            entry_id=self.entry_id,
+            message_id=self.message_id,
+            type=self.type,
+            key=self.key,
+            payload=payload,
+            attempt=self.attempt,
+            headers=headers,
+            handle=self.handle,
+        )
+        copy.fetched_at = self.fetched_at
+        return copy
+
     def json(self) -> Any:
         return json.loads(self.payload)
 

@@ -20,7 +20,6 @@ from typing import Any
 import anyio
 
 from fastapi_outbox.brokers.consumer import Delivery
-from fastapi_outbox.consume.handlers import NotForHandler, Undeliverable
 from fastapi_outbox.consume.processing import (
     InFlight,
     Processing,
@@ -30,7 +29,6 @@ from fastapi_outbox.consume.processing import (
     SubscriberStats,
 )
 from fastapi_outbox.log import safe_error
-from fastapi_outbox.storage.claim_check import claim_check_of
 
 __all__ = ["BATCH_HANDLER_TRIES", "Batches"]
 
@@ -88,17 +86,19 @@ class Batches:
         todo: list[Delivery] = []
         messages: list[Any] = []
         decoder = self.options.decoder
+        restore = self.processing.context.payloads.restore
         # A batch handler's redelivered messages go one by one: a poison message, back
         # for another attempt, does not fail a whole batch again.
         alone = 1 if self.options.signature.batch else self.options.max_attempts
         for d in batch:
-            # Claim-checked: its payload is fetched on the per-message path.
-            if d.attempt > alone or claim_check_of(d) is not None:
+            if d.attempt > alone:  # dead-lettered / retried on the careful path
                 await self._process_one(d)
                 continue
             try:
-                messages.append(decoder.decode(d))
-            except (Undeliverable, NotForHandler):
+                messages.append(decoder.decode(await restore(d)))
+            except Exception:
+                # Undeliverable, NotForHandler, PayloadUnreadable, a payload stage that
+                # failed: the per-message path dead-letters, skips or retries it.
                 await self._process_one(d)
             else:
                 todo.append(d)

@@ -15,8 +15,8 @@ from typing import Any, Protocol, TypeVar
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from fastapi_outbox.brokers.base import Broker
+from fastapi_outbox.payloads import Payloads
 from fastapi_outbox.settings import OutboxSettings
-from fastapi_outbox.storage.claim_check import PayloadStore
 from fastapi_outbox.storage.inbox import Inbox
 from fastapi_outbox.write.unit_of_work import UnitOfWork
 
@@ -49,12 +49,12 @@ class ConsumeContext(AfterCommit, Protocol):
         """The ``consumer_*`` defaults and ``shutdown_timeout_seconds``."""
 
     @property
-    def inbox(self) -> Inbox:
-        """The consumers' inbox table: which message ids each group handled."""
+    def payloads(self) -> Payloads:
+        """The payload stages a delivery is restored through before it is decoded."""
 
     @property
-    def payloads(self) -> PayloadStore | None:
-        """Where claim-checked payloads are (``claim_check_bytes`` set), else None."""
+    def inbox(self) -> Inbox:
+        """The consumers' inbox table: which message ids each group handled."""
 
     @property
     def instance(self) -> str:

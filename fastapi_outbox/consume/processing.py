@@ -48,10 +48,10 @@ from fastapi_outbox.consume.handlers import (
     Undeliverable,
     delivery_context,
 )
+from fastapi_outbox.exceptions import PayloadUnreadable
 from fastapi_outbox.log import safe_error
 from fastapi_outbox.redaction import redact
 from fastapi_outbox.storage import db_outage
-from fastapi_outbox.storage.claim_check import claim_check_of
 from fastapi_outbox.write.session_events import JOINED_KEY, state_of
 from fastapi_outbox.write.unit_of_work import UnitOfWork
 
@@ -379,26 +379,28 @@ class Processing:
         if attempt > self.options.max_attempts:
             await self._past_max_attempts(d)
             return
-        ref = claim_check_of(d)
-        claimed = None if ref is None else await self._check_out(d, ref)
-        if ref is not None and claimed is None:
-            return
-        stub = d.payload
-        try:
-            if claimed is not None:
-                # Decoded from the whole payload; the delivery keeps its stub, so that a
-                # dead letter or a retry carries the reference, not megabytes.
-                d.payload = claimed
-            message = self.options.decoder.decode(d)
-        except Undeliverable as exc:
-            await self._dead_letter(d, str(exc))
-            return
-        except NotForHandler:
-            self.stats.skipped += 1
-            await self._ack(d)
-            return
-        finally:
-            d.payload = stub
+        outages = 0
+        while True:
+            try:
+                message = self.options.decoder.decode(await self.context.payloads.restore(d))
+            except (Undeliverable, PayloadUnreadable) as exc:
+                await self._dead_letter(d, str(exc))
+                return
+            except NotForHandler:
+                self.stats.skipped += 1
+                await self._ack(d)
+                return
+            except Exception as exc:  # a payload stage failed (a store unreachable)
+                # The database unreachable (claim-check's database store): waited out in
+                # place, no attempt charged; anything else is an attempt.
+                if await self.waited_out_database(exc, outages, "the payload's restoring", d):
+                    outages += 1
+                    continue
+                delay = await self._failed(d, exc, attempt)
+                if delay is not None:
+                    await self._retry_later(d, delay)
+                return
+            break
         outages = 0
         while True:
             try:
@@ -423,52 +425,6 @@ class Processing:
             self.stats.last_handled_at = time.time()
             await self._ack(d)
             return
-
-    async def _check_out(self, d: Delivery, ref: str) -> bytes | None:
-        """The claim-checked payload ``ref`` of ``d``; None when ``d`` was settled
-        instead: dead-lettered (the payload is gone, or no store is configured), or
-        retried later (the store failed). The database unreachable (the database store)
-        is waited out in place, no attempt charged."""
-        store = self.context.payloads
-        if store is None:
-            await self._dead_letter(
-                d,
-                f"message {d.message_id} is claim-checked (reference {ref}) but this outbox "
-                "has no claim-check store: set claim_check_bytes and claim_check_store as "
-                "the producer's",
-            )
-            return None
-        outages = 0
-        while True:
-            try:
-                data = await store.get(ref)
-                break
-            except Exception as exc:
-                if await self.waited_out_database(exc, outages, "the claim-check look-up", d):
-                    outages += 1
-                    continue
-                error = redact(f"{type(exc).__name__}: {exc}")
-                self.stats.failures += 1
-                self.stats.last_error = error[:300]
-                if d.attempt >= self.options.max_attempts:
-                    await self._dead_letter(
-                        d,
-                        f"the claim-checked payload {ref} of message {d.message_id} could "
-                        f"not be read from the {store.kind} store: {error}",
-                    )
-                else:
-                    await self._retry_later(d, self.retry_delay(d.attempt))
-                return None
-        if data is None:
-            await self._dead_letter(
-                d,
-                f"the claim-checked payload of message {d.message_id} (reference {ref}) is "
-                f"gone from the {store.kind} claim-check store: removed by retention "
-                "(claim_check_retention_seconds: the longer of published_retention_seconds "
-                "and inbox_retention_seconds) or never stored",
-            )
-            return None
-        return data
 
     async def _past_max_attempts(self, d: Delivery) -> None:
         """``d`` delivered more than ``max_attempts`` times: acknowledged when its

@@ -28,11 +28,10 @@ import anyio
 from fastapi_outbox import exceptions
 from fastapi_outbox.brokers.consumer import DeadLetter
 from fastapi_outbox.consume.subscriber import ConsumerStatus
-from fastapi_outbox.events import MessageStatus
-from fastapi_outbox.log import safe_error
+from fastapi_outbox.events import HEADER_MESSAGE_ID, MessageStatus
 from fastapi_outbox.ops.port import OutboxPort, SubscriberView, relay_here, wall_time
+from fastapi_outbox.payloads import Revealed, claim_check
 from fastapi_outbox.relay import retention
-from fastapi_outbox.storage.claim_check import HEADER_CLAIM_CHECK, HEADER_CLAIM_CHECK_SIZE
 from fastapi_outbox.storage.inbox import GroupStats
 
 logger = logging.getLogger("fastapi_outbox.operations")
@@ -209,66 +208,36 @@ async def show(outbox: OutboxPort, message_id: uuid.UUID) -> dict[str, Any]:
     if row is None:
         raise exceptions.MessageNotFound(f"no outbox message with id {message_id}")
     data = {k: v for k, v in dict(row).items() if k not in ("payload", "headers")}
-    data["headers"] = json.loads(row["headers"])
-    data["payload"] = json.loads(row["payload"])
-    ref = data["headers"].get(HEADER_CLAIM_CHECK)
-    if isinstance(ref, str):
-        data["claim_check"] = await claim_check_view(outbox, ref, data["headers"], data)
+    headers = json.loads(row["headers"])
+    shown = await outbox.payloads.reveal(
+        str(headers.get(HEADER_MESSAGE_ID, row["id"])),
+        row["stream"],
+        row["type"],
+        row["payload"],
+        headers,
+    )
+    data["headers"] = shown.headers
+    claim = claim_check.label_of(headers)  # "claim-check: <ref> (5.0 MiB)"
+    if claim is not None:
+        data["claim_check"] = claim
+        data["headers"].update({k: headers[k] for k in claim_check.ClaimCheckStage.headers})
+    if isinstance(shown, Revealed):  # encrypted under a key this process lacks, ...
+        data["payload"] = None
+        data["payload_note"] = shown.note
+    elif claim is not None and len(shown.payload) > SHOW_PAYLOAD_BYTES:
+        # A large claim-checked payload: its first characters.
+        data["payload"] = None
+        text = shown.payload[: PAYLOAD_PREVIEW_CHARS * 4].decode(errors="ignore")
+        data["payload_preview"] = text[:PAYLOAD_PREVIEW_CHARS]
+    else:
+        data["payload"] = json.loads(shown.payload)
     return data
 
 
 #: A claim-checked payload up to this size is shown whole by ``show``; a larger one as a
-#: preview of its first characters.
+#: preview of its first characters (``payload_preview``).
 SHOW_PAYLOAD_BYTES = 256 * 1024
-CLAIM_CHECK_PREVIEW_CHARS = 20_000
-
-
-def human_size(size: int) -> str:
-    """``5.0 MiB``, ``12.3 KiB``, ``512 B``."""
-    if size >= 1024 * 1024:
-        return f"{size / (1024 * 1024):.1f} MiB"
-    if size >= 1024:
-        return f"{size / 1024:.1f} KiB"
-    return f"{size} B"
-
-
-async def claim_check_view(
-    outbox: OutboxPort, ref: str, headers: Mapping[str, Any], data: dict[str, Any]
-) -> dict[str, Any]:
-    """What ``show`` (the CLI, the dashboard's message page) tells of a claim-checked
-    message: the reference and size (``label``: ``claim-check: <ref> (5.0 MiB)``), whether
-    the store still holds the payload, and the payload itself in ``data["payload"]`` (up
-    to :data:`SHOW_PAYLOAD_BYTES`) or a ``preview`` of its first characters."""
-    try:
-        size = int(headers.get(HEADER_CLAIM_CHECK_SIZE, "0"))
-    except ValueError:
-        size = 0
-    store = outbox.payloads
-    view: dict[str, Any] = {
-        "reference": ref,
-        "size": size,
-        "store": None if store is None else store.kind,
-        "label": f"claim-check: {ref} ({human_size(size)})",
-        "stored": None,
-        "preview": None,
-    }
-    if store is None:
-        view["note"] = "no claim-check store is configured here (claim_check_bytes)"
-        return view
-    try:
-        blob = await store.get(ref)
-    except Exception as exc:
-        view["note"] = f"the {store.kind} store could not be read: {safe_error(exc)}"
-        return view
-    view["stored"] = blob is not None
-    if blob is None:
-        view["note"] = "gone from the store (retention) or never stored"
-    elif len(blob) <= SHOW_PAYLOAD_BYTES:
-        data["payload"] = json.loads(blob)
-    else:
-        text = blob[: CLAIM_CHECK_PREVIEW_CHARS * 4].decode(errors="ignore")
-        view["preview"] = text[:CLAIM_CHECK_PREVIEW_CHARS]
-    return view
+PAYLOAD_PREVIEW_CHARS = 20_000
 
 
 async def replay(

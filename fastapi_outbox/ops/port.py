@@ -34,8 +34,8 @@ from typing import Any, Protocol, runtime_checkable
 from fastapi_outbox.brokers.consumer import Consumer
 from fastapi_outbox.consume.subscriber import SubscriberStats
 from fastapi_outbox.instrumentation import Instrumentation
+from fastapi_outbox.payloads import Payloads
 from fastapi_outbox.settings import OutboxSettings
-from fastapi_outbox.storage.claim_check import PayloadStore
 from fastapi_outbox.storage.inbox import GroupStats
 from fastapi_outbox.storage.store import ABANDONED, BrokerStats
 from fastapi_outbox.storage.wal_slot import SlotStats, Undecodable
@@ -229,12 +229,12 @@ class OutboxPort(Protocol):
     @property
     def store(self) -> MessageStore: ...
     @property
-    def inbox(self) -> InboxView: ...
-    @property
-    def payloads(self) -> PayloadStore | None:
-        """Where claim-checked payloads are (``claim_check_bytes`` set), else None."""
+    def payloads(self) -> Payloads:
+        """The payload stages: what ``show`` can read of an encrypted payload."""
         ...
 
+    @property
+    def inbox(self) -> InboxView: ...
     @property
     def all_brokers(self) -> Mapping[str, object]:
         """Every broker by name, internal and external, in the order configured."""

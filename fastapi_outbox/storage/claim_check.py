@@ -51,7 +51,6 @@ __all__ = [
     "FilePayloadStore",
     "PayloadStore",
     "build_payload_table",
-    "claim_check_of",
     "known_in",
     "payload_store_for",
 ]
@@ -65,25 +64,6 @@ STUB_PAYLOAD = "{}"
 #: A file younger than this is never taken for an orphan (its transaction may still be
 #: committing): an hour, far beyond any producer transaction.
 ORPHAN_GRACE_SECONDS = 3600.0
-
-_MARK = HEADER_CLAIM_CHECK.encode()
-
-
-class _Delivered(Protocol):
-    @property
-    def raw_headers(self) -> bytes | None: ...
-
-    @property
-    def headers(self) -> dict[str, str]: ...
-
-
-def claim_check_of(d: _Delivered) -> str | None:
-    """The reference of a claim-checked delivery, else None. Headers that came as JSON text
-    and are not parsed yet are searched as text first: the usual message costs no parse."""
-    raw = d.raw_headers
-    if raw is not None and _MARK not in raw:
-        return None
-    return d.headers.get(HEADER_CLAIM_CHECK)
 
 
 class PayloadStore(Protocol):

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from fastapi_outbox.payloads import Payloads
 from fastapi_outbox.settings import OutboxSettings
 from fastapi_outbox.write.session_events import Sink
 
@@ -28,6 +29,10 @@ class WriteContext(Sink, Protocol):
     @property
     def settings(self) -> OutboxSettings:
         """Payload and delay limits (``max_payload_bytes``, ``max_delay_seconds``)."""
+
+    @property
+    def payloads(self) -> Payloads:
+        """The payload stages (encryption, claim-check) ``publish`` seals messages with."""
 
     @property
     def session_factory(self) -> async_sessionmaker[AsyncSession]:

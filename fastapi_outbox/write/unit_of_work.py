@@ -43,8 +43,6 @@ from fastapi_outbox.events import (
     uuid7,
 )
 from fastapi_outbox.storage import clock
-from fastapi_outbox.storage.claim_check import HEADER_CLAIM_CHECK, HEADER_CLAIM_CHECK_SIZE
-from fastapi_outbox.write import claim_check
 from fastapi_outbox.write.context import WriteContext
 from fastapi_outbox.write.session_events import state_of
 
@@ -55,15 +53,7 @@ CORRELATION_ID_MAX_LENGTH = 128
 _CORRELATION_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}$")
 _STREAM = re.compile(r"^[^\s\x00]{1,255}$")
-_RESERVED = frozenset(
-    {
-        HEADER_MESSAGE_ID,
-        HEADER_TYPE,
-        HEADER_OCCURRED_AT,
-        HEADER_CLAIM_CHECK,
-        HEADER_CLAIM_CHECK_SIZE,
-    }
-)
+_RESERVED = frozenset({HEADER_MESSAGE_ID, HEADER_TYPE, HEADER_OCCURRED_AT})
 #: Header names are HTTP tokens (RFC 9110 ``tchar``): no quote, colon, space or non-ASCII, so a
 #: name cannot smuggle JSON syntax or break a broker's header block.
 _HEADER_NAME = re.compile(r"^[A-Za-z0-9!#$%&'*+\-.^_`|~]{1,128}$")
@@ -167,17 +157,21 @@ class UnitOfWork:
         else:
             raise TypeError(f"publish() takes an Event or Message, not {type(event).__name__}")
         stream, type_name, external, payload, key, extra_headers = encoded
-        size = _check_message(event, stream, type_name, payload, key, settings.max_payload_bytes)
+        _check_message(event, stream, type_name, payload, key, settings.max_payload_bytes)
         user_headers = _check_headers(extra_headers, stream, type_name)
         due_in, due_at = _delay(delay, deliver_at, settings.max_delay_seconds, type_name)
         message_id = uuid7()
-        claimed: bytes | None = None
-        if settings.claim_check_bytes is not None and size > settings.claim_check_bytes:
-            # Out of band: the payload goes to the claim-check store with the first row
-            # (written in the commit, see ``claim_check.put_claims``), the rows carry a stub
-            # and the reference.
-            claimed, payload, claim_headers = claim_check.check_in(payload, size, message_id)
-            user_headers.update(claim_headers)
+        payloads = self.outbox.payloads
+        if user_headers:
+            payloads.refuse_reserved(user_headers, type_name)
+        #: Keys a payload stage adds to the message's first row until the commit writes it
+        #: (claim-check: the payload for its store, in the producer's transaction).
+        first_row: dict[str, Any] = {}
+        if payloads.seals:  # encryption, then claim-check (fastapi_outbox.payloads)
+            payload, user_headers = payloads.seal(
+                str(message_id), stream, type_name, payload, user_headers,
+                self.session.sync_session, row=first_row,
+            )  # fmt: skip
         rows: list[dict[str, Any]] = [
             {
                 "id": row_id,
@@ -194,8 +188,8 @@ class UnitOfWork:
                 target, message_id, type_name, user_headers, external=external
             )
         ]
-        if claimed is not None:
-            rows[0][claim_check.ROW_KEY] = claimed
+        if first_row:
+            rows[0].update(first_row)
         self._state.queue(self.session.sync_session, self.outbox, rows)
         return message_id
 
@@ -357,10 +351,9 @@ def _check_message(
     payload: str,
     key: str | None,
     max_payload_bytes: int,
-) -> int:
+) -> None:
     """Refuse what cannot be stored or published: a stream with whitespace, NUL characters
-    or unpaired surrogates anywhere, a payload over ``max_payload_bytes``, a long key.
-    Returns the payload's size in bytes."""
+    or unpaired surrogates anywhere, a payload over ``max_payload_bytes``, a long key."""
     check_text(stream, "stream", stream, type_name)
     check_text(type_name, "type", stream, type_name)
     if not isinstance(stream, str) or not _STREAM.match(stream):
@@ -389,7 +382,6 @@ def _check_message(
         check_text(key, "key", stream, type_name)
         if len(key) > 255:
             raise exceptions.PublishError(f"key of {type_name} is longer than 255 characters")
-    return size
 
 
 _NO_DELAY = dt.timedelta(0)

@@ -190,6 +190,22 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "run",
     },
     "fastapi_outbox.brokers.base": {"Broker", "PublishResults", "redact_url"},
+    "fastapi_outbox.payloads": {"Parts", "PayloadStage", "Payloads", "Revealed", "build_payloads"},
+    "fastapi_outbox.payloads.claim_check": {
+        "ROW_KEY",
+        "ClaimCheckStage",
+        "human_size",
+        "label_of",
+        "put_claims",
+    },
+    "fastapi_outbox.payloads.encryption": {
+        "HEADER_ENCRYPTED_HEADERS",
+        "HEADER_KEY_ID",
+        "EncryptionStage",
+        "KeyRing",
+    },
+    "fastapi_outbox.payloads.pipeline": {"Payloads", "build_payloads"},
+    "fastapi_outbox.payloads.stages": {"Parts", "PayloadStage", "Revealed"},
     "fastapi_outbox.brokers.consumer": {
         "Consumer",
         "ConsumerConfig",
@@ -667,7 +683,6 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "FilePayloadStore",
         "PayloadStore",
         "build_payload_table",
-        "claim_check_of",
         "known_in",
         "payload_store_for",
     },
@@ -888,7 +903,6 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "encode",
     },
     "fastapi_outbox.write.capture": {"Capture", "TableCapture", "capture_for"},
-    "fastapi_outbox.write.claim_check": {"ROW_KEY", "check_in", "put_claims"},
     "fastapi_outbox.write.context": {"WriteContext"},
     "fastapi_outbox.write.session_events": {
         "JOINED_KEY",
@@ -903,6 +917,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
 
 CAPABILITY_PACKAGES = [
     "fastapi_outbox.storage",
+    "fastapi_outbox.payloads",
     "fastapi_outbox.write",
     "fastapi_outbox.relay",
     "fastapi_outbox.consume",

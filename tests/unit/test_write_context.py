@@ -11,6 +11,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_asyn
 
 from fastapi_outbox import Event, Outbox, OutboxSettings, UnitOfWork
 from fastapi_outbox.brokers import MemoryBroker
+from fastapi_outbox.payloads import build_payloads
 from fastapi_outbox.write.context import WriteContext
 from fastapi_outbox.write.session_events import Sink
 
@@ -35,6 +36,7 @@ def test_the_port_is_small() -> None:
         "committed",
         "external_brokers",
         "notify_after_commit",
+        "payloads",
         "resolve_broker",
         "session_factory",
         "settings",
@@ -59,6 +61,7 @@ class _Context:
             create_async_engine("sqlite+aiosqlite://")
         )
         self.external_brokers: dict[str, Any] = {"partner": object()}
+        self.payloads = build_payloads(self.settings)
 
     def resolve_broker(self, name: str | None) -> str:
         return name or "default"
@@ -81,7 +84,12 @@ class _Context:
 
 def test_a_unit_of_work_needs_only_the_port() -> None:
     context = _Context()
-    assert _members(_Context) == PORT_MEMBERS - {"settings", "session_factory", "external_brokers"}
+    assert _members(_Context) == PORT_MEMBERS - {
+        "settings",
+        "session_factory",
+        "external_brokers",
+        "payloads",
+    }
     uow = UnitOfWork(context, context.session_factory())
     uow.activate()
     uow.publish(Placed(n=1), broker="audit")

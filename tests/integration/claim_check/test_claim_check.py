@@ -97,7 +97,7 @@ def _scan(stream: str) -> type[Scan]:
 
 
 async def _payload_rows(outbox: Outbox) -> int:
-    store = outbox.payloads
+    store = outbox.claim_check_store
     assert isinstance(store, DatabasePayloadStore)
     async with outbox.engine.connect() as conn:
         return int((await conn.execute(select(func.count()).select_from(store.table))).scalar())
@@ -183,7 +183,7 @@ async def test_a_5mb_payload_reaches_the_handler_whole_once(
         if store == "database":
             assert await _payload_rows(outbox) == 1
         else:
-            assert _files(outbox.payloads) == [f"{big_id}.payload"]
+            assert _files(outbox.claim_check_store) == [f"{big_id}.payload"]
         await outbox.aclose()
 
 
@@ -201,7 +201,7 @@ async def test_database_store_rollback_stores_nothing_and_retention_removes(
         uow.publish(Scan(name="new", blob=big))
     assert await _payload_rows(outbox) == 2
     # The first one stored longer ago than the retention (published 7 days, inbox 14).
-    store = outbox.payloads
+    store = outbox.claim_check_store
     assert isinstance(store, DatabasePayloadStore)
     async with outbox.engine.begin() as conn:
         oldest = (await conn.execute(select(func.min(store.table.c.created_at)))).scalar_one()
@@ -225,7 +225,7 @@ async def test_file_store_orphans_of_a_rollback_or_a_crash_are_removed(
         settings=OutboxSettings(**SETTINGS, claim_check_store=f"file://{directory}"),
     )
     await outbox.create_tables()
-    store = outbox.payloads
+    store = outbox.claim_check_store
     assert isinstance(store, FilePayloadStore)
     big = "x" * 100_000
     # A rollback after the file was written (flush), and a crash between the write of the
@@ -275,7 +275,7 @@ async def test_a_payload_gone_dead_letters_its_message(redis_url: str, pg_url: s
         await outbox.create_tables()
         async with outbox.unit_of_work() as uow:
             gone = uow.publish(event_cls(name="gone", blob="x" * 100_000))
-        store = outbox.payloads
+        store = outbox.claim_check_store
         assert isinstance(store, DatabasePayloadStore)
         async with outbox.engine.begin() as conn:
             await conn.execute(store.table.delete())
@@ -309,11 +309,11 @@ async def test_show_and_the_dashboard_page_display_the_reference_and_the_payload
         medium = uow.publish(Scan(name="medium", blob="M" * 100_000))
     # `fastapi-outbox show` prints operations.show's dict.
     shown = await operations.show(outbox, large)
-    claim = shown["claim_check"]
-    assert claim["label"] == f"claim-check: {large} (3.0 MiB)"
-    assert claim["stored"] is True and claim["store"] == "database"
-    assert claim["preview"].startswith('{"name":"large","blob":"LLL')
-    assert len(claim["preview"]) == operations.CLAIM_CHECK_PREVIEW_CHARS
+    assert shown["claim_check"] == f"claim-check: {large} (3.0 MiB)"
+    assert shown["headers"][HEADER_CLAIM_CHECK] == str(large)
+    assert shown["payload"] is None
+    assert shown["payload_preview"].startswith('{"name":"large","blob":"LLL')
+    assert len(shown["payload_preview"]) == operations.PAYLOAD_PREVIEW_CHARS
     shown = await operations.show(outbox, medium)
     assert shown["payload"] == {"name": "medium", "blob": "M" * 100_000}  # whole
     app = FastAPI()
@@ -323,12 +323,17 @@ async def test_show_and_the_dashboard_page_display_the_reference_and_the_payload
     assert page.status_code == 200
     assert f"claim-check: {large} (3.0 MiB)" in page.text
     assert "LLLLLLLLLL" in page.text
-    # Gone from the store: said so, on the page and by show.
-    store = outbox.payloads
+    # Gone from the store: said so, by show and on the page.
+    store = outbox.claim_check_store
     assert isinstance(store, DatabasePayloadStore)
     async with outbox.engine.begin() as conn:
         await conn.execute(store.table.delete())
     shown = await operations.show(outbox, large)
-    assert shown["claim_check"]["stored"] is False
-    assert "gone from the store" in shown["claim_check"]["note"]
+    assert shown["payload"] is None
+    assert shown["payload_note"] == (
+        f"claim-check: {large} (3.0 MiB): gone from the database store (retention) or never stored"
+    )
+    async with asgi_client(app) as client:
+        page = await client.get(f"/outbox/dashboard/messages/{large}")
+    assert "gone from the database store" in page.text
     await outbox.aclose()
