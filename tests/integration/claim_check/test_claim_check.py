@@ -337,3 +337,91 @@ async def test_show_and_the_dashboard_page_display_the_reference_and_the_payload
         page = await client.get(f"/outbox/dashboard/messages/{large}")
     assert "gone from the database store" in page.text
     await outbox.aclose()
+
+
+async def test_encrypted_then_claim_checked_the_store_holds_ciphertext(sqlite_url: str) -> None:
+    from fastapi_outbox.brokers import MemoryBroker
+
+    outbox = Outbox(
+        sqlite_url,
+        brokers={"default": MemoryBroker()},
+        settings=OutboxSettings(**SETTINGS, encryption_keys={"k1": os.urandom(32)}),
+    )
+    seen: list[str] = []
+
+    @outbox.subscriber("scans", group="scanner", start="all")
+    async def handle(event: Scan, uow: UnitOfWork) -> None:
+        seen.append(event.blob)
+
+    await outbox.create_tables()
+    secret = "SECRET" * 20_000
+    async with outbox.dispatcher():
+        async with outbox.unit_of_work() as uow:
+            uow.publish(Scan(name="sealed", blob=secret))
+        await wait_until(lambda: len(seen) == 1, timeout=10)
+    assert seen == [secret]
+    store = outbox.claim_check_store
+    assert isinstance(store, DatabasePayloadStore)
+    async with outbox.engine.connect() as conn:
+        [stored] = (await conn.execute(select(store.table.c.data))).scalars().all()
+        [payload] = (await conn.execute(select(outbox.table.c.payload))).scalars().all()
+    assert b"SECRET" not in stored and len(stored) > 120_000  # the ciphertext, stored
+    assert payload == "{}"
+    await outbox.aclose()
+
+
+async def test_the_store_unreachable_is_waited_out_with_no_attempt_charged(pg_url: str) -> None:
+    import logging
+
+    from fastapi_outbox.brokers import MemoryBroker
+    from tests.servers import TcpProxy
+
+    proxy = TcpProxy(5432)
+    await proxy.start()
+    outbox = Outbox(
+        pg_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}"),
+        brokers={"default": MemoryBroker()},
+        settings=OutboxSettings(**{**SETTINGS, "consumer_max_attempts": 1}),
+    )
+    handled: list[int] = []
+
+    @outbox.subscriber("scans", group="scanner", start="all")
+    async def handle(event: Scan, uow: UnitOfWork) -> None:
+        handled.append(len(event.blob))
+
+    await outbox.create_tables()
+    store = outbox.claim_check_store
+    assert isinstance(store, DatabasePayloadStore)
+    waits: list[str] = []
+
+    class Waits(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if getattr(record, "action", None) == "consumer.db_unavailable":
+                waits.append(record.getMessage())
+
+    get = store.get
+
+    async def get_in_an_outage(ref: str) -> bytes | None:
+        # The database goes away just when the subscriber fetches the payload.
+        if not waits:
+            await proxy.stop()
+        return await get(ref)
+
+    store.get = get_in_an_outage  # type: ignore[method-assign]
+    watcher = Waits()
+    logging.getLogger("fastapi_outbox.subscribers").addHandler(watcher)
+    try:
+        async with outbox.unit_of_work() as uow:
+            uow.publish(Scan(name="big", blob="x" * 100_000))
+        async with outbox.dispatcher():
+            await wait_until(lambda: len(waits) >= 2, timeout=15)
+            assert handled == []
+            await proxy.start()  # back
+            await wait_until(lambda: handled == [100_000], timeout=20)
+    finally:
+        logging.getLogger("fastapi_outbox.subscribers").removeHandler(watcher)
+        await outbox.aclose()
+        await proxy.stop()
+    stats = outbox.subscribers[0].stats
+    assert (stats.failures, stats.dead_lettered, stats.handled) == (0, 0, 1)
+    assert "retrying the payload's restoring in place" in waits[0]
