@@ -28,6 +28,8 @@ from fastapi_outbox import exceptions
 __all__ = [
     "HEADER_CAUSATION_ID",
     "HEADER_CORRELATION_ID",
+    "HEADER_ENCRYPTED_HEADERS",
+    "HEADER_ENCRYPTION_KEY_ID",
     "HEADER_MESSAGE_ID",
     "HEADER_OCCURRED_AT",
     "HEADER_TRACEPARENT",
@@ -46,6 +48,10 @@ HEADER_CORRELATION_ID = "correlation-id"
 HEADER_CAUSATION_ID = "causation-id"
 HEADER_TRACEPARENT = "traceparent"
 HEADER_TRACESTATE = "tracestate"
+#: The key id an encrypted payload was sealed with (fastapi_outbox.payloads.encryption).
+HEADER_ENCRYPTION_KEY_ID = "encryption-key-id"
+#: The sealed ``encrypted_headers`` of an encrypted message.
+HEADER_ENCRYPTED_HEADERS = "encrypted-headers"
 # The message-id in headers JSON (ours, or PostgreSQL's JSONB rendering of it), read as a
 # *key*: right after `{` or `,`. Inside a JSON string a quote is escaped as \", so neither a
 # value nor another key (`"\"message-id"`, which contains `"message-id":"`) can fake it;

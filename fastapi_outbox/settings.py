@@ -107,7 +107,10 @@ EncryptionKeys = dict[str, bytes] | Callable[[], Mapping[str, bytes]]
 class OutboxSettings(BaseSettings):
     """Settings of an :class:`~fastapi_outbox.Outbox`; environment variables ``OUTBOX_<FIELD>``."""
 
-    model_config = SettingsConfigDict(env_prefix="OUTBOX_", extra="forbid", frozen=True)
+    # hide_input_in_errors: a rejected value may be a key or a URL with a password (§18).
+    model_config = SettingsConfigDict(
+        env_prefix="OUTBOX_", extra="forbid", frozen=True, hide_input_in_errors=True
+    )
 
     database_url: str | None = Field(
         default=None,

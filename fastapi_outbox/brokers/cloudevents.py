@@ -28,6 +28,8 @@ from fastapi_outbox.brokers.consumer import Delivery
 from fastapi_outbox.events import (
     HEADER_CAUSATION_ID,
     HEADER_CORRELATION_ID,
+    HEADER_ENCRYPTED_HEADERS,
+    HEADER_ENCRYPTION_KEY_ID,
     HEADER_MESSAGE_ID,
     HEADER_OCCURRED_AT,
     HEADER_TRACEPARENT,
@@ -79,6 +81,9 @@ _EXTENSIONS = {
     HEADER_CAUSATION_ID: "causationid",
     HEADER_TRACEPARENT: "traceparent",
     HEADER_TRACESTATE: "tracestate",
+    # Encrypted payloads (fastapi_outbox.payloads): consumers look for the outbox's names.
+    HEADER_ENCRYPTION_KEY_ID: "encryptionkeyid",
+    HEADER_ENCRYPTED_HEADERS: "encryptedheaders",
 }
 _HEADERS = {v: k for k, v in _EXTENSIONS.items()}
 _KEY_EXTENSION = "partitionkey"

@@ -202,13 +202,19 @@ async def list_messages(
     )
 
 
-async def show(outbox: OutboxPort, message_id: uuid.UUID) -> dict[str, Any]:
-    """One message with its headers and payload decoded; MessageNotFound when absent."""
+async def show(outbox: OutboxPort, message_id: uuid.UUID, *, reveal: bool = True) -> dict[str, Any]:
+    """One message with its headers and payload decoded; MessageNotFound when absent.
+    ``reveal``: encrypted payloads and headers are decrypted when this process holds the
+    key (else ``payload`` is None and ``payload_note`` says ``encrypted (key k2)``); False:
+    they stay as stored (a dashboard that shows no payloads)."""
     row = await outbox.store.get(message_id)
     if row is None:
         raise exceptions.MessageNotFound(f"no outbox message with id {message_id}")
     data = {k: v for k, v in dict(row).items() if k not in ("payload", "headers")}
     headers = json.loads(row["headers"])
+    if not reveal:
+        data["headers"], data["payload"] = headers, json.loads(row["payload"])
+        return data
     shown = await outbox.payloads.reveal(
         str(headers.get(HEADER_MESSAGE_ID, row["id"])),
         row["stream"],

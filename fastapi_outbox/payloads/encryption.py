@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from fastapi_outbox import exceptions
+from fastapi_outbox.events import HEADER_ENCRYPTED_HEADERS, HEADER_ENCRYPTION_KEY_ID
 from fastapi_outbox.payloads.stages import Parts, Revealed
 from fastapi_outbox.settings import EncryptionKeys, check_encryption_keys
 
@@ -32,9 +33,7 @@ __all__ = ["HEADER_ENCRYPTED_HEADERS", "HEADER_KEY_ID", "EncryptionStage", "KeyR
 logger = logging.getLogger("fastapi_outbox.payloads")
 
 #: The header naming the key a payload is encrypted with.
-HEADER_KEY_ID = "encryption-key-id"
-#: The header holding the sealed ``encrypted_headers`` of a message (a JSON object).
-HEADER_ENCRYPTED_HEADERS = "encrypted-headers"
+HEADER_KEY_ID = HEADER_ENCRYPTION_KEY_ID
 #: AES-GCM's standard nonce (random per message: 2**32 messages per key keep the chance of a
 #: repeated nonce under 2**-32).
 NONCE_BYTES = 12

@@ -126,7 +126,7 @@ def test_keys_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_bad_keys_are_refused_naming_the_key_id(value: str, error: str) -> None:
     with pytest.raises(ValueError, match=error) as info:
         OutboxSettings(encryption_keys=value)  # type: ignore[arg-type]
-    assert "AAAA" not in str(info.value).split("input_value")[0]
+    assert "AAAA" not in str(info.value)  # no key in an error
 
 
 async def test_a_kms_callable_is_asked_again_for_an_unknown_key() -> None:

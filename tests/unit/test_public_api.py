@@ -504,6 +504,8 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "Event",
         "HEADER_CAUSATION_ID",
         "HEADER_CORRELATION_ID",
+        "HEADER_ENCRYPTED_HEADERS",
+        "HEADER_ENCRYPTION_KEY_ID",
         "HEADER_MESSAGE_ID",
         "HEADER_OCCURRED_AT",
         "HEADER_TRACEPARENT",

@@ -317,7 +317,8 @@ def _message_routes(router: APIRouter, outbox: OutboxPort, pages: _Pages) -> Non
     async def message_page(request: Request, message_id: str) -> HTMLResponse:
         mid = _uuid("message id", message_id)
         try:
-            message = await operations.show(outbox, mid)
+            # Payloads hidden: encrypted headers are not decrypted for the page either.
+            message = await operations.show(outbox, mid, reveal=pages.show_payloads)
         except exceptions.MessageNotFound as exc:
             raise HTTPException(404, str(exc)) from exc
         return pages.render(request, "message.html", **_message_context(message, pages))

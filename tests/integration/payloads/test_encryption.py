@@ -11,6 +11,7 @@ import json
 import os
 from typing import Any
 
+import anyio
 import asyncpg
 import nats
 import pytest
@@ -21,7 +22,7 @@ from fastapi_outbox import Event, Outbox, OutboxSettings
 from fastapi_outbox.brokers import MemoryBroker, NatsJetStreamBroker, RedisStreamsBroker
 from fastapi_outbox.brokers.nats.wire import stream_name_for
 from fastapi_outbox.storage.statements.wal import PEEK_SQL
-from tests.conftest import asgi_client, unique, wait_until
+from tests.conftest import asgi_client, run_cli, unique, wait_until
 
 MARKER = "PLAINTEXT-MARKER-c81d"
 K1, K2, K3 = os.urandom(32), os.urandom(32), os.urandom(32)
@@ -259,11 +260,16 @@ async def test_the_dashboard_shows_encrypted_unless_it_holds_the_key(sqlite_url:
     async with writer.unit_of_work() as uow:
         mid = uow.publish(Secret(card=MARKER), headers={"card-holder": MARKER})
     await writer.aclose()
-    for keys, expect_marker in ((None, False), ({"k2": K2}, True)):
+    cases = [  # keys of the dashboard's process, dashboard_show_payloads, what shows
+        (None, True, "note"),
+        ({"k2": K2}, True, "plain"),
+        ({"k2": K2}, False, "nothing"),  # payloads hidden: named headers not decrypted
+    ]
+    for keys, show, expect in cases:
         ops = Outbox(
             sqlite_url,
             brokers={"default": MemoryBroker()},
-            settings=settings(keys, run_dispatchers=False),
+            settings=settings(keys, run_dispatchers=False, dashboard_show_payloads=show),
             dashboard_dependencies=[],
         )
         app = FastAPI(lifespan=ops.lifespan)
@@ -272,7 +278,45 @@ async def test_the_dashboard_shows_encrypted_unless_it_holds_the_key(sqlite_url:
             async with asgi_client(app) as client:
                 page = await client.get(f"/outbox/dashboard/messages/{mid}")
             assert page.status_code == 200
-            assert ("encrypted (key k2)" in page.text) is not expect_marker
-            assert (MARKER in page.text) is expect_marker
+            assert ("encrypted (key k2)" in page.text) is (expect == "note")
+            assert (MARKER in page.text) is (expect == "plain")
         finally:
             await ops.aclose()
+
+
+@pytest.mark.parametrize("mode", ["binary", "structured"])
+async def test_cloudevents_carry_the_key_id_and_the_ciphertext(sqlite_url: str, mode: str) -> None:
+    Secret = secret_event(unique("enc"))
+    broker = MemoryBroker(envelope="cloudevents", cloudevents_mode=mode)  # type: ignore[arg-type]
+    outbox = Outbox(sqlite_url, brokers={"default": broker}, settings=settings({"k1": K1}))
+    got: list[Any] = []
+    try:
+        await outbox.create_tables()
+        subscribe(outbox, Secret, got.append)
+        async with outbox.dispatcher():
+            async with outbox.unit_of_work() as uow:
+                uow.publish(Secret(card=MARKER), headers={"card-holder": MARKER})
+            await wait_until(lambda: len(got) == 1, timeout=10)
+        [sent] = broker.messages
+        assert no_marker(sent.payload, sent.headers_json)
+        assert got[0].card == MARKER
+    finally:
+        await outbox.aclose()
+
+
+async def test_cli_show_without_the_key_prints_the_note(sqlite_url: str) -> None:
+    """``fastapi-outbox show`` in a process without the key (the one holding it shows the
+    plain payload: the dashboard test, through the same ``operations.show``)."""
+    Secret = secret_event(unique("enc"))
+    writer = Outbox(sqlite_url, brokers={"default": MemoryBroker()}, settings=settings({"k1": K1}))
+    try:
+        await writer.create_tables()
+        async with writer.unit_of_work() as uow:
+            mid = uow.publish(Secret(card=MARKER))
+    finally:
+        await writer.aclose()
+    done = await anyio.to_thread.run_sync(lambda: run_cli("show", str(mid), "--url", sqlite_url))
+    assert done.returncode == 0, done.stderr
+    shown = json.loads(done.stdout)
+    assert shown["payload"] is None and shown["payload_note"] == "encrypted (key k1)"
+    assert shown["headers"]["encryption-key-id"] == "k1" and MARKER not in done.stdout
