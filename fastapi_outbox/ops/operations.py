@@ -212,6 +212,9 @@ async def show(outbox: OutboxPort, message_id: uuid.UUID, *, reveal: bool = True
         raise exceptions.MessageNotFound(f"no outbox message with id {message_id}")
     data = {k: v for k, v in dict(row).items() if k not in ("payload", "headers")}
     headers = json.loads(row["headers"])
+    claim = claim_check.label_of(headers)  # "claim-check: <ref> (5.0 MiB)"
+    if claim is not None:
+        data["claim_check"] = claim
     if not reveal:
         data["headers"], data["payload"] = headers, json.loads(row["payload"])
         return data
@@ -223,9 +226,7 @@ async def show(outbox: OutboxPort, message_id: uuid.UUID, *, reveal: bool = True
         headers,
     )
     data["headers"] = shown.headers
-    claim = claim_check.label_of(headers)  # "claim-check: <ref> (5.0 MiB)"
-    if claim is not None:
-        data["claim_check"] = claim
+    if claim is not None:  # the reference headers, as stored
         data["headers"].update({k: headers[k] for k in claim_check.ClaimCheckStage.headers})
     if isinstance(shown, Revealed):  # encrypted under a key this process lacks, ...
         data["payload"] = None
