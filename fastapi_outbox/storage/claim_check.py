@@ -86,10 +86,11 @@ class PayloadStore(Protocol):
     async def purge_orphans(
         self, known: Callable[[list[str]], Awaitable[set[str]]], younger_than: float, limit: int
     ) -> int:
-        """Delete up to ``limit`` payloads older than the store's grace period and younger
-        than ``younger_than`` seconds (while a committed message's outbox row surely still
-        exists) whose reference ``known`` does not find among the outbox's messages (0
-        for a transactional store)."""
+        """Delete the payloads older than the store's grace period and younger than
+        ``younger_than`` seconds (while a committed message's outbox row surely still
+        exists) whose reference ``known`` does not find among the outbox's messages, asking
+        ``known`` about ``limit`` references at a time; returns how many (0 for a
+        transactional store)."""
 
     async def create(self) -> None:
         """Create what the store needs (its table, its directory)."""
@@ -241,16 +242,22 @@ class FilePayloadStore:
     ) -> int:
         if younger_than <= self.orphan_grace_seconds:
             return 0
+        # Every file of the window (a directory listing), looked up ``limit`` at a time:
+        # live files early in the listing must not hide the orphans after them.
         old = await anyio.to_thread.run_sync(
-            self._aged, self.orphan_grace_seconds, limit, younger_than
+            self._aged, self.orphan_grace_seconds, 1 << 62, younger_than
         )
-        if not old:
-            return 0
-        tmp = [p for p in old if p.suffix == ".tmp"]  # a write that never finished
-        refs = {p.stem: p for p in old if p.suffix == ".payload"}
-        alive = await known(list(refs)) if refs else set()
-        orphans = tmp + [p for ref, p in refs.items() if ref not in alive]
-        return await anyio.to_thread.run_sync(self._unlink, orphans)
+        removed = await anyio.to_thread.run_sync(
+            self._unlink,
+            [p for p in old if p.suffix == ".tmp"],  # writes that never finished
+        )
+        refs = [p for p in old if p.suffix == ".payload"]
+        for start in range(0, len(refs), limit):
+            chunk = {p.stem: p for p in refs[start : start + limit]}
+            alive = await known(list(chunk))
+            orphans = [p for ref, p in chunk.items() if ref not in alive]
+            removed += await anyio.to_thread.run_sync(self._unlink, orphans)
+        return removed
 
     async def create(self) -> None:
         await anyio.to_thread.run_sync(lambda: self.directory.mkdir(parents=True, exist_ok=True))

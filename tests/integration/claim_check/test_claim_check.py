@@ -222,7 +222,10 @@ async def test_file_store_orphans_of_a_rollback_or_a_crash_are_removed(
     outbox = Outbox(
         sqlite_url,
         brokers={},
-        settings=OutboxSettings(**SETTINGS, claim_check_store=f"file://{directory}"),
+        # One reference per look-up and per DELETE: the live file cannot hide the orphans.
+        settings=OutboxSettings(
+            **SETTINGS, claim_check_store=f"file://{directory}", cleanup_batch_size=1
+        ),
     )
     await outbox.create_tables()
     store = outbox.claim_check_store
