@@ -173,7 +173,8 @@ async def test_rotation_in_flight_unknown_key_and_tampering(
     """Producers on k1 leave messages in the stream; consumers get k2 and then producers
     encrypt with it; everything is handled. A message under k3 (a key no consumer holds) and
     one whose ciphertext was changed in the table are dead-lettered, naming the key id and
-    the message id, and the others are not held up."""
+    the message id, and the others are not held up; the key added, a replay of the dead
+    letter is handled."""
     stream = unique("rot")
     Secret = secret_event(stream)
 
@@ -184,6 +185,7 @@ async def test_rotation_in_flight_unknown_key_and_tampering(
 
     old, new, rogue = make({"k1": K1}), make({"k1": K1, "k2": K2}), make({"k3": K3})
     consumer = make({"k1": K1, "k2": K2})
+    outboxes = [old, new, rogue, consumer]
     seen: list[int] = []
     client = aioredis.from_url(redis_url)
     try:
@@ -208,7 +210,11 @@ async def test_rotation_in_flight_unknown_key_and_tampering(
         async with new.dispatcher(), consumer.dispatcher():
             await wait_until(lambda: sub.stats.dead_lettered == 2 and len(seen) == 6, timeout=20)
         assert sorted(seen) == [0, 1, 2, 3, 4, 5]
-        letters = {d.message_id: d.error for d in await sub.make_consumer().dead_letters()}
+        reader = sub.make_consumer()
+        try:
+            letters = {d.message_id: d.error for d in await reader.dead_letters()}
+        finally:
+            await reader.aclose()
         unknown = letters[str(ids["k3"])]
         assert "'k3'" in unknown and str(ids["k3"]) in unknown
         assert "authentication" in letters[str(ids["tampered"])]
@@ -218,11 +224,25 @@ async def test_rotation_in_flight_unknown_key_and_tampering(
             for _, fields in await client.xrange(stream)
         }
         assert key_ids == {"k1", "k2", "k3"}
+        # The key added, the dead letter replayed: handled (its ciphertext still opens).
+        healed = make({"k1": K1, "k2": K2, "k3": K3})
+        outboxes.append(healed)
+        subscribe(healed, Secret, lambda event: seen.append(event.n))
+        dead = healed.subscribers[0].make_consumer()
+        try:
+            [entry] = [
+                d.entry_id for d in await dead.dead_letters() if d.message_id == str(ids["k3"])
+            ]
+            assert await dead.replay_dead_letters([entry]) == 1
+        finally:
+            await dead.aclose()
+        async with healed.dispatcher():
+            await wait_until(lambda: 100 in seen, timeout=15)
     finally:
         async for key in client.scan_iter(f"{stream}*"):
             await client.delete(key)
         await client.aclose()
-        for outbox in (old, new, rogue, consumer):
+        for outbox in outboxes:
             await outbox.aclose()
 
 
@@ -320,3 +340,41 @@ async def test_cli_show_without_the_key_prints_the_note(sqlite_url: str) -> None
     shown = json.loads(done.stdout)
     assert shown["payload"] is None and shown["payload_note"] == "encrypted (key k1)"
     assert shown["headers"]["encryption-key-id"] == "k1" and MARKER not in done.stdout
+
+
+@pytest.mark.rabbitmq
+async def test_rabbitmq_message_holds_no_plaintext(sqlite_url: str, rabbitmq_url: str) -> None:
+    import aio_pika
+
+    from fastapi_outbox.brokers import RabbitMQBroker
+
+    stream, exchange = unique("enc"), unique("enc_x")
+    Secret = secret_event(stream)
+    outbox = Outbox(
+        sqlite_url,
+        brokers={"default": RabbitMQBroker(rabbitmq_url, exchange=exchange)},
+        settings=settings({"k1": K1}),
+    )
+    conn = await aio_pika.connect(rabbitmq_url)
+    channel = await conn.channel()
+    got: list[Any] = []
+    try:
+        await outbox.create_tables()
+        x = await channel.declare_exchange(exchange, "topic", durable=True)
+        spy = await channel.declare_queue(unique("enc_spy"), exclusive=True)
+        await spy.bind(x, routing_key=stream)
+        subscribe(outbox, Secret, got.append)
+        async with outbox.dispatcher():
+            async with outbox.unit_of_work() as uow:
+                uow.publish(Secret(card=MARKER), headers={"card-holder": MARKER})
+            await wait_until(lambda: len(got) == 1, timeout=15)
+        raw = await spy.get(timeout=5)
+        assert raw is not None
+        assert no_marker(raw.body, json.dumps({k: str(v) for k, v in raw.headers.items()}))
+        assert got[0].card == MARKER
+    finally:
+        await outbox.aclose()
+        for name in (f"{stream}.g", f"{stream}.g.dlq"):
+            await channel.queue_delete(name)
+        await channel.exchange_delete(exchange)
+        await conn.close()
