@@ -36,6 +36,7 @@ import anyio
 from sqlalchemy import BigInteger, Column, Index, LargeBinary, MetaData, String, Table
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.util.concurrency import await_, in_greenlet
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.settings import OutboxSettings, check_table_name
@@ -183,6 +184,14 @@ class FilePayloadStore:
         return self.directory / f"{ref}.payload"
 
     def put(self, connection: Connection, ref: str, data: bytes) -> None:
+        # In an AsyncSession's commit (SQLAlchemy's greenlet): written on a worker thread,
+        # so that megabytes and their fsync do not hold the event loop.
+        if in_greenlet():
+            await_(anyio.to_thread.run_sync(self._write, ref, data))
+        else:
+            self._write(ref, data)
+
+    def _write(self, ref: str, data: bytes) -> None:
         path = self.path_of(ref)
         tmp = path.with_suffix(".tmp")
         with open(tmp, "wb") as f:
