@@ -36,6 +36,7 @@ from fastapi_outbox.consume.subscriber import Subscriber
 from fastapi_outbox.instrumentation import Instrumentation
 from fastapi_outbox.ops.routers import Routers
 from fastapi_outbox.payloads import build_payloads
+from fastapi_outbox.payloads.claim_check import put_claims
 from fastapi_outbox.redaction import redact_url
 from fastapi_outbox.relay.groups_first import declare_groups, declare_or_warn, gate_brokers
 from fastapi_outbox.relay.retention import Cleaner
@@ -44,6 +45,7 @@ from fastapi_outbox.relay.table import TableRelay, instance_id
 from fastapi_outbox.relay.wakeups import Listener, Notifier, channel_name
 from fastapi_outbox.relay.wal import WalRelay
 from fastapi_outbox.settings import OutboxSettings
+from fastapi_outbox.storage.claim_check import known_in
 from fastapi_outbox.storage.setup import open_engine, setup_storage
 from fastapi_outbox.write.capture import Capture, capture_for
 from fastapi_outbox.write.unit_of_work import (
@@ -89,8 +91,10 @@ class Outbox:
         self.inbox, self.partitions = self._storage.inbox, self._storage.partitions
         #: ``archive=True``: the archive table retention moves finished rows to.
         self.archive = self._storage.archive
+        #: ``claim_check_bytes`` set: the store of claim-checked payloads (else None).
+        self.claim_check_store = self._storage.payloads
         #: The payload stages (encryption, claim-check): publish seals, subscribers restore.
-        self.payloads = build_payloads(self.settings)
+        self.payloads = build_payloads(self.settings, self.claim_check_store)
         self.session_factory = session_factory or async_sessionmaker(
             self.engine, expire_on_commit=False
         )
@@ -99,7 +103,13 @@ class Outbox:
         self.channel = channel_name(self.settings.table_name)
         self.subscribers: list[Subscriber] = []
         self.cleaner = Cleaner(
-            self.store, self.settings, self.partitions, inbox=self.inbox, archive=self.archive
+            self.store,
+            self.settings,
+            self.partitions,
+            inbox=self.inbox,
+            archive=self.archive,
+            payloads=self.claim_check_store,
+            known=None if self.claim_check_store is None else known_in(self.engine, self.table),
         )
         #: The relays and their wake-ups, supervised while the dispatchers run.
         self.relays = Relays(
@@ -181,6 +191,7 @@ class Outbox:
         """Record outbox messages on a session's connection, through this outbox's capture
         (called by the session's ``before_commit``; see
         :mod:`fastapi_outbox.write.session_events`)."""
+        put_claims(self.claim_check_store, connection, rows)
         self.capture.write(connection, rows)
 
     def committed(self, brokers: Mapping[str, float]) -> bool:

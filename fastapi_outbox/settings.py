@@ -321,6 +321,23 @@ class OutboxSettings(BaseSettings):
         "window (Redis keys, JetStream duplicate_window), whose memory grows with it.",
     )
 
+    # -- payloads: claim-check (DESIGN §16) ----------------------------------------------------
+    claim_check_bytes: int | None = Field(
+        default=None,
+        ge=1,
+        description="Payloads larger than this (bytes of JSON text) are stored out of band "
+        "in claim_check_store and the message carries a reference header instead; "
+        "subscribers resolve it, handlers see the whole event. None (the default): off. "
+        "max_payload_bytes still bounds every payload publish() accepts, so raise it too.",
+    )
+    claim_check_store: str = Field(
+        default="database",
+        description="Where claim-checked payloads go: 'database' (a table next to the "
+        "outbox's, written in the producer's transaction; consumers must reach that "
+        "database) or 'file:///absolute/directory' (a directory every producer and consumer "
+        "mounts; written before the commit, orphans removed by retention).",
+    )
+
     # -- secrets and destructive operations (DESIGN §18) -------------------------------------
     health_public_detail: bool = Field(
         default=False,
@@ -434,7 +451,35 @@ class OutboxSettings(BaseSettings):
         self._consistent_dispatch()
         self._consistent_consumers()
         self._consistent_retention()
+        self._consistent_claim_check()
         return self
+
+    def _consistent_claim_check(self) -> None:
+        """A claim-check threshold below the largest payload accepted, and a store named
+        in a form the outbox knows."""
+        if self.claim_check_bytes is not None and self.claim_check_bytes >= self.max_payload_bytes:
+            raise ValueError(
+                f"claim_check_bytes (OUTBOX_CLAIM_CHECK_BYTES) = {self.claim_check_bytes} is "
+                f"not below max_payload_bytes (OUTBOX_MAX_PAYLOAD_BYTES) = "
+                f"{self.max_payload_bytes}: no payload would ever be claim-checked; "
+                "max_payload_bytes bounds every payload publish() accepts, claim-checked "
+                "ones included: raise it"
+            )
+        store = self.claim_check_store
+        if store != "database" and not (store.startswith("file:///") and len(store) > 8):
+            raise ValueError(
+                f"claim_check_store (OUTBOX_CLAIM_CHECK_STORE) = {store!r}: 'database' or "
+                "'file:///absolute/directory'"
+            )
+
+    @property
+    def claim_check_retention_seconds(self) -> float | None:
+        """How long claim-checked payloads are kept: the longer of the published messages'
+        retention and the inbox's (None: forever, when either keeps forever)."""
+        published, inbox = self.published_retention_seconds, self.inbox_retention_seconds
+        if published is None or inbox is None:
+            return None
+        return max(published, inbox)
 
     def _consistent_timing(self) -> None:
         """Polls, leases and database timeouts that bound one another."""

@@ -379,20 +379,28 @@ class Processing:
         if attempt > self.options.max_attempts:
             await self._past_max_attempts(d)
             return
-        try:
-            message = self.options.decoder.decode(await self.context.payloads.restore(d))
-        except (Undeliverable, PayloadUnreadable) as exc:
-            await self._dead_letter(d, str(exc))
-            return
-        except NotForHandler:
-            self.stats.skipped += 1
-            await self._ack(d)
-            return
-        except Exception as exc:  # a payload stage failed (a store unreachable): an attempt
-            delay = await self._failed(d, exc, attempt)
-            if delay is not None:
-                await self._retry_later(d, delay)
-            return
+        outages = 0
+        while True:
+            try:
+                message = self.options.decoder.decode(await self.context.payloads.restore(d))
+            except (Undeliverable, PayloadUnreadable) as exc:
+                await self._dead_letter(d, str(exc))
+                return
+            except NotForHandler:
+                self.stats.skipped += 1
+                await self._ack(d)
+                return
+            except Exception as exc:  # a payload stage failed (a store unreachable)
+                # The database unreachable (claim-check's database store): waited out in
+                # place, no attempt charged; anything else is an attempt.
+                if await self.waited_out_database(exc, outages, "the payload's restoring", d):
+                    outages += 1
+                    continue
+                delay = await self._failed(d, exc, attempt)
+                if delay is not None:
+                    await self._retry_later(d, delay)
+                return
+            break
         outages = 0
         while True:
             try:

@@ -30,7 +30,7 @@ from fastapi_outbox.brokers.consumer import DeadLetter
 from fastapi_outbox.consume.subscriber import ConsumerStatus
 from fastapi_outbox.events import HEADER_MESSAGE_ID, MessageStatus
 from fastapi_outbox.ops.port import OutboxPort, SubscriberView, relay_here, wall_time
-from fastapi_outbox.payloads import Revealed
+from fastapi_outbox.payloads import Revealed, claim_check
 from fastapi_outbox.relay import retention
 from fastapi_outbox.storage.inbox import GroupStats
 
@@ -226,6 +226,9 @@ async def show(
     data = {k: v for k, v in dict(row).items() if k not in ("payload", "headers")}
     data["archived"] = "archived_at" in data
     headers = json.loads(row["headers"])
+    claim = claim_check.label_of(headers)  # "claim-check: <ref> (5.0 MiB)"
+    if claim is not None:
+        data["claim_check"] = claim
     if not reveal:
         data["headers"], data["payload"] = headers, json.loads(row["payload"])
         return data
@@ -237,12 +240,25 @@ async def show(
         headers,
     )
     data["headers"] = shown.headers
+    if claim is not None:  # the reference headers, as stored
+        data["headers"].update({k: headers[k] for k in claim_check.ClaimCheckStage.headers})
     if isinstance(shown, Revealed):  # encrypted under a key this process lacks, ...
         data["payload"] = None
         data["payload_note"] = shown.note
+    elif claim is not None and len(shown.payload) > SHOW_PAYLOAD_BYTES:
+        # A large claim-checked payload: its first characters.
+        data["payload"] = None
+        text = shown.payload[: PAYLOAD_PREVIEW_CHARS * 4].decode(errors="ignore")
+        data["payload_preview"] = text[:PAYLOAD_PREVIEW_CHARS]
     else:
         data["payload"] = json.loads(shown.payload)
     return data
+
+
+#: A claim-checked payload up to this size is shown whole by ``show``; a larger one as a
+#: preview of its first characters (``payload_preview``).
+SHOW_PAYLOAD_BYTES = 256 * 1024
+PAYLOAD_PREVIEW_CHARS = 20_000
 
 
 async def list_archived(

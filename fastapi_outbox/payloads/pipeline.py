@@ -9,21 +9,27 @@ from typing import Any
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.brokers.consumer import Delivery
+from fastapi_outbox.payloads.claim_check import ClaimCheckStage
 from fastapi_outbox.payloads.encryption import EncryptionStage, KeyRing
 from fastapi_outbox.payloads.stages import Parts, PayloadStage, Revealed
 from fastapi_outbox.settings import OutboxSettings
+from fastapi_outbox.storage.claim_check import PayloadStore
 
 __all__ = ["Payloads", "build_payloads"]
 
 
-def build_payloads(settings: OutboxSettings) -> Payloads:
-    """The payload stages of an outbox with ``settings``, in write order."""
+def build_payloads(
+    settings: OutboxSettings, claim_check_store: PayloadStore | None = None
+) -> Payloads:
+    """The payload stages of an outbox with ``settings``, in write order; claim-check's
+    store (``claim_check_bytes``) is made with the outbox's storage."""
     stages: list[PayloadStage] = [
         EncryptionStage(
             KeyRing(settings.encryption_keys, reload_seconds=settings.encryption_reload_seconds),
             streams=settings.encryption_streams,
             header_names=settings.encrypted_headers,
         ),
+        ClaimCheckStage(claim_check_store, settings.claim_check_bytes),
     ]
     return Payloads(stages)
 
@@ -61,12 +67,17 @@ class Payloads:
         payload: str,
         headers: dict[str, str],
         session: Any,
+        *,
+        row: dict[str, Any] | None = None,
     ) -> tuple[str, dict[str, str]]:
         """``(payload, headers)`` of a message as it is stored and sent: each stage in
-        order. ``session``: the unit of work's synchronous ``Session``."""
+        order. ``session``: the unit of work's synchronous ``Session``. ``row``: receives
+        the keys stages add to the message's first outbox row (:attr:`Parts.row`)."""
         parts = Parts(message_id, stream, type_name, payload.encode(), headers)
         for stage in self.stages:
             parts = stage.seal(parts, session)
+            if row is not None and parts.row:
+                row.update(parts.row)
         return parts.payload.decode(), parts.headers
 
     # -- consume --------------------------------------------------------------------------

@@ -23,6 +23,10 @@ class Parts:
     payload: bytes
     #: User and stage headers (write side: before the outbox adds message id, type, trace).
     headers: dict[str, str]
+    #: Write side: keys a stage adds to the message's first outbox row, which the commit's
+    #: write takes off it (claim-check: the payload for its store, written in the
+    #: producer's transaction, see :func:`fastapi_outbox.write.claim_check.put_claims`).
+    row: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ retention (``archive_retention_seconds``) runs after.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import anyio
@@ -21,6 +21,7 @@ import anyio
 from fastapi_outbox.log import safe_error
 from fastapi_outbox.settings import OutboxSettings
 from fastapi_outbox.storage.archive import Archive
+from fastapi_outbox.storage.claim_check import PayloadStore
 from fastapi_outbox.storage.inbox import Inbox
 from fastapi_outbox.storage.partitions import Maintainer
 from fastapi_outbox.storage.store import ABANDONED, PUBLISHED, Store
@@ -94,6 +95,8 @@ class Cleaner:
         *,
         inbox: Inbox | None = None,
         archive: Archive | None = None,
+        payloads: PayloadStore | None = None,
+        known: Callable[[list[str]], Awaitable[set[str]]] | None = None,
     ) -> None:
         self.store = store
         #: ``archive=True``: finished rows move there instead of being deleted.
@@ -107,6 +110,10 @@ class Cleaner:
         self.partitions = partitions
         self.dropped_partitions: list[str] = []
         self.inbox = inbox
+        #: Claim-checked payloads (``claim_check_bytes``) and, for a file store's orphan
+        #: sweep, which references are message ids of the outbox table.
+        self.payloads = payloads
+        self.known = known
         self.last_run: float | None = None
         self.deleted_total = 0
         # Made by run(): the Outbox (and this cleaner) may be built outside an event loop,
@@ -163,6 +170,7 @@ class Cleaner:
             self.archived_total += deleted
             await self._purge_archive(self.archive)
         deleted += await self._purge_inbox()
+        deleted += await self._purge_payloads()
         self.deleted_total += deleted
         self.last_run = anyio.current_time()
         return deleted
@@ -226,6 +234,39 @@ class Cleaner:
             )
         return total
 
+    async def _purge_payloads(self) -> int:
+        """Claim-checked payloads past ``claim_check_retention_seconds`` (the longer of the
+        published messages' and the inbox's retentions), in bounded batches; then a file
+        store's orphans (a rollback or a crash before the commit): files past the store's
+        grace period with no outbox row, looked for while a committed message's row surely
+        still exists (younger than ``published_retention_seconds``; not with
+        ``delete_on_publish``, whose rows go at once)."""
+        store = self.payloads
+        if store is None:
+            return 0
+        settings = self.settings
+        batch = settings.cleanup_batch_size
+        total = 0
+        retention = settings.claim_check_retention_seconds
+        if retention is not None:
+            while True:
+                n = await store.purge_batch(retention, batch)
+                total += n
+                if n < batch:
+                    break
+                await anyio.sleep(BATCH_PAUSE_SECONDS)
+        if self.known is not None and not settings.delete_on_publish:
+            window = settings.published_retention_seconds
+            total += await store.purge_orphans(
+                self.known, float("inf") if window is None else window, batch
+            )
+        if total:
+            logger.info(
+                "claim-check retention cleanup",
+                extra={"action": "retention.payloads_deleted", "count": total},
+            )
+        return total
+
     async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         self._stop, self.stopped = anyio.Event(), anyio.Event()
         try:
@@ -241,6 +282,7 @@ class Cleaner:
             and self.partitions is None
             and (self.inbox is None or self.settings.inbox_retention_seconds is None)
             and (self.archive is None or self.settings.archive_retention_seconds is None)
+            and self.payloads is None
         ):
             return
         while not stop.is_set():

@@ -20,6 +20,7 @@ from fastapi_outbox.redaction import remember
 from fastapi_outbox.settings import OutboxSettings
 from fastapi_outbox.storage import partitions, schema
 from fastapi_outbox.storage.archive import Archive
+from fastapi_outbox.storage.claim_check import PayloadStore, payload_store_for
 from fastapi_outbox.storage.engine import create_engine
 from fastapi_outbox.storage.inbox import Inbox, build_inbox_table
 from fastapi_outbox.storage.store import Store
@@ -42,6 +43,8 @@ class Storage:
     partitions: partitions.Maintainer | None
     #: The archive table of ``archive=True``, else None.
     archive: Archive | None = None
+    #: ``claim_check_bytes`` set: where claim-checked payloads go, else None.
+    payloads: PayloadStore | None = None
 
     async def create(self) -> None:
         """The outbox table, the inbox table and their indexes; partitioned: also the
@@ -55,6 +58,8 @@ class Storage:
             await self.partitions.ensure_ahead()
         if self.wal_slot is not None:
             await self.wal_slot.create()
+        if self.payloads is not None:
+            await self.payloads.create()
 
     async def drop(self) -> None:
         """The outbox table, the inbox table (and the archive table)."""
@@ -62,6 +67,8 @@ class Storage:
         await self.inbox.drop_table()
         if self.archive is not None:
             await self.archive.drop_table()
+        if self.payloads is not None:
+            await self.payloads.drop()
 
 
 def open_engine(
@@ -113,4 +120,5 @@ def setup_storage(engine: AsyncEngine, settings: OutboxSettings) -> Storage:
     if "partitioning" in table.info:
         maintainer = partitions.Maintainer(engine, table, table.info["partitioning"])
     archive = Archive(engine, table, settings.archive_name) if settings.archive else None
-    return Storage(table, store, wal_slot, inbox, maintainer, archive)
+    payloads = payload_store_for(engine, settings, table.metadata)
+    return Storage(table, store, wal_slot, inbox, maintainer, archive, payloads)

@@ -164,12 +164,15 @@ class UnitOfWork:
         payloads = self.outbox.payloads
         if user_headers:
             payloads.refuse_reserved(user_headers, type_name)
+        #: Keys a payload stage adds to the message's first row until the commit writes it
+        #: (claim-check: the payload for its store, in the producer's transaction).
+        first_row: dict[str, Any] = {}
         if payloads.seals:  # encryption, then claim-check (fastapi_outbox.payloads)
             payload, user_headers = payloads.seal(
                 str(message_id), stream, type_name, payload, user_headers,
-                self.session.sync_session,
+                self.session.sync_session, row=first_row,
             )  # fmt: skip
-        rows = [
+        rows: list[dict[str, Any]] = [
             {
                 "id": row_id,
                 "broker": broker_name,
@@ -185,6 +188,8 @@ class UnitOfWork:
                 target, message_id, type_name, user_headers, external=external
             )
         ]
+        if first_row:
+            rows[0].update(first_row)
         self._state.queue(self.session.sync_session, self.outbox, rows)
         return message_id
 

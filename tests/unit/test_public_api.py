@@ -191,6 +191,13 @@ PUBLIC_ALL: dict[str, set[str]] = {
     },
     "fastapi_outbox.brokers.base": {"Broker", "PublishResults", "redact_url"},
     "fastapi_outbox.payloads": {"Parts", "PayloadStage", "Payloads", "Revealed", "build_payloads"},
+    "fastapi_outbox.payloads.claim_check": {
+        "ROW_KEY",
+        "ClaimCheckStage",
+        "human_size",
+        "label_of",
+        "put_claims",
+    },
     "fastapi_outbox.payloads.encryption": {
         "HEADER_ENCRYPTED_HEADERS",
         "HEADER_KEY_ID",
@@ -669,6 +676,18 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "is_postgres",
         "uses_asyncpg",
     },
+    "fastapi_outbox.storage.claim_check": {
+        "HEADER_CLAIM_CHECK",
+        "HEADER_CLAIM_CHECK_SIZE",
+        "ORPHAN_GRACE_SECONDS",
+        "STUB_PAYLOAD",
+        "DatabasePayloadStore",
+        "FilePayloadStore",
+        "PayloadStore",
+        "build_payload_table",
+        "known_in",
+        "payload_store_for",
+    },
     "fastapi_outbox.storage.inbox": {"Inbox", "build_inbox_table", "inbox_table"},
     "fastapi_outbox.storage.read_models": {
         "BrokerStats",
@@ -798,6 +817,12 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "ordered_turn",
         "release",
         "transaction_bounds",
+    },
+    "fastapi_outbox.storage.statements.payloads": {
+        "fetch",
+        "insert_payload",
+        "known_messages",
+        "purge",
     },
     "fastapi_outbox.storage.statements.retention": {
         "purge",

@@ -327,9 +327,16 @@ def _message_routes(router: APIRouter, outbox: OutboxPort, pages: _Pages) -> Non
 def _message_context(message: dict[str, Any], pages: _Pages) -> dict[str, Any]:
     """What the message page shows: the payload pretty-printed and cut (when payloads
     show at all), and which actions apply."""
-    payload = json.dumps(message["payload"], indent=2, ensure_ascii=False)
+    preview = message.get("payload_preview")  # the first characters of a large one
+    if preview is not None:
+        payload = preview
+    else:
+        payload = json.dumps(message["payload"], indent=2, ensure_ascii=False)
     return {
         "m": message,
+        # "claim-check: <ref> (5.0 MiB)": the payload is out of band (fastapi_outbox.payloads)
+        "claim": message.get("claim_check"),
+        "preview": preview is not None,
         "headers": message["headers"],
         "payload": payload[:PAYLOAD_DISPLAY_CHARS] if pages.show_payloads else None,
         # "encrypted (key k2)": this process does not hold the key (fastapi_outbox.payloads)
