@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -66,23 +65,14 @@ class Effect(Base):
     message_id: Mapped[str] = mapped_column(String(64))
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateRedisCluster]:
-    redis_cluster = PrivateRedisCluster(tmp_path_factory.mktemp("redis-cluster"))
-    try:
-        redis_cluster.start()
-        yield redis_cluster
-    finally:
-        redis_cluster.stop()
-
-
 @pytest.fixture
-def ready(cluster: PrivateRedisCluster) -> PrivateRedisCluster:
-    for port, proc in cluster.procs.items():  # a node killed by a test that failed midway
+def ready(redis_cluster: PrivateRedisCluster) -> PrivateRedisCluster:
+    """The session's cluster (``tests.conftest.redis_cluster``), every node running."""
+    for port, proc in redis_cluster.procs.items():  # killed by a test that failed midway
         if proc is None:
-            cluster.start(port)
-    cluster.wait_ok()
-    return cluster
+            redis_cluster.start(port)
+    redis_cluster.wait_ok()
+    return redis_cluster
 
 
 def streams_on_every_master(cluster: PrivateRedisCluster) -> dict[int, str]:
