@@ -293,12 +293,16 @@ class RedisStreamsConsumer:
         self._held.update(d.entry_id for d in out)
         return out
 
-    def _busy(self, taken: Sequence[Delivery]) -> set[str]:
-        """Entry ids this process is working on: handed out and not finished, acks not
-        sent yet, retries waiting, and those this fetch already ``taken``. A pending entry
-        of this consumer among them is not handed out again (twice at once, the second copy
-        could be dead-lettered past max_attempts while the first is being handled)."""
-        busy = self._held | set(self._acks) | {entry for _, entry, _ in self._retries}
+    def _busy(self, taken: Sequence[Delivery], *, held: bool = True) -> set[str]:
+        """Entry ids this process is working on: acks not sent yet, retries waiting, those
+        this fetch already ``taken`` and (``held``) those handed out and not finished. A
+        pending entry of this consumer among them is not handed out again: twice at once,
+        the second copy could be dead-lettered past max_attempts while the first is being
+        handled (seen after a Redis Cluster failover: XAUTOCLAIM, then the recovery of
+        the consumer's own entries, took the same entries in one fetch)."""
+        busy = set(self._acks) | {entry for _, entry, _ in self._retries}
+        if held:
+            busy |= self._held
         return busy | {d.entry_id for d in taken}
 
     async def _recover_own(
@@ -403,9 +407,10 @@ class RedisStreamsConsumer:
         self._autoclaim_cursor = text(reply[0])
         if self._autoclaim_cursor != "0-0":
             self._next_autoclaim = 0.0  # more stale entries: take the next page at once
-        # Its own entries that this process is still working on (their acks held up by an
-        # outage longer than claim_idle_seconds) stay with it, not handed out twice.
-        busy = self._busy(taken)
+        # Not those this fetch took already, nor acks and retries waiting. Entries handed
+        # out and not finished for claim_idle_seconds (their heartbeat failed) may come
+        # again: the handler has stalled, or crashed without ack nor release.
+        busy = self._busy(taken, held=False)
         entries = [(e, f) for e, f in reply[1] if f and text(e) not in busy]
         gone += [text(e) for e, f in reply[1] if not f]
         if len(reply) > 2:
