@@ -178,7 +178,7 @@ async def redis_cluster_harness(request: pytest.FixtureRequest) -> AsyncIterator
 
     harness = Harness(
         "redis-cluster",
-        RedisStreamsBroker(url),
+        RedisStreamsBroker(url, wait_replicas=1),  # each master's replica has the writes
         inner,
         lambda: RedisStreamsBroker(url),
         poison,
@@ -692,6 +692,28 @@ async def test_redis_maxlen_trims_the_stream(redis_url: str) -> None:
         assert 10 <= length <= 10 + 200
         last = await client.xrevrange(stream, "+", "-", count=1)
         assert json.loads(last[0][1][b"payload"]) == {"n": total - 1}  # the newest are kept
+    finally:
+        await broker.aclose()
+        await client.delete(stream)
+        async for k in client.scan_iter(match=f"outbox:dedup:{{{stream}}}:*", count=1000):
+            await client.delete(k)
+        await client.aclose()
+
+
+async def test_redis_wait_replicas_without_replica_is_an_outage(redis_url: str) -> None:
+    """``wait_replicas=1`` on a Redis with no replica (the shared test server): the entry is
+    written, but the publish is not confirmed: BrokerUnavailable, the batch comes back
+    later (and the de-duplication returns the entry written)."""
+    stream = unique("waited")
+    broker = RedisStreamsBroker(redis_url, wait_replicas=1, wait_timeout_seconds=0.05)
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        await broker.connect()
+        with pytest.raises(exceptions.BrokerUnavailable, match="0 of wait_replicas=1"):
+            await broker.publish([envelope(stream, 0)])
+        assert await client.xlen(stream) == 1
+        with pytest.raises(exceptions.ConfigurationError, match="wait_replicas"):
+            RedisStreamsBroker(redis_url, wait_replicas=-1)
     finally:
         await broker.aclose()
         await client.delete(stream)
