@@ -221,3 +221,16 @@ def test_outbox_broker_url_may_name_a_cluster() -> None:
     broker = setup_brokers(None, None, settings).brokers["default"]
     assert isinstance(broker, RedisStreamsBroker)
     assert broker.connection.cluster is True
+
+
+def test_a_list_of_startup_nodes_makes_a_cluster_broker() -> None:
+    broker = RedisStreamsBroker(["redis://:secret@10.0.0.1:7000/0", "10.0.0.2:7001"])
+    assert broker.connection.cluster is True
+    assert broker.url == "redis+cluster://:secret@10.0.0.1:7000,10.0.0.2:7001/0"
+    assert "secret" not in repr(broker)
+    nodes, _ = cluster_startup_nodes(broker.url)
+    assert nodes == [("10.0.0.1", 7000), ("10.0.0.2", 7001)]
+    assert RedisStreamsBroker(("rediss://h:7000",)).url == "rediss+cluster://h:7000"
+    for bad in ([], ["nats://h:4222"], [""]):
+        with pytest.raises(exceptions.ConfigurationError, match="RedisStreamsBroker"):
+            RedisStreamsBroker(bad)

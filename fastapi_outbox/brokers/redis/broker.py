@@ -49,7 +49,8 @@ class RedisStreamsBroker(RedisStreamsPublisher):
         wait_timeout_seconds: float = 1.0,
     ) -> None:
         """``url``: ``redis://`` / ``rediss://`` / ``unix://``, a Redis Cluster's
-        ``redis+cluster://host:port[,host:port…]`` (``rediss+cluster://`` with TLS), or a ready
+        ``redis+cluster://host:port[,host:port…]`` (``rediss+cluster://`` with TLS) or a list
+        of its startup nodes (``["redis://h1:7000", "h2:7001"]``), or a ready
         ``redis.asyncio`` client (``Redis`` or ``RedisCluster``, as ``client=`` too; never
         closed by the broker). ``maxlen`` trims the streams published to; the consumers'
         dead-letter streams are never trimmed unless ``dead_letter_maxlen`` is set
