@@ -31,6 +31,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from fastapi_outbox import Message, Outbox, OutboxSettings, UnitOfWork
 from fastapi_outbox.brokers import RedisStreamsBroker
 from fastapi_outbox.ops import operations
+from fastapi_outbox.ops.health import compute_health
 from tests.conftest import run_cli, unique, wait_until
 from tests.servers import PrivateRedisCluster
 
@@ -164,6 +165,9 @@ async def test_streams_on_every_master_drained_consumed_dead_lettered_and_replay
                     )
 
                 await wait_until(settled, timeout=30)
+                health = await compute_health(outbox)  # what /outbox/health serves
+                assert health.status == "degraded"
+                assert sum("dead letter(s)" in r for r in health.reasons) == 3, health.reasons
                 # The operator's view, from another process: the broker from the URL in the
                 # environment, the dead letters listed from the cluster.
                 env = {"DATABASE_URL": pg_url, "BROKER_URL": cluster.url}
@@ -191,6 +195,9 @@ async def test_streams_on_every_master_drained_consumed_dead_lettered_and_replay
                     )
 
                 await wait_until(replays_handled, timeout=20)
+                health = await compute_health(outbox)
+                assert health.status == "ok", health.reasons
+                await broker.ping()  # every master answers
             counts = await effects(outbox)
             in_streams = {s: Counter(await stream_ids(broker, s)) for s in streams}
             assert await outbox.store.count("abandoned") == 0
