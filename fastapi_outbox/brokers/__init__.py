@@ -98,16 +98,17 @@ def url_options(url: str) -> tuple[str, dict[str, Any]]:
 
 
 def broker_from_url(url: str, **options: Any) -> Broker:
-    """``memory://``, ``redis://`` / ``rediss://`` / ``unix://``, ``nats://`` / ``tls://`` or
-    ``amqp://`` / ``amqps://`` (RabbitMQ). Broker options may ride in the URL's query
-    (:func:`url_options`: ``?envelope=cloudevents``, ``?replicas=3`` for NATS); keyword
+    """``memory://``, ``redis://`` / ``rediss://`` / ``unix://``, a Redis Cluster's
+    ``redis+cluster://host:port[,host:port…]`` / ``rediss+cluster://``, ``nats://`` /
+    ``tls://`` or ``amqp://`` / ``amqps://`` (RabbitMQ). Broker options may ride in the URL's
+    query (:func:`url_options`: ``?envelope=cloudevents``, ``?replicas=3`` for NATS); keyword
     ``options`` win over them."""
     url, from_query = url_options(url)
     options = {**from_query, **options}
     scheme = url.split("://", 1)[0].lower() if "://" in url else ""
     if scheme == "memory":
         return MemoryBroker(**options)
-    if scheme in ("redis", "rediss", "unix"):
+    if scheme in ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster"):
         from fastapi_outbox.brokers.redis.broker import RedisStreamsBroker
 
         return RedisStreamsBroker(url, **options)
@@ -121,5 +122,5 @@ def broker_from_url(url: str, **options: Any) -> Broker:
         return RabbitMQBroker(url, **options)
     raise exceptions.ConfigurationError(
         f"unsupported broker URL {redact_url(url)!r}: "
-        "use memory://, redis://, rediss://, nats:// or amqp://"
+        "use memory://, redis://, rediss://, redis+cluster://, nats:// or amqp://"
     )

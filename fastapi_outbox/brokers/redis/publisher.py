@@ -11,7 +11,10 @@ De-duplication (``dedup=``):
   returns the first entry id and adds nothing. The script takes a whole batch of one stream
   in one call, so the relay spends one command per stream and batch instead of one per
   message (redis-py building a pipeline costs about 26 µs per command). The ``{stream}``
-  hash tag keeps the stream and its de-duplication keys in one cluster slot.
+  hash tag keeps the stream and its de-duplication keys in one cluster slot
+  (``wire.dedup_key``). On a Redis Cluster the script goes as ``EVAL`` (its text each
+  time): a replica promoted after a failover, or a restarted node, has no script cache,
+  and redis-py's cluster pipeline does not load scripts before ``EVALSHA``.
 * ``"idmp"`` (Redis 8.6+, opt-in): the server's own idempotent ``XADD … IDMP``. Redis keeps
   at most 10,000 idempotent ids per producer id, so ids are spread over ``idmp_producers``
   producer ids (the message id picks one). Each stream's ``IDMP-DURATION`` must be set once
@@ -93,6 +96,12 @@ return out
 DedupMode = Literal["auto", "script", "idmp", "off"]
 
 
+def _is_reply_error(exc: BaseException) -> bool:
+    import redis.exceptions as rexc
+
+    return isinstance(exc, rexc.ResponseError)
+
+
 class RedisStreamsPublisher:
     """Publishes to Redis Streams (``redis.asyncio``), pipelined and de-duplicated."""
 
@@ -105,6 +114,8 @@ class RedisStreamsPublisher:
         dedup_window_seconds: float | None = None,
         idmp_producers: int = IDMP_PRODUCERS,
         envelope_format: CloudEventsOptions | None = None,
+        wait_replicas: int = 0,
+        wait_timeout_seconds: float = 1.0,
     ) -> None:
         """``maxlen`` trims the streams published to (``MAXLEN ~``). ``envelope_format``
         with CloudEvents writes each entry's ``headers`` field as the CloudEvent's headers
@@ -122,6 +133,15 @@ class RedisStreamsPublisher:
         self.maxlen = maxlen
         self.dedup: DedupMode = dedup
         self.idmp_producers = idmp_producers
+        if wait_replicas < 0 or wait_timeout_seconds <= 0:
+            raise exceptions.ConfigurationError(
+                "RedisStreamsBroker: wait_replicas must be >= 0 and wait_timeout_seconds "
+                f"> 0, got {wait_replicas} and {wait_timeout_seconds}"
+            )
+        #: ``WAIT`` for this many replicas of each master written to before a publish
+        #: succeeds (0: not at all; Redis replication is asynchronous).
+        self.wait_replicas = wait_replicas
+        self.wait_timeout_seconds = wait_timeout_seconds
         self._window = dedup_window_seconds
         self._window_explicit = dedup_window_seconds is not None
         self._script: Any = None
@@ -211,6 +231,9 @@ class RedisStreamsPublisher:
         except Exception as exc:
             if is_unreachable(exc):
                 raise self.connection.unavailable(exc) from exc
+            code = refusal_code(exc) if _is_reply_error(exc) else None
+            if code is not None:  # the whole pipeline refused (a cluster mid-failover)
+                raise self.connection.refusing(code, exc) from exc
             raise
         for result in results:
             if isinstance(result, exceptions.BrokerRefusing):
@@ -225,20 +248,34 @@ class RedisStreamsPublisher:
         ttl = int(self.dedup_window_seconds) if self._mode == "script" else 0
         maxlen = self.maxlen or 0
         calls: list[list[int]] = []
+        cluster = self.connection.cluster
         async with self.client.pipeline(transaction=False) as pipe:
             for stream, indexes in by_stream.items():
+                try:
+                    self.connection.dedup_key(stream, "")
+                except ValueError as exc:  # a name no hash tag can follow to its slot
+                    for i in indexes:
+                        results[i] = exceptions.MessageRejected(
+                            f"Redis refused message {batch[i].id}: {exc}"
+                        )
+                    continue
                 for start in range(0, len(indexes), SCRIPT_CHUNK):
                     chunk = indexes[start : start + SCRIPT_CHUNK]
                     keys = [stream]
                     args: list[Any] = [ttl, maxlen]
                     for i in chunk:
                         e = batch[i]
-                        keys.append(f"outbox:dedup:{{{stream}}}:{e.id}")
+                        keys.append(self.connection.dedup_key(stream, e.id))
                         args += entry_values(e, self.envelope_format)
-                    await self._script(keys=keys, args=args, client=pipe)
+                    if cluster:
+                        pipe.execute_command("EVAL", _PUBLISH_SCRIPT, len(keys), *keys, *args)
+                    else:
+                        await self._script(keys=keys, args=args, client=pipe)
                     calls.append(chunk)
-            replies = await pipe.execute(raise_on_error=False)
-        for chunk, reply in zip(calls, replies, strict=True):
+            waits = self._queue_waits(pipe, list(by_stream)) if calls else []
+            replies = await pipe.execute(raise_on_error=False) if calls else []
+        self._check_waits(waits, replies[len(calls) :], list(by_stream))
+        for chunk, reply in zip(calls, replies[: len(calls)], strict=True):
             if isinstance(reply, BaseException):
                 self._raise_if_unreachable(reply)
                 for i in chunk:
@@ -265,11 +302,56 @@ class RedisStreamsPublisher:
                     args += entry_fields(e, self.envelope_format)
                     pipe.execute_command(*args)
                     order.append(i)
+            waits = self._queue_waits(pipe, list(by_stream))
             replies = await pipe.execute(raise_on_error=False)
-        for i, reply in zip(order, replies, strict=True):
+        self._check_waits(waits, replies[len(order) :], list(by_stream))
+        for i, reply in zip(order, replies[: len(order)], strict=True):
             if isinstance(reply, BaseException):
                 self._raise_if_unreachable(reply)
                 results[i] = self._rejected(batch[i], reply)
+
+    def _queue_waits(self, pipe: Any, streams: list[str]) -> list[str]:
+        """``WAIT wait_replicas timeout`` after the writes, on the connection that carried
+        them (Redis waits for the writes of the connection it is sent on): one for a single
+        Redis, one per master of ``streams`` on a cluster (redis-py's cluster pipeline
+        sends each master's commands on one connection). The names of the masters."""
+        if not self.wait_replicas:
+            return []
+        args = ("WAIT", self.wait_replicas, max(1, int(self.wait_timeout_seconds * 1000)))
+        if not self.connection.cluster:
+            pipe.execute_command(*args)
+            return [redact_url(self.url)]
+        nodes = {}
+        for stream in streams:
+            node = self.client.get_node_from_key(stream)
+            nodes[node.name] = node
+        for node in nodes.values():
+            pipe.execute_command(*args, target_nodes=node)
+        return list(nodes)
+
+    def _check_waits(self, waits: list[str], replies: list[Any], streams: list[str]) -> None:
+        """BrokerUnavailable when a master had fewer than ``wait_replicas`` replicas take
+        the writes in time, or (a cluster) a stream's slot moved to another master while
+        the batch was written: the batch comes back later, and the de-duplication returns
+        the entries already written."""
+        for node, reply in zip(waits, replies, strict=True):
+            if isinstance(reply, BaseException):
+                self._raise_if_unreachable(reply)
+                raise self.connection.unavailable(reply)
+            if int(reply) < self.wait_replicas:
+                raise exceptions.BrokerUnavailable(
+                    f"Redis at {node}: {int(reply)} of wait_replicas={self.wait_replicas} "
+                    f"replicas took the writes within {self.wait_timeout_seconds:g} s; "
+                    "the batch will be published again"
+                )
+        if waits and self.connection.cluster:
+            moved = [s for s in streams if self.client.get_node_from_key(s).name not in waits]
+            if moved:
+                raise exceptions.BrokerUnavailable(
+                    f"Redis Cluster {redact_url(self.url)}: the slot of {moved[0]!r} moved "
+                    "while the batch was written, its replication is unconfirmed; the batch "
+                    "will be published again"
+                )
 
     def _rejected(self, envelope: Envelope, error: BaseException | str) -> BaseException:
         """The result for a message Redis refused: :class:`MessageRejected`, or
