@@ -75,3 +75,10 @@ def test_a_bad_option_is_named(url: str, words: list[str]) -> None:
     for word in words:
         assert word in str(caught.value)
     assert "secret" not in str(caught.value)
+
+
+def test_a_cluster_url_takes_the_envelope_and_keeps_its_nodes() -> None:
+    broker = broker_from_url("redis+cluster://127.0.0.1:7000,127.0.0.1:7001?envelope=cloudevents")
+    assert isinstance(broker, RedisStreamsBroker)
+    assert broker.envelope_format.enabled
+    assert "envelope" not in broker.url and "7001" in broker.url
