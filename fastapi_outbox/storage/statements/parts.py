@@ -9,9 +9,11 @@ builders stay pure, so ``tests/unit`` compiles them without a database.
 from __future__ import annotations
 
 import datetime as dt
+import uuid
+from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import ARRAY, Table, Uuid, any_, bindparam, literal_column
+from sqlalchemy import ARRAY, Table, Uuid, and_, any_, bindparam, literal_column
 from sqlalchemy.engine import Dialect
 from sqlalchemy.sql.elements import ColumnElement
 
@@ -29,6 +31,7 @@ __all__ = [
     "PROCESSING",
     "PUBLISHED",
     "active",
+    "batch_params",
     "ids_in",
     "later",
     "now",
@@ -64,10 +67,28 @@ def active(alias: Any) -> ColumnElement[bool]:
 
 def ids_in(table: Table, dialect: Dialect, name: str = "ids") -> ColumnElement[bool]:
     """The batch's rows: ``id = ANY($ids)`` on PostgreSQL (one array parameter, so one
-    cached statement serves every batch size), an expanding ``IN`` on SQLite."""
+    cached statement serves every batch size), an expanding ``IN`` on SQLite.
+
+    On a partitioned table (by id) also ``id BETWEEN $ids_lo AND $ids_hi``, the batch's
+    smallest and largest id (:func:`batch_params`): PostgreSQL prunes partitions on an
+    array *parameter* only in a custom plan, but on a range of scalar parameters in a
+    generic (prepared) plan too, at executor start ("Subplans Removed"); a batch claimed in
+    due order spans one partition, two around a boundary."""
     if is_postgres(dialect):
-        return table.c.id == any_(bindparam(name, type_=ARRAY(Uuid())))
+        clause = table.c.id == any_(bindparam(name, type_=ARRAY(Uuid())))
+        if table.info.get("partitioning") is None:
+            return clause
+        lo = bindparam(f"{name}_lo", type_=Uuid())
+        hi = bindparam(f"{name}_hi", type_=Uuid())
+        return and_(clause, table.c.id >= lo, table.c.id <= hi)
     return table.c.id.in_(bindparam(name, expanding=True))
+
+
+def batch_params(ids: Sequence[uuid.UUID], name: str = "ids") -> dict[str, Any]:
+    """The parameters of :func:`ids_in`: the ids, and their range (unused on a table that
+    is not partitioned)."""
+    listed = list(ids)
+    return {name: listed, f"{name}_lo": min(listed), f"{name}_hi": max(listed)}
 
 
 def order_columns(alias: Any, dialect: Dialect) -> tuple[Any, ...]:
