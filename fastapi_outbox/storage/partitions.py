@@ -4,10 +4,15 @@ Why: at ten million rows a day, retention by ``DELETE`` writes every deleted row
 leaves dead tuples for autovacuum and bloats the indexes; dropping a day's partition is a
 catalogue change. The layout and its maintenance, all here:
 
-* The table is ``PARTITION BY RANGE (created_at)``; the primary key is ``(id, created_at)``
-  (PostgreSQL requires the partition key in every unique index). Lookups by id alone
-  (mark, cancel, replay, ``show``) probe the primary-key index of each partition: a few
-  index descents per partition, which is why partitions are days (or hours), not minutes.
+* The table is ``PARTITION BY RANGE (id)``: ids are UUIDv7, whose first 48 bits are the
+  creation time in Unix milliseconds, so a time range is an id range; a bound is
+  ``sql.id_bound(time)`` (that millisecond, zeros after). The primary key is ``(id)``, and
+  every lookup by id prunes to one partition: ``id = $1`` and the batch's ``id BETWEEN``
+  bounds of the marks (``statements.parts.ids_in``) at executor start in a generic plan;
+  the claim's update on the chosen ids' range, at run time (``relay._chosen_rows``).
+  :class:`Partition` bounds are times whatever the key, so the maintenance below reads the
+  same for a table an earlier release partitioned by ``created_at``
+  (:func:`partition_key`): it keeps working, with timestamp bounds, without the pruning.
 * Every index of the layout is declared on the partitioned table, so each partition gets
   the same partial indexes: a claim is a Merge Append of per-partition partial-index scans
   in due order, whose cost follows the rows that still need work.
@@ -20,14 +25,17 @@ catalogue change. The layout and its maintenance, all here:
   the DEFAULT partition while it checks that none of its rows fall in the new range. A range
   for which the DEFAULT partition already holds rows is left to it (logged).
 * :func:`drop_expired` drops a partition whose range is over and whose rows are all
-  published or abandoned and past their retention, checked through the partial indexes
-  (no scan of the partition). ``DETACH PARTITION CONCURRENTLY`` is refused by PostgreSQL
-  when a DEFAULT partition exists, so the detach is a plain one: a brief ACCESS EXCLUSIVE
-  lock on the parent, requested with a short ``lock_timeout`` (:data:`LOCK_TIMEOUT_SECONDS`)
-  so that it never queues producers behind a long transaction; when the lock is not
-  granted in time, the next cleanup tries again. Detach, re-check that no row is active
-  (a ``replay`` may have run meanwhile) and ``DROP`` happen in one transaction: either the
-  partition is gone with only finished rows, or nothing changed.
+  published or abandoned and past their retention (:func:`partition_finished`, through
+  the partial indexes: no scan of the partition). :func:`list_partitions`,
+  :func:`partition_finished` and :func:`detach_partition_sync` are the pieces other
+  upkeep (an archive of finished partitions) builds on. ``DETACH PARTITION CONCURRENTLY``
+  is refused by PostgreSQL when a DEFAULT partition exists, so the detach is a plain one:
+  a brief ACCESS EXCLUSIVE lock on the parent, requested with a short ``lock_timeout``
+  (:data:`LOCK_TIMEOUT_SECONDS`) so that it never queues producers behind a long
+  transaction; when the lock is not granted in time, the next cleanup tries again.
+  Detach, re-check that no row is active (a ``replay`` may have run meanwhile) and ``DROP``
+  happen in one transaction: either the partition is gone with only finished rows, or
+  nothing changed.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from sqlalchemy import text, update
 from fastapi_outbox import ConfigurationError, Message, Outbox, OutboxSettings, build_table
 from fastapi_outbox.brokers import MemoryBroker
 from fastapi_outbox.storage import partitions
+from fastapi_outbox.storage.schema import ddl
 from fastapi_outbox.storage.statements import operations as ops_sql
 from fastapi_outbox.storage.statements import partitions as part_sql
 from fastapi_outbox.storage.statements import relay as relay_sql
@@ -558,8 +559,9 @@ async def test_lookups_by_id_read_one_partition_in_generic_plans(pg_url: str) ->
             claim = store.claim_statement("default", 3, False)
             sql, args = store.connector.compile("claim", claim, store.claim_params("t", 30.0))
             plan = await explain_generic(driver, sql, args)
-            # Each claimed row is updated through its own partition's primary key.
-            assert executed(plan, "_pkey") == {here: 3}, plan
+            # The claimed rows are updated through one scan of their partition's primary
+            # key; the other partitions' scans never run (pruned on the ids' range).
+            assert executed(plan, "_pkey") == {here: 1}, plan
 
             rows = await store.claim("default", 3, "tok", 30.0)
             claimed = [r.id for r in rows]
@@ -577,9 +579,74 @@ async def test_lookups_by_id_read_one_partition_in_generic_plans(pg_url: str) ->
             plan = await explain_generic(driver, sql, args)
             assert executed(plan) == {here: 1}, plan
 
-            show = ops_sql.get(outbox.table, ids[-1]).compile(dialect=outbox.engine.dialect)
-            args = [show.params[k] for k in show.positiontup or ()]
-            plan = await explain_generic(driver, show.string, args)
-            assert executed(plan) == {here: 1}, plan
+            dialect = outbox.engine.dialect
+            for operation in (
+                ops_sql.get(outbox.table, ids[-1]),  # show
+                ops_sql.cancel_unclaimed(outbox.table, ids[-2:]),
+                ops_sql.replay(outbox.table, dialect, ids[-2:], statuses=("pending",)),
+            ):
+                c = operation.compile(dialect=dialect, compile_kwargs={"render_postcompile": True})
+                args = [c.params[k] for k in c.positiontup or ()]
+                plan = await explain_generic(driver, c.string, args)
+                assert set(executed(plan)) == {here}, plan
     finally:
+        await outbox.aclose()
+
+
+async def test_a_table_partitioned_by_created_at_keeps_working_and_doctor_says_so(
+    pg_url: str,
+) -> None:
+    """A table made by an earlier release (``PARTITION BY RANGE (created_at)``, primary key
+    ``(id, created_at)``): the maintenance follows its key (timestamp bounds), dispatch
+    and retention work, and ``doctor`` advises the move without failing."""
+    table = unique("legacy_outbox")
+    outbox = partitioned(pg_url, table_name=table)
+    today = midnight(dt.datetime.now(dt.UTC))
+    layout = ddl(outbox.table, outbox.engine.dialect).split(";\n\n")
+    old = [
+        s.replace("PRIMARY KEY (id)", "PRIMARY KEY (id, created_at)").replace(
+            "PARTITION BY RANGE (id)", "PARTITION BY RANGE (created_at)"
+        )
+        for s in layout
+        if s.startswith(("CREATE TABLE " + table + " ", "CREATE INDEX"))
+    ]
+    try:
+        async with outbox.engine.begin() as conn:
+            for statement in old:
+                await conn.execute(text(statement.rstrip(";\n")))
+        # The table exists: nothing rewritten; DEFAULT and the partitions ahead are made.
+        await outbox.create_tables()
+        async with outbox.engine.begin() as conn:
+            assert await conn.run_sync(partitions.partition_key, table) == "created_at"
+            lo = today - 5 * DAY
+            await conn.run_sync(partitions.create_partition_sync, table, lo, lo + DAY)
+            found = await conn.run_sync(partitions.list_partitions, table)
+        assert (found[0].start, found[0].end) == (lo, lo + DAY)
+        assert (found[1].start, found[1].end) == (today, today + DAY)
+        assert found[-1].is_default
+        ids = await publish(outbox, unique("orders"), 3)
+        placed = await where_rows(outbox)
+        assert {placed[i] for i in ids} == {partitions.partition_name(table, today)}
+        assert await drain(outbox) == 3
+        # Retention drops the old created_at partition once its rows are done.
+        [old_id] = await publish(outbox, unique("orders"), 1)
+        t = outbox.table
+        async with outbox.engine.begin() as conn:
+            await conn.execute(
+                update(t)
+                .where(t.c.id == old_id)
+                .values(created_at=lo, status="published", published_at=lo)
+            )
+        assert (await where_rows(outbox))[old_id] == partitions.partition_name(table, lo)
+        await outbox.cleaner.run_once()
+        assert outbox.cleaner.dropped_partitions == [partitions.partition_name(table, lo)]
+
+        env = {"OUTBOX_PARTITIONING": "daily", "OUTBOX_TABLE_NAME": table}
+        doctor = run_cli("doctor", "--url", pg_url, env=env)
+        assert doctor.returncode == 0, doctor.stdout + doctor.stderr
+        assert f"table {table} is partitioned by created_at" in doctor.stdout
+        assert "primary key is" not in doctor.stdout
+    finally:
+        async with outbox.engine.begin() as conn:
+            await conn.execute(text(f"DROP TABLE IF EXISTS {table} CASCADE"))
         await outbox.aclose()
