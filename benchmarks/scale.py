@@ -13,10 +13,21 @@ Printed, for both layouts:
   dispatcher with default settings draining a backlog to Redis) before and while the
   retention runs.
 
+With ``--dispatch`` (instead of the above): dispatch from a plain table and from a table
+partitioned by day (by id: see ``fastapi_outbox.storage.partitions``) holding ``--days``
+partitions (30 by default) of ``--rows`` done rows (3,000,000 by default, so a run takes ~10
+minutes on a loaded 2-core machine), in ``--rounds`` alternating rounds (the layout going
+first alternates): each round a default dispatcher drains ``--dispatch-backlog`` pending rows
+to Redis, msg/s from its first mark to its last. Then, per layout, the plans of a 500-row
+claim and of its mark as a dispatcher runs them once its prepared statements use a generic
+plan (forced: the worst case for pruning), ``EXPLAIN (ANALYZE, BUFFERS)``, rolled back; scans
+of other partitions that never ran are counted, not printed.
+
 Fill method: one ``INSERT … SELECT … FROM generate_series`` statement per step and layout,
 UUIDv7-like ids (time-ordered, like the library's), ~80-byte JSON payloads.
 
-Run: ``.venv/bin/python benchmarks/scale.py [--rows 10000000] [--days 10] [--quick]``
+Run: ``.venv/bin/python benchmarks/scale.py [--rows 10000000] [--days 10] [--quick]``, or
+``.venv/bin/python benchmarks/scale.py --dispatch [--days 30] [--rows 3000000] [--rounds 7]``
 (PostgreSQL and Redis on loopback; a throw-away database ``bench_scale_<random>``).
 """
 

@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import ARRAY, Table, Uuid, and_, any_, bindparam, literal_column
+from sqlalchemy import ARRAY, Table, Uuid, and_, any_, bindparam, cast, literal_column, select
 from sqlalchemy.engine import Dialect
 from sqlalchemy.sql.elements import ColumnElement
 
@@ -69,18 +69,23 @@ def ids_in(table: Table, dialect: Dialect, name: str = "ids") -> ColumnElement[b
     """The batch's rows: ``id = ANY($ids)`` on PostgreSQL (one array parameter, so one
     cached statement serves every batch size), an expanding ``IN`` on SQLite.
 
-    On a partitioned table (by id) also ``id BETWEEN $ids_lo AND $ids_hi``, the batch's
-    smallest and largest id (:func:`batch_params`): PostgreSQL prunes partitions on an
-    array *parameter* only in a custom plan, but on a range of scalar parameters in a
-    generic (prepared) plan too, at executor start ("Subplans Removed"); a batch claimed in
-    due order spans one partition, two around a boundary."""
+    On a table partitioned by id also ``id >= $ids_lo AND id <= $ids_hi``, the batch's
+    smallest and largest id (:func:`batch_params`): PostgreSQL prunes the partitions of a
+    generic (prepared) plan on a range of parameters when the executor starts (not on an
+    array parameter); a batch claimed in due order spans one partition, two around a
+    boundary. The three values go in as ``(SELECT $n)``: init plans, so no plan prunes at
+    planning time and the custom plans cost what the generic one costs; PostgreSQL then
+    keeps the generic plan (pruned when it runs) instead of planning every mark again."""
     if is_postgres(dialect):
-        clause = table.c.id == any_(bindparam(name, type_=ARRAY(Uuid())))
         if table.info.get("partitioning") is None:
-            return clause
-        lo = bindparam(f"{name}_lo", type_=Uuid())
-        hi = bindparam(f"{name}_hi", type_=Uuid())
-        return and_(clause, table.c.id >= lo, table.c.id <= hi)
+            return table.c.id == any_(bindparam(name, type_=ARRAY(Uuid())))
+        ids = select(bindparam(name, type_=ARRAY(Uuid()))).scalar_subquery()
+        lo = select(bindparam(f"{name}_lo", type_=Uuid())).scalar_subquery()
+        hi = select(bindparam(f"{name}_hi", type_=Uuid())).scalar_subquery()
+        # CAST: ``= ANY ((SELECT …))``, an array value, not ``= ANY (SELECT …)`` over rows.
+        return and_(
+            table.c.id == any_(cast(ids, ARRAY(Uuid()))), table.c.id >= lo, table.c.id <= hi
+        )
     return table.c.id.in_(bindparam(name, expanding=True))
 
 
