@@ -13,10 +13,21 @@ Printed, for both layouts:
   dispatcher with default settings draining a backlog to Redis) before and while the
   retention runs.
 
+With ``--dispatch`` (instead of the above): dispatch from a plain table and from a table
+partitioned by day (by id: see ``fastapi_outbox.storage.partitions``) holding ``--days``
+partitions (30 by default) of ``--rows`` done rows (3,000,000 by default, so a run takes ~10
+minutes on a loaded 2-core machine), in ``--rounds`` alternating rounds (the layout going
+first alternates): each round a default dispatcher drains ``--dispatch-backlog`` pending rows
+to Redis, msg/s from its first mark to its last. Then, per layout, the plans of a 500-row
+claim and of its mark as a dispatcher runs them once its prepared statements use a generic
+plan (forced: the worst case for pruning), ``EXPLAIN (ANALYZE, BUFFERS)``, rolled back; scans
+of other partitions that never ran are counted, not printed.
+
 Fill method: one ``INSERT … SELECT … FROM generate_series`` statement per step and layout,
 UUIDv7-like ids (time-ordered, like the library's), ~80-byte JSON payloads.
 
-Run: ``.venv/bin/python benchmarks/scale.py [--rows 10000000] [--days 10] [--quick]``
+Run: ``.venv/bin/python benchmarks/scale.py [--rows 10000000] [--days 10] [--quick]``, or
+``.venv/bin/python benchmarks/scale.py --dispatch [--days 30] [--rows 3000000] [--rounds 7]``
 (PostgreSQL and Redis on loopback; a throw-away database ``bench_scale_<random>``).
 """
 
@@ -26,6 +37,7 @@ import argparse
 import asyncio
 import datetime as dt
 import json
+import re
 import statistics
 import sys
 import time
@@ -224,6 +236,193 @@ async def retention_under_load(
     return out
 
 
+def _literal(value: Any) -> str:
+    """A bound value as an untyped SQL literal (``EXECUTE`` of a prepared statement)."""
+    if value is None:
+        return "NULL"
+    if isinstance(value, list):
+        value = "{" + ",".join(str(v) for v in value) + "}"
+    elif isinstance(value, dt.timedelta):
+        value = f"{value.total_seconds()} seconds"
+    return "'" + str(value).replace("'", "''") + "'"
+
+
+async def explain_generic(outbox: Any, sql: str, args: list[Any]) -> list[str]:
+    """``EXPLAIN (ANALYZE, BUFFERS)`` of ``sql`` as a dispatcher runs it once its prepared
+    statement switched to a generic plan (forced here: the worst case for pruning),
+    executed in a transaction that is rolled back. Plan nodes that never ran (the other
+    partitions, pruned at run time) are counted, not printed."""
+    name = f"bench_{time.monotonic_ns()}"
+    async with outbox.store.connector.driver_connection() as driver:
+        await driver.execute(f"PREPARE {name} AS {sql}")
+        transaction = driver.transaction()
+        await transaction.start()
+        try:
+            await driver.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+            params = ", ".join(_literal(a) for a in args)
+            rows = await driver.fetch(f"EXPLAIN (ANALYZE, BUFFERS) EXECUTE {name}({params})")
+        finally:
+            await transaction.rollback()
+            await driver.execute(f"DEALLOCATE {name}")
+    lines = [r[0] for r in rows]
+    # The update's list of result partitions ("Update on <partition> <alias>"): counted.
+    targets = [line for line in lines if re.fullmatch(r"\s+Update on \S+ \S+", line)]
+    lines = [line for line in lines if line not in targets]
+    never = [line for line in lines if "(never executed)" in line and "Scan" in line]
+    shown = []
+    skip_depth: int | None = None
+    for line in lines:
+        depth = len(line) - len(line.lstrip())
+        if skip_depth is not None and depth > skip_depth:
+            continue  # the conditions of a scan that never ran
+        skip_depth = None
+        if line in never:
+            skip_depth = depth
+            continue
+        shown.append(line)
+    if targets:
+        shown.append(f"({len(targets)} 'Update on <partition>' lines: not shown)")
+    if never:
+        shown.append(f"({len(never)} scans on other partitions never executed: not shown)")
+    return shown
+
+
+async def dispatch_plans(outbox: Any) -> dict[str, list[str]]:
+    """The plans of a 500-row claim and of its mark (``mark_published``), generic, with
+    ANALYZE and BUFFERS, on ``outbox``'s table with a 500-row backlog."""
+    from fastapi_outbox.storage.statements import relay as relay_sql
+    from fastapi_outbox.storage.statements.parts import batch_params
+
+    name = outbox.table.name
+    store = outbox.store
+    await run_sql(outbox, fill_sql(name, "pending", 90_000_000, CLAIM, 1, stream="plans"))
+    out = {}
+    stmt = store.claim_statement("default", CLAIM, False)
+    sql, args = store.connector.compile("plan", stmt, store.claim_params("plan", 30.0))
+    out["claim"] = await explain_generic(outbox, sql, args)
+    rows = await store.claim("default", CLAIM, "plan", 30.0)
+    ids = [r.id for r in rows]
+    mark = relay_sql.mark_published(outbox.table, outbox.engine.dialect)
+    sql, args = store.connector.compile("plan_mark", mark, {**batch_params(ids), "token": "plan"})
+    out["mark"] = await explain_generic(outbox, sql, args)
+    await store.mark_published(ids, "plan")
+    return out
+
+
+async def drain_rate(dispatcher: Any, backlog: int, stream: str) -> float:
+    """Messages per second of a default dispatcher draining ``backlog`` rows to Redis,
+    from its first mark to its last."""
+    import redis.asyncio as aioredis
+
+    async with dispatcher.dispatcher():
+        processor = dispatcher.processors["default"]
+        deadline = time.monotonic() + 600
+
+        async def until(done: Any) -> None:
+            # A poll (the processor has no event to wait on), bounded by the deadline.
+            for _ in range(10**7):
+                if done() or time.monotonic() > deadline:
+                    return
+                await asyncio.sleep(0.005)
+
+        await until(lambda: processor.published_total > 0)
+        n0, t0 = processor.published_total, time.perf_counter()
+        await until(lambda: processor.published_total >= backlog)
+        rate = (processor.published_total - n0) / (time.perf_counter() - t0)
+    client = aioredis.Redis.from_url(REDIS_URL)
+    await client.delete(stream)
+    await client.aclose()
+    return rate
+
+
+async def dispatch_comparison(
+    url: str, rows: int, days: int, order: str, rounds: int, backlog: int
+) -> None:
+    """Dispatch from a plain table and from a table partitioned by day holding ``days``
+    partitions of done rows, in alternating rounds (the layout going first alternates),
+    then the generic plans of the claim and the mark of each."""
+    from fastapi_outbox import Outbox, OutboxSettings
+    from fastapi_outbox.brokers import RedisStreamsBroker
+    from fastapi_outbox.storage import partitions
+
+    now = dt.datetime.now(dt.UTC)
+    layouts = {"plain": None, f"partitioned, {days} days": "daily"}
+    outboxes: dict[str, tuple[Any, Any]] = {}
+    try:
+        for layout, partitioning in layouts.items():
+            name = "plain_outbox" if partitioning is None else "parted_outbox"
+            settings = OutboxSettings(
+                table_name=name,
+                partitioning=partitioning,
+                published_retention_seconds=None,
+                abandoned_retention_seconds=None,
+            )
+            outbox = Outbox(url, settings=settings.model_copy(update={"run_dispatchers": False}))
+            dispatcher = Outbox(
+                url,
+                brokers={"default": RedisStreamsBroker(REDIS_URL, maxlen=10_000, dedup="off")},
+                settings=settings,
+            )
+            outboxes[layout] = (outbox, dispatcher)
+            await outbox.create_tables()
+            if partitioning is not None:
+                async with outbox.engine.begin() as conn:
+                    for d in range(1, days + 1):
+                        lo = midnight(now) - d * DAY
+                        await conn.run_sync(partitions.create_partition_sync, name, lo, lo + DAY)
+            t0 = time.perf_counter()
+            await run_sql(outbox, fill_sql(name, "published", 1, rows, days, order))
+            await run_sql(outbox, f"VACUUM ANALYZE {name}")
+            count = len(await outbox.partitions.partitions()) if outbox.partitions else 0
+            print(
+                f"{layout}: {rows:,} done rows filled in {time.perf_counter() - t0:.0f} s"
+                + (f", {count} partitions (DEFAULT included)" if count else ""),
+                flush=True,
+            )
+        rates: dict[str, list[float]] = {layout: [] for layout in layouts}
+        for n in range(rounds):
+            names = list(layouts) if n % 2 == 0 else list(reversed(layouts))
+            for layout in names:
+                outbox, dispatcher = outboxes[layout]
+                name = outbox.table.name
+                stream = f"bench_scale_dispatch_{name}"
+                first = 100_000_000 + n * backlog
+                await run_sql(
+                    outbox,
+                    fill_sql(name, "pending", first, backlog, 1, stream=stream),
+                    f"ANALYZE {name}",
+                )
+                rate = await drain_rate(dispatcher, backlog, stream)
+                rates[layout].append(rate)
+                print(f"round {n + 1}: {layout}: {rate:,.0f} msg/s", flush=True)
+        for layout, (outbox, _) in outboxes.items():
+            plans = await dispatch_plans(outbox)
+            for what, plan in plans.items():
+                print(f"\n{what} plan (generic, EXPLAIN ANALYZE, BUFFERS), {layout}:")
+                print("\n".join(f"   {line}" for line in plan))
+    finally:
+        for outbox, dispatcher in outboxes.values():
+            await dispatcher.aclose()
+            await outbox.aclose()
+    print()
+    medians = {layout: statistics.median(r) for layout, r in rates.items()}
+    plain = medians["plain"]
+    print(
+        table(
+            ["layout", *(f"round {i + 1} msg/s" for i in range(rounds)), "median", "vs plain"],
+            [
+                [
+                    layout,
+                    *(f"{r:,.0f}" for r in rates[layout]),
+                    f"{medians[layout]:,.0f}",
+                    f"{medians[layout] / plain:.2f}x",
+                ]
+                for layout in rates
+            ],
+        )
+    )
+
+
 def mb(value: float) -> str:
     return f"{value / 1e6:,.1f} MB"
 
@@ -382,10 +581,22 @@ async def main(rows: int, days: int, backlog: int, order: str) -> None:
             print(f"note: {layout}: the backlog ran out during the retention")
 
 
+async def dispatch_only(rows: int, days: int, order: str, rounds: int, backlog: int) -> None:
+    loopback(REDIS_URL)
+    banner(
+        f"dispatch at scale: plain vs {days} daily partitions, {rows:,} done rows, "
+        f"{rounds} alternating rounds of {backlog:,} messages to Redis ({machine_note()})"
+    )
+    async with bench_database("bench_scale") as url:
+        await dispatch_comparison(url, rows, days, order, rounds, backlog)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=10_000_000, help="done rows at the end")
-    parser.add_argument("--days", type=int, default=10, help="days the done rows span")
+    parser.add_argument(
+        "--rows", type=int, help="done rows at the end (10,000,000; --dispatch: 3,000,000)"
+    )
+    parser.add_argument("--days", type=int, help="days the done rows span (10; --dispatch: 30)")
     parser.add_argument(
         "--backlog", type=int, default=600_000, help="pending rows drained during retention"
     )
@@ -393,7 +604,25 @@ if __name__ == "__main__":
         "--order", choices=ORDERS, default="time", help="heap order of the done rows"
     )
     parser.add_argument("--quick", action="store_true", help="200,000 rows: a smoke run")
+    parser.add_argument(
+        "--dispatch",
+        action="store_true",
+        help="only the dispatch comparison: plain vs partitioned, alternating rounds, plans",
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="dispatch rounds per layout")
+    parser.add_argument(
+        "--dispatch-backlog", type=int, default=50_000, help="pending rows drained per round"
+    )
     args = parser.parse_args()
+    if args.rows is None:
+        args.rows = 3_000_000 if args.dispatch else 10_000_000
+    if args.days is None:
+        args.days = 30 if args.dispatch else 10
     if args.quick:
         args.rows, args.days, args.backlog = 200_000, 4, 100_000
-    asyncio.run(main(args.rows, args.days, args.backlog, args.order))
+    if args.dispatch:
+        asyncio.run(
+            dispatch_only(args.rows, args.days, args.order, args.rounds, args.dispatch_backlog)
+        )
+    else:
+        asyncio.run(main(args.rows, args.days, args.backlog, args.order))

@@ -163,8 +163,9 @@ class OutboxSettings(BaseSettings):
     ordered: bool = False
     partitioning: str | None = Field(
         default=None,
-        description="PostgreSQL: range-partition the outbox table by created_at, one "
-        "partition per interval ('daily', 'hourly', '6h', '2d'); retention then drops "
+        description="PostgreSQL: range-partition the outbox table by time (its UUIDv7 id's "
+        "range), one partition per interval ('daily', 'hourly', '6h', '2d'); lookups by id "
+        "read one partition, retention drops "
         "whole partitions (see fastapi_outbox.partitions). None: one plain table.",
     )
     published_retention_seconds: float | None = Field(default=PUBLISHED_RETENTION_SECONDS, ge=0)

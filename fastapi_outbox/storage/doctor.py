@@ -143,7 +143,12 @@ def examine_sync(conn: Connection, table: Table) -> list[Finding]:
     live_indexes = _pg_indexes(conn, relation)
 
     findings += _column_findings(conn, table, expected_columns, live_columns)
-    findings += _key_and_index_findings(conn, table, expected_indexes, live_indexes, partitioned)
+    key = partitions.partition_key(conn, name) if partitioned else None
+    if key is not None and key != partition_sql.KEY_ID:
+        findings.append(_legacy_key_finding(name, key))
+    findings += _key_and_index_findings(
+        conn, table, expected_indexes, live_indexes, partitioned, legacy_key=key
+    )
 
     if bool(partitioned) != (interval is not None):
         findings.append(
@@ -155,7 +160,7 @@ def examine_sync(conn: Connection, table: Table) -> list[Finding]:
             )
         )
     if partitioned and interval is not None and "archive_of" not in table.info:
-        findings += _partition_findings(conn, name, interval)
+        findings += _partition_findings(conn, name, interval, key or partition_sql.KEY_ID)
     elif partitioned and interval is not None:  # an archive: its DEFAULT partition only
         findings += _archive_default_findings(conn, name)
     if not partitioned:
@@ -219,12 +224,17 @@ def _key_and_index_findings(
     expected_indexes: dict[str, Any],
     live_indexes: dict[str, Any],
     partitioned: Any,
+    *,
+    legacy_key: str | None = None,
 ) -> list[Finding]:
-    """PostgreSQL: a primary key other than the layout's, and missing or different indexes."""
+    """PostgreSQL: a primary key other than the layout's, and missing or different indexes
+    (a table partitioned by ``created_at`` has its own primary key: reported once, by
+    :func:`_legacy_key_finding`)."""
     findings: list[Finding] = []
     want_pk = next(body for body, _, primary in expected_indexes.values() if primary)
     have_pk = next((body for body, _, primary in live_indexes.values() if primary), None)
-    if have_pk != want_pk:
+    legacy = legacy_key is not None and legacy_key != partition_sql.KEY_ID
+    if have_pk != want_pk and not legacy:
         findings.append(
             Finding(
                 f"primary key is {have_pk or 'missing'}, expected {want_pk}",
@@ -289,7 +299,27 @@ def _index_finding(
     return []
 
 
-def _partition_findings(conn: Connection, name: str, interval: dt.timedelta) -> list[Finding]:
+def _legacy_key_finding(name: str, key: str) -> Finding:
+    """A table partitioned by ``created_at`` (releases before the id layout): it keeps
+    working (maintenance and retention follow its key), only lookups by id do not prune.
+    Advice, not a mismatch: moving it is the operator's call."""
+    return Finding(
+        f"table {name} is partitioned by {key} (the layout of an earlier release): it keeps "
+        "working, but every lookup by id (the relay's marks, cancel, replay, show) probes "
+        "each partition's primary key; the current layout is partitioned by id",
+        [
+            "-- see docs/how-to/partitions.md, 'Tables partitioned by created_at': create the "
+            "new table under another table_name, switch producers to it, let one dispatcher "
+            "drain the old table, then drop it"
+        ],
+        automatic=False,
+        mismatch=False,
+    )
+
+
+def _partition_findings(
+    conn: Connection, name: str, interval: dt.timedelta, key: str = partition_sql.KEY_ID
+) -> list[Finding]:
     found = partitions.list_partitions(conn, name)
     findings = []
     if not any(p.is_default for p in found):
@@ -315,7 +345,12 @@ def _partition_findings(conn: Connection, name: str, interval: dt.timedelta) -> 
                 "running?",
                 [
                     partition_sql.partition_of(
-                        name, partitions.partition_name(name, lo), lo, hi, if_not_exists=False
+                        name,
+                        partitions.partition_name(name, lo),
+                        lo,
+                        hi,
+                        if_not_exists=False,
+                        key=key,
                     )
                     for lo, hi in missing
                 ],

@@ -4,10 +4,15 @@ Why: at ten million rows a day, retention by ``DELETE`` writes every deleted row
 leaves dead tuples for autovacuum and bloats the indexes; dropping a day's partition is a
 catalogue change. The layout and its maintenance, all here:
 
-* The table is ``PARTITION BY RANGE (created_at)``; the primary key is ``(id, created_at)``
-  (PostgreSQL requires the partition key in every unique index). Lookups by id alone
-  (mark, cancel, replay, ``show``) probe the primary-key index of each partition: a few
-  index descents per partition, which is why partitions are days (or hours), not minutes.
+* The table is ``PARTITION BY RANGE (id)``: ids are UUIDv7, whose first 48 bits are the
+  creation time in Unix milliseconds, so a time range is an id range; a bound is
+  ``sql.id_bound(time)`` (that millisecond, zeros after). The primary key is ``(id)``, and
+  every lookup by id prunes to one partition: ``id = $1`` when planned or at executor
+  start; a batch's claim and marks on the range of its ids, computed in init plans, when
+  the plan runs (``statements.relay._chosen_rows``, ``statements.parts.ids_in``).
+  :class:`Partition` bounds are times whatever the key, so the maintenance below reads the
+  same for a table an earlier release partitioned by ``created_at``
+  (:func:`partition_key`): it keeps working, with timestamp bounds, without the pruning.
 * Every index of the layout is declared on the partitioned table, so each partition gets
   the same partial indexes: a claim is a Merge Append of per-partition partial-index scans
   in due order, whose cost follows the rows that still need work.
@@ -20,14 +25,17 @@ catalogue change. The layout and its maintenance, all here:
   the DEFAULT partition while it checks that none of its rows fall in the new range. A range
   for which the DEFAULT partition already holds rows is left to it (logged).
 * :func:`drop_expired` drops a partition whose range is over and whose rows are all
-  published or abandoned and past their retention, checked through the partial indexes
-  (no scan of the partition). ``DETACH PARTITION CONCURRENTLY`` is refused by PostgreSQL
-  when a DEFAULT partition exists, so the detach is a plain one: a brief ACCESS EXCLUSIVE
-  lock on the parent, requested with a short ``lock_timeout`` (:data:`LOCK_TIMEOUT_SECONDS`)
-  so that it never queues producers behind a long transaction; when the lock is not
-  granted in time, the next cleanup tries again. Detach, re-check that no row is active
-  (a ``replay`` may have run meanwhile) and ``DROP`` happen in one transaction: either the
-  partition is gone with only finished rows, or nothing changed.
+  published or abandoned and past their retention (:func:`partition_finished`, through
+  the partial indexes: no scan of the partition). :func:`list_partitions`,
+  :func:`partition_finished` and :func:`detach_partition_sync` are the pieces other
+  upkeep (an archive of finished partitions) builds on. ``DETACH PARTITION CONCURRENTLY``
+  is refused by PostgreSQL when a DEFAULT partition exists, so the detach is a plain one:
+  a brief ACCESS EXCLUSIVE lock on the parent, requested with a short ``lock_timeout``
+  (:data:`LOCK_TIMEOUT_SECONDS`) so that it never queues producers behind a long
+  transaction; when the lock is not granted in time, the next cleanup tries again.
+  Detach, re-check that no row is active (a ``replay`` may have run meanwhile) and ``DROP``
+  happen in one transaction: either the partition is gone with only finished rows, or
+  nothing changed.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ import dataclasses
 import datetime as dt
 import logging
 import re
+import uuid
 from typing import Any
 
 from sqlalchemy import Table, event, text
@@ -92,10 +101,27 @@ class Partition:
 
 
 def _bound(value: str) -> dt.datetime | None:
+    """A range bound as a UTC time: a timestamp (tables partitioned by ``created_at``) or
+    a UUID whose first 48 bits are Unix milliseconds (by ``id``: see ``sql.id_bound``)."""
     value = value.strip()
     if value.upper() in ("MINVALUE", "MAXVALUE"):
         return None
-    return dt.datetime.fromisoformat(value.strip("'")).astimezone(dt.UTC)
+    value = value.strip("'")
+    try:
+        ms = uuid.UUID(value).int >> 80
+    except ValueError:
+        return dt.datetime.fromisoformat(value).astimezone(dt.UTC)
+    return _EPOCH + dt.timedelta(milliseconds=ms)
+
+
+def partition_key(conn: Connection, table: str) -> str | None:
+    """The column ``table`` is range-partitioned by: ``"id"`` (this layout),
+    ``"created_at"`` (a table made by an earlier release), None when not partitioned."""
+    keydef = conn.execute(sql.PARTITION_KEY, {"name": sql.quote(table)}).scalar_one_or_none()
+    if not keydef:
+        return None
+    match = re.fullmatch(r'RANGE \("?([a-z_]+)"?\)', keydef.strip())
+    return match.group(1) if match else keydef
 
 
 # -- reading the catalogue ------------------------------------------------------------------
@@ -179,7 +205,7 @@ def ranges_to_create(
 
 
 def create_partition_sync(
-    conn: Connection, table: str, lo: dt.datetime, hi: dt.datetime
+    conn: Connection, table: str, lo: dt.datetime, hi: dt.datetime, key: str | None = None
 ) -> str | None:
     """Create and attach the partition of ``[lo, hi)``; None (logged) when the DEFAULT
     partition already holds rows of that range (the job did not run in time): those rows
@@ -191,9 +217,9 @@ def create_partition_sync(
         or conn.execute(sql.RELATION_EXISTS, {"name": sql.quote(name)}).scalar_one()
     ):
         return None
-    taken = conn.execute(
-        sql.default_has_rows(default_name(table)), {"lo": lo, "hi": hi}
-    ).scalar_one()
+    key = key or partition_key(conn, table) or sql.KEY_ID
+    bounds = {"lo": sql.bound_value(key, lo), "hi": sql.bound_value(key, hi)}
+    taken = conn.execute(sql.default_has_rows(default_name(table), key), bounds).scalar_one()
     if taken:
         logger.warning(
             "partition range already has rows in the DEFAULT partition; left there",
@@ -202,7 +228,7 @@ def create_partition_sync(
         return None
     # LIKE + ATTACH rather than PARTITION OF: see sql.create_like.
     conn.execute(sql.create_like(name, table))
-    conn.execute(sql.attach(table, name, lo, hi))
+    conn.execute(sql.attach(table, name, lo, hi, key))
     logger.info(
         "partition created",
         extra={"action": "partition.created", "table": table, "partition": name},
@@ -214,21 +240,24 @@ def ensure_ahead_sync(conn: Connection, table: str, interval: dt.timedelta) -> l
     """Create the DEFAULT partition and the partitions of the coming days in ``conn``'s
     transaction (a new table: ``create_all``, a migration); returns the names created."""
     created = []
-    for lo, hi in ranges_to_create(conn, table, interval):
-        name = create_partition_sync(conn, table, lo, hi)
+    ranges = ranges_to_create(conn, table, interval)
+    key = partition_key(conn, table) if ranges else None
+    for lo, hi in ranges:
+        name = create_partition_sync(conn, table, lo, hi, key)
         if name is not None:
             created.append(name)
     return created
 
 
-def _finished_sync(
+def partition_finished(
     conn: Connection,
     name: str,
     published_cutoff: dt.datetime | None,
     abandoned_cutoff: dt.datetime | None,
 ) -> bool:
     """Whether every row of partition ``name`` is done and past retention, through its
-    partial indexes only (never a scan of the partition). A None cutoff: kept forever."""
+    partial indexes only (never a scan of the partition). A None cutoff: kept forever.
+    (The retention drop's check; an archive that moves finished partitions reuses it.)"""
     params: dict[str, Any] = {}
     if published_cutoff is not None:
         params["published"] = published_cutoff
@@ -269,7 +298,7 @@ def expired_candidates(
         if not p.is_default
         and p.end is not None
         and p.end <= now
-        and _finished_sync(conn, p.name, published_cutoff, abandoned_cutoff)
+        and partition_finished(conn, p.name, published_cutoff, abandoned_cutoff)
     ]
 
 
@@ -286,19 +315,25 @@ class Reactivated(Exception):
     process is dropping it: the transaction rolls back and the partition is left as is."""
 
 
+def detach_partition_sync(conn: Connection, table: str, name: str) -> None:
+    """Detach partition ``name`` from ``table`` (a plain DETACH: see ``sql.detach``; run
+    under :func:`_lock_timeout` by the maintainer). The partition stays as a table."""
+    conn.execute(sql.detach(table, name))
+
+
 def drop_partition_sync(conn: Connection, table: str, name: str) -> None:
     """Detach ``name``, check under the detach's lock that no row of it became active (a
     ``replay`` since the candidates were chosen) and drop it; :class:`Reactivated` when a
     row is active again (the transaction must roll back: the partition stays attached).
-    Only finished rows can change meanwhile, and only through replay: no new row gets an
-    old ``created_at``."""
+    Only finished rows can change meanwhile, and only through replay (or a row whose id a
+    producer with a late clock made: it counts as active, the drop rolls back)."""
     gone = (
         not _try_lock(conn, table)
         or conn.execute(sql.RELATION_MISSING, {"name": sql.quote(name)}).scalar_one()
     )
     if gone:  # another process is dropping it, or has
         raise Reactivated(name)
-    conn.execute(sql.detach(table, name))
+    detach_partition_sync(conn, table, name)
     if conn.execute(sql.any_active(name)).scalar_one():
         raise Reactivated(name)
     conn.execute(sql.drop(name))
@@ -426,12 +461,14 @@ def install(table: Table, interval: dt.timedelta) -> None:
     event.listen(table, "after_create", after_create)
 
 
-def statements(table: str, interval: dt.timedelta, now: dt.datetime) -> list[str]:
+def statements(
+    table: str, interval: dt.timedelta, now: dt.datetime, key: str = sql.KEY_ID
+) -> list[str]:
     """The SQL that creates the DEFAULT partition and the partitions ahead of ``now`` for a
     new partitioned table (``db sql``, hand-written migrations)."""
     out = [sql.create_default(table, default_name(table))]
     for lo, hi in wanted_ranges(now, interval, []):
-        out.append(sql.partition_of(table, partition_name(table, lo), lo, hi))
+        out.append(sql.partition_of(table, partition_name(table, lo), lo, hi, key=key))
     return out
 
 
@@ -452,12 +489,13 @@ class Maintainer:
         name = self.table.name
         async with self.engine.begin() as conn:
             ranges = await conn.run_sync(ranges_to_create, name, self.interval)
+            key = await conn.run_sync(partition_key, name) if ranges else None
         created = []
         for lo, hi in ranges:
             try:
                 async with self.engine.begin() as conn:
                     await conn.run_sync(_lock_timeout)
-                    made = await conn.run_sync(create_partition_sync, name, lo, hi)
+                    made = await conn.run_sync(create_partition_sync, name, lo, hi, key)
             except DBAPIError as exc:  # lock_timeout (or a concurrent maintainer)
                 _failed("partition.create_failed", name, partition_name(name, lo), exc)
                 continue

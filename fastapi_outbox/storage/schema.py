@@ -68,8 +68,9 @@ def build_table(
     part of the index names and of the NOTIFY channel. ``ordered`` adds the index that
     serves the ordered claim (``OutboxSettings(ordered=True)``); unordered outboxes do
     without it, which spares every insert one index entry. ``partitioning`` (``"daily"``,
-    ``"6h"``…; PostgreSQL only) makes it range-partitioned by ``created_at``, with the
-    primary key ``(id, created_at)``; ``table.create()`` then also creates the DEFAULT
+    ``"6h"``…; PostgreSQL only) makes it range-partitioned by the UUIDv7 ``id`` (its time
+    range: see :mod:`fastapi_outbox.storage.partitions`), primary key ``(id)``, so every
+    lookup by id reads one partition; ``table.create()`` then also creates the DEFAULT
     partition and the partitions ahead (see :mod:`fastapi_outbox.storage.partitions`)."""
     interval = None
     try:
@@ -88,11 +89,11 @@ def build_table(
     table = Table(
         name,
         md,
-        *_columns(partitioned=interval is not None),
+        *_columns(),
         # Autovacuum follows a queue's churn, not its size (partitions get these too:
         # PostgreSQL takes no storage parameters on a partitioned table).
         **(
-            {"postgresql_partition_by": "RANGE (created_at)"}
+            {"postgresql_partition_by": "RANGE (id)"}
             if interval is not None
             else {"postgresql_with": partitions.AUTOVACUUM}
         ),
@@ -107,9 +108,9 @@ def build_table(
     return table
 
 
-def _columns(*, partitioned: bool) -> list[Column[Any]]:
-    """The columns of the data model (DESIGN §3); ``created_at`` joins the primary key of
-    a partitioned table (PostgreSQL requires the partition key in it)."""
+def _columns() -> list[Column[Any]]:
+    """The columns of the data model (DESIGN §3). The primary key is ``(id)`` in both
+    layouts: a partitioned table is partitioned by ``id`` itself."""
     return [
         Column("id", Uuid(as_uuid=True), primary_key=True, comment="UUIDv7, time-ordered"),
         Column("broker", String(64), nullable=False, comment="target broker name"),
@@ -124,7 +125,7 @@ def _columns(*, partitioned: bool) -> list[Column[Any]]:
         Column("locked_by", String(80), nullable=True, comment="claim token (fence)"),
         Column("locked_until", UtcDateTime(), nullable=True),
         Column("last_error", Text, nullable=True),
-        Column("created_at", UtcDateTime(), nullable=False, primary_key=partitioned),
+        Column("created_at", UtcDateTime(), nullable=False),
         Column("published_at", UtcDateTime(), nullable=True),
         Column("abandoned_at", UtcDateTime(), nullable=True),
         Column(

@@ -43,6 +43,7 @@ from fastapi_outbox.storage.statements.parts import (
     PENDING,
     PROCESSING,
     PUBLISHED,
+    batch_params,
     offset,
 )
 from fastapi_outbox.storage.statements.write import INSERT_KEYS
@@ -262,7 +263,7 @@ class Store:
             name,
             lambda: relay_sql.mark_published(self.table, self.dialect, delete_rows=delete_rows),
         )
-        return await self.connector.execute(name, stmt, {"ids": list(ids), "token": token})
+        return await self.connector.execute(name, stmt, {**batch_params(ids), "token": token})
 
     async def mark_failed(self, failures: Sequence[Failure], token: str) -> int:
         """Record publish failures: back to ``failed`` with a due time, or ``abandoned``;
@@ -301,7 +302,7 @@ class Store:
         stmt = self._cached(
             name, lambda: relay_sql.release(self.table, self.dialect, refund_attempt=refund_attempt)
         )
-        return await self.connector.execute(name, stmt, {"ids": list(ids), "token": token})
+        return await self.connector.execute(name, stmt, {**batch_params(ids), "token": token})
 
     async def extend_lease(self, ids: Sequence[uuid.UUID], token: str, lease_seconds: float) -> int:
         """Renew the lease of claimed rows for ``lease_seconds`` from now (the database's
@@ -311,7 +312,11 @@ class Store:
         stmt = self._cached(
             "extend_lease", lambda: relay_sql.extend_lease(self.table, self.dialect)
         )
-        params = {"ids": list(ids), "token": token, "lease": offset(self.dialect, lease_seconds)}
+        params = {
+            **batch_params(ids),
+            "token": token,
+            "lease": offset(self.dialect, lease_seconds),
+        }
         return await self.connector.execute("extend_lease", stmt, params)
 
     async def abandon(self, ids: Sequence[uuid.UUID], token: str, error: str) -> int:

@@ -67,8 +67,26 @@ def test_default_partition_with_and_without_if_not_exists() -> None:
     )
 
 
-def test_partition_of_a_range_in_utc_iso_bounds() -> None:
+#: The ids of 2026-11-25 00:00 and 2026-11-26 00:00 UTC: Unix ms in the first 48 bits.
+ID_LO = "01a21000-8800-0000-0000-000000000000"
+ID_HI = "01a21526-e400-0000-0000-000000000000"
+
+
+def test_id_bound_is_the_smallest_uuid7_of_the_millisecond() -> None:
+    assert str(part.id_bound(LO)) == ID_LO
+    assert part.id_bound(LO).int >> 80 == 1795564800000
+    assert part.bound_value("created_at", LO) == LO
+    assert part.bound_literal("id", HI) == f"'{ID_HI}'"
+
+
+def test_partition_of_a_range_in_id_bounds_or_utc_iso_bounds() -> None:
     assert part.partition_of("outbox", "outbox_p20261125", LO, HI) == (
+        'CREATE TABLE IF NOT EXISTS "outbox_p20261125" PARTITION OF "outbox" '
+        f"FOR VALUES FROM ('{ID_LO}') TO ('{ID_HI}') "
+        f"WITH ({WITH})"
+    )
+    # A table partitioned by created_at (an earlier release): timestamps.
+    assert part.partition_of("outbox", "outbox_p20261125", LO, HI, key="created_at") == (
         'CREATE TABLE IF NOT EXISTS "outbox_p20261125" PARTITION OF "outbox" '
         "FOR VALUES FROM ('2026-11-25T00:00:00+00:00') TO ('2026-11-26T00:00:00+00:00') "
         f"WITH ({WITH})"
@@ -84,16 +102,23 @@ def test_create_like_then_attach() -> None:
     )
     assert str(part.attach("outbox", "outbox_p20261125", LO, HI)) == (
         'ALTER TABLE "outbox" ATTACH PARTITION "outbox_p20261125" '
+        f"FOR VALUES FROM ('{ID_LO}') TO ('{ID_HI}')"
+    )
+    assert str(part.attach("outbox", "outbox_p20261125", LO, HI, "created_at")) == (
+        'ALTER TABLE "outbox" ATTACH PARTITION "outbox_p20261125" '
         "FOR VALUES FROM ('2026-11-25T00:00:00+00:00') TO ('2026-11-26T00:00:00+00:00')"
     )
     # The timestamps' colons are literals, not bound parameters.
-    assert part.attach("outbox", "p", LO, HI).compile(dialect=PG).params == {}
+    assert part.attach("outbox", "p", LO, HI, "created_at").compile(dialect=PG).params == {}
 
 
 def test_default_has_rows_binds_the_range() -> None:
     assert pg(part.default_has_rows("outbox_default")) == (
+        'SELECT EXISTS (SELECT 1 FROM "outbox_default" WHERE "id" >= %(lo)s AND "id" < %(hi)s)'
+    )
+    assert pg(part.default_has_rows("outbox_default", "created_at")) == (
         'SELECT EXISTS (SELECT 1 FROM "outbox_default" '
-        "WHERE created_at >= %(lo)s AND created_at < %(hi)s)"
+        'WHERE "created_at" >= %(lo)s AND "created_at" < %(hi)s)'
     )
 
 

@@ -9,6 +9,7 @@ the claim; retention's bounded DELETE; the literal statuses the partial indexes 
 from __future__ import annotations
 
 import datetime as dt
+import uuid
 from typing import Any
 
 import pytest
@@ -17,7 +18,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Dialect
 
 from fastapi_outbox.storage.schema import build_table
-from fastapi_outbox.storage.statements import operations, relay, retention, write
+from fastapi_outbox.storage.statements import operations, parts, relay, retention, write
 
 PG = postgresql.dialect()
 LITE = sqlite.dialect()
@@ -131,6 +132,39 @@ def test_mark_published_is_fenced_by_the_token_over_an_id_array(
     )
     if not delete_rows:
         assert params["status"] == "published" and "published_at=now()" in sql
+
+
+def test_on_a_partitioned_table_the_marks_bound_the_batch_id_range() -> None:
+    """Init plans of the ids and their range: pruned when the plan runs, never planned again
+    for a new batch (see ``parts.ids_in``)."""
+    parted = build_table("unit_parted_outbox", partitioning="daily")
+    for stmt in (
+        relay.mark_published(parted, PG),
+        relay.release(parted, PG),
+        relay.extend_lease(parted, PG),
+    ):
+        sql, _ = compiled(stmt, PG)
+        assert (
+            "id = ANY (CAST((SELECT %(ids)s::UUID[] AS anon_1) AS UUID[])) "
+            "AND unit_parted_outbox.id >= (SELECT %(ids_lo)s::UUID AS anon_2) "
+            "AND unit_parted_outbox.id <= (SELECT %(ids_hi)s::UUID AS anon_3)"
+        ) in " ".join(sql.split())
+    ids = [uuid.UUID(int=3), uuid.UUID(int=1), uuid.UUID(int=2)]
+    assert parts.batch_params(ids) == {"ids": ids, "ids_lo": ids[1], "ids_hi": ids[0]}
+
+
+def test_a_partitioned_claim_updates_the_chosen_ids_between_their_bounds() -> None:
+    """No join on a table partitioned by id (see ``relay._chosen_rows``): an array of the
+    chosen ids and their range, init plans that prune the update's partitions at run time."""
+    parted = build_table("unit_parted_outbox", partitioning="daily")
+    sql, _ = compiled(relay.claim(parted, "b", 10, False, PG), PG)
+    sql = " ".join(sql.split())
+    assert sql.count("unit_parted_outbox.id = ANY (CAST((SELECT array_agg(chosen.id)") == 1
+    assert "unit_parted_outbox.id >= (SELECT chosen.id" in sql
+    assert "unit_parted_outbox.id <= (SELECT chosen.id" in sql
+    assert "ORDER BY chosen.id DESC" in sql
+    plain, _ = compiled(relay.claim(build_table("unit_plain"), "b", 10, False, PG), PG)
+    assert "WHERE unit_plain.id = chosen.id" in plain
 
 
 def test_mark_published_on_sqlite_expands_the_ids(table: Table) -> None:

@@ -36,6 +36,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.engine import Dialect
+from sqlalchemy.sql.elements import ColumnElement
 
 from fastapi_outbox.storage.dialects import is_postgres
 from fastapi_outbox.storage.statements.parts import (
@@ -318,9 +319,14 @@ def replay(
         target = target.order_by(t.c.id).limit(limit)
     if is_postgres(dialect):
         target = target.with_for_update(skip_locked=True)
+    chosen: ColumnElement[bool] = t.c.id.in_(target.scalar_subquery())
+    if ids is not None:
+        # Also on the update itself: a table partitioned by id then reads the partitions
+        # of these ids only (pruned on the list), not every partition for the semi-join.
+        chosen = and_(chosen, t.c.id.in_(list(ids)))
     return (
         update(t)
-        .where(t.c.id.in_(target.scalar_subquery()))
+        .where(chosen)
         .values(
             status=PENDING,
             attempts=0,

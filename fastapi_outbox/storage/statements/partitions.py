@@ -14,6 +14,7 @@ no bound parameters, so bounds and storage parameters are literals; every builde
 from __future__ import annotations
 
 import datetime as dt
+import uuid
 
 from sqlalchemy import text
 from sqlalchemy.sql.elements import TextClause
@@ -22,18 +23,24 @@ __all__ = [
     "ACTIVE_SQL",
     "AUTOVACUUM",
     "DB_NOW",
+    "KEY_CREATED_AT",
+    "KEY_ID",
+    "PARTITION_KEY",
     "RELATION_EXISTS",
     "RELATION_MISSING",
     "TRY_LOCK",
     "UTC",
     "any_active",
     "attach",
+    "bound_literal",
+    "bound_value",
     "busy",
     "create_default",
     "create_like",
     "default_has_rows",
     "detach",
     "drop",
+    "id_bound",
     "list_partitions",
     "lock_timeout",
     "partition_of",
@@ -65,6 +72,38 @@ def storage_sql() -> str:
     return ", ".join(f"{k} = {v}" for k, v in AUTOVACUUM.items())
 
 
+#: The partition key of the layout: the UUIDv7 id, whose first 48 bits are its creation
+#: time in Unix milliseconds, so a time range is an id range and every lookup by id prunes
+#: to one partition.
+KEY_ID = "id"
+#: The partition key of tables created by earlier releases (still maintained; lookups by
+#: id alone probe every partition there).
+KEY_CREATED_AT = "created_at"
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+
+
+def id_bound(at: dt.datetime) -> uuid.UUID:
+    """The smallest UUIDv7 created at or after ``at`` (to the millisecond): ``at``'s Unix
+    milliseconds in the first 48 bits, zeros after. UUIDs compare byte by byte in
+    PostgreSQL (and as integers in Python), so ``[id_bound(lo), id_bound(hi))`` holds
+    exactly the ids made in ``[lo, hi)``."""
+    ms = (at - _EPOCH) // dt.timedelta(milliseconds=1)
+    return uuid.UUID(int=ms << 80)
+
+
+def bound_value(key: str, at: dt.datetime) -> dt.datetime | uuid.UUID:
+    """A range bound at ``at`` in the partition key's type (bound as a parameter)."""
+    return id_bound(at) if key == KEY_ID else at
+
+
+def bound_literal(key: str, at: dt.datetime) -> str:
+    """A range bound at ``at`` as an SQL literal (DDL takes no parameters)."""
+    return f"'{id_bound(at)}'" if key == KEY_ID else f"'{at.isoformat()}'"
+
+
+#: ``partition_key``: the partition key of ``:name`` (``RANGE (id)``), NULL when the
+#: table is not partitioned.
+PARTITION_KEY = text("SELECT pg_get_partkeydef(to_regclass(:name))")
 #: ``list_partitions``, first in its transaction: ``pg_get_expr`` prints range bounds in
 #: the session's time zone; in UTC they parse the same on every server.
 UTC = text("SET LOCAL TimeZone = 'UTC'")
@@ -115,7 +154,13 @@ def create_default(table: str, default: str, *, if_not_exists: bool = True) -> s
 
 
 def partition_of(
-    table: str, name: str, lo: dt.datetime, hi: dt.datetime, *, if_not_exists: bool = True
+    table: str,
+    name: str,
+    lo: dt.datetime,
+    hi: dt.datetime,
+    *,
+    if_not_exists: bool = True,
+    key: str = KEY_ID,
 ) -> str:
     """``db sql`` (``IF NOT EXISTS``) and the doctor's fix: the partition ``name`` of
     ``[lo, hi)`` created directly as a partition — on a new table, where the ACCESS
@@ -124,18 +169,19 @@ def partition_of(
     exists = "IF NOT EXISTS " if if_not_exists else ""
     return (
         f"CREATE TABLE {exists}{quote(name)} PARTITION OF {quote(table)} "
-        f"FOR VALUES FROM ('{lo.isoformat()}') TO ('{hi.isoformat()}') "
+        f"FOR VALUES FROM ({bound_literal(key, lo)}) TO ({bound_literal(key, hi)}) "
         f"WITH ({storage_sql()})"
     )
 
 
-def default_has_rows(default: str) -> TextClause:
+def default_has_rows(default: str, key: str = KEY_ID) -> TextClause:
     """``create_partition_sync``: does the DEFAULT partition hold rows of ``[:lo, :hi)``
-    (the job did not run in time)? ATTACH would fail on them, so the range is left to the
-    DEFAULT partition. ``EXISTS``: stops at the first row."""
+    (bounds in the type of the partition ``key``: see :func:`bound_value`; the job did not
+    run in time)? ATTACH would fail on them, so the range is left to the DEFAULT
+    partition. ``EXISTS``: stops at the first row (the primary key serves the id range)."""
+    column = quote(key)
     return text(
-        f"SELECT EXISTS (SELECT 1 FROM {quote(default)} "
-        "WHERE created_at >= :lo AND created_at < :hi)"
+        f"SELECT EXISTS (SELECT 1 FROM {quote(default)} WHERE {column} >= :lo AND {column} < :hi)"
     )
 
 
@@ -150,12 +196,15 @@ def create_like(name: str, table: str) -> TextClause:
     )
 
 
-def attach(table: str, name: str, lo: dt.datetime, hi: dt.datetime) -> TextClause:
-    """``create_partition_sync``: attach ``name`` for ``[lo, hi)`` (bounds in UTC ISO
-    form; checks the empty table, and the DEFAULT partition under a short lock)."""
+def attach(
+    table: str, name: str, lo: dt.datetime, hi: dt.datetime, key: str = KEY_ID
+) -> TextClause:
+    """``create_partition_sync``: attach ``name`` for ``[lo, hi)`` (bounds of the partition
+    ``key``: see :func:`bound_literal`; checks the empty table, and the DEFAULT partition
+    under a short lock)."""
     return text(
         f"ALTER TABLE {quote(table)} ATTACH PARTITION {quote(name)} "
-        f"FOR VALUES FROM ('{lo.isoformat()}') TO ('{hi.isoformat()}')"
+        f"FOR VALUES FROM ({bound_literal(key, lo)}) TO ({bound_literal(key, hi)})"
     )
 
 
@@ -181,9 +230,9 @@ def busy(name: str, *, published: bool, abandoned: bool) -> TextClause:
 
 
 def detach(table: str, name: str) -> TextClause:
-    """``drop_partition_sync``: a plain DETACH (PostgreSQL refuses ``CONCURRENTLY`` when a
-    DEFAULT partition exists): a brief ACCESS EXCLUSIVE lock on the parent, bounded by
-    :func:`lock_timeout`."""
+    """``detach_partition_sync`` (run by ``drop_partition_sync``): a plain DETACH
+    (PostgreSQL refuses ``CONCURRENTLY`` when a DEFAULT partition exists): a brief ACCESS
+    EXCLUSIVE lock on the parent, bounded by :func:`lock_timeout`."""
     return text(f"ALTER TABLE {quote(table)} DETACH PARTITION {quote(name)}")
 
 

@@ -9,9 +9,11 @@ builders stay pure, so ``tests/unit`` compiles them without a database.
 from __future__ import annotations
 
 import datetime as dt
+import uuid
+from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import ARRAY, Table, Uuid, any_, bindparam, literal_column
+from sqlalchemy import ARRAY, Table, Uuid, and_, any_, bindparam, cast, literal_column, select
 from sqlalchemy.engine import Dialect
 from sqlalchemy.sql.elements import ColumnElement
 
@@ -29,6 +31,7 @@ __all__ = [
     "PROCESSING",
     "PUBLISHED",
     "active",
+    "batch_params",
     "ids_in",
     "later",
     "now",
@@ -64,10 +67,33 @@ def active(alias: Any) -> ColumnElement[bool]:
 
 def ids_in(table: Table, dialect: Dialect, name: str = "ids") -> ColumnElement[bool]:
     """The batch's rows: ``id = ANY($ids)`` on PostgreSQL (one array parameter, so one
-    cached statement serves every batch size), an expanding ``IN`` on SQLite."""
+    cached statement serves every batch size), an expanding ``IN`` on SQLite.
+
+    On a table partitioned by id also ``id >= $ids_lo AND id <= $ids_hi``, the batch's
+    smallest and largest id (:func:`batch_params`): PostgreSQL prunes the partitions of a
+    generic (prepared) plan on a range of parameters when the executor starts (not on an
+    array parameter); a batch claimed in due order spans one partition, two around a
+    boundary. The three values go in as ``(SELECT $n)``: init plans, so no plan prunes at
+    planning time and the custom plans cost what the generic one costs; PostgreSQL then
+    keeps the generic plan (pruned when it runs) instead of planning every mark again."""
     if is_postgres(dialect):
-        return table.c.id == any_(bindparam(name, type_=ARRAY(Uuid())))
+        if table.info.get("partitioning") is None:
+            return table.c.id == any_(bindparam(name, type_=ARRAY(Uuid())))
+        ids = select(bindparam(name, type_=ARRAY(Uuid()))).scalar_subquery()
+        lo = select(bindparam(f"{name}_lo", type_=Uuid())).scalar_subquery()
+        hi = select(bindparam(f"{name}_hi", type_=Uuid())).scalar_subquery()
+        # CAST: ``= ANY ((SELECT …))``, an array value, not ``= ANY (SELECT …)`` over rows.
+        return and_(
+            table.c.id == any_(cast(ids, ARRAY(Uuid()))), table.c.id >= lo, table.c.id <= hi
+        )
     return table.c.id.in_(bindparam(name, expanding=True))
+
+
+def batch_params(ids: Sequence[uuid.UUID], name: str = "ids") -> dict[str, Any]:
+    """The parameters of :func:`ids_in`: the ids, and their range (unused on a table that
+    is not partitioned)."""
+    listed = list(ids)
+    return {name: listed, f"{name}_lo": min(listed), f"{name}_hi": max(listed)}
 
 
 def order_columns(alias: Any, dialect: Dialect) -> tuple[Any, ...]:

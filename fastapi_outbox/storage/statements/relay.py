@@ -17,12 +17,15 @@ from __future__ import annotations
 from typing import Any
 
 from sqlalchemy import (
+    ARRAY,
     Boolean,
     Interval,
     Select,
     Table,
     Text,
+    Uuid,
     and_,
+    any_,
     bindparam,
     case,
     cast,
@@ -107,7 +110,7 @@ def claim(table: Table, broker: str, limit: int, ordered: bool, dialect: Dialect
     return (
         update(t)
         # Only the chosen rows; they are locked by ``locked`` until this statement ends.
-        .where(t.c.id == chosen.c.id)
+        .where(_chosen_rows(t, chosen, dialect))
         .values(
             status=PROCESSING,
             locked_by=bindparam("token"),  # the fence: every later change must match it
@@ -130,6 +133,29 @@ def claim(table: Table, broker: str, limit: int, ordered: bool, dialect: Dialect
             *order_columns(t, dialect),
         )
     )
+
+
+def _chosen_rows(table: Table, chosen: Any, dialect: Dialect) -> ColumnElement[bool]:
+    """The claim's update: the rows of ``chosen``. A plain table joins them by id (a nested
+    loop over the primary key).
+
+    A table partitioned by id takes them as ``id = ANY(<the chosen ids, one array>)``
+    between the smallest and the largest of them, three values computed once (init plans)
+    before the update's Append of partitions starts: PostgreSQL prunes it on that range at
+    run time ("never executed" for the other partitions), so the batch is read by one
+    primary-key scan of its partition (two around a boundary), as the marks are. A join
+    would be pruned per row too, but the planner prices it as a probe of every partition
+    per row (~250,000 for 500 rows on 30 partitions): it then prefers a hash join over a
+    scan of every partition, or JIT-compiles the claim at each execution."""
+    t = table
+    if not is_postgres(dialect) or t.info.get("partitioning") is None:
+        joined: ColumnElement[bool] = t.c.id == chosen.c.id
+        return joined
+    # CAST: ``= ANY ((SELECT …))``, an array value, not ``= ANY (SELECT …)`` over rows.
+    ids = cast(select(func.array_agg(chosen.c.id)).scalar_subquery(), ARRAY(Uuid()))
+    lo = select(chosen.c.id).order_by(chosen.c.id).limit(1).scalar_subquery()
+    hi = select(chosen.c.id).order_by(chosen.c.id.desc()).limit(1).scalar_subquery()
+    return and_(t.c.id == any_(ids), t.c.id >= lo, t.c.id <= hi)
 
 
 def _claim_order(alias: Any, ordered: bool, dialect: Dialect) -> tuple[Any, ...]:

@@ -17,10 +17,21 @@ from sqlalchemy import text, update
 from fastapi_outbox import ConfigurationError, Message, Outbox, OutboxSettings, build_table
 from fastapi_outbox.brokers import MemoryBroker
 from fastapi_outbox.storage import partitions
+from fastapi_outbox.storage.schema import ddl
+from fastapi_outbox.storage.statements import operations as ops_sql
+from fastapi_outbox.storage.statements import partitions as part_sql
+from fastapi_outbox.storage.statements import relay as relay_sql
+from fastapi_outbox.storage.statements.parts import batch_params
 from fastapi_outbox.testing import drain
 from tests.conftest import run_cli, unique
 
 DAY = dt.timedelta(days=1)
+#: A UUIDv7-like id made now by the database (PostgreSQL 15 has no uuidv7()): the Unix
+#: milliseconds in the first 48 bits, random bits after, like the library's ids.
+UUID7_SQL = (
+    "(lpad(to_hex((extract(epoch FROM clock_timestamp()) * 1000)::bigint), 12, '0') "
+    "|| substr(md5(random()::text), 1, 20))::uuid"
+)
 
 
 def partitioned(url: str, **overrides: Any) -> Outbox:
@@ -74,7 +85,9 @@ async def test_partitioned_layout_created_ahead_with_the_partial_indexes(pg_url:
                     f"WHERE i.indrelid = '{table}'::regclass AND i.indisprimary"
                 )
             )
-            assert sorted(r[0] for r in pk) == ["created_at", "id"]
+            assert sorted(r[0] for r in pk) == ["id"]
+            key = await conn.execute(text(f"SELECT pg_get_partkeydef('{table}'::regclass)"))
+            assert key.scalar_one() == "RANGE (id)"
             # Every partition (DEFAULT included) carries the claim's partial index.
             due = await conn.execute(
                 text(
@@ -105,7 +118,7 @@ async def test_claims_are_index_served_across_partitions_and_messages_arrive(
             await conn.execute(
                 text(
                     f"INSERT INTO {table} (id, broker, stream, type, payload, headers, status, "
-                    "next_attempt_at, created_at, published_at) SELECT gen_random_uuid(), "
+                    f"next_attempt_at, created_at, published_at) SELECT {UUID7_SQL}, "
                     "'default', 's', 'T', '{}', '{}', 'published', now(), now(), now() "
                     "FROM generate_series(1, 20000)"
                 )
@@ -138,11 +151,23 @@ async def test_claims_are_index_served_across_partitions_and_messages_arrive(
         await outbox.aclose()
 
 
-async def age_rows(outbox: Outbox, ids: list[uuid.UUID], **values: Any) -> None:
-    """Give rows old times (a row whose created_at changes moves to its partition)."""
+def aged_id(row_id: uuid.UUID, at: dt.datetime) -> uuid.UUID:
+    """``row_id`` as if made at ``at``: its first 48 bits (Unix ms) replaced."""
+    ms = (at - dt.datetime(1970, 1, 1, tzinfo=dt.UTC)) // dt.timedelta(milliseconds=1)
+    return uuid.UUID(int=(ms << 80) | (row_id.int & ((1 << 80) - 1)))
+
+
+async def age_rows(outbox: Outbox, ids: list[uuid.UUID], **values: Any) -> list[uuid.UUID]:
+    """Give rows old times; with ``created_at``, an id of that time too (the row moves to
+    that time's partition). Returns the rows' ids."""
     t = outbox.table
+    out = []
     async with outbox.engine.begin() as conn:
-        await conn.execute(update(t).where(t.c.id.in_(ids)).values(**values))
+        for row_id in ids:
+            new_id = aged_id(row_id, values["created_at"]) if "created_at" in values else row_id
+            await conn.execute(update(t).where(t.c.id == row_id).values(id=new_id, **values))
+            out.append(new_id)
+    return out
 
 
 async def test_retention_drops_only_partitions_whose_rows_are_all_done(pg_url: str) -> None:
@@ -160,20 +185,20 @@ async def test_retention_drops_only_partitions_whose_rows_are_all_done(pg_url: s
         done = dict(status="published", locked_by=None)
         # 5 days ago: everything published 5 days ago → the partition goes.
         expired = await publish(outbox, stream, 10)
-        await age_rows(
+        expired = await age_rows(
             outbox, expired, created_at=now - 5 * DAY, published_at=now - 5 * DAY, **done
         )
         # 4 days ago: published rows and one still pending → kept; the batched DELETE
         # takes its published rows, the pending one stays and is dispatched later.
         mixed_done = await publish(outbox, stream, 6)
-        await age_rows(
+        mixed_done = await age_rows(
             outbox, mixed_done, created_at=now - 4 * DAY, published_at=now - 4 * DAY, **done
         )
         [still_pending] = await publish(outbox, stream, 1)
-        await age_rows(outbox, [still_pending], created_at=now - 4 * DAY)
+        [still_pending] = await age_rows(outbox, [still_pending], created_at=now - 4 * DAY)
         # 3 days ago, published an hour ago: within retention → kept whole.
         recent = await publish(outbox, stream, 4)
-        await age_rows(
+        recent = await age_rows(
             outbox,
             recent,
             created_at=now - 3 * DAY,
@@ -183,7 +208,7 @@ async def test_retention_drops_only_partitions_whose_rows_are_all_done(pg_url: s
         # 30 days ago, no partition: in DEFAULT; the finished row is deleted by the batched
         # DELETE, the failed one stays.
         default_done = await publish(outbox, stream, 2)
-        await age_rows(
+        default_done = await age_rows(
             outbox,
             default_done,
             created_at=now - 30 * DAY,
@@ -191,7 +216,9 @@ async def test_retention_drops_only_partitions_whose_rows_are_all_done(pg_url: s
             abandoned_at=now - 30 * DAY,
         )
         [default_failed] = await publish(outbox, stream, 1)
-        await age_rows(outbox, [default_failed], created_at=now - 30 * DAY, status="failed")
+        [default_failed] = await age_rows(
+            outbox, [default_failed], created_at=now - 30 * DAY, status="failed"
+        )
         placed = await where_rows(outbox)
         assert {placed[i] for i in default_done} == {f"{table}_default"}
         assert placed[expired[0]] == partitions.partition_name(table, today - 5 * DAY)
@@ -228,7 +255,7 @@ async def test_a_partition_whose_row_is_replayed_meanwhile_is_not_dropped(pg_url
         async with outbox.engine.begin() as conn:
             await conn.run_sync(partitions.create_partition_sync, table, lo, lo + DAY)
         ids = await publish(outbox, unique("orders"), 3)
-        await age_rows(
+        ids = await age_rows(
             outbox, ids, created_at=now - 5 * DAY, status="abandoned", abandoned_at=now - 5 * DAY
         )
         maintainer = outbox.partitions
@@ -305,8 +332,10 @@ def test_cli_db_sql_and_create_with_partitioning(pg_url: str) -> None:
     env = {"OUTBOX_PARTITIONING": "daily"}
     sql = run_cli("db", "sql", env=env)
     assert sql.returncode == 0, sql.stderr
-    assert "PARTITION BY RANGE (created_at)" in sql.stdout
-    assert "PRIMARY KEY (id, created_at)" in sql.stdout
+    assert "PARTITION BY RANGE (id)" in sql.stdout
+    assert "PRIMARY KEY (id)" in sql.stdout
+    today = midnight(dt.datetime.now(dt.UTC))
+    assert f"FOR VALUES FROM ('{part_sql.id_bound(today)}')" in sql.stdout
     assert "outbox_messages_default PARTITION OF outbox_messages" in sql.stdout.replace('"', "")
     refused = run_cli("db", "sql", "--dialect", "sqlite", env=env)
     assert refused.returncode == 2 and "partitioning" in refused.stderr
@@ -328,7 +357,9 @@ async def test_the_readme_procedure_moves_a_plain_table_to_partitions(pg_url: st
     block = readme.split("```sql\n-- Move outbox_messages to daily partitions")[1]
     script = block.split("\n", 1)[1].split("```")[0]  # from the line after the title
     tomorrow = midnight(dt.datetime.now(dt.UTC)) + DAY
-    script = script.replace("2026-11-26 00:00+00", tomorrow.strftime("%Y-%m-%d %H:%M+00"))
+    script = script.replace(
+        "01a21526-e400-0000-0000-000000000000", str(part_sql.id_bound(tomorrow))
+    )
     step1, step2 = script.split("-- 2. The switch, one transaction:")
 
     plain = Outbox(
@@ -447,4 +478,175 @@ async def test_dispatchers_on_a_partitioned_table_deliver_to_redis(
         assert await outbox.store.count("published") == 50
     finally:
         await client.aclose()
+        await outbox.aclose()
+
+
+def _literal(value: Any) -> str:
+    """A bound value as an untyped SQL literal (``EXECUTE`` of a prepared statement)."""
+    if value is None:
+        return "NULL"
+    if isinstance(value, list):
+        value = "{" + ",".join(str(v) for v in value) + "}"
+    elif isinstance(value, dt.timedelta):
+        value = f"{value.total_seconds()} seconds"
+    return "'" + str(value).replace("'", "''") + "'"
+
+
+async def explain_generic(driver: Any, sql: str, args: list[Any]) -> dict[str, Any]:
+    """EXPLAIN (ANALYZE, FORMAT JSON) of ``sql`` as the dispatcher runs it after five
+    executions: a prepared statement's *generic* plan (forced here), executed and rolled
+    back. The plan's root node."""
+    name = f"p_{uuid.uuid4().hex}"
+    await driver.execute(f"PREPARE {name} AS {sql}")
+    transaction = driver.transaction()
+    await transaction.start()
+    try:
+        await driver.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+        params = ", ".join(_literal(a) for a in args)
+        rows = await driver.fetch(f"EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE {name}({params})")
+    finally:
+        await transaction.rollback()
+        await driver.execute(f"DEALLOCATE {name}")
+    raw = rows[0][0]
+    doc = json.loads(raw) if isinstance(raw, str | bytes) else raw
+    plan: dict[str, Any] = doc[0]["Plan"]
+    return plan
+
+
+def executed(plan: dict[str, Any], index_suffix: str = "") -> dict[str, int]:
+    """Partition → loops of the plan nodes that ran on it (``index_suffix``: index scans on
+    an index whose name ends so only); the update's own node, on the parent, is left out."""
+    out: dict[str, int] = {}
+    nodes = [plan]
+    while nodes:
+        node = nodes.pop()
+        nodes += node.get("Plans", [])
+        relation = node.get("Relation Name")
+        if relation is None or not node.get("Actual Loops") or "Operation" in node:
+            continue
+        if index_suffix and not str(node.get("Index Name", "")).endswith(index_suffix):
+            continue
+        out[relation] = out.get(relation, 0) + node["Actual Loops"]
+    return out
+
+
+async def test_lookups_by_id_read_one_partition_in_generic_plans(pg_url: str) -> None:
+    """Partitioned by id, the claim's update, the marks and ``show`` touch the partition
+    of the ids only, with the prepared statements' generic plans (asserted on the plan)."""
+    outbox = partitioned(pg_url)
+    table = outbox.table.name
+    today = midnight(dt.datetime.now(dt.UTC))
+    store = outbox.store
+    try:
+        await outbox.create_tables()
+        async with outbox.engine.begin() as conn:
+            for days in (1, 2, 3, 4):  # older partitions the lookups must skip
+                lo = today - days * DAY
+                await conn.run_sync(partitions.create_partition_sync, table, lo, lo + DAY)
+            await conn.execute(
+                text(
+                    f"INSERT INTO {table} (id, broker, stream, type, payload, headers, status, "
+                    "next_attempt_at, created_at, published_at) SELECT "
+                    f"{UUID7_SQL}, 'default', 's', 'T', '{{}}', '{{}}', 'published', now(), "
+                    "now(), now() FROM generate_series(1, 5000)"
+                )
+            )
+            await conn.execute(text(f"ANALYZE {table}"))
+        ids = await publish(outbox, unique("orders"), 6)
+        here = partitions.partition_name(table, today)
+        assert set((await where_rows(outbox)).values()) >= {here}
+        async with store.connector.driver_connection() as driver:
+            claim = store.claim_statement("default", 3, False)
+            sql, args = store.connector.compile("claim", claim, store.claim_params("t", 30.0))
+            plan = await explain_generic(driver, sql, args)
+            # The claimed rows are updated through one scan of their partition's primary
+            # key; the other partitions' scans never run (pruned on the ids' range).
+            assert executed(plan, "_pkey") == {here: 1}, plan
+
+            rows = await store.claim("default", 3, "tok", 30.0)
+            claimed = [r.id for r in rows]
+            mark = relay_sql.mark_published(outbox.table, outbox.engine.dialect)
+            sql, args = store.connector.compile(
+                "mark", mark, {**batch_params(claimed), "token": "tok"}
+            )
+            plan = await explain_generic(driver, sql, args)
+            assert executed(plan) == {here: 1}, plan
+
+            failed = relay_sql.mark_failed(outbox.table, outbox.engine.dialect)
+            params = {"row_id": claimed[0], "token": "tok", "new_status": "failed"}
+            params |= {"error": "e", "delay": dt.timedelta(seconds=1)}
+            sql, args = store.connector.compile("failed", failed, params)
+            plan = await explain_generic(driver, sql, args)
+            assert executed(plan) == {here: 1}, plan
+
+            dialect = outbox.engine.dialect
+            for operation in (
+                ops_sql.get(outbox.table, ids[-1]),  # show
+                ops_sql.cancel_unclaimed(outbox.table, ids[-2:]),
+                ops_sql.replay(outbox.table, dialect, ids[-2:], statuses=("pending",)),
+            ):
+                c = operation.compile(dialect=dialect, compile_kwargs={"render_postcompile": True})
+                args = [c.params[k] for k in c.positiontup or ()]
+                plan = await explain_generic(driver, c.string, args)
+                assert set(executed(plan)) == {here}, plan
+    finally:
+        await outbox.aclose()
+
+
+async def test_a_table_partitioned_by_created_at_keeps_working_and_doctor_says_so(
+    pg_url: str,
+) -> None:
+    """A table made by an earlier release (``PARTITION BY RANGE (created_at)``, primary key
+    ``(id, created_at)``): the maintenance follows its key (timestamp bounds), dispatch
+    and retention work, and ``doctor`` advises the move without failing."""
+    table = unique("legacy_outbox")
+    outbox = partitioned(pg_url, table_name=table)
+    today = midnight(dt.datetime.now(dt.UTC))
+    layout = ddl(outbox.table, outbox.engine.dialect).split(";\n\n")
+    old = [
+        s.replace("PRIMARY KEY (id)", "PRIMARY KEY (id, created_at)").replace(
+            "PARTITION BY RANGE (id)", "PARTITION BY RANGE (created_at)"
+        )
+        for s in layout
+        if s.startswith(("CREATE TABLE " + table + " ", "CREATE INDEX"))
+    ]
+    try:
+        async with outbox.engine.begin() as conn:
+            for statement in old:
+                await conn.execute(text(statement.rstrip(";\n")))
+        # The table exists: nothing rewritten; DEFAULT and the partitions ahead are made.
+        await outbox.create_tables()
+        async with outbox.engine.begin() as conn:
+            assert await conn.run_sync(partitions.partition_key, table) == "created_at"
+            lo = today - 5 * DAY
+            await conn.run_sync(partitions.create_partition_sync, table, lo, lo + DAY)
+            found = await conn.run_sync(partitions.list_partitions, table)
+        assert (found[0].start, found[0].end) == (lo, lo + DAY)
+        assert (found[1].start, found[1].end) == (today, today + DAY)
+        assert found[-1].is_default
+        ids = await publish(outbox, unique("orders"), 3)
+        placed = await where_rows(outbox)
+        assert {placed[i] for i in ids} == {partitions.partition_name(table, today)}
+        assert await drain(outbox) == 3
+        # Retention drops the old created_at partition once its rows are done.
+        [old_id] = await publish(outbox, unique("orders"), 1)
+        t = outbox.table
+        async with outbox.engine.begin() as conn:
+            await conn.execute(
+                update(t)
+                .where(t.c.id == old_id)
+                .values(created_at=lo, status="published", published_at=lo)
+            )
+        assert (await where_rows(outbox))[old_id] == partitions.partition_name(table, lo)
+        await outbox.cleaner.run_once()
+        assert outbox.cleaner.dropped_partitions == [partitions.partition_name(table, lo)]
+
+        env = {"OUTBOX_PARTITIONING": "daily", "OUTBOX_TABLE_NAME": table}
+        doctor = run_cli("doctor", "--url", pg_url, env=env)
+        assert doctor.returncode == 0, doctor.stdout + doctor.stderr
+        assert f"table {table} is partitioned by created_at" in doctor.stdout
+        assert "primary key is" not in doctor.stdout
+    finally:
+        async with outbox.engine.begin() as conn:
+            await conn.execute(text(f"DROP TABLE IF EXISTS {table} CASCADE"))
         await outbox.aclose()
