@@ -323,11 +323,18 @@ class PartitionedRun:
             part.draining = True
             part.notify()
         if take and not any(p.draining for p in self.parts.values()):
-            for owned in await self.leases.acquire(self.member, take, self.lease_seconds):
+            got = await self.leases.acquire(self.member, take, self.lease_seconds)
+            for owned in got:
                 self._start(owned.partition, owned.token, owned.position)
-            if take:
-                logger.debug(
-                    "partitions owned: %s", sorted(self.parts), extra={"action": "rebalance"}
+            if got:
+                logger.info(
+                    "partitions taken",
+                    extra=self.options.log_extra(
+                        "consumer.partitions_taken",
+                        taken=[o.partition for o in got],
+                        owned=sorted(self.parts),
+                        members=members,
+                    ),
                 )
 
     async def _read_loop(self) -> None:

@@ -245,32 +245,33 @@ class Leases:
 
     async def acquire(self, member: str, count: int, lease_seconds: float) -> list[OwnedPartition]:
         """Take up to ``count`` free partitions (no owner, or a lease expired): each gets a
-        new token. ``SKIP LOCKED`` on PostgreSQL: a partition whose owner is committing is
-        left for the next round. Caller: the coordinator."""
+        new token. Two statements in one transaction: the free rows, locked (``SKIP
+        LOCKED`` on PostgreSQL: a partition whose owner is committing is left for the next
+        round; a ``LIMIT`` subquery inside the ``UPDATE`` may be run again by the planner
+        and take more), then their update. Caller: the coordinator."""
         if count <= 0:
             return []
         t = self.table
         now = clock.db_now(self.is_postgres)
-        free = (
-            select(t.c.partition)
-            .where(self._mine, or_(t.c.owner.is_(None), t.c.expires_at <= now))
-            .order_by(t.c.partition)
-            .limit(count)
-        )
+        expired = or_(t.c.owner.is_(None), t.c.expires_at <= now)
+        free = select(t.c.partition).where(self._mine, expired).order_by(t.c.partition)
+        free = free.limit(count)
         if self.is_postgres:
             free = free.with_for_update(skip_locked=True)
-        stmt = (
-            update(t)
-            .where(self._mine, t.c.partition.in_(free.scalar_subquery()))
-            .where(or_(t.c.owner.is_(None), t.c.expires_at <= now))
-            .values(
-                owner=member,
-                token=t.c.token + 1,
-                expires_at=clock.db_later(self.is_postgres, seconds=lease_seconds),
-            )
-            .returning(t.c.partition, t.c.token, t.c.position)
-        )
         async with self.engine.begin() as conn:
+            numbers = list((await conn.execute(free)).scalars())
+            if not numbers:
+                return []
+            stmt = (
+                update(t)
+                .where(self._mine, t.c.partition.in_(numbers), expired)
+                .values(
+                    owner=member,
+                    token=t.c.token + 1,
+                    expires_at=clock.db_later(self.is_postgres, seconds=lease_seconds),
+                )
+                .returning(t.c.partition, t.c.token, t.c.position)
+            )
             rows = (await conn.execute(stmt)).all()
         return sorted(
             (OwnedPartition(int(p), int(tok), str(pos)) for p, tok, pos in rows),
