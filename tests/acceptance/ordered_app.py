@@ -1,7 +1,10 @@
 """An ordered consumer for the replicas acceptance test, run as
 ``fastapi-outbox dispatch --app tests.acceptance.ordered_app:outbox`` (three at once).
 
-Environment: ``DATABASE_URL``, ``BROKER_URL``, ``CONSUMER_STREAM``, ``CONSUMER_GROUP``.
+Environment: ``DATABASE_URL``, ``BROKER_URL``, ``CONSUMER_STREAM``, ``CONSUMER_GROUP``;
+``CONSUMER_MODE``: ``ordered`` (default), or for ``benchmarks/ordered_consume.py``'s
+references an unordered subscriber, ``batch`` (a transaction per fetched batch, the
+default) or ``message`` (``batch=False``: a transaction per message).
 Each message is one ``Step(key, step)``; the handler records it as a row of ``steps``
 (``id`` serial: the order the handlers' transactions wrote them in) in the handler's
 transaction, so a step handled twice or out of order shows in the table.
@@ -19,6 +22,7 @@ from fastapi_outbox.brokers import broker_from_url
 
 STREAM = os.environ.get("CONSUMER_STREAM", "steps")
 GROUP = os.environ.get("CONSUMER_GROUP", "ordered")
+MODE = os.environ.get("CONSUMER_MODE", "ordered")
 
 
 class Base(DeclarativeBase):
@@ -46,6 +50,8 @@ outbox = Outbox(
 )
 
 
-@outbox.subscriber(STREAM, group=GROUP, start="all", ordered=True)
+@outbox.subscriber(
+    STREAM, group=GROUP, start="all", ordered=MODE == "ordered", batch=MODE == "batch"
+)
 async def record(step: Step, uow: UnitOfWork) -> None:
     uow.session.add(StepRow(key=step.key, step=step.step, member=str(os.getpid())))
