@@ -17,9 +17,11 @@ the fetch loop of :mod:`~fastapi_outbox.consume.subscriber`:
 * the process reads the whole stream itself, from the oldest position of its partitions
   (no consumer group: Redis ``XREAD``, a NATS ephemeral consumer without acks), and keeps
   the messages of its partitions, each partition's in a queue of its own;
-* one task per partition handles its queue in stream order, one message at a time, each in
-  the usual handler transaction (inbox row, effects, events) whose first statement is the
-  fence: the partition's position moves to the message if the token is still ours, else
+* one task per partition handles its queue in stream order, one message at a time, in the
+  usual handler transaction (inbox row, effects, events; the first messages of the queue
+  together in one transaction, the handler on each in turn, unless ``batch=False``; one by
+  one when that fails) whose first statement is the fence: the partition's position moves
+  to the (last) message if the token is still ours, else
   :class:`~fastapi_outbox.storage.leases.LeaseLost` rolls everything back and the process
   drops the partition. A message settled without a handler transaction (skipped,
   dead-lettered) moves the position in a transaction of its own, fenced the same way.
@@ -34,8 +36,10 @@ it is handled or dead-lettered.
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import math
+import time
 import zlib
 from collections.abc import Sequence
 from typing import Any
@@ -203,10 +207,12 @@ class PartitionedRun:
         return part
 
     async def _fence(self, conn: AsyncConnection, todo: list[Delivery]) -> None:
-        for d in todo:
-            part = self._part_of(d)
-            await self.leases.fence(conn, part.number, part.token, d.entry_id)
-            self._fenced.add(d.entry_id)
+        """The fence of a transaction over ``todo`` (one message, or the first messages
+        of one partition's queue, in order): the position moves to the last one."""
+        last = todo[-1]
+        part = self._part_of(last)
+        await self.leases.fence(conn, part.number, part.token, last.entry_id)
+        self._fenced.update(d.entry_id for d in todo)
 
     async def settled(self, d: Delivery) -> None:
         """``d`` is settled: the position moves past it (in its handler's transaction
@@ -405,11 +411,14 @@ class PartitionedRun:
                         with anyio.move_on_after(1.0):
                             await part.wake.wait()
                         continue
-                    d = part.queue[0]
                     async with self._limiter:
-                        if not await self._one(part, d):
-                            break
-                    part.queue.popleft()
+                        done = await self._batch(part)
+                        if not done:
+                            if not await self._one(part, part.queue[0]):
+                                break
+                            done = 1
+                    for _ in range(done):
+                        part.queue.popleft()
                     if part.draining:
                         break
                     self._changed.set()
@@ -418,6 +427,44 @@ class PartitionedRun:
                 self._drop(part)
         finally:
             part.stopped.set()
+
+    async def _batch(self, part: _Partition) -> int:
+        """The first messages of the partition's queue (up to ``batch_size``, stopping
+        before one that does not decode for the handler) in one transaction, the handler
+        on each in stream order: how many were settled — 0 when fewer than two could go
+        together or the transaction failed (then they go one by one, the careful way)."""
+        if not self.sub.batch_requested or len(part.queue) < 2:
+            return 0
+        decoder = self.options.decoder
+        todo: list[Delivery] = []
+        messages: list[Any] = []
+        for d in itertools.islice(part.queue, self.sub.batch_size):
+            if d.attempt > 1:
+                break
+            try:
+                messages.append(decoder.decode(d))
+            except Exception:  # undecodable, not for the handler: settled on its own
+                break
+            todo.append(d)
+        if len(todo) < 2:
+            return 0
+        stats = self.sub.stats
+        try:
+            new, duplicates = await self.processing.run_batch(todo, messages)
+        except Exception as exc:
+            self._fenced.difference_update(d.entry_id for d in todo)
+            logger.info(
+                "batch failed, handling its messages one by one",
+                extra=self.options.log_extra(
+                    "consumer.batch_failed", count=len(todo), error=repr(exc)[:200]
+                ),
+            )
+            return 0
+        self._fenced.difference_update(d.entry_id for d in todo)
+        stats.handled += new
+        stats.duplicates += duplicates
+        stats.last_handled_at = time.time()
+        return len(todo)
 
     async def _one(self, part: _Partition, d: Delivery) -> bool:
         """``d`` through its handler until settled; False when the partition stops (the

@@ -247,8 +247,10 @@ class Subscriber:
         options.check_batch_handler(
             handler, batch_handler=self.batch_handler, ordered=ordered, batch=batch
         )
-        #: One transaction per fetched batch (not for ordered subscribers).
+        #: One transaction per fetched batch (not for ordered subscribers: their batches
+        #: are a partition's queued messages, :mod:`~fastapi_outbox.consume.partitioned`).
         self.batch = batch and not ordered
+        self.batch_requested = batch
         self._options = self._processing_options()
         self._init_runtime()
 

@@ -2,9 +2,10 @@
 ``fastapi-outbox dispatch --app tests.acceptance.ordered_app:outbox`` (three at once).
 
 Environment: ``DATABASE_URL``, ``BROKER_URL``, ``CONSUMER_STREAM``, ``CONSUMER_GROUP``;
-``CONSUMER_MODE``: ``ordered`` (default), or for ``benchmarks/ordered_consume.py``'s
-references an unordered subscriber, ``batch`` (a transaction per fetched batch, the
-default) or ``message`` (``batch=False``: a transaction per message).
+``CONSUMER_MODE``: ``ordered`` (default), ``ordered-message`` (ordered, ``batch=False``: a
+transaction per message), or for ``benchmarks/ordered_consume.py``'s references an
+unordered subscriber, ``batch`` (a transaction per fetched batch, the default) or
+``message`` (``batch=False``).
 Each message is one ``Step(key, step)``; the handler records it as a row of ``steps``
 (``id`` serial: the order the handlers' transactions wrote them in) in the handler's
 transaction, so a step handled twice or out of order shows in the table.
@@ -51,7 +52,11 @@ outbox = Outbox(
 
 
 @outbox.subscriber(
-    STREAM, group=GROUP, start="all", ordered=MODE == "ordered", batch=MODE == "batch"
+    STREAM,
+    group=GROUP,
+    start="all",
+    ordered=MODE.startswith("ordered"),
+    batch=not MODE.endswith("message"),
 )
 async def record(step: Step, uow: UnitOfWork) -> None:
     uow.session.add(StepRow(key=step.key, step=step.step, member=str(os.getpid())))

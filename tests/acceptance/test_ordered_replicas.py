@@ -1,14 +1,15 @@
 """Ordered consumption across replicas: three consumer processes of one ordered group,
 SIGKILLed and restarted during the run, on Redis and NATS with a PostgreSQL inbox.
 
-20 keys x 20 steps are published (half before the consumers start, half after the first
-kill), interleaved by step. Three ``fastapi-outbox dispatch --app
+20 keys x 100 steps are published interleaved by step, ten steps at a time (the next ten
+once the consumers are near the end of what was published: they are at work whenever a kill
+comes). Three ``fastapi-outbox dispatch --app
 tests.acceptance.ordered_app:outbox`` processes share the group (partitions leased in the
 database, :mod:`fastapi_outbox.consume.partitioned`); at three points of the run the test
 SIGKILLs the process that recorded the latest step (an owner at work, mid-handler or between
 messages) and starts a new one. Each handler records its step
 as a row of ``steps`` (serial id) in its transaction. At the end every key's rows, in
-commit order, are exactly its steps 0..19: each handled once, in stream order, whatever
+commit order, are exactly its steps 0..99: each handled once, in stream order, whatever
 process handled it.
 """
 
@@ -38,10 +39,12 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 KEYS = 20
-STEPS = 20
+STEPS = 100
+#: Steps published at a time: the next chunk once the consumers are near the end of it.
+CHUNK = 10
 PROCESSES = 3
 #: Rows recorded when a process is SIGKILLed (and a new one started).
-KILL_AT = [60, 150, 250]
+KILL_AT = [500, 1000, 1500]
 BOUND_SECONDS = 60.0
 
 
@@ -127,15 +130,22 @@ async def test_three_replicas_killed_and_restarted_keep_every_key_in_order_once(
 
     try:
         await producer.connect()
-        half = STEPS // 2
-        first = envelopes(stream, range(half))
-        assert await producer.publish(first) == [None] * len(first)
+        published = 0
+
+        async def publish_next() -> None:
+            nonlocal published
+            chunk = envelopes(stream, range(published, min(STEPS, published + CHUNK)))
+            assert await producer.publish(chunk) == [None] * len(chunk)
+            published += CHUNK
+
+        await publish_next()
         running = [start() for _ in range(PROCESSES)]
         kills: list[int] = []
-        produced_rest = False
         with anyio.fail_after(BOUND_SECONDS):
             while True:
                 rows = await recorded()
+                if published < STEPS and rows >= (published - CHUNK // 2) * KEYS:
+                    await publish_next()
                 if len(kills) < len(KILL_AT) and rows >= KILL_AT[len(kills)]:
                     # The process that recorded the latest step: an owner at work.
                     pid = int(
@@ -147,11 +157,7 @@ async def test_three_replicas_killed_and_restarted_keep_every_key_in_order_once(
                     assert victim.wait(timeout=10) == -signal.SIGKILL
                     kills.append(rows)
                     running.append(start())
-                    if not produced_rest:
-                        rest = envelopes(stream, range(half, STEPS))
-                        assert await producer.publish(rest) == [None] * len(rest)
-                        produced_rest = True
-                if produced_rest and rows >= KEYS * STEPS:
+                if rows >= KEYS * STEPS:
                     break
                 for p in running:
                     assert p.poll() is None, f"a consumer died on its own: {tmp_path}"
