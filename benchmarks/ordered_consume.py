@@ -8,7 +8,9 @@ then drains it into PostgreSQL with one of:
 * **ordered xP**: P processes of ``fastapi-outbox dispatch --app
   tests.acceptance.ordered_app:outbox`` (``ordered=True``: keys hashed into
   ``consumer_ordered_partitions`` = 16 partitions leased in the database, each process
-  reading the stream itself, a transaction per message with the fence);
+  reading the stream itself; the queued messages of a partition in one transaction, up to
+  ``consumer_batch_size``, with the fence); **ordered message x1**: ``batch=False``, a
+  transaction per message;
 * **unordered batch x1** / **unordered message x1**: one process of the same app with
   ``ordered=False`` (a transaction per fetched batch, the default; ``batch=False``: a
   transaction per message) — what the subscriber costs without the ordering;
@@ -237,6 +239,7 @@ async def run_baseline(kind: str, url: str, db: str, n: int, keys: int) -> float
 
 
 SIDES = {
+    "ordered message x1": ("ordered-message", 1),
     "ordered x1": ("ordered", 1),
     "ordered x2": ("ordered", 2),
     "ordered x3": ("ordered", 3),

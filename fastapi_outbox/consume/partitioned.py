@@ -453,6 +453,8 @@ class PartitionedRun:
             new, duplicates = await self.processing.run_batch(todo, messages)
         except Exception as exc:
             self._fenced.difference_update(d.entry_id for d in todo)
+            stats.failures += 1
+            stats.last_error = safe_error(exc)
             logger.info(
                 "batch failed, handling its messages one by one",
                 extra=self.options.log_extra(
