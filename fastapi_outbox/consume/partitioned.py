@@ -159,7 +159,8 @@ class _Settling:
 
     async def dead_letter(self, delivery: Delivery, error: str) -> None:
         await self.run.consumer.dead_letter(delivery, error)
-        await self.run.settled(delivery)
+        # Its handler's transactions (if any) rolled back: the position moves on its own.
+        await self.run.settled(delivery, fenced=False)
 
 
 class PartitionedRun:
@@ -183,6 +184,8 @@ class PartitionedRun:
         self._fenced: set[str] = set()
         #: Entry ids settled (the position moved past them).
         self._settled: set[str] = set()
+        #: Entry id -> the partition whose queue holds it (its fence takes that token).
+        self._queued_in: dict[str, _Partition] = {}
         self._changed = anyio.Event()
         self._limiter = anyio.CapacityLimiter(subscriber.concurrency)
         self.processing = Processing(
@@ -200,9 +203,10 @@ class PartitionedRun:
     # -- the position ---------------------------------------------------------------------
 
     def _part_of(self, d: Delivery) -> _Partition:
-        n = partition_of(d.key, d.message_id, self.partitions)
-        part = self.parts.get(n)
-        if part is None:
+        """The partition (as this process took it: its token) whose queue holds ``d``."""
+        part = self._queued_in.get(d.entry_id)
+        if part is None or part.lost:
+            n = partition_of(d.key, d.message_id, self.partitions)
             raise LeaseLost(self.sub.group, self.sub.stream, n)
         return part
 
@@ -214,12 +218,14 @@ class PartitionedRun:
         await self.leases.fence(conn, part.number, part.token, last.entry_id)
         self._fenced.update(d.entry_id for d in todo)
 
-    async def settled(self, d: Delivery) -> None:
-        """``d`` is settled: the position moves past it (in its handler's transaction
-        already, or now in one of its own)."""
-        if d.entry_id in self._fenced:
+    async def settled(self, d: Delivery, *, fenced: bool = True) -> None:
+        """``d`` is settled: the position moves past it — in its handler's committed
+        transaction already (an ack after it), or now in one of its own (``fenced=False``:
+        a dead letter, whose transactions rolled back; an ack without a transaction)."""
+        if fenced and d.entry_id in self._fenced:
             self._fenced.discard(d.entry_id)
         else:
+            self._fenced.discard(d.entry_id)
             part = self._part_of(d)
             await self.leases.settle(part.number, part.token, d.entry_id)
         self._settled.add(d.entry_id)
@@ -275,6 +281,9 @@ class PartitionedRun:
                 await part.stopped.wait()
 
     def _start(self, number: int, token: int, position: str) -> None:
+        old = self.parts.get(number)
+        if old is not None:  # taken again with a new token: the old task's fence fails
+            self._drop(old)
         part = _Partition(number, token, position)
         self.parts[number] = part
         assert self._tg is not None
@@ -285,7 +294,8 @@ class PartitionedRun:
         """Taken over: stop at once (a transaction under way rolls back)."""
         part.lost = True
         part.scope.cancel()
-        self.parts.pop(part.number, None)
+        if self.parts.get(part.number) is part:
+            del self.parts[part.number]
         logger.warning(
             "partition taken over by another process",
             extra=self.options.log_extra("consumer.partition_lost", partition=part.number),
@@ -392,6 +402,7 @@ class PartitionedRun:
                 full.add(n)  # read again from its position once it has room
                 continue
             part.queue.append(d)
+            self._queued_in[d.entry_id] = part
             part.seen = d.entry_id
             part.notify()
         last = batch[-1].entry_id
@@ -418,7 +429,7 @@ class PartitionedRun:
                                 break
                             done = 1
                     for _ in range(done):
-                        part.queue.popleft()
+                        self._queued_in.pop(part.queue.popleft().entry_id, None)
                     if part.draining:
                         break
                     self._changed.set()
@@ -426,6 +437,9 @@ class PartitionedRun:
             if not part.lost:
                 self._drop(part)
         finally:
+            for d in part.queue:
+                if self._queued_in.get(d.entry_id) is part:
+                    del self._queued_in[d.entry_id]
             part.stopped.set()
 
     async def _batch(self, part: _Partition) -> int:
