@@ -36,6 +36,7 @@ async def table_names(outbox: Outbox) -> set[str]:
 #: The inbox and, beside it, the partition leases of ordered subscribers.
 INBOX_TABLES = ("outbox_inbox", "outbox_inbox_partitions", "outbox_inbox_members")
 
+
 async def test_create_tables_creates_only_the_outbox_tables(db_url: str) -> None:
     assert "customers" in Base.metadata.tables  # the user's models are declared...
     outbox = Outbox(db_url, brokers={"default": MemoryBroker()}, settings=OutboxSettings())
