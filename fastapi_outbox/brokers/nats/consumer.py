@@ -384,6 +384,11 @@ class NatsJetStreamConsumer:
     async def lag(self) -> ConsumerLag:
         import nats.js.errors
 
+        if self.config.ordered:
+            # An ordered subscriber reads the stream by position, not through the group
+            # (fastapi_outbox.consume.partitioned): the group's figures are not its own.
+            return ConsumerLag(lag=None, pending=None)
+
         async with self._calls() as js:
             if self.stream_name is None:
                 try:
