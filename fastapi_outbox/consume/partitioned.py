@@ -110,7 +110,18 @@ def can_read_partitions(consumer: Any) -> bool:
 class _Partition:
     """A partition this process owns: its token, its queue and its task."""
 
-    __slots__ = ("draining", "lost", "number", "queue", "scope", "seen", "stopped", "token", "wake")
+    __slots__ = (
+        "careful",
+        "draining",
+        "lost",
+        "number",
+        "queue",
+        "scope",
+        "seen",
+        "stopped",
+        "token",
+        "wake",
+    )
 
     def __init__(self, number: int, token: int, position: str) -> None:
         self.number = number
@@ -120,6 +131,8 @@ class _Partition:
         self.queue: collections.deque[Delivery] = collections.deque()
         #: Released once its current message is settled (a rebalance).
         self.draining = False
+        #: Messages at the head of the queue to handle one by one (their batch failed).
+        self.careful = 0
         #: Taken over by another process: dropped at once.
         self.lost = False
         self.wake = anyio.Event()
@@ -428,6 +441,7 @@ class PartitionedRun:
                             if not await self._one(part, part.queue[0]):
                                 break
                             done = 1
+                            part.careful = max(0, part.careful - 1)
                     for _ in range(done):
                         self._queued_in.pop(part.queue.popleft().entry_id, None)
                     if part.draining:
@@ -447,7 +461,7 @@ class PartitionedRun:
         before one that does not decode for the handler) in one transaction, the handler
         on each in stream order: how many were settled — 0 when fewer than two could go
         together or the transaction failed (then they go one by one, the careful way)."""
-        if not self.sub.batch_requested or len(part.queue) < 2:
+        if not self.sub.batch_requested or len(part.queue) < 2 or part.careful:
             return 0
         decoder = self.options.decoder
         todo: list[Delivery] = []
@@ -467,6 +481,7 @@ class PartitionedRun:
             new, duplicates = await self.processing.run_batch(todo, messages)
         except Exception as exc:
             self._fenced.difference_update(d.entry_id for d in todo)
+            part.careful = len(todo)  # each of them on its own now, then batches again
             stats.failures += 1
             stats.last_error = safe_error(exc)
             logger.info(
