@@ -180,6 +180,9 @@ async def test_three_replicas_killed_and_restarted_keep_every_key_in_order_once(
         for key, steps in by_key.items():
             assert steps == list(range(STEPS)), key
         assert len(members) >= PROCESSES
+        # Partitions moved: processes started after a kill took some over.
+        logs = [(tmp_path / f"consumer-{i}.log").read_bytes() for i in range(len(procs))]
+        assert any(b"partitions taken" in log for log in logs[PROCESSES:]), tmp_path
         inbox = await pg.fetchval("SELECT count(*) FROM outbox_inbox WHERE \"group\" = 'ordered'")
         assert inbox == KEYS * STEPS
     finally:
