@@ -69,6 +69,9 @@ CONSUMER_MAX_ATTEMPTS = 5
 CONSUMER_RETRY_BASE_DELAY_SECONDS = 0.5
 CONSUMER_RETRY_MAX_DELAY_SECONDS = 30.0
 CONSUMER_CLAIM_IDLE_SECONDS = 60.0
+#: Partitions the keys of an ordered subscriber are hashed into (Redis, NATS): the most
+#: processes that share its work.
+CONSUMER_ORDERED_PARTITIONS = 16
 #: ``abandoned_retention_seconds`` below this deletes undelivered messages before an
 #: operator can look at them: it needs ``allow_short_abandoned_retention=True``.
 MIN_ABANDONED_RETENTION_SECONDS = 86400.0
@@ -312,7 +315,16 @@ class OutboxSettings(BaseSettings):
         default=CONSUMER_CLAIM_IDLE_SECONDS,
         gt=0,
         description="A delivered message not acknowledged for this long goes to another "
-        "consumer: Redis XAUTOCLAIM min-idle-time, NATS ack_wait.",
+        "consumer: Redis XAUTOCLAIM min-idle-time, NATS ack_wait; and the lease of an "
+        "ordered subscriber's partition (a dead process's partitions move after it).",
+    )
+    consumer_ordered_partitions: int = Field(
+        default=CONSUMER_ORDERED_PARTITIONS,
+        ge=1,
+        le=4096,
+        description="Partitions an ordered subscriber (ordered=True, Redis and NATS) hashes "
+        "keys into, each handled by one process at a time: the most processes that share "
+        "its work. Every process of a group must use the same count (checked at start).",
     )
     dedup_outage_seconds: float = Field(
         default=DEDUP_OUTAGE_SECONDS,

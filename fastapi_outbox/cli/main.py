@@ -234,6 +234,8 @@ async def _run(args: argparse.Namespace) -> int:
 
                 print(ddl(outbox.table, outbox.engine.dialect), end="")
                 print("\n" + ddl(outbox.inbox.table, outbox.engine.dialect), end="")
+                for table in outbox.inbox.lease_tables:
+                    print("\n" + ddl(table, outbox.engine.dialect), end="")
                 if outbox.archive is not None:
                     print("\n" + ddl(outbox.archive.table, outbox.engine.dialect), end="")
                 return EXIT_OK
@@ -368,6 +370,7 @@ def _print_ddl(args: argparse.Namespace) -> int:
     from sqlalchemy.dialects import postgresql, sqlite
 
     from fastapi_outbox.storage.inbox import build_inbox_table
+    from fastapi_outbox.storage.leases import build_lease_tables
     from fastapi_outbox.storage.schema import build_archive_table, build_table, ddl
 
     try:
@@ -390,6 +393,8 @@ def _print_ddl(args: argparse.Namespace) -> int:
     dialect = module.dialect()
     print(ddl(table, dialect), end="")
     print("\n" + ddl(inbox, dialect), end="")
+    for lease_table in build_lease_tables(inbox.name, inbox.metadata):
+        print("\n" + ddl(lease_table, dialect), end="")
     if archive is not None:
         print("\n" + ddl(archive, dialect), end="")
     return EXIT_OK

@@ -60,6 +60,7 @@ __all__ = [
     "PAUSE_MAX_SECONDS",
     "PAUSE_MIN_SECONDS",
     "UNWRITTEN_DEAD_LETTERS_KEPT",
+    "Fence",
     "HandlerRun",
     "InFlight",
     "Processing",
@@ -82,6 +83,9 @@ PAUSE_MIN_SECONDS = 0.2
 PAUSE_MAX_SECONDS = 10.0
 #: Errors of dead letters that could not be written, kept for their next try.
 UNWRITTEN_DEAD_LETTERS_KEPT = 1000
+#: What an ordered subscriber runs first in a handler's transaction: raises when the
+#: partition of the deliveries is no longer this process's.
+Fence = typing.Callable[[AsyncConnection, list[Delivery]], typing.Awaitable[None]]
 #: ``session.info`` key of a handler session's :class:`HandlerRun`.
 _RUN_KEY = "fastapi_outbox.handler_run"
 
@@ -348,8 +352,13 @@ class Processing:
         *,
         rng: random.Random,
         unwritten_dead_letters: dict[str, str],
+        fence: Fence | None = None,
     ) -> None:
         self.context = context
+        #: Ordered subscribers across processes: the first statement of every handler's
+        #: transaction (the partition's lease still ours; see
+        #: :mod:`fastapi_outbox.consume.partitioned`). None: no fence.
+        self.fence = fence
         self.consumer = consumer
         self.options = options
         self.stats = stats
@@ -633,6 +642,8 @@ class Processing:
         ran: set[str] = set()
         try:
             await conn.begin()
+            if self.fence is not None:
+                await self.fence(conn, todo)
             fresh = await self.context.inbox.record_many(conn, self.options.group, ids, streams)
             if fresh:
                 session = self.context.session_factory(

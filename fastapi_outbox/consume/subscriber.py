@@ -60,8 +60,13 @@ Failures:
   other consumer takes it), no attempt is charged. A connection error of the handler's
   own (an ``OSError`` while the database answers) is a handler failure like any other.
 
-``ordered=True``: messages of one key are handled one at a time in stream order (a failing
-one is retried in place, holding back later messages of its key only).
+``ordered=True``: messages of one key are handled one at a time in stream order, across
+every process of the group. On Redis and NATS the keys are hashed into partitions, each
+owned by one process at a time through a lease in the inbox's database, and each process
+reads the stream itself (:mod:`~fastapi_outbox.consume.partitioned`): a failing message is
+retried in place, holding back the later messages of its partition. On RabbitMQ the queue
+has a single active consumer; on the memory broker (one process) a failing message holds
+back the later messages of its key only.
 
 Shutdown (``stop``): no new fetch; in-flight messages get a share of
 ``shutdown_timeout_seconds`` (counted from the stop) to finish, the rest are cancelled —
@@ -109,6 +114,7 @@ from fastapi_outbox.consume.context import ConsumeContext
 from fastapi_outbox.consume.handlers import BatchUnitOfWork, Decoder, inspect_handler
 from fastapi_outbox.consume.handlers import Handler as Handler  # for outbox.py
 from fastapi_outbox.consume.options import DEAD_LETTER_TEMPLATE
+from fastapi_outbox.consume.partitioned import PartitionedRun, can_read_partitions
 from fastapi_outbox.consume.processing import (
     InFlight,
     Processing,
@@ -241,8 +247,10 @@ class Subscriber:
         options.check_batch_handler(
             handler, batch_handler=self.batch_handler, ordered=ordered, batch=batch
         )
-        #: One transaction per fetched batch (not for ordered subscribers).
+        #: One transaction per fetched batch (not for ordered subscribers: their batches
+        #: are a partition's queued messages, :mod:`~fastapi_outbox.consume.partitioned`).
         self.batch = batch and not ordered
+        self.batch_requested = batch
         self._options = self._processing_options()
         self._init_runtime()
 
@@ -355,7 +363,10 @@ class Subscriber:
         self.running = True
         task_status.started()
         try:
-            await self._run(consumer, processing, batches, flight)
+            if self.ordered and can_read_partitions(consumer):
+                await PartitionedRun(self, consumer, flight).run()
+            else:
+                await self._run(consumer, processing, batches, flight)
         finally:
             # Whatever did not finish — cancelled by the drain's end, or by a cancellation
             # of run() itself — is still in flight: released to the broker, so another

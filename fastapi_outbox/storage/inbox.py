@@ -39,6 +39,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from fastapi_outbox import exceptions
 from fastapi_outbox.settings import INBOX_TABLE_NAME, check_table_name
 from fastapi_outbox.storage import clock, schema
+from fastapi_outbox.storage.leases import Leases, build_lease_tables
 
 __all__ = ["Inbox", "build_inbox_table", "inbox_table"]
 
@@ -64,6 +65,8 @@ def build_inbox_table(name: str = INBOX_TABLE_NAME, metadata_: MetaData | None =
     )
     # Retention deletes the oldest rows first; stats read the newest per group.
     Index(f"ix_{name}_handled_at", table.c.handled_at)
+    # Beside it, the partition leases of ordered subscribers (Alembic sees them too).
+    build_lease_tables(name, md)
     return table
 
 
@@ -87,6 +90,9 @@ class Inbox:
     def __init__(self, engine: AsyncEngine, table: Table) -> None:
         self.engine = engine
         self.table = table
+        #: The partition leases of ordered subscribers (:mod:`fastapi_outbox.storage.leases`),
+        #: beside the inbox on its MetaData.
+        self.lease_tables = build_lease_tables(table.name, table.metadata)
         self.is_postgres = engine.dialect.name == "postgresql"
         dialect_insert: Any = postgresql.insert if self.is_postgres else sqlite.insert
         # record / record_many (SQLAlchemy path). Caller: the subscriber's transaction
@@ -123,10 +129,17 @@ class Inbox:
         )
 
     async def create_table(self) -> None:
-        await schema.create_table(self.engine, self.table)
+        """The inbox table and the lease tables of ordered subscribers."""
+        for table in (self.table, *self.lease_tables):
+            await schema.create_table(self.engine, table)
 
     async def drop_table(self) -> None:
-        await schema.drop_table(self.engine, self.table)
+        for table in (*self.lease_tables, self.table):
+            await schema.drop_table(self.engine, table)
+
+    def leases(self, group: str, stream: str) -> Leases:
+        """The partition leases of the ordered subscriber of (``group``, ``stream``)."""
+        return Leases(self.engine, self.lease_tables, group, stream)
 
     async def record(
         self, on: AsyncConnection | AsyncSession, group: str, message_id: str, stream: str

@@ -446,8 +446,17 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "describe",
         "subscriber_options",
     },
+    "fastapi_outbox.consume.partitioned": {
+        "PARTITION_QUEUE_MAX",
+        "PartitionedRun",
+        "can_read_partitions",
+        "fair_share",
+        "partition_of",
+        "rebalance",
+    },
     "fastapi_outbox.consume.processing": {
         "DATABASE_PING_SECONDS",
+        "Fence",
         "PAUSE_MAX_SECONDS",
         "PAUSE_MIN_SECONDS",
         "UNWRITTEN_DEAD_LETTERS_KEPT",
@@ -701,6 +710,12 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "payload_store_for",
     },
     "fastapi_outbox.storage.inbox": {"Inbox", "build_inbox_table", "inbox_table"},
+    "fastapi_outbox.storage.leases": {
+        "LeaseLost",
+        "Leases",
+        "OwnedPartition",
+        "build_lease_tables",
+    },
     "fastapi_outbox.storage.read_models": {
         "BrokerStats",
         "age",

@@ -25,7 +25,12 @@ ACTIVE = "WHERE status IN ('pending', 'processing', 'failed')"
 def test_default_metadata_holds_exactly_the_outbox_and_inbox_tables() -> None:
     from fastapi_outbox.storage.inbox import inbox_table
 
-    assert list(metadata.tables) == ["outbox_messages", "outbox_inbox"]
+    assert list(metadata.tables) == [
+        "outbox_messages",
+        "outbox_inbox",
+        "outbox_inbox_partitions",  # ordered subscribers' partition leases
+        "outbox_inbox_members",
+    ]
     assert metadata.tables["outbox_messages"] is outbox_table
     assert metadata.tables["outbox_inbox"] is inbox_table
     assert fastapi_outbox.metadata is metadata
@@ -168,4 +173,10 @@ def test_alembic_example_env_targets_the_outbox_metadata() -> None:
     targets = seen["target_metadata"]
     assert metadata in targets
     tables = {name for md in targets for name in md.tables}
-    assert tables == {"orders", "outbox_messages", "outbox_inbox"}
+    assert tables == {
+        "orders",
+        "outbox_messages",
+        "outbox_inbox",
+        "outbox_inbox_partitions",
+        "outbox_inbox_members",
+    }

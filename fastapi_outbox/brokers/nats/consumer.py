@@ -75,6 +75,8 @@ class NatsJetStreamConsumer:
         self.stream_name: str | None = None
         self._sub: Any = None
         self._dead_stream: str | None = None
+        #: (position it stands at, subscription) of ``read_after``'s ephemeral consumer.
+        self._reading: tuple[str, Any] | None = None
 
     @contextlib.asynccontextmanager
     async def _calls(self) -> AsyncIterator[Any]:
@@ -251,6 +253,67 @@ class NatsJetStreamConsumer:
                 return []
         return [self._delivery(m) for m in msgs]
 
+    # -- reading from a position (ordered subscribers: fastapi_outbox.consume.partitioned) --
+
+    #: The position before the stream's first entry.
+    origin_position = "0"
+
+    @staticmethod
+    def position_key(entry_id: str) -> int:
+        """Stream order of stream sequences."""
+        return int(entry_id)
+
+    async def tail_position(self) -> str:
+        """The stream's last sequence ("0": empty): where a group that starts with new
+        messages begins."""
+        await self.connection.connect()
+        await self.connection.ensure_stream(self.config.stream)
+        async with self._calls() as js:
+            name = await js.find_stream_name_by_subject(self.config.stream)
+            info = await js.stream_info(name)
+        return str(info.state.last_seq or 0)
+
+    async def read_after(self, position: str, count: int, timeout: float) -> list[Delivery]:
+        """Up to ``count`` messages of the subject after stream sequence ``position``, in
+        stream order, waiting up to ``timeout`` for the first: an ephemeral pull consumer
+        without acks (``AckPolicy.NONE``, deleted after ``claim_idle_seconds`` unused),
+        made again when asked for another position than the one it stands at. Attempt 1:
+        the caller counts its own tries."""
+        import nats.errors
+        import nats.js.api as api
+
+        async with self._calls() as js:
+            if self._reading is None or self._reading[0] != position:
+                await self._stop_reading()
+                if self.stream_name is None:
+                    self.stream_name = await js.find_stream_name_by_subject(self.config.stream)
+                config = api.ConsumerConfig(
+                    deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+                    opt_start_seq=int(position) + 1,
+                    ack_policy=api.AckPolicy.NONE,
+                    inactive_threshold=max(5.0, float(self.config.claim_idle_seconds)),
+                    mem_storage=True,
+                )
+                sub = await js.pull_subscribe(
+                    self.config.stream, stream=self.stream_name, config=config
+                )
+                self._reading = (position, sub)
+            sub = self._reading[1]
+            try:
+                msgs = await sub.fetch(count, timeout=timeout)
+            except (nats.errors.TimeoutError, TimeoutError):
+                return []
+        out = [self._delivery(m) for m in msgs]
+        if out:
+            self._reading = (out[-1].entry_id, sub)
+        return out
+
+    async def _stop_reading(self) -> None:
+        reading, self._reading = self._reading, None
+        if reading is not None:
+            with contextlib.suppress(Exception):
+                await reading[1].unsubscribe()
+
     async def _each(self, deliveries: Sequence[Delivery], method: str, **kwargs: Any) -> None:
         if not deliveries:
             return
@@ -320,6 +383,11 @@ class NatsJetStreamConsumer:
 
     async def lag(self) -> ConsumerLag:
         import nats.js.errors
+
+        if self.config.ordered:
+            # An ordered subscriber reads the stream by position, not through the group
+            # (fastapi_outbox.consume.partitioned): the group's figures are not its own.
+            return ConsumerLag(lag=None, pending=None)
 
         async with self._calls() as js:
             if self.stream_name is None:
@@ -406,6 +474,7 @@ class NatsJetStreamConsumer:
         return replayed
 
     async def aclose(self) -> None:
+        await self._stop_reading()
         sub, self._sub = self._sub, None
         if sub is not None:
             with contextlib.suppress(Exception):

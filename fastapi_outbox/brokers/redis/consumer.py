@@ -249,6 +249,7 @@ class RedisStreamsConsumer:
             )
             reader = aioredis.Redis(connection_pool=own)
             reader.set_response_callback("XREADGROUP", _raw)
+            reader.set_response_callback("XREAD", _raw)
             await self._close_reader()  # made for a client the broker has replaced
             self._reader = (client, reader)
         return self._reader[1]
@@ -304,6 +305,42 @@ class RedisStreamsConsumer:
         if held:
             busy |= self._held
         return busy | {d.entry_id for d in taken}
+
+    # -- reading from a position (ordered subscribers: fastapi_outbox.consume.partitioned) --
+
+    #: The position before the stream's first entry.
+    origin_position = "0-0"
+
+    @staticmethod
+    def position_key(entry_id: str) -> tuple[int, int]:
+        """Stream order of entry ids."""
+        return _entry_id(entry_id)
+
+    async def tail_position(self) -> str:
+        """The newest entry's id ("0-0": an empty stream): where a group that starts with
+        new messages begins."""
+        import redis.exceptions as rexc
+
+        async with self._calls() as client:
+            try:
+                info = await client.xinfo_stream(self.key)
+            except rexc.ResponseError:  # no such stream yet
+                return "0-0"
+        return text(info.get("last-generated-id") or "0-0")
+
+    async def read_after(self, position: str, count: int, timeout: float) -> list[Delivery]:
+        """Up to ``count`` entries after ``position``, in stream order, waiting up to
+        ``timeout`` for the first (``XREAD``, no consumer group: the caller keeps its
+        position). Attempt 1: the caller counts its own tries."""
+        if self.connection.cluster:  # the cluster client's socket timeout bounds the wait
+            timeout = min(timeout, self.connection.socket_timeout / 2)
+        block = max(1, int(timeout * 1000))
+        async with self._calls() as client:
+            reader = await self._reader_for(client)
+            args = ["XREAD", "COUNT", count, "BLOCK", block, "STREAMS", self.key, position]
+            with anyio.fail_after(block / 1000 + self.connection.socket_timeout):
+                reply = await reader.execute_command(*args)
+        return [self._delivery(e, f, 1) for e, f in reply_entries(reply) if f]
 
     async def _recover_own(
         self, client: Any, count: int, gone: list[str], taken: Sequence[Delivery] = ()
@@ -532,6 +569,10 @@ class RedisStreamsConsumer:
     async def lag(self) -> ConsumerLag:
         """The group's lag and pending count, and the entries ``MAXLEN`` trimmed before the
         group read them (see :func:`trimmed_unread`)."""
+        if self.config.ordered:
+            # An ordered subscriber reads the stream by position, not through the group
+            # (fastapi_outbox.consume.partitioned): the group's figures are not its own.
+            return ConsumerLag(lag=None, pending=None)
         import redis.exceptions as rexc
 
         async with self._calls() as client:

@@ -470,6 +470,46 @@ async def test_ordered_keeps_each_key_in_stream_order(harness: Harness) -> None:
     await outbox.aclose()
 
 
+async def test_ordered_dead_letters_a_poison_message_and_its_key_goes_on_in_order(
+    harness: Harness,
+) -> None:
+    """A message of an ordered key that always fails is dead-lettered after max_attempts;
+    the later messages of its key follow it, in order, each once (on Redis and NATS the
+    partition's queue goes in one transaction first, then one by one)."""
+    h = harness
+    orders = h.stream()
+    OrderPlaced, _ = events_for(orders)
+    outbox = await make_outbox(h, consumer_max_attempts=2)
+
+    async def track(event: Any, uow: UnitOfWork) -> None:
+        if event.order_id == 1:
+            raise RuntimeError("poison")
+        uow.session.add(Invoice(order_id=event.order_id, message_id=uow.causation_id or ""))
+
+    async def committed() -> list[int]:  # in commit order (serial id)
+        async with outbox.engine.connect() as conn:
+            rows = await conn.execute(select(Invoice.order_id).order_by(Invoice.id))
+            return [int(n) for n in rows.scalars()]
+
+    track.__annotations__["event"] = OrderPlaced
+    outbox.subscriber(orders, group="tracking", start="all", ordered=True)(track)
+    subscriber = outbox.subscribers[0]
+    async with outbox.dispatcher():
+        async with outbox.unit_of_work() as uow:
+            for i in range(6):
+                uow.publish(OrderPlaced(order_id=i), key="k")
+
+        async def five() -> bool:
+            return len(await committed()) >= 5
+
+        await wait_until(five, timeout=15)
+        assert subscriber.consumer is not None
+        await wait_until(subscriber.consumer.count_dead_letters, timeout=10)
+    assert await committed() == [0, 2, 3, 4, 5]
+    assert subscriber.stats.dead_lettered == 1
+    await outbox.aclose()
+
+
 # -- batch handlers (first parameter a list) -----------------------------------------------
 
 

@@ -33,6 +33,10 @@ async def table_names(outbox: Outbox) -> set[str]:
         return set(await conn.run_sync(lambda c: inspect(c).get_table_names()))
 
 
+#: The inbox and, beside it, the partition leases of ordered subscribers.
+INBOX_TABLES = ("outbox_inbox", "outbox_inbox_partitions", "outbox_inbox_members")
+
+
 async def test_create_tables_creates_only_the_outbox_tables(db_url: str) -> None:
     assert "customers" in Base.metadata.tables  # the user's models are declared...
     outbox = Outbox(db_url, brokers={"default": MemoryBroker()}, settings=OutboxSettings())
@@ -40,7 +44,7 @@ async def test_create_tables_creates_only_the_outbox_tables(db_url: str) -> None
         await outbox.create_tables()
         await outbox.create_tables()  # idempotent
         # ...and never created; the consumers' inbox is one of the outbox's tables.
-        assert await table_names(outbox) == {"outbox_messages", "outbox_inbox"}
+        assert await table_names(outbox) == {"outbox_messages", *INBOX_TABLES}
         async with outbox.engine.connect() as conn:
             indexes = await conn.run_sync(
                 lambda c: {i["name"] for i in inspect(c).get_indexes("outbox_messages")}
@@ -54,7 +58,7 @@ async def test_create_tables_with_a_custom_table_name(db_url: str) -> None:
     outbox = Outbox(db_url, settings=OutboxSettings(table_name="shop_outbox"))
     try:
         await outbox.create_tables()
-        assert await table_names(outbox) == {"shop_outbox", "outbox_inbox"}
+        assert await table_names(outbox) == {"shop_outbox", *INBOX_TABLES}
         async with outbox.unit_of_work() as uow:
             uow.publish(Message(stream="orders", type="T", payload={}))
         assert await outbox.store.count() == 1
@@ -81,7 +85,7 @@ async def test_cli_db_create_and_db_sql_on_postgresql(pg_url: str, pg: asyncpg.C
         r["tablename"]
         for r in await pg.fetch("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")
     }
-    assert tables == {"outbox_messages", "outbox_inbox"}
+    assert tables == {"outbox_messages", *INBOX_TABLES}
     types = {
         r["column_name"]: r["data_type"]
         for r in await pg.fetch(

@@ -1,0 +1,325 @@
+"""Partition leases of ordered subscribers: which process handles which keys, and where.
+
+An ordered subscriber (``@outbox.subscriber(stream, group=…, ordered=True)`` on a broker
+whose consumer can read a stream from a position: Redis Streams, NATS JetStream) hashes
+each message's key into one of ``consumer_ordered_partitions`` partitions. One row per
+(group, stream, partition) in ``<inbox>_partitions`` says who owns it::
+
+    group, stream, partition   the partition (primary key)
+    partitions                 how many the group has (checked at every start)
+    owner                      the process that holds the lease (NULL: free)
+    token                      the fencing token, raised at every take-over
+    position                   the stream position of the partition's last settled message
+    expires_at                 the lease's end, on the database's clock
+
+and one row per live process in ``<inbox>_members`` (group, stream, member, expires_at):
+its heartbeat, from which each process computes its fair share (``ceil(partitions /
+live members)``).
+
+The fence: the handler's transaction begins with ``UPDATE … SET position = <entry> WHERE
+… AND token = <the owner's token>``: no row, the lease was taken over (the owner was
+frozen, its lease expired): :class:`LeaseLost`, the transaction rolls back, nothing of the
+stale owner commits. The row lock it takes also makes a take-over wait for (or, with
+``SKIP LOCKED``, skip) a partition whose owner is committing: the new owner reads the
+position after the last commit.
+
+Every due time is the database's (``now()``): processes on hosts whose clocks disagree
+share one clock. Like the inbox, the tables live on the outbox table's ``MetaData``:
+``create_tables()``, ``db create`` and ``db sql`` include them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+from sqlalchemy import (
+    Column,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    and_,
+    bindparam,
+    delete,
+    func,
+    or_,
+    select,
+    update,
+)
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from fastapi_outbox import exceptions
+from fastapi_outbox.storage import clock, schema
+
+__all__ = [
+    "LeaseLost",
+    "Leases",
+    "OwnedPartition",
+    "build_lease_tables",
+]
+
+
+class LeaseLost(BaseException):
+    """This process no longer owns the partition (another took it over after its lease
+    expired): its transaction rolls back and it stops handling the partition. A
+    ``BaseException``, so the retry paths' ``except Exception`` never take it for a
+    failure of the handler."""
+
+    def __init__(self, group: str, stream: str, partition: int) -> None:
+        super().__init__(
+            f"group {group!r}, stream {stream!r}: partition {partition} was taken over by "
+            "another process (this one's lease expired)"
+        )
+        self.partition = partition
+
+
+def build_lease_tables(inbox_name: str, metadata_: MetaData) -> tuple[Table, Table]:
+    """The partitions and members tables of the inbox table ``inbox_name``, on
+    ``metadata_`` (the inbox table's)."""
+    names = (f"{inbox_name}_partitions", f"{inbox_name}_members")
+    if names[0] in metadata_.tables:
+        return metadata_.tables[names[0]], metadata_.tables[names[1]]
+    partitions = Table(
+        names[0],
+        metadata_,
+        Column("group", String(255), primary_key=True, comment="consumer group"),
+        Column("stream", String(255), primary_key=True, comment="stream / subject"),
+        Column("partition", Integer, primary_key=True, autoincrement=False),
+        Column("partitions", Integer, nullable=False, comment="the group's partition count"),
+        Column("owner", String(255), nullable=True, comment="process holding the lease"),
+        Column("token", Integer, nullable=False, default=0, comment="fencing token"),
+        Column("position", String(64), nullable=False, comment="last settled entry"),
+        Column("expires_at", schema.UtcDateTime(), nullable=False),
+    )
+    members = Table(
+        names[1],
+        metadata_,
+        Column("group", String(255), primary_key=True),
+        Column("stream", String(255), primary_key=True),
+        Column("member", String(255), primary_key=True),
+        Column("expires_at", schema.UtcDateTime(), nullable=False),
+    )
+    return partitions, members
+
+
+@dataclasses.dataclass(slots=True)
+class OwnedPartition:
+    """A partition this process took: its fencing token and the position of its last
+    settled message (where its reading starts)."""
+
+    partition: int
+    token: int
+    position: str
+
+
+class Leases:
+    """SQL on the lease tables of one inbox, for one (group, stream)."""
+
+    def __init__(
+        self, engine: AsyncEngine, tables: tuple[Table, Table], group: str, stream: str
+    ) -> None:
+        self.engine = engine
+        self.table, self.members = tables
+        self.group, self.stream = group, stream
+        self.is_postgres = engine.dialect.name == "postgresql"
+        self._insert: Any = postgresql.insert if self.is_postgres else sqlite.insert
+        t = self.table
+        self._mine = and_(t.c.group == group, t.c.stream == stream)
+        # fence. Caller: the handler's transaction of an ordered subscriber
+        # (fastapi_outbox.consume.partitioned), first statement, and the settling of a
+        # message without one (skipped, dead-lettered). Moves the partition's position to
+        # the message; no row when the token changed (taken over): the caller rolls back.
+        # The row lock it takes holds a take-over back until this transaction ends.
+        self._fence = (
+            update(t)
+            .where(
+                self._mine,
+                t.c.partition == bindparam("b_partition"),
+                t.c.token == bindparam("b_token"),
+            )
+            .values(position=bindparam("b_position"))
+            .returning(t.c.partition)
+        )
+
+    async def create(self) -> None:
+        for table in (self.table, self.members):
+            await schema.create_table(self.engine, table)
+
+    async def ensure(self, partitions: int, position: str) -> None:
+        """The group's partition rows (free, at ``position``) when missing; a
+        ConfigurationError when the group already has another number of partitions.
+        Caller: an ordered subscriber's start."""
+        t = self.table
+        rows = [
+            {
+                "group": self.group,
+                "stream": self.stream,
+                "partition": p,
+                "partitions": partitions,
+                "owner": None,
+                "token": 0,
+                "position": position,
+                "expires_at": clock.db_now(self.is_postgres),
+            }
+            for p in range(partitions)
+        ]
+        async with self.engine.begin() as conn:
+            existing = (
+                await conn.execute(
+                    select(t.c.partitions, func.count()).where(self._mine).group_by(t.c.partitions)
+                )
+            ).all()
+            if not existing:
+                stmt = self._insert(t).on_conflict_do_nothing(
+                    index_elements=[t.c.group, t.c.stream, t.c.partition]
+                )
+                for row in rows:  # the database's clock per row
+                    await conn.execute(stmt.values(**row))
+                existing = (
+                    await conn.execute(
+                        select(t.c.partitions, func.count())
+                        .where(self._mine)
+                        .group_by(t.c.partitions)
+                    )
+                ).all()
+        found = {int(n): int(c) for n, c in existing}
+        if found != {partitions: partitions}:
+            raise exceptions.ConfigurationError(
+                f"ordered subscriber of stream {self.stream!r}, group {self.group!r}: "
+                f"consumer_ordered_partitions={partitions}, but the group's partition "
+                f"table {t.name!r} holds {sum(found.values())} partition row(s) of "
+                f"{sorted(found)} partitions. Every process of a group must use the same "
+                "count; to change it, stop every process of the group, let none run, "
+                f'then delete the group\'s rows (DELETE FROM {t.name} WHERE "group" = '
+                f"'{self.group}' AND stream = '{self.stream}') and start them with the "
+                "new count: they start from the oldest position a partition had"
+            )
+
+    async def oldest_position(self) -> list[str]:
+        """Every partition's position (for a re-created group). Caller: operators, tests."""
+        t = self.table
+        async with self.engine.connect() as conn:
+            return list((await conn.execute(select(t.c.position).where(self._mine))).scalars())
+
+    async def heartbeat(self, member: str, lease_seconds: float) -> int:
+        """Note ``member`` alive for ``lease_seconds`` more; the number of live members
+        (itself included). Caller: the ordered subscriber's coordinator, every third of a
+        lease."""
+        m = self.members
+        later = clock.db_later(self.is_postgres, seconds=lease_seconds)
+        now = clock.db_now(self.is_postgres)
+        mine = and_(m.c.group == self.group, m.c.stream == self.stream)
+        upsert = self._insert(m).values(
+            group=self.group, stream=self.stream, member=member, expires_at=later
+        )
+        upsert = upsert.on_conflict_do_update(
+            index_elements=[m.c.group, m.c.stream, m.c.member], set_={"expires_at": later}
+        )
+        async with self.engine.begin() as conn:
+            await conn.execute(upsert)
+            # Members gone for ten leases: forgotten.
+            await conn.execute(
+                delete(m).where(
+                    mine,
+                    m.c.expires_at < clock.db_later(self.is_postgres, seconds=-10 * lease_seconds),
+                )
+            )
+            live = await conn.execute(select(func.count()).where(mine, m.c.expires_at > now))
+            return int(live.scalar_one())
+
+    async def renew(self, member: str, lease_seconds: float) -> dict[int, int]:
+        """Extend the leases ``member`` holds; partition -> token of those it still holds.
+        Caller: the coordinator, every third of a lease."""
+        t = self.table
+        stmt = (
+            update(t)
+            .where(self._mine, t.c.owner == member)
+            .values(expires_at=clock.db_later(self.is_postgres, seconds=lease_seconds))
+            .returning(t.c.partition, t.c.token)
+        )
+        async with self.engine.begin() as conn:
+            return {int(p): int(tok) for p, tok in (await conn.execute(stmt)).all()}
+
+    async def acquire(self, member: str, count: int, lease_seconds: float) -> list[OwnedPartition]:
+        """Take up to ``count`` free partitions (no owner, or a lease expired): each gets a
+        new token. Two statements in one transaction: the free rows, locked (``SKIP
+        LOCKED`` on PostgreSQL: a partition whose owner is committing is left for the next
+        round; a ``LIMIT`` subquery inside the ``UPDATE`` may be run again by the planner
+        and take more), then their update. Caller: the coordinator."""
+        if count <= 0:
+            return []
+        t = self.table
+        now = clock.db_now(self.is_postgres)
+        expired = or_(t.c.owner.is_(None), t.c.expires_at <= now)
+        free = select(t.c.partition).where(self._mine, expired).order_by(t.c.partition)
+        free = free.limit(count)
+        if self.is_postgres:
+            free = free.with_for_update(skip_locked=True)
+        async with self.engine.begin() as conn:
+            numbers = list((await conn.execute(free)).scalars())
+            if not numbers:
+                return []
+            stmt = (
+                update(t)
+                .where(self._mine, t.c.partition.in_(numbers), expired)
+                .values(
+                    owner=member,
+                    token=t.c.token + 1,
+                    expires_at=clock.db_later(self.is_postgres, seconds=lease_seconds),
+                )
+                .returning(t.c.partition, t.c.token, t.c.position)
+            )
+            rows = (await conn.execute(stmt)).all()
+        return sorted(
+            (OwnedPartition(int(p), int(tok), str(pos)) for p, tok, pos in rows),
+            key=lambda o: o.partition,
+        )
+
+    async def release(self, member: str, partitions: Iterable[int]) -> None:
+        """Give ``partitions`` up at once (a rebalance, a stop): free for the others now,
+        not after the lease. Caller: the coordinator."""
+        wanted = list(partitions)
+        if not wanted:
+            return
+        t = self.table
+        stmt = (
+            update(t)
+            .where(self._mine, t.c.owner == member, t.c.partition.in_(wanted))
+            .values(owner=None, expires_at=clock.db_now(self.is_postgres))
+        )
+        async with self.engine.begin() as conn:
+            await conn.execute(stmt)
+
+    async def leave(self, member: str) -> None:
+        """``member`` stops: its member row goes, its partitions are freed. Caller: the
+        coordinator at a stop."""
+        t, m = self.table, self.members
+        async with self.engine.begin() as conn:
+            await conn.execute(
+                update(t)
+                .where(self._mine, t.c.owner == member)
+                .values(owner=None, expires_at=clock.db_now(self.is_postgres))
+            )
+            await conn.execute(
+                delete(m).where(
+                    m.c.group == self.group, m.c.stream == self.stream, m.c.member == member
+                )
+            )
+
+    async def fence(self, conn: AsyncConnection, partition: int, token: int, position: str) -> None:
+        """In ``conn``'s transaction: the partition's position moves to ``position`` if
+        ``token`` still holds it, else :class:`LeaseLost`."""
+        result = await conn.execute(
+            self._fence, {"b_partition": partition, "b_token": token, "b_position": position}
+        )
+        if result.first() is None:
+            raise LeaseLost(self.group, self.stream, partition)
+
+    async def settle(self, partition: int, token: int, position: str) -> None:
+        """:meth:`fence` in a transaction of its own: a message settled without a handler's
+        transaction (skipped, dead-lettered)."""
+        async with self.engine.begin() as conn:
+            await self.fence(conn, partition, token, position)
