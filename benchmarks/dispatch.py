@@ -108,9 +108,15 @@ def cpu_delta(before: dict[int, float], after: dict[int, float]) -> float:
 
 
 class Brokers:
-    """Creates and deletes the per-run Redis streams and JetStream streams."""
+    """Creates and deletes the per-run Redis streams and JetStream streams.
 
-    def __init__(self) -> None:
+    ``urls`` overrides the broker URLs (kind -> URL; a NATS URL may list several servers,
+    comma-separated: a cluster); ``replicas`` is the ``num_replicas`` of the JetStream
+    streams it creates."""
+
+    def __init__(self, urls: dict[str, str] | None = None, *, replicas: int = 1) -> None:
+        self.urls = {**BROKER_URLS, **(urls or {})}
+        self.replicas = replicas
         self.redis: Any = None
         self.nc: Any = None
         self.js: Any = None
@@ -122,17 +128,18 @@ class Brokers:
         if "redis" in kinds:
             import redis.asyncio as aioredis
 
-            self.redis = aioredis.Redis.from_url(loopback(REDIS_URL))
+            self.redis = aioredis.Redis.from_url(loopback(self.urls["redis"]))
             await self.redis.ping()
         if "nats" in kinds:
             import nats
 
-            self.nc = await nats.connect(loopback(NATS_URL))
+            servers = [loopback(u) for u in self.urls["nats"].split(",")]
+            self.nc = await nats.connect(servers=servers)
             self.js = self.nc.jetstream()
         if "rabbitmq" in kinds:
             import aio_pika
 
-            self.amqp = await aio_pika.connect(loopback(BROKER_URLS["rabbitmq"]))
+            self.amqp = await aio_pika.connect(loopback(self.urls["rabbitmq"]))
             self.amqp_channel = await self.amqp.channel()
             await self.amqp_channel.declare_exchange(RABBITMQ_EXCHANGE, "topic", durable=True)
 
@@ -150,7 +157,12 @@ class Brokers:
             from fastapi_outbox import OutboxSettings
 
             window = OutboxSettings().dedup_window_seconds
-            await self.js.add_stream(name=stream, subjects=[stream], duplicate_window=window)
+            await self.js.add_stream(
+                name=stream,
+                subjects=[stream],
+                duplicate_window=window,
+                num_replicas=self.replicas,
+            )
 
     async def count(self, kind: str, stream: str) -> int:
         if kind == "redis":
