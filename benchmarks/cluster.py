@@ -67,6 +67,9 @@ from benchmarks.dispatch import Brokers, Drain, Group, cpu_delta, drain, start_l
 #: Loopback ports of this script's servers (the tests use 4330-4359 / 6630-6659).
 NATS_PORTS = range(4460, 4490)
 NATS_ROUTE_PORTS = range(6760, 6790)
+REDIS_PORTS = range(6560, 6580)
+#: Each node also needs its port + 10000 (the cluster bus); the tests use 7300-7399.
+REDIS_CLUSTER_PORTS = range(7500, 7600)
 CONSUME_SIDES = ("library_arrays", "library")
 SIDE_LABELS = {
     "library_arrays": "batch handler, arrays",
@@ -138,6 +141,70 @@ def nats_targets(directory: Path) -> Iterator[list[Target]]:
         log.close()
 
 
+def redis_cluster_supported() -> bool:
+    """The Redis broker takes ``redis+cluster://`` and the tests' helper starts a cluster."""
+    try:
+        from fastapi_outbox.brokers import broker_from_url
+        from tests.servers import PrivateRedisCluster  # noqa: F401
+
+        broker_from_url("redis+cluster://127.0.0.1:1")
+    except Exception:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def redis_targets(directory: Path) -> Iterator[list[Target]]:
+    """A single redis-server and, when the broker supports it, a Redis Cluster of six nodes
+    (three masters, a replica each), both private, no persistence (``--save ""``, no AOF)."""
+    from tests.servers import free_port, redis_argv
+
+    port = free_port(REDIS_PORTS)
+    (directory / "single").mkdir(parents=True)
+    log = (directory / "single.log").open("wb")
+    single = subprocess.Popen(
+        redis_argv(port, directory / "single"),
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    cluster: Any = None
+    try:
+        deadline = time.monotonic() + 15
+        from tests.servers import answers
+
+        while not answers(port):
+            if time.monotonic() > deadline or single.poll() is not None:
+                raise RuntimeError("the private redis-server did not start")
+            time.sleep(0.05)
+        targets = [Target("Redis 1 node", "redis", f"redis://127.0.0.1:{port}/0", {}, [single.pid])]
+        if redis_cluster_supported():
+            from tests.servers import PrivateRedisCluster
+
+            (directory / "cluster").mkdir(parents=True)
+            cluster = PrivateRedisCluster(directory / "cluster", ports=REDIS_CLUSTER_PORTS)
+            cluster.start()
+            targets.append(
+                Target(
+                    "Redis 3+3 nodes",
+                    "redis",
+                    cluster.url,
+                    {},
+                    [p.pid for p in cluster.procs.values() if p is not None],
+                )
+            )
+        else:
+            print("  (no Redis Cluster: the Redis broker does not take redis+cluster:// here)")
+        yield targets
+    finally:
+        if cluster is not None:
+            cluster.stop()
+        single.kill()
+        single.wait(10)
+        log.close()
+
+
 async def wait_for_jetstream(url: str, replicas: int) -> None:
     """Until the server (cluster: its meta leader) places a stream of ``replicas``."""
     import nats
@@ -194,13 +261,27 @@ async def drain_stage(
                 )
                 groups[t.name] = Group(t.name, "library", name, started)
             for t in targets:  # warm-up: connections, prepared statements, stream lookups
-                await drain(conn, brokers[t.name], t.kind, groups[t.name], 2000, channel)
+                await drain(
+                    conn,
+                    brokers[t.name],
+                    t.kind,
+                    groups[t.name],
+                    2000,
+                    channel,
+                    streams=args.streams,
+                )
             results: dict[str, list[tuple[Drain, float]]] = {t.name: [] for t in targets}
             for r in range(args.rounds):
                 for t in targets if r % 2 == 0 else targets[::-1]:
                     before = t.broker_cpu()
                     res = await drain(
-                        conn, brokers[t.name], t.kind, groups[t.name], args.backlog, channel
+                        conn,
+                        brokers[t.name],
+                        t.kind,
+                        groups[t.name],
+                        args.backlog,
+                        channel,
+                        streams=args.streams,
                     )
                     broker_us = 1e6 * (t.broker_cpu() - before) / res.rows
                     results[t.name].append((res, broker_us))
@@ -317,7 +398,9 @@ def print_rows(rows: list[Row]) -> None:
     )
 
 
-async def run(targets: list[Target], args: argparse.Namespace, workdir: Path) -> list[Row]:
+async def run(
+    by_kind: dict[str, list[Target]], args: argparse.Namespace, workdir: Path
+) -> list[Row]:
     import asyncpg
 
     rows: list[Row] = []
@@ -333,13 +416,14 @@ async def run(targets: list[Target], args: argparse.Namespace, workdir: Path) ->
                 "CREATE TABLE effects (id bigserial PRIMARY KEY, n int NOT NULL, "
                 "message_id text NOT NULL)"
             )
-            if "drain" in args.only:
-                for nproc in args.processes:
-                    banner(f"drain, {nproc} dispatcher process(es) per target")
-                    rows += await drain_stage(conn, targets, nproc, args, workdir, db_url)
-            if "consume" in args.only:
-                banner("consume")
-                rows += await consume_stage(conn, targets, args, db_url)
+            for kind, targets in by_kind.items():
+                if "drain" in args.only:
+                    for nproc in args.processes:
+                        banner(f"{kind}: drain, {nproc} dispatcher process(es) per target")
+                        rows += await drain_stage(conn, targets, nproc, args, workdir, db_url)
+                if "consume" in args.only:
+                    banner(f"{kind}: consume")
+                    rows += await consume_stage(conn, targets, args, db_url)
         finally:
             await conn.close()
     return rows
@@ -348,9 +432,16 @@ async def run(targets: list[Target], args: argparse.Namespace, workdir: Path) ->
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smoke run with small sizes")
-    p.add_argument("--brokers", nargs="+", choices=["nats"], default=["nats"])
+    p.add_argument("--brokers", nargs="+", choices=["nats", "redis"], default=["nats", "redis"])
     p.add_argument("--only", nargs="+", choices=["drain", "consume"], default=["drain", "consume"])
     p.add_argument("--backlog", type=int, help="drain backlog (default 30,000; quick 5,000)")
+    p.add_argument(
+        "--streams",
+        type=int,
+        default=8,
+        help="drain: streams the backlog is spread over (default 8: several hash slots and"
+        " stream leaders on a cluster)",
+    )
     p.add_argument("--processes", type=int, nargs="+", default=[1], help="dispatchers per target")
     p.add_argument("--messages", type=int, help="consume: measured messages (20,000; quick 3,000)")
     p.add_argument("--warmup", type=int, default=2000, help="consume: warm-up messages")
@@ -370,12 +461,15 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     rows: list[Row] = []
     try:
-        for kind in args.brokers:
-            banner(f"{kind}: starting private servers")
-            with nats_targets(workdir / kind) as targets:
-                for t in targets:
+        with contextlib.ExitStack() as stack:
+            by_kind: dict[str, list[Target]] = {}
+            for kind in args.brokers:
+                banner(f"{kind}: starting private servers")
+                servers = nats_targets if kind == "nats" else redis_targets
+                by_kind[kind] = stack.enter_context(servers(workdir / kind))
+                for t in by_kind[kind]:
                     print(f"  {t.name}: {t.url}", flush=True)
-                rows += asyncio.run(run(targets, args, workdir))
+            rows = asyncio.run(run(by_kind, args, workdir))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     print_rows(rows)

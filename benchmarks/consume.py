@@ -64,6 +64,7 @@ from benchmarks._common import (
     loopback,
     machine_note,
     median,
+    redis_client,
     table,
     unique,
 )
@@ -186,9 +187,7 @@ async def cleanup(kind: str, url: str, stream: str) -> None:
     if kind == "rabbitmq":
         await rabbit_queues(url, stream, delete=True)
     elif kind == "redis":
-        import redis.asyncio as aioredis
-
-        client = aioredis.Redis.from_url(url)
+        client = redis_client(url)
         keys = [k async for k in client.scan_iter(match=f"*{stream}*")]
         for start in range(0, len(keys), 1000):
             await client.delete(*keys[start : start + 1000])

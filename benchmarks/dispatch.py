@@ -65,6 +65,7 @@ from benchmarks._common import (
     proc_cpu,
     processes,
     py_spy,
+    redis_client,
     start_profile,
     summarize_profile,
     table,
@@ -126,9 +127,7 @@ class Brokers:
 
     async def connect(self, kinds: list[str]) -> None:
         if "redis" in kinds:
-            import redis.asyncio as aioredis
-
-            self.redis = aioredis.Redis.from_url(loopback(self.urls["redis"]))
+            self.redis = redis_client(self.urls["redis"])
             await self.redis.ping()
         if "nats" in kinds:
             import nats
@@ -325,13 +324,21 @@ async def drain(
     *,
     profile: Path | None = None,
     expected_seconds: float = 10.0,
+    streams: int = 1,
 ) -> Drain:
-    stream = unique("bench_drain")
-    await brokers.prepare(kind, stream)
+    """``rows`` messages drained by ``group``; ``streams`` > 1 spreads them over that many
+    streams (``<name>_0`` …, the same number of rows in each; on a cluster, over hash
+    slots / stream leaders)."""
+    base = unique("bench_drain")
+    names = [base] if streams == 1 else [f"{base}_{j}" for j in range(streams)]
+    for stream in names:
+        await brokers.prepare(kind, stream)
     try:
         await conn.execute(f"TRUNCATE {TABLE}")
         async with conn.transaction():
-            await conn.execute(BACKLOG_SQL, group.broker_name, stream, rows, "pending")
+            for j, stream in enumerate(names):
+                share = rows // streams + (1 if j < rows % streams else 0)
+                await conn.execute(BACKLOG_SQL, group.broker_name, stream, share, "pending")
             # In the same transaction: ANALYZE sees our own uncommitted rows, and no
             # dispatcher can start before the commit below.
             await conn.execute(f"ANALYZE {TABLE}")
@@ -358,9 +365,10 @@ async def drain(
         published = await conn.fetchval(f"SELECT count(*) FROM {TABLE} WHERE status = 'published'")
         if published != rows:
             raise RuntimeError(f"{group.label}: {published} of {rows} rows published")
-        delivered = await brokers.count(kind, stream)
+        delivered = sum([await brokers.count(kind, stream) for stream in names])
     finally:
-        await brokers.delete(kind, stream)
+        for stream in names:
+            await brokers.delete(kind, stream)
     return Drain(
         broker=kind,
         processes=len(group.procs),
