@@ -185,11 +185,14 @@ async def drain_round(
                     for _ in range(per_txn):
                         uow.publish(Message(stream, "OrderPlaced", payload))
 
+        admin = await asyncpg.connect(url.replace("+asyncpg", ""))
+        lsn = "SELECT pg_current_wal_lsn()"
+        wal0 = await admin.fetchval(lsn)
         async with asyncio.TaskGroup() as tg:
             for _ in range(4):
                 tg.create_task(producer())
-        admin = await asyncpg.connect(url.replace("+asyncpg", ""))
         try:
+            wal1 = await admin.fetchval(lsn)
             pg0, cpu0 = await pg_cpu(admin), time.process_time()
             started = time.monotonic()
             async with outbox.dispatcher():
@@ -200,11 +203,19 @@ async def drain_round(
                     await asyncio.sleep(0.02)
                 elapsed = time.monotonic() - started
                 pg1, cpu1 = await pg_cpu(admin), time.process_time()
+                wal2 = await admin.fetchval(lsn)
+            diff = "SELECT pg_wal_lsn_diff($1, $2)"
+            write_wal = float(await admin.fetchval(diff, wal1, wal0)) / backlog
+            drain_wal = float(await admin.fetchval(diff, wal2, wal1)) / backlog
         finally:
             await admin.close()
         if count != backlog:
             raise SystemExit(f"{capture} to {kind}: {count} messages for {backlog} committed")
         pg_used = sum(v - pg0.get(pid, 0.0) for pid, v in pg1.items())
+        print(
+            f"  WAL per message ({capture}): {write_wal:,.0f} bytes written by the commits,"
+            f" {drain_wal:,.0f} by the drain (the whole cluster's, this run only)"
+        )
         return backlog / elapsed, 1e6 * (cpu1 - cpu0) / backlog, 1e6 * pg_used / backlog
     finally:
         if outbox.wal_slot is not None:
