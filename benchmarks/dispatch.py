@@ -219,6 +219,8 @@ class Group:
     kind: str  # library | baseline
     broker_name: str
     procs: list[Proc] = field(default_factory=list)
+    #: The outbox table its processes drain (``OUTBOX_TABLE_NAME`` of their settings).
+    table: str = TABLE
 
 
 def start_library(
@@ -334,14 +336,20 @@ async def drain(
     for stream in names:
         await brokers.prepare(kind, stream)
     try:
-        await conn.execute(f"TRUNCATE {TABLE}")
+        await conn.execute(f"TRUNCATE {group.table}")
         async with conn.transaction():
             for j, stream in enumerate(names):
                 share = rows // streams + (1 if j < rows % streams else 0)
-                await conn.execute(BACKLOG_SQL, group.broker_name, stream, share, "pending")
+                await conn.execute(
+                    BACKLOG_SQL.replace(TABLE, group.table, 1),
+                    group.broker_name,
+                    stream,
+                    share,
+                    "pending",
+                )
             # In the same transaction: ANALYZE sees our own uncommitted rows, and no
             # dispatcher can start before the commit below.
-            await conn.execute(f"ANALYZE {TABLE}")
+            await conn.execute(f"ANALYZE {group.table}")
         t0 = await conn.fetchval("SELECT clock_timestamp()")
         relay0 = {p.pid: proc_cpu(p.pid) for p in group.procs}
         pg0 = await pg_cpu(conn)
@@ -351,18 +359,20 @@ async def drain(
         await conn.execute("SELECT pg_notify($1, 'bench')", channel)
         deadline = time.monotonic() + max(60.0, rows / 1000)
         while True:
-            left = await conn.fetchval(f"SELECT count(*) FROM {TABLE} WHERE {ACTIVE}")
+            left = await conn.fetchval(f"SELECT count(*) FROM {group.table} WHERE {ACTIVE}")
             if left == 0:
                 break
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{group.label}: {left} rows still pending after the deadline")
             await asyncio.sleep(0.1)
-        t_end = await conn.fetchval(f"SELECT max(published_at) FROM {TABLE}")
+        t_end = await conn.fetchval(f"SELECT max(published_at) FROM {group.table}")
         relay_used = sum(proc_cpu(p.pid) - relay0[p.pid] for p in group.procs)
         pg_used = cpu_delta(pg0, await pg_cpu(conn))
         if spy is not None:
             spy.wait(expected_seconds + 40)
-        published = await conn.fetchval(f"SELECT count(*) FROM {TABLE} WHERE status = 'published'")
+        published = await conn.fetchval(
+            f"SELECT count(*) FROM {group.table} WHERE status = 'published'"
+        )
         if published != rows:
             raise RuntimeError(f"{group.label}: {published} of {rows} rows published")
         delivered = sum([await brokers.count(kind, stream) for stream in names])
