@@ -107,8 +107,9 @@ class OutboxSettings(BaseSettings):
     broker_url: str | None = Field(
         default=None,
         repr=False,
-        description="URL of the default broker (redis://, nats://, amqp://, memory://) when an "
-        "Outbox is given no brokers= (and for `fastapi-outbox dispatch` without --broker-url).",
+        description="URL of the default broker (redis://, redis+cluster://, nats://, amqp://, "
+        "memory://) when an Outbox is given no brokers= (and for `fastapi-outbox dispatch` "
+        "without --broker-url).",
     )
     table_name: str = Field(default=TABLE_NAME, description="Name of the outbox table.")
     batch_size: int = Field(

@@ -15,6 +15,7 @@ import struct
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -552,3 +553,164 @@ class PrivateNatsCluster:
     def stop(self) -> None:
         for node in self.nodes:
             self.kill(node)
+
+
+# -- a Redis Cluster ------------------------------------------------------------------------
+
+REDIS_CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"
+
+
+class PrivateRedisCluster:
+    """Six redis-servers (``size``) with ``cluster-enabled yes`` on loopback ports of their
+    own (each port and its cluster bus port, +10000, free), made one cluster of three
+    masters with a replica each by ``redis-cli --cluster create``: never the shared server
+    on 6379. ``cluster-node-timeout`` is 1000 ms, so a replica takes over within seconds of
+    its master's death. ``kill(port)`` SIGKILLs a node; ``start(port)`` starts it again on
+    its node file (it rejoins, as a replica of the master that replaced it)."""
+
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        size: int = 6,
+        ports: range = range(7300, 7400),
+        node_timeout_ms: int = 1000,
+    ) -> None:
+        binary(REDIS_SERVER)
+        binary(REDIS_CLI)
+        self.directory = directory
+        self.node_timeout_ms = node_timeout_ms
+        found = [p for p in ports if not answers(p) and not answers(p + 10000)][:size]
+        if len(found) < size:
+            pytest.skip(f"fewer than {size} free port pairs in {ports.start}-{ports.stop - 1}")
+        self.ports = found
+        self.procs: dict[int, subprocess.Popen[bytes] | None] = dict.fromkeys(found)
+
+    @property
+    def url(self) -> str:
+        """``redis+cluster://`` with every node as a startup node (comma-separated)."""
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports)
+
+    def argv(self, port: int) -> list[str]:
+        return [
+            REDIS_SERVER,
+            *("--port", str(port), "--bind", "127.0.0.1", "--daemonize", "no"),
+            *("--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf"),
+            *("--cluster-node-timeout", str(self.node_timeout_ms)),
+            *("--dir", str(self.directory), "--save", "", "--appendonly", "no"),
+        ]
+
+    def start(self, port: int | None = None, *, timeout: float = 15.0) -> None:
+        """Start ``port``'s node (every node when None); returns once each listens. The
+        first start of every node also creates the cluster and waits for it to be ok."""
+        first = all(proc is None for proc in self.procs.values()) and port is None
+        for p in [port] if port is not None else self.ports:
+            with (self.directory / f"{p}.log").open("ab") as log:
+                self.procs[p] = subprocess.Popen(
+                    self.argv(p),
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+        for p in [port] if port is not None else self.ports:
+            deadline = time.monotonic() + timeout
+            while not answers(p):
+                proc = self.procs[p]
+                if (proc is not None and proc.poll() is not None) or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"redis node {p} did not start: "
+                        + (self.directory / f"{p}.log").read_text()[-2000:]
+                    )
+                time.sleep(0.02)
+        if first:
+            subprocess.run(
+                [
+                    REDIS_CLI,
+                    "--cluster",
+                    "create",
+                    *(f"127.0.0.1:{p}" for p in self.ports),
+                    *("--cluster-replicas", "1", "--cluster-yes"),
+                ],
+                check=True,
+                capture_output=True,
+                timeout=60,
+            )
+            self.wait_ok(timeout=timeout)
+
+    def cli(self, port: int, *args: str) -> str:
+        done = subprocess.run(
+            [REDIS_CLI, "-p", str(port), *args],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        )
+        return done.stdout
+
+    def nodes(self) -> list[dict[str, Any]]:
+        """``CLUSTER NODES`` as seen by a live node: one dict per node (port, id, role,
+        master id, flags, slots)."""
+        live = next(p for p, proc in self.procs.items() if proc is not None)
+        out = []
+        for line in self.cli(live, "cluster", "nodes").splitlines():
+            parts = line.split()
+            flags = parts[2].split(",")
+            out.append(
+                {
+                    "id": parts[0],
+                    "port": int(parts[1].split("@")[0].rsplit(":", 1)[1]),
+                    "flags": flags,
+                    "master": "master" in flags,
+                    "master_id": parts[3],
+                    "failed": "fail" in flags or "fail?" in flags,
+                    "slots": parts[8:],
+                }
+            )
+        return out
+
+    def state_ok(self, port: int) -> bool:
+        try:
+            return "cluster_state:ok" in self.cli(port, "cluster", "info")
+        except subprocess.SubprocessError:
+            return False
+
+    def wait_ok(self, *, timeout: float = 20.0) -> None:
+        """Until every live node says ``cluster_state:ok`` and sees every slot served by a
+        master that is not failed."""
+        deadline = time.monotonic() + timeout
+        while True:
+            live = [p for p, proc in self.procs.items() if proc is not None]
+            if all(self.state_ok(p) for p in live):
+                nodes = self.nodes()
+                served = [n for n in nodes if n["master"] and n["slots"] and not n["failed"]]
+                if len(served) == 3:
+                    return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the Redis Cluster is not ok after {timeout}s")
+            time.sleep(0.05)
+
+    def master_of_slot(self, slot: int) -> int:
+        """The port of the (live) master serving ``slot``."""
+        for node in self.nodes():
+            if not node["master"] or node["failed"]:
+                continue
+            for span in node["slots"]:
+                if span.startswith("["):
+                    continue  # a slot being migrated
+                low, _, high = span.partition("-")
+                if int(low) <= slot <= int(high or low):
+                    return int(node["port"])
+        raise LookupError(f"no live master serves slot {slot}")
+
+    def kill(self, port: int) -> None:
+        """SIGKILL ``port``'s node: no shutdown, no final flush."""
+        proc, self.procs[port] = self.procs[port], None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.kill()
+        proc.wait(10)
+
+    def stop(self) -> None:
+        for port in self.ports:
+            self.kill(port)

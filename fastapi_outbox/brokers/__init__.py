@@ -51,12 +51,13 @@ def __getattr__(name: str) -> Any:
 
 
 def broker_from_url(url: str, **options: Any) -> Broker:
-    """``memory://``, ``redis://`` / ``rediss://`` / ``unix://``, ``nats://`` / ``tls://`` or
-    ``amqp://`` / ``amqps://`` (RabbitMQ)."""
+    """``memory://``, ``redis://`` / ``rediss://`` / ``unix://``, a Redis Cluster's
+    ``redis+cluster://host:port[,host:port…]`` / ``rediss+cluster://``, ``nats://`` /
+    ``tls://`` or ``amqp://`` / ``amqps://`` (RabbitMQ)."""
     scheme = url.split("://", 1)[0].lower() if "://" in url else ""
     if scheme == "memory":
         return MemoryBroker(**options)
-    if scheme in ("redis", "rediss", "unix"):
+    if scheme in ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster"):
         from fastapi_outbox.brokers.redis.broker import RedisStreamsBroker
 
         return RedisStreamsBroker(url, **options)
@@ -70,5 +71,5 @@ def broker_from_url(url: str, **options: Any) -> Broker:
         return RabbitMQBroker(url, **options)
     raise exceptions.ConfigurationError(
         f"unsupported broker URL {redact_url(url)!r}: "
-        "use memory://, redis://, rediss://, nats:// or amqp://"
+        "use memory://, redis://, rediss://, redis+cluster://, nats:// or amqp://"
     )

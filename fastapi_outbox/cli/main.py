@@ -127,8 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     dispatch.add_argument(
         "--broker-url",
         help=(
-            f"broker of --url (redis://, nats://, amqp://; else {BROKER_URL_ENV}); "
-            "--app brings its own"
+            "broker of --url (redis://, redis+cluster://, nats://, amqp://; else "
+            f"{BROKER_URL_ENV}); --app brings its own"
         ),
     )
     dispatch.add_argument(

@@ -56,6 +56,7 @@ _PROTOCOLS = {
     "redis": "redis",
     "rediss": "redis",
     "redis+cluster": "redis",
+    "rediss+cluster": "redis",
     "nats": "nats",
     "tls": "nats",
     "amqp": "amqp",

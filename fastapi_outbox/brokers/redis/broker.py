@@ -28,11 +28,11 @@ __all__ = ["RedisStreamsBroker"]
 class RedisStreamsBroker(RedisStreamsPublisher):
     """Publishes to Redis Streams (``redis.asyncio``), pipelined and de-duplicated, and
     consumes them with consumer groups (:meth:`consumer`), on one connection
-    (:attr:`connection`)."""
+    (:attr:`connection`): a single Redis or a Redis Cluster."""
 
     def __init__(
         self,
-        url: str = "redis://localhost:6379/0",
+        url: Any = "redis://localhost:6379/0",
         *,
         client: Any = None,
         maxlen: int | None = None,
@@ -46,8 +46,12 @@ class RedisStreamsBroker(RedisStreamsPublisher):
         cloudevents_mode: CloudEventsMode = "binary",
         cloudevents_source: str = DEFAULT_SOURCE,
     ) -> None:
-        """``maxlen`` trims the streams published to; the consumers' dead-letter streams
-        are never trimmed unless ``dead_letter_maxlen`` is set (``MAXLEN ~``).
+        """``url``: ``redis://`` / ``rediss://`` / ``unix://``, a Redis Cluster's
+        ``redis+cluster://host:port[,host:port…]`` (``rediss+cluster://`` with TLS), or a ready
+        ``redis.asyncio`` client (``Redis`` or ``RedisCluster``, as ``client=`` too; never
+        closed by the broker). ``maxlen`` trims the streams published to; the consumers'
+        dead-letter streams are never trimmed unless ``dead_letter_maxlen`` is set
+        (``MAXLEN ~``).
         ``envelope="cloudevents"`` publishes CloudEvents (``cloudevents_mode`` binary or
         structured) from ``cloudevents_source``; consumers read either envelope."""
         if dead_letter_maxlen is not None and dead_letter_maxlen < 1:

@@ -8,6 +8,12 @@ translation of a client failure into
 and the consumer each receive this object and never read each other (faststream's
 ``redis/configs/state.py`` is the example). redis-py reconnects a dropped connection by
 itself on the next command; ``connect`` after ``aclose`` opens a new client.
+
+A Redis Cluster (``redis+cluster://host:port[,host:port…]``, ``rediss+cluster://`` with
+TLS, or a caller's ``redis.asyncio.cluster.RedisCluster``) gets redis-py's cluster client,
+which follows ``MOVED`` / ``ASK`` and refreshes its slot map after a failover;
+:attr:`RedisConnection.cluster` then tells the publisher and the consumer to keep every
+multi-key command in one slot (``wire.dedup_key``, ``wire.dead_letter_key``).
 """
 
 from __future__ import annotations
@@ -16,9 +22,16 @@ import logging
 from typing import Any
 
 from fastapi_outbox import exceptions
+from fastapi_outbox.brokers.redis.wire import dead_letter_key, dedup_key
 from fastapi_outbox.redaction import redact_url
 
-__all__ = ["SOCKET_TIMEOUT_SECONDS", "RedisConnection"]
+__all__ = [
+    "CLUSTER_SCHEMES",
+    "SOCKET_TIMEOUT_SECONDS",
+    "RedisConnection",
+    "cluster_startup_nodes",
+    "is_cluster_url",
+]
 
 logger = logging.getLogger("fastapi_outbox.brokers.redis")
 
@@ -26,6 +39,67 @@ logger = logging.getLogger("fastapi_outbox.brokers.redis")
 SOCKET_TIMEOUT_SECONDS = 5.0
 #: How often redis-py checks an idle connection before using it.
 HEALTH_CHECK_INTERVAL_SECONDS = 30
+#: URL schemes of a Redis Cluster, and the scheme of one of its nodes.
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+
+
+def is_cluster_url(url: str) -> bool:
+    """Whether ``url`` names a Redis Cluster (``redis+cluster://``, ``rediss+cluster://``)."""
+    return url.split("://", 1)[0].lower() in CLUSTER_SCHEMES
+
+
+def cluster_startup_nodes(url: str) -> tuple[list[tuple[str, int]], str]:
+    """The startup nodes of a ``redis+cluster://[user:password@]host:port[,host:port…]
+    [/0][?option=value…]`` URL (port 6379 when not given; ``[::1]:7000`` for IPv6), and
+    the URL of its first node with the credentials and options (``redis://`` or
+    ``rediss://``), which redis-py parses into the connection options of every node.
+    ConfigurationError for a URL that names no node or a database other than 0."""
+    scheme, _, rest = url.partition("://")
+    node_scheme = CLUSTER_SCHEMES.get(scheme.lower())
+    cut = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
+    netloc, tail = rest[:cut], rest[cut:]
+    userinfo, at, hosts = netloc.rpartition("@")
+    nodes: list[tuple[str, int]] = []
+    for item in filter(None, (h.strip() for h in hosts.split(","))):
+        if item.startswith("["):  # [IPv6]:port
+            host, _, port = item[1:].partition("]")
+            port = port.removeprefix(":")
+        else:
+            host, _, port = item.rpartition(":") if ":" in item else (item, "", "")
+        try:
+            nodes.append((host, int(port or 6379)))
+        except ValueError:
+            nodes = []
+            break
+    path = tail.partition("?")[0].strip("/")
+    if node_scheme is None or not nodes or not all(h for h, _ in nodes) or path not in ("", "0"):
+        raise exceptions.ConfigurationError(
+            f"RedisStreamsBroker: {redact_url(url)!r} is not a Redis Cluster URL: use "
+            "redis+cluster://[user:password@]host:port[,host:port…] (database 0 only)"
+        )
+    first_host, first_port = nodes[0]
+    host = f"[{first_host}]" if ":" in first_host else first_host
+    return nodes, f"{node_scheme}://{userinfo}{at}{host}:{first_port}{tail}"
+
+
+def _is_cluster_client(client: Any) -> bool:
+    try:
+        from redis.asyncio.cluster import RedisCluster
+    except ImportError:  # pragma: no cover - a client object means redis is installed
+        return False
+    return isinstance(client, RedisCluster)
+
+
+def _describe(client: Any) -> str:
+    """A URL naming the server(s) of a caller's client, for logs and errors."""
+    if _is_cluster_client(client):
+        nodes = getattr(client, "startup_nodes", None) or client.get_nodes()
+        return "redis+cluster://" + ",".join(f"{n.host}:{n.port}" for n in nodes)
+    kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", {})
+    if "path" in kwargs:
+        return f"unix://{kwargs['path']}"
+    host, port, db = kwargs.get("host", "localhost"), kwargs.get("port", 6379), kwargs.get("db", 0)
+    return f"redis://{host}:{port}/{db}"
 
 
 class RedisConnection:
@@ -33,13 +107,23 @@ class RedisConnection:
 
     def __init__(
         self,
-        url: str = "redis://localhost:6379/0",
+        url: Any = "redis://localhost:6379/0",
         *,
         client: Any = None,
         socket_timeout: float = SOCKET_TIMEOUT_SECONDS,
         stream_prefix: str = "",
     ) -> None:
-        self.url = url
+        """``url`` is a URL, or a ready ``redis.asyncio`` client (``Redis`` or
+        ``RedisCluster``), as is ``client``; a caller's client is never closed here."""
+        if not isinstance(url, str):
+            client, url = url, _describe(url)
+        elif _is_cluster_client(client) and not is_cluster_url(url):
+            url = _describe(client)  # not the single-node default URL: the cluster's nodes
+        if is_cluster_url(url):
+            cluster_startup_nodes(url)  # a bad cluster URL fails here, not on connect
+        self.url: str = url
+        #: A Redis Cluster: every multi-key command stays in one slot.
+        self.cluster = is_cluster_url(url) if client is None else _is_cluster_client(client)
         #: Bounds every command of the client (and the consumer's own reads).
         self.socket_timeout = socket_timeout
         self.stream_prefix = stream_prefix
@@ -67,21 +151,47 @@ class RedisConnection:
         """The Redis key of ``stream`` (the broker's ``stream_prefix`` prepended)."""
         return self.stream_prefix + stream
 
+    def dedup_key(self, stream_key: str, message_id: str) -> str:
+        """The de-duplication key of ``message_id`` in ``stream_key`` (``wire.dedup_key``)."""
+        return dedup_key(stream_key, message_id, cluster=self.cluster)
+
+    def dead_letter_key(self, dead_letter: str, stream_key: str) -> str:
+        """The key of the dead-letter stream ``dead_letter`` of ``stream_key`` (prefixed;
+        on a cluster in the stream's slot: ``wire.dead_letter_key``)."""
+        return dead_letter_key(self.stream_key(dead_letter), stream_key, cluster=self.cluster)
+
+    def _make_client(self) -> Any:
+        options: dict[str, Any] = {
+            "socket_timeout": self.socket_timeout,
+            "socket_connect_timeout": self.socket_timeout,
+            "health_check_interval": HEALTH_CHECK_INTERVAL_SECONDS,
+        }
+        if not self.cluster:
+            import redis.asyncio as aioredis
+
+            return aioredis.Redis.from_url(self.url, **options)
+        from redis.asyncio.cluster import ClusterNode, RedisCluster
+        from redis.asyncio.connection import SSLConnection, parse_url
+
+        nodes, node_url = cluster_startup_nodes(self.url)
+        parsed: dict[str, Any] = dict(parse_url(node_url))
+        for name in ("host", "port", "db"):
+            parsed.pop(name, None)
+        if parsed.pop("connection_class", None) is SSLConnection:
+            parsed["ssl"] = True
+        return RedisCluster(
+            startup_nodes=[ClusterNode(host, port) for host, port in nodes],
+            **{**options, **parsed},
+        )
+
     async def connect(self) -> None:
         """Make the client (unless the caller gave one) and read the server's version;
         idempotent. BrokerUnavailable when Redis cannot be reached."""
         if self._client is None:
-            import redis.asyncio as aioredis
-
-            self._client = aioredis.Redis.from_url(
-                self.url,
-                socket_timeout=self.socket_timeout,
-                socket_connect_timeout=self.socket_timeout,
-                health_check_interval=HEALTH_CHECK_INTERVAL_SECONDS,
-            )
+            self._client = self._make_client()
         if self.server_version is None:
             try:
-                info = await self._client.info("server")
+                info = await self._client.info("server")  # a cluster: its default node
             except Exception as exc:
                 raise self.unavailable(exc) from exc
             version = str(info.get("redis_version", "0"))
@@ -99,14 +209,18 @@ class RedisConnection:
         """BrokerUnavailable unless Redis answers a PING (connecting first if needed)."""
         try:
             await self.connect()  # a ping before connect asks the server, not the object
-            await self.client.ping()
+            if self.cluster:  # every master: each serves a part of the streams
+                await self.client.ping(target_nodes="primaries")
+            else:
+                await self.client.ping()
         except exceptions.BrokerUnavailable:
             raise
         except Exception as exc:
             raise self.unavailable(exc) from exc
 
     def unavailable(self, exc: BaseException) -> exceptions.BrokerUnavailable:
-        """The outage ``exc`` (a connection failure or a timeout of the client) means:
+        """The outage ``exc`` (a connection failure or a timeout of the client, a cluster
+        node or slot map out of reach: ``wire.is_unreachable``) means:
         BrokerTimeout when Redis did not answer in ``socket_timeout``, else
         BrokerUnavailable; both name the server (credentials redacted)."""
         import redis.exceptions as rexc

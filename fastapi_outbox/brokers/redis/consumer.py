@@ -20,6 +20,11 @@
 * ``release`` at shutdown: ``XCLAIM … IDLE <claim_idle> JUSTID`` makes the entries look
   stale at once, so the next consumer's ``XAUTOCLAIM`` takes them without waiting.
 
+On a Redis Cluster every command names one stream (or the stream and its dead-letter
+stream, which share its slot: ``wire.dead_letter_key``), so redis-py's cluster client
+sends it to the master serving that slot and follows it to the promoted replica after a
+failover; nothing scans keys.
+
 Entries are decoded from the fields the publish side writes: ``id`` (message id), ``type``,
 ``key``, ``headers`` (JSON), ``payload``. Connection failures and broker-wide refusals
 (``refusal_code``) raise BrokerUnavailable / BrokerRefusing, as on the publish side.
@@ -37,6 +42,7 @@ from typing import Any
 
 import anyio
 
+from fastapi_outbox import exceptions
 from fastapi_outbox.brokers import consumer as consumer_mod
 from fastapi_outbox.brokers.consumer import (
     ConsumerConfig,
@@ -50,6 +56,7 @@ from fastapi_outbox.brokers.redis.wire import (
     is_unreachable,
     refusal_code,
     reply_entries,
+    same_slot,
     text,
 )
 
@@ -138,7 +145,14 @@ class RedisStreamsConsumer:
         self.config = config
         self.dead_letter_maxlen = dead_letter_maxlen
         self.key = connection.stream_key(config.stream)
-        self.dead_key = connection.stream_key(config.dead_letter)
+        try:
+            #: On a Redis Cluster in the stream's slot (``wire.dead_letter_key``): the
+            #: dead-letter script writes it and acknowledges the entry in one call.
+            self.dead_key = connection.dead_letter_key(config.dead_letter, self.key)
+        except ValueError as exc:
+            raise exceptions.ConfigurationError(
+                f"subscriber of {config.stream!r} (group {config.group!r}): {exc}"
+            ) from exc
         self._idle_ms = max(1, int(config.claim_idle_seconds * 1000))
         #: (due monotonic time, entry id, attempt so far) of this consumer's retries.
         self._retries: list[tuple[float, str, int]] = []
@@ -212,7 +226,14 @@ class RedisStreamsConsumer:
         parser built them (the deliveries are made straight from its lists). Its commands
         are bounded by ``_bounded`` rather than by a ``socket_timeout``: redis-py sends
         every command of a client with a socket timeout in a task of its own
-        (``asyncio.wait_for``), a cost on each round trip of the loop."""
+        (``asyncio.wait_for``), a cost on each round trip of the loop.
+
+        On a Redis Cluster: the broker's cluster client itself (it follows the stream's
+        slot from master to promoted replica); its replies come parsed, which
+        ``decode_entry`` reads too, and a blocking read waits less than its socket
+        timeout (``_read``)."""
+        if self.connection.cluster:
+            return client
         if self._reader is None or self._reader[0] is not client:
             import redis.asyncio as aioredis
 
@@ -329,6 +350,8 @@ class RedisStreamsConsumer:
         self._blocked = False  # the fetch loop comes back for more
         if timeout is None or reply_entries(reply):
             return reply
+        if self.connection.cluster:  # the cluster client's socket timeout bounds the wait
+            timeout = min(timeout, self.connection.socket_timeout / 2)
         block = max(1, int(timeout * 1000))
         self._blocked = True
         try:
@@ -551,10 +574,17 @@ class RedisStreamsConsumer:
             fields = {name: get.get(name, b"") for name in ("id", "type", "key", "headers")}
             fields["payload"] = get.get("payload", b"")
             target = self.connection.stream_key(text(get.get("stream", self.config.stream)))
-            async with self._calls() as client, client.pipeline(transaction=True) as pipe:
+            # One transaction, unless the target lives in another slot of a cluster (a dead
+            # letter written elsewhere): then XADD first, XDEL after; a failure in
+            # between replays it twice, and the inbox skips the copy.
+            atomic = not self.connection.cluster or same_slot(target, self.dead_key)
+            async with self._calls() as client, client.pipeline(transaction=atomic) as pipe:
                 pipe.xadd(target, fields)
-                pipe.xdel(self.dead_key, entry_id)
+                if atomic:
+                    pipe.xdel(self.dead_key, entry_id)
                 await pipe.execute()
+                if not atomic:
+                    await client.xdel(self.dead_key, entry_id)
             replayed += 1
         return replayed
 

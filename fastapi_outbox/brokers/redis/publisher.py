@@ -11,7 +11,10 @@ De-duplication (``dedup=``):
   returns the first entry id and adds nothing. The script takes a whole batch of one stream
   in one call, so the relay spends one command per stream and batch instead of one per
   message (redis-py building a pipeline costs about 26 µs per command). The ``{stream}``
-  hash tag keeps the stream and its de-duplication keys in one cluster slot.
+  hash tag keeps the stream and its de-duplication keys in one cluster slot
+  (``wire.dedup_key``). On a Redis Cluster the script goes as ``EVAL`` (its text each
+  time): a replica promoted after a failover, or a restarted node, has no script cache,
+  and redis-py's cluster pipeline does not load scripts before ``EVALSHA``.
 * ``"idmp"`` (Redis 8.6+, opt-in): the server's own idempotent ``XADD … IDMP``. Redis keeps
   at most 10,000 idempotent ids per producer id, so ids are spread over ``idmp_producers``
   producer ids (the message id picks one). Each stream's ``IDMP-DURATION`` must be set once
@@ -91,6 +94,12 @@ return out
 """
 
 DedupMode = Literal["auto", "script", "idmp", "off"]
+
+
+def _is_reply_error(exc: BaseException) -> bool:
+    import redis.exceptions as rexc
+
+    return isinstance(exc, rexc.ResponseError)
 
 
 class RedisStreamsPublisher:
@@ -211,6 +220,9 @@ class RedisStreamsPublisher:
         except Exception as exc:
             if is_unreachable(exc):
                 raise self.connection.unavailable(exc) from exc
+            code = refusal_code(exc) if _is_reply_error(exc) else None
+            if code is not None:  # the whole pipeline refused (a cluster mid-failover)
+                raise self.connection.refusing(code, exc) from exc
             raise
         for result in results:
             if isinstance(result, exceptions.BrokerRefusing):
@@ -225,19 +237,31 @@ class RedisStreamsPublisher:
         ttl = int(self.dedup_window_seconds) if self._mode == "script" else 0
         maxlen = self.maxlen or 0
         calls: list[list[int]] = []
+        cluster = self.connection.cluster
         async with self.client.pipeline(transaction=False) as pipe:
             for stream, indexes in by_stream.items():
+                try:
+                    self.connection.dedup_key(stream, "")
+                except ValueError as exc:  # a name no hash tag can follow to its slot
+                    for i in indexes:
+                        results[i] = exceptions.MessageRejected(
+                            f"Redis refused message {batch[i].id}: {exc}"
+                        )
+                    continue
                 for start in range(0, len(indexes), SCRIPT_CHUNK):
                     chunk = indexes[start : start + SCRIPT_CHUNK]
                     keys = [stream]
                     args: list[Any] = [ttl, maxlen]
                     for i in chunk:
                         e = batch[i]
-                        keys.append(f"outbox:dedup:{{{stream}}}:{e.id}")
+                        keys.append(self.connection.dedup_key(stream, e.id))
                         args += entry_values(e, self.envelope_format)
-                    await self._script(keys=keys, args=args, client=pipe)
+                    if cluster:
+                        pipe.execute_command("EVAL", _PUBLISH_SCRIPT, len(keys), *keys, *args)
+                    else:
+                        await self._script(keys=keys, args=args, client=pipe)
                     calls.append(chunk)
-            replies = await pipe.execute(raise_on_error=False)
+            replies = await pipe.execute(raise_on_error=False) if calls else []
         for chunk, reply in zip(calls, replies, strict=True):
             if isinstance(reply, BaseException):
                 self._raise_if_unreachable(reply)

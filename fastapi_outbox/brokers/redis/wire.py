@@ -1,7 +1,9 @@
 """What the Redis publisher and consumer agree on about Redis itself: the fields of a
 published entry, which reply errors are broker-wide refusals (an outage of the broker,
 not a fault of a message) and which failures mean Redis cannot be reached: the one
-outage classifier of Redis."""
+outage classifier of Redis (a single node or a Redis Cluster); and the names of the keys
+that go with a stream (its de-duplication keys, its dead-letter streams), which on a Redis
+Cluster must hash to the stream's slot (docs/how-to/redis-cluster.md)."""
 
 from __future__ import annotations
 
@@ -16,12 +18,17 @@ from fastapi_outbox.events import Envelope
 __all__ = [
     "PUBLISHED_FIELDS",
     "REFUSAL_CODES",
+    "dead_letter_key",
     "decode_entry",
+    "dedup_key",
     "entry_fields",
     "entry_values",
+    "hashed_part",
     "is_unreachable",
     "refusal_code",
     "reply_entries",
+    "same_slot",
+    "slot_tag",
     "text",
 ]
 
@@ -31,9 +38,11 @@ _PUBLISHED = list(PUBLISHED_FIELDS)
 
 #: Error codes with which Redis refuses *every* write for a reason of its own: out of
 #: memory, a read-only replica (after a failover), a failed RDB save (``MISCONF``), a
-#: dataset still loading, a busy script, a cluster without quorum or mid-resharding. They
-#: are outages of the broker, not faults of a message: the processor backs off as a whole
-#: and no attempt is charged.
+#: dataset still loading, a busy script, a cluster without quorum or mid-resharding, a
+#: slot that moved again while redis-py followed it (``MOVED`` / ``ASK`` reaching the
+#: caller: a redirection storm during a failover or a resharding). They are outages of the
+#: broker, not faults of a message: the processor backs off as a whole and no attempt is
+#: charged.
 REFUSAL_CODES = frozenset(
     {
         "OOM",
@@ -44,9 +53,21 @@ REFUSAL_CODES = frozenset(
         "CLUSTERDOWN",
         "TRYAGAIN",
         "MASTERDOWN",
+        "MOVED",
+        "ASK",
         "NOREPLICAS",
         "NOTREADY",
     }
+)
+
+#: How redis-py's cluster client says that it cannot find a node to talk to (its
+#: ``RedisClusterException`` has no subclass for these): every startup node unreachable,
+#: slots without a node, nodes that disagree on the slot map mid-failover.
+_TOPOLOGY_FAILURES = (
+    "Redis Cluster cannot be connected",
+    "All slots are not covered",
+    "startup_nodes could not agree",
+    "No targets were found",
 )
 
 
@@ -65,10 +86,81 @@ def refusal_code(error: BaseException | str) -> str | None:
 
 def is_unreachable(error: BaseException) -> bool:
     """Whether ``error`` (raised by redis-py or returned in a pipeline's replies) means
-    Redis cannot be reached: a connection failure or a timeout, not a reply."""
+    Redis cannot be reached: a connection failure or a timeout, not a reply. On a Redis
+    Cluster also: a node that cannot be reached (a dead master before its replica is
+    promoted), redirections that did not settle (``TTL exhausted``), a slot no node serves
+    and a slot map the client cannot get (``RedisClusterException`` of the topology)."""
     import redis.exceptions as rexc
 
-    return isinstance(error, rexc.ConnectionError | rexc.TimeoutError | OSError)
+    if isinstance(error, rexc.ConnectionError | rexc.TimeoutError | OSError):
+        return True
+    if isinstance(error, rexc.ResponseError):  # a reply: a refusal (refusal_code) or not
+        return False
+    if isinstance(error, rexc.ClusterError | rexc.SlotNotCoveredError):
+        return True
+    return isinstance(error, rexc.RedisClusterException) and str(error).startswith(
+        _TOPOLOGY_FAILURES
+    )
+
+
+def hashed_part(key: str) -> str:
+    """The part of ``key`` Redis Cluster hashes to pick its slot: the text between the
+    first ``{`` and the first ``}`` after it when that is not empty (the key's hash tag),
+    else the whole key."""
+    start = key.find("{")
+    if start >= 0:
+        end = key.find("}", start + 1)
+        if end > start + 1:
+            return key[start + 1 : end]
+    return key
+
+
+def slot_tag(stream_key: str) -> str:
+    """``{<hashed part>}``: a hash tag that puts a key in the slot of ``stream_key``.
+    ValueError for a stream whose whole name is hashed and holds a ``}`` (``a}b``,
+    ``a{}b``): no tag can name that slot; such a stream must carry a hash tag of its own
+    (``{a}b``) to be used on a Redis Cluster."""
+    part = hashed_part(stream_key)
+    if "}" in part:
+        raise ValueError(
+            f"stream {stream_key!r} cannot be used on a Redis Cluster: its name holds a '}}' "
+            "outside a hash tag, so its de-duplication keys and dead-letter stream cannot "
+            "share its slot; give it a hash tag of its own (e.g. '{orders}.v1')"
+        )
+    return "{" + part + "}"
+
+
+def same_slot(a: str, b: str) -> bool:
+    """Whether keys ``a`` and ``b`` hash to the same Redis Cluster slot."""
+    from redis.crc import key_slot
+
+    return bool(key_slot(a.encode()) == key_slot(b.encode()))
+
+
+def dedup_key(stream_key: str, message_id: str, *, cluster: bool) -> str:
+    """The key that remembers ``message_id``'s entry in ``stream_key``.
+
+    Single node: ``outbox:dedup:{<stream key>}:<id>`` (unchanged since the first release).
+    Redis Cluster: ``outbox:dedup:<slot_tag>:<id>``, in the stream's slot, so the publish
+    script touches one slot; the same name as on a single node for every stream without
+    ``{`` or ``}`` in its name."""
+    if not cluster:
+        return f"outbox:dedup:{{{stream_key}}}:{message_id}"
+    return f"outbox:dedup:{slot_tag(stream_key)}:{message_id}"
+
+
+def dead_letter_key(name_key: str, stream_key: str, *, cluster: bool) -> str:
+    """The key of the dead-letter stream ``name_key`` (the subscriber's dead-letter name,
+    prefixed) of ``stream_key``.
+
+    Single node: ``name_key`` itself (``orders.billing.dlq``; unchanged: dead letters
+    already written stay where they are). Redis Cluster: the dead letter is written and the
+    entry acknowledged in one script, so both keys must share a slot: ``name_key`` when it
+    already hashes like the stream (it carries the stream's hash tag), else the stream's
+    tag before it: ``{orders}:orders.billing.dlq``."""
+    if not cluster or hashed_part(name_key) == hashed_part(stream_key):
+        return name_key
+    return f"{slot_tag(stream_key)}:{name_key}"
 
 
 def entry_values(e: Envelope, envelope_format: CloudEventsOptions | None = None) -> list[Any]:
