@@ -1,5 +1,5 @@
-"""Clusters: drain and consume on a NATS JetStream cluster (and a Redis Cluster, when the
-Redis broker takes ``redis+cluster://``) against a single node, in one run.
+"""Clusters: drain and consume on a NATS JetStream cluster and on a Redis Cluster against a
+single node of the same server, in one run.
 
 Servers of the run's own on free loopback ports (never the shared ones), started from the
 tests' helpers (``tests/servers.py``) and stopped at the end:
@@ -7,7 +7,10 @@ tests' helpers (``tests/servers.py``) and stopped at the end:
 * **NATS**: a single nats-server with JetStream (``-js``, a file store) and a three-node
   cluster of the same binary (``tests.servers.PrivateNatsCluster``); on the cluster every
   stream has three replicas (``NatsJetStreamBroker(url, replicas=3)``, the URL listing the
-  three nodes comma-separated).
+  three nodes comma-separated);
+* **Redis**: a single redis-server and a Redis Cluster of six (three masters with a replica
+  each, ``tests.servers.PrivateRedisCluster``; ``RedisStreamsBroker("redis+cluster://…")``),
+  no persistence on either (no RDB snapshots, no AOF).
 
 Two measurements, each alternating single node and cluster round by round (A B, B A, …),
 medians:
@@ -25,7 +28,7 @@ Beside the rates, CPU per message from ``/proc``: of the dispatcher processes (`
 of this process (the consumer), of the PostgreSQL backends serving the run's database
 (``pg``), and of the broker's server processes, summed over the nodes (``broker``).
 
-    python benchmarks/cluster.py                 # NATS: drain 30,000 x 3, consume 20,000 x 3
+    python benchmarks/cluster.py                 # drain 30,000 x 3, consume 20,000 x 3 per side
     python benchmarks/cluster.py --quick         # smoke run
     python benchmarks/cluster.py --only drain --processes 1 2
 """
