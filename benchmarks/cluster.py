@@ -93,8 +93,18 @@ class Target:
     replicas: int = 1
     broker_name: str = field(default="")
 
-    def broker_cpu(self) -> float:
-        return sum(proc_cpu(pid) for pid in self.pids)
+    def broker_cpu(self) -> dict[int, float]:
+        """CPU seconds used so far by each of the broker's server processes."""
+        return {pid: proc_cpu(pid) for pid in self.pids}
+
+
+def broker_us(
+    before: dict[int, float], after: dict[int, float], messages: int
+) -> tuple[float, float]:
+    """CPU µs per message of the broker's servers: all nodes together, and the busiest node
+    (on a single-threaded Redis master or a stream's leader, the one that limits)."""
+    spent = [after[pid] - before[pid] for pid in before]
+    return 1e6 * sum(spent) / messages, 1e6 * max(spent) / messages
 
 
 # -- servers ----------------------------------------------------------------------------------
@@ -241,6 +251,7 @@ class Row:
     client_us: float
     pg_us: float
     broker_us: float
+    busiest_us: float
 
 
 async def drain_stage(
@@ -273,7 +284,7 @@ async def drain_stage(
                     channel,
                     streams=args.streams,
                 )
-            results: dict[str, list[tuple[Drain, float]]] = {t.name: [] for t in targets}
+            results: dict[str, list[tuple[Drain, float, float]]] = {t.name: [] for t in targets}
             for r in range(args.rounds):
                 for t in targets if r % 2 == 0 else targets[::-1]:
                     before = t.broker_cpu()
@@ -286,12 +297,12 @@ async def drain_stage(
                         channel,
                         streams=args.streams,
                     )
-                    broker_us = 1e6 * (t.broker_cpu() - before) / res.rows
-                    results[t.name].append((res, broker_us))
+                    total, busiest = broker_us(before, t.broker_cpu(), res.rows)
+                    results[t.name].append((res, total, busiest))
                     print(
                         f"  drain {nproc}p round {r + 1} {t.name:18s} {res.rate:8,.0f} msg/s"
                         f"  relay {res.relay_us:5.1f}  pg {res.pg_us:5.1f}"
-                        f"  broker {broker_us:5.1f} us/msg  {res.check}",
+                        f"  broker {total:5.1f} (busiest node {busiest:5.1f}) us/msg  {res.check}",
                         flush=True,
                     )
                     if res.check != "ok":
@@ -302,10 +313,11 @@ async def drain_stage(
                     Row(
                         t.name,
                         f"drain, {nproc} process{'es' if nproc > 1 else ''}",
-                        median(d.rate for d, _ in got),
-                        median(d.relay_us for d, _ in got),
-                        median(d.pg_us for d, _ in got),
-                        median(b for _, b in got),
+                        median(d.rate for d, _, _ in got),
+                        median(d.relay_us for d, _, _ in got),
+                        median(d.pg_us for d, _, _ in got),
+                        median(b for _, b, _ in got),
+                        median(b for _, _, b in got),
                     )
                 )
     finally:
@@ -323,7 +335,7 @@ async def consume_stage(
     from benchmarks.consume import cleanup, fill, run_library
 
     sides = [s for s in args.sides.split(",") if s]
-    got: dict[tuple[str, str], list[tuple[float, float, float, float]]] = {}
+    got: dict[tuple[str, str], list[tuple[float, float, float, float, float]]] = {}
     runs = [(t, side) for side in sides for t in targets]
     for r in range(args.rounds):
         for t, side in runs if r % 2 == 0 else runs[::-1]:
@@ -350,11 +362,12 @@ async def consume_stage(
                 await cleanup(t.kind, t.url, stream)
             (pg0, b0), (pg1, b1) = samples[0], samples[-1]
             pg_us = 1e6 * cpu_delta(pg0, pg1) / args.messages
-            broker_us = 1e6 * (b1 - b0) / args.messages
-            got.setdefault((t.name, side), []).append((rate, cpu, pg_us, broker_us))
+            total, busiest = broker_us(b0, b1, args.messages)
+            got.setdefault((t.name, side), []).append((rate, cpu, pg_us, total, busiest))
             print(
                 f"  consume round {r + 1} {t.name:18s} {side:15s} {rate:8,.0f} msg/s"
-                f"  consumer {cpu:5.1f}  pg {pg_us:5.1f}  broker {broker_us:5.1f} us/msg",
+                f"  consumer {cpu:5.1f}  pg {pg_us:5.1f}  broker {total:5.1f}"
+                f" (busiest node {busiest:5.1f}) us/msg",
                 flush=True,
             )
     return [
@@ -365,6 +378,7 @@ async def consume_stage(
             median(x[1] for x in vals),
             median(x[2] for x in vals),
             median(x[3] for x in vals),
+            median(x[4] for x in vals),
         )
         for (name, side), vals in got.items()
     ]
@@ -388,6 +402,7 @@ def print_rows(rows: list[Row]) -> None:
                 fmt(row.client_us, 1),
                 fmt(row.pg_us, 1),
                 fmt(row.broker_us, 1),
+                fmt(row.busiest_us, 1),
             ]
         )
     print(
@@ -395,6 +410,7 @@ def print_rows(rows: list[Row]) -> None:
             [
                 *("measure", "broker", "msg/s", "vs 1 node"),
                 *("relay/consumer us/msg", "PostgreSQL us/msg", "broker servers us/msg"),
+                "busiest node us/msg",
             ],
             out,
         )
