@@ -248,3 +248,21 @@ async def slot_empty(slot: Any) -> bool:
         if getattr(exc, "sqlstate", None) == "55006":
             return False
         raise
+
+
+# -- a private Redis Cluster ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """Six private redis-servers made one Redis Cluster of three masters with a replica
+    each (``tests.servers.PrivateRedisCluster``), started on first use and stopped at the
+    end of the session; a test that kills a node starts it again."""
+    from tests.servers import PrivateRedisCluster
+
+    cluster = PrivateRedisCluster(tmp_path_factory.mktemp("redis-cluster"))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()

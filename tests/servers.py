@@ -598,6 +598,8 @@ class PrivateRedisCluster:
             *("--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf"),
             *("--cluster-node-timeout", str(self.node_timeout_ms)),
             *("--dir", str(self.directory), "--save", "", "--appendonly", "no"),
+            # A replica's first sync at once (not 5 s later): until then it cannot take over.
+            *("--repl-diskless-sync-delay", "0"),
         ]
 
     def start(self, port: int | None = None, *, timeout: float = 15.0) -> None:
@@ -675,19 +677,42 @@ class PrivateRedisCluster:
         except subprocess.SubprocessError:
             return False
 
+    def synced(self, port: int) -> bool:
+        """``port``'s node is a master, or a replica whose link to its master is up."""
+        try:
+            info = self.cli(port, "info", "replication")
+        except subprocess.SubprocessError:
+            return False
+        return "role:master" in info or "master_link_status:up" in info
+
     def wait_ok(self, *, timeout: float = 20.0) -> None:
         """Until every live node says ``cluster_state:ok`` and sees every slot served by a
-        master that is not failed."""
+        master that is not failed, and every live replica is in sync with its master
+        (ready to take over)."""
         deadline = time.monotonic() + timeout
         while True:
             live = [p for p, proc in self.procs.items() if proc is not None]
-            if all(self.state_ok(p) for p in live):
+            if all(self.state_ok(p) and self.synced(p) for p in live):
                 nodes = self.nodes()
                 served = [n for n in nodes if n["master"] and n["slots"] and not n["failed"]]
                 if len(served) == 3:
                     return
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the Redis Cluster is not ok after {timeout}s")
+            time.sleep(0.05)
+
+    def wait_taken_over(self, port: int, slot: int, *, timeout: float = 20.0) -> int:
+        """Until a live master other than ``port`` serves ``slot`` and the cluster is ok
+        again (``port``'s replica promoted after its master died); that master's port."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with contextlib.suppress(LookupError):
+                master = self.master_of_slot(slot)
+                if master != port:
+                    self.wait_ok(timeout=max(0.1, deadline - time.monotonic()))
+                    return master
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no replica took slot {slot} over from {port} in {timeout}s")
             time.sleep(0.05)
 
     def master_of_slot(self, slot: int) -> int:

@@ -334,6 +334,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "RedisConnection",
         "SOCKET_TIMEOUT_SECONDS",
         "cluster_startup_nodes",
+        "cluster_url",
         "is_cluster_url",
     },
     "fastapi_outbox.brokers.redis.wire": {

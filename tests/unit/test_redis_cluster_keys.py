@@ -210,3 +210,27 @@ def test_cluster_failures_to_reach_a_node_are_outages(error: BaseException) -> N
 def test_a_cross_slot_command_is_no_outage(error: BaseException) -> None:
     assert not is_unreachable(error)
     assert refusal_code(error) is None
+
+
+def test_outbox_broker_url_may_name_a_cluster() -> None:
+    """``OUTBOX_BROKER_URL`` (``settings.broker_url``; ``--broker-url`` goes the same way)."""
+    from fastapi_outbox import OutboxSettings
+    from fastapi_outbox.brokers.setup import setup_brokers
+
+    settings = OutboxSettings(broker_url="redis+cluster://127.0.0.1:7000,127.0.0.1:7001")
+    broker = setup_brokers(None, None, settings).brokers["default"]
+    assert isinstance(broker, RedisStreamsBroker)
+    assert broker.connection.cluster is True
+
+
+def test_a_list_of_startup_nodes_makes_a_cluster_broker() -> None:
+    broker = RedisStreamsBroker(["redis://:secret@10.0.0.1:7000/0", "10.0.0.2:7001"])
+    assert broker.connection.cluster is True
+    assert broker.url == "redis+cluster://:secret@10.0.0.1:7000,10.0.0.2:7001/0"
+    assert "secret" not in repr(broker)
+    nodes, _ = cluster_startup_nodes(broker.url)
+    assert nodes == [("10.0.0.1", 7000), ("10.0.0.2", 7001)]
+    assert RedisStreamsBroker(("rediss://h:7000",)).url == "rediss+cluster://h:7000"
+    for bad in ([], ["nats://h:4222"], [""]):
+        with pytest.raises(exceptions.ConfigurationError, match="RedisStreamsBroker"):
+            RedisStreamsBroker(bad)

@@ -45,15 +45,22 @@ class RedisStreamsBroker(RedisStreamsPublisher):
         envelope: EnvelopeFormat = "native",
         cloudevents_mode: CloudEventsMode = "binary",
         cloudevents_source: str = DEFAULT_SOURCE,
+        wait_replicas: int = 0,
+        wait_timeout_seconds: float = 1.0,
     ) -> None:
         """``url``: ``redis://`` / ``rediss://`` / ``unix://``, a Redis Cluster's
-        ``redis+cluster://host:port[,host:port…]`` (``rediss+cluster://`` with TLS), or a ready
+        ``redis+cluster://host:port[,host:port…]`` (``rediss+cluster://`` with TLS) or a list
+        of its startup nodes (``["redis://h1:7000", "h2:7001"]``), or a ready
         ``redis.asyncio`` client (``Redis`` or ``RedisCluster``, as ``client=`` too; never
         closed by the broker). ``maxlen`` trims the streams published to; the consumers'
         dead-letter streams are never trimmed unless ``dead_letter_maxlen`` is set
         (``MAXLEN ~``).
         ``envelope="cloudevents"`` publishes CloudEvents (``cloudevents_mode`` binary or
-        structured) from ``cloudevents_source``; consumers read either envelope."""
+        structured) from ``cloudevents_source``; consumers read either envelope.
+        ``wait_replicas``: a publish succeeds once that many replicas of each master
+        written to took the writes (``WAIT``, up to ``wait_timeout_seconds``; fewer: the
+        broker is unavailable and the batch comes back), so a failover loses no message
+        the outbox marked published (docs/how-to/redis-cluster.md)."""
         if dead_letter_maxlen is not None and dead_letter_maxlen < 1:
             raise exceptions.ConfigurationError(
                 f"RedisStreamsBroker: dead_letter_maxlen must be >= 1, got {dead_letter_maxlen}"
@@ -68,6 +75,8 @@ class RedisStreamsBroker(RedisStreamsPublisher):
             dedup_window_seconds=dedup_window_seconds,
             idmp_producers=idmp_producers,
             envelope_format=CloudEventsOptions(envelope, cloudevents_mode, cloudevents_source),
+            wait_replicas=wait_replicas,
+            wait_timeout_seconds=wait_timeout_seconds,
         )
         self.dead_letter_maxlen = dead_letter_maxlen
 

@@ -30,6 +30,7 @@ __all__ = [
     "SOCKET_TIMEOUT_SECONDS",
     "RedisConnection",
     "cluster_startup_nodes",
+    "cluster_url",
     "is_cluster_url",
 ]
 
@@ -82,6 +83,29 @@ def cluster_startup_nodes(url: str) -> tuple[list[tuple[str, int]], str]:
     return nodes, f"{node_scheme}://{userinfo}{at}{host}:{first_port}{tail}"
 
 
+def cluster_url(nodes: list[str] | tuple[str, ...]) -> str:
+    """The ``redis+cluster://`` URL of a list of startup nodes, each ``host:port`` or a node
+    URL (``redis://[user:password@]host:port``; the first one's scheme, credentials and
+    options count for all)."""
+    if not nodes or not all(isinstance(n, str) and n for n in nodes):
+        raise exceptions.ConfigurationError(
+            "RedisStreamsBroker: a Redis Cluster's startup nodes must be a non-empty list "
+            "of 'host:port' or 'redis://host:port' strings"
+        )
+    first = nodes[0] if "://" in nodes[0] else f"redis://{nodes[0]}"
+    scheme, _, rest = first.partition("://")
+    if scheme.lower() not in ("redis", "rediss"):
+        raise exceptions.ConfigurationError(
+            f"RedisStreamsBroker: startup node {redact_url(first)!r} is not a redis:// or "
+            "rediss:// URL"
+        )
+    cut = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
+    netloc, tail = rest[:cut], rest[cut:]
+    userinfo, at, host = netloc.rpartition("@")
+    others = [n.rpartition("://")[2].rpartition("@")[2].split("/")[0] for n in nodes[1:]]
+    return f"{scheme}+cluster://{userinfo}{at}{','.join([host, *others])}{tail}"
+
+
 def _is_cluster_client(client: Any) -> bool:
     try:
         from redis.asyncio.cluster import RedisCluster
@@ -113,9 +137,12 @@ class RedisConnection:
         socket_timeout: float = SOCKET_TIMEOUT_SECONDS,
         stream_prefix: str = "",
     ) -> None:
-        """``url`` is a URL, or a ready ``redis.asyncio`` client (``Redis`` or
-        ``RedisCluster``), as is ``client``; a caller's client is never closed here."""
-        if not isinstance(url, str):
+        """``url`` is a URL, a list of a Redis Cluster's startup nodes (``cluster_url``), or
+        a ready ``redis.asyncio`` client (``Redis`` or ``RedisCluster``), as is ``client``;
+        a caller's client is never closed here."""
+        if isinstance(url, list | tuple):
+            url = cluster_url(url)
+        elif not isinstance(url, str):
             client, url = url, _describe(url)
         elif _is_cluster_client(client) and not is_cluster_url(url):
             url = _describe(client)  # not the single-node default URL: the cluster's nodes

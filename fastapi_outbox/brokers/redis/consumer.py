@@ -280,9 +280,9 @@ class RedisStreamsConsumer:
                 gone += [e for e in attempts if e not in returned]
             if len(out) < max_messages and now >= self._next_autoclaim:
                 self._next_autoclaim = now + max(0.05, self.config.claim_idle_seconds / 4)
-                out += await self._autoclaim(client, max_messages - len(out), gone)
+                out += await self._autoclaim(client, max_messages - len(out), gone, out)
             if len(out) < max_messages and self._recover:
-                out += await self._recover_own(client, max_messages - len(out), gone)
+                out += await self._recover_own(client, max_messages - len(out), gone, out)
             if len(out) < max_messages:
                 for entry_id, fields in reply_entries(
                     await self._read(client, max_messages - len(out), None if out else timeout)
@@ -293,7 +293,21 @@ class RedisStreamsConsumer:
         self._held.update(d.entry_id for d in out)
         return out
 
-    async def _recover_own(self, client: Any, count: int, gone: list[str]) -> list[Delivery]:
+    def _busy(self, taken: Sequence[Delivery], *, held: bool = True) -> set[str]:
+        """Entry ids this process is working on: acks not sent yet, retries waiting, those
+        this fetch already ``taken`` and (``held``) those handed out and not finished. A
+        pending entry of this consumer among them is not handed out again: twice at once,
+        the second copy could be dead-lettered past max_attempts while the first is being
+        handled (seen after a Redis Cluster failover: XAUTOCLAIM, then the recovery of
+        the consumer's own entries, took the same entries in one fetch)."""
+        busy = set(self._acks) | {entry for _, entry, _ in self._retries}
+        if held:
+            busy |= self._held
+        return busy | {d.entry_id for d in taken}
+
+    async def _recover_own(
+        self, client: Any, count: int, gone: list[str], taken: Sequence[Delivery] = ()
+    ) -> list[Delivery]:
         """After a failed call: this consumer's own pending entries that this process is not
         working on — delivered by an ``XREADGROUP`` whose reply was lost, or handled with
         their ``XACK`` lost (the inbox skips those) — one page per fetch until none is left."""
@@ -305,7 +319,7 @@ class RedisStreamsConsumer:
         if not entries:
             self._recover, self._recover_cursor = False, "0-0"
             return []
-        busy = self._held | set(self._acks) | {entry for _, entry, _ in self._retries}
+        busy = self._busy(taken)
         lost = [(e, f) for e, f in entries if text(e) not in busy]
         out = await self._with_counts(client, [(e, f) for e, f in lost if f])
         # Past this page only once its deliveries are made: a failure reads it again.
@@ -378,7 +392,9 @@ class RedisStreamsConsumer:
             self._acks[:0] = acks  # not sent (or not known to be): with the next read
             raise
 
-    async def _autoclaim(self, client: Any, count: int, gone: list[str]) -> list[Delivery]:
+    async def _autoclaim(
+        self, client: Any, count: int, gone: list[str], taken: Sequence[Delivery] = ()
+    ) -> list[Delivery]:
         group, me = self.config.group, self.config.consumer_name
         reply = await client.xautoclaim(
             self.key,
@@ -391,7 +407,11 @@ class RedisStreamsConsumer:
         self._autoclaim_cursor = text(reply[0])
         if self._autoclaim_cursor != "0-0":
             self._next_autoclaim = 0.0  # more stale entries: take the next page at once
-        entries = [(e, f) for e, f in reply[1] if f]
+        # Not those this fetch took already, nor acks and retries waiting. Entries handed
+        # out and not finished for claim_idle_seconds (their heartbeat failed) may come
+        # again: the handler has stalled, or crashed without ack nor release.
+        busy = self._busy(taken, held=False)
+        entries = [(e, f) for e, f in reply[1] if f and text(e) not in busy]
         gone += [text(e) for e, f in reply[1] if not f]
         if len(reply) > 2:
             gone += [text(e) for e in reply[2]]

@@ -114,6 +114,8 @@ class RedisStreamsPublisher:
         dedup_window_seconds: float | None = None,
         idmp_producers: int = IDMP_PRODUCERS,
         envelope_format: CloudEventsOptions | None = None,
+        wait_replicas: int = 0,
+        wait_timeout_seconds: float = 1.0,
     ) -> None:
         """``maxlen`` trims the streams published to (``MAXLEN ~``). ``envelope_format``
         with CloudEvents writes each entry's ``headers`` field as the CloudEvent's headers
@@ -131,6 +133,15 @@ class RedisStreamsPublisher:
         self.maxlen = maxlen
         self.dedup: DedupMode = dedup
         self.idmp_producers = idmp_producers
+        if wait_replicas < 0 or wait_timeout_seconds <= 0:
+            raise exceptions.ConfigurationError(
+                "RedisStreamsBroker: wait_replicas must be >= 0 and wait_timeout_seconds "
+                f"> 0, got {wait_replicas} and {wait_timeout_seconds}"
+            )
+        #: ``WAIT`` for this many replicas of each master written to before a publish
+        #: succeeds (0: not at all; Redis replication is asynchronous).
+        self.wait_replicas = wait_replicas
+        self.wait_timeout_seconds = wait_timeout_seconds
         self._window = dedup_window_seconds
         self._window_explicit = dedup_window_seconds is not None
         self._script: Any = None
@@ -261,8 +272,10 @@ class RedisStreamsPublisher:
                     else:
                         await self._script(keys=keys, args=args, client=pipe)
                     calls.append(chunk)
+            waits = self._queue_waits(pipe, list(by_stream)) if calls else []
             replies = await pipe.execute(raise_on_error=False) if calls else []
-        for chunk, reply in zip(calls, replies, strict=True):
+        self._check_waits(waits, replies[len(calls) :], list(by_stream))
+        for chunk, reply in zip(calls, replies[: len(calls)], strict=True):
             if isinstance(reply, BaseException):
                 self._raise_if_unreachable(reply)
                 for i in chunk:
@@ -289,11 +302,56 @@ class RedisStreamsPublisher:
                     args += entry_fields(e, self.envelope_format)
                     pipe.execute_command(*args)
                     order.append(i)
+            waits = self._queue_waits(pipe, list(by_stream))
             replies = await pipe.execute(raise_on_error=False)
-        for i, reply in zip(order, replies, strict=True):
+        self._check_waits(waits, replies[len(order) :], list(by_stream))
+        for i, reply in zip(order, replies[: len(order)], strict=True):
             if isinstance(reply, BaseException):
                 self._raise_if_unreachable(reply)
                 results[i] = self._rejected(batch[i], reply)
+
+    def _queue_waits(self, pipe: Any, streams: list[str]) -> list[str]:
+        """``WAIT wait_replicas timeout`` after the writes, on the connection that carried
+        them (Redis waits for the writes of the connection it is sent on): one for a single
+        Redis, one per master of ``streams`` on a cluster (redis-py's cluster pipeline
+        sends each master's commands on one connection). The names of the masters."""
+        if not self.wait_replicas:
+            return []
+        args = ("WAIT", self.wait_replicas, max(1, int(self.wait_timeout_seconds * 1000)))
+        if not self.connection.cluster:
+            pipe.execute_command(*args)
+            return [redact_url(self.url)]
+        nodes = {}
+        for stream in streams:
+            node = self.client.get_node_from_key(stream)
+            nodes[node.name] = node
+        for node in nodes.values():
+            pipe.execute_command(*args, target_nodes=node)
+        return list(nodes)
+
+    def _check_waits(self, waits: list[str], replies: list[Any], streams: list[str]) -> None:
+        """BrokerUnavailable when a master had fewer than ``wait_replicas`` replicas take
+        the writes in time, or (a cluster) a stream's slot moved to another master while
+        the batch was written: the batch comes back later, and the de-duplication returns
+        the entries already written."""
+        for node, reply in zip(waits, replies, strict=True):
+            if isinstance(reply, BaseException):
+                self._raise_if_unreachable(reply)
+                raise self.connection.unavailable(reply)
+            if int(reply) < self.wait_replicas:
+                raise exceptions.BrokerUnavailable(
+                    f"Redis at {node}: {int(reply)} of wait_replicas={self.wait_replicas} "
+                    f"replicas took the writes within {self.wait_timeout_seconds:g} s; "
+                    "the batch will be published again"
+                )
+        if waits and self.connection.cluster:
+            moved = [s for s in streams if self.client.get_node_from_key(s).name not in waits]
+            if moved:
+                raise exceptions.BrokerUnavailable(
+                    f"Redis Cluster {redact_url(self.url)}: the slot of {moved[0]!r} moved "
+                    "while the batch was written, its replication is unconfirmed; the batch "
+                    "will be published again"
+                )
 
     def _rejected(self, envelope: Envelope, error: BaseException | str) -> BaseException:
         """The result for a message Redis refused: :class:`MessageRejected`, or

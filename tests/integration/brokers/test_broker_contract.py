@@ -134,21 +134,7 @@ async def redis_harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness
     url = str(request.getfixturevalue("redis_url"))
     client = aioredis.Redis.from_url(url)
     harness: Harness
-
-    async def read(stream: str) -> list[Received]:
-        out = []
-        for _entry_id, raw in await client.xrange(stream, "-", "+"):
-            fields = {k.decode(): v for k, v in raw.items()}
-            out.append(
-                Received(
-                    id=fields["id"].decode(),
-                    type=fields["type"].decode(),
-                    key=fields["key"].decode() or None,
-                    headers=json.loads(fields["headers"]),
-                    payload=fields["payload"],
-                )
-            )
-        return out
+    read = redis_harness_reader(client)
 
     async def poison() -> Envelope:
         # A key of the wrong type: XADD answers WRONGTYPE for this message only.
@@ -173,6 +159,59 @@ async def redis_harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness
             async for k in client.scan_iter(match=f"outbox:dedup:{{{stream}}}:*", count=1000):
                 await client.delete(k)
         await client.aclose()
+
+
+async def redis_cluster_harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
+    """The Redis broker on the session's private Redis Cluster (``redis+cluster://`` with
+    every node): the streams of one test land on any of its three masters."""
+    from redis.asyncio.cluster import RedisCluster
+
+    url = request.getfixturevalue("redis_cluster").url
+    client = RedisCluster.from_url(url.replace("redis+cluster://", "redis://").split(",")[0])
+    inner = redis_harness_reader(client)
+    harness: Harness
+
+    async def poison() -> Envelope:
+        stream = harness.stream()
+        await client.set(stream, "not a stream")  # WRONGTYPE for this message only
+        return envelope(stream, 0)
+
+    harness = Harness(
+        "redis-cluster",
+        RedisStreamsBroker(url, wait_replicas=1),  # each master's replica has the writes
+        inner,
+        lambda: RedisStreamsBroker(url),
+        poison,
+        lambda: RedisStreamsBroker(f"redis+cluster://u:secret@127.0.0.1:{any_free_port()}"),
+    )
+    try:
+        yield harness
+    finally:
+        await harness.broker.aclose()
+        for stream in harness.streams:
+            await client.delete(stream)
+        await client.aclose()
+
+
+def redis_harness_reader(client: Any) -> Callable[[str], Awaitable[list[Received]]]:
+    """What landed on a Redis stream, read with ``client`` (a single node or a cluster)."""
+
+    async def read(stream: str) -> list[Received]:
+        out = []
+        for _entry_id, raw in await client.xrange(stream, "-", "+"):
+            fields = {k.decode(): v for k, v in raw.items()}
+            out.append(
+                Received(
+                    id=fields["id"].decode(),
+                    type=fields["type"].decode(),
+                    key=fields["key"].decode() or None,
+                    headers=json.loads(fields["headers"]),
+                    payload=fields["payload"],
+                )
+            )
+        return out
+
+    return read
 
 
 async def nats_harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
@@ -276,6 +315,7 @@ async def rabbitmq_harness(request: pytest.FixtureRequest) -> AsyncIterator[Harn
 HARNESSES: dict[str, Callable[[pytest.FixtureRequest], AsyncIterator[Harness]]] = {
     "memory": memory_harness,
     "redis": redis_harness,
+    "redis-cluster": redis_cluster_harness,
     "nats": nats_harness,
     "rabbitmq": rabbitmq_harness,
 }
@@ -652,6 +692,28 @@ async def test_redis_maxlen_trims_the_stream(redis_url: str) -> None:
         assert 10 <= length <= 10 + 200
         last = await client.xrevrange(stream, "+", "-", count=1)
         assert json.loads(last[0][1][b"payload"]) == {"n": total - 1}  # the newest are kept
+    finally:
+        await broker.aclose()
+        await client.delete(stream)
+        async for k in client.scan_iter(match=f"outbox:dedup:{{{stream}}}:*", count=1000):
+            await client.delete(k)
+        await client.aclose()
+
+
+async def test_redis_wait_replicas_without_replica_is_an_outage(redis_url: str) -> None:
+    """``wait_replicas=1`` on a Redis with no replica (the shared test server): the entry is
+    written, but the publish is not confirmed: BrokerUnavailable, the batch comes back
+    later (and the de-duplication returns the entry written)."""
+    stream = unique("waited")
+    broker = RedisStreamsBroker(redis_url, wait_replicas=1, wait_timeout_seconds=0.05)
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        await broker.connect()
+        with pytest.raises(exceptions.BrokerUnavailable, match="0 of wait_replicas=1"):
+            await broker.publish([envelope(stream, 0)])
+        assert await client.xlen(stream) == 1
+        with pytest.raises(exceptions.ConfigurationError, match="wait_replicas"):
+            RedisStreamsBroker(redis_url, wait_replicas=-1)
     finally:
         await broker.aclose()
         await client.delete(stream)

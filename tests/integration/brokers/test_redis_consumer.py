@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -182,3 +183,62 @@ async def test_entries_of_a_lost_reply_come_back_after_a_failure(setup: Any) -> 
     assert await consumer.fetch(10, 0.0) == []  # taken back once
     await consumer.ack([*working, *back])
     assert await pending(client, stream) == 0
+
+
+def quick_claim(broker: RedisStreamsBroker, stream: str) -> Any:
+    """Group "g" of ``stream`` with XAUTOCLAIM taking entries idle for 0.2 s."""
+    config = ConsumerConfig(
+        stream=stream,
+        group="g",
+        consumer_name="me",
+        dead_letter=f"{stream}.dlq",
+        claim_idle_seconds=0.2,
+        max_attempts=3,
+        start="all",
+    )
+    return broker.consumer(config)
+
+
+async def idle_past(client: Any, stream: str, ms: int) -> bool:
+    entries = await client.xpending_range(stream, "g", min="-", max="+", count=100)
+    return bool(entries) and all(e["time_since_delivered"] > ms for e in entries)
+
+
+async def test_own_entries_are_handed_out_once_by_a_fetch(redis_url: str) -> None:
+    """Entries of this consumer left pending past ``claim_idle_seconds``: acks waiting
+    for the next read are not handed out again by XAUTOCLAIM, and after a connection
+    failure, entries XAUTOCLAIM took are not taken a second time from the consumer's own
+    pending entries in the same fetch: one delivery each, never two at once (the second,
+    past max_attempts, was dead-lettered while the first was handled — seen on a Redis
+    Cluster failover)."""
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis.from_url(redis_url)
+    stream = unique("once")
+    broker = RedisStreamsBroker(f"{redis_url}?client_name={stream}")
+    consumer = quick_claim(broker, stream)
+    try:
+        await consumer.setup()
+        done = await fetched(client, consumer, stream, 2)
+        await consumer.ack_soon(done)  # handled; the acks wait for the next read
+        await wait_until(lambda: idle_past(client, stream, 250), timeout=5)
+        assert await consumer.fetch(10, 0.0) == []  # XAUTOCLAIM leaves them; acked with it
+        assert await pending(client, stream) == 0
+
+        await add(client, stream, 3)
+        lost = await client.xreadgroup("g", "me", {stream: ">"}, count=10)  # reply "lost"
+        assert len(lost[0][1]) == 3
+        consumer._recover = True  # as a connection failure leaves it
+        await wait_until(lambda: idle_past(client, stream, 250), timeout=5)
+        await wait_until(lambda: time.monotonic() >= consumer._next_autoclaim, timeout=5)
+        # One fetch: XAUTOCLAIM takes the idle entries, then the recovery of the
+        # consumer's own pending entries finds the same ones.
+        back = await consumer.fetch(10, 0.0)
+        assert sorted(d.message_id for d in back) == ["m-0", "m-1", "m-2"]  # once each
+        await consumer.ack(back)
+        assert await pending(client, stream) == 0
+    finally:
+        await consumer.aclose()
+        await broker.aclose()
+        await client.delete(stream, f"{stream}.dlq")
+        await client.aclose()
