@@ -57,6 +57,23 @@ def loopback(url: str) -> str:
     return url
 
 
+def redis_client(url: str) -> Any:
+    """A redis-py asyncio client for ``url``; ``redis+cluster://host:port,host:port`` (the
+    Redis broker's cluster URL) gives a ``RedisCluster`` with those startup nodes."""
+    if not url.startswith("redis+cluster://"):
+        import redis.asyncio as aioredis
+
+        return aioredis.Redis.from_url(loopback(url))
+    from redis.asyncio.cluster import ClusterNode, RedisCluster
+
+    hosts = url.split("://", 1)[1].split("/", 1)[0].split("?", 1)[0].split(",")
+    nodes = []
+    for host in hosts:
+        name, _, port = loopback(f"redis://{host}").split("://", 1)[1].rpartition(":")
+        nodes.append(ClusterNode(name, int(port)))
+    return RedisCluster(startup_nodes=nodes)
+
+
 def unique(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(4)}"
 

@@ -6,6 +6,8 @@ Configured from the environment, so the same module serves uvicorn
 
 * ``BENCH_DATABASE_URL`` — the run's own database (``postgresql+asyncpg://…/bench_…``);
 * ``BENCH_BROKER_URL`` — ``memory://`` (default), ``redis://…``, ``nats://…`` or ``amqp://…``;
+* ``BENCH_BROKER_OPTIONS`` — JSON object of keyword arguments for ``broker_from_url`` (e.g.
+  ``{"replicas": 3}`` on a NATS cluster, whose URL lists the nodes comma-separated);
 * ``BENCH_BROKER_NAME`` — the outbox broker name (default ``default``): several dispatcher
   groups can share one table, each draining only the rows of its broker name;
 * ``BENCH_POOL_SIZE`` / ``BENCH_MAX_OVERFLOW`` — engine pool (the PostgreSQL server is
@@ -23,6 +25,7 @@ through ``UnitOfWorkDep``); ``POST /orders-plain`` does the same work in a plain
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
@@ -41,6 +44,7 @@ DATABASE_URL = os.environ.get(
 )
 BROKER_URL = os.environ.get("BENCH_BROKER_URL", "memory://")
 BROKER_NAME = os.environ.get("BENCH_BROKER_NAME", "default")
+BROKER_OPTIONS: dict[str, Any] = json.loads(os.environ.get("BENCH_BROKER_OPTIONS", "{}"))
 
 
 class Base(DeclarativeBase):
@@ -67,7 +71,9 @@ class NewOrder(BaseModel):
     total: float = Field(ge=0)
 
 
-broker = broker_from_url(BROKER_URL) if BROKER_URL != "memory://" else MemoryBroker()
+broker = (
+    broker_from_url(BROKER_URL, **BROKER_OPTIONS) if BROKER_URL != "memory://" else MemoryBroker()
+)
 outbox = Outbox(
     DATABASE_URL,
     brokers={BROKER_NAME: broker},

@@ -46,6 +46,7 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,7 @@ from benchmarks._common import (
     loopback,
     machine_note,
     median,
+    redis_client,
     table,
     unique,
 )
@@ -165,8 +167,10 @@ async def rabbit_queues(url: str, stream: str, *, delete: bool = False) -> None:
         await conn.close()
 
 
-async def fill(url: str, stream: str, count: int) -> None:
-    broker = broker_from_url(url)
+async def fill(url: str, stream: str, count: int, options: dict[str, Any] | None = None) -> None:
+    """``count`` messages into ``stream`` through the library's broker (``options``: its
+    keyword arguments, e.g. ``replicas=3`` on a NATS cluster)."""
+    broker = broker_from_url(url, **(options or {}))
     await broker.connect()
     if url.startswith("amqp"):
         await rabbit_queues(url, stream)
@@ -183,9 +187,7 @@ async def cleanup(kind: str, url: str, stream: str) -> None:
     if kind == "rabbitmq":
         await rabbit_queues(url, stream, delete=True)
     elif kind == "redis":
-        import redis.asyncio as aioredis
-
-        client = aioredis.Redis.from_url(url)
+        client = redis_client(url)
         keys = [k async for k in client.scan_iter(match=f"*{stream}*")]
         for start in range(0, len(keys), 1000):
             await client.delete(*keys[start : start + 1000])
@@ -195,7 +197,7 @@ async def cleanup(kind: str, url: str, stream: str) -> None:
 
         from fastapi_outbox.brokers.nats.wire import stream_name_for
 
-        nc = await nats.connect(url)
+        nc = await nats.connect(servers=url.split(","))
         js = nc.jetstream()
         for info in await js.streams_info():
             if info.config.name.startswith(stream_name_for(stream)):
@@ -211,10 +213,16 @@ async def run_library(
     batch: str = "",
     concurrency: int = 8,
     warmup: int = 0,
+    *,
+    options: dict[str, Any] | None = None,
+    probe: Callable[[], Awaitable[None]] | None = None,
 ) -> tuple[float, float]:
+    """Rate and CPU µs per message of a subscriber of a fresh ``Outbox``; ``options``: the
+    broker's keyword arguments; ``probe`` is awaited when the clock starts and when it stops
+    (while the outbox's connections are still open: PostgreSQL CPU of its backends)."""
     outbox = Outbox(
         db_url,
-        brokers={"default": broker_from_url(url)},
+        brokers={"default": broker_from_url(url, **(options or {}))},
         settings=OutboxSettings(consumer_concurrency=concurrency),
         engine_options={"pool_size": concurrency + 4, "max_overflow": 0},
     )
@@ -253,11 +261,17 @@ async def run_library(
         meter = Meter(warmup, count)
         async with outbox.dispatcher():
             deadline = time.perf_counter() + TIMEOUT_SECONDS
+            probed = 0
             while meter.until is None:
                 meter.seen(sub.stats.handled)
+                if probe is not None and probed == 0 and meter.since is not None:
+                    probed = 1
+                    await probe()
                 if time.perf_counter() > deadline:
                     raise SystemExit(f"library: {sub.stats.handled}/{count} after timeout")
                 await asyncio.sleep(0.005)
+            if probe is not None:
+                await probe()
             measured = meter.rate(), meter.cpu_us()
     finally:
         await outbox.aclose()
@@ -356,7 +370,7 @@ async def run_baseline_nats(
     import nats.errors
     import nats.js.api as api
 
-    nc = await nats.connect(url)
+    nc = await nats.connect(servers=url.split(","))
     js = nc.jetstream()
     name = await js.find_stream_name_by_subject(stream)
     config = api.ConsumerConfig(

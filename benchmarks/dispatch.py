@@ -65,6 +65,7 @@ from benchmarks._common import (
     proc_cpu,
     processes,
     py_spy,
+    redis_client,
     start_profile,
     summarize_profile,
     table,
@@ -80,8 +81,9 @@ DRAIN_GOAL = 0.8
 LATENCY_GOALS_MS = (3.0, 15.0)  # p50, p99
 
 # A backlog row as the unit of work writes it: ~200-byte JSON payload, the standard
-# headers (message-id equal to the row id), due now. ``$4`` is the status: 'pending' for
-# a backlog, 'published' for the claim-time filler.
+# headers (message-id equal to the row id), due now; ids are UUIDv7 as the library makes
+# them (time-ordered: a table partitioned by id keeps them in today's partition). ``$4`` is
+# the status: 'pending' for a backlog, 'published' for the claim-time filler.
 BACKLOG_SQL = f"""
 INSERT INTO {TABLE}
     (id, broker, stream, type, key, payload, headers, status, attempts, next_attempt_at,
@@ -95,7 +97,10 @@ SELECT u.id, $1, $2, 'OrderPlaced', (u.i % 1000)::text,
                        'correlation-id', gen_random_uuid()::text),
     $4::text, CASE WHEN $4::text = 'published' THEN 1 ELSE 0 END, now(), now(),
     CASE WHEN $4::text = 'published' THEN now() END
-FROM (SELECT gen_random_uuid() AS id, i FROM generate_series(1, $3::int) AS i) AS u
+FROM (SELECT (lpad(to_hex((extract(epoch FROM clock_timestamp()) * 1000)::bigint), 12, '0')
+              || '7' || substr(md5(random()::text), 1, 3) || '8'
+              || substr(md5(random()::text), 1, 15))::uuid AS id, i
+      FROM generate_series(1, $3::int) AS i) AS u
 """
 ACTIVE = "status IN ('pending', 'processing', 'failed')"
 
@@ -108,9 +113,15 @@ def cpu_delta(before: dict[int, float], after: dict[int, float]) -> float:
 
 
 class Brokers:
-    """Creates and deletes the per-run Redis streams and JetStream streams."""
+    """Creates and deletes the per-run Redis streams and JetStream streams.
 
-    def __init__(self) -> None:
+    ``urls`` overrides the broker URLs (kind -> URL; a NATS URL may list several servers,
+    comma-separated: a cluster); ``replicas`` is the ``num_replicas`` of the JetStream
+    streams it creates."""
+
+    def __init__(self, urls: dict[str, str] | None = None, *, replicas: int = 1) -> None:
+        self.urls = {**BROKER_URLS, **(urls or {})}
+        self.replicas = replicas
         self.redis: Any = None
         self.nc: Any = None
         self.js: Any = None
@@ -120,19 +131,18 @@ class Brokers:
 
     async def connect(self, kinds: list[str]) -> None:
         if "redis" in kinds:
-            import redis.asyncio as aioredis
-
-            self.redis = aioredis.Redis.from_url(loopback(REDIS_URL))
+            self.redis = redis_client(self.urls["redis"])
             await self.redis.ping()
         if "nats" in kinds:
             import nats
 
-            self.nc = await nats.connect(loopback(NATS_URL))
+            servers = [loopback(u) for u in self.urls["nats"].split(",")]
+            self.nc = await nats.connect(servers=servers)
             self.js = self.nc.jetstream()
         if "rabbitmq" in kinds:
             import aio_pika
 
-            self.amqp = await aio_pika.connect(loopback(BROKER_URLS["rabbitmq"]))
+            self.amqp = await aio_pika.connect(loopback(self.urls["rabbitmq"]))
             self.amqp_channel = await self.amqp.channel()
             await self.amqp_channel.declare_exchange(RABBITMQ_EXCHANGE, "topic", durable=True)
 
@@ -150,7 +160,12 @@ class Brokers:
             from fastapi_outbox import OutboxSettings
 
             window = OutboxSettings().dedup_window_seconds
-            await self.js.add_stream(name=stream, subjects=[stream], duplicate_window=window)
+            await self.js.add_stream(
+                name=stream,
+                subjects=[stream],
+                duplicate_window=window,
+                num_replicas=self.replicas,
+            )
 
     async def count(self, kind: str, stream: str) -> int:
         if kind == "redis":
@@ -208,6 +223,8 @@ class Group:
     kind: str  # library | baseline
     broker_name: str
     procs: list[Proc] = field(default_factory=list)
+    #: The outbox table its processes drain (``OUTBOX_TABLE_NAME`` of their settings).
+    table: str = TABLE
 
 
 def start_library(
@@ -313,16 +330,30 @@ async def drain(
     *,
     profile: Path | None = None,
     expected_seconds: float = 10.0,
+    streams: int = 1,
 ) -> Drain:
-    stream = unique("bench_drain")
-    await brokers.prepare(kind, stream)
+    """``rows`` messages drained by ``group``; ``streams`` > 1 spreads them over that many
+    streams (``<name>_0`` …, the same number of rows in each; on a cluster, over hash
+    slots / stream leaders)."""
+    base = unique("bench_drain")
+    names = [base] if streams == 1 else [f"{base}_{j}" for j in range(streams)]
+    for stream in names:
+        await brokers.prepare(kind, stream)
     try:
-        await conn.execute(f"TRUNCATE {TABLE}")
+        await conn.execute(f"TRUNCATE {group.table}")
         async with conn.transaction():
-            await conn.execute(BACKLOG_SQL, group.broker_name, stream, rows, "pending")
+            for j, stream in enumerate(names):
+                share = rows // streams + (1 if j < rows % streams else 0)
+                await conn.execute(
+                    BACKLOG_SQL.replace(TABLE, group.table, 1),
+                    group.broker_name,
+                    stream,
+                    share,
+                    "pending",
+                )
             # In the same transaction: ANALYZE sees our own uncommitted rows, and no
             # dispatcher can start before the commit below.
-            await conn.execute(f"ANALYZE {TABLE}")
+            await conn.execute(f"ANALYZE {group.table}")
         t0 = await conn.fetchval("SELECT clock_timestamp()")
         relay0 = {p.pid: proc_cpu(p.pid) for p in group.procs}
         pg0 = await pg_cpu(conn)
@@ -332,23 +363,26 @@ async def drain(
         await conn.execute("SELECT pg_notify($1, 'bench')", channel)
         deadline = time.monotonic() + max(60.0, rows / 1000)
         while True:
-            left = await conn.fetchval(f"SELECT count(*) FROM {TABLE} WHERE {ACTIVE}")
+            left = await conn.fetchval(f"SELECT count(*) FROM {group.table} WHERE {ACTIVE}")
             if left == 0:
                 break
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{group.label}: {left} rows still pending after the deadline")
             await asyncio.sleep(0.1)
-        t_end = await conn.fetchval(f"SELECT max(published_at) FROM {TABLE}")
+        t_end = await conn.fetchval(f"SELECT max(published_at) FROM {group.table}")
         relay_used = sum(proc_cpu(p.pid) - relay0[p.pid] for p in group.procs)
         pg_used = cpu_delta(pg0, await pg_cpu(conn))
         if spy is not None:
             spy.wait(expected_seconds + 40)
-        published = await conn.fetchval(f"SELECT count(*) FROM {TABLE} WHERE status = 'published'")
+        published = await conn.fetchval(
+            f"SELECT count(*) FROM {group.table} WHERE status = 'published'"
+        )
         if published != rows:
             raise RuntimeError(f"{group.label}: {published} of {rows} rows published")
-        delivered = await brokers.count(kind, stream)
+        delivered = sum([await brokers.count(kind, stream) for stream in names])
     finally:
-        await brokers.delete(kind, stream)
+        for stream in names:
+            await brokers.delete(kind, stream)
     return Drain(
         broker=kind,
         processes=len(group.procs),

@@ -150,7 +150,11 @@ async def bench_writes(url: str, rounds: int, seconds: float, connections: int) 
 
 async def drain_round(
     url: str, brokers: Brokers, kind: str, capture: str, backlog: int, per_txn: int
-) -> float:
+) -> tuple[float, float, float]:
+    """msg/s, this process's CPU µs per message (the relay: nothing else runs meanwhile) and
+    the PostgreSQL backends' CPU µs per message of one drain."""
+    import asyncpg
+
     from benchmarks._common import NATS_URL, REDIS_URL
     from fastapi_outbox import Message, Outbox, OutboxSettings
     from fastapi_outbox.brokers import NatsJetStreamBroker, RedisStreamsBroker
@@ -181,20 +185,38 @@ async def drain_round(
                     for _ in range(per_txn):
                         uow.publish(Message(stream, "OrderPlaced", payload))
 
+        admin = await asyncpg.connect(url.replace("+asyncpg", ""))
+        lsn = "SELECT pg_current_wal_lsn()"
+        wal0 = await admin.fetchval(lsn)
         async with asyncio.TaskGroup() as tg:
             for _ in range(4):
                 tg.create_task(producer())
-        started = time.monotonic()
-        async with outbox.dispatcher():
-            deadline = started + 300
-            while (count := await brokers.count(kind, stream)) < backlog:
-                if time.monotonic() > deadline:
-                    raise SystemExit(f"drain of {capture} to {kind} stuck at {count}/{backlog}")
-                await asyncio.sleep(0.02)
-            elapsed = time.monotonic() - started
+        try:
+            wal1 = await admin.fetchval(lsn)
+            pg0, cpu0 = await pg_cpu(admin), time.process_time()
+            started = time.monotonic()
+            async with outbox.dispatcher():
+                deadline = started + 300
+                while (count := await brokers.count(kind, stream)) < backlog:
+                    if time.monotonic() > deadline:
+                        raise SystemExit(f"drain of {capture} to {kind} stuck at {count}/{backlog}")
+                    await asyncio.sleep(0.02)
+                elapsed = time.monotonic() - started
+                pg1, cpu1 = await pg_cpu(admin), time.process_time()
+                wal2 = await admin.fetchval(lsn)
+            diff = "SELECT pg_wal_lsn_diff($1, $2)"
+            write_wal = float(await admin.fetchval(diff, wal1, wal0)) / backlog
+            drain_wal = float(await admin.fetchval(diff, wal2, wal1)) / backlog
+        finally:
+            await admin.close()
         if count != backlog:
             raise SystemExit(f"{capture} to {kind}: {count} messages for {backlog} committed")
-        return backlog / elapsed
+        pg_used = sum(v - pg0.get(pid, 0.0) for pid, v in pg1.items())
+        print(
+            f"  WAL per message ({capture}): {write_wal:,.0f} bytes written by the commits,"
+            f" {drain_wal:,.0f} by the drain (the whole cluster's, this run only)"
+        )
+        return backlog / elapsed, 1e6 * (cpu1 - cpu0) / backlog, 1e6 * pg_used / backlog
     finally:
         if outbox.wal_slot is not None:
             with contextlib.suppress(Exception):
@@ -212,17 +234,31 @@ async def bench_drain(url: str, kinds: list[str], rounds: int, backlog: int, per
     rows = []
     try:
         for kind in kinds:
-            rates: dict[str, list[float]] = {"table": [], "wal": []}
+            got: dict[str, list[tuple[float, float, float]]] = {"table": [], "wal": []}
             for r in range(rounds):
-                for capture in ("table", "wal"):
-                    rate = await drain_round(url, brokers, kind, capture, backlog, per_txn)
-                    rates[capture].append(rate)
-                    print(f"  round {r + 1} {kind} {capture}: {rate:,.0f} msg/s", flush=True)
-            t, w = median(rates["table"]), median(rates["wal"])
-            rows.append((kind, fmt(t), fmt(w), f"{w / t:.2f}x"))
+                for capture in ("table", "wal") if r % 2 == 0 else ("wal", "table"):
+                    res = await drain_round(url, brokers, kind, capture, backlog, per_txn)
+                    got[capture].append(res)
+                    print(
+                        f"  round {r + 1} {kind} {capture}: {res[0]:,.0f} msg/s,"
+                        f" relay {res[1]:.1f} µs/msg, PostgreSQL {res[2]:.1f} µs/msg",
+                        flush=True,
+                    )
+            t, w = (median(x[0] for x in got[c]) for c in ("table", "wal"))
+            relay = [fmt(median(x[1] for x in got[c]), 1) for c in ("table", "wal")]
+            pg = [fmt(median(x[2] for x in got[c]), 1) for c in ("table", "wal")]
+            rows.append((kind, fmt(t), fmt(w), f"{w / t:.2f}x", " / ".join(relay), " / ".join(pg)))
     finally:
         await brokers.close()
-    print(table(["broker", "table msg/s", "wal msg/s", "wal / table"], rows))
+    print(
+        table(
+            [
+                *("broker", "table msg/s", "wal msg/s", "wal / table"),
+                *("relay µs/msg (table / wal)", "PostgreSQL µs/msg (table / wal)"),
+            ],
+            rows,
+        )
+    )
 
 
 async def latency_round(url: str, capture: str, rate: float, seconds: float) -> list[float]:
