@@ -29,6 +29,8 @@ from fastapi_outbox.brokers.cloudevents import CloudEventsMode
 from fastapi_outbox.events import Envelope
 from tests.conftest import unique, wait_until
 
+pytestmark = pytest.mark.usefixtures("quick_fetch")
+
 SOURCE = "/orders-service"
 FAST: dict[str, Any] = {
     "consumer_claim_idle_seconds": 1.0,

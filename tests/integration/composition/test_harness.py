@@ -17,6 +17,8 @@ from fastapi_outbox.settings import OutboxSettings
 from fastapi_outbox.testing import OutboxHarness
 from tests.conftest import unique
 
+pytestmark = pytest.mark.usefixtures("quick_fetch")
+
 
 class Base(DeclarativeBase):
     pass

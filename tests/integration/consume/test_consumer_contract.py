@@ -31,6 +31,8 @@ from fastapi_outbox.consume.subscriber import BatchUnitOfWork
 from fastapi_outbox.events import Envelope
 from tests.conftest import unique, wait_until
 
+pytestmark = pytest.mark.usefixtures("quick_fetch")
+
 FAST = {
     "consumer_claim_idle_seconds": 1.0,
     "consumer_retry_base_delay_seconds": 0.05,

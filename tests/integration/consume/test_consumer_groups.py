@@ -19,6 +19,8 @@ from fastapi_outbox.brokers.nats.wire import stream_name_for
 from fastapi_outbox.ops.health import compute_health
 from tests.conftest import unique, wait_until
 
+pytestmark = pytest.mark.usefixtures("quick_fetch")
+
 FAST = {
     "consumer_claim_idle_seconds": 1.0,
     "consumer_retry_base_delay_seconds": 0.05,

@@ -20,6 +20,8 @@ import pytest
 from fastapi_outbox import Message, Outbox, OutboxSettings
 from tests.conftest import unique, wait_until
 
+pytestmark = pytest.mark.usefixtures("quick_fetch")
+
 COUNT = 5
 #: The default: a consumer that did not release would leave the messages to the other one
 #: for a minute.

@@ -10,6 +10,7 @@ import time
 import uuid
 from typing import Any
 
+import pytest
 from fastapi import FastAPI
 
 from fastapi_outbox import Message, Outbox
@@ -18,6 +19,8 @@ from fastapi_outbox.ops.dashboard.router import CSRF_COOKIE, CSRF_HEADER
 from tests.conftest import asgi_client, run_cli
 from tests.integration.consume.test_consumer_contract import _redis
 from tests.integration.ops.test_consumer_operations import _fetch
+
+pytestmark = pytest.mark.usefixtures("quick_fetch")
 
 APP = "tests.integration.consumer_cli_app:outbox"
 

@@ -33,6 +33,8 @@ from fastapi_outbox.ops.dashboard import CSRF_HEADER
 from tests.conftest import asgi_client, unique, wait_until
 from tests.servers import TcpProxy
 
+pytestmark = pytest.mark.usefixtures("quick_fetch")
+
 FAST = {
     "consumer_claim_idle_seconds": 1.0,
     "consumer_retry_base_delay_seconds": 0.02,

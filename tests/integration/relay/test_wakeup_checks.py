@@ -121,14 +121,15 @@ async def test_a_script_without_a_lifespan_wakes_the_dispatchers(
 
 # -- a LISTEN connection that dies silently -------------------------------------------------------
 
-POLL = 0.25
+POLL = 0.125
 #: The idle poller's gap, doubling from POLL while LISTEN is up, reached before the blackhole:
-#: its next poll is then BACKED_OFF * 2 (16 s) away — what a silent loss used to cost at least.
-BACKED_OFF = 8.0
-#: Generous for self-check interval + timeout (2.5 s) and a claim, well below BACKED_OFF * 2.
-PUBLISHED_WITHIN = 10.0
-#: The listener's pause before it reconnects, long enough for health to be seen false.
-RECONNECT_AFTER = 2.0
+#: its next poll is then BACKED_OFF * 2 (8 s) away — what a silent loss used to cost at least.
+BACKED_OFF = 4.0
+#: Generous for self-check interval + timeout (2.5 s) and a claim, below BACKED_OFF * 2.
+PUBLISHED_WITHIN = 6.0
+#: The listener's pause before it reconnects, long enough for health (polled every 0.02 s)
+#: to be seen false.
+RECONNECT_AFTER = 1.0
 
 
 async def test_a_silently_dead_listen_connection_is_noticed_and_replaced(

@@ -21,6 +21,9 @@ from fastapi_outbox.storage import clock
 from tests.conftest import unique, wait_until
 
 SKEW = 120.0
+#: The retry deadline: far below SKEW, so either clock error would show (abandoned at the
+#: first claim, or 120 s late), and long enough for the first claim to come before it.
+DEADLINE = 2.0
 
 FAST = {
     "poll_interval_seconds": 0.05,
@@ -59,7 +62,7 @@ async def test_retry_deadline_is_counted_by_the_database(db_url: str, skew: floa
     outbox = Outbox(
         db_url,
         brokers={"default": broker},
-        settings=OutboxSettings(retry_deadline_seconds=5.0, **FAST),
+        settings=OutboxSettings(retry_deadline_seconds=DEADLINE, **FAST),
     )
     await outbox.create_tables()
     stream = unique("orders")
@@ -73,14 +76,16 @@ async def test_retry_deadline_is_counted_by_the_database(db_url: str, skew: floa
             async def abandoned() -> bool:
                 return (await row(outbox, doomed))["status"] == "abandoned"
 
-            # 5 s of the database's clock; the behind-clock dispatcher of the old code
-            # waited 125 s.
+            # DEADLINE s of the database's clock; the behind-clock dispatcher of the old
+            # code waited 120 s more.
             await wait_until(abandoned, timeout=60)
         assert (await row(outbox, fine))["status"] == "published"
         doomed_row = await row(outbox, doomed)
-        assert "retry deadline of 5s passed" in doomed_row["last_error"]
-        # Abandoned by the database's clock: 5 s after its commit or later, never before.
-        assert doomed_row["abandoned_at"] >= doomed_row["created_at"] + dt.timedelta(seconds=5)
+        assert f"retry deadline of {DEADLINE:g}s passed" in doomed_row["last_error"]
+        # Abandoned by the database's clock: DEADLINE s after its commit or later, never before.
+        assert doomed_row["abandoned_at"] >= doomed_row["created_at"] + dt.timedelta(
+            seconds=DEADLINE
+        )
     finally:
         await outbox.aclose()
 
@@ -88,21 +93,21 @@ async def test_retry_deadline_is_counted_by_the_database(db_url: str, skew: floa
 async def test_deliver_at_and_delay_are_due_by_the_database_clock(db_url: str, skew: float) -> None:
     """``deliver_at`` is stored as given and compared with the database's clock; a delay
     counts from the commit on the database's clock. Neither goes out before it is due
-    (ahead: the old code found a deliver_at 2 s away already past) nor 120 s late
+    (ahead: the old code found a deliver_at 1 s away already past) nor 120 s late
     (behind)."""
     broker = MemoryBroker()
     outbox = Outbox(db_url, brokers={"default": broker}, settings=OutboxSettings(**FAST))
     await outbox.create_tables()
     stream = unique("reminders")
     try:
-        at = await outbox.store.now() + dt.timedelta(seconds=2)
+        at = await outbox.store.now() + dt.timedelta(seconds=1)
         async with outbox.unit_of_work() as uow:
             scheduled = uow.publish(Message(stream, "At", {}), deliver_at=at)
-            delayed = uow.publish(Message(stream, "Later", {}), delay=2.0)
+            delayed = uow.publish(Message(stream, "Later", {}), delay=1.0)
         at_row, delayed_row = await row(outbox, scheduled), await row(outbox, delayed)
         # Stored as given (to SQLite's millisecond), and the delay from the commit.
         assert abs(at_row["next_attempt_at"] - at) < dt.timedelta(milliseconds=1)
-        assert delayed_row["next_attempt_at"] >= delayed_row["created_at"] + dt.timedelta(seconds=2)
+        assert delayed_row["next_attempt_at"] >= delayed_row["created_at"] + dt.timedelta(seconds=1)
         assert (await outbox.store.stats())["default"].scheduled == 2
         due = {str(scheduled), str(delayed)}
 
