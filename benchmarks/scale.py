@@ -21,14 +21,20 @@ first alternates): each round a default dispatcher drains ``--dispatch-backlog``
 to Redis, msg/s from its first mark to its last. Then, per layout, the plans of a 500-row
 claim and of its mark as a dispatcher runs them once its prepared statements use a generic
 plan (forced: the worst case for pruning), ``EXPLAIN (ANALYZE, BUFFERS)``, rolled back; scans
-of other partitions that never ran are counted, not printed.
+of other partitions that never ran are counted, not printed. ``--statements DATA_DIR``: on a
+private server (``BENCH_PG_URL``) with ``pg_stat_statements`` preloaded (``track = all``,
+``track_planning = on``), whose data directory this process can read: each round also prints
+the statements of its drain (calls, execution and planning ms, rows, buffers; reset before
+the drain), the dispatcher's and the whole server's CPU per message, and the autovacuum and
+autoanalyze runs on the table meanwhile.
 
 Fill method: one ``INSERT … SELECT … FROM generate_series`` statement per step and layout,
 UUIDv7-like ids (time-ordered, like the library's), ~80-byte JSON payloads.
 
 Run: ``.venv/bin/python benchmarks/scale.py [--rows 10000000] [--days 10] [--quick]``, or
-``.venv/bin/python benchmarks/scale.py --dispatch [--days 30] [--rows 3000000] [--rounds 7]``
-(PostgreSQL and Redis on loopback; a throw-away database ``bench_scale_<random>``).
+``.venv/bin/python benchmarks/scale.py --dispatch [--days 30] [--rows 3000000] [--rounds 7]
+[--statements DATA_DIR]`` (PostgreSQL and Redis on loopback; a throw-away database
+``bench_scale_<random>``).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import argparse
 import asyncio
 import datetime as dt
 import json
+import os
 import re
 import statistics
 import sys
@@ -46,7 +53,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import REDIS_URL, banner, bench_database, loopback, machine_note, table
+from benchmarks._common import (
+    REDIS_URL,
+    banner,
+    bench_database,
+    loopback,
+    machine_note,
+    proc_cpu,
+    table,
+)
 
 CLAIM = 500
 PENDING = 20_000
@@ -335,8 +350,58 @@ async def drain_rate(dispatcher: Any, backlog: int, stream: str) -> float:
     return rate
 
 
+def server_cpu(data_dir: str) -> float:
+    """CPU seconds used so far by a PostgreSQL server whose data directory this process can
+    read (a private one, as root): the postmaster's live children (backends, autovacuum,
+    writers) plus the children it already reaped, plus its own."""
+    postmaster = int(Path(data_dir, "postmaster.pid").read_text().split()[0])
+    fields = Path(f"/proc/{postmaster}/stat").read_text().rsplit(")", 1)[1].split()
+    total = sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            rest = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(rest[1]) == postmaster:
+            total += proc_cpu(int(stat.parent.name))
+    return total
+
+
+VACUUMS = (
+    "SELECT coalesce(sum(autovacuum_count + autoanalyze_count), 0) FROM pg_stat_user_tables "
+    "WHERE relname = '{name}' OR relname LIKE '{name}\\_p%' OR relname = '{name}_default'"
+)
+STATEMENTS = (
+    "SELECT calls, total_exec_time, total_plan_time, plans, rows, shared_blks_hit, "
+    "shared_blks_read, query FROM pg_stat_statements "
+    "WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database()) "
+    "ORDER BY total_exec_time + total_plan_time DESC LIMIT 12"
+)
+
+
+def statements_table(rows: list[Any], messages: int) -> str:
+    """pg_stat_statements of one drain, the costliest first; µs per message too."""
+    return table(
+        ["calls", "exec ms", "mean ms", "plan ms", "µs/msg", "rows", "hit", "read", "query"],
+        [
+            [
+                f"{r[0]:,}",
+                f"{r[1]:,.0f}",
+                f"{r[1] / max(r[0], 1):.3f}",
+                f"{r[2]:,.0f}",
+                f"{(r[1] + r[2]) * 1000 / messages:.1f}",
+                f"{r[4]:,}",
+                f"{r[5]:,}",
+                f"{r[6]:,}",
+                " ".join(r[7].split())[:70],
+            ]
+            for r in rows
+        ],
+    )
+
+
 async def dispatch_comparison(
-    url: str, rows: int, days: int, order: str, rounds: int, backlog: int
+    url: str, rows: int, days: int, order: str, rounds: int, backlog: int, statements: str = ""
 ) -> None:
     """Dispatch from a plain table and from a table partitioned by day holding ``days``
     partitions of done rows, in alternating rounds (the layout going first alternates),
@@ -364,6 +429,8 @@ async def dispatch_comparison(
                 settings=settings,
             )
             outboxes[layout] = (outbox, dispatcher)
+            if statements and partitioning is None:
+                await run_sql(outbox, "CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
             await outbox.create_tables()
             if partitioning is not None:
                 async with outbox.engine.begin() as conn:
@@ -392,9 +459,22 @@ async def dispatch_comparison(
                     fill_sql(name, "pending", first, backlog, 1, stream=stream),
                     f"ANALYZE {name}",
                 )
+                if statements:
+                    vacuums0 = await scalar(outbox, VACUUMS.format(name=name))
+                    await run_sql(outbox, "SELECT pg_stat_statements_reset()")
+                    relay0, pg0 = proc_cpu(os.getpid()), server_cpu(statements)
                 rate = await drain_rate(dispatcher, backlog, stream)
                 rates[layout].append(rate)
                 print(f"round {n + 1}: {layout}: {rate:,.0f} msg/s", flush=True)
+                if statements:
+                    relay = (proc_cpu(os.getpid()) - relay0) * 1e6 / backlog
+                    server = (server_cpu(statements) - pg0) * 1e6 / backlog
+                    vacuums = await scalar(outbox, VACUUMS.format(name=name)) - vacuums0
+                    print(
+                        f"  CPU per message: relay {relay:.0f} µs, PostgreSQL {server:.0f} µs "
+                        f"(autovacuum + autoanalyze runs on the table: {vacuums})"
+                    )
+                    print(statements_table(await scalar_rows(outbox, STATEMENTS), backlog))
         for layout, (outbox, _) in outboxes.items():
             plans = await dispatch_plans(outbox)
             for what, plan in plans.items():
@@ -581,14 +661,16 @@ async def main(rows: int, days: int, backlog: int, order: str) -> None:
             print(f"note: {layout}: the backlog ran out during the retention")
 
 
-async def dispatch_only(rows: int, days: int, order: str, rounds: int, backlog: int) -> None:
+async def dispatch_only(
+    rows: int, days: int, order: str, rounds: int, backlog: int, statements: str = ""
+) -> None:
     loopback(REDIS_URL)
     banner(
         f"dispatch at scale: plain vs {days} daily partitions, {rows:,} done rows, "
         f"{rounds} alternating rounds of {backlog:,} messages to Redis ({machine_note()})"
     )
     async with bench_database("bench_scale") as url:
-        await dispatch_comparison(url, rows, days, order, rounds, backlog)
+        await dispatch_comparison(url, rows, days, order, rounds, backlog, statements)
 
 
 if __name__ == "__main__":
@@ -613,6 +695,13 @@ if __name__ == "__main__":
     parser.add_argument(
         "--dispatch-backlog", type=int, default=50_000, help="pending rows drained per round"
     )
+    parser.add_argument(
+        "--statements",
+        metavar="DATA_DIR",
+        default="",
+        help="--dispatch on a private server with pg_stat_statements loaded, whose data "
+        "directory this process reads: per round, its statements and the CPU per message",
+    )
     args = parser.parse_args()
     if args.rows is None:
         args.rows = 3_000_000 if args.dispatch else 10_000_000
@@ -622,7 +711,14 @@ if __name__ == "__main__":
         args.rows, args.days, args.backlog = 200_000, 4, 100_000
     if args.dispatch:
         asyncio.run(
-            dispatch_only(args.rows, args.days, args.order, args.rounds, args.dispatch_backlog)
+            dispatch_only(
+                args.rows,
+                args.days,
+                args.order,
+                args.rounds,
+                args.dispatch_backlog,
+                args.statements,
+            )
         )
     else:
         asyncio.run(main(args.rows, args.days, args.backlog, args.order))

@@ -215,7 +215,13 @@ class Store:
         in insert order). A row whose batch died twice comes alone (see the statement)."""
         stmt = self.claim_statement(broker, limit, ordered)
         params = self.claim_params(token, lease_seconds)
-        if self.is_postgres and not ordered:
+        if self.is_postgres and not ordered and self.connector.asyncpg and self._by_id:
+            # A table partitioned by id: its cached generic plan (see relay_sql.generic_plan).
+            generic = ("generic_plan", relay_sql.generic_plan())
+            rows = await self.connector.fetch_after(
+                f"claim:{broker}:{limit}", stmt, params, generic
+            )
+        elif self.is_postgres and not ordered:
             # One statement in autocommit: one round trip, no BEGIN/COMMIT.
             rows = await self.connector.fetch(f"claim:{broker}:{limit}", stmt, params)
         elif self.is_postgres and self.connector.asyncpg:
@@ -232,7 +238,17 @@ class Store:
         return claimed
 
     def _ordered_turn(self, broker: str) -> Any:
-        return relay_sql.ordered_turn(self._lock_key, broker, *self.connector.bounds_ms())
+        return relay_sql.ordered_turn(
+            self._lock_key,
+            broker,
+            *self.connector.bounds_ms(),
+            generic=self._by_id and self.connector.asyncpg,
+        )
+
+    @property
+    def _by_id(self) -> bool:
+        """A PostgreSQL table partitioned by id (see ``relay_sql.generic_plan``)."""
+        return self.is_postgres and self.table.info.get("partitioning") is not None
 
     async def _claim_in_transaction(
         self, broker: str, stmt: Any, params: dict[str, Any], ordered: bool

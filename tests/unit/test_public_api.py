@@ -843,6 +843,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "CLAIM_COLUMNS",
         "claim",
         "extend_lease",
+        "generic_plan",
         "insert_failed",
         "local_timeouts",
         "mark_failed",

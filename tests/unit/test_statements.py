@@ -115,6 +115,12 @@ def test_ordered_turn_is_an_advisory_lock_after_the_local_bounds() -> None:
     assert {"5000ms", "1000ms"} <= set(params.values())
     assert relay.local_timeouts(None, None) == []
     assert relay.transaction_bounds(None, 5) is None
+    # A table partitioned by id: the claim's generic plan for this transaction too.
+    sql, params = compiled(relay.ordered_turn("k", "b", None, None, generic=True), PG)
+    assert sql.index("set_config") < sql.index("pg_advisory_xact_lock(")
+    assert {"plan_cache_mode", "force_generic_plan"} <= set(params.values())
+    plain = compiled(relay.ordered_turn("k", "b", None, None), PG)[1]
+    assert "plan_cache_mode" not in plain.values()
 
 
 # -- the changes after the claim: fenced ------------------------------------------------------

@@ -530,6 +530,35 @@ def executed(plan: dict[str, Any], index_suffix: str = "") -> dict[str, int]:
     return out
 
 
+async def test_claims_on_a_table_partitioned_by_id_run_the_generic_plan(pg_url: str) -> None:
+    """The claim (plain and ordered) is planned once, not at every execution: left to
+    ``plan_cache_mode = auto``, PostgreSQL plans the first five executions (and, on 34
+    partitions, every later one) as custom plans of every partition (relay_sql.generic_plan)."""
+    outbox = partitioned(pg_url)
+    store = outbox.store
+    try:
+        await outbox.create_tables()
+        await publish(outbox, unique("orders"), 3)
+        claimed = 0
+        for n in range(6):
+            for ordered in (False, True):
+                token = f"t{n}{ordered}"
+                rows = await store.claim("default", 2, token, 30.0, ordered=ordered)
+                claimed += len(rows)
+                await store.release([r.id for r in rows], token)
+        # One pooled connection ran them all (one at a time): its prepared statements.
+        async with store.connector.driver_connection() as driver:
+            plans = await driver.fetchrow(
+                "SELECT coalesce(sum(generic_plans), 0) AS generic, "
+                "coalesce(sum(custom_plans), 0) AS custom FROM pg_prepared_statements "
+                "WHERE statement LIKE 'WITH locked%'"
+            )
+        assert claimed == 24
+        assert (plans["generic"], plans["custom"]) == (12, 0), dict(plans)
+    finally:
+        await outbox.aclose()
+
+
 async def test_lookups_by_id_read_one_partition_in_generic_plans(pg_url: str) -> None:
     """Partitioned by id, the claim's update, the marks and ``show`` touch the partition
     of the ids only, with the prepared statements' generic plans (asserted on the plan)."""
