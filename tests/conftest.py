@@ -282,3 +282,16 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(autouse=True)
+def _default_metadata_restored() -> Iterator[None]:
+    """A test that builds an outbox on the default table names with claim-check on adds the
+    payloads table to the process-wide ``fastapi_outbox.metadata`` (as it should: Alembic
+    then sees it); the next test starts from the metadata as the package made it."""
+    from fastapi_outbox import metadata
+
+    before = set(metadata.tables)
+    yield
+    for name in set(metadata.tables) - before:
+        metadata.remove(metadata.tables[name])
