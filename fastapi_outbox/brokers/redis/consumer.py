@@ -332,9 +332,7 @@ class RedisStreamsConsumer:
         """Up to ``count`` entries after ``position``, in stream order, waiting up to
         ``timeout`` for the first (``XREAD``, no consumer group: the caller keeps its
         position). Attempt 1: the caller counts its own tries."""
-        if self.connection.cluster:  # the cluster client's socket timeout bounds the wait
-            timeout = min(timeout, self.connection.socket_timeout / 2)
-        block = max(1, int(timeout * 1000))
+        block = self._block_ms(timeout)
         async with self._calls() as client:
             reader = await self._reader_for(client)
             args = ["XREAD", "COUNT", count, "BLOCK", block, "STREAMS", self.key, position]
@@ -390,6 +388,13 @@ class RedisStreamsConsumer:
             for (entry_id, fields), pending in zip(entries, counts, strict=True)
         ]
 
+    def _block_ms(self, timeout: float) -> int:
+        """The ``BLOCK`` of a read waiting up to ``timeout`` seconds, in ms (at least 1); on a
+        Redis Cluster less than the cluster client's socket timeout, which bounds the wait."""
+        if self.connection.cluster:
+            timeout = min(timeout, self.connection.socket_timeout / 2)
+        return max(1, int(timeout * 1000))
+
     async def _read(self, client: Any, count: int, timeout: float | None) -> Any:
         """``XREADGROUP … >``, after an ``XACK`` of the acks waiting for it in the same
         pipeline; the raw reply. With a ``timeout``: when nothing is there yet, a second
@@ -401,9 +406,7 @@ class RedisStreamsConsumer:
         self._blocked = False  # the fetch loop comes back for more
         if timeout is None or reply_entries(reply):
             return reply
-        if self.connection.cluster:  # the cluster client's socket timeout bounds the wait
-            timeout = min(timeout, self.connection.socket_timeout / 2)
-        block = max(1, int(timeout * 1000))
+        block = self._block_ms(timeout)
         self._blocked = True
         try:
             return await self._call(reader, [*head, "BLOCK", block, *tail], block / 1000)
