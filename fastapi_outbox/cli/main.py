@@ -282,6 +282,8 @@ async def _doctor(outbox: Outbox) -> int:
     findings = await _guard(doctor.examine(outbox.engine, outbox.table), outbox)
     if outbox.archive is not None:  # archive=True: the archive table too
         findings += await _guard(doctor.examine(outbox.engine, outbox.archive.table), outbox)
+    for table in outbox.inbox.lease_tables:  # ordered subscribers' leases: their columns
+        findings += await _guard(doctor.examine(outbox.engine, table), outbox)
     where = redact_url(str(outbox.engine.url))
     mismatches = [f for f in findings if f.mismatch]
     for finding in findings:
@@ -300,8 +302,14 @@ async def _doctor(outbox: Outbox) -> int:
 async def _upgrade(outbox: Outbox) -> int:
     from fastapi_outbox.storage import doctor
 
+    applied: list[doctor.Finding] = []
+    left: list[doctor.Finding] = []
     try:
-        applied, left = await _guard(doctor.upgrade(outbox.engine, outbox.table), outbox)
+        # The outbox table, then the columns of the ordered subscribers' lease tables.
+        for table in (outbox.table, *outbox.inbox.lease_tables):
+            done, todo = await _guard(doctor.upgrade(outbox.engine, table), outbox)
+            applied += done
+            left += todo
     except doctor.UpgradeLockTimeout as exc:
         raise CliError(str(exc), EXIT_FAILED) from exc
     for finding in applied:

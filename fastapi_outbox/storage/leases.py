@@ -121,6 +121,8 @@ def build_lease_tables(inbox_name: str, metadata_: MetaData) -> tuple[Table, Tab
             server_default="0",
             comment="handler starts on the message after position",
         ),
+        # ``fastapi-outbox doctor`` / ``db upgrade``: the columns of a live table only.
+        info={"doctor": "columns"},
     )
     members = Table(
         names[1],
@@ -129,6 +131,7 @@ def build_lease_tables(inbox_name: str, metadata_: MetaData) -> tuple[Table, Tab
         Column("stream", String(255), primary_key=True),
         Column("member", String(255), primary_key=True),
         Column("expires_at", schema.UtcDateTime(), nullable=False),
+        info={"doctor": "columns"},
     )
     return partitions, members
 
