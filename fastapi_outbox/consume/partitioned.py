@@ -300,6 +300,13 @@ class PartitionedRun:
             part.mark = (d.entry_id, attempt)
             part.pending = None
 
+    @staticmethod
+    def _committed(part: _Partition, entry_id: str) -> None:
+        """The transaction whose last message is ``entry_id`` committed: what its fence
+        announced is on the partition's row now."""
+        if part.pending is not None and part.pending[0] == entry_id:
+            part.mark, part.pending, part.begun = part.pending[1], None, False
+
     async def settled(self, d: Delivery, *, fenced: bool = True) -> None:
         """``d`` is settled: the position moves past it — in its handler's committed
         transaction already (an ack after it), or now in one of its own (``fenced=False``:
@@ -307,8 +314,8 @@ class PartitionedRun:
         if fenced and d.entry_id in self._fenced:
             self._fenced.discard(d.entry_id)
             part = self._queued_in.get(d.entry_id)
-            if part is not None and part.pending is not None and part.pending[0] == d.entry_id:
-                part.mark, part.pending, part.begun = part.pending[1], None, False
+            if part is not None:
+                self._committed(part, d.entry_id)
         else:
             self._fenced.discard(d.entry_id)
             part = self._part_of(d)
@@ -604,6 +611,7 @@ class PartitionedRun:
             )
             return 0
         self._fenced.difference_update(d.entry_id for d in todo)
+        self._committed(part, todo[-1].entry_id)
         stats.handled += new
         stats.duplicates += duplicates
         stats.last_handled_at = time.time()
