@@ -34,15 +34,17 @@ it is handled or dead-lettered.
 
 Attempts survive the process (a handler that kills its process on every try must not hold
 its partition back forever): before a handler runs, the partition's row says what it starts
-on (``started``, ``attempts``: :mod:`fastapi_outbox.storage.leases`). The fence writes it
-for the partition's next transaction, from the messages queued behind (a batch: up to its
-last message, no attempt counted; one message: its first attempt), so under load no
-statement is added; a transaction the last fence did not announce (an empty queue then, a
-retry in place, a larger batch) records it first in a statement of its own. A new owner
-that finds ``started`` past the position handles the messages up to it one by one, and the
-first one starts at ``attempts + 1``: past ``consumer_max_attempts`` it is dead-lettered
-without running. A drained or stopped partition forgets an announcement that never started
-(no attempt is charged for a hand-over); one whose handler was running keeps its count.
+on (``started``: the first message after the position; ``attempts``: the handler's starts
+on it alone, 0 for a batch beginning with it; :mod:`fastapi_outbox.storage.leases`). The
+fence writes it for the partition's next transaction, from the messages queued behind, so
+under load no statement is added; a transaction the last fence did not announce (an empty
+queue then, a retry in place) records it first in a statement of its own. A new owner that
+finds ``started`` past the position knows its predecessor died inside that transaction: a
+batch, and it handles the next ``batch_size`` messages one by one (a crashed batch costs no
+attempt); one message, and that message starts at ``attempts + 1`` — past
+``consumer_max_attempts`` it is dead-lettered without running. A drained or stopped
+partition forgets an announcement that never started (no attempt is charged for a
+hand-over); one whose handler was running keeps its count.
 """
 
 from __future__ import annotations
@@ -127,6 +129,7 @@ class _Partition:
         "careful",
         "draining",
         "inherited",
+        "inherited_by",
         "lost",
         "mark",
         "number",
@@ -135,7 +138,6 @@ class _Partition:
         "scope",
         "seen",
         "stopped",
-        "suspect",
         "token",
         "wake",
     )
@@ -151,10 +153,10 @@ class _Partition:
         #: (last entry of the transaction under way, the mark its fence announced): the
         #: mark once that transaction committed.
         self.pending: tuple[str, tuple[str | None, int]] | None = None
-        #: Taken over from an owner that died inside a transaction: the messages up to
-        #: this entry go one by one; the first starts after ``inherited`` attempts.
-        self.suspect: str | None = None
+        #: Taken over from an owner that died inside the handler of one message: that
+        #: message (``inherited_by``) starts after ``inherited`` attempts.
         self.inherited = 0
+        self.inherited_by: str | None = None
         #: Every entry of the partition up to here is queued or settled.
         self.seen = position
         self.queue: collections.deque[Delivery] = collections.deque()
@@ -271,25 +273,15 @@ class PartitionedRun:
     ) -> tuple[str | None, int]:
         """(started, attempts) of the transaction that follows one over ``todo`` (the
         first messages of the partition's queue), as :meth:`_batch` and :meth:`_one` will
-        run it: the queued messages behind, up to ``batch_size``, as a batch (no attempt
-        counted), else the next message's first attempt; (None, 0) when none is queued."""
+        run it: a batch beginning with the next queued message (no attempt counted), or
+        that message's first attempt alone; (None, 0) when none is queued."""
         queue, n = part.queue, len(todo)
         if len(queue) <= n or queue[n - 1] is not todo[-1]:
             return None, 0
         head = queue[n]
-        if (
-            self.sub.batch_requested
-            and len(queue) - n >= 2
-            and careful <= 0
-            and not self._suspect(part, head)
-            and head.attempt == 1
-        ):
-            return queue[min(len(queue), n + self.sub.batch_size) - 1].entry_id, 0
+        if self.sub.batch_requested and len(queue) - n >= 2 and careful <= 0 and head.attempt == 1:
+            return head.entry_id, 0
         return head.entry_id, 1
-
-    def _suspect(self, part: _Partition, d: Delivery) -> bool:
-        """Whether ``d`` was in the transaction of an owner that died: one by one."""
-        return part.suspect is not None and self.key(d.entry_id) <= self.key(part.suspect)
 
     async def _before_attempt(self, d: Delivery, attempt: int) -> None:
         """Before try ``attempt`` of the handler on ``d`` alone: the partition's row says
@@ -388,9 +380,14 @@ class PartitionedRun:
         part = _Partition(number, owned.token, owned.position)
         started = owned.started
         if started is not None and self.key(started) > self.key(owned.position):
-            # The previous owner died (or stopped) inside the transaction it recorded.
+            # The previous owner died (or stopped) inside the transaction it recorded: a
+            # batch (its messages one by one now, each counted), or the handler of one.
             part.mark = (started, owned.attempts)
-            part.suspect, part.inherited = started, owned.attempts
+            if owned.attempts:
+                part.careful = 1
+                part.inherited, part.inherited_by = owned.attempts, started
+            else:
+                part.careful = self.sub.batch_size
             logger.info(
                 "partition taken over mid-transaction: its messages go one by one",
                 extra=self.options.log_extra(
@@ -568,8 +565,6 @@ class PartitionedRun:
         together or the transaction failed (then they go one by one, the careful way)."""
         if not self.sub.batch_requested or len(part.queue) < 2 or part.careful:
             return 0
-        if self._suspect(part, part.queue[0]):
-            return 0
         decoder = self.options.decoder
         todo: list[Delivery] = []
         messages: list[Any] = []
@@ -583,20 +578,14 @@ class PartitionedRun:
             todo.append(d)
         if len(todo) < 2:
             return 0
-        # The start of the batch on record: announced by the last fence (no statement;
-        # the batch no longer than announced), else recorded now.
-        announced, counted = part.mark
-        key = self.key
-        if announced is not None and not counted and key(announced) >= key(todo[1].entry_id):
-            keep = sum(1 for d in todo if key(d.entry_id) <= key(announced))
-            del todo[keep:], messages[keep:]
-        else:
-            announced = None
+        # The start of the batch on record: announced by the last fence (no statement),
+        # else recorded now.
+        announced = part.mark == (todo[0].entry_id, 0)
         stats = self.sub.stats
         try:
-            if announced is None:
-                await self.leases.start(part.number, part.token, todo[-1].entry_id, 0)
-                part.mark, part.pending = (todo[-1].entry_id, 0), None
+            if not announced:
+                await self.leases.start(part.number, part.token, todo[0].entry_id, 0)
+                part.mark, part.pending = (todo[0].entry_id, 0), None
             new, duplicates = await self.processing.run_batch(todo, messages)
         except Exception as exc:
             self._fenced.difference_update(d.entry_id for d in todo)
@@ -621,9 +610,9 @@ class PartitionedRun:
         """``d`` through its handler until settled; False when the partition stops (the
         subscriber stops, the database went away at the stop)."""
         if part.inherited:
-            # The first message after a take-over inside an unfinished transaction: its
-            # handler started that many times already (each time its process died).
-            if self._suspect(part, d):
+            # The first message after a take-over inside its handler: the handler started
+            # that many times already (each time its process died).
+            if d.entry_id == part.inherited_by:
                 d.attempt = max(d.attempt, part.inherited + 1)
             part.inherited = 0
         failures = 0

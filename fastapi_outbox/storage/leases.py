@@ -11,8 +11,9 @@ each message's key into one of ``consumer_ordered_partitions`` partitions. One r
     token                      the fencing token, raised at every take-over
     position                   the stream position of the partition's last settled message
     expires_at                 the lease's end, on the database's clock
-    started                    the last entry whose handling started (or will start next)
-    attempts                   handler starts on the message after ``position``
+    started                    the message after ``position`` when its handling started (or
+                               will start next; not past ``position``: none)
+    attempts                   the handler's starts on it alone (0: a batch beginning with it)
 
 ``started`` and ``attempts`` count a message's attempts where a crash cannot lose them (a
 handler that kills its process on every try would otherwise start again at attempt 1 in
@@ -20,8 +21,8 @@ every next owner and hold its partition back forever). Before a handler runs on 
 the row says so — in the statement of the previous transaction where it can (the fence
 records what comes next in the partition's queue: no statement added), in a statement of
 its own otherwise (an empty queue, a retry). A new owner that finds ``started`` past
-``position`` knows its predecessor died (or stopped) inside that transaction: it handles
-those messages one by one, and dead-letters the first when ``attempts`` reached
+``position`` knows its predecessor died (or stopped) inside that transaction: it handles a
+batch's messages one by one, and dead-letters a message whose ``attempts`` reached
 ``consumer_max_attempts`` (see :mod:`fastapi_outbox.consume.partitioned`).
 
 and one row per live process in ``<inbox>_members`` (group, stream, member, expires_at):
@@ -111,7 +112,7 @@ def build_lease_tables(inbox_name: str, metadata_: MetaData) -> tuple[Table, Tab
             "started",
             String(64),
             nullable=True,
-            comment="last entry whose handling started (past position: not settled)",
+            comment="first unsettled entry when its handling started (past position)",
         ),
         Column(
             "attempts",
@@ -119,7 +120,7 @@ def build_lease_tables(inbox_name: str, metadata_: MetaData) -> tuple[Table, Tab
             nullable=False,
             default=0,
             server_default="0",
-            comment="handler starts on the message after position",
+            comment="handler starts on it alone (0: a batch beginning with it)",
         ),
         # ``fastapi-outbox doctor`` / ``db upgrade``: the columns of a live table only.
         info={"doctor": "columns"},
@@ -174,10 +175,9 @@ class Leases:
         # the message; no row when the token changed (taken over): the caller rolls back.
         # The row lock it takes holds a take-over back until this transaction ends.
         # - started, attempts: what the partition's next transaction will start on (the
-        #   next queued message, counted as started once; the end of the next batch, not
-        #   counted), written with the position so that the common case needs no
-        #   statement of its own before that transaction's handler runs; NULL, 0 when
-        #   nothing is queued.
+        #   next queued message; its first attempt alone, or 0: a batch beginning with
+        #   it), written with the position so that the common case needs no statement of
+        #   its own before that transaction's handler runs; NULL, 0 when nothing is queued.
         self._fence = (
             update(t)
             .where(token_holds)
@@ -190,8 +190,8 @@ class Leases:
         )
         # start. Caller: an ordered subscriber, in a transaction of its own right before a
         # handler's transaction that the last fence did not announce (the queue was
-        # empty then, a retry, a batch larger than announced): the handler is about to
-        # start on the message(s) up to ``started``, for the ``attempts``-th time. Fenced
+        # empty then, a retry): the handler is about to start on the message ``started``
+        # alone for the ``attempts``-th time, or on a batch beginning with it (0). Fenced
         # like the fence; it commits before the handler runs, so a crash in the handler
         # cannot take the count with it.
         self._start = (
@@ -430,11 +430,11 @@ class Leases:
             await self.fence(conn, partition, token, position, next_start)
 
     async def start(self, partition: int, token: int, started: str, attempts: int) -> None:
-        """Committed before a handler's transaction: the handler is about to start on the
-        messages up to ``started``; ``attempts``: its starts on the partition's first
-        unsettled message so far, this one included (0 for a batch: one failed batch
-        costs its messages no attempt, they go one by one after it). :class:`LeaseLost`
-        when ``token`` no longer holds the partition."""
+        """Committed before a handler's transaction: the handler is about to start on
+        ``started`` (the partition's first unsettled message); ``attempts``: its starts on
+        it alone so far, this one included, or 0 for a batch beginning with it (a crashed
+        batch costs its messages no attempt: they go one by one after it).
+        :class:`LeaseLost` when ``token`` no longer holds the partition."""
         async with self.engine.begin() as conn:
             result = await conn.execute(
                 self._start,
