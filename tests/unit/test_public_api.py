@@ -716,6 +716,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "OwnedPartition",
         "build_lease_tables",
     },
+    "fastapi_outbox.storage.partition_map": {"FLOOR_SECONDS", "NIL", "PartitionMap", "Range"},
     "fastapi_outbox.storage.read_models": {
         "BrokerStats",
         "age",
@@ -822,6 +823,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "RELATION_MISSING",
         "TRY_LOCK",
         "UTC",
+        "active_partitions",
         "any_active",
         "attach",
         "bound_literal",
@@ -844,6 +846,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "claim",
         "extend_lease",
         "generic_plan",
+        "has_floor",
         "insert_failed",
         "local_timeouts",
         "mark_failed",
