@@ -33,11 +33,14 @@ DAY = dt.timedelta(days=1)
 @pytest.fixture
 def cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> Iterator[Any]:
     """``fastapi-outbox ARGS`` in this process with ``OUTBOX_*`` = ``env`` only:
-    (exit code, stdout). The root logger is given back as it was."""
+    (exit code, stdout). The loggers its ``configure_logging`` sets are given back as they
+    were."""
     for name in [n for n in os.environ if n.startswith("OUTBOX_")]:
         monkeypatch.delenv(name)
     root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
+    handlers = list(root.handlers)
+    for name in ("", "sqlalchemy", "asyncio", "nats", "redis"):
+        monkeypatch.setattr(logging.getLogger(name), "level", logging.getLogger(name).level)
 
     def run(*args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
         with monkeypatch.context() as m:
@@ -50,7 +53,6 @@ def cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> 
 
     yield run
     root.handlers[:] = handlers
-    root.setLevel(level)
 
 
 def table_env(**more: str) -> dict[str, str]:
@@ -227,3 +229,15 @@ async def test_inbox_and_leases_of_an_outbox_older_than_the_consumers(sqlite_url
         assert await outbox.inbox.group_stats() == {}  # the table is there, and empty
     finally:
         await outbox.aclose()
+
+
+def test_upgrade_leaves_a_missing_outbox_table_to_db_create(cli: Any, sqlite_url: str) -> None:
+    """No outbox table at all (a wrong URL or table name?): ``db upgrade`` creates nothing
+    and says so, side tables included (it used to print "fixed" for it)."""
+    env = table_env(OUTBOX_ARCHIVE="true")
+    code, out = cli("db", "upgrade", "--url", sqlite_url, env=env)
+    assert code == 1, out
+    assert f"left for you: table {env['OUTBOX_TABLE_NAME']} does not exist" in out
+    assert "fixed" not in out and "_archive" not in out
+    code, out = cli("doctor", "--url", sqlite_url, env=env)
+    assert code == 1 and out.count("MISMATCH") == 1, out
