@@ -729,6 +729,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "build_archive_table",
         "build_table",
         "ddl",
+        "ddl_statements",
         "metadata",
         "outbox_table",
     },
