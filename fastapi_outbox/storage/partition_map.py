@@ -112,6 +112,8 @@ class PartitionMap:
         async with self.engine.connect() as conn:
             if self._by_id is None:
                 key = await conn.run_sync(partitions.partition_key, self.table.name)
+                if key is None:  # no table yet (created later): asked again next time
+                    return
                 self._by_id = key == sql.KEY_ID
             if not self._by_id:
                 return
