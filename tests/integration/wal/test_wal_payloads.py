@@ -2,8 +2,8 @@
 
 On the ``wal_level=logical`` cluster (``wal_pg_url``) and the shared Redis (a stream of each
 test's own): an encrypted, claim-checked message and an encrypted inline one reach a
-subscriber (its inbox, its transaction) whole and decoded; the Redis entries hold no
-plaintext, and the claim-checked one only the reference. Claim-check retention keeps a
+subscriber (its inbox, its transaction) whole and decoded; the WAL message and the Redis
+entries hold no plaintext, and for the claim-checked one only the reference. Claim-check retention keeps a
 payload whose message still waits in the slot — with WAL capture no outbox row names it, so
 a file store's orphan sweep (which looks for outbox rows) must not run. A message the broker
 refuses goes to the outbox table with its stub payload, its reference and its key id, and
@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import pytest
 import redis.asyncio as aioredis
 from sqlalchemy import Text, cast, func, select
@@ -35,6 +36,7 @@ from fastapi_outbox.storage.claim_check import (
     DatabasePayloadStore,
     FilePayloadStore,
 )
+from fastapi_outbox.storage.statements.wal import PEEK_SQL
 from tests.conftest import slot_empty, unique, wait_until
 
 MARKER = "PLAINTEXT-MARKER-7f3a"
@@ -103,6 +105,16 @@ async def inbox_rows(outbox: Outbox) -> int:
         return int(count.scalar_one())
 
 
+async def wal_messages(url: str, slot: Any) -> bytes:
+    """The pgoutput message records of the outbox's prefix the slot holds (a peek)."""
+    conn = await asyncpg.connect(url.replace("+asyncpg", ""))
+    try:
+        rows = await conn.fetch(PEEK_SQL, slot.name, None, 1000, slot.publication)
+    finally:
+        await conn.close()
+    return b"".join(r["data"] for r in rows if slot.prefix.encode() in r["data"])
+
+
 async def age_stored_payload(outbox: Outbox, ref: str) -> None:
     """Make the stored payload of ``ref`` look ``AGED_SECONDS`` old to retention."""
     store = outbox.claim_check_store
@@ -144,6 +156,10 @@ async def test_encrypted_and_claim_checked_messages_reach_the_subscriber_whole(
             # WAL capture: the messages wait in the slot; no outbox row names them.
             assert await slot.pending_messages() == 2
             assert await outbox.store.count() == 0
+            # The WAL message holds the reference and the sealed small payload: no plaintext,
+            # not the 200 KiB.
+            wal = await wal_messages(wal_pg_url, slot)
+            assert MARKER.encode() not in wal and big_id.encode() in wal and len(wal) < 4096
             # Retention while the relay has not published them (the payload aged past a
             # file store's orphan grace): the payload stays.
             await age_stored_payload(outbox, big_id)
