@@ -3,11 +3,11 @@
 On the ``wal_level=logical`` cluster (``wal_pg_url``) and the shared Redis (a stream of each
 test's own): an encrypted, claim-checked message and an encrypted inline one reach a
 subscriber (its inbox, its transaction) whole and decoded; the WAL message and the Redis
-entries hold no plaintext, and for the claim-checked one only the reference. Claim-check retention keeps a
-payload whose message still waits in the slot — with WAL capture no outbox row names it, so
-a file store's orphan sweep (which looks for outbox rows) must not run. A message the broker
-refuses goes to the outbox table with its stub payload, its reference and its key id, and
-reaches the subscriber whole from there.
+entries hold no plaintext, and for the claim-checked one only the reference. Claim-check
+retention keeps a payload whose message still waits in the slot — with WAL capture no
+outbox row names it, so a file store's orphan sweep (which looks for outbox rows) must not
+run. A message the broker refuses goes to the outbox table with its stub payload, its
+reference and its key id, and reaches the subscriber whole from there.
 """
 
 from __future__ import annotations
