@@ -305,6 +305,7 @@ async def explain_generic(outbox: Any, sql: str, args: list[Any]) -> list[str]:
 async def dispatch_plans(outbox: Any) -> dict[str, list[str]]:
     """The plans of a 500-row claim and of its mark (``mark_published``), generic, with
     ANALYZE and BUFFERS, on ``outbox``'s table with a 500-row backlog."""
+    from fastapi_outbox.storage.partition_map import NIL
     from fastapi_outbox.storage.statements import relay as relay_sql
     from fastapi_outbox.storage.statements.parts import batch_params
 
@@ -313,11 +314,20 @@ async def dispatch_plans(outbox: Any) -> dict[str, list[str]]:
     await run_sql(outbox, fill_sql(name, "pending", 90_000_000, CLAIM, 1, stream="plans"))
     out = {}
     stmt = store.claim_statement("default", CLAIM, False)
-    sql, args = store.connector.compile("plan", stmt, store.claim_params("plan", 30.0))
+    # Partitioned: the floor a dispatcher's claims use during a drain (partition_map).
+    pmap = store.partition_map
+    floor = NIL
+    if pmap is not None:
+        await pmap.refresh("default")
+        floor = pmap.floor("default")
+    params = store.claim_params("plan", 30.0, floor)
+    sql, args = store.connector.compile("plan", stmt, params)
     out["claim"] = await explain_generic(outbox, sql, args)
     rows = await store.claim("default", CLAIM, "plan", 30.0)
     ids = [r.id for r in rows]
-    mark = relay_sql.mark_published(outbox.table, outbox.engine.dialect)
+    # Partitioned: the mark runs on the batch's partition when one holds it all.
+    part = pmap.partition_of(ids) if pmap is not None else None
+    mark = relay_sql.mark_published(outbox.table if part is None else part, outbox.engine.dialect)
     sql, args = store.connector.compile("plan_mark", mark, {**batch_params(ids), "token": "plan"})
     out["mark"] = await explain_generic(outbox, sql, args)
     await store.mark_published(ids, "plan")

@@ -46,6 +46,7 @@ from fastapi_outbox.relay.wakeups import Listener, Notifier, channel_name
 from fastapi_outbox.relay.wal import WalRelay
 from fastapi_outbox.settings import OutboxSettings
 from fastapi_outbox.storage.claim_check import known_in
+from fastapi_outbox.storage.doctor import SideTable
 from fastapi_outbox.storage.setup import open_engine, setup_storage
 from fastapi_outbox.write.capture import Capture, capture_for
 from fastapi_outbox.write.unit_of_work import (
@@ -296,6 +297,17 @@ class Outbox:
 
     async def drop_tables(self) -> None:
         await self._storage.drop()
+
+    def side_tables(self) -> list[SideTable]:
+        """The tables :meth:`create_tables` makes beside the outbox table (inbox, partition
+        leases, archive, claim-check payloads), each saying whether these settings and the
+        subscribers declared so far use it: what ``fastapi-outbox doctor`` checks and
+        ``db upgrade`` creates."""
+        return self._storage.side_tables(
+            self.settings,
+            consumers=bool(self.subscribers),
+            ordered=any(s.ordered for s in self.subscribers),
+        )
 
     # -- running -------------------------------------------------------------------------------
 

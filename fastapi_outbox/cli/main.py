@@ -233,11 +233,8 @@ async def _run(args: argparse.Namespace) -> int:
                 from fastapi_outbox.storage.schema import ddl
 
                 print(ddl(outbox.table, outbox.engine.dialect), end="")
-                print("\n" + ddl(outbox.inbox.table, outbox.engine.dialect), end="")
-                for table in outbox.inbox.lease_tables:
-                    print("\n" + ddl(table, outbox.engine.dialect), end="")
-                if outbox.archive is not None:
-                    print("\n" + ddl(outbox.archive.table, outbox.engine.dialect), end="")
+                for side in outbox.side_tables():  # inbox, leases, archive, payloads
+                    print("\n" + ddl(side.table, outbox.engine.dialect), end="")
                 return EXIT_OK
             if args.db_command == "upgrade":
                 return await _upgrade(outbox)
@@ -276,14 +273,12 @@ async def _run(args: argparse.Namespace) -> int:
 
 
 async def _doctor(outbox: Outbox) -> int:
-    """Print each difference between the live table and the expected layout with its fix."""
+    """Print each difference between the live tables (the outbox table and the side tables
+    its settings and subscribers use) and the expected layout, with its fix."""
     from fastapi_outbox.storage import doctor
 
-    findings = await _guard(doctor.examine(outbox.engine, outbox.table), outbox)
-    if outbox.archive is not None:  # archive=True: the archive table too
-        findings += await _guard(doctor.examine(outbox.engine, outbox.archive.table), outbox)
-    for table in outbox.inbox.lease_tables:  # ordered subscribers' leases: their columns
-        findings += await _guard(doctor.examine(outbox.engine, table), outbox)
+    sides = outbox.side_tables()
+    findings = await _guard(doctor.examine(outbox.engine, outbox.table, side_tables=sides), outbox)
     where = redact_url(str(outbox.engine.url))
     mismatches = [f for f in findings if f.mismatch]
     for finding in findings:
@@ -302,14 +297,10 @@ async def _doctor(outbox: Outbox) -> int:
 async def _upgrade(outbox: Outbox) -> int:
     from fastapi_outbox.storage import doctor
 
-    applied: list[doctor.Finding] = []
-    left: list[doctor.Finding] = []
     try:
-        # The outbox table, then the columns of the ordered subscribers' lease tables.
-        for table in (outbox.table, *outbox.inbox.lease_tables):
-            done, todo = await _guard(doctor.upgrade(outbox.engine, table), outbox)
-            applied += done
-            left += todo
+        applied, left = await _guard(
+            doctor.upgrade(outbox.engine, outbox.table, side_tables=outbox.side_tables()), outbox
+        )
     except doctor.UpgradeLockTimeout as exc:
         raise CliError(str(exc), EXIT_FAILED) from exc
     for finding in applied:
@@ -377,6 +368,7 @@ async def _drop_slot(outbox: Outbox, *, force: bool) -> int:
 def _print_ddl(args: argparse.Namespace) -> int:
     from sqlalchemy.dialects import postgresql, sqlite
 
+    from fastapi_outbox.storage.claim_check import build_payload_table
     from fastapi_outbox.storage.inbox import build_inbox_table
     from fastapi_outbox.storage.leases import build_lease_tables
     from fastapi_outbox.storage.schema import build_archive_table, build_table, ddl
@@ -395,6 +387,11 @@ def _print_ddl(args: argparse.Namespace) -> int:
         )
         inbox = build_inbox_table(settings.inbox_table_name)
         archive = build_archive_table(table, settings.archive_name) if settings.archive else None
+        payloads = (
+            build_payload_table(f"{table.name}_payloads")
+            if settings.claim_check_bytes is not None and settings.claim_check_store == "database"
+            else None
+        )
     except exceptions.ConfigurationError as exc:  # bad --table or OUTBOX_* variable
         raise CliError(str(exc)) from exc
     module = sqlite if args.dialect == "sqlite" else postgresql
@@ -403,8 +400,9 @@ def _print_ddl(args: argparse.Namespace) -> int:
     print("\n" + ddl(inbox, dialect), end="")
     for lease_table in build_lease_tables(inbox.name, inbox.metadata):
         print("\n" + ddl(lease_table, dialect), end="")
-    if archive is not None:
-        print("\n" + ddl(archive, dialect), end="")
+    for side in (archive, payloads):
+        if side is not None:
+            print("\n" + ddl(side, dialect), end="")
     return EXIT_OK
 
 

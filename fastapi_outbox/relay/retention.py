@@ -239,8 +239,11 @@ class Cleaner:
         published messages' and the inbox's retentions), in bounded batches; then a file
         store's orphans (a rollback or a crash before the commit): files past the store's
         grace period with no outbox row, looked for while a committed message's row surely
-        still exists (younger than ``published_retention_seconds``; not with
-        ``delete_on_publish``, whose rows go at once)."""
+        still exists (younger than ``published_retention_seconds``). Not with
+        ``delete_on_publish``, whose rows go at once, nor with ``capture="wal"``, whose
+        messages have no row at all (only the refused and the delayed ones do): there a
+        payload whose message still waits in the slot, or in a consumer group, would be
+        taken for an orphan, and orphans go with the retention instead."""
         store = self.payloads
         if store is None:
             return 0
@@ -255,7 +258,8 @@ class Cleaner:
                 if n < batch:
                     break
                 await anyio.sleep(BATCH_PAUSE_SECONDS)
-        if self.known is not None and not settings.delete_on_publish:
+        rows_name_payloads = not settings.delete_on_publish and settings.capture == "table"
+        if self.known is not None and rows_name_payloads:
             window = settings.published_retention_seconds
             total += await store.purge_orphans(
                 self.known, float("inf") if window is None else window, batch

@@ -16,7 +16,8 @@ small protocol with two implementations:
     cannot take part in the transaction: the file is written (and synced) in
     ``before_commit``, before the commit. A rollback or a crash between the write and the
     commit leaves a file no message refers to: retention removes such orphans once they
-    are older than ``orphan_grace_seconds`` (and every file past the retention anyway).
+    are older than ``orphan_grace_seconds`` (and every file past the retention anyway;
+    with ``capture="wal"``, where no outbox row names a message, only then).
 
 Every store keeps a payload for ``OutboxSettings.claim_check_retention_seconds``: the longer
 of the published messages' and the inbox's retentions. A subscriber that finds a payload

@@ -12,6 +12,13 @@ created by an earlier release lacks (columns, indexes, storage parameters, parti
 or drop what it no longer uses (the pre-release ``txid`` column) — and is idempotent: a
 second run finds nothing to do. A changed column type or a plain table that should be
 partitioned is only reported, with the SQL or the README procedure: those rewrite data.
+
+Both also look at the outbox's side tables (:class:`SideTable`: the inbox and the partition
+leases of ordered subscribers, the archive of ``archive=True``, the claim-check payloads of
+``claim_check_store="database"``): a missing one is a finding whose fix is its DDL, and
+``db upgrade`` creates it with the code ``create_tables()`` / ``db create`` run (a
+partitioned outbox's archive is partitioned the same way). An existing archive is compared
+column by column as the outbox table is.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import contextlib
 import dataclasses
 import datetime as dt
 import logging
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
@@ -31,7 +39,7 @@ from sqlalchemy.schema import CreateColumn, CreateIndex, CreateTable
 
 from fastapi_outbox.exceptions import OutboxError
 from fastapi_outbox.log import safe_error
-from fastapi_outbox.storage import partitions
+from fastapi_outbox.storage import partitions, schema
 from fastapi_outbox.storage.statements import doctor as sql
 from fastapi_outbox.storage.statements import partitions as partition_sql
 
@@ -74,6 +82,30 @@ class Finding:
     concurrently: bool = False
     #: A mismatch (exit code 1) or advice only.
     mismatch: bool = True
+    #: ``db upgrade`` runs this instead of ``fix`` (a missing side table: the creation code
+    #: of ``create_tables()``; ``fix`` shows its DDL).
+    create: Callable[[], Awaitable[None]] | None = dataclasses.field(
+        default=None, repr=False, compare=False
+    )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SideTable:
+    """A table beside the outbox table that ``create_tables()`` / ``db create`` make
+    (:meth:`fastapi_outbox.storage.setup.Storage.side_tables`): the doctor reports it
+    missing, ``db upgrade`` creates it."""
+
+    table: Table
+    #: What needs it, named in the finding ("archive=True", "ordered subscribers", …).
+    used_by: str
+    #: Creates it (and what comes with it: a partitioned archive's DEFAULT partition);
+    #: idempotent. The code ``create_tables()`` runs.
+    create: Callable[[], Awaitable[None]]
+    #: Missing: a mismatch (the settings or the app use it) or advice (``db create`` makes
+    #: it, nothing uses it yet).
+    required: bool = True
+    #: Present: compared with its expected layout as the outbox table is (the archive).
+    compare: bool = False
 
 
 def _index_body(definition: str) -> str:
@@ -137,6 +169,7 @@ def examine_sync(conn: Connection, table: Table) -> list[Finding]:
             Finding(
                 f"table {name} does not exist",
                 ["-- fastapi-outbox db create (or the DDL of `fastapi-outbox db sql`)"],
+                automatic=False,
             )
         ]
     findings: list[Finding] = []
@@ -430,7 +463,11 @@ def _examine_sqlite(conn: Connection, table: Table) -> list[Finding]:
     name = table.name
     columns = {row[1] for row in conn.execute(sql.sqlite_columns(name))}
     if not columns:
-        return [Finding(f"table {name} does not exist", ["-- fastapi-outbox db create"])]
+        return [
+            Finding(
+                f"table {name} does not exist", ["-- fastapi-outbox db create"], automatic=False
+            )
+        ]
     findings: list[Finding] = []
     for column in table.columns:
         if column.name not in columns:
@@ -473,12 +510,55 @@ def _examine_sqlite(conn: Connection, table: Table) -> list[Finding]:
     return findings
 
 
+# -- side tables ------------------------------------------------------------------------------
+
+
+def _exists(conn: Connection, name: str) -> bool:
+    if conn.dialect.name == "postgresql":
+        return _pg_partitioned(conn, name) is not None
+    return conn.execute(sql.sqlite_columns(name)).first() is not None
+
+
+def _side_findings(conn: Connection, side: SideTable) -> list[Finding]:
+    """A missing side table (its DDL as the fix, its creation code for ``db upgrade``), or
+    the differences of an existing one that is compared."""
+    name = side.table.name
+    if _exists(conn, name):
+        return examine_sync(conn, side.table) if side.compare else []
+    return [
+        Finding(
+            f"table {name} does not exist ("
+            + (f"needed by {side.used_by})" if side.required else f"for {side.used_by}; none yet)"),
+            schema.ddl_statements(side.table, conn.dialect),
+            mismatch=side.required,
+            create=side.create,
+        )
+    ]
+
+
+def examine_all_sync(
+    conn: Connection, table: Table, side_tables: Sequence[SideTable] = ()
+) -> list[Finding]:
+    """:func:`examine_sync` of the outbox table, then its side tables (not when the outbox
+    table itself is missing: ``db create`` makes them all)."""
+    findings = examine_sync(conn, table)
+    if not _exists(conn, table.name):
+        return findings
+    for side in side_tables:
+        findings += _side_findings(conn, side)
+    return findings
+
+
 # -- entry points -------------------------------------------------------------------------------
 
 
-async def examine(engine: AsyncEngine, table: Table) -> list[Finding]:
+async def examine(
+    engine: AsyncEngine, table: Table, *, side_tables: Sequence[SideTable] = ()
+) -> list[Finding]:
+    """The differences between the live tables and the expected layout: ``table``'s, then
+    those of ``side_tables`` (a missing one, a compared one's differences)."""
     async with engine.connect() as conn:
-        findings = await conn.run_sync(examine_sync, table)
+        findings = await conn.run_sync(examine_all_sync, table, side_tables)
         await conn.rollback()
     return findings
 
@@ -487,6 +567,7 @@ async def upgrade(
     engine: AsyncEngine,
     table: Table,
     *,
+    side_tables: Sequence[SideTable] = (),
     lock_timeout_seconds: float = UPGRADE_LOCK_TIMEOUT_SECONDS,
     attempts: int = UPGRADE_LOCK_ATTEMPTS,
     pause_seconds: float = UPGRADE_RETRY_PAUSE_SECONDS,
@@ -502,12 +583,15 @@ async def upgrade(
     the table behind it for as long. A statement that times out is retried, after
     ``pause_seconds``, from a new look at the table (an interrupted ``CONCURRENTLY`` build
     leaves an invalid index, which the next look rebuilds), ``attempts`` times in all;
-    then :class:`UpgradeLockTimeout` names the table."""
+    then :class:`UpgradeLockTimeout` names the table.
+
+    A missing side table of ``side_tables`` is created by its :attr:`SideTable.create`
+    (advice or not: ``db upgrade`` leaves what ``db create`` would have made)."""
     applied: list[Finding] = []
     limit = lock_timeout_seconds if engine.dialect.name == "postgresql" else None
     waited_for = "a change"
     for attempt in range(1, attempts + 1):
-        done, left, blocked = await _upgrade_once(engine, table, limit)
+        done, left, blocked = await _upgrade_once(engine, table, side_tables, limit)
         applied += done
         if blocked is None:
             return applied, left
@@ -532,10 +616,13 @@ async def upgrade(
 
 
 async def _upgrade_once(
-    engine: AsyncEngine, table: Table, lock_timeout_seconds: float | None
+    engine: AsyncEngine,
+    table: Table,
+    side_tables: Sequence[SideTable],
+    lock_timeout_seconds: float | None,
 ) -> tuple[list[Finding], list[Finding], Finding | None]:
     """One pass of :func:`upgrade`: (applied, left, the fix whose lock timed out)."""
-    findings = await examine(engine, table)
+    findings = await examine(engine, table, side_tables=side_tables)
     applied: list[Finding] = []
     left: list[Finding] = []
     ordered = sorted(findings, key=lambda f: f.what.startswith("obsolete"))
@@ -545,6 +632,10 @@ async def _upgrade_once(
             left.append(finding)
             continue
         try:
+            if finding.create is not None:  # a new table: no lock on a live one to wait for
+                await finding.create()
+                applied.append(finding)
+                continue
             async with autocommit.connect() as conn:
                 if lock_timeout_seconds is not None:
                     ms = max(1, int(lock_timeout_seconds * 1000))

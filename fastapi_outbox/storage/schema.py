@@ -52,7 +52,14 @@ from fastapi_outbox.storage.types import ACTIVE_STATUSES as ACTIVE_STATUSES
 from fastapi_outbox.storage.types import JsonText as JsonText
 from fastapi_outbox.storage.types import UtcDateTime as UtcDateTime
 
-__all__ = ["build_archive_table", "build_table", "ddl", "metadata", "outbox_table"]
+__all__ = [
+    "build_archive_table",
+    "build_table",
+    "ddl",
+    "ddl_statements",
+    "metadata",
+    "outbox_table",
+]
 
 
 def build_table(
@@ -273,6 +280,12 @@ outbox_table = build_table("outbox_messages", metadata)
 def ddl(table: Table, dialect: DialectT) -> str:
     """``CREATE TABLE`` and ``CREATE INDEX`` statements of ``table`` for ``dialect`` (and
     for a partitioned table, its DEFAULT partition and the partitions ahead)."""
+    return ";\n\n".join(ddl_statements(table, dialect)) + ";\n"
+
+
+def ddl_statements(table: Table, dialect: DialectT) -> list[str]:
+    """The statements of :func:`ddl`, one by one (the fix the doctor prints for a missing
+    table: ``db upgrade`` creates it with :func:`create_table` and its owner's extras)."""
     statements = [str(CreateTable(table).compile(dialect=dialect)).strip()]
     statements += [
         str(CreateIndex(index).compile(dialect=dialect)).strip()
@@ -288,7 +301,7 @@ def ddl(table: Table, dialect: DialectT) -> str:
         # The DEFAULT partition and the partitions of the coming days, as of now.
         now = dt.datetime.now(dt.UTC)
         statements += partitions.statements(table.name, interval, now)
-    return ";\n\n".join(statements) + ";\n"
+    return statements
 
 
 async def create_table(engine: AsyncEngine, table: Table) -> None:

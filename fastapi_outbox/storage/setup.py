@@ -9,6 +9,7 @@ once."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,7 +21,12 @@ from fastapi_outbox.redaction import remember
 from fastapi_outbox.settings import OutboxSettings
 from fastapi_outbox.storage import partitions, schema
 from fastapi_outbox.storage.archive import Archive
-from fastapi_outbox.storage.claim_check import PayloadStore, payload_store_for
+from fastapi_outbox.storage.claim_check import (
+    DatabasePayloadStore,
+    PayloadStore,
+    payload_store_for,
+)
+from fastapi_outbox.storage.doctor import SideTable
 from fastapi_outbox.storage.engine import create_engine
 from fastapi_outbox.storage.inbox import Inbox, build_inbox_table
 from fastapi_outbox.storage.store import Store
@@ -60,6 +66,55 @@ class Storage:
             await self.wal_slot.create()
         if self.payloads is not None:
             await self.payloads.create()
+
+    def side_tables(
+        self, settings: OutboxSettings, *, consumers: bool, ordered: bool
+    ) -> list[SideTable]:
+        """The tables :meth:`create` makes beside the outbox table, each with the code that
+        creates it there (``fastapi-outbox doctor`` reports a missing one, ``db upgrade``
+        creates it): the inbox (used by ``consumers`` and by the cleaner while
+        ``inbox_retention_seconds`` is set), the partition leases (used by ``ordered``
+        subscribers), the archive (``archive=True``) and the claim-check payloads
+        (``claim_check_store="database"``)."""
+        engine = self.inbox.engine
+        inbox_needed = consumers or settings.inbox_retention_seconds is not None
+        sides = [
+            SideTable(
+                self.inbox.table,
+                "the cleaner's inbox_retention_seconds"
+                if inbox_needed and not consumers
+                else "subscribers",
+                functools.partial(schema.create_table, engine, self.inbox.table),
+                required=inbox_needed,
+            )
+        ]
+        sides += [
+            SideTable(
+                table,
+                "ordered subscribers",
+                functools.partial(schema.create_table, engine, table),
+                required=ordered,
+                # Present: its columns compared (one of an earlier release lacks the
+                # attempt count, ``started`` and ``attempts``, which ``db upgrade`` adds).
+                compare=True,
+            )
+            for table in self.inbox.lease_tables
+        ]
+        if self.archive is not None:
+            sides.append(
+                SideTable(
+                    self.archive.table, "archive=True", self.archive.create_table, compare=True
+                )
+            )
+        if isinstance(self.payloads, DatabasePayloadStore):
+            sides.append(
+                SideTable(
+                    self.payloads.table,
+                    "claim_check_bytes (claim_check_store='database')",
+                    self.payloads.create,
+                )
+            )
+        return sides
 
     async def drop(self) -> None:
         """The outbox table, the inbox table (and the archive table)."""

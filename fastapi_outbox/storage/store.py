@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from sqlalchemy import Table
@@ -29,6 +29,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from fastapi_outbox.storage import read_models, schema
 from fastapi_outbox.storage.connector import Connector
+from fastapi_outbox.storage.partition_map import NIL, PartitionMap
 from fastapi_outbox.storage.read_models import BrokerStats as BrokerStats
 from fastapi_outbox.storage.read_models import aware as _aware
 from fastapi_outbox.storage.statements import operations as ops_sql
@@ -47,6 +48,9 @@ from fastapi_outbox.storage.statements.parts import (
     offset,
 )
 from fastapi_outbox.storage.statements.write import INSERT_KEYS
+
+#: SQLSTATE of a relation that does not exist (a partition dropped under a cached range).
+UNDEFINED_TABLE = "42P01"
 
 __all__ = [
     "ABANDONED",
@@ -103,6 +107,11 @@ class Store:
         self._lock_key = f"fastapi_outbox:{table.name}"
         self._claims: dict[tuple[str, int, bool], Any] = {}
         self._statements: dict[str, Any] = {}
+        #: A table partitioned by id, on asyncpg: the claim's floor and each batch's
+        #: partition (see :mod:`fastapi_outbox.storage.partition_map`).
+        self.partition_map = (
+            PartitionMap(engine, table) if self._by_id and self.connector.asyncpg else None
+        )
 
     @property
     def statement_timeout(self) -> float | None:
@@ -204,9 +213,13 @@ class Store:
             )
         return stmt
 
-    def claim_params(self, token: str, lease_seconds: float) -> dict[str, Any]:
-        """The per-execution parameters of :meth:`claim_statement`."""
-        return {"token": token, "lease": offset(self.dialect, lease_seconds)}
+    def claim_params(
+        self, token: str, lease_seconds: float, floor: uuid.UUID = NIL
+    ) -> dict[str, Any]:
+        """The per-execution parameters of :meth:`claim_statement` (``floor``: see
+        :func:`~fastapi_outbox.storage.statements.relay.has_floor`; the nil UUID prunes
+        nothing)."""
+        return {"token": token, "lease": offset(self.dialect, lease_seconds), "floor": floor}
 
     async def claim(
         self, broker: str, limit: int, token: str, lease_seconds: float, *, ordered: bool = False
@@ -214,7 +227,9 @@ class Store:
         """Claim up to ``limit`` due rows of ``broker`` for ``token``, oldest first (ordered:
         in insert order). A row whose batch died twice comes alone (see the statement)."""
         stmt = self.claim_statement(broker, limit, ordered)
-        params = self.claim_params(token, lease_seconds)
+        pmap = None if ordered else self.partition_map
+        floor = NIL if pmap is None else await pmap.next_floor(broker)
+        params = self.claim_params(token, lease_seconds, floor)
         if self.is_postgres and not ordered and self.connector.asyncpg and self._by_id:
             # A table partitioned by id: its cached generic plan (see relay_sql.generic_plan).
             generic = ("generic_plan", relay_sql.generic_plan())
@@ -231,6 +246,8 @@ class Store:
             )
         else:
             rows = await self._claim_in_transaction(broker, stmt, params, ordered)
+        if pmap is not None:
+            pmap.claimed(broker, floor, len(rows) >= limit)
         claimed = [ClaimedRow(*row[: relay_sql.CLAIM_COLUMNS]) for row in rows]
         if ordered:
             order = {row[0]: tuple(row[relay_sql.CLAIM_COLUMNS :]) for row in rows}
@@ -275,11 +292,36 @@ class Store:
         if not ids:
             return 0
         name = "delete_published" if delete_rows else "mark_published"
-        stmt = self._cached(
+        return await self._execute_batch(
             name,
-            lambda: relay_sql.mark_published(self.table, self.dialect, delete_rows=delete_rows),
+            ids,
+            lambda t: relay_sql.mark_published(t, self.dialect, delete_rows=delete_rows),
+            {**batch_params(ids), "token": token},
         )
-        return await self.connector.execute(name, stmt, {**batch_params(ids), "token": token})
+
+    async def _execute_batch(
+        self,
+        name: str,
+        ids: Sequence[uuid.UUID],
+        build: Callable[[Table], Any],
+        params: dict[str, Any],
+    ) -> int:
+        """Run a batch's statement (cached under ``name``) and return its row count: on the
+        batch's own partition when a :attr:`partition_map` knows it (a plain table's
+        statement), else on the table."""
+        pmap = self.partition_map
+        if pmap is not None and (part := pmap.partition_of(ids)) is not None:
+            key = f"{name}@{part.name}"
+            stmt = self._cached(key, lambda: build(part))
+            try:
+                return await self.connector.execute(key, stmt, params)
+            except Exception as exc:
+                if getattr(exc, "sqlstate", None) != UNDEFINED_TABLE:
+                    raise
+                # Gone (it held no row needing work, so none of this batch): the table.
+                pmap.forget()
+        stmt = self._cached(name, lambda: build(self.table))
+        return await self.connector.execute(name, stmt, params)
 
     async def mark_failed(self, failures: Sequence[Failure], token: str) -> int:
         """Record publish failures: back to ``failed`` with a due time, or ``abandoned``;
@@ -315,25 +357,26 @@ class Store:
         if not ids:
             return 0
         name = "release_refund" if refund_attempt else "release"
-        stmt = self._cached(
-            name, lambda: relay_sql.release(self.table, self.dialect, refund_attempt=refund_attempt)
+        return await self._execute_batch(
+            name,
+            ids,
+            lambda t: relay_sql.release(t, self.dialect, refund_attempt=refund_attempt),
+            {**batch_params(ids), "token": token},
         )
-        return await self.connector.execute(name, stmt, {**batch_params(ids), "token": token})
 
     async def extend_lease(self, ids: Sequence[uuid.UUID], token: str, lease_seconds: float) -> int:
         """Renew the lease of claimed rows for ``lease_seconds`` from now (the database's
         clock), fenced by the claim token; returns how many rows the claim still held."""
         if not ids:
             return 0
-        stmt = self._cached(
-            "extend_lease", lambda: relay_sql.extend_lease(self.table, self.dialect)
-        )
         params = {
             **batch_params(ids),
             "token": token,
             "lease": offset(self.dialect, lease_seconds),
         }
-        return await self.connector.execute("extend_lease", stmt, params)
+        return await self._execute_batch(
+            "extend_lease", ids, lambda t: relay_sql.extend_lease(t, self.dialect), params
+        )
 
     async def abandon(self, ids: Sequence[uuid.UUID], token: str, error: str) -> int:
         """Abandon claimed rows without publishing (attempts exhausted by crashes, retry

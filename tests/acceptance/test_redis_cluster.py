@@ -12,6 +12,9 @@ masters with a replica each, loopback ports of their own, never the shared serve
   its replica takes over (``cluster-node-timeout`` 1000 ms), the killed node is started
   again (it rejoins as a replica): every message is in its stream once, handled once,
   nothing abandoned or dead-lettered.
+* Ordered subscribers (``ordered=True``: ``XREAD`` by position, partition leases in
+  PostgreSQL) of streams on every master, in two outboxes sharing the group: every key's
+  steps are handled once and in order, by both.
 
 docs/how-to/redis-cluster.md.
 """
@@ -55,6 +58,19 @@ GROUP = "fulfilment"  # the group of tests.acceptance.groups_app, which the CLI 
 
 class Base(DeclarativeBase):
     pass
+
+
+class Step(Base):
+    """One row per handled message of the ordered test, in handling order (serial id)."""
+
+    __tablename__ = "cluster_steps"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    stream: Mapped[str] = mapped_column(String(64))
+    key: Mapped[str] = mapped_column(String(16))
+    step: Mapped[int]
+    message_id: Mapped[str] = mapped_column(String(64))
+    handler: Mapped[str] = mapped_column(String(8))
 
 
 class Effect(Base):
@@ -276,3 +292,97 @@ async def test_a_master_killed_mid_run_every_message_once(
     assert in_streams == Counter(dict.fromkeys(committed, 1)), "a message missing or twice"
     assert sum(s.dead_lettered for s in stats) == 0
     print(f"killed master {victim}; {streams[0]} now served by {promoted}")
+
+
+async def test_ordered_subscribers_on_every_master_two_instances_each_key_in_order(
+    ready: PrivateRedisCluster, pg_url: str
+) -> None:
+    """Two outboxes (two instances of one app) with an ordered subscriber of one group per
+    stream, one stream per master; the broker's socket timeout (1 s) caps each blocking
+    ``XREAD`` (``_block_ms``). Keys get their steps in separate commits while both run:
+    each (stream, key) is handled once per step, in step order, and the partitions are
+    shared between the two."""
+    cluster = ready
+    streams = list(streams_on_every_master(cluster).values())
+    keys, steps, group = [f"k{i}" for i in range(6)], 5, "sequencer"
+    # ordered=True: the relays publish each key's steps in commit order (the stream order).
+    settings = {**SETTINGS, "consumer_ordered_partitions": 4, "ordered": True}
+    outboxes = [
+        Outbox(
+            pg_url,
+            brokers={"default": RedisStreamsBroker(cluster.url, socket_timeout=1)},
+            settings=OutboxSettings(**settings),
+        )
+        for _ in range(2)
+    ]
+    for label, outbox in zip("ab", outboxes, strict=True):
+
+        async def handle(message: Message, uow: UnitOfWork, label: str = label) -> None:
+            uow.session.add(
+                Step(
+                    stream=message.stream,
+                    key=message.key or "",
+                    step=message.payload["step"],
+                    message_id=uow.causation_id or "",
+                    handler=label,
+                )
+            )
+
+        for stream in streams:
+            outbox.subscriber(stream, group=group, start="all", ordered=True)(handle)
+    first = outboxes[0]
+    async with first.engine.begin() as conn:
+        await conn.run_sync(Base.metadata.create_all)
+    await first.create_tables()
+    leases = first.inbox.lease_tables[0]
+
+    async def shared() -> bool:  # both instances hold partitions of every stream
+        async with first.engine.connect() as conn:
+            rows = (await conn.execute(select(leases.c.stream, leases.c.owner))).all()
+        owners: dict[str, set[str | None]] = {s: set() for s in streams}
+        for stream, owner in rows:
+            owners[stream].add(owner)
+        return all(len(o) == 2 and None not in o for o in owners.values())
+
+    async def handled() -> list[Any]:
+        async with first.engine.connect() as conn:
+            return list((await conn.execute(select(Step.__table__).order_by(Step.id))).all())
+
+    committed: list[str] = []
+    try:
+        with anyio.fail_after(60):
+            async with first.dispatcher(), outboxes[1].dispatcher():
+                await wait_until(shared, timeout=15)
+                for step in range(steps):  # one commit per step: keys interleave in streams
+                    async with first.unit_of_work() as uow:
+                        for key in keys:
+                            for stream in streams:
+                                message = Message(
+                                    stream=stream, type="Step", payload={"step": step}, key=key
+                                )
+                                committed.append(str(uow.publish(message)))
+
+                async def all_handled() -> bool:
+                    return len(await handled()) >= len(committed)
+
+                await wait_until(all_handled, timeout=30)
+            rows = await handled()
+            broker = first.brokers["default"]
+            assert isinstance(broker, RedisStreamsBroker)
+            in_streams = {s: await stream_ids(broker, s) for s in streams}
+    finally:
+        for outbox in outboxes:
+            await outbox.aclose()
+
+    assert sorted(r.message_id for r in rows) == sorted(committed), "a step missing or twice"
+    for stream in streams:
+        position = {m: i for i, m in enumerate(in_streams[stream])}
+        for key in keys:
+            mine = [r for r in rows if (r.stream, r.key) == (stream, key)]
+            # Handled in stream order, which is commit order.
+            assert [position[r.message_id] for r in mine] == sorted(
+                position[r.message_id] for r in mine
+            ), (stream, key)
+            assert [r.step for r in mine] == list(range(steps)), (stream, key)
+    assert {r.handler for r in rows} == {"a", "b"}
+    assert sum(s.stats.dead_lettered for o in outboxes for s in o.subscribers) == 0

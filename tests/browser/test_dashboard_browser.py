@@ -250,3 +250,39 @@ async def test_an_old_dead_letter_is_replayed_only_after_the_warning(
             await wait_until(lambda: handled == [1], timeout=10)
     finally:
         await outbox.aclose()
+
+
+async def test_operator_finds_an_archived_message_in_the_archive_list(
+    tmp_path: Any, chromium: str
+) -> None:
+    """The operator switches the messages list to the archive, filters it by stream, opens
+    an archived message and sees it read-only, with its payload."""
+    from tests.integration.ops.test_archive_views import MARKER, archive_some
+
+    url = f"sqlite+aiosqlite:///{tmp_path}/archive.db"
+    moved, _ = await archive_some(url)
+    outbox = Outbox(
+        url,
+        brokers={"default": MemoryBroker()},
+        settings=OutboxSettings(run_dispatchers=False, archive=True),
+        dashboard_dependencies=[],
+    )
+    try:
+        async with live_server(app_for(outbox)) as base, browser_page(chromium) as page:
+            await page.goto(f"{base}/outbox/dashboard/messages")
+            assert await page.locator("#messages tbody tr").count() == 1  # the pending one
+            await page.select_option("select[name=archived]", "1")
+            await page.fill("input[name=stream]", "orders")
+            await page.click("button[type=submit]")
+            await page.wait_for_url(re.compile(r"archived=1"))
+            rows = page.locator("#messages tbody tr")
+            assert await rows.count() == 2
+            assert await page.locator("button[data-action]").count() == 0  # read-only
+            assert "read-only" in await page.locator(".bulk .hint").inner_text()
+            await rows.last.locator("a").click()
+            await page.wait_for_url(re.compile(str(moved[0])))
+            assert "archived" in await page.locator("h2").inner_text()
+            assert MARKER in await page.locator("pre.payload").inner_text()
+            assert await page.locator("button[data-action=replay]").count() == 0
+    finally:
+        await outbox.aclose()

@@ -2,7 +2,8 @@
 
 Pages (GET, HTML): ``/outbox/dashboard`` (overview, refreshing itself every few seconds
 from ``/outbox/dashboard/fragments/overview``), ``/outbox/dashboard/messages`` (filtered
-list, keyset pages), ``/outbox/dashboard/messages/{id}``. Actions (POST, JSON):
+list, keyset pages; ``?archived=1``: the archive's), ``/outbox/dashboard/messages/{id}``.
+Actions (POST, JSON):
 ``/outbox/dashboard/api/replay``, ``/outbox/dashboard/api/abandon``; data:
 ``/outbox/dashboard/api/overview``.
 
@@ -47,6 +48,8 @@ CSRF_HEADER = "X-Outbox-CSRF"
 #: Payloads longer than this (pretty-printed) are cut on the message page.
 PAYLOAD_DISPLAY_CHARS = 20_000
 PAGE_SIZE = 50
+#: The statuses an archived message can have (the archive's status filter).
+ARCHIVED_STATUSES = ("published", "abandoned")
 REFRESH_SECONDS = 5
 _HERE = Path(__file__).parent
 #: What the pages and actions answer besides 200 and 422, in the OpenAPI document (the guard's
@@ -279,6 +282,9 @@ def _message_routes(router: APIRouter, outbox: OutboxPort, pages: _Pages) -> Non
         since: str | None = None,
         until: str | None = None,
         before: str | None = None,
+        archived: bool = Query(
+            False, description="List the archive (archive=True) instead of the outbox table."
+        ),
         limit: int = Query(PAGE_SIZE, ge=1, le=operations.MAX_PAGE_SIZE),
     ) -> HTMLResponse:
         filters = {
@@ -289,11 +295,13 @@ def _message_routes(router: APIRouter, outbox: OutboxPort, pages: _Pages) -> Non
             "key": key or None,
             "since": since or None,
             "until": until or None,
+            "archived": "1" if archived else None,
         }
+        list_rows = operations.list_archived if archived else operations.list_messages
         try:
             where = _message_filter(filters)
             before_id = _uuid("before", before) if before else None
-            rows = await operations.list_messages(outbox, where, before_id=before_id, limit=limit)
+            rows = await list_rows(outbox, where, before_id=before_id, limit=limit)
         except exceptions.OperationError as exc:
             raise HTTPException(400, str(exc)) from exc
         query = {k: v for k, v in filters.items() if v}
@@ -303,7 +311,9 @@ def _message_routes(router: APIRouter, outbox: OutboxPort, pages: _Pages) -> Non
             "messages.html",
             rows=rows,
             filters=filters,
-            statuses=list(operations.STATUS_FILTERS),
+            archived=archived,
+            has_archive=outbox.archive is not None,
+            statuses=list(ARCHIVED_STATUSES if archived else operations.STATUS_FILTERS),
             next_page=next_page,
             first_page=query if before else None,
         )

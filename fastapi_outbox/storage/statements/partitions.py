@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
+from collections.abc import Sequence
 
 from sqlalchemy import text
 from sqlalchemy.sql.elements import TextClause
@@ -30,6 +31,7 @@ __all__ = [
     "RELATION_MISSING",
     "TRY_LOCK",
     "UTC",
+    "active_partitions",
     "any_active",
     "attach",
     "bound_literal",
@@ -240,6 +242,19 @@ def any_active(name: str) -> TextClause:
     """``drop_partition_sync``, after the detach and under its lock: did a row of ``name``
     become active again (a replay since it was chosen)? Then the drop rolls back."""
     return text(f"SELECT EXISTS (SELECT 1 FROM {quote(name)} WHERE {ACTIVE_SQL})")
+
+
+def active_partitions(names: Sequence[str]) -> TextClause:
+    """``PartitionMap.refresh``: which of the partitions ``names`` hold a row of broker
+    ``:broker`` that still needs work — one ``EXISTS`` per partition, each a probe of its
+    partial due index (whose first column is the broker); the position of each that does.
+    Built per list of partitions (they change once a day)."""
+    probes = [
+        f"SELECT {i} AS n WHERE EXISTS (SELECT 1 FROM ONLY {quote(name)} "
+        f"WHERE broker = :broker AND {ACTIVE_SQL})"
+        for i, name in enumerate(names)
+    ]
+    return text(" UNION ALL ".join(probes))
 
 
 def drop(name: str) -> TextClause:

@@ -61,6 +61,7 @@ __all__ = [
     "claim",
     "extend_lease",
     "generic_plan",
+    "has_floor",
     "insert_failed",
     "local_timeouts",
     "mark_failed",
@@ -99,7 +100,8 @@ def claim(table: Table, broker: str, limit: int, ordered: bool, dialect: Dialect
     now): it may be about to back off.
 
     Bound per execution: ``token`` (the claim token) and ``lease`` (see
-    :func:`~fastapi_outbox.storage.statements.parts.offset`).
+    :func:`~fastapi_outbox.storage.statements.parts.offset`); unordered, on a table
+    partitioned by id, ``floor`` too (:func:`has_floor`).
     """
     t = table
     pg = is_postgres(dialect)
@@ -108,10 +110,13 @@ def claim(table: Table, broker: str, limit: int, ordered: bool, dialect: Dialect
     chosen = _chosen(_ranked(t, broker, locked, labels, ordered, dialect), limit)
     # The lease's end, by the database's clock: one clock for every claimer.
     until = clock.db_later(pg, "lease")
+    target = _chosen_rows(t, chosen, dialect)
+    if has_floor(t, ordered, dialect):
+        target = and_(target, _floor(t))
     return (
         update(t)
         # Only the chosen rows; they are locked by ``locked`` until this statement ends.
-        .where(_chosen_rows(t, chosen, dialect))
+        .where(target)
         .values(
             status=PROCESSING,
             locked_by=bindparam("token"),  # the fence: every later change must match it
@@ -134,6 +139,20 @@ def claim(table: Table, broker: str, limit: int, ordered: bool, dialect: Dialect
             *order_columns(t, dialect),
         )
     )
+
+
+def has_floor(table: Table, ordered: bool, dialect: Dialect) -> bool:
+    """Whether the claim takes ``id >= $floor`` (its candidates and its update): unordered
+    on a PostgreSQL table partitioned by id. A parameter of the statement itself, so a
+    generic plan prunes the partitions below it before setting up their scans (see
+    :mod:`fastapi_outbox.storage.partition_map`; the nil UUID prunes nothing). Never the
+    ordered claim: a row below the floor would let the later rows of its key overtake it."""
+    return is_postgres(dialect) and not ordered and table.info.get("partitioning") is not None
+
+
+def _floor(alias: Any) -> ColumnElement[bool]:
+    floor: ColumnElement[bool] = alias.c.id >= bindparam("floor", type_=Uuid())
+    return floor
 
 
 def _chosen_rows(table: Table, chosen: Any, dialect: Dialect) -> ColumnElement[bool]:
@@ -191,6 +210,8 @@ def _locked(table: Table, broker: str, limit: int, ordered: bool, dialect: Diale
     )
     if ordered:
         candidates = candidates.where(_key_may_go(table, o, order, due_now, dialect))
+    if has_floor(table, ordered, dialect):
+        candidates = candidates.where(_floor(o))
     # Oldest first (the index order, so the LIMIT stops early), a batch at most.
     candidates = candidates.order_by(*order).limit(limit)
     if is_postgres(dialect):

@@ -134,3 +134,55 @@ async def test_dashboard_message_page_finds_an_archived_message(tmp_path: Path) 
     assert 'data-action="replay"' not in page.text  # read-only
     assert live.status_code == 200 and "badge archived" not in live.text
     assert missing.status_code == 404 and "nor in the archive" in missing.text
+
+
+async def test_dashboard_lists_the_archive_read_only(tmp_path: Path) -> None:
+    """``/outbox/dashboard/messages?archived=1``: the archive's messages, filtered and
+    newest first, without the bulk actions; a status no archived message has is refused
+    with the filter named; an outbox without an archive offers no choice of table."""
+    url = f"sqlite+aiosqlite:///{tmp_path}/archive.db"
+    moved, pending = await archive_some(url)
+    outbox = Outbox(
+        url,
+        brokers={"default": MemoryBroker()},
+        settings=OutboxSettings(run_dispatchers=False, archive=True),
+        dashboard_dependencies=[],
+    )
+    plain = Outbox(
+        f"sqlite+aiosqlite:///{tmp_path}/plain.db",
+        brokers={"default": MemoryBroker()},
+        settings=OutboxSettings(run_dispatchers=False),
+        dashboard_dependencies=[],
+    )
+    app, other = FastAPI(), FastAPI()
+    app.include_router(outbox.dashboard_router)
+    other.include_router(plain.dashboard_router)
+    try:
+        await plain.create_tables()
+        async with asgi_client(app) as client:
+            archive = await client.get("/outbox/dashboard/messages", params={"archived": "1"})
+            orders = await client.get(
+                "/outbox/dashboard/messages", params={"archived": "1", "stream": "orders"}
+            )
+            live = await client.get("/outbox/dashboard/messages")
+            wrong = await client.get(
+                "/outbox/dashboard/messages", params={"archived": "1", "status": "pending"}
+            )
+        async with asgi_client(other) as client:
+            without = await client.get("/outbox/dashboard/messages")
+            refused = await client.get("/outbox/dashboard/messages", params={"archived": "1"})
+    finally:
+        await outbox.aclose()
+        await plain.aclose()
+    assert archive.status_code == 200
+    for message_id in moved:
+        assert f"/outbox/dashboard/messages/{message_id}" in archive.text
+    assert str(pending) not in archive.text
+    assert "data-action" not in archive.text  # read-only: no replay or abandon
+    assert "<th>Archived</th>" in archive.text
+    assert [str(i) in orders.text for i in moved] == [True, True, False]
+    assert str(pending) in live.text and str(moved[0]) not in live.text
+    assert 'name="archived"' in live.text  # the choice of table
+    assert wrong.status_code == 400 and "archived messages are published or abandoned" in wrong.text
+    assert 'name="archived"' not in without.text
+    assert refused.status_code == 400 and "archive=True" in refused.text

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import text, update
+from sqlalchemy.ext.asyncio import create_async_engine
 
 from fastapi_outbox import ConfigurationError, Message, Outbox, OutboxSettings, build_table
 from fastapi_outbox.brokers import MemoryBroker
@@ -534,7 +535,13 @@ async def test_claims_on_a_table_partitioned_by_id_run_the_generic_plan(pg_url: 
     """The claim (plain and ordered) is planned once, not at every execution: left to
     ``plan_cache_mode = auto``, PostgreSQL plans the first five executions (and, on 34
     partitions, every later one) as custom plans of every partition (relay_sql.generic_plan)."""
-    outbox = partitioned(pg_url)
+    # One connection runs them all: its prepared statements are every claim's.
+    engine = create_async_engine(pg_url, pool_size=1, max_overflow=0)
+    outbox = Outbox(
+        engine,
+        brokers={"default": MemoryBroker()},
+        settings=OutboxSettings(run_dispatchers=False, partitioning="daily"),
+    )
     store = outbox.store
     try:
         await outbox.create_tables()
@@ -546,7 +553,6 @@ async def test_claims_on_a_table_partitioned_by_id_run_the_generic_plan(pg_url: 
                 rows = await store.claim("default", 2, token, 30.0, ordered=ordered)
                 claimed += len(rows)
                 await store.release([r.id for r in rows], token)
-        # One pooled connection ran them all (one at a time): its prepared statements.
         async with store.connector.driver_connection() as driver:
             plans = await driver.fetchrow(
                 "SELECT coalesce(sum(generic_plans), 0) AS generic, "
@@ -557,6 +563,7 @@ async def test_claims_on_a_table_partitioned_by_id_run_the_generic_plan(pg_url: 
         assert (plans["generic"], plans["custom"]) == (12, 0), dict(plans)
     finally:
         await outbox.aclose()
+        await engine.dispose()
 
 
 async def test_lookups_by_id_read_one_partition_in_generic_plans(pg_url: str) -> None:
@@ -679,3 +686,148 @@ async def test_a_table_partitioned_by_created_at_keeps_working_and_doctor_says_s
         async with outbox.engine.begin() as conn:
             await conn.execute(text(f"DROP TABLE IF EXISTS {table} CASCADE"))
         await outbox.aclose()
+
+
+def single_connection_outbox(pg_url: str) -> tuple[Outbox, Any]:
+    """A partitioned outbox on an engine of one connection: its prepared statements are
+    every statement the store ran."""
+    engine = create_async_engine(pg_url, pool_size=1, max_overflow=0)
+    settings = OutboxSettings(run_dispatchers=False, partitioning="daily", notify=False)
+    return Outbox(engine, brokers={"default": MemoryBroker()}, settings=settings), engine
+
+
+def removed(plan: dict[str, Any]) -> int:
+    """Scans pruned before the plan's scans were set up ("Subplans Removed"), in all."""
+    total, nodes = 0, [plan]
+    while nodes:
+        node = nodes.pop()
+        nodes += node.get("Plans", [])
+        total += int(node.get("Subplans Removed", 0))
+    return total
+
+
+async def test_a_drain_claims_from_its_floor_and_a_replayed_row_below_it_still_goes(
+    pg_url: str,
+) -> None:
+    """The claim's floor (storage.partition_map): read after a full claim, the start of the
+    oldest partition holding a row that needs work; the partitions below it are pruned
+    before the claim's scans are set up; a row that needs work again below it (a replay)
+    is claimed as soon as a claim comes back short."""
+    outbox, engine = single_connection_outbox(pg_url)
+    table = outbox.table.name
+    today = midnight(dt.datetime.now(dt.UTC))
+    store = outbox.store
+    pmap = store.partition_map
+    assert pmap is not None
+    try:
+        await outbox.create_tables()
+        async with outbox.engine.begin() as conn:
+            for days in (1, 2, 3):
+                lo = today - days * DAY
+                await conn.run_sync(partitions.create_partition_sync, table, lo, lo + DAY)
+        stream = unique("orders")
+        # A row backing off in the partition of three days ago: the floor stays there.
+        (old,) = await age_rows(
+            outbox,
+            await publish(outbox, stream, 1),
+            created_at=today - 3 * DAY + dt.timedelta(hours=1),
+            status="failed",
+        )
+        # An abandoned one two days ago: replayed below the floor later.
+        (done,) = await age_rows(
+            outbox,
+            await publish(outbox, stream, 1),
+            created_at=today - 2 * DAY + dt.timedelta(hours=1),
+            status="abandoned",
+        )
+        await publish(outbox, stream, 6)
+
+        first = await store.claim("default", 2, "t1", 30.0)  # full, without a floor
+        assert old in {r.id for r in first}
+        await store.release([r.id for r in first if r.id != old], "t1")
+        second = await store.claim("default", 2, "t2", 30.0)  # reads the floor first
+        assert len(second) == 2
+        assert pmap.floor("default") == part_sql.id_bound(today - 3 * DAY)
+        await store.mark_published([old], "t1")
+
+        # Read again (a new drain): the oldest partition with work is today's now.
+        pmap.claimed("default", uuid.UUID(int=0), full=True)
+        assert len(await store.claim("default", 2, "t3", 30.0)) == 2
+        assert pmap.floor("default") == part_sql.id_bound(today)
+        # The floored claim's generic plan: the three partitions below are pruned before
+        # its scans are set up, in its candidate scan and in its update.
+        async with store.connector.driver_connection() as driver:
+            sql, args = store.connector.compile(
+                "explain",
+                store.claim_statement("default", 2, False),
+                store.claim_params("x", 30.0, pmap.floor("default")),
+            )
+            plan = await explain_generic(driver, sql, args)
+        assert removed(plan) == 6, plan
+
+        assert await store.replay([done]) == [done]  # pending again, below the floor
+        # The floored claims take today's last two rows, not it; the next one is short
+        # (none left above the floor) and drops the floor; the one after takes it.
+        sizes = []
+        for n in range(3):
+            batch = await store.claim("default", 2, f"t{n + 4}", 30.0)
+            sizes.append(len(batch))
+            if done in {r.id for r in batch}:
+                break
+        assert sizes == [2, 0, 1]
+        assert pmap.floor("default") == uuid.UUID(int=0)
+    finally:
+        await outbox.aclose()
+        await engine.dispose()
+
+
+async def test_marks_run_on_the_batch_partition_and_survive_its_drop(pg_url: str) -> None:
+    """A batch in one partition is marked by a statement on that partition (a plain
+    table's); a batch across partitions by the partitioned table's; a partition dropped
+    under the known ranges makes the mark fall back, count what it finds, and forget."""
+    outbox, engine = single_connection_outbox(pg_url)
+    table = outbox.table.name
+    today = midnight(dt.datetime.now(dt.UTC))
+    here = partitions.partition_name(table, today)
+    gone = partitions.partition_name(table, today - DAY)
+    store = outbox.store
+    pmap = store.partition_map
+    assert pmap is not None
+    try:
+        await outbox.create_tables()
+        async with outbox.engine.begin() as conn:
+            lo = today - DAY
+            await conn.run_sync(partitions.create_partition_sync, table, lo, lo + DAY)
+        stream = unique("orders")
+        yesterday = await age_rows(
+            outbox,
+            await publish(outbox, stream, 2),
+            created_at=today - DAY + dt.timedelta(hours=1),
+            next_attempt_at=today - dt.timedelta(hours=1),
+        )
+        fresh = await publish(outbox, stream, 4)
+        await pmap.refresh("default")
+
+        rows = await store.claim("default", 10, "tok", 30.0)
+        assert {r.id for r in rows} == set(yesterday) | set(fresh)
+        assert await store.mark_published(fresh[:2], "tok") == 2  # today's partition
+        assert await store.mark_published([yesterday[0], fresh[2]], "tok") == 2  # across
+        async with store.connector.driver_connection() as driver:
+            prepared = {
+                r[0].split(" SET ")[0]
+                for r in await driver.fetch(
+                    "SELECT statement FROM pg_prepared_statements WHERE statement LIKE 'UPDATE %'"
+                )
+            }
+        assert {f"UPDATE {here}", f"UPDATE {table}"} <= prepared, prepared
+
+        async with outbox.engine.begin() as conn:  # gone meanwhile (an operator's DROP)
+            await conn.execute(text(f"ALTER TABLE {table} DETACH PARTITION {gone}"))
+            await conn.execute(text(f"DROP TABLE {gone}"))
+        assert await store.mark_published([yesterday[1]], "tok") == 0
+        assert pmap.partition_of(fresh) is None  # forgotten: read again at the next drain
+        assert await store.mark_published([fresh[3]], "tok") == 1
+        assert await store.count("published") == 4
+    finally:
+        await outbox.aclose()
+        await engine.dispose()
