@@ -25,6 +25,7 @@ and loaded: compare the figures of one run with each other, not with other runs.
 
     python benchmarks/ordered_consume.py                 # N=3,000, K=64, 2 rounds, both brokers
     python benchmarks/ordered_consume.py --brokers redis --messages 5000 --rounds 3
+    python benchmarks/ordered_consume.py --brokers redis --sides "ordered x1,ordered message x1"
 """
 
 from __future__ import annotations
@@ -255,14 +256,25 @@ async def main() -> None:
     parser.add_argument("--messages", type=int, default=3000)
     parser.add_argument("--keys", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--sides",
+        default=",".join(SIDES),
+        help="comma-separated sides to run (baseline always runs), e.g. 'ordered x1'",
+    )
     args = parser.parse_args()
+    sides = [s.strip() for s in args.sides.split(",") if s.strip()]
+    unknown = sorted(set(sides) - set(SIDES))
+    if unknown:
+        parser.error(f"unknown sides {unknown}; known: {list(SIDES)}")
+    if "baseline" not in sides:
+        sides.append("baseline")
     banner(f"ordered consumption: N={args.messages}, K={args.keys} keys, {machine_note()}")
     async with bench_database("ordbench") as db:
         await _prepare(db)
         for kind in args.brokers.split(","):
             url = BROKER_URLS[kind]
-            rates: dict[str, list[float]] = {side: [] for side in SIDES}
-            order = list(SIDES)
+            rates: dict[str, list[float]] = {side: [] for side in sides}
+            order = list(sides)
             for r in range(args.rounds):
                 for side in order if r % 2 == 0 else list(reversed(order)):
                     mode, processes = SIDES[side]

@@ -31,6 +31,20 @@ by whichever process owned the partition then; a process killed at any point lea
 position at its last commit, and the next owner (after the lease) reads from there. A
 failing message is retried in place and holds back its partition (not only its key) until
 it is handled or dead-lettered.
+
+Attempts survive the process (a handler that kills its process on every try must not hold
+its partition back forever): before a handler runs, the partition's row says what it starts
+on (``started``: the first message after the position; ``attempts``: the handler's starts
+on it alone, 0 for a batch beginning with it; :mod:`fastapi_outbox.storage.leases`). The
+fence writes it for the partition's next transaction, from the messages queued behind, so
+under load no statement is added; a transaction the last fence did not announce (an empty
+queue then, a retry in place) records it first in a statement of its own. A new owner that
+finds ``started`` past the position knows its predecessor died inside that transaction: a
+batch, and it handles the next ``batch_size`` messages one by one (a crashed batch costs no
+attempt); one message, and that message starts at ``attempts + 1`` — past
+``consumer_max_attempts`` it is dead-lettered without running. A drained or stopped
+partition forgets an announcement that never started (no attempt is charged for a
+hand-over); one whose handler was running keeps its count.
 """
 
 from __future__ import annotations
@@ -56,7 +70,7 @@ from fastapi_outbox.consume.processing import (
     pause_for,
 )
 from fastapi_outbox.log import safe_error
-from fastapi_outbox.storage.leases import LeaseLost, Leases
+from fastapi_outbox.storage.leases import LeaseLost, Leases, OwnedPartition
 
 __all__ = [
     "PARTITION_QUEUE_MAX",
@@ -111,10 +125,15 @@ class _Partition:
     """A partition this process owns: its token, its queue and its task."""
 
     __slots__ = (
+        "begun",
         "careful",
         "draining",
+        "inherited",
+        "inherited_by",
         "lost",
+        "mark",
         "number",
+        "pending",
         "queue",
         "scope",
         "seen",
@@ -126,6 +145,18 @@ class _Partition:
     def __init__(self, number: int, token: int, position: str) -> None:
         self.number = number
         self.token = token
+        #: (started, attempts) as the partition's row holds them (committed).
+        self.mark: tuple[str | None, int] = (None, 0)
+        #: A handler's transaction began under ``mark`` (False: announced by the last
+        #: fence, not started yet; forgotten at a release).
+        self.begun = True
+        #: (last entry of the transaction under way, the mark its fence announced): the
+        #: mark once that transaction committed.
+        self.pending: tuple[str, tuple[str | None, int]] | None = None
+        #: Taken over from an owner that died inside the handler of one message: that
+        #: message (``inherited_by``) starts after ``inherited`` attempts.
+        self.inherited = 0
+        self.inherited_by: str | None = None
         #: Every entry of the partition up to here is queued or settled.
         self.seen = position
         self.queue: collections.deque[Delivery] = collections.deque()
@@ -210,6 +241,7 @@ class PartitionedRun:
             rng=subscriber._rng,
             unwritten_dead_letters=subscriber._unwritten_dead_letters,
             fence=self._fence,
+            before_attempt=self._before_attempt,
         )
         self._tg: anyio.abc.TaskGroup | None = None
 
@@ -225,11 +257,47 @@ class PartitionedRun:
 
     async def _fence(self, conn: AsyncConnection, todo: list[Delivery]) -> None:
         """The fence of a transaction over ``todo`` (one message, or the first messages
-        of one partition's queue, in order): the position moves to the last one."""
+        of one partition's queue, in order): the position moves to the last one, and the
+        partition's next transaction is announced (its start recorded ahead)."""
         last = todo[-1]
         part = self._part_of(last)
-        await self.leases.fence(conn, part.number, part.token, last.entry_id)
+        part.begun = True
+        careful = part.careful - len(todo) if len(todo) == 1 else 0
+        after = self._next_start(part, todo, careful)
+        await self.leases.fence(conn, part.number, part.token, last.entry_id, after)
+        part.pending = (last.entry_id, after)
         self._fenced.update(d.entry_id for d in todo)
+
+    def _next_start(
+        self, part: _Partition, todo: list[Delivery], careful: int
+    ) -> tuple[str | None, int]:
+        """(started, attempts) of the transaction that follows one over ``todo`` (the
+        first messages of the partition's queue), as :meth:`_batch` and :meth:`_one` will
+        run it: a batch beginning with the next queued message (no attempt counted), or
+        that message's first attempt alone; (None, 0) when none is queued."""
+        queue, n = part.queue, len(todo)
+        if len(queue) <= n or queue[n - 1] is not todo[-1]:
+            return None, 0
+        head = queue[n]
+        if self.sub.batch_requested and len(queue) - n >= 2 and careful <= 0 and head.attempt == 1:
+            return head.entry_id, 0
+        return head.entry_id, 1
+
+    async def _before_attempt(self, d: Delivery, attempt: int) -> None:
+        """Before try ``attempt`` of the handler on ``d`` alone: the partition's row says
+        so, committed (unless the last fence announced exactly that)."""
+        part = self._part_of(d)
+        if part.mark != (d.entry_id, attempt):
+            await self.leases.start(part.number, part.token, d.entry_id, attempt)
+            part.mark = (d.entry_id, attempt)
+            part.pending = None
+
+    @staticmethod
+    def _committed(part: _Partition, entry_id: str) -> None:
+        """The transaction whose last message is ``entry_id`` committed: what its fence
+        announced is on the partition's row now."""
+        if part.pending is not None and part.pending[0] == entry_id:
+            part.mark, part.pending, part.begun = part.pending[1], None, False
 
     async def settled(self, d: Delivery, *, fenced: bool = True) -> None:
         """``d`` is settled: the position moves past it — in its handler's committed
@@ -237,10 +305,15 @@ class PartitionedRun:
         a dead letter, whose transactions rolled back; an ack without a transaction)."""
         if fenced and d.entry_id in self._fenced:
             self._fenced.discard(d.entry_id)
+            part = self._queued_in.get(d.entry_id)
+            if part is not None:
+                self._committed(part, d.entry_id)
         else:
             self._fenced.discard(d.entry_id)
             part = self._part_of(d)
-            await self.leases.settle(part.number, part.token, d.entry_id)
+            after = self._next_start(part, [d], part.careful - 1)
+            await self.leases.settle(part.number, part.token, d.entry_id, after)
+            part.mark, part.pending, part.begun = after, None, False
         self._settled.add(d.entry_id)
 
     # -- running --------------------------------------------------------------------------
@@ -275,7 +348,7 @@ class PartitionedRun:
         finally:
             with anyio.CancelScope(shield=True), anyio.move_on_after(5.0):
                 try:
-                    await self.leases.leave(self.member)
+                    await self.leases.leave(self.member, unstarted=self._unstarted())
                 except Exception as exc:
                     logger.warning(
                         "releasing the partitions failed: they move after the lease",
@@ -293,11 +366,38 @@ class PartitionedRun:
             for part in list(self.parts.values()):
                 await part.stopped.wait()
 
-    def _start(self, number: int, token: int, position: str) -> None:
+    def _unstarted(self, parts: Sequence[_Partition] | None = None) -> list[int]:
+        """Those of ``parts`` (default: all) whose row announces a start that never came:
+        given up, they must not charge their next owner an attempt."""
+        chosen = list(self.parts.values()) if parts is None else parts
+        return [p.number for p in chosen if not p.begun and p.mark[0] is not None]
+
+    def _start(self, owned: OwnedPartition) -> None:
+        number = owned.partition
         old = self.parts.get(number)
         if old is not None:  # taken again with a new token: the old task's fence fails
             self._drop(old)
-        part = _Partition(number, token, position)
+        part = _Partition(number, owned.token, owned.position)
+        started = owned.started
+        if started is not None and self.key(started) > self.key(owned.position):
+            # The previous owner died (or stopped) inside the transaction it recorded: a
+            # batch (its messages one by one now, each counted), or the handler of one.
+            part.mark = (started, owned.attempts)
+            if owned.attempts:
+                part.careful = 1
+                part.inherited, part.inherited_by = owned.attempts, started
+            else:
+                part.careful = self.sub.batch_size
+            logger.info(
+                "partition taken over mid-transaction: its messages go one by one",
+                extra=self.options.log_extra(
+                    "consumer.partition_recovered",
+                    partition=number,
+                    position=owned.position,
+                    started=started,
+                    attempts=owned.attempts,
+                ),
+            )
         self.parts[number] = part
         assert self._tg is not None
         self._tg.start_soon(self._work, part)
@@ -341,7 +441,9 @@ class PartitionedRun:
         # Drained partitions go back at once.
         done = [p for p in self.parts.values() if p.draining and p.stopped.is_set()]
         if done:
-            await self.leases.release(self.member, [p.number for p in done])
+            await self.leases.release(
+                self.member, [p.number for p in done], unstarted=self._unstarted(done)
+            )
             for p in done:
                 self.parts.pop(p.number, None)
         if self.flight.stopping:
@@ -354,7 +456,7 @@ class PartitionedRun:
         if take and not any(p.draining for p in self.parts.values()):
             got = await self.leases.acquire(self.member, take, self.lease_seconds)
             for owned in got:
-                self._start(owned.partition, owned.token, owned.position)
+                self._start(owned)
             if got:
                 logger.info(
                     "partitions taken",
@@ -476,8 +578,14 @@ class PartitionedRun:
             todo.append(d)
         if len(todo) < 2:
             return 0
+        # The start of the batch on record: announced by the last fence (no statement),
+        # else recorded now.
+        announced = part.mark == (todo[0].entry_id, 0)
         stats = self.sub.stats
         try:
+            if not announced:
+                await self.leases.start(part.number, part.token, todo[0].entry_id, 0)
+                part.mark, part.pending = (todo[0].entry_id, 0), None
             new, duplicates = await self.processing.run_batch(todo, messages)
         except Exception as exc:
             self._fenced.difference_update(d.entry_id for d in todo)
@@ -492,6 +600,7 @@ class PartitionedRun:
             )
             return 0
         self._fenced.difference_update(d.entry_id for d in todo)
+        self._committed(part, todo[-1].entry_id)
         stats.handled += new
         stats.duplicates += duplicates
         stats.last_handled_at = time.time()
@@ -500,6 +609,12 @@ class PartitionedRun:
     async def _one(self, part: _Partition, d: Delivery) -> bool:
         """``d`` through its handler until settled; False when the partition stops (the
         subscriber stops, the database went away at the stop)."""
+        if part.inherited:
+            # The first message after a take-over inside its handler: the handler started
+            # that many times already (each time its process died).
+            if d.entry_id == part.inherited_by:
+                d.attempt = max(d.attempt, part.inherited + 1)
+            part.inherited = 0
         failures = 0
         while True:
             self._fenced.discard(d.entry_id)

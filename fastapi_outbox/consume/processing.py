@@ -60,6 +60,7 @@ __all__ = [
     "PAUSE_MAX_SECONDS",
     "PAUSE_MIN_SECONDS",
     "UNWRITTEN_DEAD_LETTERS_KEPT",
+    "BeforeAttempt",
     "Fence",
     "HandlerRun",
     "InFlight",
@@ -86,6 +87,10 @@ UNWRITTEN_DEAD_LETTERS_KEPT = 1000
 #: What an ordered subscriber runs first in a handler's transaction: raises when the
 #: partition of the deliveries is no longer this process's.
 Fence = typing.Callable[[AsyncConnection, list[Delivery]], typing.Awaitable[None]]
+#: What an ordered subscriber runs right before each try of the handler on one message
+#: (the delivery, the attempt number): its attempts recorded where a crash cannot lose
+#: them.
+BeforeAttempt = typing.Callable[[Delivery, int], typing.Awaitable[None]]
 #: ``session.info`` key of a handler session's :class:`HandlerRun`.
 _RUN_KEY = "fastapi_outbox.handler_run"
 
@@ -353,12 +358,16 @@ class Processing:
         rng: random.Random,
         unwritten_dead_letters: dict[str, str],
         fence: Fence | None = None,
+        before_attempt: BeforeAttempt | None = None,
     ) -> None:
         self.context = context
         #: Ordered subscribers across processes: the first statement of every handler's
         #: transaction (the partition's lease still ours; see
         #: :mod:`fastapi_outbox.consume.partitioned`). None: no fence.
         self.fence = fence
+        #: Ordered subscribers across processes: run before each try of the handler on one
+        #: message (:meth:`process`), outside its transaction. None: nothing.
+        self.before_attempt = before_attempt
         self.consumer = consumer
         self.options = options
         self.stats = stats
@@ -413,6 +422,8 @@ class Processing:
         outages = 0
         while True:
             try:
+                if self.before_attempt is not None:
+                    await self.before_attempt(d, attempt)
                 new = await self._run_handler(d, message)
             except Exception as exc:
                 if await self.waited_out_database(exc, outages, "the message", d):

@@ -156,6 +156,8 @@ def _pg_partitioned(conn: Connection, table: str) -> bool | None:
 
 def examine_sync(conn: Connection, table: Table) -> list[Finding]:
     """The differences between ``table`` (the expected layout) and the live table."""
+    if table.info.get("doctor") == "columns":
+        return _examine_columns(conn, table)
     if conn.dialect.name != "postgresql":
         return _examine_sqlite(conn, table)
     name = table.name
@@ -198,6 +200,37 @@ def examine_sync(conn: Connection, table: Table) -> list[Finding]:
         findings += _archive_default_findings(conn, name)
     if not partitioned:
         findings += _storage_findings(conn, [name])
+    return findings
+
+
+def _examine_columns(conn: Connection, table: Table) -> list[Finding]:
+    """A table beside the outbox's (the partition leases of ordered subscribers): its
+    missing columns, named with the table, each with its ``ADD COLUMN``. A missing table
+    is not reported: ``create_tables()`` / ``db create`` make it with the inbox, and only
+    ordered subscribers use it."""
+    if conn.dialect.name != "postgresql":
+        live = {row[1] for row in conn.execute(sql.sqlite_columns(table.name))}
+        if not live:
+            return []
+        findings = []
+        for column in table.columns:
+            if column.name not in live:
+                add = str(CreateColumn(column).compile(dialect=conn.dialect)).strip()
+                findings.append(
+                    Finding(
+                        f"table {table.name}: column {column.name} is missing",
+                        [sql.add_column(table.name, add)],
+                    )
+                )
+        return findings
+    if _pg_partitioned(conn, table.name) is None:
+        return []
+    expected, _ = _expected_pg(conn, table)
+    findings = _column_findings(
+        conn, table, expected, _pg_columns(conn, partition_sql.quote(table.name))
+    )
+    for finding in findings:
+        finding.what = f"table {table.name}: {finding.what}"
     return findings
 
 

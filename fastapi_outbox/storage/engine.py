@@ -77,6 +77,10 @@ def _tune_sqlite(engine: AsyncEngine) -> None:
 
     @event.listens_for(sync_engine, "begin")
     def _on_begin(conn: Any) -> None:
+        if conn.get_execution_options().get("isolation_level") == "AUTOCOMMIT":
+            # Each statement commits on its own (``db upgrade``): a BEGIN here would open
+            # a transaction that SQLAlchemy never commits, and the change would be lost.
+            return
         conn.exec_driver_sql(engine_sql.BEGIN_IMMEDIATE)
 
 

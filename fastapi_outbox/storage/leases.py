@@ -11,6 +11,19 @@ each message's key into one of ``consumer_ordered_partitions`` partitions. One r
     token                      the fencing token, raised at every take-over
     position                   the stream position of the partition's last settled message
     expires_at                 the lease's end, on the database's clock
+    started                    the message after ``position`` when its handling started (or
+                               will start next; not past ``position``: none)
+    attempts                   the handler's starts on it alone (0: a batch beginning with it)
+
+``started`` and ``attempts`` count a message's attempts where a crash cannot lose them (a
+handler that kills its process on every try would otherwise start again at attempt 1 in
+every next owner and hold its partition back forever). Before a handler runs on a message,
+the row says so — in the statement of the previous transaction where it can (the fence
+records what comes next in the partition's queue: no statement added), in a statement of
+its own otherwise (an empty queue, a retry). A new owner that finds ``started`` past
+``position`` knows its predecessor died (or stopped) inside that transaction: it handles a
+batch's messages one by one, and dead-letters a message whose ``attempts`` reached
+``consumer_max_attempts`` (see :mod:`fastapi_outbox.consume.partitioned`).
 
 and one row per live process in ``<inbox>_members`` (group, stream, member, expires_at):
 its heartbeat, from which each process computes its fair share (``ceil(partitions /
@@ -93,6 +106,24 @@ def build_lease_tables(inbox_name: str, metadata_: MetaData) -> tuple[Table, Tab
         Column("token", Integer, nullable=False, default=0, comment="fencing token"),
         Column("position", String(64), nullable=False, comment="last settled entry"),
         Column("expires_at", schema.UtcDateTime(), nullable=False),
+        # Added after the first layout: nullable or with a server default, so that
+        # ``db upgrade`` adds them to a table with rows (``fastapi_outbox.storage.doctor``).
+        Column(
+            "started",
+            String(64),
+            nullable=True,
+            comment="first unsettled entry when its handling started (past position)",
+        ),
+        Column(
+            "attempts",
+            Integer,
+            nullable=False,
+            default=0,
+            server_default="0",
+            comment="handler starts on it alone (0: a batch beginning with it)",
+        ),
+        # ``fastapi-outbox doctor`` / ``db upgrade``: the columns of a live table only.
+        info={"doctor": "columns"},
     )
     members = Table(
         names[1],
@@ -101,18 +132,23 @@ def build_lease_tables(inbox_name: str, metadata_: MetaData) -> tuple[Table, Tab
         Column("stream", String(255), primary_key=True),
         Column("member", String(255), primary_key=True),
         Column("expires_at", schema.UtcDateTime(), nullable=False),
+        info={"doctor": "columns"},
     )
     return partitions, members
 
 
 @dataclasses.dataclass(slots=True)
 class OwnedPartition:
-    """A partition this process took: its fencing token and the position of its last
-    settled message (where its reading starts)."""
+    """A partition this process took: its fencing token, the position of its last
+    settled message (where its reading starts) and what the previous owner had started
+    (``started`` past ``position``: it died or stopped inside that transaction, having
+    started the handler ``attempts`` times on the message after ``position``)."""
 
     partition: int
     token: int
     position: str
+    started: str | None = None
+    attempts: int = 0
 
 
 class Leases:
@@ -128,19 +164,40 @@ class Leases:
         self._insert: Any = postgresql.insert if self.is_postgres else sqlite.insert
         t = self.table
         self._mine = and_(t.c.group == group, t.c.stream == stream)
+        token_holds = and_(
+            self._mine,
+            t.c.partition == bindparam("b_partition"),
+            t.c.token == bindparam("b_token"),
+        )
         # fence. Caller: the handler's transaction of an ordered subscriber
         # (fastapi_outbox.consume.partitioned), first statement, and the settling of a
         # message without one (skipped, dead-lettered). Moves the partition's position to
         # the message; no row when the token changed (taken over): the caller rolls back.
         # The row lock it takes holds a take-over back until this transaction ends.
+        # - started, attempts: what the partition's next transaction will start on (the
+        #   next queued message; its first attempt alone, or 0: a batch beginning with
+        #   it), written with the position so that the common case needs no statement of
+        #   its own before that transaction's handler runs; NULL, 0 when nothing is queued.
         self._fence = (
             update(t)
-            .where(
-                self._mine,
-                t.c.partition == bindparam("b_partition"),
-                t.c.token == bindparam("b_token"),
+            .where(token_holds)
+            .values(
+                position=bindparam("b_position"),
+                started=bindparam("b_started"),
+                attempts=bindparam("b_attempts"),
             )
-            .values(position=bindparam("b_position"))
+            .returning(t.c.partition)
+        )
+        # start. Caller: an ordered subscriber, in a transaction of its own right before a
+        # handler's transaction that the last fence did not announce (the queue was
+        # empty then, a retry): the handler is about to start on the message ``started``
+        # alone for the ``attempts``-th time, or on a batch beginning with it (0). Fenced
+        # like the fence; it commits before the handler runs, so a crash in the handler
+        # cannot take the count with it.
+        self._start = (
+            update(t)
+            .where(token_holds)
+            .values(started=bindparam("b_started"), attempts=bindparam("b_attempts"))
             .returning(t.c.partition)
         )
 
@@ -163,6 +220,8 @@ class Leases:
                 "token": 0,
                 "position": position,
                 "expires_at": clock.db_now(self.is_postgres),
+                "started": None,
+                "attempts": 0,
             }
             for p in range(partitions)
         ]
@@ -270,17 +329,26 @@ class Leases:
                     token=t.c.token + 1,
                     expires_at=clock.db_later(self.is_postgres, seconds=lease_seconds),
                 )
-                .returning(t.c.partition, t.c.token, t.c.position)
+                .returning(t.c.partition, t.c.token, t.c.position, t.c.started, t.c.attempts)
             )
             rows = (await conn.execute(stmt)).all()
         return sorted(
-            (OwnedPartition(int(p), int(tok), str(pos)) for p, tok, pos in rows),
+            (
+                OwnedPartition(
+                    int(p), int(tok), str(pos), None if st is None else str(st), int(n or 0)
+                )
+                for p, tok, pos, st, n in rows
+            ),
             key=lambda o: o.partition,
         )
 
-    async def release(self, member: str, partitions: Iterable[int]) -> None:
+    async def release(
+        self, member: str, partitions: Iterable[int], *, unstarted: Iterable[int] = ()
+    ) -> None:
         """Give ``partitions`` up at once (a rebalance, a stop): free for the others now,
-        not after the lease. Caller: the coordinator."""
+        not after the lease. ``unstarted``: those whose announced next message (see
+        :meth:`fence`) never started: its count goes, the next owner starts it at attempt
+        1. Caller: the coordinator."""
         wanted = list(partitions)
         if not wanted:
             return
@@ -291,13 +359,27 @@ class Leases:
             .values(owner=None, expires_at=clock.db_now(self.is_postgres))
         )
         async with self.engine.begin() as conn:
+            await self._forget_unstarted(conn, member, unstarted)
             await conn.execute(stmt)
 
-    async def leave(self, member: str) -> None:
-        """``member`` stops: its member row goes, its partitions are freed. Caller: the
-        coordinator at a stop."""
+    async def _forget_unstarted(
+        self, conn: AsyncConnection, member: str, partitions: Iterable[int]
+    ) -> None:
+        numbers = list(partitions)
+        if numbers:
+            t = self.table
+            await conn.execute(
+                update(t)
+                .where(self._mine, t.c.owner == member, t.c.partition.in_(numbers))
+                .values(started=None, attempts=0)
+            )
+
+    async def leave(self, member: str, *, unstarted: Iterable[int] = ()) -> None:
+        """``member`` stops: its member row goes, its partitions are freed (``unstarted``:
+        as in :meth:`release`). Caller: the coordinator at a stop."""
         t, m = self.table, self.members
         async with self.engine.begin() as conn:
+            await self._forget_unstarted(conn, member, unstarted)
             await conn.execute(
                 update(t)
                 .where(self._mine, t.c.owner == member)
@@ -309,17 +391,59 @@ class Leases:
                 )
             )
 
-    async def fence(self, conn: AsyncConnection, partition: int, token: int, position: str) -> None:
+    async def fence(
+        self,
+        conn: AsyncConnection,
+        partition: int,
+        token: int,
+        position: str,
+        next_start: tuple[str | None, int] = (None, 0),
+    ) -> None:
         """In ``conn``'s transaction: the partition's position moves to ``position`` if
-        ``token`` still holds it, else :class:`LeaseLost`."""
+        ``token`` still holds it, else :class:`LeaseLost`. ``next_start``: (``started``,
+        ``attempts``) announced for the partition's next transaction (see :meth:`start`),
+        in the same statement."""
+        started, attempts = next_start
         result = await conn.execute(
-            self._fence, {"b_partition": partition, "b_token": token, "b_position": position}
+            self._fence,
+            {
+                "b_partition": partition,
+                "b_token": token,
+                "b_position": position,
+                "b_started": started,
+                "b_attempts": attempts,
+            },
         )
         if result.first() is None:
             raise LeaseLost(self.group, self.stream, partition)
 
-    async def settle(self, partition: int, token: int, position: str) -> None:
+    async def settle(
+        self,
+        partition: int,
+        token: int,
+        position: str,
+        next_start: tuple[str | None, int] = (None, 0),
+    ) -> None:
         """:meth:`fence` in a transaction of its own: a message settled without a handler's
         transaction (skipped, dead-lettered)."""
         async with self.engine.begin() as conn:
-            await self.fence(conn, partition, token, position)
+            await self.fence(conn, partition, token, position, next_start)
+
+    async def start(self, partition: int, token: int, started: str, attempts: int) -> None:
+        """Committed before a handler's transaction: the handler is about to start on
+        ``started`` (the partition's first unsettled message); ``attempts``: its starts on
+        it alone so far, this one included, or 0 for a batch beginning with it (a crashed
+        batch costs its messages no attempt: they go one by one after it).
+        :class:`LeaseLost` when ``token`` no longer holds the partition."""
+        async with self.engine.begin() as conn:
+            result = await conn.execute(
+                self._start,
+                {
+                    "b_partition": partition,
+                    "b_token": token,
+                    "b_started": started,
+                    "b_attempts": attempts,
+                },
+            )
+            if result.first() is None:
+                raise LeaseLost(self.group, self.stream, partition)

@@ -94,6 +94,9 @@ class Storage:
                 "ordered subscribers",
                 functools.partial(schema.create_table, engine, table),
                 required=ordered,
+                # Present: its columns compared (one of an earlier release lacks the
+                # attempt count, ``started`` and ``attempts``, which ``db upgrade`` adds).
+                compare=True,
             )
             for table in self.inbox.lease_tables
         ]

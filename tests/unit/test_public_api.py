@@ -455,6 +455,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "rebalance",
     },
     "fastapi_outbox.consume.processing": {
+        "BeforeAttempt",
         "DATABASE_PING_SECONDS",
         "Fence",
         "PAUSE_MAX_SECONDS",

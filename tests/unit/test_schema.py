@@ -13,6 +13,7 @@ import pytest
 from sqlalchemy import MetaData
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.schema import CreateTable
 
 import fastapi_outbox
 from fastapi_outbox import ConfigurationError, build_table, metadata, outbox_table
@@ -180,3 +181,27 @@ def test_alembic_example_env_targets_the_outbox_metadata() -> None:
         "outbox_inbox_partitions",
         "outbox_inbox_members",
     }
+
+
+def test_the_lease_table_on_the_alembic_metadata_counts_attempts() -> None:
+    """Alembic's autogenerate sees the partition lease columns, the attempt count of the
+    message after the position included; the columns added after the first layout take no
+    value from rows already there (``db upgrade`` adds them to a table with rows)."""
+    leases = metadata.tables["outbox_inbox_partitions"]
+    assert [c.name for c in leases.c] == [
+        "group",
+        "stream",
+        "partition",
+        "partitions",
+        "owner",
+        "token",
+        "position",
+        "expires_at",
+        "started",
+        "attempts",
+    ]
+    assert leases.c.started.nullable
+    assert not leases.c.attempts.nullable
+    assert leases.c.attempts.server_default is not None
+    ddl = str(CreateTable(leases).compile(dialect=postgresql.dialect()))
+    assert "started VARCHAR(64)" in ddl and "attempts INTEGER DEFAULT '0' NOT NULL" in ddl

@@ -122,3 +122,63 @@ def test_sqlite_table_is_fine_and_a_missing_index_reported(tmp_path: object) -> 
         conn.execute("DROP INDEX ix_outbox_messages_key")
     code, out = doctor(url)
     assert code == 1 and "index ix_outbox_messages_key is missing" in out
+
+
+#: The partition lease table as the first release of ordered subscribers made it (580f9ae),
+#: before the attempts of its partitions' first messages were counted there.
+LEASES_BEFORE_ATTEMPTS = """
+CREATE TABLE outbox_inbox_partitions (
+    "group" VARCHAR(255) NOT NULL, stream VARCHAR(255) NOT NULL, partition INTEGER NOT NULL,
+    partitions INTEGER NOT NULL, owner VARCHAR(255), token INTEGER NOT NULL,
+    position VARCHAR(64) NOT NULL, expires_at TIMESTAMP WITH TIME ZONE NOT NULL,
+    PRIMARY KEY ("group", stream, partition)
+)
+"""
+
+
+@pytest.mark.parametrize("dialect", ["postgres", "sqlite"])
+async def test_the_lease_table_of_an_earlier_release_gets_its_attempt_columns(
+    pg_url: str, tmp_path: object, dialect: str
+) -> None:
+    """The ordered subscribers' lease table without ``started`` and ``attempts`` (and a
+    group's rows in it): reported with each ``ADD COLUMN``, added by ``db upgrade``, the
+    rows kept (no attempt counted)."""
+    from fastapi_outbox import Outbox
+
+    url = pg_url if dialect == "postgres" else f"sqlite+aiosqlite:///{tmp_path}/leases.db"
+    outbox = Outbox(url)
+    await outbox.create_tables()
+    await outbox.aclose()
+    if dialect == "postgres":
+        await sql(
+            url,
+            "DROP TABLE outbox_inbox_partitions",
+            LEASES_BEFORE_ATTEMPTS,
+            "INSERT INTO outbox_inbox_partitions VALUES ('g', 's', 0, 1, NULL, 3, '5-0', now())",
+        )
+    else:
+        import sqlite3
+
+        with sqlite3.connect(f"{tmp_path}/leases.db") as conn:
+            conn.execute("DROP TABLE outbox_inbox_partitions")
+            conn.execute(LEASES_BEFORE_ATTEMPTS)
+            conn.execute(
+                "INSERT INTO outbox_inbox_partitions VALUES "
+                "('g', 's', 0, 1, NULL, 3, '5-0', CURRENT_TIMESTAMP)"
+            )
+    code, out = doctor(url)
+    assert code == 1, out
+    assert "MISMATCH: table outbox_inbox_partitions: column started is missing" in out
+    assert "MISMATCH: table outbox_inbox_partitions: column attempts is missing" in out
+    assert 'ALTER TABLE "outbox_inbox_partitions" ADD COLUMN attempts INTEGER' in out
+    assert out.count("MISMATCH") == 2
+    upgraded = run_cli("db", "upgrade", "--url", url)
+    assert upgraded.returncode == 0, upgraded.stdout + upgraded.stderr
+    assert "fixed: table outbox_inbox_partitions: column started is missing" in upgraded.stdout
+    assert doctor(url)[0] == 0
+    outbox = Outbox(url)
+    try:
+        [owned] = await outbox.inbox.leases("g", "s").acquire("m", 1, lease_seconds=30)
+        assert (owned.position, owned.started, owned.attempts) == ("5-0", None, 0)
+    finally:
+        await outbox.aclose()
