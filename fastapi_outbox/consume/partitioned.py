@@ -90,6 +90,10 @@ PARTITION_QUEUE_MAX = 200
 READ_COUNT = 200
 #: Longest wait of one read: bounds how long a stop or a new partition waits for it.
 READ_TIMEOUT_SECONDS = 1.0
+#: Longest wait of one read while a partition is left out because its queue is full: the
+#: others may be read to the end of the stream, and the full one must be read again from its
+#: position as soon as it has room, not after a whole blocking read of nothing.
+FULL_READ_TIMEOUT_SECONDS = 0.05
 
 
 def partition_of(key: str | None, message_id: str, partitions: int) -> int:
@@ -474,11 +478,9 @@ class PartitionedRun:
         stop = self.flight.stop
         failures = 0
         while not stop.is_set():
-            open_ = [
-                p
-                for p in self.parts.values()
-                if not p.lost and not p.draining and len(p.queue) < PARTITION_QUEUE_MAX
-            ]
+            taking = [p for p in self.parts.values() if not p.lost and not p.draining]
+            open_ = [p for p in taking if len(p.queue) < PARTITION_QUEUE_MAX]
+            wait = READ_TIMEOUT_SECONDS if len(open_) == len(taking) else FULL_READ_TIMEOUT_SECONDS
             if not open_:
                 self._changed = anyio.Event()
                 with anyio.move_on_after(0.2):
@@ -487,7 +489,7 @@ class PartitionedRun:
             start = min((p.seen for p in open_), key=self.key)
             try:
                 batch = await self.consumer.read_after(  # type: ignore[attr-defined]
-                    start, READ_COUNT, READ_TIMEOUT_SECONDS
+                    start, READ_COUNT, wait
                 )
             except Exception as exc:
                 failures += 1
