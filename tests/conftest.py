@@ -170,18 +170,102 @@ async def asgi_client(app: Any) -> AsyncIterator[Any]:
         yield client
 
 
-def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """``python -m fastapi_outbox ARGS`` from the repository root, without the caller's
-    OUTBOX_* variables (plus ``env``)."""
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
-    return subprocess.run(
-        [sys.executable, "-m", "fastapi_outbox", *args],
-        cwd=ROOT,
-        env={**clean, **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
+def run_cli(
+    *args: str, env: dict[str, str] | None = None, separate: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """``fastapi-outbox ARGS`` from the repository root, without the caller's OUTBOX_*
+    variables (plus ``env``): exit code, stdout and stderr.
+
+    It runs in this process (the CLI's ``main``, on a thread of its own with its own event
+    loop) unless ``separate`` is true or the command is ``dispatch`` (signal handlers,
+    a long-running process): then ``python -m fastapi_outbox`` in a subprocess. A
+    subprocess pays ~1-2 s of interpreter and import start-up per call; the command, its
+    output and its exit code are the same either way (``tests/acceptance/test_cli.py``
+    runs the real entry points)."""
+    if separate or (args and args[0] == "dispatch"):
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+        return subprocess.run(
+            [sys.executable, "-m", "fastapi_outbox", *args],
+            cwd=ROOT,
+            env={**clean, **(env or {})},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    return _run_cli_here(list(args), env or {})
+
+
+#: The loggers whose level the CLI's ``configure_logging`` sets.
+_CLI_LOGGERS = ("", "sqlalchemy", "asyncio", "nats", "redis")
+
+
+def _run_cli_here(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``run_cli`` in this process, as a subprocess would see it: the environment (no
+    OUTBOX_* of the caller, plus ``env``), the repository root as working directory, a
+    fresh import of the ``--app`` module (it reads the environment when imported), stdout
+    and stderr captured; everything the CLI changes (environment, working directory,
+    ``sys.path``, that module, the loggers) is given back afterwards."""
+    import io
+    import logging
+    import threading
+
+    from fastapi_outbox.cli.main import main
+
+    app_module = None
+    if "--app" in args[:-1]:
+        app_module = args[args.index("--app") + 1].partition(":")[0]
+    saved_environ = dict(os.environ)
+    saved_cwd = os.getcwd()
+    saved_path = list(sys.path)
+    saved_module = sys.modules.pop(app_module, None) if app_module else None
+    loggers = [logging.getLogger(name) for name in _CLI_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    root_handlers = list(logging.getLogger().handlers)
+    stdout, stderr = io.StringIO(), io.StringIO()
+    outcome: list[int] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+                try:
+                    outcome.append(main(args))
+                except SystemExit as exc:  # argparse: usage errors, --help
+                    code = exc.code
+                    outcome.append(code if isinstance(code, int) else 0 if code is None else 1)
+        except BaseException as exc:  # pragma: no cover - reported to the test below
+            failure.append(exc)
+
+    try:
+        for name in [n for n in os.environ if n.startswith("OUTBOX_")]:
+            del os.environ[name]
+        os.environ.update(env)
+        os.chdir(ROOT)
+        # Its own thread: the test may be running an event loop on this one, and the CLI
+        # runs its own (asyncio.run). The caller waits, as for subprocess.run.
+        worker = threading.Thread(target=run, name="run_cli", daemon=True)
+        worker.start()
+        worker.join(60)
+        if worker.is_alive():
+            raise subprocess.TimeoutExpired(["fastapi-outbox", *args], 60)
+    finally:
+        root = logging.getLogger()
+        root.handlers[:] = root_handlers
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_environ)
+        sys.path[:] = saved_path
+        if app_module:
+            sys.modules.pop(app_module, None)
+            if saved_module is not None:
+                sys.modules[app_module] = saved_module
+    if failure:
+        raise failure[0]
+    return subprocess.CompletedProcess(
+        ["fastapi-outbox", *args], outcome[0], stdout.getvalue(), stderr.getvalue()
     )
 
 

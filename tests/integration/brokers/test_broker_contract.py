@@ -241,7 +241,11 @@ async def nats_harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]
         read,
         lambda: NatsJetStreamBroker(url),
         poison,
-        lambda: NatsJetStreamBroker(f"nats://u:secret@127.0.0.1:{any_free_port()}"),
+        # Nothing listens there: the first connect is refused until its timeout (2 s by
+        # default, for each of the test's two calls).
+        lambda: NatsJetStreamBroker(
+            f"nats://u:secret@127.0.0.1:{any_free_port()}", connect_timeout_seconds=0.5
+        ),
     )
     try:
         yield harness
