@@ -257,16 +257,11 @@ async def test_operator_finds_an_archived_message_in_the_archive_list(
 ) -> None:
     """The operator switches the messages list to the archive, filters it by stream, opens
     an archived message and sees it read-only, with its payload."""
-    from tests.integration.ops.test_archive_views import MARKER, archive_some
+    from tests.integration.ops.test_archive_views import MARKER, archive_some, dashboard_outbox
 
     url = f"sqlite+aiosqlite:///{tmp_path}/archive.db"
     moved, _ = await archive_some(url)
-    outbox = Outbox(
-        url,
-        brokers={"default": MemoryBroker()},
-        settings=OutboxSettings(run_dispatchers=False, archive=True),
-        dashboard_dependencies=[],
-    )
+    outbox = dashboard_outbox(url)
     try:
         async with live_server(app_for(outbox)) as base, browser_page(chromium) as page:
             await page.goto(f"{base}/outbox/dashboard/messages")

@@ -59,6 +59,16 @@ async def archive_some(url: str) -> tuple[list[uuid.UUID], uuid.UUID]:
     return moved, pending
 
 
+def dashboard_outbox(url: str) -> Outbox:
+    """An outbox with an archive and an unguarded dashboard (the tests' app only)."""
+    return Outbox(
+        url,
+        brokers={"default": MemoryBroker()},
+        settings=OutboxSettings(run_dispatchers=False, archive=True),
+        dashboard_dependencies=[],
+    )
+
+
 def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
     code = main(list(args))
     captured = capsys.readouterr()
@@ -113,12 +123,7 @@ def test_cli_archive_list_show_and_the_show_fallback(
 async def test_dashboard_message_page_finds_an_archived_message(tmp_path: Path) -> None:
     url = f"sqlite+aiosqlite:///{tmp_path}/archive.db"
     moved, pending = await archive_some(url)
-    outbox = Outbox(
-        url,
-        brokers={"default": MemoryBroker()},
-        settings=OutboxSettings(run_dispatchers=False, archive=True),
-        dashboard_dependencies=[],
-    )
+    outbox = dashboard_outbox(url)
     app = FastAPI()
     app.include_router(outbox.dashboard_router)
     try:
@@ -142,12 +147,7 @@ async def test_dashboard_lists_the_archive_read_only(tmp_path: Path) -> None:
     with the filter named; an outbox without an archive offers no choice of table."""
     url = f"sqlite+aiosqlite:///{tmp_path}/archive.db"
     moved, pending = await archive_some(url)
-    outbox = Outbox(
-        url,
-        brokers={"default": MemoryBroker()},
-        settings=OutboxSettings(run_dispatchers=False, archive=True),
-        dashboard_dependencies=[],
-    )
+    outbox = dashboard_outbox(url)
     plain = Outbox(
         f"sqlite+aiosqlite:///{tmp_path}/plain.db",
         brokers={"default": MemoryBroker()},
