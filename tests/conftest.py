@@ -98,14 +98,129 @@ def _admin_sql(statement: str) -> None:
 
 
 @pytest.fixture
-def pg_url() -> Iterator[str]:
+def pg_url(_pg_databases: _FreshDatabases) -> Iterator[str]:
     """A PostgreSQL database of this test's own (created from template0, dropped after)."""
     need("PostgreSQL", PG_URL, 5432)
-    name = unique("outbox_test")
-    _admin_sql(f"CREATE DATABASE {name} TEMPLATE template0 STRATEGY WAL_LOG")
+    name = _pg_databases.take()
     base, _, _ = PG_URL.rpartition("/")
     yield f"{base}/{name}"
-    _admin_sql(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    _pg_databases.drop(name)
+
+
+def _create_database_sql(name: str) -> str:
+    return f"CREATE DATABASE {name} TEMPLATE template0 STRATEGY WAL_LOG"
+
+
+def _drop_database_sql(name: str) -> str:
+    return f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"
+
+
+class _FreshDatabases:
+    """The databases of ``pg_url``, created from template0 by a thread of their own on one
+    admin connection: it keeps AHEAD of them ready while tests run, so a test waits for
+    its ``CREATE DATABASE`` (~0.1 s) only when none is ready, and it drops each database a
+    test gave back. A database is as fresh as one created when asked for (nothing
+    connects to it before the test). ``close`` drops what is left and waits; a failure
+    of the thread (the server down) makes ``take`` and ``drop`` run their statement
+    in the caller, as before."""
+
+    AHEAD = 2
+
+    def __init__(self) -> None:
+        import threading
+
+        self._cond = threading.Condition()
+        self._ready: list[str] = []
+        self._drops: list[str] = []
+        self._stopping = False
+        self._failed: BaseException | None = None
+        self._errors: list[str] = []
+        self._thread = threading.Thread(target=self._work, name="pg_url-databases", daemon=True)
+        self._thread.start()
+
+    def take(self) -> str:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._ready or self._failed, timeout=60):
+                raise TimeoutError("no fresh PostgreSQL database within 60 s")
+            if self._ready:
+                name = self._ready.pop(0)
+                self._cond.notify_all()
+                return name
+        name = unique("outbox_test")
+        _admin_sql(_create_database_sql(name))
+        return name
+
+    def drop(self, name: str) -> None:
+        with self._cond:
+            if self._failed is None:
+                self._drops.append(name)
+                self._cond.notify_all()
+                return
+        _admin_sql(_drop_database_sql(name))
+
+    def close(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(120)
+        with self._cond:
+            left = self._drops + self._ready
+            self._drops, self._ready = [], []
+        for name in left:  # only after a failure of the thread
+            _admin_sql(_drop_database_sql(name))
+        if self._errors:
+            raise RuntimeError("dropping test databases failed: " + "; ".join(self._errors))
+
+    def _work(self) -> None:
+        import asyncio
+
+        import asyncpg
+
+        loop = asyncio.new_event_loop()
+        conn: Any = None
+        try:
+            conn = loop.run_until_complete(asyncpg.connect(PG_URL.replace("+asyncpg", "")))
+            while True:
+                with self._cond:
+                    self._cond.wait_for(
+                        lambda: self._drops or self._stopping or len(self._ready) < self.AHEAD
+                    )
+                    to_drop = self._drops.pop(0) if self._drops else None
+                    if to_drop is None and self._stopping:
+                        to_drop_ready, self._ready = self._ready, []
+                        break
+                if to_drop is not None:
+                    try:
+                        loop.run_until_complete(conn.execute(_drop_database_sql(to_drop)))
+                    except asyncpg.PostgresError as exc:
+                        self._errors.append(f"{to_drop}: {exc}")
+                    continue
+                name = unique("outbox_test")
+                loop.run_until_complete(conn.execute(_create_database_sql(name)))
+                with self._cond:
+                    self._ready.append(name)
+                    self._cond.notify_all()
+            for name in to_drop_ready:
+                loop.run_until_complete(conn.execute(_drop_database_sql(name)))
+        except BaseException as exc:
+            with self._cond:
+                self._failed = exc
+                self._cond.notify_all()
+        finally:
+            if conn is not None:
+                with contextlib.suppress(Exception):
+                    loop.run_until_complete(conn.close())
+            loop.close()
+
+
+@pytest.fixture(scope="session")
+def _pg_databases() -> Iterator[_FreshDatabases]:
+    need("PostgreSQL", PG_URL, 5432)
+    databases = _FreshDatabases()
+    try:
+        yield databases
+    finally:
+        databases.close()
 
 
 @pytest.fixture
