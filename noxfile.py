@@ -8,10 +8,38 @@ nox.options.sessions = ["lint", "typecheck", "tests"]
 nox.options.reuse_existing_virtualenvs = True
 
 
+#: The tested set of every dependency (what CI and the README's commands install).
+CONSTRAINTS = ("-c", "constraints.txt")
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
-    session.install("-e", ".[test]")
+    session.install("-e", ".[test]", *CONSTRAINTS)
     session.run("pytest", *session.posargs)
+
+
+@nox.session
+def newest(session: nox.Session) -> None:
+    """The suite on the newest release of every dependency (no constraints): run it before
+    ``nox -s lock`` moves the tested set forward, and whenever a client releases."""
+    session.install("--upgrade", "--upgrade-strategy", "eager", "-e", ".[test]")
+    session.run("pip", "list", "--format=freeze", silent=False)
+    session.run("pytest", *session.posargs)
+
+
+@nox.session
+def lock(session: nox.Session) -> None:
+    """Write constraints.txt from the newest releases (after ``nox -s newest`` passed)."""
+    session.install("--upgrade", "--upgrade-strategy", "eager", "-e", ".[test,docs]")
+    frozen = session.run("pip", "freeze", "--exclude-editable", silent=True) or ""
+    header = (
+        "# The tested set: what CI and the README's commands install (pip install -c "
+        "constraints.txt).\n# Refresh with 'nox -s lock' after 'nox -s newest' passes on "
+        "the newest releases.\n"
+    )
+    lines = [line for line in str(frozen).splitlines() if not line.startswith("fastapi")]
+    with open("constraints.txt", "w") as out:
+        out.write(header + "\n".join(lines) + "\n")
 
 
 @nox.session
@@ -26,7 +54,7 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    session.install("-e", ".[test]")
+    session.install("-e", ".[test]", *CONSTRAINTS)
     session.run("mypy", "fastapi_outbox")
 
 
@@ -34,7 +62,7 @@ def typecheck(session: nox.Session) -> None:
 def docs(session: nox.Session) -> None:
     """Build the documentation site into site/ with --strict (a broken link, reference or
     generated table fails); ``nox -s docs -- serve`` serves it on 127.0.0.1:8000 instead."""
-    session.install("-e", ".[docs]")
+    session.install("-e", ".[docs]", *CONSTRAINTS)
     env = {"NO_MKDOCS_2_WARNING": "1"}
     if session.posargs[:1] == ["serve"]:
         session.run("mkdocs", "serve", "--strict", env=env)

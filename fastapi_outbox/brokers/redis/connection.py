@@ -40,6 +40,10 @@ logger = logging.getLogger("fastapi_outbox.brokers.redis")
 SOCKET_TIMEOUT_SECONDS = 5.0
 #: How often redis-py checks an idle connection before using it.
 HEALTH_CHECK_INTERVAL_SECONDS = 30
+#: TCP keep-alive of every connection: probes after 5 s idle, every 2 s, 3 lost = dead.
+#: A peer that vanished (frozen node, cut network) is found by the kernel in ~11 s even
+#: on a connection the library is not using; a used one fails at ``socket_timeout``.
+KEEPALIVE_IDLE_SECONDS, KEEPALIVE_INTERVAL_SECONDS, KEEPALIVE_PROBES = 5, 2, 3
 #: URL schemes of a Redis Cluster, and the scheme of one of its nodes.
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 
@@ -104,6 +108,19 @@ def cluster_url(nodes: list[str] | tuple[str, ...]) -> str:
     userinfo, at, host = netloc.rpartition("@")
     others = [n.rpartition("://")[2].rpartition("@")[2].split("/")[0] for n in nodes[1:]]
     return f"{scheme}+cluster://{userinfo}{at}{','.join([host, *others])}{tail}"
+
+
+def keepalive_options() -> dict[int, int]:
+    """The TCP keep-alive options of every connection the library opens (where the
+    platform has them)."""
+    import socket
+
+    wanted = {
+        "TCP_KEEPIDLE": KEEPALIVE_IDLE_SECONDS,
+        "TCP_KEEPINTVL": KEEPALIVE_INTERVAL_SECONDS,
+        "TCP_KEEPCNT": KEEPALIVE_PROBES,
+    }
+    return {getattr(socket, n): v for n, v in wanted.items() if hasattr(socket, n)}
 
 
 def _is_cluster_client(client: Any) -> bool:
@@ -188,10 +205,20 @@ class RedisConnection:
         return dead_letter_key(self.stream_key(dead_letter), stream_key, cluster=self.cluster)
 
     def _make_client(self) -> Any:
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
+
         options: dict[str, Any] = {
             "socket_timeout": self.socket_timeout,
             "socket_connect_timeout": self.socket_timeout,
             "health_check_interval": HEALTH_CHECK_INTERVAL_SECONDS,
+            # No retries inside the client (redis-py 6+ retries three times with up to 10 s
+            # of backoff by default): a failed command is an outage the relay and the
+            # consumer see at once and handle with their own backoff, so a lost connection
+            # is never hidden behind the client's defaults.
+            "retry": Retry(NoBackoff(), 0),
+            "socket_keepalive": True,
+            "socket_keepalive_options": keepalive_options(),
         }
         if not self.cluster:
             import redis.asyncio as aioredis

@@ -9,7 +9,7 @@ a task of its own); its reads are bounded by the consumer instead.
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -23,6 +23,7 @@ from fastapi_outbox.brokers import RedisStreamsBroker
 from fastapi_outbox.brokers.consumer import ConsumerConfig
 from fastapi_outbox.brokers.redis.consumer import RedisStreamsConsumer
 from tests.conftest import unique, wait_until
+from tests.servers import TcpProxy
 
 pytestmark = pytest.mark.redis
 
@@ -41,32 +42,27 @@ def consumer_of(broker: RedisStreamsBroker, stream: str) -> Any:
     return broker.consumer(config)
 
 
-async def kill_connections_named(client: Any, name: str) -> None:
-    """The server closes every connection named ``name`` (the consumer's, see ``setup``)."""
-    killed = 0
-    for info in await client.client_list():
-        if info.get("name") == name:
-            await client.client_kill_filter(_id=info["id"])
-            killed += 1
-    assert killed, f"no connection named {name!r}"
-
-
 @pytest.fixture
-async def setup(redis_url: str) -> AsyncIterator[tuple[Any, RedisStreamsConsumer, str]]:
+async def setup(redis_url: str) -> AsyncIterator[tuple[Any, RedisStreamsConsumer, str, TcpProxy]]:
+    """The test's own client, a consumer of group "g" whose broker reaches Redis through a
+    TCP proxy (``proxy.stop()`` cuts its connections and refuses new ones: an outage no
+    client can hide by reconnecting), the stream, and the proxy."""
     import redis.asyncio as aioredis
 
     client = aioredis.Redis.from_url(redis_url)
     stream = unique("acks")
-    # Named connections: the tests that kill the consumer's connections kill only these,
-    # never another client of the shared server.
-    broker = RedisStreamsBroker(f"{redis_url}?client_name={stream}")
+    host_port = redis_url.split("://", 1)[1].split("/", 1)[0]
+    proxy = TcpProxy(int(host_port.rpartition(":")[2] or 6379))
+    await proxy.start()
+    broker = RedisStreamsBroker(f"redis://127.0.0.1:{proxy.port}/0")
     consumer = consumer_of(broker, stream)
     await consumer.setup()
     try:
-        yield client, consumer, stream
+        yield client, consumer, stream, proxy
     finally:
         await consumer.aclose()
         await broker.aclose()
+        await proxy.stop()
         await client.delete(stream, f"{stream}.dlq")
         await client.aclose()
 
@@ -92,7 +88,7 @@ async def pending(client: Any, stream: str) -> int:
 
 
 async def test_ack_soon_rides_with_the_next_read(setup: Any) -> None:
-    client, consumer, stream = setup
+    client, consumer, stream, _proxy = setup
     got = await fetched(client, consumer, stream, 3)
     assert [d.message_id for d in got] == ["m-0", "m-1", "m-2"]
     await consumer.ack_soon(got[:2])
@@ -104,7 +100,7 @@ async def test_ack_soon_rides_with_the_next_read(setup: Any) -> None:
 
 
 async def test_ack_soon_is_sent_at_close(setup: Any) -> None:
-    client, consumer, stream = setup
+    client, consumer, stream, _proxy = setup
     got = await fetched(client, consumer, stream, 2)
     await consumer.ack_soon(got)
     assert await pending(client, stream) == 2
@@ -113,7 +109,7 @@ async def test_ack_soon_is_sent_at_close(setup: Any) -> None:
 
 
 async def test_ack_soon_during_a_blocked_read_goes_at_once(setup: Any) -> None:
-    client, consumer, stream = setup
+    client, consumer, stream, _proxy = setup
     got = await fetched(client, consumer, stream, 2)
     async with anyio.create_task_group() as tg:
         tg.start_soon(consumer.fetch, 10, 3.0)  # blocks: nothing new
@@ -125,14 +121,15 @@ async def test_ack_soon_during_a_blocked_read_goes_at_once(setup: Any) -> None:
 
 
 async def test_acks_of_a_failed_read_go_with_the_next_one(setup: Any) -> None:
-    client, consumer, stream = setup
+    client, consumer, stream, proxy = setup
     got = await fetched(client, consumer, stream, 2)
     await consumer.ack_soon(got)
-    # The reader's connection is killed by the server: the read carrying the acks fails.
-    await kill_connections_named(client, stream)
+    # The network to Redis is cut: the read carrying the acks fails, and they are kept.
+    await proxy.stop()
     with pytest.raises(exceptions.BrokerUnavailable):
         await consumer.fetch(10, 0.0)
     assert await pending(client, stream) == 2
+    await proxy.start()
     assert await consumer.fetch(10, 0.0) == []
     assert await pending(client, stream) == 0
 
@@ -163,20 +160,17 @@ async def test_entries_of_a_lost_reply_come_back_after_a_failure(setup: Any) -> 
     its name) leaves entries pending for this consumer. After the next connection failure
     the consumer takes them back from its own pending entries — not the ones it is still
     working on — instead of waiting ``claim_idle_seconds`` for XAUTOCLAIM."""
-    client, consumer, stream = setup
+    client, consumer, stream, proxy = setup
     working = await fetched(client, consumer, stream, 1)  # handed out, not finished
     await add(client, stream, 3)
     lost = await client.xreadgroup("g", "me", {stream: ">"}, count=10)
     assert len(lost[0][1]) == 3
     assert await consumer.fetch(10, 0.0) == []  # nothing new; the lost ones are pending
-    await kill_connections_named(client, stream)
+    await proxy.stop()
     with pytest.raises(exceptions.BrokerUnavailable):
         await consumer.fetch(10, 0.0)
-    back: list[Any] = []
-    for _ in range(5):  # each of the consumer's connections finds out it was killed once
-        with contextlib.suppress(exceptions.BrokerUnavailable):
-            back = await consumer.fetch(10, 0.0)
-            break
+    await proxy.start()
+    back = await consumer.fetch(10, 0.0)
     assert [d.message_id for d in back] == ["m-0", "m-1", "m-2"]  # the second add's
     assert all(d.attempt >= 2 for d in back)  # reading its own pending entries counts
     assert working[0].entry_id not in {d.entry_id for d in back}
@@ -242,3 +236,31 @@ async def test_own_entries_are_handed_out_once_by_a_fetch(redis_url: str) -> Non
         await broker.aclose()
         await client.delete(stream, f"{stream}.dlq")
         await client.aclose()
+
+
+async def test_a_lost_connection_is_an_outage_at_once(redis_url: str) -> None:
+    """The client's retry policy is the library's: a command whose connection is lost
+    fails at once, and the relay or the consumer decides when to try again (redis-py 6+
+    would otherwise reconnect and send it again three times, with up to 10 s of backoff,
+    hiding the outage)."""
+    host_port = redis_url.split("://", 1)[1].split("/", 1)[0]
+    proxy = TcpProxy(int(host_port.rpartition(":")[2] or 6379))
+    await proxy.start()
+    broker = RedisStreamsBroker(f"redis://127.0.0.1:{proxy.port}/0")
+    attempts = 0
+
+    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal attempts
+        attempts += 1
+        writer.transport.abort()
+
+    try:
+        await broker.ping()
+        await proxy.stop()  # the connection is cut; whoever answers now hangs up at once
+        server = await asyncio.start_server(hang_up, "127.0.0.1", proxy.port)
+        async with server:
+            with pytest.raises(exceptions.BrokerUnavailable):
+                await broker.ping()
+        assert attempts == 1  # not reconnected and sent again behind the library's back
+    finally:
+        await broker.aclose()
