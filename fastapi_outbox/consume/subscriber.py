@@ -242,6 +242,7 @@ class Subscriber:
         self.start = start
         #: What the handler takes (read once from its signature).
         self.signature = inspect_handler(handler, options.describe(handler))
+        options.check_streams(handler, stream=stream, accepts=self.signature.accepts)
         self.batch_handler = self.signature.batch
         self.decoder = Decoder(self.signature.accepts, self.name)
         options.check_batch_handler(

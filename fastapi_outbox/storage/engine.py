@@ -19,6 +19,7 @@ from sqlalchemy.pool import StaticPool
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.redaction import redact, redact_url, remember
+from fastapi_outbox.settings import check_database_url
 from fastapi_outbox.storage.dialects import is_postgres as is_postgres
 from fastapi_outbox.storage.dialects import uses_asyncpg as uses_asyncpg
 from fastapi_outbox.storage.statements import engine as engine_sql
@@ -46,6 +47,7 @@ def create_engine(url: str, options: dict[str, Any]) -> AsyncEngine:
     """An engine for ``url``; SQLite gets WAL, a busy timeout and BEGIN IMMEDIATE so the
     embedded default copes with a dispatcher and requests writing at the same time."""
     remember(url)
+    check_database_url(url)
     try:
         engine = create_async_engine(url, **engine_defaults(url, options))
     except Exception as exc:
