@@ -680,8 +680,9 @@ def check_database_url(url: str) -> None:
     """Refuse a database URL SQLAlchemy's asyncio engine cannot use, before any driver sees
     it: ``postgres://`` (no such dialect), a URL without a driver (``postgresql://`` means
     psycopg2, ``sqlite://`` the blocking ``sqlite3``), a blocking driver, or a database the
-    outbox does not run on (``mysql://``). The :class:`~fastapi_outbox.exceptions.ConfigurationError`
-    names the URL (credentials masked) and the form to use."""
+    outbox does not run on (``mysql://``). The
+    :class:`~fastapi_outbox.exceptions.ConfigurationError` names the URL (credentials
+    masked) and the form to use."""
     from fastapi_outbox.redaction import redact_url, remember
 
     remember(url)
