@@ -32,6 +32,7 @@ PACKAGE_DIR = Path(fastapi_outbox.__file__).parent
 
 EXPECTED_ALL = {
     "AggregateRoot",
+    "AuthenticationFailed",
     "BrokerRefusing",
     "BrokerUnavailable",
     "ConfigurationError",
@@ -443,6 +444,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "DEAD_LETTER_TEMPLATE",
         "check_batch_handler",
         "check_options",
+        "check_streams",
         "describe",
         "subscriber_options",
     },
@@ -675,12 +677,15 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "row_count",
     },
     "fastapi_outbox.storage.db_outage": {
+        "AUTHENTICATION_FIX",
         "PING_SECONDS",
+        "TABLE_MISSING_FIX",
         "Verdict",
         "classify",
         "classify_postgresql",
         "classify_sqlite",
         "database_answers",
+        "describe",
         "is_outage",
         "sqlstate_of",
     },

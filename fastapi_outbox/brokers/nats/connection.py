@@ -20,7 +20,12 @@ import logging
 from typing import Any
 
 from fastapi_outbox import exceptions
-from fastapi_outbox.brokers.nats.wire import is_unreachable, refusal_reason, stream_name_for
+from fastapi_outbox.brokers.nats.wire import (
+    is_authentication_failure,
+    is_unreachable,
+    refusal_reason,
+    stream_name_for,
+)
 from fastapi_outbox.log import safe_error
 from fastapi_outbox.redaction import redact_url, split_url_list
 
@@ -106,6 +111,9 @@ class NatsConnection:
         #: nats-py's command buffer and its flush (``_send_command`` / ``_flush_pending``).
         self._buffer: tuple[Any, Any] | None = None
         self._buffer_allowed = True
+        #: What the server said when it last refused our login (None: it did not, or a
+        #: later error of another kind came since).
+        self.refused_login: str | None = None
 
     def __repr__(self) -> str:
         return f"NatsConnection({redact_url(self.url)!r})"
@@ -223,6 +231,10 @@ class NatsConnection:
         import nats.aio.client
 
         async def on_error(exc: Exception) -> None:
+            # nats-py retries a refused login until the connect times out: what the server
+            # said is only seen here, and decides what the timeout means.
+            refused = is_authentication_failure(exc)
+            self.refused_login = f"{type(exc).__name__}: {exc}" if refused else None
             logger.debug(
                 "nats client error",
                 extra={"action": "broker.error", "error": safe_error(exc)},
@@ -289,8 +301,17 @@ class NatsConnection:
 
     def unavailable(self, exc: BaseException | str) -> exceptions.BrokerUnavailable:
         """The outage ``exc`` (a client failure, or a description) means, naming the
-        server (credentials redacted)."""
+        server (credentials redacted): AuthenticationFailed when the server refused the
+        credentials (in ``exc`` or, since a connect times out on it, the last login)."""
         detail = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
+        refused = self.refused_login
+        if refused is None and is_authentication_failure(exc):
+            refused = detail
+        if refused is not None and (self._nc is None or not self._nc.is_connected):
+            return exceptions.AuthenticationFailed(
+                f"NATS at {redact_url(self.url)}: authentication failed ({refused}): check "
+                "the user and password (or token) of the URL"
+            )
         return exceptions.BrokerUnavailable(
             f"NATS at {redact_url(self.url)} is unreachable: {detail}"
         )

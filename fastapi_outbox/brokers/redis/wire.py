@@ -84,6 +84,21 @@ def refusal_code(error: BaseException | str) -> str | None:
     return code if code in REFUSAL_CODES else None
 
 
+def is_authentication_failure(error: BaseException) -> bool:
+    """Whether ``error`` is Redis refusing this client's credentials or its ACL user
+    (``WRONGPASS``, ``NOAUTH``, ``NOPERM``, ``AUTH`` with a user the server does not
+    know): an outage only an operator cures, reported as "authentication failed"."""
+    import redis.exceptions as rexc
+
+    return isinstance(
+        error,
+        rexc.AuthenticationError
+        | rexc.AuthenticationWrongNumberOfArgsError
+        | rexc.AuthorizationError
+        | rexc.NoPermissionError,
+    )
+
+
 def is_unreachable(error: BaseException) -> bool:
     """Whether ``error`` (raised by redis-py or returned in a pipeline's replies) means
     Redis cannot be reached: a connection failure or a timeout, not a reply. On a Redis
@@ -93,6 +108,8 @@ def is_unreachable(error: BaseException) -> bool:
     import redis.exceptions as rexc
 
     if isinstance(error, rexc.ConnectionError | rexc.TimeoutError | OSError):
+        return True
+    if is_authentication_failure(error):  # an outage with its own cause
         return True
     if isinstance(error, rexc.ResponseError):  # a reply: a refusal (refusal_code) or not
         return False
