@@ -25,10 +25,11 @@ from typing import TYPE_CHECKING, Any
 from fastapi_outbox import exceptions
 from fastapi_outbox.brokers.setup import NO_BROKER
 from fastapi_outbox.cli.support import (
+    EXIT_AUTHENTICATION,
     EXIT_FAILED,
     EXIT_OK,
-    EXIT_UNREACHABLE,
     CliError,
+    broker_error,
 )
 from fastapi_outbox.cli.support import guard as _guard
 from fastapi_outbox.cli.support import sqlstate as _sqlstate
@@ -208,6 +209,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CliError as exc:
         print(f"fastapi-outbox: error: {redact(str(exc))}", file=sys.stderr)
         return exc.code
+    except exceptions.AuthenticationFailed as exc:  # a broker refused the credentials
+        print(f"fastapi-outbox: error: {redact(str(exc))}", file=sys.stderr)
+        return EXIT_AUTHENTICATION
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # an unexpected failure: say what, without data
@@ -244,10 +248,10 @@ async def _run(args: argparse.Namespace) -> int:
             try:
                 await outbox.declare_groups()
             except exceptions.BrokerUnavailable as exc:
+                error = broker_error(exc, "tables created, but the consumer groups were not: ")
                 raise CliError(
-                    f"tables created, but the consumer groups were not: {exc}; run "
-                    "`fastapi-outbox db create` again once the broker answers",
-                    EXIT_UNREACHABLE,
+                    f"{error}; run `fastapi-outbox db create` again once the broker answers",
+                    error.code,
                 ) from exc
             print(
                 f"created table {outbox.table.name} and inbox table {outbox.inbox.table.name} "

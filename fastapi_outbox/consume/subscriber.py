@@ -98,7 +98,7 @@ from typing import Any
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, PrivateAttr
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.brokers.consumer import (
@@ -185,6 +185,14 @@ class ConsumerStatus(BaseModel):
         description="Messages of this process whose dead letter could not be written yet "
         "(pending in the group until a later try succeeds).",
     )
+    #: Why figures are unknown: the errors of the broker or the inbox that did not answer
+    #: (never serialised: a driver's text may name a server; the CLI reports them).
+    _causes: list[BaseException] = PrivateAttr(default_factory=list)
+
+    @property
+    def causes(self) -> list[BaseException]:
+        """The errors that left this group's figures unknown (empty: every one answered)."""
+        return self._causes
 
 
 class Subscriber:
