@@ -122,6 +122,25 @@ def _identity_key(instance: Any) -> Any:
     return instance_state(instance).key
 
 
+def _written_in_transaction(session: Session, instance: Any) -> bool:
+    """Whether a flush of the session's open transaction (or a savepoint of it) inserted or
+    updated ``instance``'s row: that row commits with the transaction even once the
+    instance has left the session. SQLAlchemy keeps these rows on each transaction level
+    (what a rollback must expire or expunge) and offers no public way to ask: read on
+    this rare path only, when an aggregate with queued events leaves its session."""
+    state = instance_state(instance)
+    if state.key is None:
+        return False  # never flushed
+    transaction: SessionTransaction | None = session.get_nested_transaction() or (
+        session.get_transaction()
+    )
+    while transaction is not None:
+        if state in transaction._new or state in transaction._dirty:
+            return True
+        transaction = transaction.parent
+    return False
+
+
 class SessionState:
     """Outbox rows queued on one session, and the publishers of its aggregates' events."""
 
@@ -203,15 +222,17 @@ class SessionState:
             if id(raised.instance) in written:
                 raised.flushed = True
 
-    def withdraw(self, instance: Any) -> None:
+    def withdraw(self, session: Session, instance: Any) -> None:
         """``instance`` left the session (expunged, or the session closed or rolled back):
         the events it raised since its last flush are taken out of the queue and wait on the
         instance again — its change will not be committed by this session, so neither are
-        they. Events of a flushed change stay with the transaction."""
+        they. Events of a flushed change stay with the transaction, and so does every event
+        of an aggregate whose row this transaction inserted or updated (flush, raise, then
+        expunge: the row commits, so its events do)."""
         leaving = [
             r for r in self.raised if r.instance is instance and not (r.flushed or r.written)
         ]
-        if not leaving:
+        if not leaving or _written_in_transaction(session, instance):
             return
         rows = {id(row) for r in leaving for row in r.rows}
         self.queued = [q for q in self.queued if id(q[2]) not in rows]
@@ -380,7 +401,7 @@ def _left(session: Session, instance: Any) -> None:
     release(session, instance)
     state: SessionState | None = session.info.get(STATE_KEY)
     if state is not None:
-        state.withdraw(instance)
+        state.withdraw(session, instance)
 
 
 sa_event.listen(Session, "pending_to_transient", _left)

@@ -120,6 +120,23 @@ async def expunge_after_flush(outbox: Outbox, uow: UnitOfWork) -> None:
     uow.session.expunge(order)
 
 
+async def raise_after_flush_then_expunge(outbox: Outbox, uow: UnitOfWork) -> None:
+    order = Order(id=2, label="new")
+    uow.session.add(order)
+    await uow.session.flush()  # the INSERT is in the transaction (e.g. for its id)...
+    order.raise_event(Changed(label="new"))  # ...then the event that announces it
+    uow.session.expunge(order)  # the row commits: so does its event
+
+
+async def raise_after_a_flushed_change_then_expunge(outbox: Outbox, uow: UnitOfWork) -> None:
+    order = await uow.session.get(Order, 1)
+    assert order is not None
+    order.label = "changed"
+    await uow.session.flush()  # the UPDATE is in the transaction
+    order.raise_event(Changed(label="changed"))
+    uow.session.expunge(order)
+
+
 async def expunge_a_loaded_object_with_an_unflushed_change(outbox: Outbox, uow: UnitOfWork) -> None:
     order = await uow.session.get(Order, 1)
     assert order is not None
@@ -184,6 +201,8 @@ MATRIX: list[tuple[Case, dict[int, str], list[str]]] = [
     (expunge_a_new_object, STORED, []),
     (expunge_then_add_again, {1: "stored", 2: "new"}, ["new"]),
     (expunge_after_flush, {1: "stored", 2: "new"}, ["new"]),
+    (raise_after_flush_then_expunge, {1: "stored", 2: "new"}, ["new"]),
+    (raise_after_a_flushed_change_then_expunge, {1: "changed"}, ["changed"]),
     (expunge_a_loaded_object_with_an_unflushed_change, STORED, []),
     (expunge_all, STORED, []),
     (delete_a_loaded_object, {}, ["deleted"]),
