@@ -109,11 +109,28 @@ def check_streams(handler: Any, *, stream: str, accepts: tuple[type[Any], ...] |
     this handler" — a subscriber that silently does nothing."""
     for cls in accepts or ():
         declared = getattr(cls, "__outbox_stream__", None)
-        if declared is not None and declared != stream:
-            raise exceptions.ConfigurationError(
-                f"{describe(handler)} subscribes to stream {stream!r} but its first parameter "
-                f"takes {cls.__qualname__} (type {cls.__outbox_type__!r}), an event of stream "
-                f"{declared!r}: subscribe to {declared!r} "
-                f"(@outbox.subscriber({declared!r}, ...)), or annotate the handler with "
-                f"events of {stream!r} (or Message)"
-            )
+        # A dead-letter stream of the event's stream (``orders.billing.dlq``) carries it too,
+        # and so does the stream of a subclass (``class EuOrder(Order, stream="orders-eu")``).
+        dead_letters = stream.startswith(f"{declared}.") and stream.endswith(".dlq")
+        if declared is None or dead_letters or stream in _streams_of(cls):
+            continue
+        raise exceptions.ConfigurationError(
+            f"{describe(handler)} subscribes to stream {stream!r} but its first parameter "
+            f"takes {cls.__qualname__} (type {cls.__outbox_type__!r}), an event of stream "
+            f"{declared!r}: subscribe to {declared!r} "
+            f"(@outbox.subscriber({declared!r}, ...)), or annotate the handler with "
+            f"events of {stream!r} (or Message)"
+        )
+
+
+def _streams_of(cls: type[Any]) -> set[str]:
+    """The streams ``cls`` and its subclasses declared so far."""
+    streams: set[str] = set()
+    todo = [cls]
+    while todo:
+        current = todo.pop()
+        todo.extend(current.__subclasses__())
+        declared = getattr(current, "__outbox_stream__", None)
+        if declared is not None:
+            streams.add(declared)
+    return streams

@@ -129,3 +129,13 @@ def test_a_handler_typed_with_another_streams_event_is_refused_at_declaration(
 
     outbox.subscriber("orders", group="shipping")(on_placed)  # its own stream: accepted
     assert len(outbox.subscribers) == 1
+
+
+def test_a_dead_letter_stream_may_be_typed_with_its_streams_events(tmp_path: Path) -> None:
+    outbox = Outbox(f"sqlite+aiosqlite:///{tmp_path}/s.db", brokers={"m": MemoryBroker()})
+
+    async def inspect_dead(event: _Placed) -> None:
+        pass
+
+    outbox.subscriber("orders.billing.dlq", group="inspect")(inspect_dead)
+    assert len(outbox.subscribers) == 1
