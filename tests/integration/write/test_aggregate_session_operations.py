@@ -315,11 +315,15 @@ async def test_an_aggregate_that_raised_and_was_never_added_refuses_the_commit(
     """``raise_event`` on an aggregate in no session, in a unit of work that commits
     without it ever being added: the event would be lost without a word. The commit is
     refused, naming the aggregate, the event and the fix; nothing is committed."""
-    with pytest.raises(UnitOfWorkError) as refused:
+    order = await load_detached(outbox) if detached else Order(id=2, label="new")
+
+    async def forget_to_add() -> None:
         async with outbox.unit_of_work() as uow:
             uow.session.add(Order(id=3, label="other"))
-            order = await load_detached(outbox) if detached else Order(id=2, label="new")
             order.raise_event(Changed(label="lost"))
+
+    with pytest.raises(UnitOfWorkError) as refused:
+        await forget_to_add()
     message = str(refused.value)
     assert "Order raised Changed but was never added to a session" in message
     assert "session.add" in message
