@@ -35,10 +35,10 @@ RAISED_KEY = "fastapi_outbox.raised"
 PUBLISH_KEY = "fastapi_outbox.publish"
 #: Key of the mapper property that carries pending events through ``Session.merge``.
 _CARRIER = "_outbox_events_carrier"
-#: The units of work active in this context, innermost last (each a callable
-#: ``note(aggregate, event)``, set by :mod:`fastapi_outbox.write.session_events`): an event
-#: raised on an aggregate in no session is noted by the innermost, whose commit refuses to
-#: go on while the aggregate is still in no session (its event would be lost).
+#: The sessions of the units of work active in this context, innermost last (each with a
+#: ``note_stray(aggregate, event)``, set by :mod:`fastapi_outbox.write.session_events`): an
+#: event raised on an aggregate in no session is noted by the innermost, whose commit
+#: refuses to go on while the aggregate is still in no session (its event would be lost).
 ACTIVE_UNITS: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar(
     "fastapi_outbox_active_units", default=()
 )
@@ -66,7 +66,7 @@ class AggregateRoot:
         if session is not None:
             _hold(session, self)
         elif active := ACTIVE_UNITS.get():
-            active[-1](self, event)  # checked when that unit of work commits
+            active[-1].note_stray(self, event)  # checked when that unit of work commits
 
     @property
     def pending_events(self) -> tuple[Event | Message, ...]:

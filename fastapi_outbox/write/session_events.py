@@ -195,7 +195,7 @@ class SessionState:
         self._publishers.append(publish)
         # No token: the unit of work may end in another context than it began (a request
         # dependency's exit); each context only ever sees its own tuple.
-        ACTIVE_UNITS.set((*ACTIVE_UNITS.get(), self.note_stray))
+        ACTIVE_UNITS.set((*ACTIVE_UNITS.get(), self))
 
     def pop_publisher(self, publish: Callable[[Event | Message], object]) -> None:
         for i in range(len(self._publishers) - 1, -1, -1):
@@ -203,8 +203,11 @@ class SessionState:
                 del self._publishers[i]
                 break
         active = ACTIVE_UNITS.get()
+        if active and active[-1] is self:  # the usual case: the innermost ends first
+            ACTIVE_UNITS.set(active[:-1])
+            return
         for i in range(len(active) - 1, -1, -1):
-            if active[i] == self.note_stray:
+            if active[i] is self:
                 ACTIVE_UNITS.set(active[:i] + active[i + 1 :])
                 break
 
