@@ -19,6 +19,7 @@ shares with the fetch loop is the run's :class:`InFlight`.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import dataclasses
 import logging
@@ -69,9 +70,11 @@ __all__ = [
     "ReleasedAtStop",
     "Spoiled",
     "SubscriberStats",
+    "escaped",
     "handler_transaction",
     "harvest_added",
     "pause_for",
+    "stops_the_process",
 ]
 
 logger = logging.getLogger("fastapi_outbox.subscribers")
@@ -108,6 +111,9 @@ class SubscriberStats:
     dead_letter_failures: int = 0
     last_handled_at: float | None = None
     last_error: str | None = None
+    #: Handler tasks of the subscriber that failed outside any handler (a fault of the
+    #: library or of a broker's consumer) and were replaced.
+    workers_replaced: int = 0
 
 
 class Spoiled(Exception):
@@ -224,6 +230,35 @@ def _refuse_if_ours(run: HandlerRun, bind: Any) -> None:
         "redelivery would apply its effects again. Use the handler's uow.session, or "
         "`async with outbox.unit_of_work() as uow:` inside the handler, which joins the "
         "handler's transaction"
+    )
+
+
+def stops_the_process(exc: BaseException) -> bool:
+    """``exc`` must go on up: ``KeyboardInterrupt``/``SystemExit`` (alone or in a group),
+    or a cancellation of the running task itself (the subscriber's stop, a cancel scope of
+    the caller): asyncio counts those in ``Task.cancelling()``, unlike a
+    ``CancelledError`` the handler raised or got from a task it awaited."""
+    if isinstance(exc, KeyboardInterrupt | SystemExit):
+        return True
+    if isinstance(exc, BaseExceptionGroup):
+        return any(stops_the_process(inner) for inner in exc.exceptions)
+    if isinstance(exc, asyncio.CancelledError):
+        task = asyncio.current_task()
+        return task is None or task.cancelling() > 0
+    return False
+
+
+def escaped(exc: BaseException, handler: str, message: str) -> BaseException:
+    """What a handler's ``BaseException`` (not an ``Exception``) becomes: itself when it
+    stops the process or the task (:func:`stops_the_process`), else a
+    :class:`~fastapi_outbox.exceptions.HandlerEscaped` failure of the message (retried,
+    then dead-lettered) — never a dead worker."""
+    if stops_the_process(exc):
+        return exc
+    return exceptions.HandlerEscaped(
+        f"handler {handler} raised {type(exc).__name__} ({exc!r}) while handling {message}: "
+        "a BaseException that is not the subscriber's stop is a failure of the message "
+        "(a CancelledError here comes from a task the handler awaited, or was raised by it)"
     )
 
 
@@ -416,7 +451,7 @@ class Processing:
                     continue
                 delay = await self._failed(d, exc, attempt)
                 if delay is not None:
-                    await self._retry_later(d, delay)
+                    await self.retry_later(d, delay)
                 return
             break
         outages = 0
@@ -433,7 +468,7 @@ class Processing:
                 if delay is None:
                     return  # dead-lettered
                 if not in_place:
-                    await self._retry_later(d, delay)
+                    await self.retry_later(d, delay)
                     return
                 attempt += 1
                 await anyio.sleep(delay)
@@ -487,7 +522,7 @@ class Processing:
         )
         return delay
 
-    async def _retry_later(self, d: Delivery, delay: float) -> None:
+    async def retry_later(self, d: Delivery, delay: float) -> None:
         """Hand ``d`` back to the broker for a redelivery after ``delay``."""
         try:
             await self.consumer.retry(d, delay)
@@ -757,6 +792,13 @@ class Processing:
             try:
                 await handler(message, **{name: uow for name in uow_params})
                 before = harvest_added(uow, before)
+            except Exception:
+                raise
+            except BaseException as exc:
+                error = escaped(exc, self.options.name, run.message)
+                if error is exc:
+                    raise
+                raise error from exc
             finally:
                 uow.close()
             if run.spoiled:
@@ -811,6 +853,13 @@ class Processing:
             uow_params = self.options.signature.uow_params
             await self.options.handler(messages, **{name: uow for name in uow_params})
             harvest_added(uow, [])
+        except Exception:
+            raise
+        except BaseException as exc:
+            error = escaped(exc, self.options.name, run.message)
+            if error is exc:
+                raise
+            raise error from exc
         finally:
             uow.close()
         if run.spoiled:
