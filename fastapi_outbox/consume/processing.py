@@ -133,7 +133,18 @@ class HandlerRun:
     unit of work and message of the handler running now, and what a rollback of the
     session undid."""
 
-    __slots__ = ("before", "engine", "message", "name", "outer", "session", "spoiled", "uow")
+    __slots__ = (
+        "before",
+        "ended",
+        "engine",
+        "message",
+        "name",
+        "outer",
+        "session",
+        "spoiled",
+        "task",
+        "uow",
+    )
 
     def __init__(
         self, engine: AsyncEngine, name: str, session: AsyncSession, outer: Connection | None
@@ -151,6 +162,10 @@ class HandlerRun:
         #: of earlier handlers of the batch is in it), or None.
         self.before: SessionTransaction | None = None
         self.spoiled = False
+        #: The task the handlers run in: the only one that may join their transaction.
+        self.task = asyncio.current_task()
+        #: The handlers are done: a task they started that is still running may not join.
+        self.ended = False
 
 
 #: The transaction of the handler running in this context (None outside handlers).
@@ -164,8 +179,25 @@ def handler_transaction(context: ConsumeContext) -> tuple[AsyncSession, UnitOfWo
     ``context``'s database (its own outbox's, or another outbox's on the same engine), else
     None: ``outbox.unit_of_work()`` called inside a handler joins them."""
     run = _HANDLER_RUN.get()
-    if run is None or run.uow is None or run.engine is not context.engine:
+    if run is None or run.engine is not context.engine:
         return None
+    if run.ended:
+        raise exceptions.UnitOfWorkError(
+            f"a task started by handler {run.name} while handling {run.message} outlived "
+            "the handler and called outbox.unit_of_work(): the handler's transaction has "
+            "ended (committed with the message's inbox row, or rolled back), and a unit of "
+            "work of the task's own would not go with that row. Await the task inside the "
+            "handler, or publish an event and do the work in a subscriber of it"
+        )
+    if run.uow is None:
+        return None
+    if asyncio.current_task() is not run.task:
+        raise exceptions.UnitOfWorkError(
+            f"handler {run.name} called outbox.unit_of_work() from a second task "
+            f"(asyncio.gather, create_task, a task group) while handling {run.message}: "
+            "the handler's transaction is one session on one connection, which two tasks "
+            "cannot share. Run the blocks one after the other in the handler's task"
+        )
     return run.session, run.uow
 
 
@@ -288,15 +320,27 @@ def harvest_added(uow: UnitOfWork, before: list[Any]) -> list[Any]:
 async def _discard(conn: AsyncConnection, session: AsyncSession | None) -> None:
     """Roll back a subscriber's transaction and give its connection back. The rollback
     comes first (closing the session first would roll back its savepoint: a round trip for
-    nothing). A failure here (the database gone) is only logged: the caller re-raises the
-    error that ended the transaction, which is the one to classify."""
+    nothing). When it fails (the database gone, the rollback cancelled) the connection is
+    invalidated, never given back to the pool: its state is unknown, and the next
+    transaction handed it (another subscriber's, a request's) would fail. The failure is
+    only logged: the caller re-raises the error that ended the transaction, which is the
+    one to classify."""
     try:
         if conn.in_transaction():
             await conn.rollback()
         if session is not None:
             await session.close()
-    except Exception as exc:
-        logger.debug("rollback of a handler's transaction failed: %r", exc)
+    except BaseException as exc:
+        logger.warning(
+            "rollback of a handler's transaction failed; its connection is discarded",
+            extra={"action": "consumer.rollback_failed", "error": repr(exc)[:300]},
+        )
+        try:
+            await conn.invalidate()
+        except Exception:
+            logger.debug("invalidating a handler's connection failed", exc_info=True)
+        if not isinstance(exc, Exception):
+            raise
     finally:
         try:
             await conn.close()
@@ -739,6 +783,7 @@ class Processing:
         finally:
             _HANDLER_RUN.reset(token)
             run.uow = None
+            run.ended = True
         await session.commit()
         if run.spoiled:  # rolled back in a hook of the commit
             raise Spoiled(f"handler {self.options.name}: the session rolled back")

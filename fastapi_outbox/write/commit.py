@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import logging
 from collections.abc import Callable
 from typing import Any
 
+import anyio
 from sqlalchemy import event as sa_event
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -30,7 +32,9 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from fastapi_outbox import exceptions
 from fastapi_outbox.storage import db_outage
 
-__all__ = ["commit"]
+__all__ = ["commit", "roll_back"]
+
+logger = logging.getLogger("fastapi_outbox")
 
 #: Set inside a commit's own task: a one-element list made True when its COMMIT is sent.
 _COMMIT_SENT: contextvars.ContextVar[list[bool] | None] = contextvars.ContextVar(
@@ -98,3 +102,26 @@ def _told(exc: Exception, sent: bool, session: AsyncSession) -> Exception:
         "Look the business rows up before doing the work again (or make it idempotent); "
         "the outbox's events are exactly what the database holds"
     )
+
+
+async def roll_back(session: AsyncSession) -> None:
+    """Roll back a unit of work that failed, keeping the error that ended it: when the
+    rollback itself fails (the connection cut, the rollback cancelled), the session's
+    connection is invalidated — its state is unknown, and back in the pool it would fail
+    the next unit of work handed it — and the rollback's error is only logged (a
+    cancellation of the rollback is raised: it is the caller's)."""
+    try:
+        with anyio.CancelScope(shield=True):
+            await session.rollback()
+    except BaseException as exc:
+        with anyio.CancelScope(shield=True):
+            try:
+                await session.invalidate()
+            except Exception:
+                logger.debug("invalidating a connection failed", exc_info=True)
+        logger.warning(
+            "rollback failed; its connection is discarded",
+            extra={"action": "unit_of_work.rollback_failed", "error": repr(exc)[:300]},
+        )
+        if not isinstance(exc, Exception):
+            raise

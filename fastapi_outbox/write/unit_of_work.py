@@ -43,7 +43,7 @@ from fastapi_outbox.events import (
     uuid7,
 )
 from fastapi_outbox.storage import clock
-from fastapi_outbox.write.commit import commit
+from fastapi_outbox.write.commit import commit, roll_back
 from fastapi_outbox.write.context import WriteContext
 from fastapi_outbox.write.session_events import state_of
 
@@ -287,8 +287,7 @@ async def transaction(
                 yield uow
                 await commit(sess, uow.mark_committed)
             except BaseException:
-                with anyio.CancelScope(shield=True):
-                    await sess.rollback()
+                await roll_back(sess)
                 raise
         else:
             async with sess.begin_nested():

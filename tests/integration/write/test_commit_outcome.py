@@ -132,7 +132,6 @@ async def test_connection_lost_during_commit_is_outcome_unknown(pg_url: str) -> 
     proxy = TcpProxy(5432)
     await proxy.start()
     through_proxy = pg_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}")
-    through_proxy = through_proxy.replace("@127.0.0.1/", f"@127.0.0.1:{proxy.port}/")
     assert str(proxy.port) in through_proxy, through_proxy
     saved: list[UnitOfWork] = []
     try:
