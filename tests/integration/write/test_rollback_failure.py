@@ -23,6 +23,13 @@ class OrderRefused(Exception):
     """The block's own failure."""
 
 
+async def refused_order(outbox: Outbox, proxy: TcpProxy) -> None:
+    async with outbox.unit_of_work() as uow:
+        await uow.session.execute(text("SELECT 1"))
+        await proxy.stop()  # the rollback that follows finds the connection cut
+        raise OrderRefused("out of stock")
+
+
 async def test_a_failed_rollback_keeps_the_error_and_discards_the_connection(pg_url: str) -> None:
     proxy = TcpProxy(5432)
     await proxy.start()
@@ -38,10 +45,7 @@ async def test_a_failed_rollback_keeps_the_error_and_discards_the_connection(pg_
     event.listen(outbox.engine.sync_engine, "invalidate", lambda *args: invalidated.append(args))
     try:
         with pytest.raises(OrderRefused):
-            async with outbox.unit_of_work() as uow:
-                await uow.session.execute(text("SELECT 1"))
-                await proxy.stop()  # the rollback below finds the connection cut
-                raise OrderRefused("out of stock")
+            await refused_order(outbox, proxy)
         assert invalidated  # discarded, not given back to the pool as it was
         await proxy.start()
         failed = 0
