@@ -3,7 +3,8 @@ business row, one event, COMMIT) with the library's commit — run in a task of 
 cancellation of the caller does not interrupt, the COMMIT noted when sent — vs the same unit
 of work committing with a bare ``session.commit()`` (the hand-written baseline), in
 alternating rounds in one process, on PostgreSQL. Prints the median time and CPU per unit
-of work of each and their ratio.
+of work of each and their ratio; then, without a database (no I/O noise), the CPU the
+commit's own task and shield add to one awaited coroutine.
 
     python benchmarks/commit_outcome.py            # 6 rounds of 2,000 units of work each way
     python benchmarks/commit_outcome.py --quick    # 2 rounds of 300
@@ -91,8 +92,39 @@ async def main(rounds: int, count: int) -> None:
     print("per-round wall µs:", {k: [round(w) for w, _ in v] for k, v in results.items()})
 
 
+async def task_overhead(rounds: int, count: int) -> None:
+    """CPU µs the library's way of awaiting a commit adds (a task, ``asyncio.shield``, the
+    context variable) to awaiting the same coroutine directly: alternating rounds."""
+
+    async def work() -> None:
+        await asyncio.sleep(0)
+
+    async def direct() -> None:
+        await work()
+
+    async def shielded() -> None:
+        task = asyncio.get_running_loop().create_task(work())
+        await asyncio.shield(task)
+
+    results: dict[str, list[float]] = {"direct": [], "task + shield": []}
+    for _ in range(rounds):
+        for name, way in (("direct", direct), ("task + shield", shielded)):
+            cpu = time.process_time()
+            for _ in range(count):
+                await way()
+            results[name].append((time.process_time() - cpu) / count * 1e6)
+    base = median(results["direct"])
+    print(
+        table(
+            ["await", "cpu µs", "added µs"],
+            [[k, f"{median(v):.1f}", f"{median(v) - base:.1f}"] for k, v in results.items()],
+        )
+    )
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="2 rounds of 300")
     args = parser.parse_args()
     asyncio.run(main(2, 300) if args.quick else main(6, 2000))
+    asyncio.run(task_overhead(3 if args.quick else 7, 20_000))
