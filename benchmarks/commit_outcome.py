@@ -18,11 +18,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks._common import banner, bench_database, fmt, machine_note, median, table
 from sqlalchemy import Integer
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from benchmarks._common import banner, bench_database, fmt, machine_note, median, table
 from fastapi_outbox import Event, Outbox, OutboxSettings
 from fastapi_outbox.brokers import MemoryBroker
 from fastapi_outbox.write import unit_of_work as uow_module
