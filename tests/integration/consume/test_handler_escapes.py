@@ -14,6 +14,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -166,60 +167,99 @@ async def test_a_base_exception_dead_letters_its_message_and_the_rest_goes_on(
         assert "Fatal" in letters[0].error and sub.name in letters[0].error
 
 
-@pytest.mark.postgres
-async def test_keyboard_interrupt_stops_cleanly_releasing_in_flight(
-    request: pytest.FixtureRequest,
-) -> None:
-    """A handler raising KeyboardInterrupt still stops the process; the messages in other
-    handlers are released uncharged, and a restarted consumer handles all five."""
-    broker = MemoryBroker()
-    pg_url = str(request.getfixturevalue("pg_url"))
-    group = unique("g")
-    entered: set[int] = set()
-    interrupt = True
+#: The process of the KeyboardInterrupt test: five messages in five handlers, the fourth
+#: raises KeyboardInterrupt once all five are in.
+INTERRUPTED_APP = """
+import asyncio, logging, sys
+from fastapi_outbox import Event, Outbox, OutboxSettings, UnitOfWork
+from fastapi_outbox.brokers import RedisStreamsBroker
 
+
+class Job(Event, stream=sys.argv[3]):
+    n: int
+
+
+async def main():
+    logging.basicConfig(level=logging.INFO)
+    outbox = Outbox(sys.argv[1], brokers={"default": RedisStreamsBroker(sys.argv[2])},
+                    settings=OutboxSettings(poll_interval_seconds=0.05))
+    await outbox.create_tables()
+    entered = set()
+
+    @outbox.subscriber(sys.argv[3], group=sys.argv[4], start="all", batch=False)
     async def handle(job: Job, uow: UnitOfWork) -> None:
         entered.add(job.n)
-        if job.n == 3 and interrupt:
-            await wait_until(lambda: len(entered) == 5)
+        while len(entered) < 5:
+            await asyncio.sleep(0.01)
+        if job.n == 3:
             raise KeyboardInterrupt
-        if interrupt:
-            await asyncio.Event().wait()  # held until the stop cancels it
+        await asyncio.Event().wait()
 
-    outbox = Outbox(pg_url, brokers={"default": broker}, settings=settings())
-    await outbox.create_tables()
-    outbox.subscriber(Job.__outbox_stream__, group=group, start="all", batch=False)(handle)
-    stopped_by: BaseException | None = None
+    async with outbox.dispatcher():
+        async with outbox.unit_of_work() as uow:
+            for n in range(5):
+                uow.publish(Job(n=n))
+        await asyncio.Event().wait()
+
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.postgres
+@pytest.mark.redis
+async def test_keyboard_interrupt_stops_the_process_releasing_in_flight(
+    request: pytest.FixtureRequest, tmp_path: Any
+) -> None:
+    """A handler raising KeyboardInterrupt still stops its process (a subprocess: asyncio
+    lets it out of the event loop); its in-flight messages are released, so another
+    consumer of the group handles all five at once, not after claim_idle_seconds (60 s),
+    and none is dead-lettered."""
+    pg_url = str(request.getfixturevalue("pg_url"))
+    redis_url = str(request.getfixturevalue("redis_url"))
+    stream, group = unique("escapes_ki"), unique("g")
+    script = tmp_path / "interrupted.py"
+    script.write_text(INTERRUPTED_APP)
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, str(script), pg_url, redis_url, stream, group,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    _, stderr = await asyncio.wait_for(process.communicate(), 60)
+    assert process.returncode != 0
+    assert b"KeyboardInterrupt" in stderr
+    assert b"released unfinished messages" in stderr, stderr.decode()[-2000:]
+
+    class Job(Event, stream=stream):
+        n: int
+
+    from fastapi_outbox.brokers import RedisStreamsBroker
+
+    # claim_idle_seconds left at its default (60 s): only released entries come back at once.
+    outbox = Outbox(
+        pg_url,
+        brokers={"default": RedisStreamsBroker(redis_url)},
+        settings=OutboxSettings(poll_interval_seconds=0.05, shutdown_timeout_seconds=2.0),
+    )
+    handled: set[int] = set()
+
+    @outbox.subscriber(stream, group=group, start="all", batch=False)
+    async def handle(job: Job, uow: UnitOfWork) -> None:
+        handled.add(job.n)
+
+    sub = outbox.subscribers[0]
     try:
-        try:
-            async with outbox.dispatcher():
-                await publish_jobs(outbox, 5)
-                await asyncio.Event().wait()
-        except BaseException as exc:  # what the process's runner gets
-            stopped_by = exc
-        assert isinstance(stopped_by, BaseExceptionGroup | KeyboardInterrupt)
-        if isinstance(stopped_by, BaseExceptionGroup):
-            assert stopped_by.subgroup(KeyboardInterrupt) is not None
-        sub = outbox.subscribers[0]
-        assert not sub.running and sub.stats.handled == 0
+        async with outbox.dispatcher():
+            await wait_until(lambda: len(handled) == 5, timeout=15)
+        assert sub.stats.dead_lettered == 0
     finally:
         await outbox.aclose()
-    # The restarted process: every message again, each on its first attempt (released, not
-    # charged), none dead-lettered.
-    interrupt = False
-    again = Outbox(pg_url, brokers={"default": broker}, settings=settings())
+        import redis.asyncio as aioredis
 
-    @again.subscriber(Job.__outbox_stream__, group=group, start="all", batch=False)
-    async def handle_again(job: Job, uow: UnitOfWork) -> None:
-        await handle(job, uow)
-
-    try:
-        sub = again.subscribers[0]
-        async with again.dispatcher():
-            await wait_until(lambda: sub.stats.handled == 5, timeout=10)
-        assert sub.stats.dead_lettered == 0 and sub.stats.failures == 0
-    finally:
-        await again.aclose()
+        client = aioredis.Redis.from_url(redis_url)
+        keys = [k async for k in client.scan_iter(match=f"{stream}*")]
+        if keys:
+            await client.delete(*keys)
+        await client.aclose()
 
 
 class DyingAck(MemoryBroker):
