@@ -111,8 +111,8 @@ class NatsConnection:
         #: nats-py's command buffer and its flush (``_send_command`` / ``_flush_pending``).
         self._buffer: tuple[Any, Any] | None = None
         self._buffer_allowed = True
-        #: What the server said when it last refused our login (None: it did not, or a
-        #: later error of another kind came since).
+        #: What the server said when it last refused our login (None: it did not, or the
+        #: client connected, or the server could not be reached, since).
         self.refused_login: str | None = None
 
     def __repr__(self) -> str:
@@ -214,6 +214,7 @@ class NatsConnection:
                 return
             if self._nc is None:
                 self._nc = await self._open_client()
+                self.refused_login = None
             self._js = self._nc.jetstream(timeout=self.ack_timeout_seconds)
             send = getattr(self._nc, "_send_command", None)
             flush = getattr(self._nc, "_flush_pending", None)
@@ -233,8 +234,10 @@ class NatsConnection:
         async def on_error(exc: Exception) -> None:
             # nats-py retries a refused login until the connect times out: what the server
             # said is only seen here, and decides what the timeout means.
-            refused = is_authentication_failure(exc)
-            self.refused_login = f"{type(exc).__name__}: {exc}" if refused else None
+            if is_authentication_failure(exc):
+                self.refused_login = f"{type(exc).__name__}: {exc}"
+            elif isinstance(exc, OSError):  # the server is gone: no longer a refused login
+                self.refused_login = None
             logger.debug(
                 "nats client error",
                 extra={"action": "broker.error", "error": safe_error(exc)},
