@@ -91,6 +91,21 @@ def commit_with(conn: Connection, sql: str) -> Any:
     return carrying
 
 
+def _begin(conn: Connection) -> bool:
+    """Begin the transaction SQLAlchemy's asyncpg adapter begins lazily before its first
+    statement (the session's commit writes the outbox rows first when the unit of work
+    wrote nothing else): the adapter's own BEGIN, so its commit and rollback see it. False
+    when the adapter is not the one this expects (the caller takes SQLAlchemy's path)."""
+    adapter = conn.connection.dbapi_connection
+    start = getattr(adapter, "_start_transaction", None)
+    if start is None or getattr(adapter, "_transaction", False) is not None:
+        return False
+    if getattr(adapter, "isolation_level", None) == "autocommit":
+        return False
+    await_only(start())
+    return bool(conn.connection.driver_connection.is_in_transaction())
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Held:
     """A pooled connection held for a long session (:meth:`Connector.held`): ``driver`` is
@@ -247,7 +262,9 @@ class Connector:
         if not (is_postgres(conn) and uses_asyncpg(conn)):
             return False
         driver = conn.connection.driver_connection
-        if driver is None or not driver.is_in_transaction():
+        if driver is None:
+            return False
+        if not driver.is_in_transaction() and not _begin(conn):
             return False
         sql, order = self._insert_sql(conn, stmt, keys)
         if len(params) == 1:
