@@ -103,7 +103,8 @@ def _begin(conn: Connection) -> bool:
     if getattr(adapter, "isolation_level", None) == "autocommit":
         return False
     await_only(start())
-    return bool(conn.connection.driver_connection.is_in_transaction())
+    driver = conn.connection.driver_connection
+    return driver is not None and bool(driver.is_in_transaction())
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
