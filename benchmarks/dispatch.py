@@ -599,6 +599,13 @@ class Latency:
     worst: float
     errors: int
     producer_us: float
+    #: From the start of the producer's transaction (before ``unit_of_work()``) to the
+    #: reader's receipt, and the transaction itself (start to commit), p50 / p99 ms.
+    start_p50: float = float("nan")
+    start_p99: float = float("nan")
+    txn_p50: float = float("nan")
+    #: The producer process's CPU over the run, in % of one core.
+    producer_cpu_pct: float = float("nan")
 
 
 async def latency_suite(
@@ -675,6 +682,9 @@ async def latency_suite(
         commits: dict[str, float] = prod["commits"]
         received: dict[str, float] = cons["received"]
         lat = [1000 * (received[m] - t) for m, t in commits.items() if m in received]
+        starts: dict[str, float] = prod.get("starts", {})
+        from_start = [1000 * (received[m] - t) for m, t in starts.items() if m in received]
+        txn = [1000 * (commits[m] - t) for m, t in starts.items() if m in commits]
         out.append(
             Latency(
                 mode=mode,
@@ -687,9 +697,20 @@ async def latency_suite(
                 worst=max(lat) if lat else float("nan"),
                 errors=prod["errors"],
                 producer_us=1e6 * prod["cpu"] / max(1, len(commits)),
+                start_p50=percentile(from_start, 50),
+                start_p99=percentile(from_start, 99),
+                txn_p50=percentile(txn, 50),
+                producer_cpu_pct=100 * prod["cpu"] / max(prod["elapsed"], 1e-9),
             )
         )
-        print(f"  latency, {mode}: p50 {out[-1].p50:.1f} ms, p99 {out[-1].p99:.1f} ms", flush=True)
+        r = out[-1]
+        print(
+            f"  latency, {mode}: commit -> reader p50 {r.p50:.1f} ms, p99 {r.p99:.1f} ms;"
+            f" transaction start -> reader p50 {r.start_p50:.1f} ms, p99 {r.start_p99:.1f} ms;"
+            f" producer transaction p50 {r.txn_p50:.2f} ms, producer CPU"
+            f" {r.producer_cpu_pct:.0f} %",
+            flush=True,
+        )
     return out
 
 
@@ -700,7 +721,8 @@ def print_latency(results: list[Latency], args: argparse.Namespace) -> None:
         table(
             [
                 *("dispatcher", "sent", "received", "msg/s", "p50 ms", "p90 ms", "p99 ms"),
-                *("max ms", "producer us/msg"),
+                *("max ms", "producer us/msg", "start->reader p50/p99 ms", "txn p50 ms"),
+                "producer CPU %",
             ],
             [
                 [
@@ -713,6 +735,9 @@ def print_latency(results: list[Latency], args: argparse.Namespace) -> None:
                     fmt(r.p99, 1),
                     fmt(r.worst, 1),
                     fmt(r.producer_us),
+                    f"{r.start_p50:.1f} / {r.start_p99:.1f}",
+                    fmt(r.txn_p50, 2),
+                    fmt(r.producer_cpu_pct),
                 ]
                 for r in results
             ],

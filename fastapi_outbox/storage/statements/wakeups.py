@@ -37,8 +37,8 @@ def notify_with_commit(channel: str, payload: str) -> str:
     Literals, not parameters (a simple query takes none): the channel comes from a
     validated table name and the payload is an instance id, quoted all the same."""
     return (
-        " SET LOCAL synchronous_commit TO off;"
-        f" SELECT pg_notify({_literal(channel)}, {_literal(payload)});"
+        " SELECT set_config('synchronous_commit', 'off', true),"
+        f" pg_notify({_literal(channel)}, {_literal(payload)});"
     )
 
 
