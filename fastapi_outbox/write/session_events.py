@@ -74,7 +74,7 @@ from fastapi_outbox.aggregates import (
 from fastapi_outbox.events import Event, Message
 from fastapi_outbox.storage.connector import commit_with
 
-__all__ = ["CARRY_KEY", "JOINED_KEY", "STATE_KEY", "SessionState", "Sink", "state_of"]
+__all__ = ["JOINED_KEY", "STATE_KEY", "SessionState", "Sink", "state_of"]
 
 #: ``session.info`` key of the :class:`SessionState`.
 STATE_KEY = "fastapi_outbox.state"
@@ -83,7 +83,7 @@ STATE_KEY = "fastapi_outbox.state"
 JOINED_KEY = "fastapi_outbox.joined"
 #: ``Connection.info`` key of the NOTIFYs the connection's next COMMIT carries
 #: (:class:`_Carried`), set when the rows are written, cleared at the transaction's end.
-CARRY_KEY = "fastapi_outbox.carry"
+_CARRY_KEY = "fastapi_outbox.carry"
 
 
 class Sink(Protocol):
@@ -287,7 +287,7 @@ class SessionState:
                 sql = sink.notify_with_commit(written)
                 if sql is not None:
                     carried = self.carried[sink] = _Carried(sql)
-                    connection.info.setdefault(CARRY_KEY, []).append(carried)
+                    connection.info.setdefault(_CARRY_KEY, []).append(carried)
         self.queued = kept
         if self.raised:
             written_rows = {id(row) for rows in batches.values() for row in rows}
@@ -444,7 +444,7 @@ def _after_commit(session: Session) -> None:
 @sa_event.listens_for(Engine, "commit")
 def _carry_notify(connection: Connection) -> None:
     """The connection is about to COMMIT: the NOTIFYs noted on it go in the same round trip."""
-    carried: list[_Carried] | None = connection.info.pop(CARRY_KEY, None)
+    carried: list[_Carried] | None = connection.info.pop(_CARRY_KEY, None)
     if carried:
         handle = commit_with(connection, "".join(c.sql for c in carried))
         for c in carried:
@@ -453,7 +453,7 @@ def _carry_notify(connection: Connection) -> None:
 
 @sa_event.listens_for(Engine, "rollback")
 def _carry_nothing(connection: Connection) -> None:
-    connection.info.pop(CARRY_KEY, None)
+    connection.info.pop(_CARRY_KEY, None)
 
 
 @sa_event.listens_for(Pool, "checkin")
@@ -461,7 +461,7 @@ def _carry_nothing_further(dbapi_connection: Any, record: Any) -> None:
     # A connection given back without a commit or a rollback event (invalidated, reset by
     # the pool) must not carry a NOTIFY into whoever checks it out next.
     if record is not None:
-        record.info.pop(CARRY_KEY, None)
+        record.info.pop(_CARRY_KEY, None)
 
 
 @sa_event.listens_for(Session, "after_soft_rollback")

@@ -672,6 +672,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
     "fastapi_outbox.storage.connector": {
         "Connector",
         "Held",
+        "commit_with",
         "row_count",
     },
     "fastapi_outbox.storage.db_outage": {
@@ -871,6 +872,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
     "fastapi_outbox.storage.statements.wakeups": {
         "NOTIFY_SQL",
         "notify",
+        "notify_with_commit",
     },
     "fastapi_outbox.storage.statements.wal": {
         "ADVANCE_SQL",
