@@ -32,6 +32,10 @@ from tests.servers import WireTap
 
 pytestmark = pytest.mark.postgres
 
+#: One pooled connection, used over and over: warmed once, its prepared statements cached
+#: (one more may overflow when something else holds it; it is not kept).
+ONE = {"pool_size": 1, "max_overflow": 1}
+
 
 @pytest.fixture
 async def tap(pg_url: str) -> AsyncIterator[tuple[WireTap, str]]:
@@ -65,7 +69,9 @@ async def test_a_unit_of_work_sends_the_insert_and_the_commit_nothing_else(
 ) -> None:
     proxy, url = tap
     # A script without a lifespan: no dispatcher here, so other processes must be woken.
-    outbox = Outbox(url, brokers={"default": MemoryBroker()}, settings=OutboxSettings())
+    outbox = Outbox(
+        url, brokers={"default": MemoryBroker()}, settings=OutboxSettings(), engine_options=ONE
+    )
     await outbox.create_tables()
     listener, received = await listen(pg_url, outbox.channel)
     try:
@@ -131,6 +137,7 @@ async def test_the_request_dependency_sends_the_insert_and_the_commit_nothing_el
         url,
         brokers={"default": MemoryBroker()},
         settings=OutboxSettings(run_dispatchers=False),
+        engine_options=ONE,
     )
     await outbox.create_tables()
     app = FastAPI(lifespan=outbox.lifespan)
