@@ -157,10 +157,15 @@ async def test_the_request_dependency_sends_the_insert_and_the_commit_nothing_el
             for _ in range(3):
                 assert (await client.post("/orders")).status_code == 201
             mark = proxy.mark()
-            assert (await client.post("/orders")).status_code == 201
+            # Two requests: a wake-up sent off the request's path (a NOTIFY sender of the
+            # lifespan's, on a connection of its own) after the first would show by the end
+            # of the second.
+            for _ in range(2):
+                assert (await client.post("/orders")).status_code == 201
             trips = proxy.since(mark)
         assert [[shape(t) for t in conn] for conn in trips] == [
-            ["BEGIN", "INSERT INTO outbox_messages", "COMMIT"]
+            ["BEGIN", "INSERT INTO outbox_messages", "COMMIT"] * 2
         ]
+        assert all("pg_notify" in conn[2] and "pg_notify" in conn[5] for conn in trips)
     finally:
         await outbox.aclose()
