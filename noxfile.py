@@ -84,6 +84,7 @@ def bench(session: nox.Session) -> None:
         "scale",
         "wal",
         "consume",
+        "e2e",
     ]
     for script in scripts:
         session.run("python", f"benchmarks/{script}.py")
