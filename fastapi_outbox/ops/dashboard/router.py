@@ -13,8 +13,15 @@ cookie and writes the same token into the page; an action must carry it in the
 nor send that header or a JSON body without a CORS preflight, which this router never
 grants.
 
+Where it is served: the paths above are the router's own. Every link, script, style sheet,
+refresh URL and the CSRF cookie's path are computed per request from where the page was
+actually reached — ``root_path`` (``app.mount``, a proxy's ``--root-path``) plus any prefix
+the router was included under — so the dashboard works under ``include_router(...,
+prefix="/billing")``, inside a mounted app and behind a proxy, and two outboxes' dashboards
+in one app each link to and act on their own outbox only.
+
 Operator identity: the guard may set ``request.state.outbox_operator`` (a user name, say);
-every action is logged with it.
+every action is logged with it (escaped: a line break in it cannot forge a log line).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import datetime as dt
 import hmac
 import json
 import logging
+import re
 import secrets
 import uuid
 from collections.abc import Sequence
@@ -30,6 +38,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
+from starlette._utils import get_route_path
 from fastapi.responses import FileResponse, HTMLResponse
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from markupsafe import Markup
@@ -42,6 +51,7 @@ from fastapi_outbox.redaction import redact
 
 logger = logging.getLogger("fastapi_outbox.dashboard")
 
+#: The router's own prefix; pages find where they are served with :func:`served_at`.
 PREFIX = "/outbox/dashboard"
 CSRF_COOKIE = "outbox_dashboard_csrf"
 CSRF_HEADER = "X-Outbox-CSRF"
@@ -72,6 +82,8 @@ _DEAD_LETTER_RESPONSES: dict[int | str, dict[str, Any]] = {
     409: {"description": "Stale dead letters: confirm with force."},
     503: {"description": "The consumer group's broker is unavailable."},
 }
+#: What ``secrets.token_urlsafe`` produces: the only CSRF tokens compared.
+_TOKEN = re.compile(r"[A-Za-z0-9_\-]{16,128}")
 _STATIC = {
     "dashboard.css": "text/css",
     "dashboard.js": "text/javascript",
@@ -174,10 +186,13 @@ class _Pages:
     def __init__(self, show_payloads: bool) -> None:
         self.show_payloads = show_payloads
 
-    def render(self, request: Request, template: str, **context: Any) -> HTMLResponse:
-        token = request.cookies.get(CSRF_COOKIE) or secrets.token_urlsafe(32)
+    def render(self, request: Request, suffix: str, template: str, **context: Any) -> HTMLResponse:
+        """``suffix``: the part of the request's path after the dashboard's base (``""``
+        for the overview, ``"/messages"``...), to find the base it was reached under."""
+        base = served_at(request, suffix)
+        token = _csrf_cookie(request) or secrets.token_urlsafe(32)
         html = _templates.get_template(template).render(
-            prefix=PREFIX,
+            prefix=base,
             csrf=token,
             refresh_seconds=REFRESH_SECONDS,
             show_payloads=self.show_payloads,
@@ -190,16 +205,35 @@ class _Pages:
             "frame-ancestors 'none'; form-action 'self'"
         )
         response.headers["X-Content-Type-Options"] = "nosniff"
-        if request.cookies.get(CSRF_COOKIE) != token:
-            response.set_cookie(CSRF_COOKIE, token, httponly=True, samesite="strict", path=PREFIX)
+        if _csrf_cookie(request) != token:
+            response.set_cookie(CSRF_COOKIE, token, httponly=True, samesite="strict", path=base)
         return response
 
 
+def served_at(request: Request, suffix: str) -> str:
+    """The dashboard's base path as the browser sees it: the request's public path
+    (``root_path`` of a mount or a proxy, then the path routed here) less ``suffix``."""
+    scope = request.scope
+    path = scope.get("root_path", "") + get_route_path(scope)
+    if suffix and path.endswith(suffix):
+        path = path[: -len(suffix)]
+    return path.rstrip("/")
+
+
+def _csrf_cookie(request: Request) -> str | None:
+    """The CSRF cookie when it is a token this router could have set (URL-safe ASCII):
+    anything else is ignored, and a fresh token replaces it."""
+    value = request.cookies.get(CSRF_COOKIE)
+    return value if value and _TOKEN.fullmatch(value) else None
+
+
 async def _check_csrf(request: Request) -> None:
-    """Every action: the double-submit token in its header, and a JSON body."""
-    cookie = request.cookies.get(CSRF_COOKIE, "")
+    """Every action: the double-submit token in its header, and a JSON body. Headers are
+    read as Latin-1 by Starlette: a token with any byte outside URL-safe ASCII is refused
+    (403) before it is compared, since ``hmac.compare_digest`` raises on non-ASCII text."""
+    cookie = _csrf_cookie(request) or ""
     header = request.headers.get(CSRF_HEADER, "")
-    if not cookie or not hmac.compare_digest(cookie, header):
+    if not cookie or not _TOKEN.fullmatch(header) or not hmac.compare_digest(cookie, header):
         raise HTTPException(403, f"missing or wrong {CSRF_HEADER} header (CSRF check)")
     if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
         raise HTTPException(415, "actions take a JSON body (application/json)")
@@ -244,11 +278,13 @@ def _overview_data(view: operations.Overview) -> dict[str, Any]:
 def _overview_routes(router: APIRouter, outbox: OutboxPort, pages: _Pages) -> None:
     @router.get("", response_class=HTMLResponse, summary="Dashboard overview")
     async def overview_page(request: Request) -> HTMLResponse:
-        return pages.render(request, "overview.html", **await _overview_context(outbox))
+        return pages.render(request, "", "overview.html", **await _overview_context(outbox))
 
     @router.get("/fragments/overview", response_class=HTMLResponse, include_in_schema=False)
     async def overview_fragment(request: Request) -> HTMLResponse:
-        return pages.render(request, "_overview.html", **await _overview_context(outbox))
+        return pages.render(
+            request, "/fragments/overview", "_overview.html", **await _overview_context(outbox)
+        )
 
     @router.get("/api/overview", summary="Dashboard overview data")
     async def overview_data() -> dict[str, Any]:
@@ -308,6 +344,7 @@ def _message_routes(router: APIRouter, outbox: OutboxPort, pages: _Pages) -> Non
         next_page = {**query, "before": str(rows[-1]["id"])} if len(rows) == limit else None
         return pages.render(
             request,
+            "/messages",
             "messages.html",
             rows=rows,
             filters=filters,
@@ -331,7 +368,9 @@ def _message_routes(router: APIRouter, outbox: OutboxPort, pages: _Pages) -> Non
             message = await operations.show(outbox, mid, reveal=pages.show_payloads)
         except exceptions.MessageNotFound as exc:
             raise HTTPException(404, str(exc)) from exc
-        return pages.render(request, "message.html", **_message_context(message, pages))
+        return pages.render(
+            request, f"/messages/{message_id}", "message.html", **_message_context(message, pages)
+        )
 
 
 def _message_context(message: dict[str, Any], pages: _Pages) -> dict[str, Any]:
