@@ -38,11 +38,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
-from starlette._utils import get_route_path
 from fastapi.responses import FileResponse, HTMLResponse
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from markupsafe import Markup
 from pydantic import BaseModel, Field
+from starlette._utils import get_route_path
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.ops import operations
@@ -214,7 +214,7 @@ def served_at(request: Request, suffix: str) -> str:
     """The dashboard's base path as the browser sees it: the request's public path
     (``root_path`` of a mount or a proxy, then the path routed here) less ``suffix``."""
     scope = request.scope
-    path = scope.get("root_path", "") + get_route_path(scope)
+    path: str = scope.get("root_path", "") + get_route_path(scope)
     if suffix and path.endswith(suffix):
         path = path[: -len(suffix)]
     return path.rstrip("/")
