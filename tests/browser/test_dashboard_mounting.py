@@ -25,7 +25,7 @@ from tests.conftest import unique, wait_until
 pytestmark = pytest.mark.postgres
 
 #: Screenshots of each shape, for a person to look at (not compared).
-SHOTS = Path("/tmp/outbox-dashboard-shots")
+SHOTS = Path("/tmp/outbox-dashboard-shots")  # Playwright makes the folder
 
 
 @pytest.fixture
@@ -81,7 +81,6 @@ async def replay_all_from(page: Any, url: str, stream: str, expected_base: str) 
     await row.locator("button[data-action=replay]").click()
     await page.locator("#flash").wait_for()
     assert "Replayed 1 message(s)." in await page.locator("#flash").inner_text()
-    SHOTS.mkdir(exist_ok=True)
     await page.screenshot(path=str(SHOTS / f"{expected_base.strip('/').replace('/', '_')}.png"))
 
 

@@ -4,6 +4,7 @@ body (never a bare 500), and leaves nothing: the same all-or-nothing outcome as 
 from __future__ import annotations
 
 import uuid
+
 import httpx
 import pytest
 from fastapi import FastAPI
