@@ -411,7 +411,8 @@ class Outbox:
 
     @property
     def dashboard_router(self) -> Any:
-        """The operator dashboard at ``/outbox/dashboard`` (:mod:`fastapi_outbox.ops.dashboard`),
+        """The operator dashboard at ``/outbox/dashboard`` under wherever it is included or
+        mounted (:mod:`fastapi_outbox.ops.dashboard`),
         guarded by ``dashboard_dependencies``. Refused without a guard, so no deployment
         exposes replay and abandon by accident: pass ``dashboard_dependencies=[]`` to serve
         it unguarded on purpose (a trusted network)."""
