@@ -35,7 +35,7 @@ import secrets
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
 from fastapi.responses import FileResponse, HTMLResponse
@@ -129,11 +129,15 @@ _templates.filters["age"] = _age
 _templates.filters["when"] = _when
 
 
+#: Text a database can store and a log line can carry: no NUL (PostgreSQL refuses it in text).
+_STORABLE = r"^[^\x00]*$"
+
+
 class Ids(BaseModel):
     """Messages an action applies to."""
 
     ids: list[uuid.UUID] = Field(default_factory=list, max_length=1000)
-    reason: str | None = Field(default=None, max_length=500)
+    reason: str | None = Field(default=None, max_length=500, pattern=_STORABLE)
 
 
 class ReplayRequest(Ids):
@@ -141,7 +145,7 @@ class ReplayRequest(Ids):
     ``count`` of them, the number the operator confirmed."""
 
     all_abandoned: bool = False
-    stream: str | None = Field(default=None, max_length=255)
+    stream: str | None = Field(default=None, max_length=255, pattern=_STORABLE)
     count: int | None = Field(default=None, ge=0)
 
 
@@ -149,9 +153,11 @@ class DeadLetterReplay(BaseModel):
     """Dead letters of one consumer group to put back on its stream: all of them, or the
     entries ``entry_ids``."""
 
-    stream: str = Field(min_length=1, max_length=255)
-    group: str = Field(min_length=1, max_length=255)
-    entry_ids: list[str] | None = Field(default=None, max_length=1000)
+    stream: str = Field(min_length=1, max_length=255, pattern=_STORABLE)
+    group: str = Field(min_length=1, max_length=255, pattern=_STORABLE)
+    entry_ids: list[Annotated[str, Field(max_length=255, pattern=_STORABLE)]] | None = Field(
+        default=None, max_length=1000
+    )
     force: bool = Field(
         default=False,
         description="Also dead letters older than inbox_retention_seconds (refused with 409 "
@@ -334,6 +340,10 @@ def _message_routes(router: APIRouter, outbox: OutboxPort, pages: _Pages) -> Non
             "archived": "1" if archived else None,
         }
         list_rows = operations.list_archived if archived else operations.list_messages
+        for name, value in filters.items():
+            if value is not None and "\x00" in value:
+                # PostgreSQL stores no NUL in text: refused here, not a driver error (500).
+                raise HTTPException(400, f"{name}: a NUL character is not allowed")
         try:
             where = _message_filter(filters)
             before_id = _uuid("before", before) if before else None

@@ -94,6 +94,16 @@ async def test_dashboard_actions_with_hostile_operator_names_and_headers(
             )
             assert answer.status_code == 403
             client.cookies.update(cookie_jar)
+            # A NUL in a filter or an action's text: refused (PostgreSQL stores none), no 500.
+            for query in ("stream=a%00b", "key=%00", "type=x%00"):
+                answer = await client.get(f"/outbox/dashboard/messages?{query}")
+                assert answer.status_code == 400, query
+            answer = await client.post(
+                "/outbox/dashboard/api/replay",
+                json={"all_abandoned": True, "stream": "a\x00b", "count": 1},
+                headers={CSRF_HEADER: token.group(1)},
+            )
+            assert answer.status_code == 422
             with caplog.at_level(logging.INFO, logger="fastapi_outbox"):
                 done = await client.post(
                     url,
