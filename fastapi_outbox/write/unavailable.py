@@ -38,10 +38,15 @@ async def unavailable(exc: Exception, engine: Any, *, committing: bool) -> HTTPE
     had returned and the error came from the COMMIT."""
     if isinstance(exc, HTTPException):
         return None
+    # The unit of work may restate a lost COMMIT as an error of its own, chained to the
+    # driver's: the driver's error is what says whether the database went away.
+    cause = exc.__cause__ if isinstance(exc, exceptions.UnitOfWorkError) else None
     if isinstance(exc, exceptions.BrokerUnavailable):
         detail = BROKER_DOWN
     elif engine is not None and await is_outage(exc, engine):
         detail = UNKNOWN_OUTCOME if committing else NOT_SAVED
+    elif engine is not None and committing and cause is not None and await is_outage(cause, engine):
+        detail = UNKNOWN_OUTCOME
     else:
         return None
     return HTTPException(503, detail, headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
