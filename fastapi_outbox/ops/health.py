@@ -237,7 +237,7 @@ async def compute_health(outbox: OutboxPort) -> OutboxHealth:
     probe = outbox.database_probe
     try:
         with anyio.fail_after(HEALTH_TIMEOUT_SECONDS):
-            stats = await probe.store.stats(outbox.all_brokers, ordered=outbox.settings.ordered)
+            stats = await probe.stats(outbox.all_brokers, ordered=outbox.settings.ordered)
         database_ok = True
     except Exception as exc:
         # The type only: a driver's message can quote the URL.

@@ -12,6 +12,7 @@ of its connections are in use, and how long one took to get (``busy`` past a bou
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import anyio
@@ -19,7 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import AsyncAdaptedQueuePool, QueuePool
 from sqlalchemy.sql.schema import Table
 
-from fastapi_outbox.storage.store import Store
+from fastapi_outbox.storage.store import BrokerStats, Store
 
 __all__ = ["POOL_PROBE_SECONDS", "DatabaseProbe", "PoolUsage"]
 
@@ -75,6 +76,20 @@ class DatabaseProbe:
                 self._store = Store(self._own, self._table)
         return self._store
 
+    async def stats(self, brokers: Iterable[str], *, ordered: bool) -> dict[str, BrokerStats]:
+        """:meth:`Store.stats` on health's own connection. Its kept connection may have died
+        while idle (the database restarted since the last check): on an error it is tried
+        once more, on a new connection, so the first check after an outage does not report
+        the database down when it is back. (No pre-ping: it would cost round trips on every
+        check to save one on the rare dead connection.)"""
+        try:
+            return await self.store.stats(brokers, ordered=ordered)
+        except Exception:
+            if self._own is None:
+                raise
+            await self._own.dispose()  # drops the dead connection, keeps the engine
+            return await self.store.stats(brokers, ordered=ordered)
+
     async def pool_usage(self, limit: float = POOL_PROBE_SECONDS) -> PoolUsage:
         """Check a connection of the application's pool out and back in (no statement),
         bounded by ``limit``: the wait a request would see now."""
@@ -111,7 +126,6 @@ def _own_engine(engine: AsyncEngine) -> AsyncEngine:
         pool._creator,
         pool_size=1,
         max_overflow=0,
-        pre_ping=True,  # after an outage its kept connection is dead: find out, reconnect
         dialect=engine.dialect,
     )
     return create_async_engine(engine.url, pool=own_pool)

@@ -22,7 +22,7 @@ from fastapi_outbox import Message, Outbox, OutboxSettings
 from fastapi_outbox.brokers import MemoryBroker
 from fastapi_outbox.ops import health
 from tests.browser.conftest import live_server
-from tests.conftest import unique
+from tests.conftest import unique, wait_until
 from tests.servers import TcpProxy
 
 pytestmark = pytest.mark.postgres
@@ -113,13 +113,21 @@ async def test_an_exhausted_pool_is_busy_never_database_down(
                 live = await client.get("/outbox/health/live")
                 assert live.status_code == 200 and live.json()["status"] == "ok"
         async with live_server(app) as base, httpx.AsyncClient(base_url=base) as client:
-            freed = (await client.get("/outbox/health")).json()
-            assert freed["database"] == "ok" and freed["pool"]["wait_seconds"] is not None
+            freed: dict[str, Any] = {}
+
+            async def computed_after_release() -> bool:  # the busy answer stays cached 0.5 s
+                freed.update((await client.get("/outbox/health")).json())
+                return bool(freed["database"] == "ok")
+
+            await wait_until(computed_after_release, timeout=10)
+            assert freed["pool"]["wait_seconds"] is not None
     finally:
         await outbox.aclose()
 
 
-async def test_a_database_outage_fails_readiness_not_liveness(pg_url: str) -> None:
+async def test_a_database_outage_fails_readiness_not_liveness(
+    pg_url: str, computations: list[float]
+) -> None:
     proxy = TcpProxy(5432)
     await proxy.start()
     outbox = api_only(pg_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}"))
@@ -129,15 +137,39 @@ async def test_a_database_outage_fails_readiness_not_liveness(pg_url: str) -> No
     try:
         async with live_server(app) as base, httpx.AsyncClient(base_url=base) as client:
             assert (await client.get("/outbox/health/ready")).status_code == 200
+            # A restart between two checks: health's kept connection died while idle; the
+            # next check replaces it instead of reporting the database down.
+            await proxy.stop()
+            await proxy.start()
+            await _first_new_computation_is_ready(client, computations)
             await proxy.stop()
             ready = await _after_cache(client, "/outbox/health/ready")
             assert ready.status_code == 503
             assert ready.json()["database"] == "down"
             live = await client.get("/outbox/health/live")
             assert live.status_code == 200, live.text
+            # Back: the first check computed after it says so (health's kept connection died
+            # in the outage; it is replaced, not reported as the database down once more).
+            await proxy.start()
+            await _first_new_computation_is_ready(client, computations)
     finally:
         await proxy.stop()
         await outbox.aclose()
+
+
+async def _first_new_computation_is_ready(
+    client: httpx.AsyncClient, computations: list[float]
+) -> None:
+    before = len(computations)
+    answers: list[httpx.Response] = []
+
+    async def computed_again() -> bool:
+        answers.append(await client.get("/outbox/health/ready"))
+        return len(computations) > before
+
+    await wait_until(computed_again, timeout=10)
+    assert len(computations) == before + 1
+    assert answers[-1].status_code == 200, answers[-1].text
 
 
 async def _after_cache(client: httpx.AsyncClient, path: str) -> httpx.Response:
