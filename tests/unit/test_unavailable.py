@@ -17,9 +17,10 @@ POOL_TIMEOUT = sa_exc.TimeoutError("QueuePool limit of size 5 overflow 10 reache
 
 
 def lost_commit() -> exceptions.UnitOfWorkError:
+    """What the unit of work raises for a connection lost once COMMIT was sent."""
     try:
-        raise exceptions.UnitOfWorkError("the connection was lost during COMMIT") from POOL_TIMEOUT
-    except exceptions.UnitOfWorkError as exc:
+        raise exceptions.CommitOutcomeUnknown("lost during COMMIT") from POOL_TIMEOUT
+    except exceptions.CommitOutcomeUnknown as exc:
         return exc
 
 
