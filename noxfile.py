@@ -85,6 +85,7 @@ def bench(session: nox.Session) -> None:
         "wal",
         "consume",
         "e2e",
+        "notify_lock",
     ]
     for script in scripts:
         session.run("python", f"benchmarks/{script}.py")
