@@ -103,14 +103,14 @@ class NatsConnection:
             raise exceptions.ConfigurationError(
                 f"NatsJetStreamBroker replicas must be an integer from 1 to 5, not {replicas!r}"
             )
-        for option, value in (
+        for timing, seconds in (
             ("ack_timeout_seconds", ack_timeout_seconds),
             ("connect_timeout_seconds", connect_timeout_seconds),
             ("ping_interval_seconds", ping_interval_seconds),
         ):
-            if value <= 0:
+            if seconds <= 0:
                 raise exceptions.ConfigurationError(
-                    f"NatsJetStreamBroker {option} must be > 0, not {value!r}"
+                    f"NatsJetStreamBroker {timing} must be > 0, not {seconds!r}"
                 )
         pings = max_outstanding_pings
         if isinstance(pings, bool) or not isinstance(pings, int) or pings < 1:
