@@ -138,7 +138,13 @@ class RabbitMQConnection:
                             self.url,
                             timeout=self.connect_timeout_seconds,
                             client_properties={"connection_name": self.name},
-                            heartbeat=self.heartbeat_seconds,
+                            # aio-pika's keywords win over the URL's query: a
+                            # ``?heartbeat=`` there is the user's and stays.
+                            **(
+                                {}
+                                if "heartbeat=" in self.url
+                                else {"heartbeat": self.heartbeat_seconds}
+                            ),
                         ),
                         self.connect_timeout_seconds,
                     )
