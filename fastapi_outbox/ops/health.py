@@ -414,6 +414,11 @@ async def _consumers_health(outbox: OutboxPort, found: _Findings) -> list[Consum
                 f"{c.dead_letter_stream!r} (they stay pending; "
                 f"{c.dead_letter_failures} failed write(s))"
             )
+        if c.workers_replaced:
+            found.is_degraded(
+                f"{where}: {c.workers_replaced} handler task(s) failed outside the handler "
+                "and were replaced (see the consumer.worker_replaced log records)"
+            )
         if c.dead_letters:
             found.is_degraded(
                 f"{c.dead_letters} dead letter(s) of {where} in {c.dead_letter_stream!r}"

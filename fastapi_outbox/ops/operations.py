@@ -601,6 +601,7 @@ def _status_here(sub: SubscriberView) -> ConsumerStatus:
         last_error=sub.stats.last_error,
         dead_letter_failures=sub.stats.dead_letter_failures,
         dead_letters_unwritten=sub.dead_letters_unwritten,
+        workers_replaced=sub.stats.workers_replaced,
     )
 
 

@@ -43,6 +43,7 @@ from fastapi_outbox.events import (
     uuid7,
 )
 from fastapi_outbox.storage import clock
+from fastapi_outbox.write.commit import commit, roll_back
 from fastapi_outbox.write.context import WriteContext
 from fastapi_outbox.write.session_events import state_of
 
@@ -115,6 +116,9 @@ class UnitOfWork:
         self.traceparent = traceparent
         self._state = state_of(session.sync_session)
         self._closed = False
+        #: The unit of work's own transaction committed (``outbox.unit_of_work()``): true
+        #: also when a cancellation that came during the COMMIT was raised after it.
+        self.committed = False
 
     @property
     def pending(self) -> int:
@@ -246,6 +250,9 @@ class UnitOfWork:
         self._closed = True
         self._state.pop_publisher(self._publish_raised)
 
+    def mark_committed(self) -> None:
+        self.committed = True
+
     def take_notify(self) -> list[Any]:
         """The outboxes still to be told about a commit made outside SQLAlchemy's greenlet
         (a sync ``Session``; an ``AsyncSession``'s commit has told them already)."""
@@ -278,10 +285,9 @@ async def transaction(
         if own:
             try:
                 yield uow
-                await sess.commit()
+                await commit(sess, uow.mark_committed)
             except BaseException:
-                with anyio.CancelScope(shield=True):
-                    await sess.rollback()
+                await roll_back(sess)
                 raise
         else:
             async with sess.begin_nested():

@@ -471,9 +471,11 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "ReleasedAtStop",
         "Spoiled",
         "SubscriberStats",
+        "escaped",
         "handler_transaction",
         "harvest_added",
         "pause_for",
+        "stops_the_process",
     },
     "fastapi_outbox.consume.subscriber": {
         "BatchUnitOfWork",
@@ -975,6 +977,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "encode",
     },
     "fastapi_outbox.write.capture": {"Capture", "TableCapture", "capture_for"},
+    "fastapi_outbox.write.commit": {"commit", "roll_back"},
     "fastapi_outbox.write.context": {"WriteContext"},
     "fastapi_outbox.write.session_events": {
         "JOINED_KEY",
