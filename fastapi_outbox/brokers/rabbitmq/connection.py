@@ -114,6 +114,11 @@ class RabbitMQConnection:
             f"RabbitMQ at {redact_url(self.url)}: {type(error).__name__}: {redact(str(error))}"
         )
 
+    def _heartbeat(self) -> dict[str, Any]:
+        """aio-pika's ``heartbeat`` keyword, unless the URL's query names one (aio-pika's
+        keywords win over the query: a ``?heartbeat=`` there is the user's and stays)."""
+        return {} if "heartbeat=" in self.url else {"heartbeat": self.heartbeat_seconds}
+
     async def connect(self) -> None:
         """Open the connection and declare the exchange (durable, topic) when not done;
         BrokerUnavailable when the server cannot be reached; ConfigurationError when an
@@ -138,13 +143,7 @@ class RabbitMQConnection:
                             self.url,
                             timeout=self.connect_timeout_seconds,
                             client_properties={"connection_name": self.name},
-                            # aio-pika's keywords win over the URL's query: a
-                            # ``?heartbeat=`` there is the user's and stays.
-                            **(
-                                {}
-                                if "heartbeat=" in self.url
-                                else {"heartbeat": self.heartbeat_seconds}
-                            ),
+                            **self._heartbeat(),
                         ),
                         self.connect_timeout_seconds,
                     )
