@@ -306,6 +306,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
     "fastapi_outbox.brokers.rabbitmq.connection": {
         "CONFIRM_TIMEOUT_SECONDS",
         "CONNECT_TIMEOUT_SECONDS",
+        "HEARTBEAT_SECONDS",
         "RabbitMQConnection",
     },
     "fastapi_outbox.brokers.rabbitmq.consumer": {
