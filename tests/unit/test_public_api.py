@@ -906,6 +906,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "insert_rows",
         "row_params",
     },
+    "fastapi_outbox.storage.probe": {"DatabaseProbe", "POOL_PROBE_SECONDS", "PoolUsage"},
     "fastapi_outbox.storage.store": {
         "ABANDONED",
         "BrokerStats",
@@ -987,6 +988,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "Sink",
         "state_of",
     },
+    "fastapi_outbox.write.unavailable": {"RETRY_AFTER_SECONDS", "unavailable"},
     "fastapi_outbox.write.unit_of_work": {"UnitOfWork", "UnitOfWorkDep", "unit_of_work"},
     "fastapi_outbox.write.wal_capture": {"WalCapture"},
 }
