@@ -261,6 +261,9 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "CONNECT_TIMEOUT_SECONDS",
         "DEDUP_WINDOW_SECONDS",
         "JS_API_INFO",
+        "MAX_OUTSTANDING_PINGS",
+        "PING_INTERVAL_SECONDS",
+        "RECONNECT_WAIT_SECONDS",
         "STREAM_MAX_AGE_SECONDS",
         "STREAM_MAX_BYTES",
         "NatsConnection",
@@ -304,6 +307,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
     "fastapi_outbox.brokers.rabbitmq.connection": {
         "CONFIRM_TIMEOUT_SECONDS",
         "CONNECT_TIMEOUT_SECONDS",
+        "HEARTBEAT_SECONDS",
         "RabbitMQConnection",
     },
     "fastapi_outbox.brokers.rabbitmq.consumer": {
@@ -676,6 +680,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
     "fastapi_outbox.storage.connector": {
         "Connector",
         "Held",
+        "commit_with",
         "row_count",
     },
     "fastapi_outbox.storage.db_outage": {
@@ -701,6 +706,10 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "SQLITE_BUSY_TIMEOUT_MS",
         "SQLITE_CONNECT_TIMEOUT_SECONDS",
         "create_engine",
+        "PG_CONNECT_TIMEOUT_SECONDS",
+        "PG_KEEPALIVE_IDLE_SECONDS",
+        "PG_KEEPALIVE_INTERVAL_SECONDS",
+        "PG_KEEPALIVE_PROBES",
         "engine_defaults",
         "is_postgres",
         "uses_asyncpg",
@@ -715,6 +724,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "PayloadStore",
         "build_payload_table",
         "known_in",
+        "live_in",
         "payload_store_for",
     },
     "fastapi_outbox.storage.inbox": {"Inbox", "build_inbox_table", "inbox_table"},
@@ -869,6 +879,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "fetch",
         "insert_payload",
         "known_messages",
+        "live_messages",
         "purge",
     },
     "fastapi_outbox.storage.statements.retention": {
@@ -878,6 +889,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
     "fastapi_outbox.storage.statements.wakeups": {
         "NOTIFY_SQL",
         "notify",
+        "notify_with_commit",
     },
     "fastapi_outbox.storage.statements.wal": {
         "ADVANCE_SQL",
@@ -901,6 +913,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "insert_rows",
         "row_params",
     },
+    "fastapi_outbox.storage.probe": {"DatabaseProbe", "POOL_PROBE_SECONDS", "PoolUsage"},
     "fastapi_outbox.storage.store": {
         "ABANDONED",
         "BrokerStats",
@@ -982,6 +995,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "Sink",
         "state_of",
     },
+    "fastapi_outbox.write.unavailable": {"RETRY_AFTER_SECONDS", "unavailable"},
     "fastapi_outbox.write.unit_of_work": {"UnitOfWork", "UnitOfWorkDep", "unit_of_work"},
     "fastapi_outbox.write.wal_capture": {"WalCapture"},
 }
