@@ -49,7 +49,8 @@ from fastapi_outbox.consume.handlers import (
     UnknownType,
     delivery_context,
 )
-from fastapi_outbox.consume.versions import HAND_BACK_SECONDS, Versions
+from fastapi_outbox.consume import versions as versions_mod
+from fastapi_outbox.consume.versions import Versions
 from fastapi_outbox.exceptions import PayloadUnreadable
 from fastapi_outbox.log import safe_error
 from fastapi_outbox.redaction import redact
@@ -537,9 +538,9 @@ class Processing:
         defer = getattr(consumer, "defer", None)
         try:
             if defer is not None:
-                await defer(d, HAND_BACK_SECONDS)
+                await defer(d, versions_mod.HAND_BACK_SECONDS)
             else:
-                await consumer.retry(d, HAND_BACK_SECONDS)
+                await consumer.retry(d, versions_mod.HAND_BACK_SECONDS)
         except Exception as exc:  # redelivered after claim_idle anyway
             logger.warning(
                 "hand-back failed",

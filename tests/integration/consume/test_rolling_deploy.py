@@ -14,7 +14,6 @@ import anyio
 import pytest
 
 from fastapi_outbox import Event, Message, Outbox, OutboxSettings, UnitOfWork, uuid7
-from fastapi_outbox.consume import processing, versions
 from tests.conftest import wait_until
 from tests.integration.consume.test_consumer_contract import (
     FAST,
@@ -36,8 +35,7 @@ PER_TYPE = 8
 @pytest.fixture(autouse=True)
 def quick_hand_back(monkeypatch: pytest.MonkeyPatch) -> None:
     """Handed-back messages go to the group again after 0.2 s (1 s in the library)."""
-    monkeypatch.setattr(versions, "HAND_BACK_SECONDS", 0.2)
-    monkeypatch.setattr(processing, "HAND_BACK_SECONDS", 0.2)
+    monkeypatch.setattr("fastapi_outbox.consume.versions.HAND_BACK_SECONDS", 0.2)
 
 
 @pytest.fixture(autouse=True)
