@@ -405,7 +405,7 @@ async def test_poison_is_dead_lettered_and_others_are_handled(harness: Harness) 
     orders = h.stream()
     h.streams.append(f"{orders}.billing.dlq")
     OrderPlaced, _ = events_for(orders)
-    outbox = await make_outbox(h)
+    outbox = await make_outbox(h, consumer_unknown_type_grace_seconds=0)
     attempts: dict[int, int] = {}
     cured = False
 
@@ -422,7 +422,8 @@ async def test_poison_is_dead_lettered_and_others_are_handled(harness: Harness) 
         async with outbox.unit_of_work() as uow:
             for i in range(8):
                 uow.publish(OrderPlaced(order_id=i))
-        # A type no Event declares: dead-lettered at once, without retries.
+        # A type no Event declares, and no process of the group takes, with no grace
+        # (consumer_unknown_type_grace_seconds=0): dead-lettered at once, without retries.
         await h.inject(orders, str(uuid7()), "Mystery", {"x": 1}, {})
         await wait_until(lambda: subscriber.stats.dead_lettered >= 2, timeout=20)
         assert subscriber.consumer is not None
