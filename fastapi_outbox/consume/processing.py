@@ -38,6 +38,7 @@ from fastapi_outbox import exceptions
 from fastapi_outbox.aggregates import collect_events, held_aggregates
 from fastapi_outbox.backoff import exponential_delay
 from fastapi_outbox.brokers.consumer import Consumer, Delivery
+from fastapi_outbox.consume import versions as versions_mod
 from fastapi_outbox.consume.context import AfterCommit, ConsumeContext
 from fastapi_outbox.consume.handlers import (
     BatchUnitOfWork,
@@ -49,7 +50,6 @@ from fastapi_outbox.consume.handlers import (
     UnknownType,
     delivery_context,
 )
-from fastapi_outbox.consume import versions as versions_mod
 from fastapi_outbox.consume.versions import Versions
 from fastapi_outbox.exceptions import PayloadUnreadable
 from fastapi_outbox.log import safe_error
@@ -441,7 +441,9 @@ class Processing:
                     # the attempt is the handler runs the library counted.
                     attempt = await versions.attempts.start(d.message_id)
                     counted = True
+                    versions.running.add(d.message_id)
                     if attempt > self.options.max_attempts:
+                        versions.running.discard(d.message_id)
                         await self._past_max_attempts(d, attempt)
                         await self._forget(d)
                         return
@@ -450,6 +452,8 @@ class Processing:
                 if await self.waited_out_database(exc, outages, "the message", d):
                     outages += 1
                     continue
+                if versions is not None:
+                    versions.running.discard(d.message_id)
                 delay = await self._failed(d, exc, attempt)
                 if delay is None:
                     await self._forget(d, counted)
@@ -462,6 +466,8 @@ class Processing:
                 attempt += 1
                 await anyio.sleep(delay)
                 continue
+            if versions is not None:
+                versions.running.discard(d.message_id)
             if new:
                 self.stats.handled += 1
             else:

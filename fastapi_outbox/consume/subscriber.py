@@ -384,7 +384,7 @@ class Subscriber:
             # consumer takes it now rather than after claim_idle_seconds.
             self.running = False
             with anyio.CancelScope(shield=True):
-                await self._release_unfinished(consumer, flight)
+                await self._release_unfinished(consumer, flight, versions)
                 try:
                     await consumer.aclose()
                 except Exception:
@@ -444,11 +444,23 @@ class Subscriber:
                     await flight.wait_slot(1.0)
             handlers.cancel_scope.cancel()
 
-    async def _release_unfinished(self, consumer: Consumer, flight: InFlight) -> None:
+    async def _release_unfinished(
+        self, consumer: Consumer, flight: InFlight, versions: Versions | None
+    ) -> None:
         left = list(flight.deliveries.values())
         if not left:
             return
         log_extra = self._options.log_extra
+        if versions is not None:
+            # Handlers cancelled by the stop: their runs are not attempts.
+            with anyio.move_on_after(RELEASE_SECONDS):
+                try:
+                    await versions.uncharge([d.message_id for d in left])
+                except Exception as exc:  # charged one attempt: a kill's cost
+                    logger.warning(
+                        "giving back the attempts of cancelled handlers failed",
+                        extra=log_extra("consumer.release_failed", error=repr(exc)),
+                    )
         with anyio.move_on_after(RELEASE_SECONDS) as scope:
             try:
                 await consumer.release(left)

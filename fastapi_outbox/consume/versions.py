@@ -65,6 +65,9 @@ class Versions:
         self.member = member
         self.types = types
         self.grace_seconds = grace_seconds
+        #: Message ids whose counted handler run has not ended: a normal stop that
+        #: cancels them gives their attempt back (:meth:`uncharge`).
+        self.running: set[str] = set()
         self._others: list[frozenset[str]] = []
         self._read_at = -1e9
 
@@ -83,6 +86,13 @@ class Versions:
             await self.members.leave(self.member)
         except Exception as exc:  # the row expires anyway
             logger.debug("leaving the group's handlers table failed: %r", exc)
+
+    async def uncharge(self, message_ids: list[str]) -> None:
+        """A normal stop cancelled the counted runs of ``message_ids``: not attempts."""
+        ids = [m for m in message_ids if m in self.running]
+        self.running.difference_update(ids)
+        if ids:
+            await self.attempts.uncount(ids)
 
     async def keep_alive(self) -> None:
         """Heartbeats until cancelled (a failure is retried at the next one)."""

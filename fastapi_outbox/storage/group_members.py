@@ -35,7 +35,19 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from sqlalchemy import Column, Index, Integer, MetaData, String, Table, Text, delete, select, tuple_
+from sqlalchemy import (
+    Column,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    delete,
+    select,
+    tuple_,
+    update,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -200,6 +212,17 @@ class Attempts:
         if isinstance(now, str):
             now = dt.datetime.fromisoformat(now).replace(tzinfo=dt.UTC)
         return max(0.0, float((now - since).total_seconds()))
+
+    async def uncount(self, message_ids: list[str]) -> None:
+        """The last counted run of each of ``message_ids`` was cancelled by a normal stop:
+        not an attempt."""
+        t = self.table
+        async with self.engine.begin() as conn:
+            await conn.execute(
+                update(t)
+                .where(t.c.group == self.group, t.c.message_id.in_(message_ids), t.c.attempts > 0)
+                .values(attempts=t.c.attempts - 1)
+            )
 
     async def forget(self, message_ids: list[str]) -> None:
         """Rows of messages now settled (handled, skipped or dead-lettered)."""
