@@ -113,11 +113,16 @@ async def main(rows: int, requests: int) -> int:
     from fastapi import FastAPI
 
     from fastapi_outbox import Outbox, OutboxSettings
+    from fastapi_outbox.brokers import MemoryBroker
 
     banner(f"health endpoint latency ({machine_note()})")
     results: dict[str, dict[str, float]] = {}
     async with bench_database("bench_health") as url:
-        outbox = Outbox(url, settings=OutboxSettings(health_cache_seconds=0, run_dispatchers=False))
+        outbox = Outbox(
+            url,
+            brokers={"default": MemoryBroker()},
+            settings=OutboxSettings(health_cache_seconds=0, run_dispatchers=False),
+        )
         await outbox.create_tables()
         app = FastAPI(lifespan=outbox.lifespan)
         app.include_router(outbox.health_router)

@@ -15,6 +15,10 @@ errors raised by the library name the setting, broker, table or message id invol
     │   │                           or an unpaired surrogate: no database can commit it
     │   └── PayloadTooLarge         the encoded payload exceeds max_payload_bytes
     ├── UnitOfWorkError             the unit of work was used wrongly (closed, nested, no outbox)
+    │   └── CommitOutcomeUnknown    the connection died during COMMIT: committed or not, only
+    │                               the database knows
+    ├── HandlerEscaped              a handler raised a BaseException (a cancellation not the
+    │                               subscriber's, a BaseException subclass): a failure
     ├── BrokerError                 raised by brokers
     │   ├── BrokerUnavailable       the broker cannot be reached: back off as a whole
     │   │   └── BrokerRefusing      it answers but refuses every message for a reason of its
@@ -85,6 +89,23 @@ class PayloadTooLarge(PublishError):
 
 class UnitOfWorkError(OutboxError, RuntimeError):
     """The unit of work was used outside its transaction."""
+
+
+class CommitOutcomeUnknown(UnitOfWorkError):
+    """The connection was lost while COMMIT was on its way: the database may have committed
+    the transaction or not, and no answer came back to tell. Nothing is retried for you:
+    look the business rows up (by a key of your own) before doing the work again, or make
+    the work idempotent; the outbox's events are exactly what the database holds (committed
+    with the rows, or not at all)."""
+
+
+class HandlerEscaped(OutboxError):
+    """A subscriber's handler raised a ``BaseException`` that is not an ``Exception``: an
+    ``asyncio.CancelledError`` that is not the subscriber's own stop (a task the handler
+    awaited was cancelled), ``GeneratorExit`` or a ``BaseException`` subclass of its own.
+    It is a failure of that message like any other (retried, then dead-lettered), never a
+    stop of the worker or of the process; ``KeyboardInterrupt`` and ``SystemExit`` still
+    stop the process."""
 
 
 class BrokerError(OutboxError):

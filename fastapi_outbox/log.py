@@ -118,15 +118,49 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(data, separators=(",", ":"), default=str)
 
 
+#: Characters that would end or bend a log line: C0/C1 controls (CR, LF, ESC…) and the
+#: Unicode line and paragraph separators.
+_LINE_BREAKING = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+#: A field value shown bare; anything else is quoted, so ``operator="a b=c"`` stays one field.
+_BARE_VALUE = re.compile(r"[^\s=\"]*")
+
+
+def one_line(text: str) -> str:
+    """``text`` with every character that could start a new log line (or move the cursor
+    of a terminal) written as an escape: a value from a request — an operator name, a
+    reason — can never forge a line of its own."""
+    return _LINE_BREAKING.sub(lambda m: m.group().encode("unicode_escape").decode(), text)
+
+
+def _field(value: Any) -> str:
+    text = str(value)
+    if _BARE_VALUE.fullmatch(text):
+        return one_line(text)
+    return one_line(json.dumps(text, ensure_ascii=False))  # quoted, controls escaped
+
+
 class TextFormatter(logging.Formatter):
-    """``time level logger message key=value…``: the ``extra=`` fields appended."""
+    """``time level logger message key=value…``: the ``extra=`` fields appended. The
+    message and the fields are kept on their line (controls escaped, a field with spaces
+    quoted); an exception's traceback follows on lines that start with ``  | ``, so no
+    line of it can pass for a record of its own."""
 
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s %(name)s %(message)s")
 
     def format(self, record: logging.LogRecord) -> str:
-        line = super().format(record)
+        line = (
+            f"{self.formatTime(record, self.datefmt)} {record.levelname} {record.name} "
+            f"{one_line(record.getMessage())}"
+        )
         fields = extras(record)
         if fields:
-            line += "".join(f" {k}={v}" for k, v in fields.items())
+            line += "".join(f" {k}={_field(v)}" for k, v in fields.items())
+        tail = ""
+        if record.exc_info and record.exc_info[1] is not None:
+            tail += self.formatException(record.exc_info)
+        if record.stack_info:
+            tail += ("\n" if tail else "") + self.formatStack(record.stack_info)
+        if tail:
+            line += "".join(f"\n  | {one_line(part)}" for part in tail.splitlines())
         return redact(line)

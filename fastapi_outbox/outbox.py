@@ -47,6 +47,7 @@ from fastapi_outbox.relay.wal import WalRelay
 from fastapi_outbox.settings import OutboxSettings
 from fastapi_outbox.storage.claim_check import known_in
 from fastapi_outbox.storage.doctor import SideTable
+from fastapi_outbox.storage.probe import DatabaseProbe
 from fastapi_outbox.storage.setup import open_engine, setup_storage
 from fastapi_outbox.write.capture import Capture, capture_for
 from fastapi_outbox.write.unit_of_work import (
@@ -121,6 +122,9 @@ class Outbox:
             instrumentation=self.instrumentation,
             wal_slot=self.wal_slot,
         )
+        #: Health's own connection (the counts never wait behind the requests) and its look
+        #: at the application's pool.
+        self.database_probe = DatabaseProbe(self.engine, self.table, self.store)
         self._routers = Routers(self, self.lifespan)
         self._dependency: Any = None
         self.dashboard_dependencies = (
@@ -377,6 +381,7 @@ class Outbox:
     async def aclose(self) -> None:
         """Close brokers and the engine (when the Outbox created it)."""
         await close_brokers(self.all_brokers, self.settings.shutdown_timeout_seconds)
+        await self.database_probe.aclose()
         if self._owns_engine:
             await self.engine.dispose()
 
@@ -406,7 +411,8 @@ class Outbox:
 
     @property
     def dashboard_router(self) -> Any:
-        """The operator dashboard at ``/outbox/dashboard`` (:mod:`fastapi_outbox.ops.dashboard`),
+        """The operator dashboard at ``/outbox/dashboard`` under wherever it is included or
+        mounted (:mod:`fastapi_outbox.ops.dashboard`),
         guarded by ``dashboard_dependencies``. Refused without a guard, so no deployment
         exposes replay and abandon by accident: pass ``dashboard_dependencies=[]`` to serve
         it unguarded on purpose (a trusted network)."""

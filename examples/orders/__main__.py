@@ -7,7 +7,13 @@ import os
 
 import uvicorn
 
-from examples.orders.app import BROKER_URL, DASHBOARD_TOKEN, DATABASE_URL, app
+from examples.orders.app import (
+    BROKER_URL,
+    DASHBOARD_TOKEN,
+    DASHBOARD_TOKEN_GENERATED,
+    DATABASE_URL,
+    app,
+)
 from fastapi_outbox.brokers import redact_url
 
 
@@ -23,9 +29,13 @@ def main() -> None:
     print(f"  see it published: curl -s http://{host}:{port}/published")
     print(f"  its invoice:      curl -s http://{host}:{port}/invoices")
     print(f"  outbox health:    curl -s http://{host}:{port}/outbox/health")
+    # Only a token made up at start is printed: one set in DASHBOARD_TOKEN is the user's
+    # secret and never reaches a terminal or a log collector.
+    password = DASHBOARD_TOKEN if DASHBOARD_TOKEN_GENERATED else "the DASHBOARD_TOKEN you set"
     print(
         f"  dashboard:        http://{host}:{port}/outbox/dashboard "
-        f"(user admin, password {DASHBOARD_TOKEN}; set DASHBOARD_TOKEN to choose it)"
+        f"(user admin, password {password}"
+        + ("; set DASHBOARD_TOKEN to choose it)" if DASHBOARD_TOKEN_GENERATED else ")")
     )
     uvicorn.run(app, host=host, port=port, log_level="info")
 

@@ -91,7 +91,9 @@ class NewOrder(BaseModel):
     )
 
 
-#: The dashboard's token: DASHBOARD_TOKEN, or one made up at start (printed by __main__).
+#: The dashboard's token: DASHBOARD_TOKEN, or one made up at start. Only a token made up
+#: here is printed by __main__ (one the user chose is a secret of theirs: never echoed).
+DASHBOARD_TOKEN_GENERATED = not os.environ.get("DASHBOARD_TOKEN")
 DASHBOARD_TOKEN = os.environ.get("DASHBOARD_TOKEN") or secrets.token_urlsafe(16)
 
 

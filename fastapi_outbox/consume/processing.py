@@ -19,6 +19,7 @@ shares with the fetch loop is the run's :class:`InFlight`.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import dataclasses
 import logging
@@ -72,9 +73,11 @@ __all__ = [
     "ReleasedAtStop",
     "Spoiled",
     "SubscriberStats",
+    "escaped",
     "handler_transaction",
     "harvest_added",
     "pause_for",
+    "stops_the_process",
 ]
 
 logger = logging.getLogger("fastapi_outbox.subscribers")
@@ -113,6 +116,9 @@ class SubscriberStats:
     dead_letter_failures: int = 0
     last_handled_at: float | None = None
     last_error: str | None = None
+    #: Handler tasks of the subscriber that failed outside any handler (a fault of the
+    #: library or of a broker's consumer) and were replaced.
+    workers_replaced: int = 0
 
 
 class Spoiled(Exception):
@@ -132,7 +138,18 @@ class HandlerRun:
     unit of work and message of the handler running now, and what a rollback of the
     session undid."""
 
-    __slots__ = ("before", "engine", "message", "name", "outer", "session", "spoiled", "uow")
+    __slots__ = (
+        "before",
+        "ended",
+        "engine",
+        "message",
+        "name",
+        "outer",
+        "session",
+        "spoiled",
+        "task",
+        "uow",
+    )
 
     def __init__(
         self, engine: AsyncEngine, name: str, session: AsyncSession, outer: Connection | None
@@ -150,6 +167,10 @@ class HandlerRun:
         #: of earlier handlers of the batch is in it), or None.
         self.before: SessionTransaction | None = None
         self.spoiled = False
+        #: The task the handlers run in: the only one that may join their transaction.
+        self.task = asyncio.current_task()
+        #: The handlers are done: a task they started that is still running may not join.
+        self.ended = False
 
 
 #: The transaction of the handler running in this context (None outside handlers).
@@ -163,8 +184,25 @@ def handler_transaction(context: ConsumeContext) -> tuple[AsyncSession, UnitOfWo
     ``context``'s database (its own outbox's, or another outbox's on the same engine), else
     None: ``outbox.unit_of_work()`` called inside a handler joins them."""
     run = _HANDLER_RUN.get()
-    if run is None or run.uow is None or run.engine is not context.engine:
+    if run is None or run.engine is not context.engine:
         return None
+    if run.ended:
+        raise exceptions.UnitOfWorkError(
+            f"a task started by handler {run.name} while handling {run.message} outlived "
+            "the handler and called outbox.unit_of_work(): the handler's transaction has "
+            "ended (committed with the message's inbox row, or rolled back), and a unit of "
+            "work of the task's own would not go with that row. Await the task inside the "
+            "handler, or publish an event and do the work in a subscriber of it"
+        )
+    if run.uow is None:
+        return None
+    if asyncio.current_task() is not run.task:
+        raise exceptions.UnitOfWorkError(
+            f"handler {run.name} called outbox.unit_of_work() from a second task "
+            f"(asyncio.gather, create_task, a task group) while handling {run.message}: "
+            "the handler's transaction is one session on one connection, which two tasks "
+            "cannot share. Run the blocks one after the other in the handler's task"
+        )
     return run.session, run.uow
 
 
@@ -232,6 +270,35 @@ def _refuse_if_ours(run: HandlerRun, bind: Any) -> None:
     )
 
 
+def stops_the_process(exc: BaseException) -> bool:
+    """``exc`` must go on up: ``KeyboardInterrupt``/``SystemExit`` (alone or in a group),
+    or a cancellation of the running task itself (the subscriber's stop, a cancel scope of
+    the caller): asyncio counts those in ``Task.cancelling()``, unlike a
+    ``CancelledError`` the handler raised or got from a task it awaited."""
+    if isinstance(exc, KeyboardInterrupt | SystemExit):
+        return True
+    if isinstance(exc, BaseExceptionGroup):
+        return any(stops_the_process(inner) for inner in exc.exceptions)
+    if isinstance(exc, asyncio.CancelledError):
+        task = asyncio.current_task()
+        return task is None or task.cancelling() > 0
+    return False
+
+
+def escaped(exc: BaseException, handler: str, message: str) -> BaseException:
+    """What a handler's ``BaseException`` (not an ``Exception``) becomes: itself when it
+    stops the process or the task (:func:`stops_the_process`), else a
+    :class:`~fastapi_outbox.exceptions.HandlerEscaped` failure of the message (retried,
+    then dead-lettered) — never a dead worker."""
+    if stops_the_process(exc):
+        return exc
+    return exceptions.HandlerEscaped(
+        f"handler {handler} raised {type(exc).__name__} ({exc!r}) while handling {message}: "
+        "a BaseException that is not the subscriber's stop is a failure of the message "
+        "(a CancelledError here comes from a task the handler awaited, or was raised by it)"
+    )
+
+
 def harvest_added(uow: UnitOfWork, before: list[Any]) -> list[Any]:
     """Publish, in ``uow``, the events pending on aggregates held by its session or added
     to it by the handler that just ran (``before``: the session's new objects before it):
@@ -258,15 +325,27 @@ def harvest_added(uow: UnitOfWork, before: list[Any]) -> list[Any]:
 async def _discard(conn: AsyncConnection, session: AsyncSession | None) -> None:
     """Roll back a subscriber's transaction and give its connection back. The rollback
     comes first (closing the session first would roll back its savepoint: a round trip for
-    nothing). A failure here (the database gone) is only logged: the caller re-raises the
-    error that ended the transaction, which is the one to classify."""
+    nothing). When it fails (the database gone, the rollback cancelled) the connection is
+    invalidated, never given back to the pool: its state is unknown, and the next
+    transaction handed it (another subscriber's, a request's) would fail. The failure is
+    only logged: the caller re-raises the error that ended the transaction, which is the
+    one to classify."""
     try:
         if conn.in_transaction():
             await conn.rollback()
         if session is not None:
             await session.close()
-    except Exception as exc:
-        logger.debug("rollback of a handler's transaction failed: %r", exc)
+    except BaseException as exc:
+        logger.warning(
+            "rollback of a handler's transaction failed; its connection is discarded",
+            extra={"action": "consumer.rollback_failed", "error": repr(exc)[:300]},
+        )
+        try:
+            await conn.invalidate()
+        except Exception:
+            logger.debug("invalidating a handler's connection failed", exc_info=True)
+        if not isinstance(exc, Exception):
+            raise
     finally:
         try:
             await conn.close()
@@ -427,7 +506,7 @@ class Processing:
                 delay = await self._failed(d, exc, attempt)
                 if delay is not None:
                     await self._count_failure(d, attempt, counted=False)
-                    await self._retry_later(d, delay)
+                    await self.retry_later(d, delay)
                 return
             break
         outages = 0
@@ -461,7 +540,7 @@ class Processing:
                 await self._count_failure(d, attempt, counted)
                 counted = False
                 if not in_place:
-                    await self._retry_later(d, delay)
+                    await self.retry_later(d, delay)
                     return
                 attempt += 1
                 await anyio.sleep(delay)
@@ -601,7 +680,7 @@ class Processing:
         )
         return delay
 
-    async def _retry_later(self, d: Delivery, delay: float) -> None:
+    async def retry_later(self, d: Delivery, delay: float) -> None:
         """Hand ``d`` back to the broker for a redelivery after ``delay``."""
         try:
             await self.consumer.retry(d, delay)
@@ -818,6 +897,7 @@ class Processing:
         finally:
             _HANDLER_RUN.reset(token)
             run.uow = None
+            run.ended = True
         await session.commit()
         if run.spoiled:  # rolled back in a hook of the commit
             raise Spoiled(f"handler {self.options.name}: the session rolled back")
@@ -871,6 +951,13 @@ class Processing:
             try:
                 await handler(message, **{name: uow for name in uow_params})
                 before = harvest_added(uow, before)
+            except Exception:
+                raise
+            except BaseException as exc:
+                error = escaped(exc, self.options.name, run.message)
+                if error is exc:
+                    raise
+                raise error from exc
             finally:
                 uow.close()
             if run.spoiled:
@@ -925,6 +1012,13 @@ class Processing:
             uow_params = self.options.signature.uow_params
             await self.options.handler(messages, **{name: uow for name in uow_params})
             harvest_added(uow, [])
+        except Exception:
+            raise
+        except BaseException as exc:
+            error = escaped(exc, self.options.name, run.message)
+            if error is exc:
+                raise
+            raise error from exc
         finally:
             uow.close()
         if run.spoiled:

@@ -122,6 +122,7 @@ from fastapi_outbox.consume.processing import (
     ReleasedAtStop,
     SubscriberStats,
     pause_for,
+    stops_the_process,
 )
 from fastapi_outbox.consume.processing import (  # for outbox.py
     handler_transaction as handler_transaction,
@@ -192,6 +193,12 @@ class ConsumerStatus(BaseModel):
         default=0,
         description="Messages of this process whose dead letter could not be written yet "
         "(pending in the group until a later try succeeds).",
+    )
+    workers_replaced: int = Field(
+        default=0,
+        description="Handler tasks of this process that failed outside a handler (a fault "
+        "of the library or of the broker's consumer) and were replaced; their messages went "
+        "back to the broker for another attempt. Logged as consumer.worker_replaced.",
     )
 
 
@@ -434,7 +441,7 @@ class Subscriber:
             if versions is not None:
                 handlers.start_soon(versions.keep_alive)
             for _ in range(self.concurrency):
-                handlers.start_soon(self._worker, receive)
+                handlers.start_soon(self._worker, processing, flight, receive)
             await self._fetch_loop(consumer, processing, batches, flight, send)
             # The drain's share of the shutdown counts from the stop (the fetch loop may
             # have taken up to FETCH_TIMEOUT_SECONDS to see it).
@@ -481,9 +488,48 @@ class Subscriber:
             extra=log_extra("consumer.released", count=len(left)),
         )
 
-    async def _worker(self, work: MemoryObjectReceiveStream[tuple[Handler, Any]]) -> None:
+    async def _worker(
+        self,
+        processing: Processing,
+        flight: InFlight,
+        work: MemoryObjectReceiveStream[tuple[Handler, Any]],
+    ) -> None:
+        """One handler task: takes work until the stream closes. A failure outside any
+        handler (a handler's own failure never gets here: it is the message's) would end
+        the task and leave its slot dead; instead it is logged, counted
+        (``workers_replaced``, shown by health) and the task goes on with the next item, its
+        deliveries handed back to the broker for a later attempt."""
         async for handle, item in work:
-            await handle(item)
+            try:
+                await handle(item)
+            except Exception as exc:
+                await self._worker_failed(processing, flight, item, exc)
+            except BaseException as exc:
+                if stops_the_process(exc):
+                    raise
+                await self._worker_failed(processing, flight, item, exc)
+
+    async def _worker_failed(
+        self, processing: Processing, flight: InFlight, item: Any, exc: BaseException
+    ) -> None:
+        self.stats.workers_replaced += 1
+        self.stats.last_error = f"handler task failed: {safe_error(exc)}"[:300]
+        deliveries = item if isinstance(item, list) else [item]
+        unsettled = [d for d in deliveries if d.entry_id in flight.deliveries]
+        logger.error(
+            "a handler task failed outside the handler; replaced",
+            extra=self._options.log_extra(
+                "consumer.worker_replaced",
+                error=safe_error(exc),
+                messages=[d.message_id for d in unsettled],
+            ),
+            exc_info=(type(exc), exc, exc.__traceback__),
+        )
+        # Charged (retry, not release): a message that kills its task every time ends
+        # dead-lettered rather than looping.
+        for d in unsettled:
+            await processing.retry_later(d, processing.retry_delay(d.attempt))
+        flight.free_slot()
 
     async def _fetch_loop(
         self,

@@ -21,13 +21,28 @@ handlers' names are ``null`` there. ``GET /outbox/health/detail`` has them, behi
 dashboard's guard (``Outbox(..., dashboard_dependencies=[...])``); without a guard it is
 refused (403). ``health_public_detail=True`` (``OUTBOX_HEALTH_PUBLIC_DETAIL``) puts the
 detail in the public body, for a deployment whose health port only the operators reach.
+
+Under load: one computation at a time per process, shared by every concurrent caller
+(single flight) and kept for ``health_cache_seconds``, so a flood of anonymous requests
+costs one set of queries per period. The counts are read on health's own connection
+(:mod:`fastapi_outbox.storage.probe`), never queued behind the application's requests; a
+pool whose connections are all held is reported ``database: "busy"`` (degraded, with the
+wait), never ``down``.
+
+Probes: ``GET /outbox/health/live`` (liveness) answers 503 only when this process cannot
+make progress — a dispatcher, subscriber or WAL relay that should run here has stopped —
+and does no I/O; ``GET /outbox/health/ready`` (readiness) is ``/outbox/health``: 503 when
+the outbox is down, including an app that never entered ``outbox.lifespan`` while
+``run_dispatchers`` is on.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import datetime as dt
 import time
+from collections.abc import Awaitable, Callable
 from typing import Literal
 
 import anyio
@@ -40,13 +55,23 @@ from fastapi_outbox.ops.port import OutboxPort, SlotView, WalRelayState, relay_h
 from fastapi_outbox.redaction import redact
 from fastapi_outbox.settings import OutboxSettings
 from fastapi_outbox.storage import clock
+from fastapi_outbox.storage.probe import POOL_PROBE_SECONDS, DatabaseProbe, PoolUsage
 from fastapi_outbox.storage.store import BrokerStats
 from fastapi_outbox.storage.wal_slot import SlotStats, format_lsn
 
 Status = Literal["ok", "degraded", "down"]
 
 #: The counts are given up after this long: the endpoint then reports the database down.
+#: They are read on health's own connection, so this never counts a wait for the pool.
 HEALTH_TIMEOUT_SECONDS = 5.0
+
+#: Why an outbox whose dispatchers should run here is down when they were never started.
+NOT_STARTED = (
+    "the outbox was never started in this process: its dispatchers and subscribers do "
+    "not run. Start the app with FastAPI(lifespan=outbox.lifespan) or "
+    "app.include_router(outbox.router); if they run in a separate `fastapi-outbox "
+    "dispatch` process, set run_dispatchers=False (OUTBOX_RUN_DISPATCHERS=false) here"
+)
 
 
 class ProcessorHealth(BaseModel):
@@ -131,11 +156,26 @@ class WalHealth(BaseModel):
     )
 
 
+class PoolHealth(BaseModel):
+    """The application's connection pool (health reads the counts on its own connection)."""
+
+    in_use: int | None = Field(description="Connections of the pool checked out now.")
+    capacity: int | None = Field(description="pool_size + max_overflow (None: unbounded).")
+    wait_seconds: float | None = Field(
+        description="How long health waited for a connection of the pool; None when none "
+        "came within the bound (the pool is busy: requests queue for connections)."
+    )
+
+
 class OutboxHealth(BaseModel):
     """Overall outbox health."""
 
     status: Status
-    database: Literal["ok", "down"]
+    database: Literal["ok", "busy", "down"] = Field(
+        description="down: health's own connection cannot reach it; busy: it answers, but "
+        "the application's pool had no connection free (degraded, never down)."
+    )
+    pool: PoolHealth | None = Field(default=None, description="The application's pool.")
     dispatchers_running: bool = Field(description="Dispatchers run in this process.")
     reasons: list[str] = Field(default_factory=list, description="Why the status is not ok.")
     processors: list[ProcessorHealth] = Field(default_factory=list)
@@ -191,15 +231,19 @@ class _Findings:
 
 async def compute_health(outbox: OutboxPort) -> OutboxHealth:
     found = _Findings()
+    if not outbox.started and outbox.settings.run_dispatchers:
+        found.is_down(NOT_STARTED)
     stats: dict[str, BrokerStats] = {}
+    probe = outbox.database_probe
     try:
         with anyio.fail_after(HEALTH_TIMEOUT_SECONDS):
-            stats = await outbox.store.stats(outbox.all_brokers, ordered=outbox.settings.ordered)
+            stats = await probe.stats(outbox.all_brokers, ordered=outbox.settings.ordered)
         database_ok = True
     except Exception as exc:
         # The type only: a driver's message can quote the URL.
         found.is_down(f"database unreachable ({type(exc).__name__})")
         database_ok = False
+    pool = await _pool_health(probe, found) if database_ok else None
     processors = [
         _processor_health(outbox, name, stats.get(name), found) for name in outbox.all_brokers
     ]
@@ -210,13 +254,33 @@ async def compute_health(outbox: OutboxPort) -> OutboxHealth:
     return OutboxHealth(
         consumers=consumers,
         status=found.status,
-        database="ok" if database_ok else "down",
+        database="down" if not database_ok else "busy" if pool is not None and pool.busy else "ok",
+        pool=None
+        if pool is None
+        else PoolHealth(in_use=pool.in_use, capacity=pool.capacity, wait_seconds=pool.wait_seconds),
         dispatchers_running=outbox.started,
         reasons=found.reasons,
         processors=processors,
         wal=wal,
         listening=None if outbox.listener is None else outbox.listener.listening,
     )
+
+
+async def _pool_health(probe: DatabaseProbe, found: _Findings) -> PoolUsage | None:
+    """The application's pool: busy (degraded) when no connection came within the bound.
+    None when the look itself failed (the counts were read: the database answers)."""
+    try:
+        usage = await probe.pool_usage()
+    except Exception:
+        return None
+    if usage.busy:
+        held = "" if usage.in_use is None else f"{usage.in_use} of {usage.capacity} in use; "
+        found.is_degraded(
+            f"database connection pool busy ({held}no connection free within "
+            f"{POOL_PROBE_SECONDS:g}s): requests wait for connections; the database itself "
+            "answers. Raise engine_options pool_size/max_overflow or shorten transactions"
+        )
+    return usage
 
 
 def _processor_health(
@@ -414,6 +478,11 @@ async def _consumers_health(outbox: OutboxPort, found: _Findings) -> list[Consum
                 f"{c.dead_letter_stream!r} (they stay pending; "
                 f"{c.dead_letter_failures} failed write(s))"
             )
+        if c.workers_replaced:
+            found.is_degraded(
+                f"{where}: {c.workers_replaced} handler task(s) failed outside the handler "
+                "and were replaced (see the consumer.worker_replaced log records)"
+            )
         if c.dead_letters:
             found.is_degraded(
                 f"{c.dead_letters} dead letter(s) of {where} in {c.dead_letter_stream!r}"
@@ -440,23 +509,73 @@ NO_GUARD = (
 )
 
 
+class SingleFlight:
+    """One computation at a time, shared by every caller that asks while it runs, and its
+    result kept for ``ttl()`` seconds from when it finished. A caller that goes away (a
+    client disconnects) does not cancel the computation the others wait for."""
+
+    def __init__(self, compute: Callable[[], Awaitable[OutboxHealth]], ttl: Callable[[], float]):
+        self._compute = compute
+        self._ttl = ttl
+        self._value: OutboxHealth | None = None
+        self._at = 0.0
+        self._task: asyncio.Task[OutboxHealth] | None = None
+
+    async def get(self) -> OutboxHealth:
+        if self._value is not None and time.monotonic() - self._at < self._ttl():
+            return self._value
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+        return await asyncio.shield(self._task)
+
+    async def _run(self) -> OutboxHealth:
+        try:
+            value = await self._compute()
+            self._value, self._at = value, time.monotonic()
+            return value
+        finally:
+            self._task = None
+
+
+def liveness(outbox: OutboxPort) -> list[str]:
+    """Why this process cannot make progress (empty: it can): a dispatcher, subscriber or
+    WAL relay that should run here has stopped. In-process state only, no I/O: an outage of
+    the database or a broker is not cured by a restart and never fails liveness."""
+    if not outbox.started:
+        return []
+    reasons = [
+        f"processor {name!r} is not running"
+        for name in outbox.all_brokers
+        if (p := relay_here(outbox, name)) is None or not p.running
+    ]
+    if outbox.wal_slot is not None and (outbox.wal_relay is None or not outbox.wal_relay.running):
+        reasons.append("the WAL relay is not running")
+    reasons += [
+        f"consumer group {s.group!r} on {s.stream!r} is not running"
+        for s in outbox.subscribers
+        if not s.running
+    ]
+    return reasons
+
+
+class Liveness(BaseModel):
+    """``GET /outbox/health/live``."""
+
+    status: Literal["ok", "down"]
+    reasons: list[str] = Field(default_factory=list)
+
+
 def build_health_router(outbox: OutboxPort) -> APIRouter:
     router = APIRouter(prefix="/outbox", tags=["outbox"])
-    cache: dict[str, tuple[float, OutboxHealth]] = {}
-
-    async def current() -> OutboxHealth:
-        now = time.monotonic()
-        hit = cache.get("health")
-        if hit is not None and now - hit[0] < outbox.settings.health_cache_seconds:
-            return hit[1]
-        health = await compute_health(outbox)
-        cache["health"] = (now, health)
-        return health
+    flight = SingleFlight(
+        lambda: compute_health(outbox), lambda: outbox.settings.health_cache_seconds
+    )
+    current = flight.get
 
     @router.get(
         "/health",
         response_model=OutboxHealth,
-        summary="Outbox health",
+        summary="Outbox health (readiness)",
         responses={503: {"model": OutboxHealth, "description": "The outbox is down."}},
     )
     async def outbox_health(response: Response) -> OutboxHealth:
@@ -464,6 +583,27 @@ def build_health_router(outbox: OutboxPort) -> APIRouter:
         if health.status == "down":
             response.status_code = 503
         return health if outbox.settings.health_public_detail else health.public()
+
+    router.add_api_route(
+        "/health/ready",
+        outbox_health,
+        methods=["GET"],
+        response_model=OutboxHealth,
+        summary="Readiness: the outbox is not down (same as /outbox/health)",
+        responses={503: {"model": OutboxHealth, "description": "The outbox is down."}},
+    )
+
+    @router.get(
+        "/health/live",
+        response_model=Liveness,
+        summary="Liveness: this process can make progress",
+        responses={503: {"model": Liveness, "description": "A worker of this process died."}},
+    )
+    async def outbox_live(response: Response) -> Liveness:
+        reasons = liveness(outbox)
+        if reasons:
+            response.status_code = 503
+        return Liveness(status="down" if reasons else "ok", reasons=reasons)
 
     guard = outbox.dashboard_dependencies
 

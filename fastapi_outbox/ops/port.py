@@ -38,6 +38,7 @@ from fastapi_outbox.instrumentation import Instrumentation
 from fastapi_outbox.payloads import Payloads
 from fastapi_outbox.settings import OutboxSettings
 from fastapi_outbox.storage.inbox import GroupStats
+from fastapi_outbox.storage.probe import DatabaseProbe
 from fastapi_outbox.storage.store import ABANDONED, BrokerStats
 from fastapi_outbox.storage.wal_slot import SlotStats, Undecodable
 
@@ -296,6 +297,11 @@ class OutboxPort(Protocol):
     @property
     def dashboard_dependencies(self) -> Sequence[Any] | None:
         """The dashboard's guard (None: none given; ``[]``: unguarded on purpose)."""
+        ...
+
+    @property
+    def database_probe(self) -> DatabaseProbe:
+        """Health's own connection to the database and its look at the application's pool."""
         ...
 
 

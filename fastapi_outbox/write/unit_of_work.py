@@ -43,8 +43,10 @@ from fastapi_outbox.events import (
     uuid7,
 )
 from fastapi_outbox.storage import clock
+from fastapi_outbox.write.commit import commit, roll_back
 from fastapi_outbox.write.context import WriteContext
 from fastapi_outbox.write.session_events import state_of
+from fastapi_outbox.write.unavailable import unavailable
 
 __all__ = ["UnitOfWork", "UnitOfWorkDep", "unit_of_work"]
 
@@ -115,6 +117,9 @@ class UnitOfWork:
         self.traceparent = traceparent
         self._state = state_of(session.sync_session)
         self._closed = False
+        #: The unit of work's own transaction committed (``outbox.unit_of_work()``): true
+        #: also when a cancellation that came during the COMMIT was raised after it.
+        self.committed = False
 
     @property
     def pending(self) -> int:
@@ -246,6 +251,9 @@ class UnitOfWork:
         self._closed = True
         self._state.pop_publisher(self._publish_raised)
 
+    def mark_committed(self) -> None:
+        self.committed = True
+
     def take_notify(self) -> list[Any]:
         """The outboxes still to be told about a commit made outside SQLAlchemy's greenlet
         (a sync ``Session``; an ``AsyncSession``'s commit has told them already)."""
@@ -278,10 +286,9 @@ async def transaction(
         if own:
             try:
                 yield uow
-                await sess.commit()
+                await commit(sess, uow.mark_committed)
             except BaseException:
-                with anyio.CancelScope(shield=True):
-                    await sess.rollback()
+                await roll_back(sess)
                 raise
         else:
             async with sess.begin_nested():
@@ -496,17 +503,31 @@ def _outbox_for(request: Request) -> WriteContext:
 
 
 async def _request_unit_of_work(request: Request) -> AsyncIterator[UnitOfWork]:
-    async for uow in _serve(_outbox_for(request), request):
+    async with _serve(_outbox_for(request), request) as uow:
         yield uow
 
 
+@contextlib.asynccontextmanager
 async def _serve(outbox: WriteContext, request: Request) -> AsyncIterator[UnitOfWork]:
     try:
         correlation_id, traceparent = correlation_from_headers(request.headers)
     except ValueError as exc:
         raise HTTPException(status_code=400, detail=str(exc)) from exc
-    async with outbox.unit_of_work(correlation_id=correlation_id, traceparent=traceparent) as uow:
-        yield uow
+    committing = False
+    try:
+        async with outbox.unit_of_work(
+            correlation_id=correlation_id, traceparent=traceparent
+        ) as uow:
+            yield uow
+            committing = True
+    except Exception as exc:
+        # An outage answers 503 with Retry-After (fastapi_outbox.write.unavailable).
+        answer = await unavailable(
+            exc, outbox.session_factory.kw.get("bind"), committing=committing
+        )
+        if answer is None:
+            raise
+        raise answer from exc
 
 
 async def unit_of_work(
@@ -526,7 +547,8 @@ def dependency_for(outbox: WriteContext) -> Any:
     ``uow: UnitOfWork = Depends(billing_outbox.dependency)``."""
 
     async def scoped(request: Request) -> AsyncIterator[UnitOfWork]:
-        async for uow in _serve(outbox, request):
+        # `async with`, not `async for`: the endpoint's error must reach _serve's handler.
+        async with _serve(outbox, request) as uow:
             yield uow
 
     async def bound_unit_of_work(uow: UnitOfWork) -> UnitOfWork:

@@ -36,13 +36,21 @@ def free_port() -> int:
 
 
 @contextlib.asynccontextmanager
-async def live_server(app: Any) -> AsyncIterator[str]:
-    """Serve ``app`` (its lifespan included) on 127.0.0.1; yields the base URL."""
+async def live_server(app: Any, *, root_path: str = "") -> AsyncIterator[str]:
+    """Serve ``app`` (its lifespan included) on 127.0.0.1; yields the base URL.
+    ``root_path``: uvicorn's ``--root-path``, for an app behind a proxy that strips it."""
     import uvicorn
 
     port = free_port()
     server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="on", log_level="warning")
+        uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=port,
+            lifespan="on",
+            log_level="warning",
+            root_path=root_path,
+        )
     )
     task = asyncio.get_running_loop().create_task(server.serve())
     try:

@@ -468,9 +468,11 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "ReleasedAtStop",
         "Spoiled",
         "SubscriberStats",
+        "escaped",
         "handler_transaction",
         "harvest_added",
         "pause_for",
+        "stops_the_process",
     },
     "fastapi_outbox.consume.subscriber": {
         "BatchUnitOfWork",
@@ -894,6 +896,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "insert_rows",
         "row_params",
     },
+    "fastapi_outbox.storage.probe": {"DatabaseProbe", "POOL_PROBE_SECONDS", "PoolUsage"},
     "fastapi_outbox.storage.store": {
         "ABANDONED",
         "BrokerStats",
@@ -966,6 +969,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "encode",
     },
     "fastapi_outbox.write.capture": {"Capture", "TableCapture", "capture_for"},
+    "fastapi_outbox.write.commit": {"commit", "roll_back"},
     "fastapi_outbox.write.context": {"WriteContext"},
     "fastapi_outbox.write.session_events": {
         "JOINED_KEY",
@@ -974,6 +978,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "Sink",
         "state_of",
     },
+    "fastapi_outbox.write.unavailable": {"RETRY_AFTER_SECONDS", "unavailable"},
     "fastapi_outbox.write.unit_of_work": {"UnitOfWork", "UnitOfWorkDep", "unit_of_work"},
     "fastapi_outbox.write.wal_capture": {"WalCapture"},
 }

@@ -13,8 +13,15 @@ cookie and writes the same token into the page; an action must carry it in the
 nor send that header or a JSON body without a CORS preflight, which this router never
 grants.
 
+Where it is served: the paths above are the router's own. Every link, script, style sheet,
+refresh URL and the CSRF cookie's path are computed per request from where the page was
+actually reached — ``root_path`` (``app.mount``, a proxy's ``--root-path``) plus any prefix
+the router was included under — so the dashboard works under ``include_router(...,
+prefix="/billing")``, inside a mounted app and behind a proxy, and two outboxes' dashboards
+in one app each link to and act on their own outbox only.
+
 Operator identity: the guard may set ``request.state.outbox_operator`` (a user name, say);
-every action is logged with it.
+every action is logged with it (escaped: a line break in it cannot forge a log line).
 """
 
 from __future__ import annotations
@@ -23,17 +30,19 @@ import datetime as dt
 import hmac
 import json
 import logging
+import re
 import secrets
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
 from fastapi.responses import FileResponse, HTMLResponse
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from markupsafe import Markup
 from pydantic import BaseModel, Field
+from starlette._utils import get_route_path
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.ops import operations
@@ -42,6 +51,7 @@ from fastapi_outbox.redaction import redact
 
 logger = logging.getLogger("fastapi_outbox.dashboard")
 
+#: The router's own prefix; pages find where they are served with :func:`served_at`.
 PREFIX = "/outbox/dashboard"
 CSRF_COOKIE = "outbox_dashboard_csrf"
 CSRF_HEADER = "X-Outbox-CSRF"
@@ -72,6 +82,8 @@ _DEAD_LETTER_RESPONSES: dict[int | str, dict[str, Any]] = {
     409: {"description": "Stale dead letters: confirm with force."},
     503: {"description": "The consumer group's broker is unavailable."},
 }
+#: What ``secrets.token_urlsafe`` produces: the only CSRF tokens compared.
+_TOKEN = re.compile(r"[A-Za-z0-9_\-]{16,128}")
 _STATIC = {
     "dashboard.css": "text/css",
     "dashboard.js": "text/javascript",
@@ -117,11 +129,15 @@ _templates.filters["age"] = _age
 _templates.filters["when"] = _when
 
 
+#: Text a database can store and a log line can carry: no NUL (PostgreSQL refuses it in text).
+_STORABLE = r"^[^\x00]*$"
+
+
 class Ids(BaseModel):
     """Messages an action applies to."""
 
     ids: list[uuid.UUID] = Field(default_factory=list, max_length=1000)
-    reason: str | None = Field(default=None, max_length=500)
+    reason: str | None = Field(default=None, max_length=500, pattern=_STORABLE)
 
 
 class ReplayRequest(Ids):
@@ -129,7 +145,7 @@ class ReplayRequest(Ids):
     ``count`` of them, the number the operator confirmed."""
 
     all_abandoned: bool = False
-    stream: str | None = Field(default=None, max_length=255)
+    stream: str | None = Field(default=None, max_length=255, pattern=_STORABLE)
     count: int | None = Field(default=None, ge=0)
 
 
@@ -137,9 +153,11 @@ class DeadLetterReplay(BaseModel):
     """Dead letters of one consumer group to put back on its stream: all of them, or the
     entries ``entry_ids``."""
 
-    stream: str = Field(min_length=1, max_length=255)
-    group: str = Field(min_length=1, max_length=255)
-    entry_ids: list[str] | None = Field(default=None, max_length=1000)
+    stream: str = Field(min_length=1, max_length=255, pattern=_STORABLE)
+    group: str = Field(min_length=1, max_length=255, pattern=_STORABLE)
+    entry_ids: list[Annotated[str, Field(max_length=255, pattern=_STORABLE)]] | None = Field(
+        default=None, max_length=1000
+    )
     force: bool = Field(
         default=False,
         description="Also dead letters older than inbox_retention_seconds (refused with 409 "
@@ -174,10 +192,13 @@ class _Pages:
     def __init__(self, show_payloads: bool) -> None:
         self.show_payloads = show_payloads
 
-    def render(self, request: Request, template: str, **context: Any) -> HTMLResponse:
-        token = request.cookies.get(CSRF_COOKIE) or secrets.token_urlsafe(32)
+    def render(self, request: Request, suffix: str, template: str, **context: Any) -> HTMLResponse:
+        """``suffix``: the part of the request's path after the dashboard's base (``""``
+        for the overview, ``"/messages"``...), to find the base it was reached under."""
+        base = served_at(request, suffix)
+        token = _csrf_cookie(request) or secrets.token_urlsafe(32)
         html = _templates.get_template(template).render(
-            prefix=PREFIX,
+            prefix=base,
             csrf=token,
             refresh_seconds=REFRESH_SECONDS,
             show_payloads=self.show_payloads,
@@ -190,16 +211,35 @@ class _Pages:
             "frame-ancestors 'none'; form-action 'self'"
         )
         response.headers["X-Content-Type-Options"] = "nosniff"
-        if request.cookies.get(CSRF_COOKIE) != token:
-            response.set_cookie(CSRF_COOKIE, token, httponly=True, samesite="strict", path=PREFIX)
+        if _csrf_cookie(request) != token:
+            response.set_cookie(CSRF_COOKIE, token, httponly=True, samesite="strict", path=base)
         return response
 
 
+def served_at(request: Request, suffix: str) -> str:
+    """The dashboard's base path as the browser sees it: the request's public path
+    (``root_path`` of a mount or a proxy, then the path routed here) less ``suffix``."""
+    scope = request.scope
+    path: str = scope.get("root_path", "") + get_route_path(scope)
+    if suffix and path.endswith(suffix):
+        path = path[: -len(suffix)]
+    return path.rstrip("/")
+
+
+def _csrf_cookie(request: Request) -> str | None:
+    """The CSRF cookie when it is a token this router could have set (URL-safe ASCII):
+    anything else is ignored, and a fresh token replaces it."""
+    value = request.cookies.get(CSRF_COOKIE)
+    return value if value and _TOKEN.fullmatch(value) else None
+
+
 async def _check_csrf(request: Request) -> None:
-    """Every action: the double-submit token in its header, and a JSON body."""
-    cookie = request.cookies.get(CSRF_COOKIE, "")
+    """Every action: the double-submit token in its header, and a JSON body. Headers are
+    read as Latin-1 by Starlette: a token with any byte outside URL-safe ASCII is refused
+    (403) before it is compared, since ``hmac.compare_digest`` raises on non-ASCII text."""
+    cookie = _csrf_cookie(request) or ""
     header = request.headers.get(CSRF_HEADER, "")
-    if not cookie or not hmac.compare_digest(cookie, header):
+    if not cookie or not _TOKEN.fullmatch(header) or not hmac.compare_digest(cookie, header):
         raise HTTPException(403, f"missing or wrong {CSRF_HEADER} header (CSRF check)")
     if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
         raise HTTPException(415, "actions take a JSON body (application/json)")
@@ -244,11 +284,13 @@ def _overview_data(view: operations.Overview) -> dict[str, Any]:
 def _overview_routes(router: APIRouter, outbox: OutboxPort, pages: _Pages) -> None:
     @router.get("", response_class=HTMLResponse, summary="Dashboard overview")
     async def overview_page(request: Request) -> HTMLResponse:
-        return pages.render(request, "overview.html", **await _overview_context(outbox))
+        return pages.render(request, "", "overview.html", **await _overview_context(outbox))
 
     @router.get("/fragments/overview", response_class=HTMLResponse, include_in_schema=False)
     async def overview_fragment(request: Request) -> HTMLResponse:
-        return pages.render(request, "_overview.html", **await _overview_context(outbox))
+        return pages.render(
+            request, "/fragments/overview", "_overview.html", **await _overview_context(outbox)
+        )
 
     @router.get("/api/overview", summary="Dashboard overview data")
     async def overview_data() -> dict[str, Any]:
@@ -298,6 +340,10 @@ def _message_routes(router: APIRouter, outbox: OutboxPort, pages: _Pages) -> Non
             "archived": "1" if archived else None,
         }
         list_rows = operations.list_archived if archived else operations.list_messages
+        for name, value in filters.items():
+            if value is not None and "\x00" in value:
+                # PostgreSQL stores no NUL in text: refused here, not a driver error (500).
+                raise HTTPException(400, f"{name}: a NUL character is not allowed")
         try:
             where = _message_filter(filters)
             before_id = _uuid("before", before) if before else None
@@ -308,6 +354,7 @@ def _message_routes(router: APIRouter, outbox: OutboxPort, pages: _Pages) -> Non
         next_page = {**query, "before": str(rows[-1]["id"])} if len(rows) == limit else None
         return pages.render(
             request,
+            "/messages",
             "messages.html",
             rows=rows,
             filters=filters,
@@ -331,7 +378,9 @@ def _message_routes(router: APIRouter, outbox: OutboxPort, pages: _Pages) -> Non
             message = await operations.show(outbox, mid, reveal=pages.show_payloads)
         except exceptions.MessageNotFound as exc:
             raise HTTPException(404, str(exc)) from exc
-        return pages.render(request, "message.html", **_message_context(message, pages))
+        return pages.render(
+            request, f"/messages/{message_id}", "message.html", **_message_context(message, pages)
+        )
 
 
 def _message_context(message: dict[str, Any], pages: _Pages) -> dict[str, Any]:

@@ -4,7 +4,9 @@
 "use strict";
 (function () {
   const csrf = document.querySelector('meta[name="outbox-csrf"]').content;
-  const base = document.querySelector('link[rel="stylesheet"]').getAttribute("href").replace(/\/static\/.*$/, "");
+  // Where the server found this dashboard (its mount, proxy root_path and prefix included):
+  // every action goes to this outbox's own API, never to a fixed path.
+  const base = document.querySelector('meta[name="outbox-base"]').content;
 
   function flash(text, bad) {
     const box = document.getElementById("flash");
