@@ -43,10 +43,8 @@ async def closing() -> AsyncIterator[list[Outbox]]:
 
 async def test_normal_stops_charge_no_attempt(harness: Harness, closing: list[Outbox]) -> None:
     h = harness
-    if h.kind == "memory":
-        pytest.skip(
-            "not yet passing on the memory broker: a second Outbox on it takes no released message"
-        )
+    # SQLite (the memory broker's database) has one writer: one handler in its transaction.
+    busy = 1 if h.kind == "memory" else 2
     stream = h.stream()
     OrderPlaced, _ = events_for(stream)
     started: dict[str, int] = {}
@@ -84,8 +82,8 @@ async def test_normal_stops_charge_no_attempt(harness: Harness, closing: list[Ou
         outbox = first if stop == 0 else new_outbox()
         runs = sum(started.values())
         async with outbox.dispatcher():
-            # Both handlers blocked on a message each, the rest waiting in the prefetch.
-            await wait_until(lambda: sum(started.values()) >= runs + 2, timeout=20)  # noqa: B023
+            # The handlers blocked on a message each, the rest waiting in the prefetch.
+            await wait_until(lambda: sum(started.values()) >= runs + busy, timeout=20)  # noqa: B023
         assert outbox.subscribers[0].stats.dead_lettered == 0
     blocked["on"] = False
     last = new_outbox()
