@@ -75,6 +75,7 @@ def bench(session: nox.Session) -> None:
     """Benchmarks on the local services; pass a script name to run only that one."""
     session.install("-e", ".[test]", "py-spy")  # py-spy: hot spots when a goal is missed
     scripts = session.posargs or [
+        "producer",
         "write_path",
         "dispatch",
         "health",
@@ -83,9 +84,19 @@ def bench(session: nox.Session) -> None:
         "scale",
         "wal",
         "consume",
+        "e2e",
+        "notify_lock",
     ]
     for script in scripts:
         session.run("python", f"benchmarks/{script}.py")
+
+
+@nox.session
+def perf(session: nox.Session) -> None:
+    """The short ratio benchmarks (producer, drain, consume), each ratio printed against
+    its floor; a few minutes. Arguments go to benchmarks/perf.py (``-- --only producer``)."""
+    session.install("-e", ".[test]", *CONSTRAINTS)
+    session.run("python", "benchmarks/perf.py", *session.posargs)
 
 
 @nox.session

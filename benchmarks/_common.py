@@ -382,3 +382,18 @@ async def pg_cpu(conn: Any) -> dict[int, float]:
         "AND pid <> pg_backend_pid()"
     )
     return {r["pid"]: proc_cpu(r["pid"]) for r in rows}
+
+
+# -- ratios against their floors (nox -s perf) ---------------------------------------------
+
+
+def record_ratio(path: str | None, what: str, ratio: float, floor: float, *, most: bool) -> None:
+    """Append one ratio to the JSON-lines file ``path`` (``--ratios``; nothing when None):
+    ``most``: the floor is a ceiling (the library may cost at most ``floor`` times the
+    baseline), else the library must reach at least ``floor`` times the baseline's rate."""
+    if path is None:
+        return
+    import json
+
+    with open(path, "a") as out:
+        out.write(json.dumps({"what": what, "ratio": ratio, "floor": floor, "most": most}) + "\n")

@@ -64,6 +64,7 @@ from benchmarks._common import (
     loopback,
     machine_note,
     median,
+    record_ratio,
     redis_client,
     table,
     unique,
@@ -470,6 +471,7 @@ async def main() -> None:
         default=OutboxSettings().consumer_concurrency,
         help="library's consumer_concurrency (default: the library's default)",
     )
+    parser.add_argument("--ratios", help="append the ratios to this JSON-lines file")
     parser.add_argument(
         "--sides",
         default=",".join(SIDES),
@@ -550,6 +552,7 @@ async def main() -> None:
                         )
                 med = {side: median(r) if r else None for side, r in rates.items()}
                 rows += _rows(kind, med)
+                _record(args.ratios, kind, med)
                 cpu_rows += [[kind, side, f"{median(c):.1f}"] for side, c in cpus.items() if c]
         finally:
             await pool.close()
@@ -570,6 +573,23 @@ async def main() -> None:
         "CPU of this process per message handled (medians; PostgreSQL and the broker not counted):"
     )
     print(table(["broker", "side", "µs/msg"], cpu_rows))
+
+
+#: Floors of the library's rate against a hand-written consumer: the batch handler writing
+#: arrays against raw asyncpg; the per-message ORM handler against the ORM baseline.
+BATCH_FLOOR = 0.9
+ORM_FLOOR = 1.0
+
+
+def _record(path: str | None, kind: str, med: dict[str, float | None]) -> None:
+    base, orm = med.get("baseline"), med.get("baseline_orm")
+    arrays, per_message = med.get("library_arrays"), med.get("library")
+    if arrays and base and kind != "rabbitmq":
+        what = f"consume {kind}, batch handler (arrays) / raw asyncpg"
+        record_ratio(path, what, arrays / base, BATCH_FLOOR, most=False)
+    if per_message and orm:
+        what = f"consume {kind}, per-message ORM handler / hand-written ORM"
+        record_ratio(path, what, per_message / orm, ORM_FLOOR, most=False)
 
 
 def _rows(kind: str, med: dict[str, float | None]) -> list[list[str]]:

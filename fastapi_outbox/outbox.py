@@ -199,11 +199,18 @@ class Outbox:
         put_claims(self.claim_check_store, connection, rows)
         self.capture.write(connection, rows)
 
-    def committed(self, brokers: Mapping[str, float]) -> bool:
+    def notify_with_commit(self, brokers: Mapping[str, float]) -> str | None:
+        """Before a commit that wrote rows for ``brokers``: what its COMMIT carries to wake
+        other processes (the NOTIFY), or None (the wake-up policy:
+        :func:`fastapi_outbox.relay.wakeups.notify_with_commit`)."""
+        return self.relays.notify_with_commit(brokers)
+
+    def committed(self, brokers: Mapping[str, float], *, notified: bool = False) -> bool:
         """Wake the dispatchers after a commit that wrote rows for ``brokers`` (the wake-up
         policy: :func:`fastapi_outbox.relay.wakeups.wake_after_commit`); True when other
-        processes must still be told by :meth:`notify_after_commit`."""
-        return self.relays.committed(brokers)
+        processes must still be told by :meth:`notify_after_commit`. ``notified``: the
+        COMMIT carried the NOTIFY."""
+        return self.relays.committed(brokers, notified=notified)
 
     async def notify_after_commit(self) -> None:
         """One NOTIFY after the commit, outside the business transaction, bounded and only

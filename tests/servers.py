@@ -302,6 +302,100 @@ class TcpProxy:
 _SSL_REQUEST, _GSSENC_REQUEST = 80877103, 80877104
 
 
+class _FrontendParser:
+    """Splits what a PostgreSQL client sends into round trips: a simple ``Query`` is one;
+    extended-protocol messages up to a ``Sync`` are one. Each round trip is recorded as the
+    SQL it runs (``Parse`` gives a prepared statement's text, ``Bind`` names the statement
+    an ``Execute`` runs); a round trip that only prepares is recorded as ``PREPARE <sql>``."""
+
+    def __init__(self, trips: list[str]) -> None:
+        self._buffer = b""
+        self._started = False
+        self._statements: dict[bytes, str] = {}
+        self._pending: list[str] = []
+        self._prepared: list[str] = []
+        self.trips = trips
+
+    def feed(self, data: bytes) -> None:
+        self._buffer += data
+        while True:
+            if not self._started:  # untyped: SSLRequest / GSSENCRequest, then startup
+                if len(self._buffer) < 8:
+                    return
+                length, code = struct.unpack("!II", self._buffer[:8])
+                if len(self._buffer) < length:
+                    return
+                self._buffer = self._buffer[length:]
+                self._started = code not in (_SSL_REQUEST, _GSSENC_REQUEST)
+                continue
+            if len(self._buffer) < 5:
+                return
+            kind = self._buffer[:1]
+            (length,) = struct.unpack("!I", self._buffer[1:5])
+            if len(self._buffer) < 1 + length:
+                return
+            body, self._buffer = self._buffer[5 : 1 + length], self._buffer[1 + length :]
+            self._message(kind, body)
+
+    def _message(self, kind: bytes, body: bytes) -> None:
+        if kind == b"Q":
+            self.trips.append(body.rstrip(b"\0").decode())
+        elif kind == b"P":
+            name, sql = body.split(b"\0", 2)[:2]
+            self._statements[name] = sql.decode()
+            self._prepared.append(sql.decode())
+        elif kind == b"B":
+            statement = body.split(b"\0", 2)[1]
+            self._pending.append(self._statements.get(statement, "?"))
+        elif kind == b"S":
+            if self._pending:
+                self.trips.extend(self._pending)
+            else:
+                self.trips.extend(f"PREPARE {sql}" for sql in self._prepared)
+            self._pending, self._prepared = [], []
+
+
+class WireTap(TcpProxy):
+    """A :class:`TcpProxy` that records, per connection, the round trips its client makes
+    (:class:`_FrontendParser`): what a piece of code really sends to PostgreSQL, counted
+    on the wire. ``trips`` holds one list per connection, in the order they were opened."""
+
+    def __init__(self, target_port: int) -> None:
+        super().__init__(target_port)
+        self.trips: list[list[str]] = []
+        self._parsers: dict[int, _FrontendParser] = {}
+
+    def mark(self) -> list[int]:
+        """How many round trips each connection made so far (see :meth:`since`)."""
+        return [len(t) for t in self.trips]
+
+    def since(self, mark: list[int]) -> list[list[str]]:
+        """The round trips made since ``mark``, per connection, leaving out connections
+        that made none (new connections included)."""
+        made = [t[mark[i] if i < len(mark) else 0 :] for i, t in enumerate(self.trips)]
+        return [t for t in made if t]
+
+    async def _pipe(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        link: _Link,
+        *,
+        upstream: bool,
+    ) -> None:
+        if upstream:
+            trips: list[str] = []
+            self.trips.append(trips)
+            self._parsers[id(link)] = _FrontendParser(trips)
+        with contextlib.suppress(OSError, asyncio.IncompleteReadError):
+            while data := await reader.read(65536):
+                if upstream:
+                    self._parsers[id(link)].feed(data)
+                writer.write(data)
+                await writer.drain()
+        writer.close()
+
+
 def pg_fatal(sqlstate: str, message: str) -> bytes:
     """A PostgreSQL ErrorResponse message of severity FATAL."""
     fields = b"".join(
@@ -553,8 +647,26 @@ class PrivateNatsCluster:
         proc.kill()
         proc.wait(10)
 
+    def freeze(self, node: str) -> None:
+        """SIGSTOP ``node``: its sockets stay open (the kernel still accepts connections and
+        data) but it answers nothing, what a hung or paused node looks like to clients."""
+        proc = self.procs[node]
+        assert proc is not None and proc.poll() is None, f"{node} is not running"
+        proc.send_signal(signal.SIGSTOP)
+
+    def thaw(self, node: str) -> None:
+        """SIGCONT ``node`` (after :meth:`freeze`)."""
+        proc = self.procs[node]
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)
+
+    def node_of(self, port: int) -> str:
+        """The node listening on ``port``."""
+        return next(node for node, p in self.ports.items() if p == port)
+
     def stop(self) -> None:
         for node in self.nodes:
+            self.thaw(node)  # a frozen process dies of SIGKILL too, but thaw for its log
             self.kill(node)
 
 

@@ -30,9 +30,16 @@ import anyio.abc
 from fastapi_outbox.brokers.base import Broker
 from fastapi_outbox.instrumentation import Instrumentation
 from fastapi_outbox.relay.table import TableRelay
-from fastapi_outbox.relay.wakeups import Listener, Notifier, notify_once, wake_after_commit
+from fastapi_outbox.relay.wakeups import (
+    Listener,
+    Notifier,
+    notify_once,
+    notify_with_commit,
+    wake_after_commit,
+)
 from fastapi_outbox.relay.wal import WalRelay
 from fastapi_outbox.settings import OutboxSettings
+from fastapi_outbox.storage.statements import wakeups as wakeups_sql
 from fastapi_outbox.storage.store import Store
 from fastapi_outbox.storage.wal_slot import WalSlot
 
@@ -143,12 +150,27 @@ class Relays:
 
     # -- after a commit ----------------------------------------------------------------------
 
-    def committed(self, brokers: Mapping[str, float]) -> bool:
+    def notify_with_commit(self, brokers: Mapping[str, float]) -> str | None:
+        """Before a commit: the statements its COMMIT carries to wake other processes, or
+        None when they need no NOTIFY (see
+        :func:`~fastapi_outbox.relay.wakeups.notify_with_commit`)."""
+        if not notify_with_commit(
+            brokers, self.processors, self.wal_relay, can_notify=self._notifies
+        ):
+            return None
+        return wakeups_sql.notify_with_commit(self.channel, self.instance)
+
+    def committed(self, brokers: Mapping[str, float], *, notified: bool = False) -> bool:
         """Wake this process's relays after a commit (see
         :func:`~fastapi_outbox.relay.wakeups.wake_after_commit`); True when a NOTIFY must
-        still be sent (:meth:`notify_after_commit`)."""
+        still be sent (:meth:`notify_after_commit`). ``notified``: the COMMIT carried it."""
         return wake_after_commit(
-            brokers, self.processors, self.wal_relay, self.notifier, can_notify=self._notifies
+            brokers,
+            self.processors,
+            self.wal_relay,
+            self.notifier,
+            can_notify=self._notifies,
+            notified=notified,
         )
 
     async def notify_after_commit(self) -> None:

@@ -354,6 +354,39 @@ class WalRelayWaking(Protocol):
     def stopping(self) -> bool: ...
 
 
+def notify_with_commit(
+    brokers: Mapping[str, float],
+    processors: Mapping[str, TableRelayWaking],
+    wal_relay: WalRelayWaking | None,
+    *,
+    can_notify: bool,
+) -> bool:
+    """Before a commit that wrote rows for ``brokers``: whether other processes must be
+    told, so the COMMIT carries the NOTIFY (one round trip for both: the producer's
+    transaction sends its INSERTs and its COMMIT, nothing else). The same policy as
+    :func:`wake_after_commit`, read ahead of the commit: rows due now that an idle
+    worker of this process will take (or the WAL relay's leader here) need no NOTIFY;
+    delayed rows, rows of a relay this process does not run, and rows no idle worker
+    here waits for do. Reading ahead can be wrong only one way — the worker found idle
+    gets busy before the commit — and that worker claims again when it is done."""
+    if not (brokers and can_notify):
+        return False
+    for name, delay in brokers.items():
+        if wal_relay is not None and delay <= 0:
+            if not (wal_relay.leader and not wal_relay.stopping):
+                return True
+            continue
+        processor = processors.get(name)
+        if (
+            processor is None
+            or processor.stopping
+            or delay > 0
+            or processor.wakeup.idle_waiters == 0
+        ):
+            return True
+    return False
+
+
 def wake_after_commit(
     brokers: Mapping[str, float],
     processors: Mapping[str, TableRelayWaking],
@@ -361,6 +394,7 @@ def wake_after_commit(
     notifier: Notifier | None,
     *,
     can_notify: bool,
+    notified: bool = False,
 ) -> bool:
     """Wake the relays after a commit that wrote rows for ``brokers`` (each with the
     earliest delay of its rows: 0 for rows due now).
@@ -369,7 +403,9 @@ def wake_after_commit(
     when to look (no claim before they are due). Returns True when other processes still
     have to be told: this process runs no :class:`Notifier` (an API-only process,
     ``run_dispatchers=False``) but ``can_notify`` (PostgreSQL with ``notify`` on) — the
-    caller then sends the NOTIFY itself (:func:`notify_once`)."""
+    caller then sends the NOTIFY itself (:func:`notify_once`). ``notified``: the COMMIT
+    carried the NOTIFY (:func:`notify_with_commit`); only this process's relays are left
+    to wake."""
     if not brokers:
         return False
     handled_here = True
@@ -391,7 +427,7 @@ def wake_after_commit(
         # needs waking, and the commit costs no NOTIFY.
         elif not processor.wakeup.set():
             handled_here = False
-    if handled_here:
+    if handled_here or notified:
         return False
     if notifier is not None and notifier.running:
         notifier.signal()

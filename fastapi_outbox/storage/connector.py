@@ -30,7 +30,7 @@ from sqlalchemy.util import await_only
 
 from fastapi_outbox.storage.engine import is_postgres, uses_asyncpg
 
-__all__ = ["Connector", "Held", "row_count"]
+__all__ = ["Connector", "Held", "commit_with", "row_count"]
 
 #: Bound on dropping a discarded connection (:meth:`Connector.held` with ``discard``): a
 #: connection to a server that went away must not hold up the caller's shutdown.
@@ -40,6 +40,71 @@ DISCARD_TIMEOUT_SECONDS = 2.0
 def row_count(status: str) -> int:
     """The row count in asyncpg's command tag (``"UPDATE 42"``, ``"DELETE 42"``)."""
     return int(status.rsplit(" ", 1)[-1])
+
+
+class _CommitCarrying:
+    """asyncpg's connection as its transaction sees it while committing: the ``COMMIT;``
+    that asyncpg's ``Transaction.commit`` sends goes out with ``sql`` after it, as one
+    simple query (one round trip). PostgreSQL runs the statements after the COMMIT in an
+    implicit transaction of their own, and none of them when the COMMIT fails. Everything
+    else goes to the connection itself."""
+
+    __slots__ = ("_driver", "_sql", "sent")
+
+    def __init__(self, driver: Any, sql: str) -> None:
+        object.__setattr__(self, "_driver", driver)
+        object.__setattr__(self, "_sql", sql)
+        object.__setattr__(self, "sent", False)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._driver, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._driver, name, value)  # the transaction clears ``_top_xact``
+
+    async def execute(self, query: str, *args: Any, timeout: float | None = None) -> Any:
+        if args or query != "COMMIT;":
+            return await self._driver.execute(query, *args, timeout=timeout)
+        object.__setattr__(self, "sent", True)
+        return await self._driver.execute(query + self._sql, timeout=timeout)
+
+
+def commit_with(conn: Connection, sql: str) -> Any:
+    """Arrange for ``sql`` (statements without parameters) to go in the same round trip as
+    the COMMIT of ``conn``'s transaction, which SQLAlchemy is about to send (called from
+    the ``commit`` connection event). Returns a handle whose ``sent`` tells, after the
+    commit, whether it went; None when ``conn`` is not on asyncpg or holds no top-level
+    asyncpg transaction (the caller sends it after the commit instead)."""
+    if not (is_postgres(conn) and uses_asyncpg(conn)):
+        return None
+    adapter = conn.connection.dbapi_connection
+    transaction = getattr(adapter, "_transaction", None)
+    driver = conn.connection.driver_connection
+    if (
+        transaction is None
+        or getattr(transaction, "_nested", True)
+        or getattr(transaction, "_connection", None) is not driver
+    ):
+        return None
+    carrying = _CommitCarrying(driver, sql)
+    transaction._connection = carrying  # discarded with the transaction after the commit
+    return carrying
+
+
+def _begin(conn: Connection) -> bool:
+    """Begin the transaction SQLAlchemy's asyncpg adapter begins lazily before its first
+    statement (the session's commit writes the outbox rows first when the unit of work
+    wrote nothing else): the adapter's own BEGIN, so its commit and rollback see it. False
+    when the adapter is not the one this expects (the caller takes SQLAlchemy's path)."""
+    adapter = conn.connection.dbapi_connection
+    start = getattr(adapter, "_start_transaction", None)
+    if start is None or getattr(adapter, "_transaction", False) is not None:
+        return False
+    if getattr(adapter, "isolation_level", None) == "autocommit":
+        return False
+    await_only(start())
+    driver = conn.connection.driver_connection
+    return driver is not None and bool(driver.is_in_transaction())
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -198,7 +263,9 @@ class Connector:
         if not (is_postgres(conn) and uses_asyncpg(conn)):
             return False
         driver = conn.connection.driver_connection
-        if driver is None or not driver.is_in_transaction():
+        if driver is None:
+            return False
+        if not driver.is_in_transaction() and not _begin(conn):
             return False
         sql, order = self._insert_sql(conn, stmt, keys)
         if len(params) == 1:

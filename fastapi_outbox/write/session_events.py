@@ -13,10 +13,16 @@ events rather than by a transaction tracker of ours:
 ``after_soft_rollback``
     fires for every rollback, savepoints included: rows queued inside the transaction (or
     savepoint) that rolled back, and in the savepoints nested in it, are dropped.
+the connection's ``commit``
+    carries the NOTIFY other processes need, decided when the rows were written: the
+    COMMIT's round trip sends it too (after the commit, outside the business transaction;
+    see :func:`fastapi_outbox.storage.connector.commit_with`), whoever commits the
+    connection (an own or a joined session's owner, a script without a lifespan). A
+    producer's transaction sends its INSERTs and its COMMIT, nothing else.
 ``after_commit``
-    (root only) tells the outbox which brokers got rows, to wake their dispatchers, and sends
-    the NOTIFY other processes need right there, whoever committed (an own or a joined
-    session, a script without a lifespan).
+    (root only) tells the outbox which brokers got rows, to wake this process's
+    dispatchers (and, where the COMMIT could not carry it — a driver other than asyncpg —
+    sends the NOTIFY right there).
 ``after_flush``, ``pending_to_transient``, ``persistent_to_detached`` …
     follow aggregates: an object that leaves the session before the commit (``expunge``,
     ``expunge_all``, a rollback undoing its insert) takes back the events it raised since its
@@ -49,9 +55,10 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from sqlalchemy import event as sa_event
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session, SessionTransaction
 from sqlalchemy.orm.attributes import instance_state
+from sqlalchemy.pool import Pool
 
 # SQLAlchemy's bridge from a sync session event to the event loop (what its async dialects
 # use): the NOTIFY after a commit is sent from the commit's ``after_commit`` event.
@@ -65,6 +72,7 @@ from fastapi_outbox.aggregates import (
     wait_on,
 )
 from fastapi_outbox.events import Event, Message
+from fastapi_outbox.storage.connector import commit_with
 
 __all__ = ["JOINED_KEY", "STATE_KEY", "SessionState", "Sink", "state_of"]
 
@@ -73,6 +81,9 @@ STATE_KEY = "fastapi_outbox.state"
 #: ``session.info`` key set on a session joined to a transaction its owner commits: the
 #: session's own commit is not the real one (see the module docstring).
 JOINED_KEY = "fastapi_outbox.joined"
+#: ``Connection.info`` key of the NOTIFYs the connection's next COMMIT carries
+#: (:class:`_Carried`), set when the rows are written, cleared at the transaction's end.
+_CARRY_KEY = "fastapi_outbox.carry"
 
 
 class Sink(Protocol):
@@ -81,13 +92,33 @@ class Sink(Protocol):
     def write_rows(self, connection: Connection, rows: list[dict[str, Any]]) -> None:
         """Insert ``rows`` on ``connection`` (sync API, called inside SQLAlchemy's greenlet)."""
 
-    def committed(self, brokers: Mapping[str, float]) -> bool:
+    def notify_with_commit(self, brokers: Mapping[str, float]) -> str | None:
+        """Before the commit: the statements (a NOTIFY) its COMMIT carries to wake other
+        processes, or None when none is needed."""
+
+    def committed(self, brokers: Mapping[str, float], *, notified: bool = False) -> bool:
         """Wake (or, for delayed rows, schedule) dispatchers: ``brokers`` maps each broker
-        that got rows to the earliest delay among them (0: due now). True when a NOTIFY
-        must still be sent (by :meth:`notify_after_commit`)."""
+        that got rows to the earliest delay among them (0: due now); ``notified``: the
+        COMMIT carried the NOTIFY. True when a NOTIFY must still be sent (by
+        :meth:`notify_after_commit`)."""
 
     async def notify_after_commit(self) -> None:
         """Send that NOTIFY (bounded in time; a failure is only logged)."""
+
+
+class _Carried:
+    """A NOTIFY a connection's COMMIT is to carry for one sink; ``handle`` (set by the
+    ``commit`` event) says whether it went."""
+
+    __slots__ = ("handle", "sql")
+
+    def __init__(self, sql: str) -> None:
+        self.sql = sql
+        self.handle: Any = None
+
+    @property
+    def sent(self) -> bool:
+        return self.handle is not None and bool(self.handle.sent)
 
 
 class _Raised:
@@ -125,7 +156,7 @@ def _identity_key(instance: Any) -> Any:
 class SessionState:
     """Outbox rows queued on one session, and the publishers of its aggregates' events."""
 
-    __slots__ = ("_publishers", "_raising", "notify", "queued", "raised", "written")
+    __slots__ = ("_publishers", "_raising", "carried", "notify", "queued", "raised", "written")
 
     def __init__(self) -> None:
         #: ``(savepoint or None, sink, row)``; ``None`` is the root transaction's level.
@@ -135,6 +166,8 @@ class SessionState:
         self.written: dict[Sink, dict[str, float]] = {}
         #: sinks whose commit still needs a NOTIFY from an async caller.
         self.notify: list[Sink] = []
+        #: the NOTIFY of each sink that the COMMIT of the current root transaction carries.
+        self.carried: dict[Sink, _Carried] = {}
         self._publishers: list[Callable[[Event | Message], object]] = []
         #: events raised by aggregates in the current transaction, oldest first.
         self.raised: list[_Raised] = []
@@ -250,6 +283,11 @@ class SessionState:
                 broker = row["broker"]
                 written[broker] = min(delay, written.get(broker, delay))
             sink.write_rows(connection, rows)
+            if sink not in self.carried:
+                sql = sink.notify_with_commit(written)
+                if sql is not None:
+                    carried = self.carried[sink] = _Carried(sql)
+                    connection.info.setdefault(_CARRY_KEY, []).append(carried)
         self.queued = kept
         if self.raised:
             written_rows = {id(row) for rows in batches.values() for row in rows}
@@ -269,6 +307,7 @@ class SessionState:
             self.queued.clear()
             if not joined:
                 self.written.clear()
+                self.carried.clear()
             dropped, self.raised = self.raised, []
         else:
             self.queued = [q for q in self.queued if not _within(q[0], boundary)]
@@ -288,8 +327,10 @@ class SessionState:
         wakes them as the unit of work's own commit does."""
         self.raised.clear()
         written, self.written = self.written, {}
+        carried, self.carried = self.carried, {}
         for sink, brokers in written.items():
-            if brokers and sink.committed(brokers) and sink not in self.notify:
+            notified = sink in carried and carried[sink].sent
+            if brokers and sink.committed(brokers, notified=notified) and sink not in self.notify:
                 self.notify.append(sink)
         if self.notify and in_greenlet():
             sinks, self.notify = self.notify, []
@@ -398,6 +439,29 @@ def _after_commit(session: Session) -> None:
         and not session.info.get(JOINED_KEY)
     ):
         state.after_commit()
+
+
+@sa_event.listens_for(Engine, "commit")
+def _carry_notify(connection: Connection) -> None:
+    """The connection is about to COMMIT: the NOTIFYs noted on it go in the same round trip."""
+    carried: list[_Carried] | None = connection.info.pop(_CARRY_KEY, None)
+    if carried:
+        handle = commit_with(connection, "".join(c.sql for c in carried))
+        for c in carried:
+            c.handle = handle
+
+
+@sa_event.listens_for(Engine, "rollback")
+def _carry_nothing(connection: Connection) -> None:
+    connection.info.pop(_CARRY_KEY, None)
+
+
+@sa_event.listens_for(Pool, "checkin")
+def _carry_nothing_further(dbapi_connection: Any, record: Any) -> None:
+    # A connection given back without a commit or a rollback event (invalidated, reset by
+    # the pool) must not carry a NOTIFY into whoever checks it out next.
+    if record is not None:
+        record.info.pop(_CARRY_KEY, None)
 
 
 @sa_event.listens_for(Session, "after_soft_rollback")

@@ -260,6 +260,9 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "CONNECT_TIMEOUT_SECONDS",
         "DEDUP_WINDOW_SECONDS",
         "JS_API_INFO",
+        "MAX_OUTSTANDING_PINGS",
+        "PING_INTERVAL_SECONDS",
+        "RECONNECT_WAIT_SECONDS",
         "STREAM_MAX_AGE_SECONDS",
         "STREAM_MAX_BYTES",
         "NatsConnection",
@@ -303,6 +306,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
     "fastapi_outbox.brokers.rabbitmq.connection": {
         "CONFIRM_TIMEOUT_SECONDS",
         "CONNECT_TIMEOUT_SECONDS",
+        "HEARTBEAT_SECONDS",
         "RabbitMQConnection",
     },
     "fastapi_outbox.brokers.rabbitmq.consumer": {
@@ -681,6 +685,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
     "fastapi_outbox.storage.connector": {
         "Connector",
         "Held",
+        "commit_with",
         "row_count",
     },
     "fastapi_outbox.storage.db_outage": {
@@ -703,6 +708,10 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "SQLITE_BUSY_TIMEOUT_MS",
         "SQLITE_CONNECT_TIMEOUT_SECONDS",
         "create_engine",
+        "PG_CONNECT_TIMEOUT_SECONDS",
+        "PG_KEEPALIVE_IDLE_SECONDS",
+        "PG_KEEPALIVE_INTERVAL_SECONDS",
+        "PG_KEEPALIVE_PROBES",
         "engine_defaults",
         "is_postgres",
         "uses_asyncpg",
@@ -717,6 +726,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "PayloadStore",
         "build_payload_table",
         "known_in",
+        "live_in",
         "payload_store_for",
     },
     "fastapi_outbox.storage.inbox": {"Inbox", "build_inbox_table", "inbox_table"},
@@ -877,6 +887,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "fetch",
         "insert_payload",
         "known_messages",
+        "live_messages",
         "purge",
     },
     "fastapi_outbox.storage.statements.retention": {
@@ -886,6 +897,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
     "fastapi_outbox.storage.statements.wakeups": {
         "NOTIFY_SQL",
         "notify",
+        "notify_with_commit",
     },
     "fastapi_outbox.storage.statements.wal": {
         "ADVANCE_SQL",

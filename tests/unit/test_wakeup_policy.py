@@ -1,12 +1,13 @@
-"""The after-commit wake-up policy (``relay.wakeups.wake_after_commit``) on fake relays:
-who is woken, who is scheduled, and when the committer must still send a NOTIFY."""
+"""The wake-up policy on fake relays: before the commit, whether its COMMIT carries a NOTIFY
+(``relay.wakeups.notify_with_commit``); after it (``relay.wakeups.wake_after_commit``), who
+is woken, who is scheduled, and when the committer must still send a NOTIFY."""
 
 from __future__ import annotations
 
 import anyio
 import anyio.abc
 
-from fastapi_outbox.relay.wakeups import Wakeup, wake_after_commit
+from fastapi_outbox.relay.wakeups import Wakeup, notify_with_commit, wake_after_commit
 
 
 class _Processor:
@@ -94,3 +95,39 @@ def test_wal_capture_wakes_the_wal_relay_and_only_a_leader_here_suffices() -> No
     processor = _Processor()
     wake_after_commit({"default": 2.0}, {"default": processor}, leader, None, can_notify=True)
     assert processor.scheduled == [2.0]
+
+
+async def test_the_commit_carries_a_notify_unless_an_idle_worker_here_takes_the_rows() -> None:
+    processor, woken = _Processor(), []
+    here = {"default": processor}
+    # No worker of this process waits: other processes must be told.
+    assert notify_with_commit({"default": 0.0}, here, None, can_notify=True) is True
+    async with anyio.create_task_group() as tg:
+        await _idle(processor, tg, woken)
+        assert notify_with_commit({"default": 0.0}, here, None, can_notify=True) is False
+        # Delayed rows, another broker's rows: other processes are told all the same.
+        assert notify_with_commit({"default": 5.0}, here, None, can_notify=True) is True
+        assert notify_with_commit({"audit": 0.0}, here, None, can_notify=True) is True
+        assert notify_with_commit({"audit": 0.0}, here, None, can_notify=False) is False
+        # The COMMIT carried it: after the commit only this process's worker is woken.
+        notifier = _Notifier()
+        assert (
+            wake_after_commit(
+                {"default": 0.0, "audit": 0.0},
+                here,
+                None,
+                notifier,  # type: ignore[arg-type]
+                can_notify=True,
+                notified=True,
+            )
+            is False
+        )
+        assert notifier.signals == 0
+    assert woken == [True]
+    assert notify_with_commit({}, here, None, can_notify=True) is False
+    assert (
+        notify_with_commit({"default": 0.0}, {}, _WalRelay(leader=True), can_notify=True) is False
+    )
+    assert (
+        notify_with_commit({"default": 0.0}, {}, _WalRelay(leader=False), can_notify=True) is True
+    )

@@ -36,6 +36,7 @@ def test_the_port_is_small() -> None:
         "committed",
         "external_brokers",
         "notify_after_commit",
+        "notify_with_commit",
         "payloads",
         "resolve_broker",
         "session_factory",
@@ -75,7 +76,10 @@ class _Context:
     def write_rows(self, connection: Any, rows: list[dict[str, Any]]) -> None:
         raise NotImplementedError
 
-    def committed(self, brokers: Any) -> bool:
+    def notify_with_commit(self, brokers: Any) -> str | None:
+        return None
+
+    def committed(self, brokers: Any, *, notified: bool = False) -> bool:
         return False
 
     async def notify_after_commit(self) -> None:

@@ -60,6 +60,11 @@ REFUSAL_CODES = frozenset(
     }
 )
 
+#: The error code of a blocked command the server ended itself (``UNBLOCKED the stream key
+#: no longer exists``, ``UNBLOCKED force unblock from blocking operation, instance state
+#: changed``).
+UNBLOCKED = "UNBLOCKED"
+
 #: How redis-py's cluster client says that it cannot find a node to talk to (its
 #: ``RedisClusterException`` has no subclass for these): every startup node unreachable,
 #: slots without a node, nodes that disagree on the slot map mid-failover.
@@ -95,7 +100,10 @@ def is_unreachable(error: BaseException) -> bool:
     if isinstance(error, rexc.ConnectionError | rexc.TimeoutError | OSError):
         return True
     if isinstance(error, rexc.ResponseError):  # a reply: a refusal (refusal_code) or not
-        return False
+        # Except a blocked read the server ended because its stream left the node (a
+        # Redis Cluster slot migrated, a failover made the node a replica, the key
+        # deleted): the read is made again, on the node serving the stream now.
+        return str(error).startswith(UNBLOCKED)
     if isinstance(error, rexc.ClusterError | rexc.SlotNotCoveredError):
         return True
     return isinstance(error, rexc.RedisClusterException) and str(error).startswith(

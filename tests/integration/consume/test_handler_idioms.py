@@ -393,9 +393,9 @@ async def test_dispatchers_are_woken_by_the_subscribers_commit_not_the_handlers(
     seen_by_handler: list[int] = []
     committed = outbox.committed
 
-    def spy(brokers: Any) -> bool:
+    def spy(brokers: Any, **kw: Any) -> bool:
         woken.append(dict(brokers))
-        return committed(brokers)
+        return committed(brokers, **kw)
 
     monkeypatch.setattr(outbox, "committed", spy)
 

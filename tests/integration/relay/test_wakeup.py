@@ -2,8 +2,8 @@
 
 Polling is set to 30 s in these tests, so anything that arrives within a couple of
 seconds was woken: in-process by the signal right after commit, across processes by the
-PostgreSQL NOTIFY sent after commit — by the committing process's Notifier when it runs
-dispatchers, or directly by ``unit_of_work()`` when it runs none (an API-only process).
+PostgreSQL NOTIFY that the producer's COMMIT carries (same round trip, run after the
+commit) when no idle worker of the committing process takes the rows.
 An idle dispatcher with LISTEN up backs its polling off to ``max_poll_interval_seconds``.
 """
 
@@ -91,7 +91,7 @@ async def test_notify_from_an_api_only_process_wakes_another_dispatcher(
     assert [m.json() for m in relay_broker.messages] == [{"n": 0}, {"n": 1}]
 
 
-async def test_notifier_of_a_running_dispatcher_wakes_another_process(
+async def test_a_running_dispatchers_commit_wakes_another_process(
     pg_url: str, make_outbox: Any
 ) -> None:
     relay_broker = MemoryBroker()
@@ -99,18 +99,20 @@ async def test_notifier_of_a_running_dispatcher_wakes_another_process(
     relay = await make_outbox(pg_url, relay_broker, **SLOW_POLL)
     stream = unique("orders")
     async with writer.dispatcher(), relay.dispatcher():
-        # The writer's processor stops: its Notifier keeps running, so it is the NOTIFY,
-        # not the writer's own workers, that gets the row published (by the relay).
+        # The writer's processor stops: no worker of its own takes the row, so it is the
+        # NOTIFY its COMMIT carries that gets the row published (by the relay).
         writer.processors["default"].stop()
         await wait_until(lambda: not writer.processors["default"].running, timeout=5)
-        assert writer.notifier is not None and writer.notifier.running
+        assert writer.notifier is not None and relay.listener is not None
         await wait_until(lambda: idle(relay), timeout=5)
-        sent_before = writer.notifier.sent
+        sent_before, received_before = writer.notifier.sent, relay.listener.received
         begin = time.monotonic()
         await commit_one(writer, stream, 7)
         await relay_broker.wait_for(1, timeout=WAKE_WITHIN)
         assert time.monotonic() - begin < WAKE_WITHIN
-        assert writer.notifier.sent > sent_before
+        assert relay.listener.received > received_before
+        # The commit carried it: the writer's NOTIFY sender had nothing to send.
+        assert writer.notifier.sent == sent_before
     assert [m.json() for m in relay_broker.messages] == [{"n": 7}]
 
 
