@@ -100,5 +100,5 @@ async def test_normal_stops_charge_no_attempt(harness: Harness, closing: list[Ou
         assert sub.stats.dead_lettered == 0
         assert sub.consumer is not None
         assert await sub.consumer.count_dead_letters() == 0
-    # Stopped STOPS times while in a handler: more starts than max_attempts for some.
-    assert max(started.values()) > 3
+    # Each stop cancelled handlers: more runs than messages, none of them charged.
+    assert sum(started.values()) >= MESSAGES + STOPS
