@@ -82,7 +82,7 @@ batch handler's retries); this module holds the fetch loop and the :class:`Subsc
 composes them: each run it makes a ``Processing`` and a ``Batches`` holding exactly their
 collaborators (the run's consumer, the handler's options, the context, the counters, the
 deliveries in flight). A subscriber sees its outbox
-through :class:`~fastapi_outbox.consume.context.ConsumeContext`.
+through its :class:`~fastapi_outbox.consume.context.ConsumeContext`.
 """
 
 from __future__ import annotations
@@ -123,9 +123,6 @@ from fastapi_outbox.consume.processing import (
     SubscriberStats,
     pause_for,
     stops_the_process,
-)
-from fastapi_outbox.consume.processing import (  # for outbox.py
-    handler_transaction as handler_transaction,
 )
 from fastapi_outbox.consume.versions import Versions
 from fastapi_outbox.log import safe_error

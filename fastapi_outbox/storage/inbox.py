@@ -221,7 +221,7 @@ class Inbox:
         """Delete up to ``limit`` rows handled more than ``older_than_seconds`` ago: one
         short transaction through the ``handled_at`` index (SKIP LOCKED on PostgreSQL: two
         cleaners never wait on each other's rows). Caller: retention
-        (:class:`fastapi_outbox.relay.retention.Cleaner`)."""
+        (:class:`fastapi_outbox.lifecycle.retention.Cleaner`)."""
         t = self.table
         cutoff = clock.db_later(self.is_postgres, seconds=-older_than_seconds)
         victims = (

@@ -12,7 +12,7 @@ from sqlalchemy import event, func, select, update
 
 from fastapi_outbox import Message, Outbox, OutboxSettings
 from fastapi_outbox.brokers import MemoryBroker
-from fastapi_outbox.relay.retention import Cleaner
+from fastapi_outbox.lifecycle.retention import Cleaner
 from tests.conftest import unique, wait_until
 
 HOUR = 3600.0
@@ -144,7 +144,7 @@ async def test_dispatch_goes_on_while_a_large_cleanup_runs(pg_url: str) -> None:
 
     outbox.store.purge_batch = observed  # type: ignore[method-assign]
     try:
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             with anyio.fail_after(30):
                 await started.wait()
             cleaner = outbox.cleaner
