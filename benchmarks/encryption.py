@@ -80,7 +80,7 @@ async def publish_only(encrypted: bool, size: int, n: int) -> float:
         session = outbox.session_factory()
         from fastapi_outbox import UnitOfWork
 
-        uow = UnitOfWork(outbox, session)
+        uow = UnitOfWork(outbox._producer, session)
 
         def work() -> None:
             for e in events:

@@ -136,8 +136,7 @@ class Outbox:
             payloads=self.claim_check_store,
             known=None if self.claim_check_store is None else known_in(self.engine, self.table),
         )
-        #: What runs while the relays run (``relaying()``, ``lifespan``): the relays, the
-        #: subscribers and retention under one supervisor; and the consumer groups.
+        #: Runs the relays, subscribers and retention (``relaying()``); the consumer groups.
         self.lifecycle = Lifecycle(
             relays=self.relays,
             subscribers=self.subscribers,
@@ -145,8 +144,7 @@ class Outbox:
             settings=self.settings,
             wal_slot=self.wal_slot,
         )
-        #: Health's own connection (the counts never wait behind the requests) and its look
-        #: at the application's pool.
+        #: Health's own connection (never waits behind requests) and its look at the pool.
         self.database_probe = DatabaseProbe(self.engine, self.table, self.store)
         self._routers = Routers(self, self.lifespan)
         self._dependency: Dependency | None = None
@@ -157,8 +155,6 @@ class Outbox:
 
     def __repr__(self) -> str:
         return f"Outbox({redact_url(str(self.engine.url))!r}, brokers={list(self.all_brokers)})"
-
-    # -- brokers and sessions (shared with the write side and the subscribers) ----------------
 
     @property
     def brokers(self) -> dict[str, Broker]:

@@ -222,7 +222,7 @@ async def test_declaration_mistakes_are_refused_with_names(sqlite_url: str) -> N
     assert outbox.subscribers[-1].signature.uow_params == ["uow"]
     await outbox.create_tables()
     async with outbox.unit_of_work() as uow:
-        in_batch = BatchUnitOfWork(outbox, uow.session, causation_id="m1")
+        in_batch = BatchUnitOfWork(outbox._producer, uow.session, causation_id="m1")
         with pytest.raises(PublishError, match="invalid causation_id 'a b'"):
             in_batch.publish(Shipped(order_id=1, step=1), causation_id="a b")
         with pytest.raises(PublishError, match="invalid correlation_id 'a/b'"):
