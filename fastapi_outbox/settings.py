@@ -110,7 +110,8 @@ EncryptionKeys = dict[str, bytes] | Callable[[], Mapping[str, bytes]]
 class OutboxSettings(BaseSettings):
     """Settings of an :class:`~fastapi_outbox.Outbox`; environment variables ``OUTBOX_<FIELD>``."""
 
-    # hide_input_in_errors: a rejected value may be a key or a URL with a password (§18).
+    # hide_input_in_errors: a rejected value may be a key or a URL with a password, and
+    # validation errors end up in logs.
     model_config = SettingsConfigDict(
         env_prefix="OUTBOX_", extra="forbid", frozen=True, hide_input_in_errors=True
     )
@@ -335,7 +336,7 @@ class OutboxSettings(BaseSettings):
         "window (Redis keys, JetStream duplicate_window), whose memory grows with it.",
     )
 
-    # -- payloads: claim-check (DESIGN §16) ----------------------------------------------------
+    # -- payloads: claim-check ----------------------------------------------------------------
     claim_check_bytes: int | None = Field(
         default=None,
         ge=1,
@@ -352,7 +353,7 @@ class OutboxSettings(BaseSettings):
         "mounts; written before the commit, orphans removed by retention).",
     )
 
-    # -- secrets and destructive operations (DESIGN §18) -------------------------------------
+    # -- secrets and destructive operations ---------------------------------------------------
     health_public_detail: bool = Field(
         default=False,
         description="/outbox/health answers anyone with the detail of /outbox/health/detail "

@@ -1,6 +1,6 @@
 """``OutboxSettings``: contract field names, defaults, and errors that name the setting.
 
-Two paths, two error types (decided here, DESIGN §2 "fail at startup naming the setting"):
+Two paths, two error types, each failing at startup with a message naming the setting:
 
 * ``OutboxSettings(batch_size=0)`` (the caller passes values) raises pydantic's
   ``ValidationError`` (a ``ValueError``) whose text names the field;

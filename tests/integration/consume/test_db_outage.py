@@ -1,4 +1,4 @@
-"""Database outage versus failure for subscribers (DESIGN §13): a database that refuses
+"""Database outage versus failure for subscribers: a database that refuses
 connections makes every message wait in place with no attempt charged; a handler's own SQL
 error is a failure, dead-lettered after its attempts — on SQLite too; a shutdown during an
 outage gives the messages back to the broker, uncharged.
