@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, Self
 
 from fastapi_outbox import exceptions
@@ -96,10 +96,19 @@ return out
 DedupMode = Literal["auto", "script", "idmp", "off"]
 
 
+_pack_command: Callable[[tuple[Any, ...]], bytes] | None
 try:  # redis[hiredis]: packs a command's arguments in C
-    from hiredis import pack_command as _pack_command
+    from hiredis import pack_command as _hiredis_pack
+
+    _pack_command = _hiredis_pack
 except ImportError:  # pragma: no cover - redis-py's own packer then
     _pack_command = None
+
+
+def _utf8(encoding: str) -> bool:
+    """Whether a client encodes text as UTF-8, as hiredis does (a caller's client may
+    have been made with another ``encoding``: redis-py's packer then)."""
+    return encoding.lower().replace("-", "").replace("_", "") == "utf8"
 
 
 def _response_error() -> type[Exception]:
@@ -352,7 +361,7 @@ class RedisStreamsPublisher:
         pool = self.client.connection_pool
         conn = await pool.get_connection()
         try:
-            if _pack_command is not None:
+            if _pack_command is not None and _utf8(conn.encoder.encoding):
                 packed: Any = b"".join([_pack_command(c) for c in commands])
             else:
                 packed = conn.pack_commands(commands)
