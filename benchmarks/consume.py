@@ -83,6 +83,15 @@ class Tick(Event, stream="bench_ticks"):
     n: int
 
 
+def _tick_on(stream: str) -> type[Tick]:
+    """``Tick`` on a run's own stream (a subscriber takes the events of its stream)."""
+
+    class OwnTick(Tick, stream=stream, type_name="Tick"):
+        pass
+
+    return OwnTick
+
+
 class Base(DeclarativeBase):
     pass
 
@@ -227,6 +236,7 @@ async def run_library(
         settings=OutboxSettings(consumer_concurrency=concurrency),
         engine_options={"pool_size": concurrency + 4, "max_overflow": 0},
     )
+    _tick_on(stream)
 
     if batch == "insert":
 

@@ -15,6 +15,7 @@ from fastapi_outbox import unit_of_work as _unit_of_work_module  # noqa: F401
 from fastapi_outbox.aggregates import AggregateRoot
 from fastapi_outbox.events import Envelope, Event, Message, MessageStatus, uuid7
 from fastapi_outbox.exceptions import (
+    AuthenticationFailed,
     BrokerRefusing,
     BrokerUnavailable,
     ConfigurationError,
@@ -36,6 +37,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AggregateRoot",
+    "AuthenticationFailed",
     "BrokerRefusing",
     "BrokerUnavailable",
     "ConfigurationError",

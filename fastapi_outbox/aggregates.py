@@ -13,6 +13,7 @@ goes (see :mod:`fastapi_outbox.write.session_events` for the session side):
 
 from __future__ import annotations
 
+import contextvars
 from typing import Any
 
 from sqlalchemy import event as sa_event
@@ -21,6 +22,8 @@ from sqlalchemy.orm import Mapper, MapperProperty, Session, object_session
 from fastapi_outbox.events import Event, Message, check_storable
 
 _PENDING = "_outbox_pending_events"
+#: Attribute of an aggregate's ``__dict__`` holding its pending events (not a column).
+PENDING_EVENTS = _PENDING
 #: ``session.info`` key: aggregates with pending events, held strongly. The session's
 #: identity map holds objects weakly, so an aggregate the handler no longer references
 #: could vanish, with its events, before the unit of work harvests them.
@@ -32,6 +35,13 @@ RAISED_KEY = "fastapi_outbox.raised"
 PUBLISH_KEY = "fastapi_outbox.publish"
 #: Key of the mapper property that carries pending events through ``Session.merge``.
 _CARRIER = "_outbox_events_carrier"
+#: The sessions of the units of work active in this context, innermost last (each with a
+#: ``note_stray(aggregate, event)``, set by :mod:`fastapi_outbox.write.session_events`): an
+#: event raised on an aggregate in no session is noted by the innermost, whose commit
+#: refuses to go on while the aggregate is still in no session (its event would be lost).
+ACTIVE_UNITS: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar(
+    "fastapi_outbox_active_units", default=()
+)
 
 
 class AggregateRoot:
@@ -55,6 +65,8 @@ class AggregateRoot:
         wait_on(self, [event])
         if session is not None:
             _hold(session, self)
+        elif active := ACTIVE_UNITS.get():
+            active[-1].note_stray(self, event)  # checked when that unit of work commits
 
     @property
     def pending_events(self) -> tuple[Event | Message, ...]:

@@ -24,6 +24,9 @@ errors raised by the library name the setting, broker, table or message id invol
     │   │   └── BrokerRefusing      it answers but refuses every message for a reason of its
     │   │                           own (out of memory, read-only replica, loading, JetStream
     │   │                           without resources or leader): an outage, not the message
+    │   └── AuthenticationFailed    it refuses this process's credentials (a wrong or rotated
+    │                               password, a user without access): retried slowly, reported
+    │                               as "authentication failed", never as "unreachable"
     │   └── BrokerTimeout           a publish got no answer in time; the processor pings the
     │                               broker to tell an outage from a message that hangs
     │   └── MessageRejected         the broker refused one message: retry that message only
@@ -120,6 +123,14 @@ class BrokerRefusing(BrokerUnavailable):
     """The broker answers but refuses every message for a reason of its own (out of memory,
     read-only replica, still loading, JetStream without resources or leader): the processor
     backs off as a whole, attempts refunded, and resumes by itself."""
+
+
+class AuthenticationFailed(BrokerUnavailable):
+    """The broker refused this process's credentials (Redis ``WRONGPASS`` / ``NOAUTH``,
+    NATS "Authorization Violation", RabbitMQ ``ACCESS_REFUSED``): fix the user and password
+    in the broker URL. Nothing is charged to a message; the relays and subscribers keep
+    trying at their slowest pace, since a rotated secret may come back, and report
+    "authentication failed" meanwhile. The CLI exits with code 4."""
 
 
 class BrokerTimeout(BrokerUnavailable):

@@ -69,6 +69,7 @@ CONSUMER_MAX_ATTEMPTS = 5
 CONSUMER_RETRY_BASE_DELAY_SECONDS = 0.5
 CONSUMER_RETRY_MAX_DELAY_SECONDS = 30.0
 CONSUMER_CLAIM_IDLE_SECONDS = 60.0
+CONSUMER_UNKNOWN_TYPE_GRACE_SECONDS = 900.0
 #: Partitions the keys of an ordered subscriber are hashed into (Redis, NATS): the most
 #: processes that share its work.
 CONSUMER_ORDERED_PARTITIONS = 16
@@ -318,6 +319,15 @@ class OutboxSettings(BaseSettings):
         "consumer: Redis XAUTOCLAIM min-idle-time, NATS ack_wait; and the lease of an "
         "ordered subscriber's partition (a dead process's partitions move after it).",
     )
+    consumer_unknown_type_grace_seconds: float = Field(
+        default=CONSUMER_UNKNOWN_TYPE_GRACE_SECONDS,
+        ge=0,
+        description="A message of a type no Event class of the process declares, and no "
+        "live process of its group handles, is handed back to the group for this long "
+        "(counted from the first time a process of the group found it so) before it is "
+        "dead-lettered: longer than a rolling deploy, so the version that handles it can "
+        "start.",
+    )
     consumer_ordered_partitions: int = Field(
         default=CONSUMER_ORDERED_PARTITIONS,
         ge=1,
@@ -399,6 +409,13 @@ class OutboxSettings(BaseSettings):
         description="A LISTEN self-check not answered within this is a lost connection: "
         "the dispatchers poll every poll_interval_seconds at once and it reconnects.",
     )
+
+    @field_validator("database_url")
+    @classmethod
+    def _database_url(cls, value: str | None) -> str | None:
+        if value is not None:
+            check_database_url(value)
+        return value
 
     @field_validator("table_name", "inbox_table_name")
     @classmethod
@@ -655,6 +672,59 @@ class OutboxSettings(BaseSettings):
                 "delete_on_publish=True (OUTBOX_DELETE_ON_PUBLISH) deletes them at once: "
                 "choose one"
             )
+
+
+#: The async drivers an outbox's database URL may name, per database.
+ASYNC_DRIVERS = {
+    "postgresql": ("asyncpg", "psycopg", "psycopg_async"),
+    "sqlite": ("aiosqlite",),
+}
+#: The form to use instead, per database (what the docs and the errors show).
+_RIGHT_SCHEME = {"postgresql": "postgresql+asyncpg", "sqlite": "sqlite+aiosqlite"}
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9_]*(\+[A-Za-z0-9_]+)?$")
+#: Other spellings of a supported database (``postgres://`` of Heroku, Render, Fly...).
+_ALIASES = {"postgres": "postgresql", "pgsql": "postgresql", "sqlite3": "sqlite"}
+
+
+def check_database_url(url: str) -> None:
+    """Refuse a database URL SQLAlchemy's asyncio engine cannot use, before any driver sees
+    it: ``postgres://`` (no such dialect), a URL without a driver (``postgresql://`` means
+    psycopg2, ``sqlite://`` the blocking ``sqlite3``), a blocking driver, or a database the
+    outbox does not run on (``mysql://``). The
+    :class:`~fastapi_outbox.exceptions.ConfigurationError` names the URL (credentials
+    masked) and the form to use."""
+    from fastapi_outbox.redaction import redact_url, remember
+
+    remember(url)
+    scheme, sep, _ = url.partition("://")
+    if not sep and url.endswith(":"):
+        scheme, sep = url[:-1], ":"  # ``sqlite+aiosqlite:`` (in memory)
+    if not sep or not _SCHEME.match(scheme):
+        raise exceptions.ConfigurationError(
+            f"database URL {redact_url(url)!r} is not a URL: use "
+            "postgresql+asyncpg://host/database or sqlite+aiosqlite:///file.db"
+        )
+    database, _, driver = scheme.lower().partition("+")
+    known = _ALIASES.get(database, database)
+    if known not in ASYNC_DRIVERS:
+        raise exceptions.ConfigurationError(
+            f"database URL {redact_url(url)!r}: {database!r} is not a database the outbox "
+            "runs on: use PostgreSQL (postgresql+asyncpg://host/database) or "
+            "SQLite (sqlite+aiosqlite:///file.db)"
+        )
+    if known == database and driver in ASYNC_DRIVERS[known]:
+        return
+    right = redact_url(f"{_RIGHT_SCHEME[known]}{url[len(scheme) :]}")
+    if known != database:
+        why = f"{database}:// is not SQLAlchemy's name for {known}"
+    elif not driver:
+        why = "it names no driver, and SQLAlchemy's default one blocks the event loop"
+    else:
+        why = f"{driver!r} is not an asyncio driver"
+    raise exceptions.ConfigurationError(
+        f"database URL {redact_url(url)!r}: {why}; use {right!r} "
+        f"(drivers: {', '.join(f'{known}+{d}' for d in ASYNC_DRIVERS[known])})"
+    )
 
 
 def check_table_name(value: str) -> str:

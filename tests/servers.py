@@ -647,8 +647,26 @@ class PrivateNatsCluster:
         proc.kill()
         proc.wait(10)
 
+    def freeze(self, node: str) -> None:
+        """SIGSTOP ``node``: its sockets stay open (the kernel still accepts connections and
+        data) but it answers nothing, what a hung or paused node looks like to clients."""
+        proc = self.procs[node]
+        assert proc is not None and proc.poll() is None, f"{node} is not running"
+        proc.send_signal(signal.SIGSTOP)
+
+    def thaw(self, node: str) -> None:
+        """SIGCONT ``node`` (after :meth:`freeze`)."""
+        proc = self.procs[node]
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)
+
+    def node_of(self, port: int) -> str:
+        """The node listening on ``port``."""
+        return next(node for node, p in self.ports.items() if p == port)
+
     def stop(self) -> None:
         for node in self.nodes:
+            self.thaw(node)  # a frozen process dies of SIGKILL too, but thaw for its log
             self.kill(node)
 
 

@@ -58,9 +58,15 @@ URL_OPTIONS: dict[str, Any] = {
     "cloudevents_mode": str,
     "cloudevents_source": str,
     "replicas": int,
+    "ping_interval_seconds": float,
+    "max_outstanding_pings": int,
 }
 #: Options only some brokers take: option → the URL schemes that accept it.
-_SCHEMES_OF: dict[str, tuple[str, ...]] = {"replicas": ("nats", "tls")}
+_SCHEMES_OF: dict[str, tuple[str, ...]] = {
+    "replicas": ("nats", "tls"),
+    "ping_interval_seconds": ("nats", "tls"),
+    "max_outstanding_pings": ("nats", "tls"),
+}
 
 
 def url_options(url: str) -> tuple[str, dict[str, Any]]:

@@ -9,21 +9,27 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from collections.abc import Callable
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.brokers.consumer import DeadLetter
 from fastapi_outbox.cli.support import (
+    EXIT_AUTHENTICATION,
     EXIT_FAILED,
     EXIT_UNREACHABLE,
     CliError,
+    broker_error,
     guard,
     operator_name,
     render_table,
 )
 from fastapi_outbox.cli.support import EXIT_OK as EXIT_OK  # the old path re-exports it
+from fastapi_outbox.consume.subscriber import ConsumerStatus
+from fastapi_outbox.log import safe_error
 from fastapi_outbox.ops import operations
 from fastapi_outbox.outbox import Outbox
+from fastapi_outbox.redaction import redact
 
 
 def add_commands(
@@ -77,7 +83,60 @@ async def run(args: argparse.Namespace, outbox: Outbox) -> int:
     dead: dict[tuple[str, str], list[DeadLetter]] = {}
     if args.dead_letters:
         for c in statuses:
-            dead[(c.stream, c.group)] = await operations.dead_letters(outbox, c.stream, c.group)
+            if c.causes:  # its broker did not answer: said below, with the cause
+                continue
+            try:
+                letters = await operations.dead_letters(outbox, c.stream, c.group)
+            except Exception as exc:
+                c.causes.append(exc)
+                continue
+            dead[(c.stream, c.group)] = letters
+    code = _print_consumers(args, statuses, dead)
+    # What could not be read is an error, with its cause, after what could be read.
+    errors = [await _cause_error(c, cause, outbox) for c in statuses for cause in c.causes]
+    if not errors:
+        return code
+    # The exit code of the cause an operator must fix first: credentials, then reach.
+    errors.sort(key=lambda e: _FIRST.index(e.code) if e.code in _FIRST else len(_FIRST))
+    for error in errors[1:]:
+        print(f"fastapi-outbox: error: {redact(str(error))}", file=sys.stderr)
+    raise errors[0]
+
+
+_FIRST = (EXIT_AUTHENTICATION, EXIT_UNREACHABLE)
+
+
+async def _cause_error(c: ConsumerStatus, cause: BaseException, outbox: Outbox) -> CliError:
+    """The CliError that ``cause`` (why ``c``'s figures are unknown) means: a broker that
+    refused the credentials (exit code 4) or cannot be reached (3), a database error as
+    :func:`~fastapi_outbox.cli.support.guard` judges it, anything else a failure (1)."""
+    where = f"consumer group {c.group!r} on {c.stream!r}: "
+    if isinstance(cause, exceptions.BrokerUnavailable):
+        return broker_error(cause, f"{where}broker {c.broker!r}: ")
+    if isinstance(cause, TimeoutError):
+        return CliError(
+            f"{where}no answer within {operations.CONSUMER_QUERY_TIMEOUT_SECONDS:g}s "
+            f"(broker {c.broker!r} or the database)",
+            EXIT_UNREACHABLE,
+        )
+
+    async def fail() -> None:
+        raise cause
+
+    try:
+        await guard(fail(), outbox)
+    except CliError as exc:
+        return CliError(f"{where}{exc}", exc.code)
+    except Exception:
+        pass
+    return CliError(f"{where}{safe_error(cause)}", EXIT_FAILED)
+
+
+def _print_consumers(
+    args: argparse.Namespace,
+    statuses: list[ConsumerStatus],
+    dead: dict[tuple[str, str], list[DeadLetter]],
+) -> int:
     if args.json:
         rows = [c.model_dump(mode="json") for c in statuses]
         if args.dead_letters:
@@ -155,7 +214,7 @@ async def replay(args: argparse.Namespace, outbox: Outbox) -> int:
     except exceptions.OperationError as exc:
         raise CliError(str(exc)) from exc
     except exceptions.BrokerUnavailable as exc:
-        raise CliError(str(exc), EXIT_UNREACHABLE) from exc
+        raise broker_error(exc) from exc
     print(f"replayed {count} dead letter(s) of {args.group} onto {args.dead_letter}")
     if args.entry and count < len(set(args.entry)):
         raise CliError(

@@ -25,10 +25,11 @@ from typing import TYPE_CHECKING, Any
 from fastapi_outbox import exceptions
 from fastapi_outbox.brokers.setup import NO_BROKER
 from fastapi_outbox.cli.support import (
+    EXIT_AUTHENTICATION,
     EXIT_FAILED,
     EXIT_OK,
-    EXIT_UNREACHABLE,
     CliError,
+    broker_error,
 )
 from fastapi_outbox.cli.support import guard as _guard
 from fastapi_outbox.cli.support import sqlstate as _sqlstate
@@ -208,6 +209,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CliError as exc:
         print(f"fastapi-outbox: error: {redact(str(exc))}", file=sys.stderr)
         return exc.code
+    except exceptions.AuthenticationFailed as exc:  # a broker refused the credentials
+        print(f"fastapi-outbox: error: {redact(str(exc))}", file=sys.stderr)
+        return EXIT_AUTHENTICATION
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # an unexpected failure: say what, without data
@@ -244,10 +248,10 @@ async def _run(args: argparse.Namespace) -> int:
             try:
                 await outbox.declare_groups()
             except exceptions.BrokerUnavailable as exc:
+                error = broker_error(exc, "tables created, but the consumer groups were not: ")
                 raise CliError(
-                    f"tables created, but the consumer groups were not: {exc}; run "
-                    "`fastapi-outbox db create` again once the broker answers",
-                    EXIT_UNREACHABLE,
+                    f"{error}; run `fastapi-outbox db create` again once the broker answers",
+                    error.code,
                 ) from exc
             print(
                 f"created table {outbox.table.name} and inbox table {outbox.inbox.table.name} "
@@ -369,6 +373,7 @@ def _print_ddl(args: argparse.Namespace) -> int:
     from sqlalchemy.dialects import postgresql, sqlite
 
     from fastapi_outbox.storage.claim_check import build_payload_table
+    from fastapi_outbox.storage.group_members import build_group_tables
     from fastapi_outbox.storage.inbox import build_inbox_table
     from fastapi_outbox.storage.leases import build_lease_tables
     from fastapi_outbox.storage.schema import build_archive_table, build_table, ddl
@@ -400,6 +405,8 @@ def _print_ddl(args: argparse.Namespace) -> int:
     print("\n" + ddl(inbox, dialect), end="")
     for lease_table in build_lease_tables(inbox.name, inbox.metadata):
         print("\n" + ddl(lease_table, dialect), end="")
+    for group_table in build_group_tables(inbox.name, inbox.metadata):
+        print("\n" + ddl(group_table, dialect), end="")
     for side in (archive, payloads):
         if side is not None:
             print("\n" + ddl(side, dialect), end="")

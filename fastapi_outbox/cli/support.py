@@ -4,7 +4,8 @@ turns an unreachable database or a missing table into an exit code with a clear 
 and the plain-text table of listings.
 
 Exit codes: 0 success, 1 failure of the operation (unknown message id, missing table),
-2 usage or configuration error, 3 database unreachable.
+2 usage or configuration error, 3 database or broker unreachable, 4 authentication failed
+(the database or a broker refused the URL's credentials: no retry will cure it).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 from collections.abc import Awaitable
 from typing import Any, TextIO, TypeVar
 
+from fastapi_outbox import exceptions
 from fastapi_outbox.log import safe_error
 from fastapi_outbox.outbox import Outbox
 from fastapi_outbox.redaction import redact_url
@@ -26,8 +28,7 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3
-
-_UNDEFINED_TABLE = "42P01"
+EXIT_AUTHENTICATION = 4
 
 
 class CliError(Exception):
@@ -37,37 +38,48 @@ class CliError(Exception):
 
 
 def sqlstate(exc: BaseException) -> str:
+    """The PostgreSQL SQLSTATE ``exc`` carries, or ``""``."""
     return db_outage.sqlstate_of(exc) or ""
 
 
 async def guard(coro: Awaitable[T], outbox: Outbox) -> T:
-    """Await ``coro``; a database that cannot be reached becomes exit code 3 and a
-    missing outbox table exit code 1, both with a message naming the (redacted) URL.
-    "Cannot be reached" is the dialect's outage classifier's verdict
-    (:mod:`fastapi_outbox.storage.db_outage`); an ambiguous one (an ``OSError``) counts as
-    unreachable here: the CLI runs no handler code of its own."""
-    from sqlalchemy.exc import DBAPIError
-
+    """Await ``coro``; what the dialect's classifier
+    (:mod:`fastapi_outbox.storage.db_outage`) says of a failure becomes an exit code with a
+    message naming the (redacted) URL and the fix: a missing outbox table exit code 1,
+    refused credentials 4, a database that cannot be reached 3 (an ambiguous error, an
+    ``OSError``, counts as unreachable here: the CLI runs no handler code of its own)."""
     where = redact_url(str(outbox.engine.url))
     try:
         return await coro
     except Exception as exc:
-        # The driver's text, not ours: SQLite has no code of its own for a missing table
-        # (SQLITE_ERROR is also every syntax error); PostgreSQL says 42P01.
-        text = str(getattr(exc, "orig", exc))
-        missing = isinstance(exc, DBAPIError) and "no such table" in text
-        if sqlstate(exc) == _UNDEFINED_TABLE or missing:
+        verdict = db_outage.classify(exc, outbox.engine.dialect.name)
+        if verdict is db_outage.Verdict.TABLE_MISSING:
             raise CliError(
-                f"table {outbox.table.name} does not exist on {where}: "
-                "create it with `fastapi-outbox db create`",
+                f"table missing on {where} ({safe_error(exc, 120)}): {db_outage.TABLE_MISSING_FIX}",
                 EXIT_FAILED,
             ) from exc
-        verdict = db_outage.classify(exc, outbox.engine.dialect.name)
+        if verdict is db_outage.Verdict.AUTHENTICATION:
+            raise CliError(
+                f"database {where}: authentication failed ({safe_error(exc, 200)}): "
+                f"{db_outage.AUTHENTICATION_FIX}",
+                EXIT_AUTHENTICATION,
+            ) from exc
         if verdict is not db_outage.Verdict.FAILURE:
             raise CliError(
                 f"database {where} unreachable: {safe_error(exc, 200)}", EXIT_UNREACHABLE
             ) from exc
         raise
+
+
+def broker_error(exc: exceptions.BrokerUnavailable, prefix: str = "") -> CliError:
+    """The CLI's error for a broker outage: exit code 4 when the broker refused the
+    credentials (:class:`~fastapi_outbox.exceptions.AuthenticationFailed`), else 3."""
+    code = (
+        EXIT_AUTHENTICATION
+        if isinstance(exc, exceptions.AuthenticationFailed)
+        else EXIT_UNREACHABLE
+    )
+    return CliError(f"{prefix}{exc}", code)
 
 
 def target(outbox: Outbox) -> str:

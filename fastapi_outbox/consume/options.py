@@ -19,6 +19,7 @@ __all__ = [
     "DEAD_LETTER_TEMPLATE",
     "check_batch_handler",
     "check_options",
+    "check_streams",
     "describe",
     "subscriber_options",
 ]
@@ -100,3 +101,36 @@ def check_batch_handler(handler: Any, *, batch_handler: bool, ordered: bool, bat
             f"{describe(handler)}: a batch handler (first parameter a list) takes whole "
             "batches in one transaction: not with ordered=True or batch=False"
         )
+
+
+def check_streams(handler: Any, *, stream: str, accepts: tuple[type[Any], ...] | None) -> None:
+    """Refuse a handler typed with an ``Event`` of another stream: its messages never come
+    on this subscriber's stream, and the stream's own types would be skipped as "not for
+    this handler" — a subscriber that silently does nothing."""
+    for cls in accepts or ():
+        declared = getattr(cls, "__outbox_stream__", None)
+        # A dead-letter stream of the event's stream (``orders.billing.dlq``) carries it too,
+        # and so does the stream of a subclass (``class EuOrder(Order, stream="orders-eu")``).
+        dead_letters = stream.startswith(f"{declared}.") and stream.endswith(".dlq")
+        if declared is None or dead_letters or stream in _streams_of(cls):
+            continue
+        raise exceptions.ConfigurationError(
+            f"{describe(handler)} subscribes to stream {stream!r} but its first parameter "
+            f"takes {cls.__qualname__} (type {cls.__outbox_type__!r}), an event of stream "
+            f"{declared!r}: subscribe to {declared!r} "
+            f"(@outbox.subscriber({declared!r}, ...)), or annotate the handler with "
+            f"events of {stream!r} (or Message)"
+        )
+
+
+def _streams_of(cls: type[Any]) -> set[str]:
+    """The streams ``cls`` and its subclasses declared so far."""
+    streams: set[str] = set()
+    todo = [cls]
+    while todo:
+        current = todo.pop()
+        todo.extend(current.__subclasses__())
+        declared = getattr(current, "__outbox_stream__", None)
+        if declared is not None:
+            streams.add(declared)
+    return streams

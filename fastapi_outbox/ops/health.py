@@ -55,6 +55,7 @@ from fastapi_outbox.ops.port import OutboxPort, SlotView, WalRelayState, relay_h
 from fastapi_outbox.redaction import redact
 from fastapi_outbox.settings import OutboxSettings
 from fastapi_outbox.storage import clock
+from fastapi_outbox.storage.db_outage import describe as describe_database_error
 from fastapi_outbox.storage.probe import POOL_PROBE_SECONDS, DatabaseProbe, PoolUsage
 from fastapi_outbox.storage.store import BrokerStats
 from fastapi_outbox.storage.wal_slot import SlotStats, format_lsn
@@ -240,8 +241,9 @@ async def compute_health(outbox: OutboxPort) -> OutboxHealth:
             stats = await probe.stats(outbox.all_brokers, ordered=outbox.settings.ordered)
         database_ok = True
     except Exception as exc:
-        # The type only: a driver's message can quote the URL.
-        found.is_down(f"database unreachable ({type(exc).__name__})")
+        # The cause in our words only: a driver's message can quote the URL.
+        dialect = "postgresql" if outbox.store.is_postgres else "sqlite"
+        found.is_down(describe_database_error(exc, dialect))
         database_ok = False
     pool = await _pool_health(probe, found) if database_ok else None
     processors = [
@@ -296,7 +298,13 @@ def _processor_health(
     down_for: float | None = None
     if broker_down and p is not None:
         down_for = clock.wall() - (p.broker_down_since or clock.wall())
-        what = "refusing messages" if p.broker_refusing else "unreachable"
+        what = (
+            "authentication failed (check the user and password of its URL)"
+            if p.broker_authentication_failed
+            else "refusing messages"
+            if p.broker_refusing
+            else "unreachable"
+        )
         found.is_degraded(f"broker {name!r} {what} for {down_for:.0f}s")
     age = s.oldest_pending_age_seconds if s else None
     if s is not None:

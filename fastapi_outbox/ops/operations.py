@@ -555,7 +555,8 @@ async def consumers(outbox: OutboxPort, *, counts: bool = False) -> list[Consume
     broker), its last handling time (from the inbox, so any process's work shows) and,
     when it runs here, its state. ``counts``: also the inbox rows per group (reads every
     row of the groups: the CLI asks for it, health and the dashboard do not). A broker or
-    database that does not answer leaves its figures None."""
+    database that does not answer leaves its figures None and its error in
+    ``status.causes``."""
     subscribers = list(outbox.subscribers)
     if not subscribers:
         return []
@@ -563,7 +564,9 @@ async def consumers(outbox: OutboxPort, *, counts: bool = False) -> list[Consume
     out = []
     for sub in subscribers:
         status = _status_here(sub)
-        if inbox is not None:  # else the database did not answer: unknown
+        if isinstance(inbox, BaseException):  # the database did not answer: unknown
+            status.causes.append(inbox)
+        else:
             stats = inbox.get(sub.group)
             status.handled = (stats.handled if stats else 0) if counts else None
             status.last_handled_at = stats.last_handled_at if stats else None
@@ -574,8 +577,9 @@ async def consumers(outbox: OutboxPort, *, counts: bool = False) -> list[Consume
 
 async def _inbox_stats(
     outbox: OutboxPort, groups: list[str], *, counts: bool
-) -> dict[str, GroupStats] | None:
-    """The inbox's figures of ``groups``; None when the database does not answer in time."""
+) -> dict[str, GroupStats] | BaseException:
+    """The inbox's figures of ``groups``; the error when the database does not answer in
+    time (or the query fails)."""
     try:
         with anyio.fail_after(CONSUMER_QUERY_TIMEOUT_SECONDS):
             return await outbox.inbox.group_stats(groups, counts=counts)
@@ -584,7 +588,7 @@ async def _inbox_stats(
             "consumers: inbox unreadable",
             extra={"action": "operations.consumers", "error": type(exc).__name__},
         )
-        return None
+        return exc
 
 
 def _status_here(sub: SubscriberView) -> ConsumerStatus:
@@ -600,6 +604,7 @@ def _status_here(sub: SubscriberView) -> ConsumerStatus:
         failures=sub.stats.failures,
         last_error=sub.stats.last_error,
         dead_letter_failures=sub.stats.dead_letter_failures,
+        handed_back=sub.stats.handed_back,
         dead_letters_unwritten=sub.dead_letters_unwritten,
         workers_replaced=sub.stats.workers_replaced,
     )
@@ -616,6 +621,7 @@ async def _broker_figures(sub: SubscriberView, status: ConsumerStatus) -> None:
             status.trimmed = lag.trimmed
             status.dead_letters = await consumer.count_dead_letters()
     except Exception as exc:
+        status.causes.append(exc)
         logger.warning(
             "consumers: broker unreadable",
             extra={

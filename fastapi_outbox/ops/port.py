@@ -46,6 +46,9 @@ from fastapi_outbox.storage.wal_slot import SlotStats, Undecodable
 class MessageStore(Protocol):
     """The outbox table as ``ops/`` reads and changes it (``Store``'s public methods)."""
 
+    #: PostgreSQL (else SQLite): which classifier tells what a failed query means.
+    is_postgres: bool
+
     async def stats(
         self,
         brokers: Iterable[str] = (),
@@ -172,6 +175,8 @@ class RelayState(Protocol):
     def broker_ok(self) -> bool: ...
     @property
     def broker_refusing(self) -> bool: ...
+    @property
+    def broker_authentication_failed(self) -> bool: ...
     @property
     def broker_down_since(self) -> float | None: ...
     @property

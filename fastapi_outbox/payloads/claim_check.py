@@ -146,4 +146,6 @@ def put_claims(
             continue
         if store is None:
             raise RuntimeError("a claim-checked message, and no claim-check store configured")
-        store.put(connection, str(row["id"]), data)
+        delay = row.get("delay")
+        # Dated from when the message is due: retention counts from its publication.
+        store.put(connection, str(row["id"]), data, delay.total_seconds() if delay else 0.0)

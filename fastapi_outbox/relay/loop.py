@@ -80,6 +80,8 @@ class RelayLoop:
         #: The outage is the broker refusing every message (out of memory, read-only, …)
         #: rather than being unreachable.
         self.broker_refusing = False
+        #: The outage is the broker refusing this process's credentials.
+        self.broker_authentication_failed = False
         self.last_error: str | None = None
 
     async def _supervise(
@@ -152,8 +154,11 @@ class RelayLoop:
         up to ``broker_backoff_max_seconds``, with jitter. Returns the pause."""
         settings = self.settings
         self._broker_failures += 1
+        refused = isinstance(exc, exceptions.AuthenticationFailed)
         pause = exponential_delay(
-            self._broker_failures,
+            # Refused credentials: no quick retry will cure them, but a rotated secret may
+            # come back, so the slowest pace at once.
+            self._broker_failures if not refused else 1_000,
             base=settings.poll_interval_seconds,
             maximum=settings.broker_backoff_max_seconds,
             jitter=(0.0, 0.25),
@@ -164,6 +169,7 @@ class RelayLoop:
             self.broker_down_since = clock.wall()
         self.broker_ok = False
         self.broker_refusing = isinstance(exc, exceptions.BrokerRefusing)
+        self.broker_authentication_failed = refused
         self.last_error = safe_error(exc)
         logger.warning(
             message,
@@ -179,6 +185,7 @@ class RelayLoop:
         self.broker_ok = True
         self.broker_down_since = None
         self.broker_refusing = False
+        self.broker_authentication_failed = False
 
     def _database_failed(
         self, exc: BaseException, dialect: str, message: str, **extra: Any
@@ -188,7 +195,26 @@ class RelayLoop:
         own): ``database_ok`` goes false and ``message`` is warned once per outage.
         Otherwise the statement failed on a database that answers: logged as an error with
         its stack each time, ``database_ok`` unchanged."""
-        if db_outage.classify(exc, dialect) is not db_outage.Verdict.FAILURE:
+        verdict = db_outage.classify(exc, dialect)
+        if verdict is db_outage.Verdict.AUTHENTICATION:
+            # Down, with its true cause: a rotated password may come back, so the loop keeps
+            # trying at its slowest pace.
+            if self.database_ok:
+                logger.error(
+                    "database authentication failed; retrying",
+                    extra={**extra, "error": safe_error(exc)},
+                )
+            self.database_ok = False
+            self.last_error = db_outage.describe(exc, dialect)
+            return
+        if verdict is db_outage.Verdict.TABLE_MISSING:
+            self.last_error = f"{db_outage.describe(exc, dialect)}: {safe_error(exc)}"
+            logger.error(
+                "outbox table missing; retrying with backoff",
+                extra={**extra, "error": self.last_error},
+            )
+            return
+        if verdict is not db_outage.Verdict.FAILURE:
             if self.database_ok:
                 logger.warning(message, extra={**extra, "error": safe_error(exc)})
             self.database_ok = False
@@ -208,6 +234,8 @@ class RelayLoop:
     def _broker_down(self, broker: str, exc: BaseException) -> None:
         """``broker`` cannot be reached or refuses every message: the loop pauses."""
         unreachable, refusing, action = self.BROKER_DOWN
+        if isinstance(exc, exceptions.AuthenticationFailed):
+            unreachable = "broker authentication failed; processor retrying slowly"
         self._outage(
             exc,
             refusing if isinstance(exc, exceptions.BrokerRefusing) else unreachable,

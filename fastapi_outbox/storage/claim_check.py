@@ -19,13 +19,18 @@ small protocol with two implementations:
     are older than ``orphan_grace_seconds`` (and every file past the retention anyway;
     with ``capture="wal"``, where no outbox row names a message, only then).
 
-Every store keeps a payload for ``OutboxSettings.claim_check_retention_seconds``: the longer
-of the published messages' and the inbox's retentions. A subscriber that finds a payload
-gone dead-letters its message, naming the message and the reference.
+Every store keeps a payload while its message needs it — its outbox row pending, delayed,
+being published or abandoned (replayable) — and then for
+``OutboxSettings.claim_check_retention_seconds`` (the longer of the published messages' and
+the inbox's retentions) counted from when the message is finished: a payload is dated from
+when its message is due (a delayed message's from its delivery time, not its commit), and
+a published row dates it from its ``published_at``. A subscriber that finds a payload gone
+dead-letters its message, naming the message and the reference.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import time
 import uuid
@@ -42,6 +47,7 @@ from sqlalchemy.util.concurrency import await_, in_greenlet
 from fastapi_outbox import exceptions
 from fastapi_outbox.settings import OutboxSettings, check_table_name
 from fastapi_outbox.storage import schema
+from fastapi_outbox.storage.clock import seconds_modifier
 from fastapi_outbox.storage.statements import payloads as payloads_sql
 
 __all__ = [
@@ -54,6 +60,7 @@ __all__ = [
     "PayloadStore",
     "build_payload_table",
     "known_in",
+    "live_in",
     "payload_store_for",
 ]
 
@@ -76,14 +83,17 @@ class PayloadStore(Protocol):
     #: ``"database"`` or ``"file"``: shown next to references.
     kind: str
 
-    def put(self, connection: Connection, ref: str, data: bytes) -> None:
-        """Store ``data`` under ``ref``; ``connection`` is the producer's, in its transaction."""
+    def put(self, connection: Connection, ref: str, data: bytes, due_in: float = 0.0) -> None:
+        """Store ``data`` under ``ref``, dated ``due_in`` seconds after now (the message's
+        delay); ``connection`` is the producer's, in its transaction."""
 
     async def get(self, ref: str) -> bytes | None:
         """The payload stored under ``ref``; None when it is gone (or never committed)."""
 
     async def purge_batch(self, older_than_seconds: float, limit: int) -> int:
-        """Delete up to ``limit`` payloads stored more than ``older_than_seconds`` ago."""
+        """Delete up to ``limit`` payloads dated more than ``older_than_seconds`` ago whose
+        message no longer needs them (no outbox row, or a row published more than
+        ``older_than_seconds`` ago)."""
 
     async def purge_orphans(
         self, known: Callable[[list[str]], Awaitable[set[str]]], younger_than: float, limit: int
@@ -129,15 +139,20 @@ class DatabasePayloadStore:
 
     kind = "database"
 
-    def __init__(self, engine: AsyncEngine, table: Table) -> None:
+    def __init__(
+        self, engine: AsyncEngine, table: Table, outbox_table: Table | None = None
+    ) -> None:
         self.engine = engine
         self.table = table
+        #: The messages that name the payloads: one still in need keeps its payload.
+        self.outbox_table = outbox_table
         self.is_postgres = engine.dialect.name == "postgresql"
         self._insert = payloads_sql.insert_payload(table, self.is_postgres)
         self._fetch = payloads_sql.fetch(table)
 
-    def put(self, connection: Connection, ref: str, data: bytes) -> None:
-        connection.execute(self._insert, {"ref": ref, "data": data, "size": len(data)})
+    def put(self, connection: Connection, ref: str, data: bytes, due_in: float = 0.0) -> None:
+        due: Any = dt.timedelta(seconds=due_in) if self.is_postgres else seconds_modifier(due_in)
+        connection.execute(self._insert, {"ref": ref, "data": data, "size": len(data), "due": due})
 
     async def get(self, ref: str) -> bytes | None:
         async with self.engine.connect() as conn:
@@ -145,7 +160,9 @@ class DatabasePayloadStore:
         return None if data is None else bytes(data)
 
     async def purge_batch(self, older_than_seconds: float, limit: int) -> int:
-        stmt = payloads_sql.purge(self.table, self.is_postgres, older_than_seconds, limit)
+        stmt = payloads_sql.purge(
+            self.table, self.is_postgres, older_than_seconds, limit, self.outbox_table
+        )
         async with self.engine.begin() as conn:
             result: Any = await conn.execute(stmt)
         return int(result.rowcount)
@@ -166,7 +183,9 @@ class FilePayloadStore:
     """Payloads as files of one directory (``<ref>.payload``), written and synced before
     the producer's commit; orphans (a rollback, a crash before the commit) removed by
     retention after ``orphan_grace_seconds``. The files' modification times (the file
-    system's clock) date them."""
+    system's clock) date them, set to when their message is due; ``live`` (which of some
+    references name a message that still needs its payload, see :func:`live_in`) keeps a
+    file past the retention."""
 
     kind = "file"
 
@@ -175,30 +194,35 @@ class FilePayloadStore:
         directory: str | os.PathLike[str],
         *,
         orphan_grace_seconds: float = ORPHAN_GRACE_SECONDS,
+        live: Callable[[list[str], float], Awaitable[set[str]]] | None = None,
     ) -> None:
         self.directory = Path(directory)
         self.orphan_grace_seconds = orphan_grace_seconds
+        self.live = live
 
     def path_of(self, ref: str) -> Path:
         # A reference is a message id: refuse anything that could leave the directory.
         uuid.UUID(ref)
         return self.directory / f"{ref}.payload"
 
-    def put(self, connection: Connection, ref: str, data: bytes) -> None:
+    def put(self, connection: Connection, ref: str, data: bytes, due_in: float = 0.0) -> None:
         # In an AsyncSession's commit (SQLAlchemy's greenlet): written on a worker thread,
         # so that megabytes and their fsync do not hold the event loop.
         if in_greenlet():
-            await_(anyio.to_thread.run_sync(self._write, ref, data))
+            await_(anyio.to_thread.run_sync(self._write, ref, data, due_in))
         else:
-            self._write(ref, data)
+            self._write(ref, data, due_in)
 
-    def _write(self, ref: str, data: bytes) -> None:
+    def _write(self, ref: str, data: bytes, due_in: float = 0.0) -> None:
         path = self.path_of(ref)
         tmp = path.with_suffix(".tmp")
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        if due_in > 0:  # dated from when the message is due (retention counts from there)
+            due = time.time() + due_in
+            os.utime(tmp, (due, due))
         os.replace(tmp, path)
 
     async def get(self, ref: str) -> bytes | None:
@@ -242,10 +266,24 @@ class FilePayloadStore:
         return n
 
     async def purge_batch(self, older_than_seconds: float, limit: int) -> int:
-        def purge() -> int:
-            return self._unlink(self._aged(older_than_seconds, limit))
+        live = self.live
+        if live is None:
 
-        return await anyio.to_thread.run_sync(purge)
+            def purge() -> int:
+                return self._unlink(self._aged(older_than_seconds, limit))
+
+            return await anyio.to_thread.run_sync(purge)
+        # Every aged file, looked up ``limit`` at a time: payloads still needed early in the
+        # listing must not hide the others after them.
+        aged = await anyio.to_thread.run_sync(self._aged, older_than_seconds, 1 << 62)
+        removed = 0
+        for start in range(0, len(aged), limit):
+            chunk = {p.name.split(".", 1)[0]: p for p in aged[start : start + limit]}
+            needed = await live(list(chunk), older_than_seconds)
+            removed += await anyio.to_thread.run_sync(
+                self._unlink, [p for ref, p in chunk.items() if ref not in needed]
+            )
+        return removed
 
     async def purge_orphans(
         self, known: Callable[[list[str]], Awaitable[set[str]]], younger_than: float, limit: int
@@ -298,16 +336,41 @@ def known_in(
     return known
 
 
+def live_in(
+    engine: AsyncEngine, outbox_table: Table
+) -> Callable[[list[str], float], Awaitable[set[str]]]:
+    """The ``live`` of :class:`FilePayloadStore`: which references name a message of
+    ``outbox_table`` that still needs its payload (a row not finished, or published less
+    than the given number of seconds ago)."""
+    is_postgres = engine.dialect.name == "postgresql"
+
+    async def live(refs: list[str], older_than_seconds: float) -> set[str]:
+        ids = []
+        for ref in refs:
+            try:
+                ids.append(uuid.UUID(ref))
+            except ValueError:
+                continue
+        if not ids:
+            return set()
+        stmt = payloads_sql.live_messages(outbox_table, is_postgres, older_than_seconds)
+        async with engine.connect() as conn:
+            return {str(i) for i in (await conn.execute(stmt, {"refs": ids})).scalars()}
+
+    return live
+
+
 def payload_store_for(
-    engine: AsyncEngine, settings: OutboxSettings, metadata_: MetaData
+    engine: AsyncEngine, settings: OutboxSettings, outbox_table: Table
 ) -> PayloadStore | None:
     """The store ``settings`` name (None: claim-check off): the database table
-    ``<table_name>_payloads`` on ``metadata_`` (the outbox table's: ``create_tables`` and
-    Alembic include it), or a directory."""
+    ``<table_name>_payloads`` on the outbox table's metadata (``create_tables`` and
+    Alembic include it), or a directory; either keeps the payloads the messages of
+    ``outbox_table`` still need."""
     if settings.claim_check_bytes is None:
         return None
     where = settings.claim_check_store
     if where == "database":
-        table = build_payload_table(f"{settings.table_name}_payloads", metadata_)
-        return DatabasePayloadStore(engine, table)
-    return FilePayloadStore(where.removeprefix("file://"))
+        table = build_payload_table(f"{settings.table_name}_payloads", outbox_table.metadata)
+        return DatabasePayloadStore(engine, table, outbox_table)
+    return FilePayloadStore(where.removeprefix("file://"), live=live_in(engine, outbox_table))

@@ -11,7 +11,12 @@ Three verdicts (:class:`Verdict`): ``OUTAGE`` and ``FAILURE`` are certain from t
 alone; ``UNKNOWN`` is an error that may be the database's or the handler's own — an
 ``OSError`` (the driver's socket refused at connect, or a partner API's), a driver error
 without SQLSTATE — and :func:`is_outage` asks the database (``SELECT 1``, bounded) to decide:
-no answer, an outage; an answer, the handler's failure.
+no answer, an outage; an answer, the handler's failure. Two more name a cause an operator
+must fix, so that nobody is told "unreachable" about a database that answers:
+``AUTHENTICATION`` (an outage: nothing is charged, the loops keep trying since a rotated
+secret may come back, and every report says "authentication failed") and
+``TABLE_MISSING`` (a failure: the statement's table does not exist; the relays, health and
+the CLI say "table missing" and how to create it).
 
 **Every dialect** (SQLAlchemy's own view, before the driver's error is looked at):
 
@@ -37,12 +42,15 @@ theirs: ``CannotConnectNowError`` 57P03, ``TooManyConnectionsError`` 53300,
   message can succeed until an operator frees space: dead-lettering the backlog for it
   would be wrong); ``25006`` read-only transaction (after a failover the connection lands on
   a standby, or the operator set ``default_transaction_read_only``: every message's inbox
-  row fails the same way, so it is the database's state, not the message's); class ``28``
-  invalid authorization and ``3D000`` unknown database at connect (credentials rotated, a
-  database renamed: no message can be handled, none is at fault); ``58000`` / ``58030``
+  row fails the same way, so it is the database's state, not the message's); ``3D000``
+  unknown database at connect (a database renamed: no message can be handled, none is at
+  fault); ``58000`` / ``58030``
   system and I/O error (the server's disk, not the statement);
-* failure — everything else with a SQLSTATE: syntax and access (``42…``: ``42P01``
-  undefined table, ``42501`` insufficient privilege), integrity (``23…``), data (``22…``),
+* authentication — class ``28`` (``28P01`` invalid password, ``28000`` invalid
+  authorization: a wrong or rotated password, a user pg_hba.conf refuses);
+* table missing — ``42P01`` undefined table;
+* failure — everything else with a SQLSTATE: syntax and access (``42…``: ``42501``
+  insufficient privilege), integrity (``23…``), data (``22…``),
   ``40001`` serialization failure and ``40P01`` deadlock (contention a retry with backoff
   usually cures; charged, so a message that always deadlocks ends in the dead letters),
   ``57014`` query canceled (a statement timeout: a query that always times out must not
@@ -61,7 +69,10 @@ its exceptions (``sqlite_errorcode``; never the message text):
   process held the write lock past the busy timeout — a backup, a migration, a long
   writer; the message is not at fault, its turn comes), ``SQLITE_PROTOCOL`` (the file
   system's locking failed);
-* failure — ``SQLITE_ERROR`` ("no such table", "no such column", syntax errors),
+* table missing — ``SQLITE_ERROR`` whose text is "no such table: …" (SQLite gives a missing
+  table no code of its own: ``SQLITE_ERROR`` is also every syntax error, so here alone the
+  text decides);
+* failure — ``SQLITE_ERROR`` ("no such column", syntax errors),
   ``SQLITE_CONSTRAINT``, ``SQLITE_MISMATCH``, ``SQLITE_TOOBIG``, ``SQLITE_LOCKED``
   "database table is locked" (a conflict inside the handler's own connection),
   ``SQLITE_CORRUPT`` / ``SQLITE_NOTADB`` (a damaged file: visible and replayable dead
@@ -83,12 +94,15 @@ import anyio
 from fastapi_outbox.storage.statements import engine as engine_sql
 
 __all__ = [
+    "AUTHENTICATION_FIX",
     "PING_SECONDS",
+    "TABLE_MISSING_FIX",
     "Verdict",
     "classify",
     "classify_postgresql",
     "classify_sqlite",
     "database_answers",
+    "describe",
     "is_outage",
     "sqlstate_of",
 ]
@@ -106,6 +120,29 @@ class Verdict(enum.Enum):
     FAILURE = "failure"
     #: Either: the database's answer to a ping decides (:func:`is_outage`).
     UNKNOWN = "unknown"
+    #: The database refuses the credentials: an outage (nothing charged) with its cause.
+    AUTHENTICATION = "authentication"
+    #: The statement's table does not exist: a failure with its cause.
+    TABLE_MISSING = "table_missing"
+
+
+#: What an operator is told, per verdict that names a cause.
+TABLE_MISSING_FIX = "run `fastapi-outbox db create` or `outbox.create_tables()`"
+AUTHENTICATION_FIX = "check the user and password of the database URL"
+
+
+def describe(exc: BaseException, dialect: str) -> str:
+    """What a failed database step means, in the words health, the relays and the CLI
+    use: "authentication failed", "table missing" (with its fix), "unavailable" or
+    "statement failed". No driver text: it may quote a host or a user name."""
+    verdict = classify(exc, dialect)
+    if verdict is Verdict.AUTHENTICATION:
+        return f"database authentication failed ({type(exc).__name__}): {AUTHENTICATION_FIX}"
+    if verdict is Verdict.TABLE_MISSING:
+        return f"table missing: {TABLE_MISSING_FIX}"
+    if verdict is Verdict.FAILURE:
+        return f"database statement failed ({type(exc).__name__})"
+    return f"database unreachable ({type(exc).__name__})"
 
 
 #: SQLSTATEs of an unavailable PostgreSQL (see the module docstring for why each).
@@ -125,8 +162,13 @@ _PG_OUTAGE_STATES = frozenset(
         "58030",  # io_error
     }
 )
-#: SQLSTATE classes of an unavailable PostgreSQL: connection exception, invalid authorization.
-_PG_OUTAGE_CLASSES = ("08", "28")
+#: SQLSTATE classes of an unavailable PostgreSQL: connection exception.
+_PG_OUTAGE_CLASSES = ("08",)
+#: SQLSTATE class of refused credentials (``28P01`` invalid password, ``28000``).
+_PG_AUTHENTICATION_CLASS = "28"
+_PG_UNDEFINED_TABLE = "42P01"
+_SQLITE_ERROR = 1
+_SQLITE_NO_SUCH_TABLE = "no such table"
 #: Connection-class SQLSTATEs that are a client's bug rather than an outage.
 _PG_FAILURE_STATES = frozenset({"08P01"})  # protocol_violation
 
@@ -166,6 +208,12 @@ def _sqlite_code(exc: BaseException) -> int | None:
     return None
 
 
+def _sqlite_text(exc: BaseException) -> str:
+    """The ``sqlite3`` error's own text (on ``exc.orig`` when SQLAlchemy wrapped it)."""
+    orig = getattr(exc, "orig", None)
+    return str(orig if orig is not None else exc)
+
+
 def _common(exc: BaseException) -> Verdict | None:
     """The verdict every dialect shares, or None when the driver's error must decide."""
     from sqlalchemy import exc as sa_exc
@@ -178,11 +226,14 @@ def _common(exc: BaseException) -> Verdict | None:
 
 
 def _group(exc: BaseExceptionGroup[Any], one: Any) -> Verdict:
-    verdicts = {one(e) for e in exc.exceptions}
-    if verdicts == {Verdict.OUTAGE}:
-        return Verdict.OUTAGE
-    if Verdict.FAILURE in verdicts:
-        return Verdict.FAILURE
+    verdicts: set[Verdict] = {one(e) for e in exc.exceptions}
+    if len(verdicts) == 1 and Verdict.UNKNOWN not in verdicts:
+        return verdicts.pop()
+    for failure in (Verdict.TABLE_MISSING, Verdict.FAILURE):
+        if failure in verdicts:
+            return failure
+    if verdicts <= {Verdict.OUTAGE, Verdict.AUTHENTICATION}:
+        return Verdict.AUTHENTICATION  # the cause an operator must fix comes first
     return Verdict.UNKNOWN
 
 
@@ -197,6 +248,10 @@ def classify_postgresql(exc: BaseException) -> Verdict:
     if state is not None:
         if state in _PG_FAILURE_STATES:
             return Verdict.FAILURE
+        if state.startswith(_PG_AUTHENTICATION_CLASS):
+            return Verdict.AUTHENTICATION
+        if state == _PG_UNDEFINED_TABLE:
+            return Verdict.TABLE_MISSING
         if state in _PG_OUTAGE_STATES or state.startswith(_PG_OUTAGE_CLASSES):
             return Verdict.OUTAGE
         return Verdict.FAILURE
@@ -212,6 +267,8 @@ def classify_sqlite(exc: BaseException) -> Verdict:
         return common
     code = _sqlite_code(exc)
     if code is not None:
+        if code == _SQLITE_ERROR and _sqlite_text(exc).startswith(_SQLITE_NO_SUCH_TABLE):
+            return Verdict.TABLE_MISSING
         return Verdict.OUTAGE if code in _SQLITE_OUTAGE_CODES else Verdict.FAILURE
     return _without_code(exc)
 
@@ -267,4 +324,4 @@ async def is_outage(exc: BaseException, engine: Any, *, ping_seconds: float = PI
     verdict = classify(exc, engine.dialect.name)
     if verdict is Verdict.UNKNOWN:
         return not await database_answers(engine, ping_seconds)
-    return verdict is Verdict.OUTAGE
+    return verdict in (Verdict.OUTAGE, Verdict.AUTHENTICATION)

@@ -100,6 +100,15 @@ class Storage:
             )
             for table in self.inbox.lease_tables
         ]
+        sides += [
+            SideTable(
+                table,
+                "subscribers",
+                functools.partial(schema.create_table, engine, table),
+                required=consumers,
+            )
+            for table in self.inbox.group_tables
+        ]
         if self.archive is not None:
             sides.append(
                 SideTable(
@@ -175,5 +184,5 @@ def setup_storage(engine: AsyncEngine, settings: OutboxSettings) -> Storage:
     if "partitioning" in table.info:
         maintainer = partitions.Maintainer(engine, table, table.info["partitioning"])
     archive = Archive(engine, table, settings.archive_name) if settings.archive else None
-    payloads = payload_store_for(engine, settings, table.metadata)
+    payloads = payload_store_for(engine, settings, table)
     return Storage(table, store, wal_slot, inbox, maintainer, archive, payloads)

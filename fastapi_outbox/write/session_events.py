@@ -56,7 +56,7 @@ from typing import Any, Protocol
 
 from sqlalchemy import event as sa_event
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.orm import Session, SessionTransaction
+from sqlalchemy.orm import Session, SessionTransaction, object_session
 from sqlalchemy.orm.attributes import instance_state
 from sqlalchemy.pool import Pool
 
@@ -65,6 +65,8 @@ from sqlalchemy.pool import Pool
 from sqlalchemy.util.concurrency import await_, in_greenlet
 
 from fastapi_outbox.aggregates import (
+    ACTIVE_UNITS,
+    PENDING_EVENTS,
     PUBLISH_KEY,
     collect_events,
     held_aggregates,
@@ -72,6 +74,7 @@ from fastapi_outbox.aggregates import (
     wait_on,
 )
 from fastapi_outbox.events import Event, Message
+from fastapi_outbox.exceptions import UnitOfWorkError
 from fastapi_outbox.storage.connector import commit_with
 
 __all__ = ["JOINED_KEY", "STATE_KEY", "SessionState", "Sink", "state_of"]
@@ -153,10 +156,38 @@ def _identity_key(instance: Any) -> Any:
     return instance_state(instance).key
 
 
+def _written_in_transaction(session: Session, instance: Any) -> bool:
+    """Whether a flush of the session's open transaction (or a savepoint of it) inserted or
+    updated ``instance``'s row: that row commits with the transaction even once the
+    instance has left the session. SQLAlchemy keeps these rows on each transaction level
+    (what a rollback must expire or expunge) and offers no public way to ask: read on
+    this rare path only, when an aggregate with queued events leaves its session."""
+    state = instance_state(instance)
+    if state.key is None:
+        return False  # never flushed
+    transaction: SessionTransaction | None = session.get_nested_transaction() or (
+        session.get_transaction()
+    )
+    while transaction is not None:
+        if state in transaction._new or state in transaction._dirty:
+            return True
+        transaction = transaction.parent
+    return False
+
+
 class SessionState:
     """Outbox rows queued on one session, and the publishers of its aggregates' events."""
 
-    __slots__ = ("_publishers", "_raising", "carried", "notify", "queued", "raised", "written")
+    __slots__ = (
+        "_publishers",
+        "_raising",
+        "carried",
+        "notify",
+        "queued",
+        "raised",
+        "strays",
+        "written",
+    )
 
     def __init__(self) -> None:
         #: ``(savepoint or None, sink, row)``; ``None`` is the root transaction's level.
@@ -173,6 +204,9 @@ class SessionState:
         self.raised: list[_Raised] = []
         #: the aggregate whose event is being published, while it is.
         self._raising: tuple[Any, Event | Message] | None = None
+        #: aggregates in no session that raised an event while a unit of work of this
+        #: session was active, with the event: checked at the commit.
+        self.strays: list[tuple[Any, Event | Message]] = []
 
     # -- queueing ---------------------------------------------------------------------------
 
@@ -201,12 +235,50 @@ class SessionState:
 
     def push_publisher(self, publish: Callable[[Event | Message], object]) -> None:
         self._publishers.append(publish)
+        # No token: the unit of work may end in another context than it began (a request
+        # dependency's exit); each context only ever sees its own tuple.
+        ACTIVE_UNITS.set((*ACTIVE_UNITS.get(), self))
 
     def pop_publisher(self, publish: Callable[[Event | Message], object]) -> None:
         for i in range(len(self._publishers) - 1, -1, -1):
             if self._publishers[i] == publish:
                 del self._publishers[i]
                 break
+        active = ACTIVE_UNITS.get()
+        if active and active[-1] is self:  # the usual case: the innermost ends first
+            ACTIVE_UNITS.set(active[:-1])
+            return
+        for i in range(len(active) - 1, -1, -1):
+            if active[i] is self:
+                ACTIVE_UNITS.set(active[:i] + active[i + 1 :])
+                break
+
+    def note_stray(self, instance: Any, event: Event | Message) -> None:
+        """``instance``, in no session, raised ``event`` while a unit of work of this
+        session was active: its commit checks that the instance was added by then."""
+        self.strays.append((instance, event))
+
+    def check_strays(self) -> None:
+        """Refuse the commit when an aggregate that raised an event during it is still in
+        no session: the event would be lost without a word (it waits on an instance no
+        unit of work will meet)."""
+        strays, self.strays = self.strays, []
+        lost = [
+            (instance, event)
+            for instance, event in strays
+            if object_session(instance) is None
+            and any(e is event for e in instance.__dict__.get(PENDING_EVENTS, ()))
+        ]
+        if not lost:
+            return
+        instance, event = lost[0]
+        name = type(instance).__name__
+        raise UnitOfWorkError(
+            f"{name} raised {type(event).__name__} but was never added to a session: the "
+            f"event would be lost. Call session.add(...) on the {name} (uow.session.add("
+            f"{name.lower()})) before the unit of work commits, or publish the event with "
+            f"uow.publish(...)" + (f" ({len(lost) - 1} more such event(s))" if lost[1:] else "")
+        )
 
     @property
     def publisher(self) -> Callable[[Event | Message], object] | None:
@@ -236,15 +308,19 @@ class SessionState:
             if id(raised.instance) in written:
                 raised.flushed = True
 
-    def withdraw(self, instance: Any) -> None:
+    def withdraw(self, session: Session, instance: Any) -> None:
         """``instance`` left the session (expunged, or the session closed or rolled back):
         the events it raised since its last flush are taken out of the queue and wait on the
         instance again — its change will not be committed by this session, so neither are
-        they. Events of a flushed change stay with the transaction."""
+        they. Events of a flushed change stay with the transaction, and so does every event
+        of an aggregate whose row this transaction inserted or updated (flush, raise, then
+        expunge: the row commits, so its events do)."""
+        if self.strays:  # taken out on purpose: its events wait on it, as documented
+            self.strays = [s for s in self.strays if s[0] is not instance]
         leaving = [
             r for r in self.raised if r.instance is instance and not (r.flushed or r.written)
         ]
-        if not leaving:
+        if not leaving or _written_in_transaction(session, instance):
             return
         rows = {id(row) for r in leaving for row in r.rows}
         self.queued = [q for q in self.queued if id(q[2]) not in rows]
@@ -305,6 +381,7 @@ class SessionState:
         again gets its events back (a retry that adds it again commits them with it)."""
         if boundary is None:
             self.queued.clear()
+            self.strays.clear()
             if not joined:
                 self.written.clear()
                 self.carried.clear()
@@ -394,6 +471,8 @@ def _before_commit(session: Session) -> None:
     state: SessionState | None = session.info.get(STATE_KEY)
     if state is not None:
         state.write(session)
+        if state.strays and session.get_nested_transaction() is None:
+            state.check_strays()
 
 
 @sa_event.listens_for(Session, "before_flush")
@@ -421,7 +500,7 @@ def _left(session: Session, instance: Any) -> None:
     release(session, instance)
     state: SessionState | None = session.info.get(STATE_KEY)
     if state is not None:
-        state.withdraw(instance)
+        state.withdraw(session, instance)
 
 
 sa_event.listen(Session, "pending_to_transient", _left)

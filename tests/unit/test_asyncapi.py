@@ -44,6 +44,10 @@ class ParcelLost(Event, stream="parcels.shipped", type_name="parcel-lost/v2"):
     parcel_id: int
 
 
+class ReturnLost(Event, stream="returns", type_name="return-lost/v1"):
+    parcel_id: int
+
+
 def _resolve(document: dict[str, Any], pointer: str) -> Any:
     assert pointer.startswith("#/"), pointer
     node: Any = document
@@ -86,7 +90,7 @@ def _outbox() -> Outbox:
     async def audit(message: Message) -> None: ...
 
     @outbox.subscriber("returns", group="tracking")
-    async def returns(events: list[ParcelLost], uow: UnitOfWork) -> None: ...
+    async def returns(events: list[ReturnLost], uow: UnitOfWork) -> None: ...
 
     return outbox
 
@@ -146,7 +150,7 @@ def test_streams_events_keys_headers_and_groups_are_described() -> None:
     audit = operations["consume.parcels.shipped.audit"]
     assert audit["messages"] == [{"$ref": "#/channels/parcels.shipped/messages/RawMessage"}]
     batch = operations["consume.returns.tracking"]
-    assert batch["messages"] == [{"$ref": "#/channels/returns/messages/parcel-lost_v2"}]
+    assert batch["messages"] == [{"$ref": "#/channels/returns/messages/return-lost_v1"}]
     sends = {k: v for k, v in operations.items() if v["action"] == "send"}
     assert set(sends) == {"publish.parcels.shipped"}
 

@@ -42,6 +42,19 @@ def test_nats_url_sets_replicas_and_envelope() -> None:
     assert broker.connection.new_stream_config(dead_letter=False)["num_replicas"] == 3
 
 
+def test_nats_url_sets_the_ping_policy() -> None:
+    broker = broker_from_url(
+        "nats://127.0.0.1:4222?ping_interval_seconds=0.5&max_outstanding_pings=4"
+    )
+    assert isinstance(broker, NatsJetStreamBroker)
+    assert broker.connection.ping_interval_seconds == 0.5
+    assert broker.connection.max_outstanding_pings == 4
+    with pytest.raises(exceptions.ConfigurationError, match="ping_interval_seconds must be > 0"):
+        broker_from_url("nats://127.0.0.1:4222?ping_interval_seconds=0")
+    with pytest.raises(exceptions.ConfigurationError, match="'ping_interval_seconds' is for"):
+        broker_from_url("redis://127.0.0.1:6379?ping_interval_seconds=1")
+
+
 def test_redis_and_memory_urls_set_the_envelope() -> None:
     redis = broker_from_url("redis://127.0.0.1:6379/0?envelope=cloudevents")
     assert isinstance(redis, RedisStreamsBroker)

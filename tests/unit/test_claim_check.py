@@ -26,7 +26,7 @@ class MemoryStore:
     def __init__(self) -> None:
         self.data: dict[str, bytes] = {}
 
-    def put(self, connection: Any, ref: str, data: bytes) -> None:
+    def put(self, connection: Any, ref: str, data: bytes, due_in: float = 0.0) -> None:
         self.data[ref] = data
 
     async def get(self, ref: str) -> bytes | None:

@@ -4,10 +4,13 @@ from the settings."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from fastapi_outbox import Event, Outbox
+from fastapi_outbox.brokers.memory import MemoryBroker
 from fastapi_outbox.consume.options import (
     DEAD_LETTER_TEMPLATE,
     check_batch_handler,
@@ -93,3 +96,46 @@ def test_options_left_none_take_the_settings() -> None:
         "ordered": False,
         "broker": None,
     }
+
+
+class _Paid(Event, stream="billing", type_name="mistakes.Paid"):
+    invoice: str
+
+
+class _Placed(Event, stream="orders", type_name="mistakes.Placed"):
+    order: str
+
+
+def test_a_handler_typed_with_another_streams_event_is_refused_at_declaration(
+    tmp_path: Path,
+) -> None:
+    # Subscribed to "orders" with a "billing" event: its messages never come on "orders",
+    # and every "orders" message would be skipped as another type of the stream.
+    outbox = Outbox(f"sqlite+aiosqlite:///{tmp_path}/s.db", brokers={"m": MemoryBroker()})
+
+    async def on_paid(event: _Placed | _Paid) -> None:
+        pass
+
+    with pytest.raises(ConfigurationError) as caught:
+        outbox.subscriber("orders", group="shipping")(on_paid)
+    message = str(caught.value)
+    assert "on_paid" in message and "_Paid" in message
+    assert "'orders'" in message and "'billing'" in message
+    assert "@outbox.subscriber('billing'" in message
+    assert outbox.subscribers == []
+
+    async def on_placed(event: _Placed) -> None:
+        pass
+
+    outbox.subscriber("orders", group="shipping")(on_placed)  # its own stream: accepted
+    assert len(outbox.subscribers) == 1
+
+
+def test_a_dead_letter_stream_may_be_typed_with_its_streams_events(tmp_path: Path) -> None:
+    outbox = Outbox(f"sqlite+aiosqlite:///{tmp_path}/s.db", brokers={"m": MemoryBroker()})
+
+    async def inspect_dead(event: _Placed) -> None:
+        pass
+
+    outbox.subscriber("orders.billing.dlq", group="inspect")(inspect_dead)
+    assert len(outbox.subscribers) == 1

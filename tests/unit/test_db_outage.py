@@ -18,11 +18,13 @@ from fastapi_outbox.storage.db_outage import (
     classify,
     classify_postgresql,
     classify_sqlite,
+    describe,
     is_outage,
     sqlstate_of,
 )
 
 OUTAGE, FAILURE, UNKNOWN = Verdict.OUTAGE, Verdict.FAILURE, Verdict.UNKNOWN
+AUTHENTICATION, TABLE_MISSING = Verdict.AUTHENTICATION, Verdict.TABLE_MISSING
 
 
 def pg(error: asyncpg.PostgresError | asyncpg.InterfaceError, **kw: Any) -> sa_exc.DBAPIError:
@@ -73,7 +75,12 @@ PG_CASES: list[tuple[str, BaseException, Verdict]] = [
     ("08006 raw", asyncpg.ConnectionFailureError("failure"), OUTAGE),
     ("08000", pg(asyncpg.PostgresConnectionError("connection")), OUTAGE),
     ("25006 read-only standby", pg(asyncpg.ReadOnlySQLTransactionError("read-only")), OUTAGE),
-    ("28P01 bad password", pg(asyncpg.InvalidPasswordError("password")), OUTAGE),
+    ("28P01 bad password", pg(asyncpg.InvalidPasswordError("password")), AUTHENTICATION),
+    (
+        "28000 refused by pg_hba",
+        pg(asyncpg.InvalidAuthorizationSpecificationError("no pg_hba.conf entry")),
+        AUTHENTICATION,
+    ),
     ("3D000 no database", pg(asyncpg.InvalidCatalogNameError("no db")), OUTAGE),
     ("58030 I/O error", pg(asyncpg.exceptions.PostgresIOError("io")), OUTAGE),
     ("pool timeout", sa_exc.TimeoutError("QueuePool limit of size 5 reached"), OUTAGE),
@@ -84,7 +91,7 @@ PG_CASES: list[tuple[str, BaseException, Verdict]] = [
         OUTAGE,
     ),
     # The handler's own SQL: charged.
-    ("42P01 undefined table", pg(asyncpg.UndefinedTableError("no table")), FAILURE),
+    ("42P01 undefined table", pg(asyncpg.UndefinedTableError("no table")), TABLE_MISSING),
     ("42601 syntax", pg(asyncpg.PostgresSyntaxError("syntax")), FAILURE),
     ("42501 privilege", pg(asyncpg.InsufficientPrivilegeError("denied")), FAILURE),
     ("23505 unique", pg(asyncpg.UniqueViolationError("dup")), FAILURE),
@@ -126,7 +133,7 @@ SQLITE_CASES: list[tuple[str, BaseException, Verdict]] = [
     ("disk full", lite(sqlite3.SQLITE_FULL, "database or disk is full"), OUTAGE),
     ("read-only file", lite(sqlite3.SQLITE_READONLY, "attempt to write a readonly db"), OUTAGE),
     ("pool timeout", sa_exc.TimeoutError("QueuePool limit"), OUTAGE),
-    ("no such table", real_sqlite_error("SELECT * FROM missing"), FAILURE),
+    ("no such table", real_sqlite_error("SELECT * FROM missing"), TABLE_MISSING),
     ("syntax error", real_sqlite_error("SELEC 1"), FAILURE),
     ("no such column", real_sqlite_error("SELECT nope FROM t"), FAILURE),
     ("constraint", real_sqlite_error("INSERT INTO t VALUES (1)"), FAILURE),
@@ -151,8 +158,10 @@ def test_a_real_no_such_table_is_sqlite_error_not_text() -> None:
 
 def test_exception_groups() -> None:
     outage = pg(asyncpg.CannotConnectNowError("starting up"))
-    failure = pg(asyncpg.UndefinedTableError("no table"))
+    failure = pg(asyncpg.PostgresSyntaxError("syntax"))
+    refused = pg(asyncpg.InvalidPasswordError("password"))
     assert classify_postgresql(ExceptionGroup("g", [outage, outage])) is OUTAGE
+    assert classify_postgresql(ExceptionGroup("g", [outage, refused])) is AUTHENTICATION
     assert classify_postgresql(ExceptionGroup("g", [outage, failure])) is FAILURE
     assert classify_postgresql(ExceptionGroup("g", [outage, OSError()])) is UNKNOWN
 
@@ -251,3 +260,14 @@ async def test_the_cli_exit_codes_follow_the_classifier(
         await guard(failing(), outbox)
     assert info.value.code == code
     assert "secret" not in str(info.value)
+
+
+def test_describe_names_the_cause_and_the_fix_not_an_outage() -> None:
+    missing = describe(pg(asyncpg.UndefinedTableError("no table")), "postgresql")
+    assert missing == "table missing: run `fastapi-outbox db create` or `outbox.create_tables()`"
+    assert describe(real_sqlite_error("SELECT * FROM missing"), "sqlite") == missing
+    refused = describe(pg(asyncpg.InvalidPasswordError("password")), "postgresql")
+    assert refused.startswith("database authentication failed") and "password" in refused
+    down = describe(pg(asyncpg.CannotConnectNowError("starting up")), "postgresql")
+    assert down.startswith("database unreachable")
+    assert "unreachable" not in missing + refused

@@ -193,6 +193,13 @@ def test_cluster_replies_are_refusals(reply: str) -> None:
         rexc.RedisClusterException("All slots are not covered after query all startup_nodes."),
         rexc.ConnectionError("Error 111 connecting to 127.0.0.1:7001. Connection refused."),
         rexc.MaxConnectionsError("Too many connections"),
+        # A blocked XREADGROUP the server ended: its slot left the node, or the node
+        # became a replica (a failover), or the key was deleted.
+        BaseParser.parse_error("UNBLOCKED the stream key no longer exists"),
+        BaseParser.parse_error(
+            "UNBLOCKED force unblock from blocking operation, instance state changed "
+            "(master -> replica?)"
+        ),
     ],
 )
 def test_cluster_failures_to_reach_a_node_are_outages(error: BaseException) -> None:

@@ -16,6 +16,8 @@ from fastapi_outbox.brokers.consumer import ConsumerConfig
 from fastapi_outbox.brokers.nats.connection import (
     ACK_TIMEOUT_SECONDS,
     CONNECT_TIMEOUT_SECONDS,
+    MAX_OUTSTANDING_PINGS,
+    PING_INTERVAL_SECONDS,
     STREAM_MAX_AGE_SECONDS,
     STREAM_MAX_BYTES,
     NatsConnection,
@@ -39,6 +41,8 @@ class NatsJetStreamBroker(NatsJetStreamPublisher):
         dedup_window_seconds: float | None = None,
         ack_timeout_seconds: float = ACK_TIMEOUT_SECONDS,
         connect_timeout_seconds: float = CONNECT_TIMEOUT_SECONDS,
+        ping_interval_seconds: float = PING_INTERVAL_SECONDS,
+        max_outstanding_pings: int = MAX_OUTSTANDING_PINGS,
         stream_config: dict[str, Any] | None = None,
         stream_max_age_seconds: float | None = STREAM_MAX_AGE_SECONDS,
         stream_max_bytes: int | None = STREAM_MAX_BYTES,
@@ -58,6 +62,9 @@ class NatsJetStreamBroker(NatsJetStreamPublisher):
         it creates, dead-letter streams included; on a cluster, 1 is logged as a warning
         (a node lost is its streams lost until it returns). ``url`` may list several
         servers, comma-separated: the client reconnects to any of them.
+        ``ping_interval_seconds`` / ``max_outstanding_pings``: a server that answers no
+        PING for ``ping_interval_seconds * (max_outstanding_pings + 1)`` seconds is left
+        for another (docs/how-to/brokers.md, "Timeouts and keep-alives").
         ``envelope="cloudevents"`` publishes CloudEvents (``cloudevents_mode`` binary or
         structured) from ``cloudevents_source``; consumers read either envelope."""
         super().__init__(
@@ -68,6 +75,8 @@ class NatsJetStreamBroker(NatsJetStreamPublisher):
                 dedup_window_seconds=dedup_window_seconds,
                 ack_timeout_seconds=ack_timeout_seconds,
                 connect_timeout_seconds=connect_timeout_seconds,
+                ping_interval_seconds=ping_interval_seconds,
+                max_outstanding_pings=max_outstanding_pings,
                 stream_config=stream_config,
                 stream_max_age_seconds=stream_max_age_seconds,
                 stream_max_bytes=stream_max_bytes,

@@ -20,7 +20,12 @@ import logging
 from typing import Any
 
 from fastapi_outbox import exceptions
-from fastapi_outbox.brokers.nats.wire import is_unreachable, refusal_reason, stream_name_for
+from fastapi_outbox.brokers.nats.wire import (
+    is_authentication_failure,
+    is_unreachable,
+    refusal_reason,
+    stream_name_for,
+)
 from fastapi_outbox.log import safe_error
 from fastapi_outbox.redaction import redact_url, split_url_list
 
@@ -29,6 +34,9 @@ __all__ = [
     "CONNECT_TIMEOUT_SECONDS",
     "DEDUP_WINDOW_SECONDS",
     "JS_API_INFO",
+    "MAX_OUTSTANDING_PINGS",
+    "PING_INTERVAL_SECONDS",
+    "RECONNECT_WAIT_SECONDS",
     "STREAM_MAX_AGE_SECONDS",
     "STREAM_MAX_BYTES",
     "NatsConnection",
@@ -44,12 +52,35 @@ DEDUP_WINDOW_SECONDS = 14_790.0
 STREAM_MAX_AGE_SECONDS = 7 * 24 * 3600.0
 #: ...and the oldest go once the stream holds this many bytes (JetStream's "discard old").
 STREAM_MAX_BYTES = 1024**3
+#: Longest wait for a JetStream API answer (a publish's ack, a stream lookup, a fetch's
+#: request): the JetStream context's timeout.
 ACK_TIMEOUT_SECONDS = 10.0
+#: Longest wait for a server's INFO on connect and on every reconnect attempt: a frozen
+#: node accepts the TCP connection (its kernel does) and never answers, so this bounds the
+#: time spent on it before the next node is tried.
 CONNECT_TIMEOUT_SECONDS = 2.0
+#: The client PINGs the server this often (nats-py's default is 2 minutes)...
+PING_INTERVAL_SECONDS = 2.0
+#: ...and leaves it (reconnects to another node) when this many PINGs are unanswered: a
+#: server that stops answering (frozen, a network cut without a reset) is left within
+#: ``PING_INTERVAL_SECONDS * (MAX_OUTSTANDING_PINGS + 1)`` = 6 s, on a connection the
+#: library uses or not.
+MAX_OUTSTANDING_PINGS = 2
 #: The JetStream account-info request: the broker's ping (a round trip through JetStream).
 JS_API_INFO = "$JS.API.INFO"
 #: Seconds between reconnect attempts of an established connection.
 RECONNECT_WAIT_SECONDS = 0.5
+
+
+def _close_failed_attempt(nc: Any) -> None:
+    """Close the socket of a reconnect attempt that failed. nats-py reuses its transport
+    object for the next attempt and overwrites the socket without closing it: a frozen
+    node (the TCP connection accepted by its kernel, no INFO within ``connect_timeout``)
+    left one open socket per attempt, reported unclosed when collected."""
+    transport = getattr(nc, "_transport", None)
+    if transport is not None:
+        with contextlib.suppress(Exception):
+            transport.close()
 
 
 class NatsConnection:
@@ -64,6 +95,8 @@ class NatsConnection:
         dedup_window_seconds: float | None = None,
         ack_timeout_seconds: float = ACK_TIMEOUT_SECONDS,
         connect_timeout_seconds: float = CONNECT_TIMEOUT_SECONDS,
+        ping_interval_seconds: float = PING_INTERVAL_SECONDS,
+        max_outstanding_pings: int = MAX_OUTSTANDING_PINGS,
         stream_config: dict[str, Any] | None = None,
         stream_max_age_seconds: float | None = STREAM_MAX_AGE_SECONDS,
         stream_max_bytes: int | None = STREAM_MAX_BYTES,
@@ -74,6 +107,21 @@ class NatsConnection:
         if isinstance(replicas, bool) or not isinstance(replicas, int) or not 1 <= replicas <= 5:
             raise exceptions.ConfigurationError(
                 f"NatsJetStreamBroker replicas must be an integer from 1 to 5, not {replicas!r}"
+            )
+        for timing, seconds in (
+            ("ack_timeout_seconds", ack_timeout_seconds),
+            ("connect_timeout_seconds", connect_timeout_seconds),
+            ("ping_interval_seconds", ping_interval_seconds),
+        ):
+            if seconds <= 0:
+                raise exceptions.ConfigurationError(
+                    f"NatsJetStreamBroker {timing} must be > 0, not {seconds!r}"
+                )
+        pings = max_outstanding_pings
+        if isinstance(pings, bool) or not isinstance(pings, int) or pings < 1:
+            raise exceptions.ConfigurationError(
+                f"NatsJetStreamBroker max_outstanding_pings must be an integer >= 1, "
+                f"not {max_outstanding_pings!r}"
             )
         for option, value in (
             ("stream_max_age_seconds", stream_max_age_seconds),
@@ -89,6 +137,8 @@ class NatsConnection:
         self.create_streams = create_streams
         self.ack_timeout_seconds = ack_timeout_seconds
         self.connect_timeout_seconds = connect_timeout_seconds
+        self.ping_interval_seconds = ping_interval_seconds
+        self.max_outstanding_pings = max_outstanding_pings
         self.stream_config = dict(stream_config or {})
         self.stream_max_age_seconds = stream_max_age_seconds
         self.stream_max_bytes = stream_max_bytes
@@ -106,6 +156,9 @@ class NatsConnection:
         #: nats-py's command buffer and its flush (``_send_command`` / ``_flush_pending``).
         self._buffer: tuple[Any, Any] | None = None
         self._buffer_allowed = True
+        #: What the server said when it last refused our login (None: it did not, or the
+        #: client connected, or the server could not be reached, since).
+        self.refused_login: str | None = None
 
     def __repr__(self) -> str:
         return f"NatsConnection({redact_url(self.url)!r})"
@@ -206,6 +259,7 @@ class NatsConnection:
                 return
             if self._nc is None:
                 self._nc = await self._open_client()
+                self.refused_login = None
             self._js = self._nc.jetstream(timeout=self.ack_timeout_seconds)
             send = getattr(self._nc, "_send_command", None)
             flush = getattr(self._nc, "_flush_pending", None)
@@ -223,11 +277,22 @@ class NatsConnection:
         import nats.aio.client
 
         async def on_error(exc: Exception) -> None:
+            # nats-py retries a refused login until the connect times out: what the server
+            # said is only seen here, and decides what the timeout means.
+            if is_authentication_failure(exc):
+                self.refused_login = f"{type(exc).__name__}: {exc}"
+            elif isinstance(exc, OSError):  # the server is gone: no longer a refused login
+                self.refused_login = None
             logger.debug(
                 "nats client error",
                 extra={"action": "broker.error", "error": safe_error(exc)},
             )
+            # CONNECTING while an attempt waits for the server's INFO, RECONNECTING between.
+            if nc.is_connecting or nc.is_reconnecting:
+                _close_failed_attempt(nc)
 
+        # Every liveness setting is the library's, never nats-py's default (a 2-minute ping
+        # interval left a frozen node's clients stalled): see the constants above.
         # max_reconnect_attempts=-1 keeps an established connection coming back, but
         # nats-py applies it to the first connect too, which then retries forever: a
         # dispatcher starting while NATS is down would hang instead of reporting the broker
@@ -240,6 +305,8 @@ class NatsConnection:
                     # A comma-separated list: nats-py takes a list of servers.
                     servers if len(servers := split_url_list(self.url)) > 1 else self.url,
                     connect_timeout=timeout,
+                    ping_interval=self.ping_interval_seconds,
+                    max_outstanding_pings=self.max_outstanding_pings,
                     allow_reconnect=True,
                     max_reconnect_attempts=-1,
                     reconnect_time_wait=RECONNECT_WAIT_SECONDS,
@@ -289,8 +356,17 @@ class NatsConnection:
 
     def unavailable(self, exc: BaseException | str) -> exceptions.BrokerUnavailable:
         """The outage ``exc`` (a client failure, or a description) means, naming the
-        server (credentials redacted)."""
+        server (credentials redacted): AuthenticationFailed when the server refused the
+        credentials (in ``exc`` or, since a connect times out on it, the last login)."""
         detail = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
+        refused = self.refused_login
+        if refused is None and is_authentication_failure(exc):
+            refused = detail
+        if refused is not None and (self._nc is None or not self._nc.is_connected):
+            return exceptions.AuthenticationFailed(
+                f"NATS at {redact_url(self.url)}: authentication failed ({refused}): check "
+                "the user and password (or token) of the URL"
+            )
         return exceptions.BrokerUnavailable(
             f"NATS at {redact_url(self.url)} is unreachable: {detail}"
         )

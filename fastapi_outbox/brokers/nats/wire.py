@@ -69,6 +69,27 @@ def refusal_reason(error: BaseException, *, stream_known: bool) -> str | None:
     return None
 
 
+#: How nats-server refuses credentials (its ``-ERR`` protocol line has no code).
+_AUTHENTICATION_PHRASES = (
+    "authorization violation",
+    "authentication expired",
+    "authentication revoked",
+    "user authentication",
+)
+
+
+def is_authentication_failure(error: BaseException | str) -> bool:
+    """Whether ``error`` (what nats-py raises or passes its error callback) is the server
+    refusing this client's credentials ("Authorization Violation": a wrong user, password,
+    token or nkey): an outage only an operator cures, reported as "authentication failed"."""
+    import nats.errors
+
+    if isinstance(error, nats.errors.AuthorizationError):
+        return True
+    text = str(error).lower()
+    return any(phrase in text for phrase in _AUTHENTICATION_PHRASES)
+
+
 def is_unreachable(error: BaseException, *, request: bool = True) -> bool:
     """Whether ``error`` means NATS cannot be reached (an outage: no message is charged),
     the one place where that is told.

@@ -19,6 +19,7 @@ from fastapi_outbox.brokers.consumer import ConsumerConfig
 from fastapi_outbox.brokers.rabbitmq.connection import (
     CONFIRM_TIMEOUT_SECONDS,
     CONNECT_TIMEOUT_SECONDS,
+    HEARTBEAT_SECONDS,
     RabbitMQConnection,
 )
 from fastapi_outbox.brokers.rabbitmq.consumer import RabbitMQConsumer
@@ -47,6 +48,7 @@ class RabbitMQBroker(RabbitMQPublisher):
         queue_arguments: dict[str, Any] | None = None,
         confirm_timeout_seconds: float = CONFIRM_TIMEOUT_SECONDS,
         connect_timeout_seconds: float = CONNECT_TIMEOUT_SECONDS,
+        heartbeat_seconds: int = HEARTBEAT_SECONDS,
         envelope: EnvelopeFormat = "native",
         cloudevents_mode: CloudEventsMode = "binary",
         cloudevents_source: str = DEFAULT_SOURCE,
@@ -58,7 +60,8 @@ class RabbitMQBroker(RabbitMQPublisher):
         virtual host); ``queue_arguments``: extra arguments of the groups' queues
         (``x-max-length``, ``x-expires``…). ``envelope="cloudevents"`` publishes
         CloudEvents (``cloudevents_mode`` binary or structured, per the RabbitMQ binding)
-        from ``cloudevents_source``; consumers read either envelope."""
+        from ``cloudevents_source``; consumers read either envelope. ``heartbeat_seconds``:
+        the AMQP heartbeat; a silent node is left after about three of them."""
         if not exchange:
             raise exceptions.ConfigurationError(
                 "RabbitMQBroker: exchange must be a name (the default exchange routes by "
@@ -72,6 +75,12 @@ class RabbitMQBroker(RabbitMQPublisher):
                 raise exceptions.ConfigurationError(
                     f"RabbitMQBroker: {option} must be > 0, got {value!r}"
                 )
+        beat = heartbeat_seconds
+        if isinstance(beat, bool) or not isinstance(beat, int) or beat < 1:
+            raise exceptions.ConfigurationError(
+                f"RabbitMQBroker: heartbeat_seconds must be a whole number of seconds >= 1 "
+                f"(AMQP's unit), got {heartbeat_seconds!r}"
+            )
         if "{stream}" not in queue_name or "{group}" not in queue_name:
             raise exceptions.ConfigurationError(
                 f"RabbitMQBroker: queue_name {queue_name!r} must contain {{stream}} and {{group}}"
@@ -83,6 +92,7 @@ class RabbitMQBroker(RabbitMQPublisher):
                 exchange=exchange,
                 connect_timeout_seconds=connect_timeout_seconds,
                 confirm_timeout_seconds=confirm_timeout_seconds,
+                heartbeat_seconds=heartbeat_seconds,
                 name=f"fastapi-outbox {role}",
             )
 

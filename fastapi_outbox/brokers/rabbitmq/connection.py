@@ -24,15 +24,25 @@ from fastapi_outbox import exceptions
 from fastapi_outbox.brokers.rabbitmq.wire import outage
 from fastapi_outbox.redaction import redact, redact_url
 
-__all__ = ["CONFIRM_TIMEOUT_SECONDS", "CONNECT_TIMEOUT_SECONDS", "RabbitMQConnection"]
+__all__ = [
+    "CONFIRM_TIMEOUT_SECONDS",
+    "CONNECT_TIMEOUT_SECONDS",
+    "HEARTBEAT_SECONDS",
+    "RabbitMQConnection",
+]
 
 logger = logging.getLogger("fastapi_outbox.brokers.rabbitmq")
 
+#: Longest wait for a new connection (TCP, AMQP handshake): a node that accepts and never
+#: answers is an outage seen within this.
 CONNECT_TIMEOUT_SECONDS = 5.0
 #: Longest wait for the publisher confirms of one batch.
 CONFIRM_TIMEOUT_SECONDS = 10.0
-#: AMQP heartbeat: a dead peer (a node killed, a network cut) is noticed within about
-#: twice this many seconds even on a connection that is idle.
+#: AMQP heartbeat (negotiated with the server: the lower of both wins; RabbitMQ offers 60):
+#: a silent peer (a node killed or frozen, a network cut) is noticed within about three
+#: times this many seconds even on a connection that is idle, and the next call opens a
+#: new connection. No robust connection (aio-pika's ``connect_robust``) and no reconnect
+#: loop: the library reconnects on the next call, so an outage is seen at once.
 HEARTBEAT_SECONDS = 10
 #: Confirm channels kept open for reuse (one per concurrent publish at most).
 POOL_SIZE = 8
@@ -48,12 +58,14 @@ class RabbitMQConnection:
         exchange: str,
         connect_timeout_seconds: float = CONNECT_TIMEOUT_SECONDS,
         confirm_timeout_seconds: float = CONFIRM_TIMEOUT_SECONDS,
+        heartbeat_seconds: int = HEARTBEAT_SECONDS,
         name: str = "fastapi-outbox",
     ) -> None:
         self.url = url
         self.exchange = exchange
         self.connect_timeout_seconds = connect_timeout_seconds
         self.confirm_timeout_seconds = confirm_timeout_seconds
+        self.heartbeat_seconds = heartbeat_seconds
         self.name = name
         self._conn: Any = None
         self._lock = asyncio.Lock()
@@ -102,6 +114,11 @@ class RabbitMQConnection:
             f"RabbitMQ at {redact_url(self.url)}: {type(error).__name__}: {redact(str(error))}"
         )
 
+    def _heartbeat(self) -> dict[str, Any]:
+        """aio-pika's ``heartbeat`` keyword, unless the URL's query names one (aio-pika's
+        keywords win over the query: a ``?heartbeat=`` there is the user's and stays)."""
+        return {} if "heartbeat=" in self.url else {"heartbeat": self.heartbeat_seconds}
+
     async def connect(self) -> None:
         """Open the connection and declare the exchange (durable, topic) when not done;
         BrokerUnavailable when the server cannot be reached; ConfigurationError when an
@@ -126,7 +143,7 @@ class RabbitMQConnection:
                             self.url,
                             timeout=self.connect_timeout_seconds,
                             client_properties={"connection_name": self.name},
-                            heartbeat=HEARTBEAT_SECONDS,
+                            **self._heartbeat(),
                         ),
                         self.connect_timeout_seconds,
                     )

@@ -182,7 +182,8 @@ def outage(error: BaseException, url: str, *, blocked: str | None = None) -> Exc
     * a connection that is lost, refused or closed by the server, a closed channel, a
       channel in an invalid state, a socket error → :class:`BrokerUnavailable`;
     * a timeout → :class:`BrokerTimeout` (the processor pings to tell an outage from a
-      message that hangs).
+      message that hangs);
+    * the login refused (``ACCESS_REFUSED``) → :class:`AuthenticationFailed`.
     """
     import aiormq.exceptions as amqp
 
@@ -194,6 +195,13 @@ def outage(error: BaseException, url: str, *, blocked: str | None = None) -> Exc
     detail = f"{type(error).__name__}: {error}"
     if isinstance(error, TimeoutError):
         return exceptions.BrokerTimeout(f"{where} did not answer in time: {detail}")
+    if isinstance(error, amqp.ProbableAuthenticationError | amqp.AuthenticationError):
+        # ACCESS_REFUSED at login (a wrong user or password) or a vhost the user may not
+        # open: only an operator cures it; said as it is, not "unreachable".
+        return exceptions.AuthenticationFailed(
+            f"{where}: authentication failed ({detail}): check the user and password "
+            "(and the vhost's permissions) of the URL"
+        )
     if isinstance(error, amqp.ChannelClosed):
         # A channel the server closed (404 no such exchange or queue, 406 precondition
         # failed, a queue deleted under its consumer): the connection stands; the next

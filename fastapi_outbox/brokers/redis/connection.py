@@ -22,7 +22,11 @@ import logging
 from typing import Any
 
 from fastapi_outbox import exceptions
-from fastapi_outbox.brokers.redis.wire import dead_letter_key, dedup_key
+from fastapi_outbox.brokers.redis.wire import (
+    dead_letter_key,
+    dedup_key,
+    is_authentication_failure,
+)
 from fastapi_outbox.redaction import redact_url
 
 __all__ = [
@@ -279,6 +283,11 @@ class RedisConnection:
         BrokerUnavailable; both name the server (credentials redacted)."""
         import redis.exceptions as rexc
 
+        if is_authentication_failure(exc):
+            return exceptions.AuthenticationFailed(
+                f"Redis at {redact_url(self.url)}: authentication failed "
+                f"({type(exc).__name__}: {exc}): check the user and password of the URL"
+            )
         if isinstance(exc, rexc.TimeoutError):
             # No answer in ``socket_timeout``: the processor pings to tell a frozen server
             # from a call that hangs on what it carries.

@@ -60,6 +60,11 @@ REFUSAL_CODES = frozenset(
     }
 )
 
+#: The error code of a blocked command the server ended itself (``UNBLOCKED the stream key
+#: no longer exists``, ``UNBLOCKED force unblock from blocking operation, instance state
+#: changed``).
+UNBLOCKED = "UNBLOCKED"
+
 #: How redis-py's cluster client says that it cannot find a node to talk to (its
 #: ``RedisClusterException`` has no subclass for these): every startup node unreachable,
 #: slots without a node, nodes that disagree on the slot map mid-failover.
@@ -84,6 +89,21 @@ def refusal_code(error: BaseException | str) -> str | None:
     return code if code in REFUSAL_CODES else None
 
 
+def is_authentication_failure(error: BaseException) -> bool:
+    """Whether ``error`` is Redis refusing this client's credentials or its ACL user
+    (``WRONGPASS``, ``NOAUTH``, ``NOPERM``, ``AUTH`` with a user the server does not
+    know): an outage only an operator cures, reported as "authentication failed"."""
+    import redis.exceptions as rexc
+
+    return isinstance(
+        error,
+        rexc.AuthenticationError
+        | rexc.AuthenticationWrongNumberOfArgsError
+        | rexc.AuthorizationError
+        | rexc.NoPermissionError,
+    )
+
+
 def is_unreachable(error: BaseException) -> bool:
     """Whether ``error`` (raised by redis-py or returned in a pipeline's replies) means
     Redis cannot be reached: a connection failure or a timeout, not a reply. On a Redis
@@ -94,8 +114,13 @@ def is_unreachable(error: BaseException) -> bool:
 
     if isinstance(error, rexc.ConnectionError | rexc.TimeoutError | OSError):
         return True
+    if is_authentication_failure(error):  # an outage with its own cause
+        return True
     if isinstance(error, rexc.ResponseError):  # a reply: a refusal (refusal_code) or not
-        return False
+        # Except a blocked read the server ended because its stream left the node (a
+        # Redis Cluster slot migrated, a failover made the node a replica, the key
+        # deleted): the read is made again, on the node serving the stream now.
+        return str(error).startswith(UNBLOCKED)
     if isinstance(error, rexc.ClusterError | rexc.SlotNotCoveredError):
         return True
     return isinstance(error, rexc.RedisClusterException) and str(error).startswith(

@@ -11,17 +11,42 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Table, bindparam, delete, insert, select
+from sqlalchemy import (
+    ColumnElement,
+    Table,
+    Uuid,
+    bindparam,
+    cast,
+    delete,
+    exists,
+    func,
+    insert,
+    select,
+)
 
 from fastapi_outbox.storage import clock
+from fastapi_outbox.storage.statements.parts import PUBLISHED
 
-__all__ = ["fetch", "insert_payload", "known_messages", "purge"]
+__all__ = ["fetch", "insert_payload", "known_messages", "live_messages", "purge"]
 
 
 def insert_payload(table: Table, is_postgres: bool) -> Any:
-    """One stored payload (``ref``, ``data``, ``size`` bound per row); ``created_at`` by the
-    database's clock, the one retention compares with."""
-    return insert(table).values(created_at=clock.db_now(is_postgres))
+    """One stored payload (``ref``, ``data``, ``size`` bound per row, and ``due``: the
+    message's delay, a :func:`~fastapi_outbox.storage.clock.db_later` parameter).
+    ``created_at`` is when the message is due, by the database's clock (the one retention
+    compares with): a delayed message's payload is dated from its publication, not from
+    the commit, so retention never takes it before the message is sent."""
+    return insert(table).values(created_at=clock.db_later(is_postgres, "due"))
+
+
+def _live(outbox_table: Table, ref: Any, is_postgres: bool, cutoff: Any) -> ColumnElement[bool]:
+    """The message ``ref`` names still needs its payload: its row is there and not
+    finished (pending, delayed, being published, abandoned and replayable), or published
+    after ``cutoff`` (retention counts from when the message is finished)."""
+    t = outbox_table
+    # A reference is the message id as text; SQLite stores a Uuid as 32 hex digits.
+    as_id = cast(ref, Uuid()) if is_postgres else func.replace(ref, "-", "")
+    return exists().where(t.c.id == as_id, (t.c.status != PUBLISHED) | (t.c.published_at >= cutoff))
 
 
 def fetch(table: Table) -> Any:
@@ -29,13 +54,23 @@ def fetch(table: Table) -> Any:
     return select(table.c.data).where(table.c.ref == bindparam("ref"))
 
 
-def purge(table: Table, is_postgres: bool, older_than_seconds: float, limit: int) -> Any:
-    """Delete up to ``limit`` payloads stored more than ``older_than_seconds`` ago, oldest
-    first, through the ``created_at`` index: one short transaction (SKIP LOCKED on
-    PostgreSQL: two cleaners never wait on each other)."""
+def purge(
+    table: Table,
+    is_postgres: bool,
+    older_than_seconds: float,
+    limit: int,
+    outbox_table: Table | None = None,
+) -> Any:
+    """Delete up to ``limit`` payloads dated more than ``older_than_seconds`` ago, oldest
+    first, through the ``created_at`` index, except those whose message in
+    ``outbox_table`` still needs them (:func:`_live`): one short transaction (SKIP LOCKED
+    on PostgreSQL: two cleaners never wait on each other)."""
     t = table
     cutoff = clock.db_later(is_postgres, seconds=-older_than_seconds)
-    victims = select(t.c.ref).where(t.c.created_at < cutoff).order_by(t.c.created_at).limit(limit)
+    aged = t.c.created_at < cutoff
+    if outbox_table is not None:
+        aged = aged & ~_live(outbox_table, t.c.ref, is_postgres, cutoff)
+    victims = select(t.c.ref).where(aged).order_by(t.c.created_at).limit(limit)
     if is_postgres:
         victims = victims.with_for_update(skip_locked=True)
     return delete(t).where(t.c.ref.in_(victims))
@@ -47,3 +82,15 @@ def known_messages(outbox_table: Table) -> Any:
     ``claim_check.known_in``): the primary key, one look-up per reference."""
     t = outbox_table
     return select(t.c.id).where(t.c.id.in_(bindparam("refs", expanding=True)))
+
+
+def live_messages(outbox_table: Table, is_postgres: bool, older_than_seconds: float) -> Any:
+    """Which of the message ids (``refs``, bound, expanding) still need their payload: a
+    row not finished, or published less than ``older_than_seconds`` ago (caller: a file
+    store's retention, through ``claim_check.live_in``)."""
+    t = outbox_table
+    cutoff = clock.db_later(is_postgres, seconds=-older_than_seconds)
+    return select(t.c.id).where(
+        t.c.id.in_(bindparam("refs", expanding=True)),
+        (t.c.status != PUBLISHED) | (t.c.published_at >= cutoff),
+    )

@@ -264,3 +264,34 @@ async def test_a_lost_connection_is_an_outage_at_once(redis_url: str) -> None:
         assert attempts == 1  # not reconnected and sent again behind the library's back
     finally:
         await broker.aclose()
+
+
+async def test_a_blocked_read_unblocked_by_the_server_is_an_outage(setup: Any) -> None:
+    """Redis ends a blocked XREADGROUP with ``UNBLOCKED`` when its stream leaves the node
+    (a Redis Cluster slot migrated, a failover made the node a replica, the key deleted):
+    the read is to be made again, on the node serving the stream now — an outage
+    (BrokerUnavailable: the subscriber pauses, logs a warning without a traceback and
+    charges nothing), not a failure of the fetch."""
+    client, consumer, stream, _proxy = setup
+    async with anyio.create_task_group() as tg:
+        failed: list[BaseException] = []
+
+        async def read() -> None:
+            try:
+                await consumer.fetch(10, 5.0)
+            except Exception as exc:
+                failed.append(exc)
+
+        tg.start_soon(read)
+
+        async def blocked() -> bool:
+            return any(
+                c.get("cmd") == "xreadgroup" and "b" in c.get("flags", "")
+                for c in await client.client_list()
+            )
+
+        await wait_until(blocked, timeout=5)
+        await client.delete(stream)  # what a slot leaving the node does to a blocked read
+    assert len(failed) == 1
+    assert isinstance(failed[0], exceptions.BrokerUnavailable), repr(failed[0])
+    assert "UNBLOCKED" in str(failed[0])

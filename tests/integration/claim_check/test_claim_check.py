@@ -10,9 +10,11 @@ dead-letters its message with an error naming it.
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import json
 import os
 import time
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -108,6 +110,16 @@ def _files(store: Any) -> list[str]:
     return sorted(p.name for p in store.directory.glob("*.payload"))
 
 
+async def _published_at(outbox: Outbox, conn: Any, ref: str, when: dt.datetime) -> None:
+    """The message ``ref`` names was published at ``when``."""
+    t = outbox.table
+    await conn.execute(
+        update(t)
+        .where(t.c.id == uuid.UUID(ref))
+        .values(status="published", published_at=when, created_at=when)
+    )
+
+
 async def _rolled_back(outbox: Outbox, blob: str) -> None:
     """A unit of work that writes a claim-checked payload (its flush) then fails."""
     try:
@@ -200,16 +212,20 @@ async def test_database_store_rollback_stores_nothing_and_retention_removes(
     async with outbox.unit_of_work() as uow:
         uow.publish(Scan(name="new", blob=big))
     assert await _payload_rows(outbox) == 2
-    # The first one stored longer ago than the retention (published 7 days, inbox 14).
+    # The first one stored and published longer ago than the retention (published 7
+    # days, inbox 14).
     store = outbox.claim_check_store
     assert isinstance(store, DatabasePayloadStore)
     async with outbox.engine.begin() as conn:
         oldest = (await conn.execute(select(func.min(store.table.c.created_at)))).scalar_one()
+        ref = (
+            await conn.execute(select(store.table.c.ref).where(store.table.c.created_at == oldest))
+        ).scalar_one()
+        a_year_ago = oldest.replace(year=oldest.year - 1)
         await conn.execute(
-            update(store.table)
-            .where(store.table.c.created_at == oldest)
-            .values(created_at=oldest.replace(year=oldest.year - 1))
+            update(store.table).where(store.table.c.ref == ref).values(created_at=a_year_ago)
         )
+        await _published_at(outbox, conn, ref, a_year_ago)
     assert await outbox.cleaner.run_once() >= 1
     assert await _payload_rows(outbox) == 1
     await outbox.aclose()
@@ -256,9 +272,13 @@ async def test_file_store_orphans_of_a_rollback_or_a_crash_are_removed(
         os.utime(path, (past_grace, past_grace))
     await outbox.cleaner.run_once()
     assert _files(store) == [f"{kept}.payload"]
-    # Past the retention, the committed one goes too.
+    # Past the retention (and its message published as long ago), the committed one
+    # goes too.
     long_ago = time.time() - 30 * 86400
     os.utime(directory / f"{kept}.payload", (long_ago, long_ago))
+    async with outbox.engine.begin() as conn:
+        when = dt.datetime.fromtimestamp(long_ago, dt.UTC)
+        await _published_at(outbox, conn, str(kept), when)
     await outbox.cleaner.run_once()
     assert _files(store) == []
     await outbox.aclose()
@@ -428,3 +448,94 @@ async def test_the_store_unreachable_is_waited_out_with_no_attempt_charged(pg_ur
     stats = outbox.subscribers[0].stats
     assert (stats.failures, stats.dead_lettered, stats.handled) == (0, 0, 1)
     assert "retrying the payload's restoring in place" in waits[0]
+
+
+DAY = 86400.0
+
+
+async def _days_pass(outbox: Outbox, days: float) -> None:
+    """``days`` pass for the outbox's messages and payloads: every time they carry moves
+    that far back (the database's clock and the file system's cannot be moved)."""
+    back = dt.timedelta(days=days)
+    t = outbox.table
+    async with outbox.engine.begin() as conn:
+        rows = (await conn.execute(select(t.c.id, t.c.created_at, t.c.next_attempt_at))).all()
+        for id_, created, due in rows:
+            await conn.execute(
+                update(t)
+                .where(t.c.id == id_)
+                .values(created_at=created - back, next_attempt_at=due - back)
+            )
+        store = outbox.claim_check_store
+        if isinstance(store, DatabasePayloadStore):
+            p = store.table
+            for ref, created in (await conn.execute(select(p.c.ref, p.c.created_at))).all():
+                await conn.execute(
+                    update(p).where(p.c.ref == ref).values(created_at=created - back)
+                )
+    if isinstance(store, FilePayloadStore):
+        for path in store.directory.glob("*.payload"):
+            mtime = path.stat().st_mtime - days * DAY
+            os.utime(path, (mtime, mtime))
+
+
+@pytest.mark.parametrize("where", ["database", "file"])
+async def test_a_message_delayed_past_the_payload_retention_is_published_whole(
+    db_url: str, tmp_path: Path, where: str
+) -> None:
+    """Payloads are kept 14 days by default (the inbox's retention) and ``publish(delay=…)``
+    allows 30: a message delayed 15 days keeps its payload through retention runs until
+    it is published, and its handler gets it whole (it was published as a stub and
+    dead-lettered, "payload is gone", when the payload was dated from the commit)."""
+    from fastapi_outbox.brokers import MemoryBroker
+
+    store_url = "database" if where == "database" else f"file://{tmp_path}/payloads"
+    outbox = Outbox(
+        db_url,
+        brokers={"default": MemoryBroker()},
+        settings=OutboxSettings(**SETTINGS, claim_check_store=store_url),
+    )
+    stream = unique("scans")
+    got: list[int] = []
+
+    @outbox.subscriber(stream, group="g", start="all")
+    async def handle(event: Scan, uow: UnitOfWork) -> None:
+        got.append(len(event.blob))
+
+    await outbox.create_tables()
+    big = "x" * 100_000
+    async with outbox.unit_of_work() as uow:
+        uow.publish(_scan(stream)(name="later", blob=big), delay=15 * DAY)
+    await _days_pass(outbox, 14.5)
+    await outbox.cleaner.run_once()  # half a day before it is due
+    await _days_pass(outbox, 0.5)
+    await outbox.cleaner.run_once()  # due now, not published yet
+    try:
+        async with outbox.dispatcher():
+            await wait_until(lambda: len(got) >= 1, timeout=10)
+    finally:
+        await outbox.aclose()
+    assert got == [len(big)]
+
+
+async def test_an_abandoned_message_keeps_its_payload_until_its_row_goes(
+    db_url: str,
+) -> None:
+    """An abandoned message can be replayed while its row is there (30 days by default):
+    its payload stays that long, past the payloads' own retention, and goes with the row."""
+    outbox = Outbox(db_url, brokers={}, settings=OutboxSettings(**SETTINGS))
+    await outbox.create_tables()
+    async with outbox.unit_of_work() as uow:
+        uow.publish(Scan(name="abandoned", blob="x" * 100_000))
+    t = outbox.table
+    async with outbox.engine.begin() as conn:
+        now = (await conn.execute(select(t.c.created_at))).scalar_one()
+        await conn.execute(update(t).values(status="abandoned", abandoned_at=now))
+    await _days_pass(outbox, 20)  # the payload past its 14 days; the row abandoned now
+    await outbox.cleaner.run_once()
+    assert await _payload_rows(outbox) == 1
+    async with outbox.engine.begin() as conn:  # the row past the abandoned retention
+        await conn.execute(update(t).values(abandoned_at=now - dt.timedelta(days=31)))
+    await outbox.cleaner.run_once()
+    assert await _payload_rows(outbox) == 0
+    await outbox.aclose()

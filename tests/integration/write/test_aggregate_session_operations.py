@@ -15,7 +15,14 @@ from sqlalchemy import Integer, String, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from fastapi_outbox import AggregateRoot, Event, Outbox, OutboxSettings, UnitOfWork
+from fastapi_outbox import (
+    AggregateRoot,
+    Event,
+    Outbox,
+    OutboxSettings,
+    UnitOfWork,
+    UnitOfWorkError,
+)
 from fastapi_outbox.brokers import MemoryBroker
 
 
@@ -120,6 +127,23 @@ async def expunge_after_flush(outbox: Outbox, uow: UnitOfWork) -> None:
     uow.session.expunge(order)
 
 
+async def raise_after_flush_then_expunge(outbox: Outbox, uow: UnitOfWork) -> None:
+    order = Order(id=2, label="new")
+    uow.session.add(order)
+    await uow.session.flush()  # the INSERT is in the transaction (e.g. for its id)...
+    order.raise_event(Changed(label="new"))  # ...then the event that announces it
+    uow.session.expunge(order)  # the row commits: so does its event
+
+
+async def raise_after_a_flushed_change_then_expunge(outbox: Outbox, uow: UnitOfWork) -> None:
+    order = await uow.session.get(Order, 1)
+    assert order is not None
+    order.label = "changed"
+    await uow.session.flush()  # the UPDATE is in the transaction
+    order.raise_event(Changed(label="changed"))
+    uow.session.expunge(order)
+
+
 async def expunge_a_loaded_object_with_an_unflushed_change(outbox: Outbox, uow: UnitOfWork) -> None:
     order = await uow.session.get(Order, 1)
     assert order is not None
@@ -168,11 +192,6 @@ async def detached_raises_and_is_added(outbox: Outbox, uow: UnitOfWork) -> None:
     uow.session.add(change(await load_detached(outbox), "added"))
 
 
-async def detached_raises_and_is_never_attached(outbox: Outbox, uow: UnitOfWork) -> None:
-    order = change(await load_detached(outbox), "detached")
-    assert [e.label for e in order.pending_events] == ["detached"]  # type: ignore[attr-defined]
-
-
 STORED = {1: "stored"}
 MATRIX: list[tuple[Case, dict[int, str], list[str]]] = [
     (add_then_raise, {1: "stored", 2: "new"}, ["new"]),
@@ -184,13 +203,14 @@ MATRIX: list[tuple[Case, dict[int, str], list[str]]] = [
     (expunge_a_new_object, STORED, []),
     (expunge_then_add_again, {1: "stored", 2: "new"}, ["new"]),
     (expunge_after_flush, {1: "stored", 2: "new"}, ["new"]),
+    (raise_after_flush_then_expunge, {1: "stored", 2: "new"}, ["new"]),
+    (raise_after_a_flushed_change_then_expunge, {1: "changed"}, ["changed"]),
     (expunge_a_loaded_object_with_an_unflushed_change, STORED, []),
     (expunge_all, STORED, []),
     (delete_a_loaded_object, {}, ["deleted"]),
     (refresh_after_flush, {1: "changed"}, ["changed"]),
     (refresh_discarding_an_unflushed_change, STORED, ["changed"]),
     (detached_raises_and_is_added, {1: "added"}, ["added"]),
-    (detached_raises_and_is_never_attached, STORED, []),
 ]
 
 
@@ -286,3 +306,45 @@ async def test_a_failed_unit_of_work_leaves_the_events_on_its_new_objects(outbox
     async with outbox.unit_of_work() as uow:
         uow.session.add(order)
     assert await committed(outbox) == ({1: "stored", 2: "new"}, ["new"])
+
+
+@pytest.mark.parametrize("detached", [False, True], ids=["new", "detached"])
+async def test_an_aggregate_that_raised_and_was_never_added_refuses_the_commit(
+    outbox: Outbox, detached: bool
+) -> None:
+    """``raise_event`` on an aggregate in no session, in a unit of work that commits
+    without it ever being added: the event would be lost without a word. The commit is
+    refused, naming the aggregate, the event and the fix; nothing is committed."""
+    order = await load_detached(outbox) if detached else Order(id=2, label="new")
+
+    async def forget_to_add() -> None:
+        async with outbox.unit_of_work() as uow:
+            uow.session.add(Order(id=3, label="other"))
+            order.raise_event(Changed(label="lost"))
+
+    with pytest.raises(UnitOfWorkError) as refused:
+        await forget_to_add()
+    message = str(refused.value)
+    assert "Order raised Changed but was never added to a session" in message
+    assert "session.add" in message
+    assert await committed(outbox) == (STORED, [])
+    # The event still waits on the instance: adding it to a unit of work commits it.
+    async with outbox.unit_of_work() as uow:
+        if detached:
+            await uow.session.merge(order)
+        else:
+            uow.session.add(order)
+    assert (await committed(outbox))[1] == ["lost"]
+
+
+async def test_an_aggregate_that_raised_outside_any_unit_of_work_is_not_judged(
+    outbox: Outbox,
+) -> None:
+    """Raised before a unit of work began (no unit of work could have lost it): it waits
+    on the instance, and a unit of work that never meets it commits normally."""
+    order = Order(id=2, label="new")
+    order.raise_event(Changed(label="later"))
+    async with outbox.unit_of_work() as uow:
+        uow.session.add(Order(id=3, label="other"))
+    assert await committed(outbox) == ({1: "stored", 3: "other"}, [])
+    assert [e.label for e in order.pending_events] == ["later"]  # type: ignore[attr-defined]

@@ -224,6 +224,34 @@ def test_bad_database_url_is_a_configuration_error_without_the_password(url: str
     assert info.value.__cause__ is None or SECRET not in str(info.value.__cause__)
 
 
+@pytest.mark.parametrize(
+    ("url", "why", "right"),
+    [
+        (f"postgres://app:{SECRET}@h/x", "postgres:// is not", "postgresql+asyncpg://app:***@h/x"),
+        (f"postgresql://app:{SECRET}@h/x", "names no driver", "postgresql+asyncpg://app:***@h/x"),
+        (f"postgresql+psycopg2://app:{SECRET}@h/x", "not an asyncio driver", "postgresql+asyncpg"),
+        ("sqlite:///shop.db", "names no driver", "sqlite+aiosqlite:///shop.db"),
+        ("sqlite://", "names no driver", "sqlite+aiosqlite://"),
+        (f"mysql://app:{SECRET}@h/x", "'mysql' is not a database", "postgresql+asyncpg://"),
+    ],
+)
+def test_a_url_without_an_async_driver_names_the_url_and_the_right_form(
+    url: str, why: str, right: str
+) -> None:
+    # Refused before any driver is loaded: the error is ours, not "No module named ...".
+    with pytest.raises(ConfigurationError) as info:
+        Outbox(url, settings=OutboxSettings())
+    message = str(info.value)
+    assert why in message and right in message, message
+    assert "No module named" not in message and "Can't load plugin" not in message
+    assert SECRET not in message
+    # The same check where the URL comes from settings (OUTBOX_DATABASE_URL, used by the CLI).
+    with pytest.raises(ConfigurationError) as from_settings:
+        OutboxSettings.from_env(database_url=url)
+    assert "database_url" in str(from_settings.value) and right in str(from_settings.value)
+    assert SECRET not in str(from_settings.value)
+
+
 def test_cli_unreachable_database_hides_the_password() -> None:
     url = f"postgresql+asyncpg://app:{SECRET}@127.0.0.1:1/shop"
     result = run_cli("db", "create", "--url", url)
