@@ -85,3 +85,33 @@ async def test_an_emptied_script_cache_is_reloaded_and_the_batch_lands_once(
     finally:
         await broker.aclose()
         await client.aclose()
+
+
+async def test_a_publish_cancelled_before_its_replies_leaves_no_reply_for_the_next(
+    server: PrivateServer,
+) -> None:
+    """A publish cancelled while Redis holds its commands (``CLIENT PAUSE``) closes its
+    connection: the next publish reads its own replies, not the cancelled one's."""
+    import anyio
+
+    client = aioredis.Redis.from_url(server.url)
+    broker = RedisStreamsBroker(server.url)
+    try:
+        await broker.connect()
+        await broker.publish(envelopes(2, "warm"))
+        await client.client_pause(400, all=True)
+        first = envelopes(5, "orders")
+        with anyio.move_on_after(0.1) as scope:
+            await broker.publish(first)
+        assert scope.cancelled_caught
+        second = envelopes(7, "orders")
+        assert await broker.publish(second) == [None] * 7  # waits out the pause
+        ids = [f[b"id"].decode() for _, f in await client.xrange("orders")]
+        assert ids[-7:] == [e.id for e in second]
+        assert set(ids[:-7]) <= {e.id for e in first}
+        assert await broker.publish(first) == [None] * 5  # de-duplicated or added once
+        ids = [f[b"id"].decode() for _, f in await client.xrange("orders")]
+        assert sorted(ids) == sorted({e.id for e in first + second})
+    finally:
+        await broker.aclose()
+        await client.aclose()
