@@ -17,8 +17,9 @@ from sqlalchemy import Table
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Dialect
 
+from fastapi_outbox.exceptions import OperationError
 from fastapi_outbox.storage.filters import MessageFilter
-from fastapi_outbox.storage.schema import build_table
+from fastapi_outbox.storage.schema import build_archive_table, build_table
 from fastapi_outbox.storage.statements import claims, inserts, messages, parts, purge
 
 PG = postgresql.dialect()
@@ -275,6 +276,21 @@ def test_list_messages_pages_by_key_never_by_offset(table: Table) -> None:
     assert "unit_stmt_outbox.id < %(id_1)s" in sql and "OFFSET" not in sql
     assert "ORDER BY unit_stmt_outbox.id DESC" in sql and params["param_1"] == 3
     assert "payload" not in sql.split("FROM")[0]
+
+
+def test_one_filter_lists_the_outbox_and_its_archive_alike(table: Table) -> None:
+    """The operator's filter is handed down whole: each field becomes one condition, and
+    ``scheduled`` is pending rows not yet due (not a stored status)."""
+    since = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+    where = MessageFilter(status="scheduled", broker="b", type="T", key="k", since=since)
+    sql, params = compiled(messages.list_messages(table, PG, where), PG)
+    assert "status IN ('pending')" in sql and "next_attempt_at > now()" in sql
+    assert {"b", "T", "k", since} <= set(params.values())
+    archive = build_archive_table(table, "unit_stmt_archive")
+    sql, params = compiled(messages.list_messages(archive, PG, MessageFilter(stream="s")), PG)
+    assert "unit_stmt_archive.stream = %(stream_1)s" in sql and params["stream_1"] == "s"
+    with pytest.raises(OperationError, match="status: 'nope' is not one of"):
+        MessageFilter(status="nope")
 
 
 def test_replay_skips_rows_another_operator_holds(table: Table) -> None:
