@@ -69,6 +69,7 @@ CONSUMER_MAX_ATTEMPTS = 5
 CONSUMER_RETRY_BASE_DELAY_SECONDS = 0.5
 CONSUMER_RETRY_MAX_DELAY_SECONDS = 30.0
 CONSUMER_CLAIM_IDLE_SECONDS = 60.0
+CONSUMER_UNKNOWN_TYPE_GRACE_SECONDS = 900.0
 #: Partitions the keys of an ordered subscriber are hashed into (Redis, NATS): the most
 #: processes that share its work.
 CONSUMER_ORDERED_PARTITIONS = 16
@@ -317,6 +318,15 @@ class OutboxSettings(BaseSettings):
         description="A delivered message not acknowledged for this long goes to another "
         "consumer: Redis XAUTOCLAIM min-idle-time, NATS ack_wait; and the lease of an "
         "ordered subscriber's partition (a dead process's partitions move after it).",
+    )
+    consumer_unknown_type_grace_seconds: float = Field(
+        default=CONSUMER_UNKNOWN_TYPE_GRACE_SECONDS,
+        ge=0,
+        description="A message of a type no Event class of the process declares, and no "
+        "live process of its group handles, is handed back to the group for this long "
+        "(counted from the first time a process of the group found it so) before it is "
+        "dead-lettered: longer than a rolling deploy, so the version that handles it can "
+        "start.",
     )
     consumer_ordered_partitions: int = Field(
         default=CONSUMER_ORDERED_PARTITIONS,

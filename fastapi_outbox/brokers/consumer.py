@@ -16,6 +16,11 @@ A subscriber (:mod:`fastapi_outbox.consume.subscriber`) drives one consumer per 
 * ``retry(delivery, delay)``: deliver it again after ``delay`` (NATS ``nak(delay)``);
 * ``touch``: keep deliveries this consumer still works on from being reclaimed;
 * ``release``: give deliveries back at shutdown (redelivered at once where the broker can);
+* ``defer(delivery, delay)`` (optional: a consumer without it gets ``retry``): hand a
+  delivery of a type this process does not take back to the group after ``delay``, for any
+  consumer of it, uncharged where the broker can reset its count (Redis, memory); the
+  subscriber counts a redelivered message's attempts itself
+  (:mod:`fastapi_outbox.storage.group_members`);
 * ``dead_letter(delivery, error)``: move it to the dead-letter stream with the error and
   the original headers, and acknowledge it, so it never blocks the others;
 * ``lag()``, ``dead_letters()`` and ``replay_dead_letters()`` for health and the CLI.

@@ -373,6 +373,7 @@ def _print_ddl(args: argparse.Namespace) -> int:
     from sqlalchemy.dialects import postgresql, sqlite
 
     from fastapi_outbox.storage.claim_check import build_payload_table
+    from fastapi_outbox.storage.group_members import build_group_tables
     from fastapi_outbox.storage.inbox import build_inbox_table
     from fastapi_outbox.storage.leases import build_lease_tables
     from fastapi_outbox.storage.schema import build_archive_table, build_table, ddl
@@ -404,6 +405,8 @@ def _print_ddl(args: argparse.Namespace) -> int:
     print("\n" + ddl(inbox, dialect), end="")
     for lease_table in build_lease_tables(inbox.name, inbox.metadata):
         print("\n" + ddl(lease_table, dialect), end="")
+    for group_table in build_group_tables(inbox.name, inbox.metadata):
+        print("\n" + ddl(group_table, dialect), end="")
     for side in (archive, payloads):
         if side is not None:
             print("\n" + ddl(side, dialect), end="")

@@ -5,7 +5,9 @@ parameter receives the message (an ``Event`` subclass, a union of them, or ``Mes
 ``list[...]`` of them makes a batch handler), the parameters annotated ``UnitOfWork`` (or
 ``BatchUnitOfWork``) receive the unit of work. :class:`Decoder` turns a delivery into that
 message, or says why it cannot (:class:`Undeliverable`: dead-letter now) or need not
-(:class:`NotForHandler`: another type of the stream, acknowledge and skip). Also the unit of
+(:class:`NotForHandler`: another type of the stream; :class:`UnknownType`: a type no
+``Event`` class here declares — whether another version of the group takes either is
+:mod:`fastapi_outbox.consume.versions`' question). Also the unit of
 work a batch handler receives (:class:`BatchUnitOfWork`) and the context a delivery gives
 its unit of work (correlation id, causation id, traceparent). Pure: no I/O.
 """
@@ -36,6 +38,7 @@ __all__ = [
     "HandlerSignature",
     "NotForHandler",
     "Undeliverable",
+    "UnknownType",
     "correlation_of",
     "delivery_context",
     "event_classes",
@@ -50,7 +53,11 @@ class Undeliverable(Exception):
 
 
 class NotForHandler(Exception):
-    """A type of the stream this handler does not take: acknowledge and skip."""
+    """A type another ``Event`` class declares that this handler does not take."""
+
+
+class UnknownType(Exception):
+    """A type no ``Event`` class of this process declares (a newer version's, perhaps)."""
 
 
 def correlation_of(d: Delivery) -> str | None:
@@ -258,7 +265,7 @@ class Decoder:
 
     def _not_accepted(self, d: Delivery, accepts: tuple[type[Event], ...]) -> Exception:
         """Why ``d``'s type is not handled: another ``Event`` of the stream declares it
-        (:class:`NotForHandler`) or none does (:class:`Undeliverable`)."""
+        (:class:`NotForHandler`) or none does (:class:`UnknownType`)."""
         known = self._event_types()
         if d.type not in known:
             self._types = None  # classes may have been declared since: look again
@@ -266,7 +273,7 @@ class Decoder:
         if d.type in known:
             return NotForHandler(d.type)
         accepted = ", ".join(c.__outbox_type__ for c in accepts)
-        return Undeliverable(
+        return UnknownType(
             f"unknown event type {d.type!r} of message {d.message_id} on stream "
             f"{d.stream!r}: no Event subclass declares it (handler {self.name} takes "
             f"{accepted})"

@@ -39,6 +39,7 @@ from fastapi_outbox import exceptions
 from fastapi_outbox.aggregates import collect_events, held_aggregates
 from fastapi_outbox.backoff import exponential_delay
 from fastapi_outbox.brokers.consumer import Consumer, Delivery
+from fastapi_outbox.consume import versions as versions_mod
 from fastapi_outbox.consume.context import AfterCommit, ConsumeContext
 from fastapi_outbox.consume.handlers import (
     BatchUnitOfWork,
@@ -47,8 +48,10 @@ from fastapi_outbox.consume.handlers import (
     HandlerSignature,
     NotForHandler,
     Undeliverable,
+    UnknownType,
     delivery_context,
 )
+from fastapi_outbox.consume.versions import Versions
 from fastapi_outbox.exceptions import PayloadUnreadable
 from fastapi_outbox.log import safe_error
 from fastapi_outbox.redaction import redact
@@ -105,6 +108,8 @@ class SubscriberStats:
     handled: int = 0
     duplicates: int = 0
     skipped: int = 0
+    #: Deliveries of a type this process does not take handed back to its group.
+    handed_back: int = 0
     failures: int = 0
     dead_lettered: int = 0
     #: Dead-letter writes that failed (the message stayed pending and comes back).
@@ -438,8 +443,12 @@ class Processing:
         unwritten_dead_letters: dict[str, str],
         fence: Fence | None = None,
         before_attempt: BeforeAttempt | None = None,
+        versions: Versions | None = None,
     ) -> None:
         self.context = context
+        #: The group's other versions and the attempts the library counts (None: an
+        #: ordered subscriber reading partitions, which counts its own).
+        self.versions = versions
         #: Ordered subscribers across processes: the first statement of every handler's
         #: transaction (the partition's lease still ours; see
         #: :mod:`fastapi_outbox.consume.partitioned`). None: no fence.
@@ -471,9 +480,11 @@ class Processing:
 
     async def process(self, d: Delivery, *, in_place: bool) -> None:
         """``d`` through its handler: acknowledged, retried (``in_place``: here, after the
-        backoff; else by the broker) or dead-lettered."""
+        backoff; else by the broker) or dead-lettered; handed back to the group when
+        another version of it may take ``d``'s type."""
         attempt = d.attempt
-        if attempt > self.options.max_attempts:
+        versions = self.versions
+        if versions is None and attempt > self.options.max_attempts:
             await self._past_max_attempts(d)
             return
         outages = 0
@@ -483,9 +494,8 @@ class Processing:
             except (Undeliverable, PayloadUnreadable) as exc:
                 await self._dead_letter(d, str(exc))
                 return
-            except NotForHandler:
-                self.stats.skipped += 1
-                await self._ack(d)
+            except (NotForHandler, UnknownType) as exc:
+                await self._not_taken(d, exc)
                 return
             except Exception as exc:  # a payload stage failed (a store unreachable)
                 # The database unreachable (claim-check's database store): waited out in
@@ -495,39 +505,138 @@ class Processing:
                     continue
                 delay = await self._failed(d, exc, attempt)
                 if delay is not None:
+                    await self._count_failure(d, attempt, counted=False)
                     await self.retry_later(d, delay)
                 return
             break
         outages = 0
+        counted = False
         while True:
             try:
                 if self.before_attempt is not None:
                     await self.before_attempt(d, attempt)
+                elif versions is not None and (d.attempt > 1 or attempt > 1) and not counted:
+                    # The broker's count rises for a message handed back unhandled too:
+                    # the attempt is the handler runs the library counted.
+                    attempt = await versions.attempts.start(d.message_id)
+                    counted = True
+                    versions.running.add(d.message_id)
+                    if attempt > self.options.max_attempts:
+                        versions.running.discard(d.message_id)
+                        await self._past_max_attempts(d, attempt)
+                        await self._forget(d)
+                        return
                 new = await self._run_handler(d, message)
             except Exception as exc:
                 if await self.waited_out_database(exc, outages, "the message", d):
                     outages += 1
                     continue
+                if versions is not None:
+                    versions.running.discard(d.message_id)
                 delay = await self._failed(d, exc, attempt)
                 if delay is None:
+                    await self._forget(d, counted)
                     return  # dead-lettered
+                await self._count_failure(d, attempt, counted)
+                counted = False
                 if not in_place:
                     await self.retry_later(d, delay)
                     return
                 attempt += 1
                 await anyio.sleep(delay)
                 continue
+            if versions is not None:
+                versions.running.discard(d.message_id)
             if new:
                 self.stats.handled += 1
             else:
                 self.stats.duplicates += 1
             self.stats.last_handled_at = time.time()
             await self._ack(d)
+            await self._forget(d, counted)
             return
 
-    async def _past_max_attempts(self, d: Delivery) -> None:
-        """``d`` delivered more than ``max_attempts`` times: acknowledged when its
-        transaction committed before, else dead-lettered without running the handler."""
+    async def _count_failure(self, d: Delivery, attempt: int, counted: bool) -> None:
+        """The handler failed on ``attempt`` of ``d``, not counted yet (a first delivery):
+        recorded, so the redelivery is the next attempt whatever the broker counts."""
+        if counted or self.versions is None:
+            return
+        try:
+            await self.versions.attempts.failed(d.message_id, attempt)
+        except Exception as exc:  # the broker's count then: one attempt fewer at worst
+            logger.debug("recording a failed attempt failed: %r", exc)
+
+    async def _forget(self, d: Delivery, counted: bool = True) -> None:
+        """``d`` settled: its attempts row (where one may exist) is no longer needed."""
+        if self.versions is None or not (counted or d.attempt > 1):
+            return
+        try:
+            await self.versions.attempts.forget([d.message_id])
+        except Exception as exc:  # retention removes it later
+            logger.debug("forgetting a message's attempts failed: %r", exc)
+
+    async def _not_taken(self, d: Delivery, exc: Exception) -> None:
+        """``d``'s type is not this handler's (:mod:`fastapi_outbox.consume.versions`):
+        handed back while another version of the group may take it, else skipped (a type
+        an ``Event`` here declares) or, past the grace, dead-lettered (a type unknown here)."""
+        versions = self.versions
+        if versions is None:  # an ordered subscriber's partition: settled here
+            if isinstance(exc, UnknownType):
+                await self._dead_letter(d, str(exc))
+            else:
+                self.stats.skipped += 1
+                await self._ack(d)
+            return
+        try:
+            if await versions.taken_elsewhere(d.type, d.fetched_at):
+                await self._hand_back(d)
+                return
+            if isinstance(exc, NotForHandler):
+                self.stats.skipped += 1
+                await self._ack(d)
+                await self._forget(d, counted=False)
+                return
+            waited = await versions.attempts.unhandled_for(d.message_id)
+        except Exception as error:  # cannot tell: never settled on a guess
+            logger.warning(
+                "cannot tell whether another version of the group takes the message; handed back",
+                extra=self.options.log_extra("consumer.handed_back", d, error=repr(error)[:200]),
+            )
+            await self._hand_back(d)
+            return
+        grace = versions.grace_seconds
+        if waited < grace:
+            await self._hand_back(d)
+            return
+        await self._dead_letter(
+            d,
+            f"{exc}; no process of group {self.options.group!r} has handled type {d.type!r} "
+            f"for {waited:.0f} s (consumer_unknown_type_grace_seconds={grace:g})",
+        )
+        await self._forget(d)
+
+    async def _hand_back(self, d: Delivery) -> None:
+        """Back to the group, uncharged, for another process after
+        :data:`~fastapi_outbox.consume.versions.HAND_BACK_SECONDS`."""
+        self.stats.handed_back += 1
+        consumer: Any = self.consumer
+        defer = getattr(consumer, "defer", None)
+        try:
+            if defer is not None:
+                await defer(d, versions_mod.HAND_BACK_SECONDS)
+            else:
+                await consumer.retry(d, versions_mod.HAND_BACK_SECONDS)
+        except Exception as exc:  # redelivered after claim_idle anyway
+            logger.warning(
+                "hand-back failed",
+                extra=self.options.log_extra("consumer.retry_failed", d, error=repr(exc)),
+            )
+        self.flight.settle(d)
+
+    async def _past_max_attempts(self, d: Delivery, attempt: int | None = None) -> None:
+        """``d``'s handler started more than ``max_attempts`` times (``attempt``: the
+        library's count; None: the broker's): acknowledged when its transaction committed
+        before, else dead-lettered without running the handler."""
         if await self._handled_before(d):
             # Committed, but the ack was lost (a kill, a broker restart) every time: its
             # effects are applied; a dead letter would say otherwise.
@@ -536,8 +645,13 @@ class Processing:
             return
         await self._dead_letter(
             d,
-            f"delivered {d.attempt} times, more than max_attempts={self.options.max_attempts}, "
-            "without being acknowledged: the consumer crashed or stalled on it every time",
+            (
+                f"delivered {d.attempt} times"
+                if attempt is None
+                else f"its handler started {attempt - 1} times"
+            )
+            + f", max_attempts={self.options.max_attempts}, without being acknowledged: "
+            "the consumer crashed or stalled on it every time",
         )
 
     async def _failed(self, d: Delivery, exc: Exception, attempt: int) -> float | None:

@@ -127,6 +127,7 @@ from fastapi_outbox.consume.processing import (
 from fastapi_outbox.consume.processing import (  # for outbox.py
     handler_transaction as handler_transaction,
 )
+from fastapi_outbox.consume.versions import Versions
 from fastapi_outbox.log import safe_error
 
 logger = logging.getLogger("fastapi_outbox.subscribers")
@@ -180,6 +181,13 @@ class ConsumerStatus(BaseModel):
         default=0,
         description="Dead-letter writes that failed in this process (the message stayed "
         "pending and is dead-lettered again when it comes back).",
+    )
+    handed_back: int = Field(
+        default=0,
+        description="Messages of a type this process's handler does not take, handed back "
+        "to the group (uncharged) for another version of it in this process's life: a "
+        "rolling deploy, or a type no process of the group handles yet (dead-lettered "
+        "after consumer_unknown_type_grace_seconds).",
     )
     dead_letters_unwritten: int = Field(
         default=0,
@@ -364,6 +372,8 @@ class Subscriber:
         self._flight = flight = InFlight()
         self.stopped = anyio.Event()
         self.consumer = consumer = self.make_consumer()
+        partitioned = self.ordered and can_read_partitions(consumer)
+        versions = None if partitioned else self._versions()
         processing = Processing(
             self.context,
             consumer,
@@ -372,6 +382,7 @@ class Subscriber:
             flight,
             rng=self._rng,
             unwritten_dead_letters=self._unwritten_dead_letters,
+            versions=versions,
         )
         # A consumer of another package may predate ack_soon: its plain ack then.
         ack_batch = getattr(consumer, "ack_soon", None) or consumer.ack
@@ -379,28 +390,55 @@ class Subscriber:
         self.running = True
         task_status.started()
         try:
-            if self.ordered and can_read_partitions(consumer):
+            if partitioned:
                 await PartitionedRun(self, consumer, flight).run()
             else:
-                await self._run(consumer, processing, batches, flight)
+                await self._run(consumer, processing, batches, flight, versions)
         finally:
             # Whatever did not finish — cancelled by the drain's end, or by a cancellation
             # of run() itself — is still in flight: released to the broker, so another
             # consumer takes it now rather than after claim_idle_seconds.
             self.running = False
             with anyio.CancelScope(shield=True):
-                await self._release_unfinished(consumer, flight)
+                await self._release_unfinished(consumer, flight, versions)
                 try:
                     await consumer.aclose()
                 except Exception:
                     logger.debug("consumer close failed", exc_info=True)
+                if versions is not None:
+                    with anyio.move_on_after(RELEASE_SECONDS):
+                        await versions.leave()
             flight.deliveries.clear()
             self.stopped.set()
 
+    def _versions(self) -> Versions:
+        inbox = self.context.inbox
+        return Versions(
+            inbox.members(self.group, self.stream),
+            inbox.attempts(self.group),
+            member=self.context.instance,
+            types=Versions.types_of(self.signature.accepts),
+            grace_seconds=self.context.settings.consumer_unknown_type_grace_seconds,
+        )
+
     async def _run(
-        self, consumer: Consumer, processing: Processing, batches: Batches, flight: InFlight
+        self,
+        consumer: Consumer,
+        processing: Processing,
+        batches: Batches,
+        flight: InFlight,
+        versions: Versions | None = None,
     ) -> None:
         """The handler tasks and the fetch loop until the stop, then the drain."""
+        if versions is not None:
+            # Seen by the group's other versions before this one takes a message.
+            try:
+                await versions.join()
+            except Exception as exc:  # the heartbeat tries again
+                logger.warning(
+                    "cannot write this process's handled types for the group",
+                    extra=self._options.log_extra("consumer.join_failed", error=safe_error(exc)),
+                )
         # Work for the handler tasks: a fetched batch, or one delivery. A fixed set of
         # ``concurrency`` tasks takes it (anyio spawns a task in ~25 µs, an item passes
         # through the stream in ~2.5 µs).
@@ -409,6 +447,8 @@ class Subscriber:
         # still waiting on them when the fetch loop fails).
         async with send, receive, anyio.create_task_group() as handlers:
             handlers.start_soon(self._heartbeat, flight)
+            if versions is not None:
+                handlers.start_soon(versions.keep_alive)
             for _ in range(self.concurrency):
                 handlers.start_soon(self._worker, processing, flight, receive)
             await self._fetch_loop(consumer, processing, batches, flight, send)
@@ -420,11 +460,23 @@ class Subscriber:
                     await flight.wait_slot(1.0)
             handlers.cancel_scope.cancel()
 
-    async def _release_unfinished(self, consumer: Consumer, flight: InFlight) -> None:
+    async def _release_unfinished(
+        self, consumer: Consumer, flight: InFlight, versions: Versions | None
+    ) -> None:
         left = list(flight.deliveries.values())
         if not left:
             return
         log_extra = self._options.log_extra
+        if versions is not None:
+            # Handlers cancelled by the stop: their runs are not attempts.
+            with anyio.move_on_after(RELEASE_SECONDS):
+                try:
+                    await versions.uncharge([d.message_id for d in left])
+                except Exception as exc:  # charged one attempt: a kill's cost
+                    logger.warning(
+                        "giving back the attempts of cancelled handlers failed",
+                        extra=log_extra("consumer.release_failed", error=repr(exc)),
+                    )
         with anyio.move_on_after(RELEASE_SECONDS) as scope:
             try:
                 await consumer.release(left)

@@ -563,6 +563,7 @@ def _status_here(sub: SubscriberView) -> ConsumerStatus:
         failures=sub.stats.failures,
         last_error=sub.stats.last_error,
         dead_letter_failures=sub.stats.dead_letter_failures,
+        handed_back=sub.stats.handed_back,
         dead_letters_unwritten=sub.dead_letters_unwritten,
         workers_replaced=sub.stats.workers_replaced,
     )

@@ -39,6 +39,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from fastapi_outbox import exceptions
 from fastapi_outbox.settings import INBOX_TABLE_NAME, check_table_name
 from fastapi_outbox.storage import clock, schema
+from fastapi_outbox.storage.group_members import Attempts, GroupMembers, build_group_tables
 from fastapi_outbox.storage.leases import Leases, build_lease_tables
 
 __all__ = ["Inbox", "build_inbox_table", "inbox_table"]
@@ -67,6 +68,8 @@ def build_inbox_table(name: str = INBOX_TABLE_NAME, metadata_: MetaData | None =
     Index(f"ix_{name}_handled_at", table.c.handled_at)
     # Beside it, the partition leases of ordered subscribers (Alembic sees them too).
     build_lease_tables(name, md)
+    # And what each process of a group handles, and the attempts the library counts.
+    build_group_tables(name, md)
     return table
 
 
@@ -93,6 +96,8 @@ class Inbox:
         #: The partition leases of ordered subscribers (:mod:`fastapi_outbox.storage.leases`),
         #: beside the inbox on its MetaData.
         self.lease_tables = build_lease_tables(table.name, table.metadata)
+        #: The handlers and attempts tables (:mod:`fastapi_outbox.storage.group_members`).
+        self.group_tables = build_group_tables(table.name, table.metadata)
         self.is_postgres = engine.dialect.name == "postgresql"
         dialect_insert: Any = postgresql.insert if self.is_postgres else sqlite.insert
         # record / record_many (SQLAlchemy path). Caller: the subscriber's transaction
@@ -130,16 +135,24 @@ class Inbox:
 
     async def create_table(self) -> None:
         """The inbox table and the lease tables of ordered subscribers."""
-        for table in (self.table, *self.lease_tables):
+        for table in (self.table, *self.lease_tables, *self.group_tables):
             await schema.create_table(self.engine, table)
 
     async def drop_table(self) -> None:
-        for table in (*self.lease_tables, self.table):
+        for table in (*self.group_tables, *self.lease_tables, self.table):
             await schema.drop_table(self.engine, table)
 
     def leases(self, group: str, stream: str) -> Leases:
         """The partition leases of the ordered subscriber of (``group``, ``stream``)."""
         return Leases(self.engine, self.lease_tables, group, stream)
+
+    def members(self, group: str, stream: str) -> GroupMembers:
+        """What the live processes of (``group``, ``stream``) handle."""
+        return GroupMembers(self.engine, self.group_tables[0], group, stream)
+
+    def attempts(self, group: str) -> Attempts:
+        """The attempts the library counts for ``group``."""
+        return Attempts(self.engine, self.group_tables[1], group)
 
     async def record(
         self, on: AsyncConnection | AsyncSession, group: str, message_id: str, stream: str

@@ -100,6 +100,15 @@ class Storage:
             )
             for table in self.inbox.lease_tables
         ]
+        sides += [
+            SideTable(
+                table,
+                "subscribers",
+                functools.partial(schema.create_table, engine, table),
+                required=consumers,
+            )
+            for table in self.inbox.group_tables
+        ]
         if self.archive is not None:
             sides.append(
                 SideTable(

@@ -15,6 +15,7 @@ from fastapi_outbox.consume.handlers import (
     Decoder,
     NotForHandler,
     Undeliverable,
+    UnknownType,
     delivery_context,
     inspect_handler,
 )
@@ -158,9 +159,9 @@ def test_another_declared_type_is_not_for_the_handler() -> None:
         Decoder((Placed,), "app.bill").decode(delivery("UnitConsumeReturned", {"order_id": 1}))
 
 
-def test_an_unknown_type_is_undeliverable_naming_the_handler() -> None:
+def test_an_unknown_type_is_told_naming_the_handler() -> None:
     decoder = Decoder((Placed, Shipped), "app.bill")
-    with pytest.raises(Undeliverable) as caught:
+    with pytest.raises(UnknownType) as caught:
         decoder.decode(delivery("UnitConsumeNobody", {"order_id": 1}))
     assert str(caught.value) == (
         "unknown event type 'UnitConsumeNobody' of message m1 on stream 'unit-consume-orders': "
@@ -171,7 +172,7 @@ def test_an_unknown_type_is_undeliverable_naming_the_handler() -> None:
 
 def test_a_type_declared_after_the_first_look_is_found() -> None:
     decoder = Decoder((Placed,), "app.bill")
-    with pytest.raises(Undeliverable):
+    with pytest.raises(UnknownType):
         decoder.decode(delivery("UnitConsumeLate", {"order_id": 1}))
 
     class Late(Event, stream="unit-consume-orders", type_name="UnitConsumeLate"):

@@ -439,10 +439,17 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "HandlerSignature",
         "NotForHandler",
         "Undeliverable",
+        "UnknownType",
         "correlation_of",
         "delivery_context",
         "event_classes",
         "inspect_handler",
+    },
+    "fastapi_outbox.consume.versions": {
+        "HAND_BACK_SECONDS",
+        "HEARTBEAT_SECONDS",
+        "MEMBER_TTL_SECONDS",
+        "Versions",
     },
     "fastapi_outbox.consume.options": {
         "DEAD_LETTER_TEMPLATE",
@@ -740,6 +747,12 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "STATUS_FILTERS",
     },
     "fastapi_outbox.storage.inbox": {"Inbox", "build_inbox_table", "inbox_table"},
+    "fastapi_outbox.storage.group_members": {
+        "ANY_TYPE",
+        "Attempts",
+        "GroupMembers",
+        "build_group_tables",
+    },
     "fastapi_outbox.storage.inserts": {
         "Inserts",
     },

@@ -31,6 +31,8 @@ def test_default_metadata_holds_exactly_the_outbox_and_inbox_tables() -> None:
         "outbox_inbox",
         "outbox_inbox_partitions",  # ordered subscribers' partition leases
         "outbox_inbox_members",
+        "outbox_inbox_handlers",
+        "outbox_inbox_attempts",
     ]
     assert metadata.tables["outbox_messages"] is outbox_table
     assert metadata.tables["outbox_inbox"] is inbox_table
@@ -180,6 +182,8 @@ def test_alembic_example_env_targets_the_outbox_metadata() -> None:
         "outbox_inbox",
         "outbox_inbox_partitions",
         "outbox_inbox_members",
+        "outbox_inbox_handlers",
+        "outbox_inbox_attempts",
     }
 
 

@@ -131,6 +131,14 @@ class MemoryConsumer:
         self._group().retries.append((time.monotonic() + delay, int(delivery.entry_id)))
         self.connection.changed()
 
+    async def defer(self, delivery: Delivery, delay: float) -> None:
+        group = self._group()
+        index = int(delivery.entry_id)
+        if index in group.pending:
+            group.pending[index][0] = max(0, delivery.attempt - 1)  # uncharged
+            group.retries.append((time.monotonic() + delay, index))
+        self.connection.changed()
+
     async def touch(self, deliveries: Sequence[Delivery]) -> None:
         group = self._group()
         for d in deliveries:

@@ -357,6 +357,10 @@ class NatsJetStreamConsumer:
     async def retry(self, delivery: Delivery, delay: float) -> None:
         await self._each([delivery], "nak", delay=delay)
 
+    async def defer(self, delivery: Delivery, delay: float) -> None:
+        # JetStream counts the delivery; the subscriber counts attempts itself.
+        await self._each([delivery], "nak", delay=delay)
+
     async def touch(self, deliveries: Sequence[Delivery]) -> None:
         await self._each(deliveries, "in_progress")
 

@@ -14,7 +14,10 @@
   started again (queue and binding declared again) when RabbitMQ cancelled it (its queue
   deleted) or its channel or connection went away.
 * ``ack`` after commit (``basic.ack``); ``retry(delay)``: held, then ``basic.nack`` with
-  requeue after ``delay`` (the count goes up); ``release``: ``basic.nack`` with requeue now.
+  requeue after ``delay`` (the count goes up); ``release``: ``basic.cancel`` (no more
+  deliveries to this consumer), then ``basic.nack`` with requeue. The queue's count rises
+  for a message requeued unhandled too: the subscriber counts a redelivered message's
+  attempts itself (:mod:`fastapi_outbox.storage.group_members`).
 * ``touch``: RabbitMQ keeps an unacknowledged delivery with its channel until the channel
   closes, so a lost consumer's deliveries come back at once; a delivery this consumer holds
   that nobody touched, acknowledged or retried for ``claim_idle_seconds`` (an ack that was
@@ -421,6 +424,11 @@ class RabbitMQConsumer:
 
         self._retries[delivery.entry_id] = loop.call_later(max(0.0, delay), due)
 
+    async def defer(self, delivery: Delivery, delay: float) -> None:
+        # Requeued after ``delay`` (the quorum queue counts it; the subscriber counts
+        # attempts itself): RabbitMQ gives it to any consumer of the queue.
+        await self.retry(delivery, delay)
+
     async def touch(self, deliveries: Sequence[Delivery]) -> None:
         now = time.monotonic()
         for d in deliveries:
@@ -428,11 +436,25 @@ class RabbitMQConsumer:
                 self._unsettled[d.entry_id] = (d, now)
 
     async def release(self, deliveries: Sequence[Delivery]) -> None:
+        # Consuming stops first (basic.cancel): requeued while this channel still consumes,
+        # a message came straight back here and was returned again, its count raised
+        # each time. What the channel still holds goes back when it closes.
+        await self._cancel_consumer()
         for d in deliveries:
             handle = self._retries.pop(d.entry_id, None)
             if handle is not None:
                 handle.cancel()
         await self._settle_now(deliveries, "basic_nack", requeue=True)
+
+    async def _cancel_consumer(self) -> None:
+        amqp, tag = self._amqp, self._tag
+        if amqp is None or tag is None or amqp.is_closed:
+            return
+        self._tag = None  # a later fetch consumes again
+        try:
+            await asyncio.wait_for(amqp.basic_cancel(tag), API_TIMEOUT_SECONDS)
+        except Exception as exc:  # the channel's close requeues what it holds anyway
+            logger.debug("basic.cancel failed: %r", exc)
 
     # -- dead letters ------------------------------------------------------------------------
 

@@ -503,6 +503,13 @@ class RedisStreamsConsumer:
         self._done([delivery])
         self._retries.append((time.monotonic() + delay, delivery.entry_id, delivery.attempt))
 
+    async def defer(self, delivery: Delivery, delay: float) -> None:
+        # Claimed with the idle time ``delay`` short of claim_idle: after ``delay`` any
+        # consumer's XAUTOCLAIM takes it, with its delivery count as before this delivery.
+        self._done([delivery])
+        idle = max(0, self._idle_ms - int(delay * 1000))
+        await self._claim([delivery.entry_id], idle=idle, retrycount=max(0, delivery.attempt - 1))
+
     async def touch(self, deliveries: Sequence[Delivery]) -> None:
         await self._claim([d.entry_id for d in deliveries])
 

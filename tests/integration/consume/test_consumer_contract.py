@@ -65,6 +65,9 @@ class Harness:
     #: producer's message).
     inject: Callable[[str, str, str, dict[str, Any], dict[str, str]], Awaitable[None]]
     streams: list[str] = field(default_factory=list)
+    #: Another broker object on the same broker (another process's); the memory broker's
+    #: is itself. Closed with the harness.
+    twin: Callable[[], Broker] | None = None
 
     def stream(self, prefix: str = "orders") -> str:
         name = unique(prefix)
@@ -95,6 +98,7 @@ async def _redis(url: str, db_url: str) -> AsyncIterator[Harness]:
         )
 
     harness = Harness("redis", RedisStreamsBroker(url), db_url, inject)
+    harness.twin = lambda: RedisStreamsBroker(url)
     try:
         yield harness
     finally:
@@ -128,6 +132,7 @@ async def _nats(url: str, db_url: str) -> AsyncIterator[Harness]:
         )
 
     harness = Harness("nats", broker, db_url, inject)
+    harness.twin = lambda: NatsJetStreamBroker(url)
     try:
         yield harness
     finally:
@@ -171,6 +176,7 @@ async def _rabbitmq(url: str, db_url: str) -> AsyncIterator[Harness]:
         )
 
     harness = Harness("rabbitmq", broker, db_url, inject)
+    harness.twin = lambda: RabbitMQBroker(url, exchange=exchange)
     try:
         yield harness
     finally:
@@ -184,7 +190,7 @@ async def _rabbitmq(url: str, db_url: str) -> AsyncIterator[Harness]:
 
 
 #: The groups the tests of this module use (the RabbitMQ harness deletes their queues).
-GROUPS = ("billing", "audit", "tracking")
+GROUPS = ("billing", "audit", "tracking", "deploys")
 
 
 @contextlib.asynccontextmanager
@@ -207,7 +213,7 @@ async def _memory(db_url: str) -> AsyncIterator[Harness]:
             ]
         )
 
-    yield Harness("memory", broker, db_url, inject)
+    yield Harness("memory", broker, db_url, inject, twin=lambda: broker)
 
 
 @pytest.fixture(params=["memory", "redis", "nats", "rabbitmq"])
@@ -399,7 +405,7 @@ async def test_poison_is_dead_lettered_and_others_are_handled(harness: Harness) 
     orders = h.stream()
     h.streams.append(f"{orders}.billing.dlq")
     OrderPlaced, _ = events_for(orders)
-    outbox = await make_outbox(h)
+    outbox = await make_outbox(h, consumer_unknown_type_grace_seconds=0)
     attempts: dict[int, int] = {}
     cured = False
 
@@ -416,7 +422,8 @@ async def test_poison_is_dead_lettered_and_others_are_handled(harness: Harness) 
         async with outbox.unit_of_work() as uow:
             for i in range(8):
                 uow.publish(OrderPlaced(order_id=i))
-        # A type no Event declares: dead-lettered at once, without retries.
+        # A type no Event declares, and no process of the group takes, with no grace
+        # (consumer_unknown_type_grace_seconds=0): dead-lettered at once, without retries.
         await h.inject(orders, str(uuid7()), "Mystery", {"x": 1}, {})
         await wait_until(lambda: subscriber.stats.dead_lettered >= 2, timeout=20)
         assert subscriber.consumer is not None

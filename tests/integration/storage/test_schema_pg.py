@@ -34,7 +34,13 @@ async def table_names(outbox: Outbox) -> set[str]:
 
 
 #: The inbox and, beside it, the partition leases of ordered subscribers.
-INBOX_TABLES = ("outbox_inbox", "outbox_inbox_partitions", "outbox_inbox_members")
+INBOX_TABLES = (
+    "outbox_inbox",
+    "outbox_inbox_partitions",
+    "outbox_inbox_members",
+    "outbox_inbox_handlers",
+    "outbox_inbox_attempts",
+)
 
 
 async def test_create_tables_creates_only_the_outbox_tables(db_url: str) -> None:
