@@ -212,7 +212,7 @@ class Claims:
             name,
             ids,
             lambda t: claims_sql.mark_published(t, self.dialect, delete_rows=delete_rows),
-            {**batch_params(ids), "token": token},
+            {**batch_params(ids, ranged=self._by_id), "token": token},
         )
 
     async def _execute_batch(
@@ -277,7 +277,7 @@ class Claims:
             name,
             ids,
             lambda t: claims_sql.release(t, self.dialect, refund_attempt=refund_attempt),
-            {**batch_params(ids), "token": token},
+            {**batch_params(ids, ranged=self._by_id), "token": token},
         )
 
     async def extend_lease(self, ids: Sequence[uuid.UUID], token: str, lease_seconds: float) -> int:
@@ -286,7 +286,7 @@ class Claims:
         if not ids:
             return 0
         params = {
-            **batch_params(ids),
+            **batch_params(ids, ranged=self._by_id),
             "token": token,
             "lease": offset(self.dialect, lease_seconds),
         }
