@@ -124,7 +124,7 @@ class Outbox:
         )
         #: Health's own connection (the counts never wait behind the requests) and its look
         #: at the application's pool.
-        self.database_probe = DatabaseProbe(self.engine, self.table, self.store)
+        self.database_probe = DatabaseProbe(self.engine, self.table, self.store.messages)
         self._routers = Routers(self, self.lifespan)
         self._dependency: Any = None
         self.dashboard_dependencies = (

@@ -17,7 +17,6 @@ from fastapi_outbox.ops import port
 from fastapi_outbox.relay.table import Processor
 from fastapi_outbox.relay.wakeups import Listener
 from fastapi_outbox.relay.wal import WalRelay
-from fastapi_outbox.storage.archive import Archive
 from fastapi_outbox.storage.wal_slot import WalSlot
 
 
@@ -51,10 +50,8 @@ def built(outbox: Outbox) -> dict[type, Any]:
     slot = WalSlot(outbox.engine, "outbox_slot", outbox.table.name)
     return {
         port.OutboxPort: outbox,
-        port.MessageStore: outbox.store,
-        port.InboxView: outbox.inbox,
         port.RelayState: Processor(
-            store=outbox.store,
+            store=outbox.store.claims,
             broker_name="default",
             broker=outbox.brokers["default"],
             settings=outbox.settings,
@@ -70,20 +67,16 @@ def built(outbox: Outbox) -> dict[type, Any]:
         port.SlotView: slot,
         port.ListenerState: Listener(outbox.store, outbox.channel, outbox.instance, lambda: None),
         port.SubscriberView: outbox.subscribers[0],
-        port.ArchiveView: Archive(outbox.engine, outbox.table, "outbox_messages_archive"),
     }
 
 
 PROTOCOLS = [
     port.OutboxPort,
-    port.MessageStore,
-    port.InboxView,
     port.RelayState,
     port.WalRelayState,
     port.SlotView,
     port.ListenerState,
     port.SubscriberView,
-    port.ArchiveView,
 ]
 
 
