@@ -145,7 +145,7 @@ class Outbox:
             wal_slot=self.wal_slot,
         )
         #: Health's own connection (never waits behind requests) and its look at the pool.
-        self.database_probe = DatabaseProbe(self.engine, self.table, self.store)
+        self.database_probe = DatabaseProbe(self.engine, self.table, self.store.messages)
         self._routers = Routers(self, self.lifespan)
         self._dependency: Dependency | None = None
         self.dashboard_dependencies = (

@@ -78,7 +78,7 @@ async def drain(outbox: Outbox, *, broker: str | None = None, max_batches: int =
         published += relay.relayed_total
     for name in names:
         processor = Processor(
-            store=outbox.store,
+            store=outbox.store.claims,
             broker_name=name,
             broker=outbox.all_brokers[name],
             settings=outbox.settings,
@@ -88,7 +88,7 @@ async def drain(outbox: Outbox, *, broker: str | None = None, max_batches: int =
         await processor.broker.connect()
         for n in range(max_batches):
             token = f"{processor.instance}:{n}"
-            batch = await outbox.store.claim(
+            batch = await outbox.store.claims.claim(
                 name,
                 outbox.settings.batch_size,
                 token,

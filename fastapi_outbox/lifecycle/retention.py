@@ -33,8 +33,9 @@ BATCH_PAUSE_SECONDS = 0.01
 
 
 class PurgesBatches(Protocol):
-    """What :func:`purge` needs of a store: ``Store.purge_batch`` (the operator's purge
-    passes the store of ``ops``' port, which is typed by what it offers)."""
+    """What :func:`purge` runs batch by batch: the outbox table's delete
+    (:meth:`~fastapi_outbox.storage.retention.Retention.purge_batch`), or the archive's move
+    (``archive=True``)."""
 
     async def purge_batch(
         self, status: str, older_than_seconds: float, limit: int, *, keep_blocking: bool = False
@@ -52,7 +53,7 @@ async def purge(
     keep_blocking: bool = False,
 ) -> int:
     """Delete ``status`` rows finished more than ``older_than_seconds`` ago, batch by batch;
-    returns how many were deleted. ``keep_blocking``: see ``Store.purge_batch``."""
+    returns how many were deleted. ``keep_blocking``: see ``Retention.purge_batch``."""
     if status not in (PUBLISHED, ABANDONED):
         raise ValueError(f"purge takes 'published' or 'abandoned', not {status!r}")
     total = 0
@@ -146,7 +147,7 @@ class Cleaner:
             if retention is None:
                 continue
             n = await purge(
-                self.store if self.archive is None else _Mover(self.archive),
+                self.store.retention if self.archive is None else _Mover(self.archive),
                 status,
                 retention,
                 batch_size=self.settings.cleanup_batch_size,

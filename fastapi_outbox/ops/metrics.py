@@ -21,7 +21,7 @@ Metrics (prefix ``outbox_``, change it with ``namespace=``):
   the broker's acknowledgement — the commit-to-publish latency;
 * ``pending_messages``, ``oldest_pending_age_seconds``, ``abandoned_messages`` by
   ``broker``, ``database_up`` and ``processor_up`` by ``broker``: gauges refreshed from
-  :meth:`Store.stats` when ``/metrics`` is scraped (at most once per
+  :meth:`Messages.stats` when ``/metrics`` is scraped (at most once per
   ``refresh_interval_seconds``), so they describe the whole table, whichever process
   dispatches it.
 
@@ -237,7 +237,7 @@ class PrometheusInstrumentation(Instrumentation):
                 m.processor_up.labels(name).set(1 if processor and processor.running else 0)
             try:
                 with anyio.fail_after(REFRESH_TIMEOUT_SECONDS):
-                    stats = await outbox.store.stats(
+                    stats = await outbox.store.messages.stats(
                         outbox.all_brokers, ordered=outbox.settings.ordered
                     )
             except Exception:

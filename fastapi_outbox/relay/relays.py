@@ -28,7 +28,7 @@ from fastapi_outbox.relay.wakeups import (
 )
 from fastapi_outbox.relay.wal import WalRelay
 from fastapi_outbox.settings import OutboxSettings
-from fastapi_outbox.storage.statements import wakeups as wakeups_sql
+from fastapi_outbox.storage.statements import notify as notify_sql
 from fastapi_outbox.storage.store import Store
 from fastapi_outbox.storage.wal_slot import WalSlot
 
@@ -77,7 +77,7 @@ class Relays:
         :func:`~fastapi_outbox.relay.wakeups.notify_with_commit`)."""
         if not notify_with_commit(brokers, self.tables, self.wal, can_notify=self._notifies):
             return None
-        return wakeups_sql.notify_with_commit(self.channel, self.instance)
+        return notify_sql.notify_with_commit(self.channel, self.instance)
 
     def committed(self, brokers: Mapping[str, float], *, notified: bool = False) -> bool:
         """Wake this process's relays after a commit (see
@@ -130,7 +130,7 @@ class Relays:
         publishing = await brokers()
         for name, broker in publishing.items():
             self.tables[name] = TableRelay(
-                store=self.store,
+                store=self.store.claims,
                 broker_name=name,
                 broker=broker,
                 settings=settings,

@@ -305,7 +305,7 @@ async def produce(
 
 async def unfinished(outbox: Outbox) -> int:
     """Rows that still need work: pending, processing or failed."""
-    return sum([await outbox.store.count(s) for s in ("pending", "processing", "failed")])
+    return sum([await outbox.store.messages.count(s) for s in ("pending", "processing", "failed")])
 
 
 async def wait_drained(outbox: Outbox, timeout: float, describe: Callable[[], str]) -> None:

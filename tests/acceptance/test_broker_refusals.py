@@ -74,8 +74,8 @@ async def run_through_refusal(
                 assert code in (processor.last_error or ""), processor.last_error
             # Refused for a while, with everything committed: still nothing charged.
             await wait_until(lambda: _down_for(processor) > 1.0, timeout=15)
-            assert await outbox.store.count("abandoned") == 0
-            assert await outbox.store.count("failed") == 0
+            assert await outbox.store.messages.count("abandoned") == 0
+            assert await outbox.store.messages.count("failed") == 0
             left = await unfinished(outbox)
             if left == 0:  # say what the server was doing: the refusal must hold here
                 role = (await admin.info("replication")).get("role")
@@ -88,7 +88,7 @@ async def run_through_refusal(
             await accept(admin)
             await wait_drained(outbox, 30, lambda: f"after the refusal: {processor.last_error}")
             assert processor.broker_ok and not processor.broker_refusing
-        assert await outbox.store.count("abandoned") == 0
+        assert await outbox.store.messages.count("abandoned") == 0
         async with outbox.engine.connect() as conn:
             attempts = (
                 await conn.exec_driver_sql(f"SELECT max(attempts) FROM {outbox.table.name}")
@@ -170,7 +170,7 @@ async def test_jetstream_stream_gone_is_an_outage_that_heals(
             later = await produce(outbox, subject, 40)
             await wait_drained(outbox, 20, lambda: f"after the deletion: {processor.last_error}")
             assert processor.broker_ok
-        assert await outbox.store.count("abandoned") == 0
+        assert await outbox.store.messages.count("abandoned") == 0
         async with outbox.engine.connect() as conn:
             attempts = (
                 await conn.exec_driver_sql(f"SELECT max(attempts) FROM {outbox.table.name}")

@@ -116,7 +116,7 @@ async def exactly_once(outbox: Outbox, committed: list[str]) -> None:
     seen = await effects(outbox)
     assert set(seen) == set(committed)
     assert all(n == 1 for n in seen.values()), {m: n for m, n in seen.items() if n > 1}
-    assert await outbox.store.count("abandoned") == 0
+    assert await outbox.store.messages.count("abandoned") == 0
     sub = outbox.subscribers[0]
     assert sub.stats.dead_lettered == 0
     assert sub.consumer is not None
@@ -136,7 +136,7 @@ async def test_node_killed_and_restarted_mid_run(
         committed += await produce(outbox, stream, 60)
         processor = outbox.relays.tables["default"]
         await wait_until(lambda: not processor.broker_ok, timeout=20)
-        assert await outbox.store.count("abandoned") == 0
+        assert await outbox.store.messages.count("abandoned") == 0
         await anyio.to_thread.run_sync(node.start)
         committed += await produce(outbox, stream, 30)
         await all_handled(outbox, committed)
@@ -161,8 +161,8 @@ async def test_memory_alarm_raised_then_cleared(
                 await broker.ping()
             health = await compute_health(outbox)
             assert health.status == "degraded", health
-            assert await outbox.store.count("abandoned") == 0
-            assert await outbox.store.count("failed") == 0
+            assert await outbox.store.messages.count("abandoned") == 0
+            assert await outbox.store.messages.count("failed") == 0
         finally:
             await anyio.to_thread.run_sync(node.ctl, "set_vm_memory_high_watermark", "0.4")
         await all_handled(outbox, committed)

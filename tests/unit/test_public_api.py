@@ -669,6 +669,13 @@ PUBLIC_ALL: dict[str, set[str]] = {
     "fastapi_outbox.retention": {"BATCH_PAUSE_SECONDS", "Cleaner", "purge"},
     "fastapi_outbox.schema": {"build_table", "ddl", "metadata", "outbox_table"},
     "fastapi_outbox.session_events": {"JOINED_KEY", "STATE_KEY", "SessionState", "state_of"},
+    "fastapi_outbox.storage.claims": {
+        "ClaimedRow",
+        "Claims",
+        "ERROR_MAX_CHARS",
+        "Failure",
+        "UNDEFINED_TABLE",
+    },
     "fastapi_outbox.storage.clock": {
         "age_seconds",
         "db_later",
@@ -727,6 +734,11 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "live_in",
         "payload_store_for",
     },
+    "fastapi_outbox.storage.filters": {
+        "MessageFilter",
+        "SCHEDULED",
+        "STATUS_FILTERS",
+    },
     "fastapi_outbox.storage.inbox": {"Inbox", "build_inbox_table", "inbox_table"},
     "fastapi_outbox.storage.group_members": {
         "ANY_TYPE",
@@ -734,11 +746,17 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "GroupMembers",
         "build_group_tables",
     },
+    "fastapi_outbox.storage.inserts": {
+        "Inserts",
+    },
     "fastapi_outbox.storage.leases": {
         "LeaseLost",
         "Leases",
         "OwnedPartition",
         "build_lease_tables",
+    },
+    "fastapi_outbox.storage.messages": {
+        "Messages",
     },
     "fastapi_outbox.storage.partition_map": {"FLOOR_SECONDS", "NIL", "PartitionMap", "Range"},
     "fastapi_outbox.storage.read_models": {
@@ -748,6 +766,9 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "broker_stats",
         "per_minute",
         "stream_stats",
+    },
+    "fastapi_outbox.storage.retention": {
+        "Retention",
     },
     "fastapi_outbox.storage.schema": {
         "build_archive_table",
@@ -771,7 +792,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "move_insert",
         "purge",
     },
-    "fastapi_outbox.storage.statements.doctor": {
+    "fastapi_outbox.storage.statements.schema_check": {
         "COLUMNS",
         "INDEXES",
         "RELKIND",
@@ -792,7 +813,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "set_storage",
         "sqlite_columns",
     },
-    "fastapi_outbox.storage.statements.engine": {
+    "fastapi_outbox.storage.statements.session": {
         "BEGIN_IMMEDIATE",
         "PING",
         "sqlite_pragmas",
@@ -803,7 +824,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "open_engine",
         "setup_storage",
     },
-    "fastapi_outbox.storage.statements.operations": {
+    "fastapi_outbox.storage.statements.messages": {
         "abandon_unclaimed",
         "blocking_ordered",
         "cancel_unclaimed",
@@ -866,7 +887,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "quote",
         "storage_sql",
     },
-    "fastapi_outbox.storage.statements.relay": {
+    "fastapi_outbox.storage.statements.claims": {
         "CLAIM_COLUMNS",
         "claim",
         "extend_lease",
@@ -888,11 +909,11 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "live_messages",
         "purge",
     },
-    "fastapi_outbox.storage.statements.retention": {
+    "fastapi_outbox.storage.statements.purge": {
         "purge",
         "victims",
     },
-    "fastapi_outbox.storage.statements.wakeups": {
+    "fastapi_outbox.storage.statements.notify": {
         "NOTIFY_SQL",
         "notify",
         "notify_with_commit",
@@ -912,7 +933,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "TRY_LOCK_SQL",
         "check_ready",
     },
-    "fastapi_outbox.storage.statements.write": {
+    "fastapi_outbox.storage.statements.inserts": {
         "EMIT_SQL",
         "INSERT_KEYS",
         "emit_message",

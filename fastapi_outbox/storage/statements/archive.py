@@ -20,7 +20,7 @@ from sqlalchemy.sql.elements import TextClause
 
 from fastapi_outbox.storage.statements.partitions import quote
 from fastapi_outbox.storage.statements.parts import later, now
-from fastapi_outbox.storage.statements.retention import victims
+from fastapi_outbox.storage.statements.purge import victims
 
 __all__ = [
     "PARTITION_BOUND",

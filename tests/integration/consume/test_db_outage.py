@@ -324,7 +324,7 @@ async def test_the_relay_tells_an_unavailable_database_from_a_failing_statement(
                 await conn.exec_driver_sql(f"ALTER TABLE gone RENAME TO {outbox.table.name}")
             async with outbox.unit_of_work() as uow:
                 uow.publish(Message(stream="s", type="T", payload={}))
-            await wait_until(lambda: outbox.store.count("published"), timeout=15)
+            await wait_until(lambda: outbox.store.messages.count("published"), timeout=15)
     finally:
         await outbox.aclose()
 

@@ -290,14 +290,14 @@ async def test_counts_are_cached(sqlite_url: str) -> None:
     await outbox.create_tables()
     app = build_app(outbox)
     calls = 0
-    stats = outbox.store.stats
+    stats = outbox.store.messages.stats
 
     async def counting(*args: Any, **kwargs: Any) -> Any:
         nonlocal calls
         calls += 1
         return await stats(*args, **kwargs)
 
-    outbox.store.stats = counting  # type: ignore[method-assign]
+    outbox.store.messages.stats = counting  # type: ignore[method-assign]
     try:
         async with serve(app) as client:
             for _ in range(5):

@@ -91,7 +91,7 @@ async def test_metrics_after_publishing(db_url: str) -> None:
             await wait_until(lambda: not processor.broker_ok)
 
             async def released() -> bool:  # the claim given back: pending again
-                stats = await outbox.store.stats()
+                stats = await outbox.store.messages.stats()
                 return stats["default"].pending == 2
 
             await wait_until(released)

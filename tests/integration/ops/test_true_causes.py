@@ -100,8 +100,8 @@ async def test_refused_broker_credentials_are_reported_as_authentication_failed(
         [reason] = [r for r in health.reasons if "broker 'default'" in r]
         assert "authentication failed" in reason and "unreachable" not in reason
         # An outage, not the message's fault: nothing charged.
-        assert await outbox.store.count("pending") == 1
-        assert await outbox.store.count("failed") == 0
+        assert await outbox.store.messages.count("pending") == 1
+        assert await outbox.store.messages.count("failed") == 0
     finally:
         await outbox.aclose()
 

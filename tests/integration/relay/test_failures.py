@@ -58,7 +58,7 @@ def free_port() -> int:
 async def rows(outbox: Outbox, ids: Sequence[uuid.UUID]) -> list[dict[str, Any]]:
     out = []
     for i in ids:
-        row = await outbox.store.get(i)
+        row = await outbox.store.messages.get(i)
         assert row is not None
         out.append(dict(row))
     return out
@@ -135,7 +135,7 @@ async def test_refused_message_backs_off_then_is_abandoned(db_url: str) -> None:
     await outbox.create_tables()
     # Observe every failure as it is recorded: the row right after mark_failed.
     recorded: list[tuple[Failure, dict[str, Any], dt.datetime]] = []
-    mark_failed = outbox.store.mark_failed
+    mark_failed = outbox.store.claims.mark_failed
 
     async def observing(failures: Sequence[Failure], token: str) -> int:
         n = await mark_failed(failures, token)
@@ -145,7 +145,7 @@ async def test_refused_message_backs_off_then_is_abandoned(db_url: str) -> None:
             recorded.append((f, row, now))
         return n
 
-    outbox.store.mark_failed = observing  # type: ignore[method-assign]
+    outbox.store.claims.mark_failed = observing  # type: ignore[method-assign]
     stream = unique("orders")
     try:
         async with outbox.unit_of_work() as uow:
@@ -294,14 +294,14 @@ async def test_database_with_nothing_listening_keeps_workers_alive_and_the_app_s
         settings=OutboxSettings(**FAST, health_cache_seconds=0),
     )
     claims = 0
-    claim = outbox.store.claim
+    claim = outbox.store.claims.claim
 
     async def counting(*args: Any, **kw: Any) -> Any:
         nonlocal claims
         claims += 1
         return await claim(*args, **kw)
 
-    outbox.store.claim = counting  # type: ignore[method-assign]
+    outbox.store.claims.claim = counting  # type: ignore[method-assign]
     app = FastAPI(lifespan=outbox.lifespan)
     app.include_router(outbox.health_router)
 

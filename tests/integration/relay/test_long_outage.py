@@ -160,11 +160,11 @@ async def test_outage_longer_than_the_old_window_between_publish_and_mark(
                 await proxy.start()
 
             async def published() -> bool:
-                row = await direct.store.get(message_id)
+                row = await direct.store.messages.get(message_id)
                 return row is not None and row["status"] == "published"
 
             await wait_until(published, timeout=60)
-            row = await direct.store.get(message_id)
+            row = await direct.store.messages.get(message_id)
             assert row is not None
             if outage == "database":
                 assert row["attempts"] >= 2  # it was claimed again after its lease

@@ -96,7 +96,7 @@ def real_broker(request: pytest.FixtureRequest) -> tuple[Any, Any]:
 
 
 async def row(outbox: Outbox, message_id: uuid.UUID) -> dict[str, Any]:
-    found = await outbox.store.get(message_id)
+    found = await outbox.store.messages.get(message_id)
     assert found is not None
     return dict(found)
 

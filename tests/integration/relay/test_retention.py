@@ -26,16 +26,16 @@ async def publish(outbox: Outbox, stream: str, n: int) -> list[Any]:
 
 
 def count_purges(outbox: Outbox) -> list[tuple[int, int]]:
-    """Wrap ``store.purge_batch``; returns the list of (limit, deleted) per call."""
+    """Wrap ``store.retention.purge_batch``; returns the list of (limit, deleted) per call."""
     calls: list[tuple[int, int]] = []
-    purge_batch = outbox.store.purge_batch
+    purge_batch = outbox.store.retention.purge_batch
 
     async def wrapper(status: str, older_than_seconds: float, limit: int, **kw: Any) -> int:
         deleted = await purge_batch(status, older_than_seconds, limit, **kw)
         calls.append((limit, deleted))
         return deleted
 
-    outbox.store.purge_batch = wrapper  # type: ignore[method-assign]
+    outbox.store.retention.purge_batch = wrapper  # type: ignore[method-assign]
     return calls
 
 
@@ -126,7 +126,7 @@ async def test_dispatch_goes_on_while_a_large_cleanup_runs(pg_url: str) -> None:
             f"FROM generate_series(1, {old_rows})"
         )
 
-    purge_batch = outbox.store.purge_batch
+    purge_batch = outbox.store.retention.purge_batch
     calls: list[int] = []
     started = anyio.Event()
     new_published = anyio.Event()
@@ -142,7 +142,7 @@ async def test_dispatch_goes_on_while_a_large_cleanup_runs(pg_url: str) -> None:
                 await new_published.wait()
         return deleted
 
-    outbox.store.purge_batch = observed  # type: ignore[method-assign]
+    outbox.store.retention.purge_batch = observed  # type: ignore[method-assign]
     try:
         async with outbox.relaying():
             with anyio.fail_after(30):

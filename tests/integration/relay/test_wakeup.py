@@ -134,13 +134,13 @@ async def test_a_commit_taken_by_an_idle_local_worker_sends_no_notify(
 
 def count_claims(outbox: Outbox) -> list[float]:
     times: list[float] = []
-    claim = outbox.store.claim
+    claim = outbox.store.claims.claim
 
     async def counting(*args: Any, **kw: Any) -> Any:
         times.append(time.monotonic())
         return await claim(*args, **kw)
 
-    outbox.store.claim = counting  # type: ignore[method-assign]
+    outbox.store.claims.claim = counting  # type: ignore[method-assign]
     return times
 
 

@@ -84,7 +84,7 @@ async def archive_one(url: str, settings: OutboxSettings) -> tuple[uuid.UUID, st
                 .values(id=moved, created_at=old, status="published", published_at=old)
             )
         assert await outbox.cleaner.run_once() == 1
-        assert await outbox.store.get(moved) is None
+        assert await outbox.store.messages.get(moved) is None
         assert await outbox.archive.count() == 1
         row = await outbox.archive.get(moved)
         assert row is not None and row["status"] == "published"
