@@ -4,8 +4,9 @@ time, so they cannot drift from it.
 A page asks for a generated block with an HTML comment on a line of its own:
 
 - ``<!-- generated: settings -->``: every ``OutboxSettings`` field, its environment
-  variable, type, default, bounds and description; the build fails (a warning under
-  ``--strict``) when a field is missing from the page's hand-written table;
+  variable, type, default, bounds and description, in a table per settings group; the
+  build fails (a warning under ``--strict``) when a field is missing from the page's
+  hand-written table;
 - ``<!-- generated: cli -->``: every ``fastapi-outbox`` command's help, from its parser;
 - ``<!-- generated: metrics -->``: the Prometheus metrics ``PrometheusInstrumentation``
   registers, with their type, labels and help.
@@ -45,16 +46,16 @@ def _bounds(metadata: list[Any]) -> str:
 
 
 def settings_table(markdown: str) -> str:
+    """One table per settings group (``SETTING_GROUPS``, in its order), each field with its
+    environment variable, type, default, bounds and description."""
     from pydantic_core import PydanticUndefined
 
     from fastapi_outbox import OutboxSettings
+    from fastapi_outbox.settings import SETTING_GROUPS, setting_group
 
     prefix = OutboxSettings.model_config.get("env_prefix", "")
     hand_written = set(re.findall(r"`(\w+)`", markdown.split("<!-- generated")[0]))
-    rows = [
-        "| field | environment | type | default | bounds | description |",
-        "|---|---|---|---|---|---|",
-    ]
+    rows: dict[str, list[str]] = {key: [] for key in SETTING_GROUPS}
     for name, field in OutboxSettings.model_fields.items():
         if name not in hand_written:
             log.warning("settings page: OutboxSettings.%s is not in the hand-written table", name)
@@ -64,12 +65,24 @@ def settings_table(markdown: str) -> str:
             default = "\N{EN DASH}"
         else:
             default = f"`{field.default!r}`"
-        rows.append(
+        rows[setting_group(name)].append(
             f"| `{name}` | `{prefix}{name.upper()}` | `{_cell(_type_name(field.annotation))}` "
             f"| {_cell(default)} | {_cell(_bounds(field.metadata))} "
             f"| {_cell(field.description or '')} |"
         )
-    return "\n".join(rows)
+    parts = []
+    for key, (title, about) in SETTING_GROUPS.items():
+        parts += [
+            f"### {title} {{ #fields-{key} }}",
+            "",
+            about,
+            "",
+            "| field | environment | type | default | bounds | description |",
+            "|---|---|---|---|---|---|",
+            *rows[key],
+            "",
+        ]
+    return "\n".join(parts)
 
 
 def _commands(

@@ -108,96 +108,88 @@ ENCRYPTION_KEY_SIZES = (16, 24, 32)
 EncryptionKeys = dict[str, bytes] | Callable[[], Mapping[str, bytes]]
 
 
+#: The capabilities the settings are grouped by, in the order the reference page shows them:
+#: key -> (title, what its settings decide). Each field names its group with
+#: ``json_schema_extra={"group": key}``; the environment variable stays ``OUTBOX_<FIELD>``.
+SETTING_GROUPS: dict[str, tuple[str, str]] = {
+    "database": (
+        "Database",
+        "The database, the outbox table's name and layout, and the bounds of the relays' "
+        "statements.",
+    ),
+    "wakeups": (
+        "Wake-ups (LISTEN/NOTIFY)",
+        "How a commit wakes the relays up, and how a silently lost LISTEN connection is noticed.",
+    ),
+    "relay": ("Relay", "The relays that move committed messages to the brokers."),
+    "retries": (
+        "Retries and de-duplication",
+        "What happens to a message a broker refuses, and how long a republished message is "
+        "still recognised as a duplicate.",
+    ),
+    "consumers": ("Consumers", "The subscribers (``@outbox.subscriber``) and their inbox."),
+    "retention": (
+        "Retention and archive",
+        "How long published, abandoned and inbox rows are kept, and the archive they may move to.",
+    ),
+    "payloads": (
+        "Payloads",
+        "What ``publish()`` accepts, and the stages a payload goes through: claim-check and "
+        "encryption.",
+    ),
+    "health": ("Health and dashboard", "What /outbox/health answers and the dashboard shows."),
+    "wal": (
+        "WAL capture",
+        "``capture='wal'``: messages written to PostgreSQL's WAL and relayed from a logical "
+        "replication slot.",
+    ),
+}
+
+
+def _group(key: str) -> dict[str, Any]:
+    """The marker of a field of group ``key`` (one of :data:`SETTING_GROUPS`)."""
+    if key not in SETTING_GROUPS:
+        raise KeyError(f"settings group {key!r} is not in SETTING_GROUPS")
+    return {"group": key}
+
+
+def setting_group(field: str) -> str:
+    """The :data:`SETTING_GROUPS` key of ``OutboxSettings`` field ``field``."""
+    extra = OutboxSettings.model_fields[field].json_schema_extra
+    if not isinstance(extra, dict) or not isinstance(extra.get("group"), str):
+        raise KeyError(f"OutboxSettings.{field} names no group")
+    return str(extra["group"])
+
+
 class OutboxSettings(BaseSettings):
     """Settings of an :class:`~fastapi_outbox.Outbox`; environment variables ``OUTBOX_<FIELD>``."""
 
-    # hide_input_in_errors: a rejected value may be a key or a URL with a password (§18).
+    # hide_input_in_errors: a rejected value may be a key or a URL with a password, and
+    # validation errors end up in logs.
     model_config = SettingsConfigDict(
         env_prefix="OUTBOX_", extra="forbid", frozen=True, hide_input_in_errors=True
     )
 
+    # -- database ------------------------------------------------------------------------------
     database_url: str | None = Field(
         default=None,
         repr=False,
         description="Database URL used by the CLI when no --url/--app is given.",
+        json_schema_extra=_group("database"),
     )
-    broker_url: str | None = Field(
-        default=None,
-        repr=False,
-        description="URL of the default broker (redis://, redis+cluster://, nats://, amqp://, "
-        "memory://) when an Outbox is given no brokers= (and for `fastapi-outbox dispatch` "
-        "without --broker-url).",
+    table_name: str = Field(
+        default=TABLE_NAME,
+        description="Name of the outbox table.",
+        json_schema_extra=_group("database"),
     )
-    table_name: str = Field(default=TABLE_NAME, description="Name of the outbox table.")
-    batch_size: int = Field(
-        default=BATCH_SIZE,
-        ge=1,
-        le=10_000,
-        description="Largest claim of one worker. Claims start at min_batch_size, double "
-        "while they come back full and halve when they come back under a quarter full.",
-    )
-    min_batch_size: int = Field(
-        default=MIN_BATCH_SIZE,
-        ge=1,
-        le=10_000,
-        description="Claim size of an idle dispatcher (capped by batch_size; equal to it: "
-        "every claim asks for batch_size rows).",
-    )
-    workers: int = Field(default=WORKERS, ge=1, le=64, description="Workers per processor.")
-    lease_seconds: float = Field(default=LEASE_SECONDS, gt=0)
-    poll_interval_seconds: float = Field(default=POLL_INTERVAL_SECONDS, gt=0)
-    max_poll_interval_seconds: float = Field(default=MAX_POLL_INTERVAL_SECONDS, gt=0)
-    max_attempts: int = Field(default=MAX_ATTEMPTS, ge=1)
-    retry_base_delay_seconds: float = Field(default=RETRY_BASE_DELAY_SECONDS, ge=0)
-    retry_multiplier: float = Field(default=RETRY_MULTIPLIER, ge=1)
-    retry_max_delay_seconds: float = Field(default=RETRY_MAX_DELAY_SECONDS, ge=0)
-    retry_jitter: float = Field(default=RETRY_JITTER, ge=0, le=1)
-    max_delay_seconds: float = Field(
-        default=MAX_DELAY_SECONDS,
-        gt=0,
-        description="Furthest ahead a delayed message (publish(delay=…/deliver_at=…)) may be due.",
-    )
-    retry_deadline_seconds: float | None = Field(
-        default=None,
-        gt=0,
-        description="A message still unpublished this long after its commit is abandoned, "
-        "even with attempts left (None: only max_attempts ends retries).",
-    )
-    broker_backoff_max_seconds: float = Field(default=BROKER_BACKOFF_MAX_SECONDS, gt=0)
-    ordered: bool = False
     partitioning: str | None = Field(
         default=None,
         description="PostgreSQL: range-partition the outbox table by time (its UUIDv7 id's "
         "range), one partition per interval ('daily', 'hourly', '6h', '2d'); lookups by id "
         "read one partition, retention drops "
         "whole partitions (see fastapi_outbox.partitions). None: one plain table.",
+        json_schema_extra=_group("database"),
     )
-    published_retention_seconds: float | None = Field(default=PUBLISHED_RETENTION_SECONDS, ge=0)
-    abandoned_retention_seconds: float | None = Field(default=ABANDONED_RETENTION_SECONDS, ge=0)
-    archive: bool = Field(
-        default=False,
-        description="Retention moves published and abandoned rows past their retention to "
-        "the archive table (archive_table_name) instead of deleting them; a partitioned "
-        "table's finished partitions are re-attached to the archive, no row copied. "
-        "`fastapi-outbox archive list/show` and the dashboard find archived messages.",
-    )
-    archive_table_name: str | None = Field(
-        default=None,
-        description="Name of the archive table (archive=True); None: '<table_name>_archive'.",
-    )
-    archive_retention_seconds: float | None = Field(
-        default=None,
-        gt=0,
-        description="Archived rows are deleted this long after they were archived (a "
-        "partitioned archive drops whole partitions); None: kept forever.",
-    )
-    cleanup_interval_seconds: float = Field(default=CLEANUP_INTERVAL_SECONDS, gt=0)
-    cleanup_batch_size: int = Field(default=CLEANUP_BATCH_SIZE, ge=1, le=100_000)
-    health_max_pending_age_seconds: float = Field(default=HEALTH_MAX_PENDING_AGE_SECONDS, gt=0)
-    health_cache_seconds: float = Field(default=HEALTH_CACHE_SECONDS, ge=0)
-    max_payload_bytes: int = Field(default=MAX_PAYLOAD_BYTES, ge=1)
-    shutdown_timeout_seconds: float = Field(default=SHUTDOWN_TIMEOUT_SECONDS, gt=0)
-    publish_timeout_seconds: float = Field(default=PUBLISH_TIMEOUT_SECONDS, gt=0)
     db_statement_timeout_seconds: float | None = Field(
         default=None,
         gt=0,
@@ -205,28 +197,273 @@ class OutboxSettings(BaseSettings):
         "statement_timeout / idle_in_transaction_session_timeout, and the driver's command "
         "timeout): a frozen database or dispatcher cannot hold a claim or the ordered lock. "
         "None: 10 s, or a third of lease_seconds when that is shorter.",
+        json_schema_extra=_group("database"),
     )
     db_lock_timeout_seconds: float | None = Field(
         default=None,
         gt=0,
         description="Bound of a dispatcher's wait for a lock (PostgreSQL lock_timeout). "
         "None: half the statement timeout.",
+        json_schema_extra=_group("database"),
     )
-    notify: bool = Field(default=True, description="Use PostgreSQL LISTEN/NOTIFY wake-ups.")
+
+    # -- wakeups -------------------------------------------------------------------------------
+    notify: bool = Field(
+        default=True,
+        description="Use PostgreSQL LISTEN/NOTIFY wake-ups.",
+        json_schema_extra=_group("wakeups"),
+    )
     notify_interval_seconds: float = Field(
         default=NOTIFY_INTERVAL_SECONDS,
         ge=0,
         le=1,
         description="Least time between two NOTIFYs of one process: commits in between "
         "share one (bounds the write path's cost; adds at most this to cross-process latency).",
+        json_schema_extra=_group("wakeups"),
     )
-    delete_on_publish: bool = Field(
-        default=False, description="Delete rows once published instead of marking them."
+    listen_check_interval_seconds: float = Field(
+        default=LISTEN_CHECK_INTERVAL_SECONDS,
+        gt=0,
+        description="How often the LISTEN connection sends a NOTIFY to itself to prove it "
+        "is alive (a NAT or firewall may drop it silently; TCP keepalives are set too).",
+        json_schema_extra=_group("wakeups"),
     )
-    dashboard_show_payloads: bool = Field(
+    listen_check_timeout_seconds: float = Field(
+        default=LISTEN_CHECK_TIMEOUT_SECONDS,
+        gt=0,
+        description="A LISTEN self-check not answered within this is a lost connection: "
+        "the dispatchers poll every poll_interval_seconds at once and it reconnects.",
+        json_schema_extra=_group("wakeups"),
+    )
+
+    # -- relay ---------------------------------------------------------------------------------
+    broker_url: str | None = Field(
+        default=None,
+        repr=False,
+        description="URL of the default broker (redis://, redis+cluster://, nats://, amqp://, "
+        "memory://) when an Outbox is given no brokers= (and for `fastapi-outbox dispatch` "
+        "without --broker-url).",
+        json_schema_extra=_group("relay"),
+    )
+    run_dispatchers: bool = Field(
         default=True,
-        description="The dashboard shows message payloads (False: for data that must not be "
-        "shown to operators).",
+        description="Start dispatchers in the app lifespan (False: API only).",
+        json_schema_extra=_group("relay"),
+    )
+    workers: int = Field(
+        default=WORKERS,
+        ge=1,
+        le=64,
+        description="Workers per processor.",
+        json_schema_extra=_group("relay"),
+    )
+    batch_size: int = Field(
+        default=BATCH_SIZE,
+        ge=1,
+        le=10_000,
+        description="Largest claim of one worker. Claims start at min_batch_size, double "
+        "while they come back full and halve when they come back under a quarter full.",
+        json_schema_extra=_group("relay"),
+    )
+    min_batch_size: int = Field(
+        default=MIN_BATCH_SIZE,
+        ge=1,
+        le=10_000,
+        description="Claim size of an idle dispatcher (capped by batch_size; equal to it: "
+        "every claim asks for batch_size rows).",
+        json_schema_extra=_group("relay"),
+    )
+    lease_seconds: float = Field(default=LEASE_SECONDS, gt=0, json_schema_extra=_group("relay"))
+    poll_interval_seconds: float = Field(
+        default=POLL_INTERVAL_SECONDS, gt=0, json_schema_extra=_group("relay")
+    )
+    max_poll_interval_seconds: float = Field(
+        default=MAX_POLL_INTERVAL_SECONDS, gt=0, json_schema_extra=_group("relay")
+    )
+    publish_timeout_seconds: float = Field(
+        default=PUBLISH_TIMEOUT_SECONDS, gt=0, json_schema_extra=_group("relay")
+    )
+    broker_backoff_max_seconds: float = Field(
+        default=BROKER_BACKOFF_MAX_SECONDS, gt=0, json_schema_extra=_group("relay")
+    )
+    ordered: bool = Field(default=False, json_schema_extra=_group("relay"))
+    delete_on_publish: bool = Field(
+        default=False,
+        description="Delete rows once published instead of marking them.",
+        json_schema_extra=_group("relay"),
+    )
+    shutdown_timeout_seconds: float = Field(
+        default=SHUTDOWN_TIMEOUT_SECONDS, gt=0, json_schema_extra=_group("relay")
+    )
+
+    # -- retries -------------------------------------------------------------------------------
+    max_attempts: int = Field(default=MAX_ATTEMPTS, ge=1, json_schema_extra=_group("retries"))
+    retry_base_delay_seconds: float = Field(
+        default=RETRY_BASE_DELAY_SECONDS, ge=0, json_schema_extra=_group("retries")
+    )
+    retry_multiplier: float = Field(
+        default=RETRY_MULTIPLIER, ge=1, json_schema_extra=_group("retries")
+    )
+    retry_max_delay_seconds: float = Field(
+        default=RETRY_MAX_DELAY_SECONDS, ge=0, json_schema_extra=_group("retries")
+    )
+    retry_jitter: float = Field(
+        default=RETRY_JITTER, ge=0, le=1, json_schema_extra=_group("retries")
+    )
+    retry_deadline_seconds: float | None = Field(
+        default=None,
+        gt=0,
+        description="A message still unpublished this long after its commit is abandoned, "
+        "even with attempts left (None: only max_attempts ends retries).",
+        json_schema_extra=_group("retries"),
+    )
+    dedup_outage_seconds: float = Field(
+        default=DEDUP_OUTAGE_SECONDS,
+        ge=0,
+        description="The longest database or broker outage after which a message that was "
+        "published but not marked (the mark failed, or the broker's ack was lost) is still "
+        "de-duplicated when it is published again: part of the brokers' de-duplication "
+        "window (Redis keys, JetStream duplicate_window), whose memory grows with it.",
+        json_schema_extra=_group("retries"),
+    )
+
+    # -- consumers -----------------------------------------------------------------------------
+    inbox_table_name: str = Field(
+        default=INBOX_TABLE_NAME,
+        description="Name of the consumers' inbox table.",
+        json_schema_extra=_group("consumers"),
+    )
+    consumer_batch_size: int = Field(
+        default=CONSUMER_BATCH_SIZE,
+        ge=1,
+        le=10_000,
+        description="Messages read per fetch.",
+        json_schema_extra=_group("consumers"),
+    )
+    consumer_concurrency: int = Field(
+        default=CONSUMER_CONCURRENCY,
+        ge=1,
+        le=1024,
+        description="Transactions a subscriber runs at once: batches of up to "
+        "consumer_batch_size messages (one message each with batch=False or ordered=True). "
+        "More in flight costs the garbage collector more than it gains on a small "
+        "database; raise it for handlers that wait on slow I/O.",
+        json_schema_extra=_group("consumers"),
+    )
+    consumer_max_attempts: int = Field(
+        default=CONSUMER_MAX_ATTEMPTS,
+        ge=1,
+        description="Deliveries of a message before it is dead-lettered.",
+        json_schema_extra=_group("consumers"),
+    )
+    consumer_retry_base_delay_seconds: float = Field(
+        default=CONSUMER_RETRY_BASE_DELAY_SECONDS, ge=0, json_schema_extra=_group("consumers")
+    )
+    consumer_retry_max_delay_seconds: float = Field(
+        default=CONSUMER_RETRY_MAX_DELAY_SECONDS, ge=0, json_schema_extra=_group("consumers")
+    )
+    consumer_claim_idle_seconds: float = Field(
+        default=CONSUMER_CLAIM_IDLE_SECONDS,
+        gt=0,
+        description="A delivered message not acknowledged for this long goes to another "
+        "consumer: Redis XAUTOCLAIM min-idle-time, NATS ack_wait; and the lease of an "
+        "ordered subscriber's partition (a dead process's partitions move after it).",
+        json_schema_extra=_group("consumers"),
+    )
+    consumer_unknown_type_grace_seconds: float = Field(
+        default=CONSUMER_UNKNOWN_TYPE_GRACE_SECONDS,
+        ge=0,
+        description="A message of a type no Event class of the process declares, and no "
+        "live process of its group handles, is handed back to the group for this long "
+        "(counted from the first time a process of the group found it so) before it is "
+        "dead-lettered: longer than a rolling deploy, so the version that handles it can "
+        "start.",
+        json_schema_extra=_group("consumers"),
+    )
+    consumer_ordered_partitions: int = Field(
+        default=CONSUMER_ORDERED_PARTITIONS,
+        ge=1,
+        le=4096,
+        description="Partitions an ordered subscriber (ordered=True, Redis and NATS) hashes "
+        "keys into, each handled by one process at a time: the most processes that share "
+        "its work. Every process of a group must use the same count (checked at start).",
+        json_schema_extra=_group("consumers"),
+    )
+
+    # -- retention -----------------------------------------------------------------------------
+    published_retention_seconds: float | None = Field(
+        default=PUBLISHED_RETENTION_SECONDS, ge=0, json_schema_extra=_group("retention")
+    )
+    abandoned_retention_seconds: float | None = Field(
+        default=ABANDONED_RETENTION_SECONDS, ge=0, json_schema_extra=_group("retention")
+    )
+    allow_short_abandoned_retention: bool = Field(
+        default=False,
+        description="Accept abandoned_retention_seconds below a day: abandoned messages "
+        "(never delivered) are then deleted before most operators would see them.",
+        json_schema_extra=_group("retention"),
+    )
+    inbox_retention_seconds: float | None = Field(
+        default=INBOX_RETENTION_SECONDS,
+        gt=0,
+        description="Inbox rows older than this are deleted by the cleanup (None: kept "
+        "forever). Must exceed the longest redelivery or replay window: a message "
+        "redelivered after its inbox row is gone is handled again.",
+        json_schema_extra=_group("retention"),
+    )
+    cleanup_interval_seconds: float = Field(
+        default=CLEANUP_INTERVAL_SECONDS, gt=0, json_schema_extra=_group("retention")
+    )
+    cleanup_batch_size: int = Field(
+        default=CLEANUP_BATCH_SIZE, ge=1, le=100_000, json_schema_extra=_group("retention")
+    )
+    archive: bool = Field(
+        default=False,
+        description="Retention moves published and abandoned rows past their retention to "
+        "the archive table (archive_table_name) instead of deleting them; a partitioned "
+        "table's finished partitions are re-attached to the archive, no row copied. "
+        "`fastapi-outbox archive list/show` and the dashboard find archived messages.",
+        json_schema_extra=_group("retention"),
+    )
+    archive_table_name: str | None = Field(
+        default=None,
+        description="Name of the archive table (archive=True); None: '<table_name>_archive'.",
+        json_schema_extra=_group("retention"),
+    )
+    archive_retention_seconds: float | None = Field(
+        default=None,
+        gt=0,
+        description="Archived rows are deleted this long after they were archived (a "
+        "partitioned archive drops whole partitions); None: kept forever.",
+        json_schema_extra=_group("retention"),
+    )
+
+    # -- payloads ------------------------------------------------------------------------------
+    max_payload_bytes: int = Field(
+        default=MAX_PAYLOAD_BYTES, ge=1, json_schema_extra=_group("payloads")
+    )
+    max_delay_seconds: float = Field(
+        default=MAX_DELAY_SECONDS,
+        gt=0,
+        description="Furthest ahead a delayed message (publish(delay=…/deliver_at=…)) may be due.",
+        json_schema_extra=_group("payloads"),
+    )
+    claim_check_bytes: int | None = Field(
+        default=None,
+        ge=1,
+        description="Payloads larger than this (bytes of JSON text) are stored out of band "
+        "in claim_check_store and the message carries a reference header instead; "
+        "subscribers resolve it, handlers see the whole event. None (the default): off. "
+        "max_payload_bytes still bounds every payload publish() accepts, so raise it too.",
+        json_schema_extra=_group("payloads"),
+    )
+    claim_check_store: str = Field(
+        default="database",
+        description="Where claim-checked payloads go: 'database' (a table next to the "
+        "outbox's, written in the producer's transaction; consumers must reach that "
+        "database) or 'file:///absolute/directory' (a directory every producer and consumer "
+        "mounts; written before the commit, orphans removed by retention).",
+        json_schema_extra=_group("payloads"),
     )
     encryption_keys: Annotated[EncryptionKeys | None, NoDecode] = Field(
         default=None,
@@ -237,36 +474,62 @@ class OutboxSettings(BaseSettings):
         "encrypts, every key decrypts. Environment: k1:base64,k2:base64. Set: payloads "
         "(of encryption_streams, default every stream) are encrypted before they reach the "
         "table, the WAL and the broker.",
+        json_schema_extra=_group("payloads"),
     )
     encryption_streams: list[str] | None = Field(
         default=None,
         description="With encryption_keys: the streams whose payloads are encrypted (None: "
         "every stream). Consumers decrypt whatever arrives encrypted, whatever this says.",
+        json_schema_extra=_group("payloads"),
     )
     encrypted_headers: list[str] = Field(
         default_factory=list,
         description="Names of user headers whose values are encrypted with the payload "
         "(case-insensitive); other headers, the key, the type and the stream stay clear.",
+        json_schema_extra=_group("payloads"),
     )
     encryption_reload_seconds: float = Field(
         default=30.0,
         ge=0,
         description="Least time between two calls of a callable encryption_keys when a "
         "message names a key id this process lacks.",
+        json_schema_extra=_group("payloads"),
     )
-    run_dispatchers: bool = Field(
-        default=True, description="Start dispatchers in the app lifespan (False: API only)."
+
+    # -- health --------------------------------------------------------------------------------
+    health_max_pending_age_seconds: float = Field(
+        default=HEALTH_MAX_PENDING_AGE_SECONDS, gt=0, json_schema_extra=_group("health")
     )
+    health_cache_seconds: float = Field(
+        default=HEALTH_CACHE_SECONDS, ge=0, json_schema_extra=_group("health")
+    )
+    health_public_detail: bool = Field(
+        default=False,
+        description="/outbox/health answers anyone with the detail of /outbox/health/detail "
+        "(errors, which name hosts and ports; handler names). False: that detail only "
+        "behind dashboard_dependencies.",
+        json_schema_extra=_group("health"),
+    )
+    dashboard_show_payloads: bool = Field(
+        default=True,
+        description="The dashboard shows message payloads (False: for data that must not be "
+        "shown to operators).",
+        json_schema_extra=_group("health"),
+    )
+
+    # -- wal -----------------------------------------------------------------------------------
     capture: Literal["table", "wal"] = Field(
         default="table",
         description="How the unit of work records messages: 'table' (outbox rows) or 'wal' "
         "(PostgreSQL with wal_level=logical: pg_logical_emit_message in the business "
         "transaction, relayed from a logical replication slot; see fastapi_outbox.wal_relay).",
+        json_schema_extra=_group("wal"),
     )
     wal_slot_name: str | None = Field(
         default=None,
         description="Logical replication slot (and publication) of capture='wal'; None: "
         "'fastapi_outbox_<table_name>' in lower case.",
+        json_schema_extra=_group("wal"),
     )
     wal_batch_size: int = Field(
         default=WAL_BATCH_SIZE,
@@ -274,119 +537,27 @@ class OutboxSettings(BaseSettings):
         le=100_000,
         description="pgoutput rows (about 2 + messages per transaction) one read of the slot "
         "asks for; whole transactions are always read.",
+        json_schema_extra=_group("wal"),
     )
     wal_standby_poll_seconds: float = Field(
         default=WAL_STANDBY_POLL_SECONDS,
         gt=0,
         description="How often a standby WAL relay tries to take the slot over.",
+        json_schema_extra=_group("wal"),
     )
-    # -- consumers (@outbox.subscriber) and their inbox ---------------------------------------
-    inbox_table_name: str = Field(
-        default=INBOX_TABLE_NAME, description="Name of the consumers' inbox table."
-    )
-    inbox_retention_seconds: float | None = Field(
-        default=INBOX_RETENTION_SECONDS,
-        gt=0,
-        description="Inbox rows older than this are deleted by the cleanup (None: kept "
-        "forever). Must exceed the longest redelivery or replay window: a message "
-        "redelivered after its inbox row is gone is handled again.",
-    )
-    consumer_batch_size: int = Field(
-        default=CONSUMER_BATCH_SIZE, ge=1, le=10_000, description="Messages read per fetch."
-    )
-    consumer_concurrency: int = Field(
-        default=CONSUMER_CONCURRENCY,
-        ge=1,
-        le=1024,
-        description="Transactions a subscriber runs at once: batches of up to "
-        "consumer_batch_size messages (one message each with batch=False or ordered=True). "
-        "More in flight costs the garbage collector more than it gains on a small "
-        "database; raise it for handlers that wait on slow I/O.",
-    )
-    consumer_max_attempts: int = Field(
-        default=CONSUMER_MAX_ATTEMPTS,
-        ge=1,
-        description="Deliveries of a message before it is dead-lettered.",
-    )
-    consumer_retry_base_delay_seconds: float = Field(
-        default=CONSUMER_RETRY_BASE_DELAY_SECONDS, ge=0
-    )
-    consumer_retry_max_delay_seconds: float = Field(default=CONSUMER_RETRY_MAX_DELAY_SECONDS, ge=0)
-    consumer_claim_idle_seconds: float = Field(
-        default=CONSUMER_CLAIM_IDLE_SECONDS,
-        gt=0,
-        description="A delivered message not acknowledged for this long goes to another "
-        "consumer: Redis XAUTOCLAIM min-idle-time, NATS ack_wait; and the lease of an "
-        "ordered subscriber's partition (a dead process's partitions move after it).",
-    )
-    consumer_unknown_type_grace_seconds: float = Field(
-        default=CONSUMER_UNKNOWN_TYPE_GRACE_SECONDS,
-        ge=0,
-        description="A message of a type no Event class of the process declares, and no "
-        "live process of its group handles, is handed back to the group for this long "
-        "(counted from the first time a process of the group found it so) before it is "
-        "dead-lettered: longer than a rolling deploy, so the version that handles it can "
-        "start.",
-    )
-    consumer_ordered_partitions: int = Field(
-        default=CONSUMER_ORDERED_PARTITIONS,
-        ge=1,
-        le=4096,
-        description="Partitions an ordered subscriber (ordered=True, Redis and NATS) hashes "
-        "keys into, each handled by one process at a time: the most processes that share "
-        "its work. Every process of a group must use the same count (checked at start).",
-    )
-    dedup_outage_seconds: float = Field(
-        default=DEDUP_OUTAGE_SECONDS,
-        ge=0,
-        description="The longest database or broker outage after which a message that was "
-        "published but not marked (the mark failed, or the broker's ack was lost) is still "
-        "de-duplicated when it is published again: part of the brokers' de-duplication "
-        "window (Redis keys, JetStream duplicate_window), whose memory grows with it.",
-    )
-
-    # -- payloads: claim-check (DESIGN §16) ----------------------------------------------------
-    claim_check_bytes: int | None = Field(
-        default=None,
-        ge=1,
-        description="Payloads larger than this (bytes of JSON text) are stored out of band "
-        "in claim_check_store and the message carries a reference header instead; "
-        "subscribers resolve it, handlers see the whole event. None (the default): off. "
-        "max_payload_bytes still bounds every payload publish() accepts, so raise it too.",
-    )
-    claim_check_store: str = Field(
-        default="database",
-        description="Where claim-checked payloads go: 'database' (a table next to the "
-        "outbox's, written in the producer's transaction; consumers must reach that "
-        "database) or 'file:///absolute/directory' (a directory every producer and consumer "
-        "mounts; written before the commit, orphans removed by retention).",
-    )
-
-    # -- secrets and destructive operations (DESIGN §18) -------------------------------------
-    health_public_detail: bool = Field(
-        default=False,
-        description="/outbox/health answers anyone with the detail of /outbox/health/detail "
-        "(errors, which name hosts and ports; handler names). False: that detail only "
-        "behind dashboard_dependencies.",
-    )
-    allow_short_abandoned_retention: bool = Field(
-        default=False,
-        description="Accept abandoned_retention_seconds below a day: abandoned messages "
-        "(never delivered) are then deleted before most operators would see them.",
-    )
-
-    # -- capture="wal": bounds of the relay's reads (see fastapi_outbox.wal_relay) -------------
     wal_read_timeout_seconds: float = Field(
         default=WAL_READ_TIMEOUT_SECONDS,
         gt=0,
         description="Bound of one read of the replication slot (the server cancels it); a "
         "read that times out is retried over a window half as large.",
+        json_schema_extra=_group("wal"),
     )
     wal_confirm_timeout_seconds: float = Field(
         default=WAL_CONFIRM_TIMEOUT_SECONDS,
         gt=0,
         description="Bound of one confirm of the slot (pg_replication_slot_advance, which "
         "decodes the WAL it moves over).",
+        json_schema_extra=_group("wal"),
     )
     wal_read_window_bytes: int = Field(
         default=WAL_READ_WINDOW_BYTES,
@@ -396,18 +567,7 @@ class OutboxSettings(BaseSettings):
         "window doubles after each read that took under a quarter of "
         "wal_read_timeout_seconds, halves (down to 1 MiB) after one that timed out, and "
         "comes back to this value once the relay has caught up.",
-    )
-    listen_check_interval_seconds: float = Field(
-        default=LISTEN_CHECK_INTERVAL_SECONDS,
-        gt=0,
-        description="How often the LISTEN connection sends a NOTIFY to itself to prove it "
-        "is alive (a NAT or firewall may drop it silently; TCP keepalives are set too).",
-    )
-    listen_check_timeout_seconds: float = Field(
-        default=LISTEN_CHECK_TIMEOUT_SECONDS,
-        gt=0,
-        description="A LISTEN self-check not answered within this is a lost connection: "
-        "the dispatchers poll every poll_interval_seconds at once and it reconnects.",
+        json_schema_extra=_group("wal"),
     )
 
     @field_validator("database_url")

@@ -6,12 +6,12 @@ Long operations (``purge``, ``replay --abandoned``) run in bounded batches and r
 ``done/total (pct%)`` on stderr: on a terminal by default, on demand with ``--progress``
 (one line per step then, for logs), never with ``--no-progress``.
 
-Destructive operations ask first (DESIGN §18): ``purge`` of abandoned rows, ``replay
---abandoned`` and ``cancel`` of more than one id print the count and the redacted target,
-then need ``--yes`` (or a ``y`` typed on a terminal); they never do more than the count
-they showed. ``--dry-run`` (on ``replay``, ``abandon``, ``cancel`` and ``purge``) prints
-the count and what would happen and changes nothing. Id lists (arguments or
-``--ids-from FILE``) are processed a page at a time, at most
+Destructive operations ask first, since a typo must not lose messages: ``purge`` of
+abandoned rows, ``replay --abandoned`` and ``cancel`` of more than one id print the count
+and the redacted target, then need ``--yes`` (or a ``y`` typed on a terminal); they never
+do more than the count they showed. ``--dry-run`` (on ``replay``, ``abandon``, ``cancel``
+and ``purge``) prints the count and what would happen and changes nothing. Id lists
+(arguments or ``--ids-from FILE``) are processed a page at a time, at most
 :data:`~fastapi_outbox.ops.operations.MAX_IDS` per command.
 """
 

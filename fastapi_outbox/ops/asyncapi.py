@@ -180,98 +180,113 @@ def _payload_schema(event: type[Event], schemas: dict[str, Any]) -> dict[str, An
     return schema
 
 
-def build_asyncapi(
-    source: AsyncApiSource,
-    *,
-    title: str = "fastapi-outbox events",
-    version: str = "1.0.0",
-    description: str | None = None,
-    events: Iterable[type[Event]] | None = None,
-) -> dict[str, Any]:
-    """The AsyncAPI 3.0 document (a JSON-ready dict) of ``source``'s streams, events,
-    subscribers and brokers. ``events``: the Event classes to describe (default: every
-    concrete Event subclass defined in the process; subscribers' events always)."""
-    brokers = dict(source.brokers)
-    external = dict(source.external_brokers)
-    subscribers: list[SubscriberLike] = list(source.subscribers)
-    published = list(event_classes() if events is None else events)
+_RAW = "RawMessage"
 
-    servers = {_component_name(n): _server(b) for n, b in {**brokers, **external}.items()}
-    internal_refs = [{"$ref": f"#/servers/{_component_name(n)}"} for n in brokers]
-    external_refs = [{"$ref": f"#/servers/{_component_name(n)}"} for n in external]
 
-    schemas: dict[str, Any] = {}
-    messages: dict[str, Any] = {}
-    # stream → {message name: is external}
-    channel_messages: dict[str, dict[str, bool]] = {}
-    sent: dict[str, list[str]] = {}
+class _Catalog:
+    """The messages of a document as they are found: their payload schemas, and which
+    streams carry which of them (a message on a stream is external when any class that
+    puts it there says so)."""
 
-    def add_message(event: type[Event]) -> str:
+    def __init__(self) -> None:
+        self.schemas: dict[str, Any] = {}
+        self.messages: dict[str, Any] = {}
+        #: stream → {message name: is external}
+        self.on_streams: dict[str, dict[str, bool]] = {}
+
+    def add(self, event: type[Event]) -> str:
+        """Describe ``event`` once and put it on its stream; its message name."""
         name = _component_name(event.__outbox_type__)
-        if name not in messages:
-            schema_name = _component_name(event.__name__)
-            schemas.setdefault(schema_name, _payload_schema(event, schemas))
-            message: dict[str, Any] = {
-                "name": event.__outbox_type__,
-                "title": event.__name__,
-                "contentType": "application/json",
-                "payload": {"$ref": f"#/components/schemas/{schema_name}"},
-                "headers": _headers_schema(event),
-                "correlationId": {
-                    "description": "Shared by every message of one request or flow.",
-                    "location": f"$message.header#/{HEADER_CORRELATION_ID}",
-                },
-            }
-            doc = inspect.getdoc(event)
-            if doc and event.__doc__ and event.__doc__ is not Event.__doc__:
-                message["summary"] = doc.splitlines()[0]
-                message["description"] = doc
-            if event.__outbox_key__ is not None:
-                message["x-key"] = event.__outbox_key__
-            if event.__outbox_external__:
-                message["x-external"] = True
-            messages[name] = message
+        if name not in self.messages:
+            self.messages[name] = self._message(event)
         assert event.__outbox_stream__ is not None
-        on_stream = channel_messages.setdefault(event.__outbox_stream__, {})
+        on_stream = self.on_streams.setdefault(event.__outbox_stream__, {})
         on_stream[name] = on_stream.get(name, False) or event.__outbox_external__
         return name
 
-    for event in published:
-        name = add_message(event)
-        names = sent.setdefault(event.__outbox_stream__ or "", [])
-        if name not in names:
-            names.append(name)
+    def _message(self, event: type[Event]) -> dict[str, Any]:
+        schema_name = _component_name(event.__name__)
+        self.schemas.setdefault(schema_name, _payload_schema(event, self.schemas))
+        message: dict[str, Any] = {
+            "name": event.__outbox_type__,
+            "title": event.__name__,
+            "contentType": "application/json",
+            "payload": {"$ref": f"#/components/schemas/{schema_name}"},
+            "headers": _headers_schema(event),
+            "correlationId": {
+                "description": "Shared by every message of one request or flow.",
+                "location": f"$message.header#/{HEADER_CORRELATION_ID}",
+            },
+        }
+        doc = inspect.getdoc(event)
+        if doc and event.__doc__ and event.__doc__ is not Event.__doc__:
+            message["summary"] = doc.splitlines()[0]
+            message["description"] = doc
+        if event.__outbox_key__ is not None:
+            message["x-key"] = event.__outbox_key__
+        if event.__outbox_external__:
+            message["x-external"] = True
+        return message
 
-    received: list[tuple[SubscriberLike, list[str] | None]] = []
-    for sub in subscribers:
-        accepted = _accepted(sub.handler)
-        names_of = None if accepted is None else [add_message(e) for e in accepted]
-        on_stream = channel_messages.setdefault(sub.stream, {})
-        for name in names_of or []:
-            on_stream.setdefault(name, False)  # what it receives, whatever the class says
-        received.append((sub, names_of))
-
-    raw = "RawMessage"
-    if any(names is None for _, names in received):
-        messages[raw] = {
-            "name": raw,
+    def add_raw(self) -> None:
+        """The message of a subscriber that takes raw messages: anything on its stream."""
+        self.messages[_RAW] = {
+            "name": _RAW,
             "title": "Any message of the stream",
             "contentType": "application/json",
             "payload": {},
             "headers": _headers_schema(None),
         }
 
+
+#: A subscriber and the names of the messages it accepts (None: raw messages).
+_Received = list[tuple[SubscriberLike, list[str] | None]]
+
+
+def _sent(catalog: _Catalog, published: Iterable[type[Event]]) -> dict[str, list[str]]:
+    """Stream → the names of the messages the app publishes to it, in first-seen order."""
+    sent: dict[str, list[str]] = {}
+    for event in published:
+        name = catalog.add(event)
+        names = sent.setdefault(event.__outbox_stream__ or "", [])
+        if name not in names:
+            names.append(name)
+    return sent
+
+
+def _received(catalog: _Catalog, subscribers: Iterable[SubscriberLike]) -> _Received:
+    received: _Received = []
+    for sub in subscribers:
+        accepted = _accepted(sub.handler)
+        names_of = None if accepted is None else [catalog.add(e) for e in accepted]
+        on_stream = catalog.on_streams.setdefault(sub.stream, {})
+        for name in names_of or []:
+            on_stream.setdefault(name, False)  # what it receives, whatever the class says
+        received.append((sub, names_of))
+    if any(names is None for _, names in received):
+        catalog.add_raw()
+    return received
+
+
+def _channels(
+    catalog: _Catalog,
+    received: _Received,
+    internal_refs: list[dict[str, str]],
+    external_refs: list[dict[str, str]],
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The channels, one per stream, and each stream's channel id (stream names that
+    differ only in characters a component name cannot hold get distinct ids)."""
     channels: dict[str, Any] = {}
     channel_ids: dict[str, str] = {}
-    for stream in sorted(channel_messages):
+    for stream in sorted(catalog.on_streams):
         channel_id = _component_name(stream)
         while channel_id in channels:
             channel_id += "_"
         channel_ids[stream] = channel_id
-        on_stream = channel_messages[stream]
+        on_stream = catalog.on_streams[stream]
         names = list(on_stream)
         if any(accepts is None for sub, accepts in received if sub.stream == stream):
-            names.append(raw)
+            names.append(_RAW)
         channel: dict[str, Any] = {
             "address": stream,
             "messages": {n: {"$ref": f"#/components/messages/{n}"} for n in names},
@@ -282,7 +297,13 @@ def build_asyncapi(
         if refs:
             channel["servers"] = refs
         channels[channel_id] = channel
+    return channels, channel_ids
 
+
+def _operations(
+    sent: Mapping[str, list[str]], received: _Received, channel_ids: Mapping[str, str]
+) -> dict[str, Any]:
+    """A send operation per stream the app publishes to, a receive one per subscriber."""
     operations: dict[str, Any] = {}
     for stream, names in sent.items():
         channel_id = channel_ids[stream]
@@ -294,7 +315,7 @@ def build_asyncapi(
         }
     for sub, names_of in received:
         channel_id = channel_ids[sub.stream]
-        names = [raw] if names_of is None else names_of
+        names = [_RAW] if names_of is None else names_of
         operation: dict[str, Any] = {
             "action": "receive",
             "channel": {"$ref": f"#/channels/{channel_id}"},
@@ -308,6 +329,30 @@ def build_asyncapi(
         if doc:
             operation["description"] = doc
         operations[f"consume.{channel_id}.{_component_name(sub.group)}"] = operation
+    return operations
+
+
+def build_asyncapi(
+    source: AsyncApiSource,
+    *,
+    title: str = "fastapi-outbox events",
+    version: str = "1.0.0",
+    description: str | None = None,
+    events: Iterable[type[Event]] | None = None,
+) -> dict[str, Any]:
+    """The AsyncAPI 3.0 document (a JSON-ready dict) of ``source``'s streams, events,
+    subscribers and brokers. ``events``: the Event classes to describe (default: every
+    concrete Event subclass defined in the process; subscribers' events always)."""
+    brokers = dict(source.brokers)
+    external = dict(source.external_brokers)
+    servers = {_component_name(n): _server(b) for n, b in {**brokers, **external}.items()}
+    internal_refs = [{"$ref": f"#/servers/{_component_name(n)}"} for n in brokers]
+    external_refs = [{"$ref": f"#/servers/{_component_name(n)}"} for n in external]
+
+    catalog = _Catalog()
+    sent = _sent(catalog, event_classes() if events is None else events)
+    received = _received(catalog, source.subscribers)
+    channels, channel_ids = _channels(catalog, received, internal_refs, external_refs)
 
     info: dict[str, Any] = {"title": title, "version": version}
     if description:
@@ -320,8 +365,8 @@ def build_asyncapi(
     if servers:
         document["servers"] = servers
     document["channels"] = channels
-    document["operations"] = operations
-    document["components"] = {"schemas": schemas, "messages": messages}
+    document["operations"] = _operations(sent, received, channel_ids)
+    document["components"] = {"schemas": catalog.schemas, "messages": catalog.messages}
     return document
 
 

@@ -14,7 +14,7 @@ the database cannot be reached they are
 that hangs makes the endpoint answer 503, not hang. The body holds no payloads and no
 credentials: errors are reduced to their type or passed through ``log.safe_error``.
 
-Public body and detail (DESIGN §18): ``GET /outbox/health`` answers anyone, so its body
+Public body and detail: ``GET /outbox/health`` answers anyone, so its body
 says the status and why in words that name no host, port, user name or credential: the
 ``last_error`` texts (a driver's error names the server it could not reach) and the
 handlers' names are ``null`` there. ``GET /outbox/health/detail`` has them, behind the

@@ -1,4 +1,6 @@
-"""Consumer groups before the first publish (DESIGN §13).
+"""Consumer groups before the first publish: a group created after a message was published
+starts past it (``start="new"``, the default) and a RabbitMQ exchange drops what no queue
+is bound to, so without this the simplest app would lose its first messages.
 
 The relays publish through :class:`GroupsFirst`, a broker wrapper whose ``connect``
 declares this process's consumer groups on the broker once before it lets anything be
@@ -126,7 +128,7 @@ async def gate_brokers(
 ) -> dict[str, Broker]:
     """The brokers the processors and the WAL relay publish with: those in ``consumed``
     (this process's subscribers consume from them) are wrapped so that nothing is
-    published to them before the subscribers' groups exist (DESIGN §13). The groups are
+    published to them before the subscribers' groups exist. The groups are
     declared here, before any relay starts, bounded in time; a broker that does not
     answer gets them declared by the first publish's connect, which waits until they are
     (a refusal of a group's settings refuses the start)."""

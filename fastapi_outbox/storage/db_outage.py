@@ -1,9 +1,10 @@
 """Is the database unavailable, or did the statement fail? One classifier per dialect.
 
 "The database is unavailable" — connection refused, starting up, shutting down, too many
-clients, pool timeout — is decided here and nowhere else (DESIGN §13). The subscribers wait
-in place on it with no attempt charged, the relays back off as a whole and report the
-database down, the CLI exits with code 3. Everything else — a handler's own SQL error (no
+clients, pool timeout — is decided here and nowhere else, so the subscribers, the relays and
+the CLI never disagree about it. The subscribers wait in place on it with no attempt
+charged, the relays back off as a whole and report the database down, the CLI exits with
+code 3. Everything else — a handler's own SQL error (no
 such table, syntax, constraint, deadlock, statement timeout) — is a failure: charged to the
 message, retried with backoff, dead-lettered after ``max_attempts``.
 

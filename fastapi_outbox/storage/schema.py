@@ -116,7 +116,8 @@ def build_table(
 
 
 def _columns() -> list[Column[Any]]:
-    """The columns of the data model (DESIGN §3). The primary key is ``(id)`` in both
+    """The columns of one outbox message, each commented in the database for an operator
+    reading the table with ``psql``. The primary key is ``(id)`` in both
     layouts: a partitioned table is partitioned by ``id`` itself."""
     return [
         Column("id", Uuid(as_uuid=True), primary_key=True, comment="UUIDv7, time-ordered"),

@@ -296,7 +296,7 @@ class Store:
             name,
             ids,
             lambda t: relay_sql.mark_published(t, self.dialect, delete_rows=delete_rows),
-            {**batch_params(ids), "token": token},
+            {**batch_params(ids, ranged=self._by_id), "token": token},
         )
 
     async def _execute_batch(
@@ -361,7 +361,7 @@ class Store:
             name,
             ids,
             lambda t: relay_sql.release(t, self.dialect, refund_attempt=refund_attempt),
-            {**batch_params(ids), "token": token},
+            {**batch_params(ids, ranged=self._by_id), "token": token},
         )
 
     async def extend_lease(self, ids: Sequence[uuid.UUID], token: str, lease_seconds: float) -> int:
@@ -370,7 +370,7 @@ class Store:
         if not ids:
             return 0
         params = {
-            **batch_params(ids),
+            **batch_params(ids, ranged=self._by_id),
             "token": token,
             "lease": offset(self.dialect, lease_seconds),
         }

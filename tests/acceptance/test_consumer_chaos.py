@@ -30,8 +30,8 @@ are into it (50 more effect rows), one failure hits while the rest is in flight:
 Then, with the groups drained (nothing pending or unread): one effect row per committed
 message id (none missing, none twice), one inbox row each, the dead-letter stream empty,
 no consumer process ended on its own, and no handler failure logged: the handler never
-fails on its own, so a failure is the outage charged as an attempt, which DESIGN §13
-forbids (after ``max_attempts`` of them a message is dead-lettered). A failure prints every
+fails on its own, so a failure is the outage charged as an attempt, which the
+library forbids (after ``max_attempts`` of them a message is dead-lettered). A failure prints every
 figure at once, the errors, and, for missing messages, whether they reached the broker.
 """
 

@@ -1,4 +1,4 @@
-"""Destructive commands ask first (DESIGN §18): ``purge`` of abandoned rows, ``replay
+"""Destructive commands ask first: ``purge`` of abandoned rows, ``replay
 --abandoned`` and a bulk ``cancel`` show the count and the redacted target, need ``--yes``
 (or a ``y`` typed on a terminal), and ``--dry-run`` changes nothing. Id lists go in pages:
 40,000 ids on PostgreSQL."""

@@ -1,4 +1,4 @@
-"""The simplest app does not lose its first messages (DESIGN §13): its consumer group
+"""The simplest app does not lose its first messages: its consumer group
 exists before its own dispatcher publishes, whatever ``start`` says.
 
 ``tests.acceptance.groups_app`` (one Outbox, one subscriber with default options, run by

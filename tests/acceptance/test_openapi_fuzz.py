@@ -1,4 +1,4 @@
-"""The example is a model FastAPI service (issue 22): schemathesis fuzzes its OpenAPI document
+"""The example is a model FastAPI service: schemathesis fuzzes its OpenAPI document
 — every operation, the dashboard's behind its guard and CSRF check — and no request gets a
 5xx or a status the document does not list. On SQLite and on PostgreSQL, whose column types
 (``integer`` ids, ``varchar(n)``, no NUL in text) the request models must respect.

@@ -191,7 +191,7 @@ async def test_markup_from_messages_is_shown_as_text_and_never_runs(
 async def test_an_old_dead_letter_is_replayed_only_after_the_warning(
     pg_url: str, chromium: str
 ) -> None:
-    """Issue 17.8c: a dead letter older than inbox_retention_seconds. The first answer is
+    """A dead letter older than inbox_retention_seconds. The first answer is
     a 409 with the warning; the page shows it in a second confirmation and, accepted,
     replays with force."""
     from fastapi_outbox.ops import operations

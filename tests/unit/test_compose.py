@@ -1,4 +1,4 @@
-"""docker-compose.yml works as written (issue 22): `docker compose up --wait` waits for every
+"""docker-compose.yml works as written: `docker compose up --wait` waits for every
 service's health check, so each check must run a tool that exists inside the image it names.
 
 Docker is not on the CI machines, so the file is checked statically: every service has a

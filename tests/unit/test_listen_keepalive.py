@@ -1,4 +1,4 @@
-"""TCP keepalives on the LISTEN connection's socket (issue 23 point 3): a connection a NAT or
+"""TCP keepalives on the LISTEN connection's socket: a connection a NAT or
 firewall dropped is closed by the kernel even while no statement is in flight."""
 
 from __future__ import annotations

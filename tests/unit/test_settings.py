@@ -1,6 +1,6 @@
 """``OutboxSettings``: contract field names, defaults, and errors that name the setting.
 
-Two paths, two error types (decided here, DESIGN §2 "fail at startup naming the setting"):
+Two paths, two error types, each failing at startup with a message naming the setting:
 
 * ``OutboxSettings(batch_size=0)`` (the caller passes values) raises pydantic's
   ``ValidationError`` (a ``ValueError``) whose text names the field;
@@ -249,3 +249,65 @@ def test_abandoned_retention_below_a_day_needs_the_opt_in() -> None:
     settings = OutboxSettings(abandoned_retention_seconds=0, allow_short_abandoned_retention=True)
     assert settings.abandoned_retention_seconds == 0
     assert OutboxSettings(abandoned_retention_seconds=86400).abandoned_retention_seconds == 86400
+
+
+# -- groups: a reader finds a setting by the capability it tunes -------------------------------
+
+#: A field of each group and a valid value for it, read from its flat variable.
+GROUP_SAMPLES = {
+    "database": ("table_name", "orders_outbox"),
+    "wakeups": ("notify", "false"),
+    "relay": ("workers", "3"),
+    "retries": ("max_attempts", "4"),
+    "consumers": ("consumer_batch_size", "50"),
+    "retention": ("cleanup_batch_size", "100"),
+    "payloads": ("max_payload_bytes", "2048"),
+    "health": ("health_cache_seconds", "2"),
+    "wal": ("wal_batch_size", "500"),
+}
+
+
+def test_every_setting_is_in_one_group_and_the_groups_follow_one_another() -> None:
+    from fastapi_outbox.settings import SETTING_GROUPS, setting_group
+
+    groups = [setting_group(name) for name in OutboxSettings.model_fields]
+    assert set(groups) == set(SETTING_GROUPS)
+    # Each group's fields are declared together, groups in the order the reference shows.
+    assert list(dict.fromkeys(groups)) == list(SETTING_GROUPS)
+
+
+def test_a_group_is_a_heading_only_the_variables_stay_flat(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from fastapi_outbox.settings import SETTING_GROUPS, setting_group
+
+    assert set(GROUP_SAMPLES) == set(SETTING_GROUPS)
+    assert OutboxSettings.model_config.get("env_nested_delimiter") is None
+    for name, field in OutboxSettings.model_fields.items():
+        assert field.alias is None and field.validation_alias is None, name
+    for group, (name, text) in GROUP_SAMPLES.items():
+        assert setting_group(name) == group
+        monkeypatch.setenv(f"OUTBOX_{name.upper()}", text)
+    settings = OutboxSettings.from_env()
+    assert settings.table_name == "orders_outbox" and settings.notify is False
+    assert settings.workers == 3 and settings.max_attempts == 4
+    assert settings.consumer_batch_size == 50 and settings.cleanup_batch_size == 100
+    assert settings.max_payload_bytes == 2048 and settings.health_cache_seconds == 2
+    assert settings.wal_batch_size == 500
+
+
+def test_the_reference_page_lists_each_setting_under_its_group() -> None:
+    import re
+    from pathlib import Path
+
+    from fastapi_outbox.settings import SETTING_GROUPS, setting_group
+
+    page = Path(__file__).parents[2] / "docs" / "reference" / "settings.md"
+    hand_written = page.read_text().split("<!-- generated")[0]
+    sections = dict(re.findall(r"^## ([^\n]+)\n(.*?)(?=^## |\Z)", hand_written, re.M | re.S))
+    titles = [title for title, _ in SETTING_GROUPS.values()]
+    assert [t for t in sections if t in titles] == titles
+    for name in OutboxSettings.model_fields:
+        title = SETTING_GROUPS[setting_group(name)][0]
+        rows = [r for r in sections[title].splitlines() if r.startswith("| `")]
+        assert any(f"`{name}`" in row.split(" | ")[0] for row in rows), (name, title)

@@ -1,5 +1,5 @@
 """Text no database can commit (NUL, unpaired surrogates) is refused at ``publish()``, with
-an :class:`UnstorableText` naming the field, and nothing is queued (issue 17 point 6)."""
+an :class:`UnstorableText` naming the field, and nothing is queued."""
 
 from __future__ import annotations
 

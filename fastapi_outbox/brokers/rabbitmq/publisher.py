@@ -87,9 +87,6 @@ class RabbitMQPublisher:
     async def publish(self, batch: Sequence[Envelope]) -> PublishResults:
         if not batch:
             return []
-        import aiormq.exceptions
-        from pamqp.commands import Basic
-
         conn = self.connection
         await conn.connect()
         if conn.blocked is not None:
@@ -97,44 +94,8 @@ class RabbitMQPublisher:
         results: PublishResults = [None] * len(batch)
         tasks: dict[int, asyncio.Future[Any]] = {}
         async with conn.confirming() as channel:
-            exchange = self.exchange
-            cloud = self.envelope_format.enabled
             try:
-                messages: list[tuple[int, bytes, str, Any]] = []
-                for i, e in enumerate(batch):
-                    headers, props = message_headers(e)
-                    body, content_type = e.payload, CONTENT_TYPE
-                    if cloud:
-                        headers, content_type, body = cloudevent_message(e, self.envelope_format)
-                    problem = header_problem(headers, e.stream)
-                    if problem is not None:
-                        results[i] = exceptions.MessageRejected(
-                            f"message {e.id} on stream {e.stream[:100]!r}: {problem}"
-                        )
-                        continue
-                    properties = Basic.Properties(
-                        content_type=content_type,
-                        delivery_mode=PERSISTENT,
-                        headers=headers,
-                        **props,
-                    )
-                    messages.append((i, body, e.stream, properties))
-                if self.batch_frames and _can_write_frames(channel):
-                    tasks = await _write_batch(channel, exchange, messages)
-                else:
-                    # A task each, started in order: each writes its frames at once (the
-                    # channel's lock is free) and then waits for its confirm.
-                    for i, payload, stream, properties in messages:
-                        tasks[i] = asyncio.ensure_future(
-                            channel.basic_publish(
-                                payload,
-                                exchange=exchange,
-                                routing_key=stream,
-                                properties=properties,
-                                mandatory=True,
-                                wait=False,
-                            )
-                        )
+                await self._start(channel, self._messages(batch, results), tasks)
                 if not tasks:
                     return results
                 done, pending = await asyncio.wait(
@@ -144,60 +105,132 @@ class RabbitMQPublisher:
                 await _cancel(tasks.values())
                 raise
             if pending:
-                await _cancel(pending)
-                if not done:
-                    # Not one confirm: a blocked or frozen broker (the processor pings to
-                    # tell an outage from a batch that hangs).
-                    blocked = conn.blocked
-                    if blocked is not None:
-                        raise conn.unavailable(None)
-                    raise exceptions.BrokerTimeout(
-                        f"RabbitMQ at {redact_url(self.url)}: no confirm for {len(tasks)} "
-                        f"messages in {self.confirm_timeout_seconds:g}s"
-                    )
-                # The channel holds unconfirmed publishes: closed rather than reused.
-                with contextlib.suppress(Exception):
-                    await channel.close()
-            down: Exception | None = None
-            for i, task in tasks.items():
-                if task in pending:
-                    results[i] = exceptions.MessageRejected(
-                        f"no confirm for message {batch[i].id} within "
-                        f"{self.confirm_timeout_seconds:g}s"
-                    )
-                    continue
-                if task.cancelled():  # the channel went away under it
-                    down = down or conn.unavailable(None)
-                    continue
-                error = task.exception()
-                if error is None:
-                    continue
-                e = batch[i]
-                if not isinstance(error, Exception):  # a CancelledError: the channel closed
-                    down = down or conn.unavailable(None)
-                    continue
-                if isinstance(error, aiormq.exceptions.PublishError):
-                    results[i] = exceptions.MessageRejected(
-                        f"no queue bound for stream {e.stream!r} on exchange {exchange!r}: "
-                        f"message {e.id} returned unroutable"
-                    )
-                elif isinstance(error, aiormq.exceptions.DeliveryError):
-                    results[i] = exceptions.MessageRejected(
-                        f"RabbitMQ nacked message {e.id} on stream {e.stream!r}"
-                    )
-                else:
-                    found = outage(error, self.url, blocked=conn.blocked)
-                    if found is not None:
-                        down = down or found  # raised once every task's error is read
-                        continue
-                    results[i] = exceptions.MessageRejected(
-                        f"RabbitMQ refused message {e.id} on stream {e.stream!r}: "
-                        f"{type(error).__name__}: {error}"
-                    )
+                await self._unconfirmed(channel, pending, any_done=bool(done), sent=len(tasks))
+            down = self._read_confirms(batch, tasks, pending, results)
             if down is not None:
                 conn.channel_failed()
                 raise down
         return results
+
+    def _messages(
+        self, batch: Sequence[Envelope], results: PublishResults
+    ) -> list[tuple[int, bytes, str, Any]]:
+        """``(index, body, stream, properties)`` of each message AMQP can carry; a message
+        whose headers or stream it cannot gets its refusal in ``results`` instead."""
+        from pamqp.commands import Basic
+
+        cloud = self.envelope_format.enabled
+        messages: list[tuple[int, bytes, str, Any]] = []
+        for i, e in enumerate(batch):
+            headers, props = message_headers(e)
+            body, content_type = e.payload, CONTENT_TYPE
+            if cloud:
+                headers, content_type, body = cloudevent_message(e, self.envelope_format)
+            problem = header_problem(headers, e.stream)
+            if problem is not None:
+                results[i] = exceptions.MessageRejected(
+                    f"message {e.id} on stream {e.stream[:100]!r}: {problem}"
+                )
+                continue
+            properties = Basic.Properties(
+                content_type=content_type,
+                delivery_mode=PERSISTENT,
+                headers=headers,
+                **props,
+            )
+            messages.append((i, body, e.stream, properties))
+        return messages
+
+    async def _start(
+        self,
+        channel: Any,
+        messages: list[tuple[int, bytes, str, Any]],
+        tasks: dict[int, asyncio.Future[Any]],
+    ) -> None:
+        """Write every message; ``tasks`` receives each one's confirm as it is started, so
+        the caller cancels those already started when a later one fails."""
+        if self.batch_frames and _can_write_frames(channel):
+            tasks.update(await _write_batch(channel, self.exchange, messages))
+            return
+        # A task each, started in order: each writes its frames at once (the channel's lock
+        # is free) and then waits for its confirm.
+        for i, payload, stream, properties in messages:
+            tasks[i] = asyncio.ensure_future(
+                channel.basic_publish(
+                    payload,
+                    exchange=self.exchange,
+                    routing_key=stream,
+                    properties=properties,
+                    mandatory=True,
+                    wait=False,
+                )
+            )
+
+    async def _unconfirmed(
+        self, channel: Any, pending: set[asyncio.Future[Any]], *, any_done: bool, sent: int
+    ) -> None:
+        """Some confirms did not come in time: cancelled, and the channel, which holds
+        unconfirmed publishes, closed rather than reused. Not one confirm: a blocked or
+        frozen broker, raised (the relay pings to tell an outage from a batch that hangs)."""
+        await _cancel(pending)
+        if not any_done:
+            if self.connection.blocked is not None:
+                raise self.connection.unavailable(None)
+            raise exceptions.BrokerTimeout(
+                f"RabbitMQ at {redact_url(self.url)}: no confirm for {sent} "
+                f"messages in {self.confirm_timeout_seconds:g}s"
+            )
+        with contextlib.suppress(Exception):
+            await channel.close()
+
+    def _read_confirms(
+        self,
+        batch: Sequence[Envelope],
+        tasks: dict[int, asyncio.Future[Any]],
+        pending: set[asyncio.Future[Any]],
+        results: PublishResults,
+    ) -> Exception | None:
+        """Each message's outcome into ``results``; the outage to raise for the whole batch,
+        if any (returned after every task's error is read, so none is left unretrieved)."""
+        import aiormq.exceptions
+
+        conn = self.connection
+        down: Exception | None = None
+        for i, task in tasks.items():
+            if task in pending:
+                results[i] = exceptions.MessageRejected(
+                    f"no confirm for message {batch[i].id} within {self.confirm_timeout_seconds:g}s"
+                )
+                continue
+            if task.cancelled():  # the channel went away under it
+                down = down or conn.unavailable(None)
+                continue
+            error = task.exception()
+            if error is None:
+                continue
+            e = batch[i]
+            if not isinstance(error, Exception):  # a CancelledError: the channel closed
+                down = down or conn.unavailable(None)
+                continue
+            if isinstance(error, aiormq.exceptions.PublishError):
+                results[i] = exceptions.MessageRejected(
+                    f"no queue bound for stream {e.stream!r} on exchange {self.exchange!r}: "
+                    f"message {e.id} returned unroutable"
+                )
+            elif isinstance(error, aiormq.exceptions.DeliveryError):
+                results[i] = exceptions.MessageRejected(
+                    f"RabbitMQ nacked message {e.id} on stream {e.stream!r}"
+                )
+            else:
+                found = outage(error, self.url, blocked=conn.blocked)
+                if found is not None:
+                    down = down or found
+                    continue
+                results[i] = exceptions.MessageRejected(
+                    f"RabbitMQ refused message {e.id} on stream {e.stream!r}: "
+                    f"{type(error).__name__}: {error}"
+                )
+        return down
 
     async def __aenter__(self) -> Self:
         await self.connect()

@@ -89,10 +89,15 @@ def ids_in(table: Table, dialect: Dialect, name: str = "ids") -> ColumnElement[b
     return table.c.id.in_(bindparam(name, expanding=True))
 
 
-def batch_params(ids: Sequence[uuid.UUID], name: str = "ids") -> dict[str, Any]:
-    """The parameters of :func:`ids_in`: the ids, and their range (unused on a table that
-    is not partitioned)."""
+def batch_params(
+    ids: Sequence[uuid.UUID], name: str = "ids", *, ranged: bool = True
+) -> dict[str, Any]:
+    """The parameters of :func:`ids_in`: the ids, and their range when ``ranged`` (only a
+    table partitioned by id uses it; ``min`` and ``max`` of 500 UUIDs cost about 0.4 µs
+    per message, compared in Python)."""
     listed = list(ids)
+    if not ranged:
+        return {name: listed}
     return {name: listed, f"{name}_lo": min(listed), f"{name}_hi": max(listed)}
 
 

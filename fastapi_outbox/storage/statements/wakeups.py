@@ -16,7 +16,8 @@ __all__ = ["NOTIFY_SQL", "notify", "notify_with_commit"]
 #: ``pg_notify(channel, payload)`` rather than ``NOTIFY channel, 'payload'``: a function
 #: takes bound parameters (a NOTIFY statement does not), so one prepared statement serves
 #: every payload. Sent outside any business transaction: a committing transaction that
-#: has notified takes a database-wide lock (see DESIGN §4).
+#: has notified takes a database-wide lock at commit, which would serialise the
+#: application's commits behind one another.
 NOTIFY_SQL = "SELECT pg_notify($1, $2)"
 
 

@@ -496,16 +496,17 @@ async def test_a_message_delayed_past_the_payload_retention_is_published_whole(
         settings=OutboxSettings(**SETTINGS, claim_check_store=store_url),
     )
     stream = unique("scans")
+    own_scan = _scan(stream)
     got: list[int] = []
 
     @outbox.subscriber(stream, group="g", start="all")
-    async def handle(event: Scan, uow: UnitOfWork) -> None:
+    async def handle(event: Scan, uow: UnitOfWork) -> None:  # own_scan declares the stream
         got.append(len(event.blob))
 
     await outbox.create_tables()
     big = "x" * 100_000
     async with outbox.unit_of_work() as uow:
-        uow.publish(_scan(stream)(name="later", blob=big), delay=15 * DAY)
+        uow.publish(own_scan(name="later", blob=big), delay=15 * DAY)
     await _days_pass(outbox, 14.5)
     await outbox.cleaner.run_once()  # half a day before it is due
     await _days_pass(outbox, 0.5)

@@ -1,5 +1,5 @@
 """Every Python sample of the README and of docs/ runs, so a sample that stops working fails
-the suite (issue 22).
+the suite.
 
 The convention, for whoever writes a page:
 

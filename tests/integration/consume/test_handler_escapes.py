@@ -229,8 +229,8 @@ async def test_keyboard_interrupt_stops_the_process_releasing_in_flight(
     assert b"KeyboardInterrupt" in stderr
     assert b"released unfinished messages" in stderr, stderr.decode()[-2000:]
 
-    class Job(Event, stream=stream):
-        n: int
+    class _StreamJob(Job, stream=stream, type_name="Job"):
+        """The subprocess's Job, on this test's stream (the handler is typed ``Job``)."""
 
     from fastapi_outbox.brokers import RedisStreamsBroker
 

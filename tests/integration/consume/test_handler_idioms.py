@@ -1,4 +1,4 @@
-"""DESIGN §13: a handler's effects and its inbox row commit together or not at all, whatever
+"""A handler's effects and its inbox row commit together or not at all, whatever
 the handler does with its session, or the library refuses the idiom at its first use with an
 error that names the handler.
 

@@ -1,4 +1,4 @@
-"""Issue 17.8c: a dead letter older than ``inbox_retention_seconds`` put back on the stream
+"""A dead letter older than ``inbox_retention_seconds`` put back on the stream
 is handled again by every other group whose inbox row of it is gone. The CLI warns and
 needs ``--force``; the dashboard answers 409 with the warning and replays only with
 ``force``. On Redis, with the CLI run by ``run_cli``."""

@@ -1,6 +1,6 @@
-"""DESIGN §18: no credential, in any form a driver accepts, leaves the process through a log
-line, an error, a processor's ``last_error``, the health body (public or guarded), the
-metrics or a dashboard page; the public health body names no host, port or user either.
+"""No credential, in any form a driver accepts, leaves the process through a log line, an
+error, a processor's ``last_error``, the health body (public or guarded), the metrics or
+a dashboard page; the public health body names no host, port or user either.
 
 The brokers point at closed loopback ports, so every error path runs for real: the
 connects fail with the drivers' own errors."""

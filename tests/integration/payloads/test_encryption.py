@@ -1,4 +1,4 @@
-"""Encrypted payloads on real services (issue 21.2): no plaintext byte of an encrypted
+"""Encrypted payloads on real services: no plaintext byte of an encrypted
 payload (or of a header named in ``encrypted_headers``) in the PostgreSQL table, the WAL
 message, the Redis entry or the JetStream message; subscribers get the plain event; a key
 rotation while messages are in flight; an unknown key and a tampered ciphertext

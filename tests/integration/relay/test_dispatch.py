@@ -1,4 +1,4 @@
-"""The dispatch cycle (DESIGN §4): claim a batch, publish it in one broker call, mark it.
+"""The dispatch cycle: claim a batch, publish it in one broker call, mark it.
 
 Batches go to the broker whole; concurrent dispatchers on one table (two processes) take
 disjoint batches, so every message is published once; ``delete_on_publish`` removes rows;

@@ -1,4 +1,4 @@
-"""Failure classes (DESIGN §4): refused messages, unreachable brokers, an unreachable database.
+"""Failure classes: refused messages, unreachable brokers, an unreachable database.
 
 * A message the broker refuses is retried on its own with exponential backoff and jitter,
   then abandoned with ``abandoned_at`` and ``last_error``; the rest of its batch goes out.

@@ -1,4 +1,4 @@
-"""No silent sink (DESIGN §8): a memory broker only when asked for by name; an outbox with
+"""No silent sink: a memory broker only when asked for by name; an outbox with
 no real broker refuses to dispatch instead of marking rows published into nowhere."""
 
 from __future__ import annotations

@@ -477,7 +477,7 @@ async def test_a_key_deeper_than_one_publish_timeout_still_drains_in_order(db_ur
         await outbox.aclose()
 
 
-# -- an abandoned message keeps blocking its key (issue 23) ---------------------------------
+# -- an abandoned message keeps blocking its key ------------------------------------------
 
 
 async def test_an_abandoned_message_blocks_its_key_until_an_operator_replays_it(

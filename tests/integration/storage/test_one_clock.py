@@ -1,5 +1,5 @@
 """One clock: every due time, deadline and age is the database's, whatever the clock of the
-process that writes, dispatches or observes (DESIGN §18).
+process that writes, dispatches or observes, since hosts' clocks drift apart.
 
 Each test shifts the library's clock (``fastapi_outbox.clock.wall``, the one seam through
 which the library reads its host's time) 120 s ahead or behind the database's and checks

@@ -1,4 +1,4 @@
-"""The WAL relay always progresses (issue 17, point 7).
+"""The WAL relay always progresses, however much unrelated WAL lies ahead of it.
 
 - A backlog of unrelated WAL (a bulk load while no relay ran) is read in bounded LSN windows,
   each confirmed as it is read, under a read timeout far shorter than reading the backlog in

@@ -1,4 +1,4 @@
-"""Aggregates keep their events through every session operation (issue 23 point 2): an
+"""Aggregates keep their events through every session operation: an
 event commits exactly when its aggregate's change commits. The README's matrix "Aggregates
 and session operations" is this file, on SQLite and PostgreSQL.
 

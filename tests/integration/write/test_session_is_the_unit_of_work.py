@@ -1,4 +1,4 @@
-"""DESIGN §8: events follow the transaction that commits them, however the handler commits.
+"""Events follow the transaction that commits them, however the handler commits.
 
 Through HTTP on SQLite and PostgreSQL, a matrix of handlers that commit themselves, roll back,
 use savepoints, raise events from ORM hooks and fail at different steps. Each case states

@@ -1,6 +1,6 @@
 """Text no database can commit (NUL, unpaired surrogates) is refused at ``publish()``
-(issue 17 point 6): before, PostgreSQL refused the COMMIT with a raw driver error and the
-business transaction was lost. Now the error names the field, it is raised where the
+rather than at the COMMIT, where PostgreSQL would refuse it with a raw driver error and the
+business transaction would be lost. The error names the field, it is raised where the
 mistake is made, and the transaction is the caller's: it may carry on (its other rows
 commit) or let the error roll it back (nothing is half-written). SQLite and PostgreSQL."""
 
