@@ -112,6 +112,7 @@ class Outbox:
             archive=self.archive,
             payloads=self.claim_check_store,
             known=None if self.claim_check_store is None else known_in(self.engine, self.table),
+            subscribers=self.subscribers,
         )
         #: The relays and their wake-ups, supervised while the dispatchers run.
         self.relays = Relays(
