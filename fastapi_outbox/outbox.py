@@ -135,6 +135,7 @@ class Outbox:
             archive=self.archive,
             payloads=self.claim_check_store,
             known=None if self.claim_check_store is None else known_in(self.engine, self.table),
+            subscribers=self.subscribers,
         )
         #: Runs the relays, subscribers and retention (``relaying()``); the consumer groups.
         self.lifecycle = Lifecycle(
