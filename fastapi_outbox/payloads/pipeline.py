@@ -86,7 +86,8 @@ class Payloads:
         """``d`` as its handler's decoder must see it: the stages undone in reverse order
         (``d`` itself when no stage sealed it — no header is parsed then). Raises
         :class:`~fastapi_outbox.exceptions.PayloadUnreadable` (dead-letter ``d``)."""
-        if not any(d.has_header(marker) for marker in self._markers):
+        markers = self._markers
+        if not markers or not any(d.has_header(marker) for marker in markers):
             return d
         parts = Parts(d.message_id, d.stream, d.type, d.payload, dict(d.headers))
         for stage in reversed(self.stages):

@@ -149,3 +149,23 @@ def test_hpub_command_counts_header_and_total_bytes() -> None:
     assert command == (
         b"HPUB orders _INBOX.x.1 %d %d\r\n" % (len(block), len(block) + 7) + block + b'{"n":1}\r\n'
     )
+
+
+@pytest.mark.parametrize(
+    "name", ["x-tenant", "encryption-key-id", KEY_HEADER, MSG_ID_HEADER, "nats-msg-id", "type"]
+)
+def test_has_header_answers_as_the_headers_do_without_building_them(name: str) -> None:
+    headers = {
+        "message-id": "m-1",
+        "type": "OrderPlaced",
+        KEY_HEADER: "k-1",
+        MSG_ID_HEADER: "0190-id",
+        "nats-msg-id": "x",
+        "x-tenant": "t1",
+    }
+    d = decode_message("orders", msg(headers))
+    answer = d.has_header(name)
+    assert d._headers is None  # the payload stages' check parses nothing
+    assert answer == (name in d.headers)
+    assert d.has_header(name) == answer  # and the same once the headers are built
+    assert decode_message("orders", msg(None)).has_header(name) is False

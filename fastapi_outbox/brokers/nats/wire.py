@@ -276,6 +276,19 @@ class _NatsDelivery(Delivery):
             }
         return self._headers
 
+    def has_header(self, name: str) -> bool:
+        """``name in self.headers`` without building that dict: the payload stages ask for
+        their markers on every delivery, and most deliveries carry none."""
+        if self._headers is not None:
+            return name in self._headers
+        raw = self.handle.headers
+        return (
+            bool(raw)
+            and name in raw
+            and name != KEY_HEADER
+            and not name.lower().startswith("nats-")
+        )
+
 
 def decode_message(stream: str, msg: Any) -> Delivery:
     """The delivery of JetStream message ``msg`` (a ``nats.aio.msg.Msg`` of a pull
