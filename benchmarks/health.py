@@ -121,7 +121,7 @@ async def main(rows: int, requests: int) -> int:
         outbox = Outbox(
             url,
             brokers={"default": MemoryBroker()},
-            settings=OutboxSettings(health_cache_seconds=0, run_dispatchers=False),
+            settings=OutboxSettings(health_cache_seconds=0, run_relays=False),
         )
         await outbox.create_tables()
         app = FastAPI(lifespan=outbox.lifespan)

@@ -369,7 +369,7 @@ class Outbox:
     async def lifespan(self, app: Any) -> AsyncIterator[None]:
         """FastAPI lifespan: ``FastAPI(lifespan=outbox.lifespan)``."""
         app.state.fastapi_outbox = self
-        if not self.settings.run_dispatchers:
+        if not self.settings.run_relays:
             if self.wal_slot is not None:
                 await self.wal_slot.check_server(slot=True)
             async with self.notifying():
@@ -380,7 +380,7 @@ class Outbox:
 
     @contextlib.asynccontextmanager
     async def notifying(self) -> AsyncIterator[Outbox]:
-        """Run only the coalesced NOTIFY sender (API-only processes: ``run_dispatchers=False``),
+        """Run only the coalesced NOTIFY sender (API-only processes: ``run_relays=False``),
         so commits wake the dispatcher processes without one extra round trip per request."""
         async with self.relays.notifying():
             yield self

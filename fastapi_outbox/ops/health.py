@@ -33,7 +33,7 @@ Probes: ``GET /outbox/health/live`` (liveness) answers 503 only when this proces
 make progress — a dispatcher, subscriber or WAL relay that should run here has stopped —
 and does no I/O; ``GET /outbox/health/ready`` (readiness) is ``/outbox/health``: 503 when
 the outbox is down, including an app that never entered ``outbox.lifespan`` while
-``run_dispatchers`` is on.
+``run_relays`` is on.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ NOT_STARTED = (
     "the outbox was never started in this process: its dispatchers and subscribers do "
     "not run. Start the app with FastAPI(lifespan=outbox.lifespan) or "
     "app.include_router(outbox.router); if they run in a separate `fastapi-outbox "
-    "dispatch` process, set run_dispatchers=False (OUTBOX_RUN_DISPATCHERS=false) here"
+    "dispatch` process, set run_relays=False (OUTBOX_RUN_RELAYS=false) here"
 )
 
 
@@ -232,7 +232,7 @@ class _Findings:
 
 async def compute_health(outbox: OutboxPort) -> OutboxHealth:
     found = _Findings()
-    if not outbox.started and outbox.settings.run_dispatchers:
+    if not outbox.started and outbox.settings.run_relays:
         found.is_down(NOT_STARTED)
     stats: dict[str, BrokerStats] = {}
     probe = outbox.database_probe

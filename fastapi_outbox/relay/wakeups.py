@@ -402,7 +402,7 @@ def wake_after_commit(
     Rows due now wake an idle worker of this process; delayed rows only tell its poller
     when to look (no claim before they are due). Returns True when other processes still
     have to be told: this process runs no :class:`Notifier` (an API-only process,
-    ``run_dispatchers=False``) but ``can_notify`` (PostgreSQL with ``notify`` on) — the
+    ``run_relays=False``) but ``can_notify`` (PostgreSQL with ``notify`` on) — the
     caller then sends the NOTIFY itself (:func:`notify_once`). ``notified``: the COMMIT
     carried the NOTIFY (:func:`notify_with_commit`); only this process's relays are left
     to wake."""

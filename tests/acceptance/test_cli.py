@@ -73,7 +73,7 @@ async def run_all(*calls: tuple[Any, ...]) -> list[subprocess.CompletedProcess[b
 
 @pytest.fixture
 async def outbox(pg_url: str) -> AsyncIterator[Outbox]:
-    box = Outbox(pg_url, settings=OutboxSettings(run_dispatchers=False))
+    box = Outbox(pg_url, settings=OutboxSettings(run_relays=False))
     await box.create_tables()
     yield box
     await box.aclose()
@@ -133,7 +133,7 @@ async def test_status_list_and_show(outbox: Outbox, pg_url: str) -> None:
     box = Outbox(
         pg_url,
         brokers={"default": MemoryBroker(), "audit": MemoryBroker()},
-        settings=OutboxSettings(run_dispatchers=False),
+        settings=OutboxSettings(run_relays=False),
     )
     try:
         pending = await publish(box, orders, 3)
@@ -386,7 +386,7 @@ async def test_dispatch_publishes_and_exits_on_sigterm(
 
     (tmp_path / "cli_app.py").write_text(APP_MODULE)
     by_app, by_url = unique("by_app"), unique("by_url")
-    other = Outbox(pg_url, settings=OutboxSettings(table_name="outbox_b", run_dispatchers=False))
+    other = Outbox(pg_url, settings=OutboxSettings(table_name="outbox_b", run_relays=False))
     await other.create_tables()
     ids = await publish(outbox, by_app, 3)
     other_ids = await publish(other, by_url, 2)

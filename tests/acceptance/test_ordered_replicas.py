@@ -116,7 +116,7 @@ class Run:
         self.pg: Any = None
 
     async def __aenter__(self) -> Run:
-        outbox = Outbox(self.pg_url, settings=OutboxSettings(run_dispatchers=False))
+        outbox = Outbox(self.pg_url, settings=OutboxSettings(run_relays=False))
         await outbox.create_tables()
         await outbox.aclose()
         self.pg = await asyncpg.connect(self.pg_url.replace("+asyncpg", ""))

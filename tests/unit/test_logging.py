@@ -50,7 +50,7 @@ async def test_failing_publish_logs_ids_never_payload_or_password(
     outbox = Outbox(
         f"sqlite+aiosqlite:///{tmp_path}/log.db",
         brokers={"default": broker},
-        settings=OutboxSettings(run_dispatchers=False, max_attempts=3, retry_base_delay_seconds=0),
+        settings=OutboxSettings(run_relays=False, max_attempts=3, retry_base_delay_seconds=0),
     )
     await outbox.create_tables()
     caplog.set_level(logging.DEBUG, logger="fastapi_outbox")

@@ -34,7 +34,7 @@ def outbox() -> Outbox:
     box = Outbox(
         "sqlite+aiosqlite://",
         brokers={"default": MemoryBroker()},
-        settings=OutboxSettings(run_dispatchers=False),
+        settings=OutboxSettings(run_relays=False),
         dashboard_dependencies=[],
     )
 

@@ -323,7 +323,7 @@ async def test_show_and_the_dashboard_page_display_the_reference_and_the_payload
     outbox = Outbox(
         sqlite_url,
         brokers={},
-        settings=OutboxSettings(**{**SETTINGS, "run_dispatchers": False}),
+        settings=OutboxSettings(**{**SETTINGS, "run_relays": False}),
         dashboard_dependencies=[],
     )
     await outbox.create_tables()

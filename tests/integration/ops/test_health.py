@@ -189,7 +189,7 @@ async def test_old_pending_message_in_an_api_process_is_degraded_not_503(db_url:
         db_url,
         brokers={"default": MemoryBroker()},
         settings=OutboxSettings(
-            health_cache_seconds=0, health_max_pending_age_seconds=30, run_dispatchers=False
+            health_cache_seconds=0, health_max_pending_age_seconds=30, run_relays=False
         ),
     )
     await outbox.create_tables()
@@ -284,9 +284,7 @@ async def test_body_holds_no_payload_and_no_credentials(pg_url: str) -> None:
 
 
 async def test_counts_are_cached(sqlite_url: str) -> None:
-    outbox = Outbox(
-        sqlite_url, settings=OutboxSettings(health_cache_seconds=60, run_dispatchers=False)
-    )
+    outbox = Outbox(sqlite_url, settings=OutboxSettings(health_cache_seconds=60, run_relays=False))
     await outbox.create_tables()
     app = build_app(outbox)
     calls = 0

@@ -142,7 +142,7 @@ async def test_wait_counts_from_the_commit_not_the_transaction_start(pg_url: str
     outbox = Outbox(
         pg_url,
         brokers={"default": MemoryBroker()},
-        settings=OutboxSettings(run_dispatchers=False),
+        settings=OutboxSettings(run_relays=False),
     )
     await outbox.create_tables()
     try:
@@ -172,7 +172,7 @@ async def test_ordered_rows_behind_a_failing_message_do_not_count(db_url: str) -
     outbox = Outbox(
         db_url,
         brokers={"default": broker},
-        settings=OutboxSettings(ordered=True, run_dispatchers=False),
+        settings=OutboxSettings(ordered=True, run_relays=False),
     )
     await outbox.create_tables()
     stream = unique("orders")

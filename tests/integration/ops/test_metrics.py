@@ -117,7 +117,7 @@ async def test_database_down_does_not_fail_the_scrape() -> None:
     registry = CollectorRegistry()
     outbox = Outbox(
         "postgresql+asyncpg://u:pw@127.0.0.1:1/x",
-        settings=OutboxSettings(run_dispatchers=False),
+        settings=OutboxSettings(run_relays=False),
         instrumentation=PrometheusInstrumentation(registry, refresh_interval_seconds=0),
     )
     app = FastAPI()

@@ -62,7 +62,7 @@ async def test_dashboard_actions_with_hostile_operator_names_and_headers(
     outbox = Outbox(
         pg_url,
         brokers={"default": MemoryBroker()},
-        settings=OutboxSettings(run_dispatchers=False),
+        settings=OutboxSettings(run_relays=False),
         dashboard_dependencies=[Depends(guard)],
     )
     await outbox.create_tables()

@@ -42,7 +42,7 @@ def count_purges(outbox: Outbox) -> list[tuple[int, int]]:
 async def test_cleanup_deletes_only_old_finished_rows_in_bounded_batches(db_url: str) -> None:
     stream = unique("orders")
     settings = OutboxSettings(
-        run_dispatchers=False,
+        run_relays=False,
         cleanup_batch_size=4,
         published_retention_seconds=HOUR,
         abandoned_retention_seconds=HOUR,

@@ -31,7 +31,7 @@ def outbox_of(url: str) -> Outbox:
     return Outbox(
         url,
         brokers={"default": MemoryBroker()},
-        settings=OutboxSettings(ordered=True, run_dispatchers=False),
+        settings=OutboxSettings(ordered=True, run_relays=False),
     )
 
 
