@@ -167,10 +167,10 @@ async def main(rows: int, requests: int) -> int:
                     "health body: status={status} pending={pending} failed={failed} "
                     "abandoned={abandoned} published_last_minute={recent}".format(
                         status=body["status"],
-                        pending=body["processors"][0]["pending"],
-                        failed=body["processors"][0]["failed"],
-                        abandoned=body["processors"][0]["abandoned"],
-                        recent=body["processors"][0]["published_last_minute"],
+                        pending=body["relays"][0]["pending"],
+                        failed=body["relays"][0]["failed"],
+                        abandoned=body["relays"][0]["abandoned"],
+                        recent=body["relays"][0]["published_last_minute"],
                     )
                 )
                 print("\nplans of the statements behind Messages.stats (after ANALYZE):")

@@ -445,7 +445,7 @@ async def test_dispatch_publishes_and_exits_on_sigterm(
 async def test_dispatch_serves_health_for_probes_and_stops_on_sigterm(
     outbox: Outbox, pg_url: str, redis_url: str, tmp_path: Path
 ) -> None:
-    """``dispatch --http HOST:PORT``: a dispatcher-only process answers GET /outbox/health
+    """``dispatch --http HOST:PORT``: a relay-only process answers GET /outbox/health
     (for liveness/readiness probes) while it dispatches, and still exits 0 on SIGTERM."""
     import httpx
 
@@ -467,14 +467,14 @@ async def test_dispatch_serves_health_for_probes_and_stops_on_sigterm(
 
             async def drained() -> bool:
                 body = (await http.get("/outbox/health")).json()
-                return bool(body["processors"][0]["pending"] == 0)
+                return bool(body["relays"][0]["pending"] == 0)
 
             await wait_until(drained, timeout=20)
             response = await http.get("/outbox/health")
         assert response.status_code == 200
         body = response.json()
-        assert body["dispatchers_running"] is True
-        assert body["processors"][0]["running"] is True
+        assert body["relays_running"] is True
+        assert body["relays"][0]["running"] is True
         assert await outbox.store.messages.count("published") == 2
         proc.send_signal(signal.SIGTERM)
         with anyio.fail_after(20):

@@ -555,7 +555,7 @@ PUBLIC_ALL: dict[str, set[str]] = {
         "HEALTH_TIMEOUT_SECONDS",
         "NO_GUARD",
         "OutboxHealth",
-        "ProcessorHealth",
+        "RelayHealth",
         "Status",
         "WalHealth",
         "build_health_router",
