@@ -82,7 +82,7 @@ async def test_metrics_after_publishing(db_url: str) -> None:
             assert m[("outbox_pending_messages", on)] == 0
             assert m[("outbox_abandoned_messages", on)] == 1
             assert m[("outbox_oldest_pending_age_seconds", on)] == 0
-            assert m[("outbox_processor_up", on)] == 1
+            assert m[("outbox_relay_up", on)] == 1
             assert m[("outbox_database_up", ())] == 1
 
             # The broker goes away: messages wait, the gauges say so on the next scrape.
