@@ -196,7 +196,7 @@ class Outcomes:
         """Abandon rows claimed more than ``max_attempts`` times without an outcome."""
         error = (
             f"claimed {rows[0].attempts} times (max_attempts={self.settings.max_attempts}) "
-            "without a recorded outcome: the dispatcher probably crashed while publishing it"
+            "without a recorded outcome: the relay probably crashed while publishing it"
         )
         await self.store.abandon([r.id for r in rows], token, error)
         self.abandoned_total += len(rows)
