@@ -202,7 +202,7 @@ class Relays:
                 for service in services:
                     await supervisor.start(service)
                 logger.info(
-                    "outbox dispatchers started",
+                    "outbox relays started",
                     extra={
                         "action": "outbox.start",
                         "brokers": list(self.processors),
@@ -214,7 +214,7 @@ class Relays:
                     yield
                 finally:
                     await supervisor.stop()
-                    logger.info("outbox dispatchers stopped", extra={"action": "outbox.stop"})
+                    logger.info("outbox relays stopped", extra={"action": "outbox.stop"})
         finally:
             self.started = False
             self.notifier = None

@@ -409,7 +409,7 @@ async def test_dispatch_publishes_and_exits_on_sigterm(
         )
         outputs = [Output(p) for p in procs]
         for output in outputs:  # SIGTERM before the handlers exist would kill, not stop
-            await output.until(b"outbox dispatchers started")
+            await output.until(b"outbox relays started")
 
         async def delivered() -> bool:
             rows = [await row(outbox, i) for i in ids] + [await row(other, i) for i in other_ids]

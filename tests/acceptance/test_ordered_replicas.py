@@ -166,7 +166,7 @@ class Run:
         # A process started last may still be starting: SIGTERM once it runs.
         for p in running:
             log = self.log_path(self.procs.index(p))
-            await wait_until(lambda: b"dispatchers started" in log.read_bytes(), timeout=15)  # noqa: B023
+            await wait_until(lambda: b"relays started" in log.read_bytes(), timeout=15)  # noqa: B023
             p.send_signal(signal.SIGTERM)
         for p in running:
             assert p.wait(timeout=15) == 0, self.tmp_path
