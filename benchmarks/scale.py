@@ -181,7 +181,7 @@ async def explained_purge(
     """``retention.purge``'s loop — the library's own DELETE (``Retention.purge_statement``), the
     same batches and pause — with each batch run under ``EXPLAIN (ANALYZE, WAL)``: returns
     the rows deleted and the WAL bytes these statements wrote (not the rest of the cluster)."""
-    from fastapi_outbox.relay.retention import BATCH_PAUSE_SECONDS
+    from fastapi_outbox.lifecycle.retention import BATCH_PAUSE_SECONDS
 
     dialect = outbox.engine.dialect
     deleted = wal = 0
@@ -211,8 +211,8 @@ async def retention_under_load(
     stream = f"bench_scale_{name}"
     await run_sql(outbox, fill_sql(name, "pending", 50_000_000, backlog, 1, stream=stream))
     out: dict[str, Any] = {}
-    async with dispatcher.dispatcher():
-        processor = dispatcher.processors["default"]
+    async with dispatcher.relaying():
+        processor = dispatcher.relays.tables["default"]
         await asyncio.sleep(1.0)  # warm-up: claims grow to batch_size
         n0, t0 = processor.published_total, time.perf_counter()
         await asyncio.sleep(4.0)
@@ -339,8 +339,8 @@ async def drain_rate(dispatcher: Any, backlog: int, stream: str) -> float:
     from its first mark to its last."""
     import redis.asyncio as aioredis
 
-    async with dispatcher.dispatcher():
-        processor = dispatcher.processors["default"]
+    async with dispatcher.relaying():
+        processor = dispatcher.relays.tables["default"]
         deadline = time.monotonic() + 600
 
         async def until(done: Any) -> None:

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from fastapi_outbox.write.session_events import JOINED_KEY, STATE_KEY, SessionState, Sink, state_of
+from fastapi_outbox.write.session_events import JOINED_KEY, STATE_KEY, SessionState, state_of
 
-__all__ = ["JOINED_KEY", "STATE_KEY", "SessionState", "Sink", "state_of"]
+__all__ = ["JOINED_KEY", "STATE_KEY", "SessionState", "state_of"]

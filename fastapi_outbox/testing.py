@@ -36,6 +36,7 @@ from fastapi_outbox.brokers.memory.broker import MemoryBroker
 from fastapi_outbox.events import Envelope, Event
 from fastapi_outbox.exceptions import PayloadUnreadable
 from fastapi_outbox.relay.table import TableRelay, process_batch
+from fastapi_outbox.write.unit_of_work import serve_app
 
 if TYPE_CHECKING:
     import httpx
@@ -184,7 +185,7 @@ class OutboxHarness:
                 )
                 sub.retry_base_delay_seconds = sub.retry_max_delay_seconds = 0.0
         if self.app is not None:
-            self.app.state.fastapi_outbox = outbox
+            serve_app(self.app.state, outbox._producer)
         try:
             if self.metadata is not None:
                 async with outbox.engine.begin() as conn:

@@ -43,7 +43,8 @@ from fastapi import APIRouter, Request, Response
 from fastapi_outbox import exceptions
 from fastapi_outbox.events import HEADER_OCCURRED_AT, Envelope
 from fastapi_outbox.instrumentation import Instrumentation
-from fastapi_outbox.ops.port import OutboxPort, SlotView, relay_here
+from fastapi_outbox.ops.port import OutboxPort, relay_here
+from fastapi_outbox.storage.wal_slot import WalSlot
 
 __all__ = ["PrometheusInstrumentation", "metrics_router", "mount_metrics"]
 
@@ -249,9 +250,9 @@ class PrometheusInstrumentation(Instrumentation):
                 await self._refresh_wal(outbox, outbox.wal_slot)
             self._refreshed_at = time.monotonic()
 
-    async def _refresh_wal(self, outbox: OutboxPort, slot: SlotView) -> None:
+    async def _refresh_wal(self, outbox: OutboxPort, slot: WalSlot) -> None:
         m = self.metrics
-        relay = outbox.wal_relay
+        relay = outbox.relays.wal
         if relay is not None and relay.leader:
             m.wal_lag_seconds.labels(slot.name).set(relay.lag_seconds)
         try:

@@ -5,7 +5,7 @@
 ``replay_dead_letters``. It sees the outbox through its port
 (:class:`fastapi_outbox.ops.port.OutboxPort`), never ``Outbox``; the SQL stays in
 :mod:`fastapi_outbox.storage` (retention's batched delete in
-:mod:`fastapi_outbox.relay.retention`). This module validates what an operator asked for,
+:mod:`fastapi_outbox.lifecycle.retention`). This module validates what an operator asked for,
 runs it, says per message id what it did (:class:`Outcome`: a :class:`Verdict` per id,
 which callers branch on; the sentences of ``Outcome.problems`` are for people), and logs
 every change with the operator's identity (``operator=``: who asked, as the dashboard's
@@ -27,11 +27,11 @@ import anyio
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.brokers.consumer import DeadLetter
-from fastapi_outbox.consume.subscriber import ConsumerStatus
+from fastapi_outbox.consume.subscriber import ConsumerStatus, Subscriber
 from fastapi_outbox.events import HEADER_MESSAGE_ID, MessageStatus
-from fastapi_outbox.ops.port import OutboxPort, SubscriberView, relay_here, wall_time
+from fastapi_outbox.lifecycle import retention
+from fastapi_outbox.ops.port import OutboxPort, relay_here, wall_time
 from fastapi_outbox.payloads import Revealed, claim_check
-from fastapi_outbox.relay import retention
 
 # The listing's filter and its statuses: built by the CLI and the dashboard from a request.
 from fastapi_outbox.storage.filters import STATUS_FILTERS as STATUS_FILTERS
@@ -550,7 +550,7 @@ async def _inbox_stats(
         return exc
 
 
-def _status_here(sub: SubscriberView) -> ConsumerStatus:
+def _status_here(sub: Subscriber) -> ConsumerStatus:
     """What this process knows of a subscriber (its broker's and inbox's figures unset)."""
     return ConsumerStatus(
         stream=sub.stream,
@@ -569,7 +569,7 @@ def _status_here(sub: SubscriberView) -> ConsumerStatus:
     )
 
 
-async def _broker_figures(sub: SubscriberView, status: ConsumerStatus) -> None:
+async def _broker_figures(sub: Subscriber, status: ConsumerStatus) -> None:
     """Set the group's lag, pending, trimmed and dead letters from its broker; a broker
     that does not answer in time leaves them None."""
     try:
@@ -592,7 +592,7 @@ async def _broker_figures(sub: SubscriberView, status: ConsumerStatus) -> None:
         )
 
 
-def find_subscriber(outbox: OutboxPort, stream: str, group: str) -> SubscriberView:
+def find_subscriber(outbox: OutboxPort, stream: str, group: str) -> Subscriber:
     """The subscriber of (``stream``, ``group``); OperationError naming the known ones."""
     for sub in outbox.subscribers:
         if sub.stream == stream and sub.group == group:

@@ -58,8 +58,8 @@ async def run_through_refusal(
     await outbox.create_tables()
     admin = aioredis.Redis.from_url(server.url)
     try:
-        async with outbox.dispatcher():
-            processor = outbox.processors["default"]
+        async with outbox.relaying():
+            processor = outbox.relays.tables["default"]
             committed = await produce(outbox, stream, 60)
             await wait_drained(outbox, 20, lambda: "before the refusal")
 
@@ -156,8 +156,8 @@ async def test_jetstream_stream_gone_is_an_outage_that_heals(
     outbox = Outbox(pg_url, brokers={"default": broker}, settings=OutboxSettings(**SETTINGS))
     await outbox.create_tables()
     try:
-        async with outbox.dispatcher():
-            processor = outbox.processors["default"]
+        async with outbox.relaying():
+            processor = outbox.relays.tables["default"]
             first = await produce(outbox, subject, 20)
             await wait_drained(outbox, 20, lambda: "before the deletion")
             exactly_once(first, await nats_ids(private_nats.url, subject))

@@ -169,7 +169,7 @@ async def test_streams_on_every_master_drained_consumed_dead_lettered_and_replay
     plan = [(s, {"n": n}) for n in range(15) for s in streams]
     try:
         with anyio.fail_after(60):
-            async with outbox.dispatcher():
+            async with outbox.relaying():
                 committed = await commit(outbox, plan)
                 poison = await commit(outbox, [(s, {"poison": True}) for s in streams])
                 poisoned.update(poison)
@@ -249,7 +249,7 @@ async def test_a_master_killed_mid_run_every_message_once(
     committed: list[str] = []
     try:
         with anyio.fail_after(60):
-            async with outbox.dispatcher():
+            async with outbox.relaying():
                 committed += await commit(outbox, rounds[0])
 
                 async def handled(n: int) -> bool:
@@ -351,7 +351,7 @@ async def test_ordered_subscribers_on_every_master_two_instances_each_key_in_ord
     committed: list[str] = []
     try:
         with anyio.fail_after(60):
-            async with first.dispatcher(), outboxes[1].dispatcher():
+            async with first.relaying(), outboxes[1].relaying():
                 await wait_until(shared, timeout=15)
                 for step in range(steps):  # one commit per step: keys interleave in streams
                     async with first.unit_of_work() as uow:

@@ -158,13 +158,13 @@ async def test_a_down_external_broker_holds_back_only_its_own_rows(
         }
 
     try:
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             async with outbox.unit_of_work(correlation_id="corr-9") as uow:
                 uow.publish(Settled(payment_id=9))
             await wait_until(lambda: len_is(redis_entries, 1), timeout=10)
-            partner = outbox.processors["partner"]
+            partner = outbox.relays.tables["partner"]
             await wait_until(lambda: not partner.broker_ok, timeout=10)
-            assert outbox.processors["default"].broker_ok
+            assert outbox.relays.tables["default"].broker_ok
             expected = {"default": ("published", 1), "partner": ("pending", 0)}
             await wait_until(lambda: statuses_are(statuses, expected), timeout=5)
 
@@ -216,7 +216,7 @@ async def test_external_rows_are_published_independently_of_internal_failures(
     )
     await outbox.create_tables()
     try:
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             async with outbox.unit_of_work() as uow:
                 uow.publish(PaymentSettled(payment_id=1, amount=1.0))
             (received,) = await partner.wait_for(1, timeout=5)

@@ -142,9 +142,9 @@ async def test_lifespan_runs_one_processor_per_broker_and_delivers_http_events(
             app.router.lifespan_context(app),
             httpx.AsyncClient(transport=transport, base_url="http://test") as client,
         ):
-            assert outbox.started
-            assert sorted(outbox.processors) == ["audit", "default"]
-            assert all(p.running for p in outbox.processors.values())
+            assert outbox.lifecycle.started
+            assert sorted(outbox.relays.tables) == ["audit", "default"]
+            assert all(p.running for p in outbox.relays.tables.values())
             await wait_until(
                 lambda: claimed_by == {"default": set(range(WORKERS)), "audit": set(range(WORKERS))}
             )
@@ -168,8 +168,8 @@ async def test_lifespan_runs_one_processor_per_broker_and_delivers_http_events(
                 "audit",
                 "default",
             }
-        assert not outbox.started
-        assert not any(p.running for p in outbox.processors.values())
+        assert not outbox.lifecycle.started
+        assert not any(p.running for p in outbox.relays.tables.values())
         rows = await outbox.store.messages.list_messages()
         assert [(r["broker"], r["status"]) for r in rows] == [("default", "published")]
     finally:
@@ -295,7 +295,7 @@ async def test_shutdown_lets_an_in_flight_batch_finish_within_the_timeout(
     processor_stopping = anyio.Event()
 
     async def answer_once_stopping() -> None:
-        await wait_until(lambda: outbox.processors["default"].stopping, timeout=5)
+        await wait_until(lambda: outbox.relays.tables["default"].stopping, timeout=5)
         processor_stopping.set()
         broker.gate.set()  # the broker answers after shutdown began
 
@@ -330,10 +330,12 @@ async def test_idle_shutdown_is_prompt(pg_url: str) -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(run_until_stopped, app, started, stop, timing)
             await started.wait()
-            assert outbox.listener is not None
-            await wait_until(lambda: outbox.listener is not None and outbox.listener.listening)
+            assert outbox.relays.listener is not None
+            await wait_until(
+                lambda: outbox.relays.listener is not None and outbox.relays.listener.listening
+            )
             stop.set()
         assert timing["end"] - timing["begin"] < 1.0
-        assert not outbox.started and outbox.listener is None
+        assert not outbox.lifecycle.started and outbox.relays.listener is None
     finally:
         await outbox.aclose()

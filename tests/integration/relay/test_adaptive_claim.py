@@ -39,9 +39,9 @@ async def test_claims_grow_with_a_backlog_and_shrink_when_it_is_gone(db_url: str
         async with outbox.unit_of_work() as uow:
             for n in range(BACKLOG):
                 uow.publish(Message(stream, "Numbered", {"n": n}))
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             await broker.wait_for(BACKLOG, timeout=30)
-            processor = outbox.processors["default"]
+            processor = outbox.relays.tables["default"]
             # Idle again: claims that come back empty halve the size down to the floor.
             await wait_until(lambda: processor.claim_size == 25, timeout=10)
             idle_from = len(asked)
@@ -83,7 +83,7 @@ async def test_fixed_claims_when_min_batch_size_equals_batch_size(sqlite_url: st
         async with outbox.unit_of_work() as uow:
             for n in range(100):
                 uow.publish(Message(unique("s"), "Numbered", {"n": n}))
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             await broker.wait_for(100, timeout=10)
     finally:
         await outbox.aclose()

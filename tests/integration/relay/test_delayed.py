@@ -84,7 +84,7 @@ async def test_a_delayed_message_is_not_published_before_it_is_due(db_url: str) 
 
     outbox.store.claims.claim = counting  # type: ignore[method-assign]
     try:
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             async with outbox.unit_of_work() as uow:
                 now_id = uow.publish(msg(stream, 1))
             await broker.wait_for(1)
@@ -123,7 +123,7 @@ async def test_delayed_message_reaches_redis_when_due(pg_url: str, redis_url: st
     await outbox.create_tables()
     client = aioredis.Redis.from_url(redis_url)
     try:
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             async with outbox.unit_of_work() as uow:
                 uow.publish(msg(stream), delay=DELAY)
             committed = time.monotonic()

@@ -48,7 +48,7 @@ async def test_each_batch_is_one_broker_call_and_one_mark(db_url: str) -> None:
     outbox.store.claims.mark_published = counting  # type: ignore[method-assign]
     try:
         ids = await publish(outbox, 250, per_transaction=250)
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             await broker.wait_for(250)
             await wait_until(lambda: count_is(outbox, "published", 250), timeout=5)
         assert broker.publish_calls == 3  # 100 + 100 + 50
@@ -73,7 +73,7 @@ async def test_two_dispatchers_on_one_table_publish_every_message_once(pg_url: s
     b = Outbox(pg_url, brokers={"default": second}, settings=settings)
     await a.create_tables()
     try:
-        async with a.dispatcher(), b.dispatcher():
+        async with a.relaying(), b.relaying():
             # Written from both "processes" while both relay.
             ids = await publish(a, 300, per_transaction=30) + await publish(
                 b, 300, per_transaction=30
@@ -102,7 +102,7 @@ async def test_delete_on_publish_removes_the_rows(db_url: str) -> None:
     await outbox.create_tables()
     try:
         await publish(outbox, 5)
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             await broker.wait_for(5)
             await wait_until(lambda: count_is(outbox, "pending", 0), timeout=5)
             await wait_until(lambda: total_is(outbox, 0), timeout=5)
@@ -140,9 +140,9 @@ async def test_a_broker_that_raises_does_not_stop_the_processor(sqlite_url: str)
     await outbox.create_tables()
     try:
         ids = await publish(outbox, 3)
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             await broker.wait_for(3, timeout=5)
-            processor = outbox.processors["default"]
+            processor = outbox.relays.tables["default"]
             assert processor.running and processor.failed_total == 3
         for i in ids:
             row = await outbox.store.messages.get(i)
@@ -181,7 +181,7 @@ async def test_a_publish_timeout_gives_the_batch_back_without_charge(sqlite_url:
     await outbox.create_tables()
     try:
         ids = await publish(outbox, 2)
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             await broker.wait_for(2, timeout=5)
             assert broker.hung.is_set()
             await wait_until(lambda: count_is(outbox, "published", 2), timeout=5)

@@ -153,7 +153,7 @@ async def test_stale_processing_rows_are_reclaimed_and_published(outbox: Outbox)
     # A dispatcher claimed them and died: nobody will ever mark or release them.
     assert len(await outbox.store.claims.claim("default", 10, "dead:0:1", lease_seconds=0.3)) == 3
 
-    async with outbox.dispatcher():
+    async with outbox.relaying():
         await broker.wait_for(3, timeout=10)
         await wait_until(
             lambda: all_published(outbox, ids),

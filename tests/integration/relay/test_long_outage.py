@@ -148,7 +148,7 @@ async def test_outage_longer_than_the_old_window_between_publish_and_mark(
 
     broker.publish = publish_then_cut
     try:
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             async with direct.unit_of_work() as uow:
                 message_id = uow.publish(Message(stream, "OrderPlaced", {"n": 1}))
             await wait_until(lambda: bool(cut_at), timeout=30)

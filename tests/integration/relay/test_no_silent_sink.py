@@ -54,7 +54,7 @@ async def test_memory_broker_by_name(sqlite_url: str) -> None:
         broker = outbox.brokers["default"]
         assert isinstance(broker, MemoryBroker)
         await outbox.create_tables()
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             await publish_one(outbox)
             await wait_until(lambda: len(broker.messages) == 1)
     finally:

@@ -166,8 +166,8 @@ async def test_per_key_commit_order_with_concurrent_producers(
     try:
         await setup_tables(outboxes[0])
         async with (
-            outboxes[0].dispatcher(),
-            outboxes[-1].dispatcher() if instances == 2 else _nothing(),
+            outboxes[0].relaying(),
+            outboxes[-1].relaying() if instances == 2 else _nothing(),
         ):
 
             async def producer(seed: int) -> None:
@@ -246,7 +246,7 @@ async def test_a_refused_message_blocks_only_its_own_key(db_url: str) -> None:
             for key in KEYS:
                 await commit_step(outbox, stream, key, parts=2)
         others_expected = 2 * 3 * (len(KEYS) - 1)
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             await broker.wait_for(others_expected + 6, timeout=20)
         assert refusals >= 3
         # The broker never saw a later message of the blocked key before its first one
@@ -464,9 +464,9 @@ async def test_a_key_deeper_than_one_publish_timeout_still_drains_in_order(db_ur
             ids = [
                 str(uow.publish(Message(stream, "Step", {"n": n}), key="deep")) for n in range(60)
             ]
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             await broker.wait_for(60, timeout=30)
-            processor = outbox.processors["default"]
+            processor = outbox.relays.tables["default"]
             assert processor.broker_ok  # slow is not an outage
         assert [m.id for m in broker.messages] == ids  # in order, each once
         assert broker.duplicates == 0
@@ -575,8 +575,8 @@ async def test_retention_keeps_a_blocking_abandoned_message_and_a_purge_releases
     """Retention (``abandoned_retention_seconds``) does not delete an abandoned message
     that a later message of its key waits for: that would be the silent gap again. An
     operator's purge does, and the key goes on without it."""
+    from fastapi_outbox.lifecycle.retention import Cleaner
     from fastapi_outbox.ops import operations
-    from fastapi_outbox.relay.retention import Cleaner
 
     poison: list[str] = []
     broker = MemoryBroker(

@@ -67,7 +67,7 @@ async def test_retry_deadline_is_counted_by_the_database(db_url: str, skew: floa
     await outbox.create_tables()
     stream = unique("orders")
     try:
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             async with outbox.unit_of_work() as uow:
                 fine = uow.publish(Message(stream, "Fine", {}))
                 doomed = uow.publish(Message(stream, "Doomed", {}))
@@ -114,7 +114,7 @@ async def test_deliver_at_and_delay_are_due_by_the_database_clock(db_url: str, s
         async def both_out() -> bool:
             return due <= {m.id for m in broker.messages}
 
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             await wait_until(both_out, timeout=60)
         for message_id in (scheduled, delayed):
             sent = await row(outbox, message_id)

@@ -465,7 +465,7 @@ async def test_dispatchers_on_a_partitioned_table_deliver_to_redis(
     client = aioredis.Redis.from_url(redis_url)
     try:
         await outbox.create_tables()
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             ids = await publish(outbox, stream, 50)
 
             async def arrived() -> bool:

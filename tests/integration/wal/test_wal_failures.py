@@ -69,8 +69,8 @@ async def test_broker_outage_pauses_the_reader_without_moving_the_slot(
     assert slot is not None
     await outbox.create_tables()
     try:
-        async with outbox.dispatcher():
-            relay = outbox.wal_relay
+        async with outbox.relaying():
+            relay = outbox.relays.wal
             assert relay is not None
             first = await produce(outbox, stream, 20)
             await wait_until(lambda: _has(private_redis.url, stream, first))
@@ -119,7 +119,7 @@ async def test_a_refused_message_becomes_a_failed_row_and_the_table_retries_it(
     assert slot is not None
     await outbox.create_tables()
     try:
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             ids = await produce(outbox, "walrefuse", 5)
             # The others are published; the refused one is in the table, failed.
             await broker.wait_for(4)
@@ -160,7 +160,7 @@ async def test_a_refusal_with_max_attempts_1_is_abandoned_and_replayable(wal_pg_
     )
     await outbox.create_tables()
     try:
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             (message_id,) = await produce(outbox, "walabandon", 1)
             await wait_until(lambda: _row_status(outbox, message_id, "abandoned"))
         assert broker.messages == []

@@ -168,7 +168,7 @@ async def test_encrypted_and_claim_checked_messages_reach_the_subscriber_whole(
             stored = await outbox.claim_check_store.get(big_id)
             assert stored is not None and MARKER.encode() not in stored  # the ciphertext
 
-            async with outbox.dispatcher():
+            async with outbox.relaying():
                 await wait_until(lambda: len(seen) == 2, timeout=15)
                 await wait_until(lambda: slot_empty(slot))
             assert sorted(seen) == [("big", big), ("small", MARKER)]
@@ -228,7 +228,7 @@ async def test_a_refused_message_keeps_its_reference_and_ciphertext_in_the_table
     big = MARKER + "x" * BIG
     try:
         await outbox.create_tables()
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             async with outbox.unit_of_work() as uow:
                 big_id = uow.publish(
                     Message(stream, "Big", {"blob": big}), headers={"card-holder": MARKER}
