@@ -7,11 +7,6 @@ the app's lifespan move the events to Redis Streams or NATS JetStream.
 
 from __future__ import annotations
 
-# The old module path ``fastapi_outbox.unit_of_work`` shares its name with the dependency
-# ``unit_of_work``. Loading that re-export module first, before the dependency is bound below,
-# keeps a later ``import fastapi_outbox.unit_of_work`` from replacing the dependency on the
-# package (Python sets a submodule as a package attribute on its first import only).
-from fastapi_outbox import unit_of_work as _unit_of_work_module  # noqa: F401
 from fastapi_outbox.aggregates import AggregateRoot
 from fastapi_outbox.events import Envelope, Event, Message, MessageStatus, uuid7
 from fastapi_outbox.exceptions import (

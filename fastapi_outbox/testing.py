@@ -35,7 +35,7 @@ from fastapi_outbox.brokers.consumer import DeadLetter, Delivery
 from fastapi_outbox.brokers.memory.broker import MemoryBroker
 from fastapi_outbox.events import Envelope, Event
 from fastapi_outbox.exceptions import PayloadUnreadable
-from fastapi_outbox.relay.table import Processor, process_batch
+from fastapi_outbox.relay.table import TableRelay, process_batch
 
 if TYPE_CHECKING:
     import httpx
@@ -76,7 +76,7 @@ async def drain(outbox: Outbox, *, broker: str | None = None, max_batches: int =
         await relay.drain()
         published += relay.relayed_total
     for name in names:
-        processor = Processor(
+        processor = TableRelay(
             store=outbox.store,
             broker_name=name,
             broker=outbox.all_brokers[name],

@@ -63,8 +63,7 @@ def instance_id() -> str:
 
 
 class TableRelay(RelayLoop):
-    """Moves one broker's rows from the outbox table to the broker (the table relay; its
-    old name, ``Processor``, stays an alias: "processor" in its logs and health)."""
+    """Moves one broker's rows from the outbox table to the broker (the table relay)."""
 
     def __init__(
         self,
@@ -539,10 +538,6 @@ class _GiveBack(Exception):
 
 class _BrokerDown(Exception):
     """Internal: the broker stopped answering during the one-by-one pass."""
-
-
-#: The table relay's first name, importable from every path it was (``fastapi_outbox.dispatcher``).
-Processor = TableRelay
 
 
 async def process_batch(processor: TableRelay, batch: Sequence[ClaimedRow], token: str) -> None:

@@ -14,7 +14,7 @@ import pytest
 from fastapi_outbox import Message, Outbox, OutboxSettings
 from fastapi_outbox.brokers import MemoryBroker
 from fastapi_outbox.ops import port
-from fastapi_outbox.relay.table import Processor
+from fastapi_outbox.relay.table import TableRelay
 from fastapi_outbox.relay.wakeups import Listener
 from fastapi_outbox.relay.wal import WalRelay
 from fastapi_outbox.storage.archive import Archive
@@ -53,7 +53,7 @@ def built(outbox: Outbox) -> dict[type, Any]:
         port.OutboxPort: outbox,
         port.MessageStore: outbox.store,
         port.InboxView: outbox.inbox,
-        port.RelayState: Processor(
+        port.RelayState: TableRelay(
             store=outbox.store,
             broker_name="default",
             broker=outbox.brokers["default"],
