@@ -34,7 +34,7 @@ from fastapi_outbox.payloads import Revealed, claim_check
 from fastapi_outbox.relay import retention
 from fastapi_outbox.storage.inbox import GroupStats
 
-logger = logging.getLogger("fastapi_outbox.operations")
+logger = logging.getLogger("fastapi_outbox.ops")
 
 #: Statuses a single-message replay accepts: abandoned, or failed (retry now, no backoff).
 REPLAYABLE = (MessageStatus.ABANDONED.value, MessageStatus.FAILED.value)

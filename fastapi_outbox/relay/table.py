@@ -50,7 +50,7 @@ from fastapi_outbox.settings import OutboxSettings
 from fastapi_outbox.storage import clock
 from fastapi_outbox.storage.store import ClaimedRow, Store
 
-logger = logging.getLogger("fastapi_outbox.dispatcher")
+logger = logging.getLogger("fastapi_outbox.relay")
 
 RELEASE_TIMEOUT_SECONDS = 2.0
 #: Longest wait for a broker's ping after a publish timed out (capped by the publish timeout).

@@ -60,7 +60,7 @@ from fastapi_outbox.storage.statements import partitions as sql
 from fastapi_outbox.storage.statements.partitions import AUTOVACUUM as AUTOVACUUM
 from fastapi_outbox.storage.statements.partitions import storage_sql as storage_sql
 
-logger = logging.getLogger("fastapi_outbox.partitions")
+logger = logging.getLogger("fastapi_outbox.storage")
 
 #: Partitions are created this far ahead of now (and at least two of them).
 AHEAD_SECONDS = 2 * 86400.0
