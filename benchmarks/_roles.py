@@ -245,14 +245,14 @@ async def producer(opts: dict[str, Any]) -> None:
     print("READY", flush=True)
     # The CPU of the producing only (not the imports and the start-up).
     if opts["in_process"]:
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             cpu0 = time.process_time()
             elapsed = await produce()
             cpu = time.process_time() - cpu0
             await asyncio.sleep(float(opts.get("linger", 2.0)))  # let the last ones go out
     else:
         # As an API-only process's lifespan does: the coalesced NOTIFY sender runs.
-        async with outbox.notifying():
+        async with outbox.relays.notifying():
             cpu0 = time.process_time()
             elapsed = await produce()
             cpu = time.process_time() - cpu0

@@ -1,7 +1,7 @@
 """What ``OutboxSettings(archive=True)`` costs retention, on PostgreSQL.
 
 * Plain table: ``--rows`` published rows past retention removed by the library's batched
-  DELETE (``Store.purge_batch``, the default retention) and moved by the archive's batched
+  DELETE (``Retention.purge_batch``, the default retention) and moved by the archive's batched
   move (``Archive.move_batch``: ``WITH moved AS (DELETE … RETURNING …) INSERT INTO
   archive …``), both in batches of ``--batch`` rows; rows/s and WAL written per row
   (``pg_current_wal_lsn()`` difference: cluster-wide, so other activity on the server is
@@ -75,7 +75,7 @@ async def plain(url: str, rows: int, batch: int, rounds: int) -> list[list[Any]]
     name, archive = outbox.table.name, outbox.archive.name
     results: dict[str, list[tuple[int, float, int]]] = {"delete": [], "move": []}
     steps = {
-        "delete": lambda n: outbox.store.purge_batch("published", 60.0, n),
+        "delete": lambda n: outbox.store.retention.purge_batch("published", 60.0, n),
         "move": lambda n: outbox.archive.move_batch("published", 60.0, n),
     }
     try:

@@ -119,7 +119,7 @@ async def _round(
         write_ms = (time.perf_counter() - start) * 1000 / commits
         write_cpu = (time.process_time() - cpu) * 1000 / commits
         # End to end: the messages of the write measure are drained first (not timed).
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             await asyncio.wait_for(done.wait(), 120)
             seen.clear()
             done.clear()

@@ -270,7 +270,7 @@ async def run_library(
 
         await asyncio.gather(*(warm() for _ in range(concurrency + 2)))
         meter = Meter(warmup, count)
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             deadline = time.perf_counter() + TIMEOUT_SECONDS
             probed = 0
             while meter.until is None:

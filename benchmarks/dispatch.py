@@ -20,7 +20,7 @@ the JetStream subject); latency = receipt - commit (the producer's ``after_commi
 Twice: with a separate dispatcher process (woken by LISTEN/NOTIFY) and with the dispatcher
 in the producer's process (in-process wake-up).
 
-(c) **Claim time**: ``Store.claim`` of 100 pending rows, 50 times, with 1,000,000 published
+(c) **Claim time**: ``Claims.claim`` of 100 pending rows, 50 times, with 1,000,000 published
 rows in the table (``--quick`` 100,000) and with none; the raw SQL claim alongside.
 
     python benchmarks/dispatch.py             # full (~4-5 minutes)
@@ -789,7 +789,7 @@ async def claim_suite(conn: Any, args: argparse.Namespace, db_url: str) -> list[
             raw: list[float] = []
             for i in range(claims + 3):
                 t = time.perf_counter()
-                got = await store.claim("claim", size, f"bench:lib:{i}", 30.0)
+                got = await store.claims.claim("claim", size, f"bench:lib:{i}", 30.0)
                 if i >= 3:
                     lib.append(1000 * (time.perf_counter() - t))
                 assert len(got) == size, f"claimed {len(got)}"
@@ -801,7 +801,7 @@ async def claim_suite(conn: Any, args: argparse.Namespace, db_url: str) -> list[
             rows.append(
                 [
                     label,
-                    "Store.claim",
+                    "Claims.claim",
                     fmt(median(lib), 2),
                     fmt(percentile(lib, 90), 2),
                     fmt(max(lib), 2),
@@ -818,7 +818,7 @@ async def claim_suite(conn: Any, args: argparse.Namespace, db_url: str) -> list[
                     "",
                 ]
             )
-            print(f"  claim, {label}: Store.claim median {median(lib):.2f} ms", flush=True)
+            print(f"  claim, {label}: Claims.claim median {median(lib):.2f} ms", flush=True)
         await conn.execute(f"TRUNCATE {TABLE}")
     finally:
         await outbox.aclose()
@@ -828,11 +828,11 @@ async def claim_suite(conn: Any, args: argparse.Namespace, db_url: str) -> list[
 def print_claims(rows: list[list[Any]], args: argparse.Namespace) -> None:
     banner(f"(c) claim of 100 pending rows, {args.claims} claims per case")
     print(table(["table", "claim", "median ms", "p90 ms", "max ms", "fill s"], rows))
-    lib = [r for r in rows if r[1] == "Store.claim"]
+    lib = [r for r in rows if r[1] == "Claims.claim"]
     if len(lib) == 2:
         ratio = float(lib[1][2].replace(",", "")) / float(lib[0][2].replace(",", ""))
         verdict = "flat" if ratio <= 1.5 else "NOT flat"
-        print(f"  Store.claim, full / empty table: {ratio:.2f}x ({verdict}; goal: flat)")
+        print(f"  Claims.claim, full / empty table: {ratio:.2f}x ({verdict}; goal: flat)")
 
 
 # -- main -----------------------------------------------------------------------------------------

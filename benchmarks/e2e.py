@@ -6,7 +6,7 @@ process (XREAD BLOCK) notes when each message arrives. Latency is counted from t
 the producer's transaction to the reader's receipt (and from the commit, for reference);
 the producer's transaction time (start to commit) and its CPU over the run are printed too.
 
-* **library**: ``outbox.unit_of_work()`` in an API-only producer (``outbox.notifying()``, as
+* **library**: ``outbox.unit_of_work()`` in an API-only producer (``outbox.relays.notifying()``, as
   an API process's lifespan), ``fastapi-outbox dispatch`` on default settings, woken by
   LISTEN/NOTIFY;
 * **txoutbox** (``pip install txoutbox``; skipped without it): raw asyncpg transactions

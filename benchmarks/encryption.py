@@ -80,7 +80,7 @@ async def publish_only(encrypted: bool, size: int, n: int) -> float:
         session = outbox.session_factory()
         from fastapi_outbox import UnitOfWork
 
-        uow = UnitOfWork(outbox, session)
+        uow = UnitOfWork(outbox._producer, session)
 
         def work() -> None:
             for e in events:
@@ -178,7 +178,7 @@ async def consume_redis(url: str, encrypted: bool, size: int, n: int) -> float:
     handle.__annotations__ = {"event": Tick, "return": None}
     consumer.subscriber(stream, group="bench", start="all")(handle)
     try:
-        async with producer.dispatcher():
+        async with producer.relaying():
             for i in range(0, n, 500):
                 async with producer.unit_of_work() as uow:
                     for j in range(i, min(n, i + 500)):
@@ -186,7 +186,7 @@ async def consume_redis(url: str, encrypted: bool, size: int, n: int) -> float:
             while await client.xlen(stream) < n:  # noqa: ASYNC110 - a poll of Redis
                 await asyncio.sleep(0.05)
         start = time.process_time()
-        async with consumer.dispatcher():
+        async with consumer.relaying():
             deadline = time.monotonic() + 300
             while handled < n and time.monotonic() < deadline:  # noqa: ASYNC110 - bounded
                 await asyncio.sleep(0.02)

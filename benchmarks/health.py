@@ -4,7 +4,7 @@ published rows plus a few thousand that still need work.
 The health endpoint must stay cheap however many published rows retention keeps: its
 counts come from the partial indexes (rows still needing work, abandoned rows, published
 rows of the last minute). The script prints p50/p99 of the endpoint (in process, through
-``httpx.ASGITransport``, the one-second cache turned off) and of ``Store.stats`` alone,
+``httpx.ASGITransport``, the one-second cache turned off) and of ``Messages.stats`` alone,
 and the plan of every statement behind it, failing loudly on a sequential scan.
 
 Run: ``.venv/bin/python benchmarks/health.py [--rows 1000000] [--requests 300] [--quick]``
@@ -65,7 +65,7 @@ def fill_sql(table_name: str, published: int) -> list[str]:
 
 
 async def measure(client: Any, store: Any, requests: int, *, warmup: int = 20) -> dict[str, float]:
-    """p50/p99 in milliseconds of the endpoint and of ``Store.stats`` (after a warm-up)."""
+    """p50/p99 in milliseconds of the endpoint and of ``Messages.stats`` (after a warm-up)."""
     for _ in range(warmup):
         await client.get("/outbox/health")
     endpoint: list[float] = []
@@ -77,7 +77,7 @@ async def measure(client: Any, store: Any, requests: int, *, warmup: int = 20) -
     stats: list[float] = []
     for _ in range(requests):
         t0 = time.perf_counter()
-        await store.stats(["default"])
+        await store.messages.stats(["default"])
         stats.append((time.perf_counter() - t0) * 1000)
     return {
         "endpoint_p50": percentile(endpoint, 50),
@@ -88,13 +88,13 @@ async def measure(client: Any, store: Any, requests: int, *, warmup: int = 20) -
 
 
 async def explain(outbox: Any) -> list[str]:
-    """EXPLAIN (ANALYZE, BUFFERS) of each statement of ``Store.stats``; returns the names
+    """EXPLAIN (ANALYZE, BUFFERS) of each statement of ``Messages.stats``; returns the names
     of the health endpoint's statements whose plan scans the table sequentially (the
     CLI-only count of all published rows reads them all by design)."""
     seq: list[str] = []
     dialect = outbox.engine.dialect
     async with outbox.engine.connect() as conn:
-        for name, stmt in outbox.store.stats_statements().items():
+        for name, stmt in outbox.store.messages.stats_statements().items():
             # Render the (interval) parameters inline so EXPLAIN sees a complete statement.
             sql = str(stmt.compile(dialect=dialect, compile_kwargs={"literal_binds": True}))
             result = await conn.exec_driver_sql(f"EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) {sql}")
@@ -173,7 +173,7 @@ async def main(rows: int, requests: int) -> int:
                         recent=body["processors"][0]["published_last_minute"],
                     )
                 )
-                print("\nplans of the statements behind Store.stats (after ANALYZE):")
+                print("\nplans of the statements behind Messages.stats (after ANALYZE):")
                 seq = await explain(outbox)
         finally:
             await outbox.aclose()

@@ -1,4 +1,4 @@
-"""Ordered claim at depth: ``Store.claim(ordered=True)`` with 500,000 pending rows.
+"""Ordered claim at depth: ``Claims.claim(ordered=True)`` with 500,000 pending rows.
 
 Fills a fresh database's outbox (``OutboxSettings(ordered=True)``, so the table has the
 ordered index ``ix_<table>_ordered`` on ``(broker, seq)`` over active rows) with
@@ -29,7 +29,7 @@ async def explain(outbox: Outbox) -> str:
     """EXPLAIN (ANALYZE, BUFFERS) of the claim statement, in a transaction rolled back."""
     import datetime as dt
 
-    stmt = outbox.store.claim_statement("default", BATCH, True)
+    stmt = outbox.store.claims.claim_statement("default", BATCH, True)
     compiled = stmt.compile(dialect=outbox.engine.dialect)
     params = {**compiled.params, "token": "bench:explain", "lease": dt.timedelta(seconds=30)}
     positional = [params[name] for name in compiled.positiontup or []]
@@ -51,10 +51,10 @@ async def time_claims(outbox: Outbox, claims: int) -> list[float]:
     out = []
     for i in range(claims):
         t = time.perf_counter()
-        got = await outbox.store.claim("default", BATCH, f"bench:{i}", 30.0, ordered=True)
+        got = await outbox.store.claims.claim("default", BATCH, f"bench:{i}", 30.0, ordered=True)
         out.append((time.perf_counter() - t) * 1000)
         assert len(got) == BATCH, f"claimed {len(got)}"
-        await outbox.store.release([r.id for r in got], f"bench:{i}")
+        await outbox.store.claims.release([r.id for r in got], f"bench:{i}")
     return out
 
 

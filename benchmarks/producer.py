@@ -54,7 +54,7 @@ from benchmarks._common import (
 from fastapi_outbox import Event, Outbox, UnitOfWork, unit_of_work
 from fastapi_outbox.brokers import MemoryBroker
 from fastapi_outbox.settings import OutboxSettings
-from fastapi_outbox.storage.statements.write import insert_rows
+from fastapi_outbox.storage.statements.inserts import insert_rows
 
 #: The library may cost at most this much more than the bare session (wall and CPU).
 FLOOR_RATIO = 1.1

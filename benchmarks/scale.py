@@ -3,7 +3,7 @@
 
 Printed, for both layouts:
 
-* the claim (500 rows, ``Store.claim``) and ``Store.stats`` (the health endpoint's counts)
+* the claim (500 rows, ``Claims.claim``) and ``Messages.stats`` (the health endpoint's counts)
   at 0, 1,000,000 and ``--rows`` done rows, medians in ms, and the plan of the claim on the
   partitioned table at full size;
 * retention of the oldest day's rows (``rows / days``): by the library's batched DELETE on
@@ -137,17 +137,17 @@ async def scalar_rows(outbox: Any, statement: str) -> list[Any]:
 
 async def measure(outbox: Any, rounds: int = 60) -> tuple[float, float]:
     """Median ms of a 500-row claim (released again, so the pending rows stay) and of
-    ``Store.stats``."""
+    ``Messages.stats``."""
     store = outbox.store
     claims, stats = [], []
     for n in range(rounds + 5):
         token = f"bench:{n}"
         t0 = time.perf_counter()
-        rows = await store.claim("default", CLAIM, token, 30.0)
+        rows = await store.claims.claim("default", CLAIM, token, 30.0)
         elapsed = (time.perf_counter() - t0) * 1000
-        await store.release([r.id for r in rows], token)
+        await store.claims.release([r.id for r in rows], token)
         t0 = time.perf_counter()
-        await store.stats(["default"])
+        await store.messages.stats(["default"])
         if n >= 5:  # warm-up: prepared statements, custom plans
             claims.append(elapsed)
             stats.append((time.perf_counter() - t0) * 1000)
@@ -156,8 +156,8 @@ async def measure(outbox: Any, rounds: int = 60) -> tuple[float, float]:
 
 async def claim_plan(outbox: Any) -> list[str]:
     store = outbox.store
-    stmt = store.claim_statement("default", CLAIM, False)
-    sql, args = store.connector.compile("plan", stmt, store.claim_params("plan", 30.0))
+    stmt = store.claims.claim_statement("default", CLAIM, False)
+    sql, args = store.connector.compile("plan", stmt, store.claims.claim_params("plan", 30.0))
     async with store.connector.driver_connection() as driver:
         return [r[0] for r in await driver.fetch("EXPLAIN (COSTS OFF) " + sql, *args)]
 
@@ -178,15 +178,15 @@ async def size(outbox: Any) -> int:
 async def explained_purge(
     outbox: Any, retention_seconds: float, batch_size: int
 ) -> tuple[int, int]:
-    """``retention.purge``'s loop — the library's own DELETE (``Store.purge_statement``), the
+    """``retention.purge``'s loop — the library's own DELETE (``Retention.purge_statement``), the
     same batches and pause — with each batch run under ``EXPLAIN (ANALYZE, WAL)``: returns
     the rows deleted and the WAL bytes these statements wrote (not the rest of the cluster)."""
-    from fastapi_outbox.relay.retention import BATCH_PAUSE_SECONDS
+    from fastapi_outbox.lifecycle.retention import BATCH_PAUSE_SECONDS
 
     dialect = outbox.engine.dialect
     deleted = wal = 0
     while True:
-        stmt = outbox.store.purge_statement("published", retention_seconds, batch_size)
+        stmt = outbox.store.retention.purge_statement("published", retention_seconds, batch_size)
         sql = str(stmt.compile(dialect=dialect, compile_kwargs={"literal_binds": True}))
         async with outbox.engine.connect() as conn:
             auto = await conn.execution_options(isolation_level="AUTOCOMMIT")
@@ -211,8 +211,8 @@ async def retention_under_load(
     stream = f"bench_scale_{name}"
     await run_sql(outbox, fill_sql(name, "pending", 50_000_000, backlog, 1, stream=stream))
     out: dict[str, Any] = {}
-    async with dispatcher.dispatcher():
-        processor = dispatcher.processors["default"]
+    async with dispatcher.relaying():
+        processor = dispatcher.relays.tables["default"]
         await asyncio.sleep(1.0)  # warm-up: claims grow to batch_size
         n0, t0 = processor.published_total, time.perf_counter()
         await asyncio.sleep(4.0)
@@ -231,7 +231,7 @@ async def retention_under_load(
         else:
             dropped = await outbox.partitions.drop_expired(retention_seconds, None)
             out["own_wal"] = None  # DDL: no EXPLAIN; see the cluster-wide window
-            deleted = await outbox.store.purge_batch("published", retention_seconds, 5000)
+            deleted = await outbox.store.retention.purge_batch("published", retention_seconds, 5000)
             out["what"] = f"DROP of {', '.join(dropped) or 'nothing'} (+{deleted} rows deleted)"
         out["seconds"] = time.perf_counter() - t0
         published = processor.published_total - n0
@@ -239,7 +239,7 @@ async def retention_under_load(
             outbox, f"SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '{lsn0}')::bigint"
         )
         out["rate_during"] = published / out["seconds"] if out["seconds"] >= 1.0 else None
-        out["backlog_left"] = await outbox.store.count("pending")
+        out["backlog_left"] = await outbox.store.messages.count("pending")
     out["size_after"] = await size(outbox)
     await run_sql(outbox, f"VACUUM {name}")
     out["size_after_vacuum"] = await size(outbox)
@@ -306,31 +306,31 @@ async def dispatch_plans(outbox: Any) -> dict[str, list[str]]:
     """The plans of a 500-row claim and of its mark (``mark_published``), generic, with
     ANALYZE and BUFFERS, on ``outbox``'s table with a 500-row backlog."""
     from fastapi_outbox.storage.partition_map import NIL
-    from fastapi_outbox.storage.statements import relay as relay_sql
+    from fastapi_outbox.storage.statements import claims as claims_sql
     from fastapi_outbox.storage.statements.parts import batch_params
 
     name = outbox.table.name
     store = outbox.store
     await run_sql(outbox, fill_sql(name, "pending", 90_000_000, CLAIM, 1, stream="plans"))
     out = {}
-    stmt = store.claim_statement("default", CLAIM, False)
+    stmt = store.claims.claim_statement("default", CLAIM, False)
     # Partitioned: the floor a dispatcher's claims use during a drain (partition_map).
-    pmap = store.partition_map
+    pmap = store.claims.partition_map
     floor = NIL
     if pmap is not None:
         await pmap.refresh("default")
         floor = pmap.floor("default")
-    params = store.claim_params("plan", 30.0, floor)
+    params = store.claims.claim_params("plan", 30.0, floor)
     sql, args = store.connector.compile("plan", stmt, params)
     out["claim"] = await explain_generic(outbox, sql, args)
-    rows = await store.claim("default", CLAIM, "plan", 30.0)
+    rows = await store.claims.claim("default", CLAIM, "plan", 30.0)
     ids = [r.id for r in rows]
     # Partitioned: the mark runs on the batch's partition when one holds it all.
     part = pmap.partition_of(ids) if pmap is not None else None
-    mark = relay_sql.mark_published(outbox.table if part is None else part, outbox.engine.dialect)
+    mark = claims_sql.mark_published(outbox.table if part is None else part, outbox.engine.dialect)
     sql, args = store.connector.compile("plan_mark", mark, {**batch_params(ids), "token": "plan"})
     out["mark"] = await explain_generic(outbox, sql, args)
-    await store.mark_published(ids, "plan")
+    await store.claims.mark_published(ids, "plan")
     return out
 
 
@@ -339,8 +339,8 @@ async def drain_rate(dispatcher: Any, backlog: int, stream: str) -> float:
     from its first mark to its last."""
     import redis.asyncio as aioredis
 
-    async with dispatcher.dispatcher():
-        processor = dispatcher.processors["default"]
+    async with dispatcher.relaying():
+        processor = dispatcher.relays.tables["default"]
         deadline = time.monotonic() + 600
 
         async def until(done: Any) -> None:

@@ -13,7 +13,7 @@ alternate (table, wal, plain, table, …); the table prints medians of commits/s
 PostgreSQL CPU per commit (``/proc`` of the backends) and the ratios.
 
 (b) **Drain.** A backlog of ``--backlog`` messages (``--per-txn`` per transaction) is
-committed with no dispatcher running, then ``outbox.dispatcher()`` starts in this process
+committed with no dispatcher running, then ``outbox.relaying()`` starts in this process
 (``batch_size=500``) and the time until the broker holds every message is measured (XLEN /
 JetStream stream state, polled every 20 ms; the count must be exact). table and wal
 alternate, on Redis and on NATS.
@@ -106,7 +106,7 @@ async def write_round(
             done += 1
 
     try:
-        async with outbox.notifying():
+        async with outbox.relays.notifying():
             # Warm the pool, then measure.
             async with asyncio.TaskGroup() as tg:
                 for _ in range(connections):
@@ -195,7 +195,7 @@ async def drain_round(
             wal1 = await admin.fetchval(lsn)
             pg0, cpu0 = await pg_cpu(admin), time.process_time()
             started = time.monotonic()
-            async with outbox.dispatcher():
+            async with outbox.relaying():
                 deadline = started + 300
                 while (count := await brokers.count(kind, stream)) < backlog:
                     if time.monotonic() > deadline:
@@ -281,7 +281,7 @@ async def latency_round(url: str, capture: str, rate: float, seconds: float) -> 
     received: dict[str, float] = {}
     try:
         await outbox.create_tables()
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             stop = asyncio.Event()
 
             async def consume() -> None:

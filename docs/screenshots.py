@@ -121,7 +121,7 @@ async def run_billing(outbox: Outbox) -> None:
     async with outbox.unit_of_work() as uow:
         for i in range(40):
             uow.publish(Message("orders", "OrderPlaced", {"order_id": i, "total": 10.0}))
-    async with outbox.dispatcher():
+    async with outbox.relaying():
         for _ in range(500):  # bounded: 10 s
             if len(handled) >= 39:
                 break

@@ -37,6 +37,7 @@ from fastapi_outbox.events import Envelope, Event
 from fastapi_outbox.exceptions import PayloadUnreadable
 from fastapi_outbox.relay.table import TableRelay, process_batch
 from fastapi_outbox.storage.wal_slot import UndecodableWalMessage
+from fastapi_outbox.write.unit_of_work import serve_app
 
 if TYPE_CHECKING:
     import httpx
@@ -78,7 +79,7 @@ async def drain(outbox: Outbox, *, broker: str | None = None, max_batches: int =
         published += relay.relayed_total
     for name in names:
         processor = TableRelay(
-            store=outbox.store,
+            store=outbox.store.claims,
             broker_name=name,
             broker=outbox.all_brokers[name],
             settings=outbox.settings,
@@ -88,7 +89,7 @@ async def drain(outbox: Outbox, *, broker: str | None = None, max_batches: int =
         await processor.broker.connect()
         for n in range(max_batches):
             token = f"{processor.instance}:{n}"
-            batch = await outbox.store.claim(
+            batch = await outbox.store.claims.claim(
                 name,
                 outbox.settings.batch_size,
                 token,
@@ -185,7 +186,7 @@ class OutboxHarness:
                 )
                 sub.retry_base_delay_seconds = sub.retry_max_delay_seconds = 0.0
         if self.app is not None:
-            self.app.state.fastapi_outbox = outbox
+            serve_app(self.app.state, outbox._producer)
         try:
             if self.metadata is not None:
                 async with outbox.engine.begin() as conn:

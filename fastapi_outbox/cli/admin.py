@@ -305,7 +305,7 @@ LIST_COLUMNS = [
 async def _status(args: argparse.Namespace, outbox: Outbox) -> int:
     """``status``: counts by status and broker (and the replication slot of capture="wal")."""
     stats = await _guard(
-        outbox.store.stats(
+        outbox.store.messages.stats(
             outbox.all_brokers, published_totals=True, ordered=outbox.settings.ordered
         ),
         outbox,
@@ -409,9 +409,10 @@ async def _replay(args: argparse.Namespace, outbox: Outbox) -> int:
             outbox,
         )
         return _report(outcome, "replay", "replayed", len(ids), outbox, args.dry_run)
-    total = await _guard(
-        outbox.store.count_matching(MessageStatus.ABANDONED.value, stream=args.stream), outbox
+    abandoned = outbox.store.messages.count_matching(
+        MessageStatus.ABANDONED.value, stream=args.stream
     )
+    total = await _guard(abandoned, outbox)
     where = f" on stream {args.stream}" if args.stream else ""
     if total == 0:
         print(f"no abandoned message{where} in {target(outbox)}: nothing to replay")
@@ -497,7 +498,7 @@ async def _purge(args: argparse.Namespace, outbox: Outbox) -> int:
     ):
         if age is not None:
             total = await _guard(
-                outbox.store.count_matching(status, finished_before_seconds=age), outbox
+                outbox.store.messages.count_matching(status, finished_before_seconds=age), outbox
             )
             counts[status] = (age, total)
     plan = "purge: " + ", ".join(

@@ -34,7 +34,7 @@ from fastapi_outbox.cli.support import (
 from fastapi_outbox.cli.support import guard as _guard
 from fastapi_outbox.cli.support import sqlstate as _sqlstate
 from fastapi_outbox.log import JsonFormatter, TextFormatter, safe_error
-from fastapi_outbox.outbox import Outbox
+from fastapi_outbox.outbox import Outbox, side_tables
 from fastapi_outbox.redaction import redact, redact_url
 from fastapi_outbox.settings import OutboxSettings
 
@@ -237,7 +237,7 @@ async def _run(args: argparse.Namespace) -> int:
                 from fastapi_outbox.storage.schema import ddl
 
                 print(ddl(outbox.table, outbox.engine.dialect), end="")
-                for side in outbox.side_tables():  # inbox, leases, archive, payloads
+                for side in side_tables(outbox):  # inbox, leases, archive, payloads
                     print("\n" + ddl(side.table, outbox.engine.dialect), end="")
                 return EXIT_OK
             if args.db_command == "upgrade":
@@ -246,7 +246,7 @@ async def _run(args: argparse.Namespace) -> int:
                 return await _drop_slot(outbox, force=args.force)
             await _guard(outbox.create_tables(groups=False), outbox)
             try:
-                await outbox.declare_groups()
+                await outbox.lifecycle.declare_groups()
             except exceptions.BrokerUnavailable as exc:
                 error = broker_error(exc, "tables created, but the consumer groups were not: ")
                 raise CliError(
@@ -281,7 +281,7 @@ async def _doctor(outbox: Outbox) -> int:
     its settings and subscribers use) and the expected layout, with its fix."""
     from fastapi_outbox.storage import doctor
 
-    sides = outbox.side_tables()
+    sides = side_tables(outbox)
     findings = await _guard(doctor.examine(outbox.engine, outbox.table, side_tables=sides), outbox)
     where = redact_url(str(outbox.engine.url))
     mismatches = [f for f in findings if f.mismatch]
@@ -303,7 +303,7 @@ async def _upgrade(outbox: Outbox) -> int:
 
     try:
         applied, left = await _guard(
-            doctor.upgrade(outbox.engine, outbox.table, side_tables=outbox.side_tables()), outbox
+            doctor.upgrade(outbox.engine, outbox.table, side_tables=side_tables(outbox)), outbox
         )
     except doctor.UpgradeLockTimeout as exc:
         raise CliError(str(exc), EXIT_FAILED) from exc
@@ -474,7 +474,7 @@ async def dispatch(outbox: Outbox, *, http: tuple[str, int] | None = None) -> in
             "brokers": list(outbox.all_brokers),
         },
     )
-    async with outbox.dispatcher():
+    async with outbox.relaying():
         if http is not None:
             await _serve_probes(outbox, *http, stop)
         else:

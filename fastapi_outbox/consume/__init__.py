@@ -4,7 +4,7 @@ It owns the subscriber options and their checks (``options``), handler inspectio
 decoding (``handlers``), the handler's transaction with the idempotent inbox and one
 delivery's retries and dead letter (``processing``), fetched batches and a batch handler's
 retries (``batches``), and the fetch loop with the ``Subscriber`` that composes them
-(``subscriber``). It sees its outbox only through the small ``ConsumeContext`` port
-(``context``), never ``fastapi_outbox.outbox``, and imports the kernel, ``storage``, the
-broker ports (``brokers.base``, ``brokers.consumer``) and ``write``.
+(``subscriber``). What it uses of its outbox is a ``ConsumeContext`` (``context``) the
+composition root builds; it imports the kernel, ``storage``, the broker ports
+(``brokers.base``, ``brokers.consumer``) and ``write`` (handlers' units of work).
 """

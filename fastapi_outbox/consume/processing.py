@@ -20,7 +20,6 @@ shares with the fetch loop is the run's :class:`InFlight`.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import dataclasses
 import logging
 import random
@@ -40,7 +39,7 @@ from fastapi_outbox.aggregates import collect_events, held_aggregates
 from fastapi_outbox.backoff import exponential_delay
 from fastapi_outbox.brokers.consumer import Consumer, Delivery
 from fastapi_outbox.consume import versions as versions_mod
-from fastapi_outbox.consume.context import AfterCommit, ConsumeContext
+from fastapi_outbox.consume.context import ConsumeContext
 from fastapi_outbox.consume.handlers import (
     BatchUnitOfWork,
     Decoder,
@@ -57,7 +56,13 @@ from fastapi_outbox.log import safe_error
 from fastapi_outbox.redaction import redact
 from fastapi_outbox.storage import db_outage
 from fastapi_outbox.write.session_events import JOINED_KEY, state_of
-from fastapi_outbox.write.unit_of_work import UnitOfWork
+from fastapi_outbox.write.unit_of_work import (
+    HANDLER_TRANSACTION,
+    HandlerTransaction,
+    UnitOfWork,
+    activate,
+    close,
+)
 
 __all__ = [
     "DATABASE_PING_SECONDS",
@@ -74,7 +79,6 @@ __all__ = [
     "Spoiled",
     "SubscriberStats",
     "escaped",
-    "handler_transaction",
     "harvest_added",
     "pause_for",
     "stops_the_process",
@@ -133,77 +137,25 @@ class ReleasedAtStop(BaseException):
     so the retry paths' ``except Exception`` never take it for a failure of the handler."""
 
 
-class HandlerRun:
+class HandlerRun(HandlerTransaction):
     """The transaction a subscriber runs its handler(s) in: the handler's session, the
-    unit of work and message of the handler running now, and what a rollback of the
-    session undid."""
+    unit of work and message of the handler running now (what ``outbox.unit_of_work()``
+    joins: :class:`~fastapi_outbox.write.unit_of_work.HandlerTransaction`), and what a
+    rollback of the session undid."""
 
-    __slots__ = (
-        "before",
-        "ended",
-        "engine",
-        "message",
-        "name",
-        "outer",
-        "session",
-        "spoiled",
-        "task",
-        "uow",
-    )
+    __slots__ = ("before", "outer", "spoiled")
 
     def __init__(
         self, engine: AsyncEngine, name: str, session: AsyncSession, outer: Connection | None
     ) -> None:
-        #: The outbox's database and the subscriber's name (for a refused second session).
-        self.engine = engine
-        self.name = name
-        self.session = session
+        super().__init__(engine, name, session)
         #: The fast way: the subscriber's connection, whose transaction the session shares
         #: (None: the careful way, the session in a savepoint of it).
         self.outer = outer
-        self.uow: UnitOfWork | None = None
-        self.message = ""
         #: The careful way: the session's transaction when the current handler began (work
         #: of earlier handlers of the batch is in it), or None.
         self.before: SessionTransaction | None = None
         self.spoiled = False
-        #: The task the handlers run in: the only one that may join their transaction.
-        self.task = asyncio.current_task()
-        #: The handlers are done: a task they started that is still running may not join.
-        self.ended = False
-
-
-#: The transaction of the handler running in this context (None outside handlers).
-_HANDLER_RUN: contextvars.ContextVar[HandlerRun | None] = contextvars.ContextVar(
-    "fastapi_outbox.handler_run", default=None
-)
-
-
-def handler_transaction(context: ConsumeContext) -> tuple[AsyncSession, UnitOfWork] | None:
-    """The session and unit of work of the handler running in this context when it works on
-    ``context``'s database (its own outbox's, or another outbox's on the same engine), else
-    None: ``outbox.unit_of_work()`` called inside a handler joins them."""
-    run = _HANDLER_RUN.get()
-    if run is None or run.engine is not context.engine:
-        return None
-    if run.ended:
-        raise exceptions.UnitOfWorkError(
-            f"a task started by handler {run.name} while handling {run.message} outlived "
-            "the handler and called outbox.unit_of_work(): the handler's transaction has "
-            "ended (committed with the message's inbox row, or rolled back), and a unit of "
-            "work of the task's own would not go with that row. Await the task inside the "
-            "handler, or publish an event and do the work in a subscriber of it"
-        )
-    if run.uow is None:
-        return None
-    if asyncio.current_task() is not run.task:
-        raise exceptions.UnitOfWorkError(
-            f"handler {run.name} called outbox.unit_of_work() from a second task "
-            f"(asyncio.gather, create_task, a task group) while handling {run.message}: "
-            "the handler's transaction is one session on one connection, which two tasks "
-            "cannot share. Run the blocks one after the other in the handler's task"
-        )
-    return run.session, run.uow
 
 
 @sa_event.listens_for(Session, "after_soft_rollback")
@@ -237,7 +189,7 @@ def _refuse_a_second_session(session: Session, transaction: SessionTransaction) 
     would apply its effects again), so it is refused at its first use — when it begins,
     before it takes a connection (on SQLite it would wait for the write lock the handler's
     transaction holds)."""
-    run = _HANDLER_RUN.get()
+    run = HANDLER_TRANSACTION.get()
     if run is None or run.uow is None or transaction.parent is not None:
         return  # no handler runs (a task it started may outlive it)
     if session.info.get(JOINED_KEY):
@@ -249,7 +201,7 @@ def _refuse_a_second_session(session: Session, transaction: SessionTransaction) 
 def _refuse_a_second_connection(session: Session, transaction: Any, connection: Any) -> None:
     """The same for a session without one bind (``binds=`` per class): judged by the
     connection it takes."""
-    run = _HANDLER_RUN.get()
+    run = HANDLER_TRANSACTION.get()
     if run is None or run.uow is None or session.bind is not None:
         return
     if session.info.get(JOINED_KEY):
@@ -257,7 +209,7 @@ def _refuse_a_second_connection(session: Session, transaction: Any, connection: 
     _refuse_if_ours(run, connection)
 
 
-def _refuse_if_ours(run: HandlerRun, bind: Any) -> None:
+def _refuse_if_ours(run: HandlerTransaction, bind: Any) -> None:
     if getattr(bind, "engine", None) is not run.engine.sync_engine:
         return  # another database: not ours to judge
     raise exceptions.UnitOfWorkError(
@@ -302,10 +254,11 @@ def escaped(exc: BaseException, handler: str, message: str) -> BaseException:
 def harvest_added(uow: UnitOfWork, before: list[Any]) -> list[Any]:
     """Publish, in ``uow``, the events pending on aggregates held by its session or added
     to it by the handler that just ran (``before``: the session's new objects before it):
-    ``uow.harvest()`` limited to what this handler added, so a batch of n handlers calls
-    ``collect_events`` O(n) times, not O(n²). When the handler flushed (the earlier new
-    objects are no longer new) every new object is looked at. Aggregates attached to the
-    session publish their events at once when raised. Returns the new objects now."""
+    a harvest of the session's aggregates limited to what this handler added, so a batch
+    of n handlers calls ``collect_events`` O(n) times, not O(n²). When the handler
+    flushed (the earlier new objects are no longer new) every new object is looked at.
+    Aggregates attached to the session publish their events at once when raised. Returns
+    the new objects now."""
     session = uow.session.sync_session
     candidates = held_aggregates(session)
     # The session's pending objects in the order added. Private SQLAlchemy on purpose:
@@ -870,8 +823,8 @@ class Processing:
         if session is not None:
             state = state_of(session.sync_session)
             state.after_commit()  # the session's own commits were not the real one
-            for sink in state.take_notify():
-                await typing.cast(AfterCommit, sink).notify_after_commit()
+            for producer in state.take_notify():
+                await producer.relays.notify_after_commit()
         return len(ran), len(todo) - len(ran)
 
     async def _run_in_session(
@@ -888,14 +841,14 @@ class Processing:
         way: releases the savepoint). :class:`Spoiled` when the session rolled back."""
         run = HandlerRun(self.context.engine, self.options.name, session, outer)
         session.info[_RUN_KEY] = run
-        token = _HANDLER_RUN.set(run)
+        token = HANDLER_TRANSACTION.set(run)
         try:
             if self.options.signature.batch:
                 await self._run_batch_handler(run, todo, messages, fresh, ran)
             else:
                 await self._run_handlers(run, todo, messages, fresh, ran)
         finally:
-            _HANDLER_RUN.reset(token)
+            HANDLER_TRANSACTION.reset(token)
             run.uow = None
             run.ended = True
         await session.commit()
@@ -947,7 +900,7 @@ class Processing:
                 ):
                     current = sync_session.begin()
                 run.before = current
-            uow.activate()
+            activate(uow)
             try:
                 await handler(message, **{name: uow for name in uow_params})
                 before = harvest_added(uow, before)
@@ -959,7 +912,7 @@ class Processing:
                     raise
                 raise error from exc
             finally:
-                uow.close()
+                close(uow)
             if run.spoiled:
                 raise Spoiled(
                     f"handler {self.options.name} rolled back its session while handling "
@@ -1007,7 +960,7 @@ class Processing:
             if len(deliveries) == 1
             else f"a batch of {len(deliveries)} messages from {deliveries[0].message_id}"
         )
-        uow.activate()
+        activate(uow)
         try:
             uow_params = self.options.signature.uow_params
             await self.options.handler(messages, **{name: uow for name in uow_params})
@@ -1020,7 +973,7 @@ class Processing:
                 raise
             raise error from exc
         finally:
-            uow.close()
+            close(uow)
         if run.spoiled:
             raise Spoiled(
                 f"handler {self.options.name} rolled back its session while handling "

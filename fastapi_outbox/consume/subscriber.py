@@ -82,7 +82,7 @@ batch handler's retries); this module holds the fetch loop and the :class:`Subsc
 composes them: each run it makes a ``Processing`` and a ``Batches`` holding exactly their
 collaborators (the run's consumer, the handler's options, the context, the counters, the
 deliveries in flight). A subscriber sees its outbox
-through :class:`~fastapi_outbox.consume.context.ConsumeContext`.
+through its :class:`~fastapi_outbox.consume.context.ConsumeContext`.
 """
 
 from __future__ import annotations
@@ -124,9 +124,6 @@ from fastapi_outbox.consume.processing import (
     pause_for,
     stops_the_process,
 )
-from fastapi_outbox.consume.processing import (  # for outbox.py
-    handler_transaction as handler_transaction,
-)
 from fastapi_outbox.consume.versions import Versions
 from fastapi_outbox.log import safe_error
 
@@ -147,6 +144,8 @@ FETCH_TIMEOUT_SECONDS = 1.0
 DRAIN_SHARE = 0.7
 #: Longest wait for the broker to take back the unfinished deliveries at a stop.
 RELEASE_SECONDS = 2.0
+#: Longest wait at start for this process's row in the group's handlers table.
+JOIN_SECONDS = 2.0
 
 
 class ConsumerStatus(BaseModel):
@@ -388,6 +387,8 @@ class Subscriber:
         ack_batch = getattr(consumer, "ack_soon", None) or consumer.ack
         batches = Batches(processing, self._options, self.stats, flight, ack_batch)
         self.running = True
+        if versions is not None:
+            await self._join(versions)
         task_status.started()
         try:
             if partitioned:
@@ -411,6 +412,27 @@ class Subscriber:
             flight.deliveries.clear()
             self.stopped.set()
 
+    async def _join(self, versions: Versions) -> None:
+        """This process's row in the group's handlers table, written before the subscriber
+        reports started: the group's other versions see what it takes from then on, so a
+        message published after the start is never skipped by a process that does not take
+        it. Bounded: a database that does not answer does not hold up the app's start (the
+        heartbeat writes the row later)."""
+        failure: BaseException | None = None
+        with anyio.move_on_after(JOIN_SECONDS) as scope:
+            try:
+                await versions.join()
+            except Exception as exc:
+                failure = exc
+        if failure is not None or scope.cancelled_caught:
+            logger.warning(
+                "cannot write this process's handled types for the group",
+                extra=self._options.log_extra(
+                    "consumer.join_failed",
+                    error=safe_error(failure) if failure else f"no answer in {JOIN_SECONDS:g} s",
+                ),
+            )
+
     def _versions(self) -> Versions:
         inbox = self.context.inbox
         return Versions(
@@ -430,15 +452,6 @@ class Subscriber:
         versions: Versions | None = None,
     ) -> None:
         """The handler tasks and the fetch loop until the stop, then the drain."""
-        if versions is not None:
-            # Seen by the group's other versions before this one takes a message.
-            try:
-                await versions.join()
-            except Exception as exc:  # the heartbeat tries again
-                logger.warning(
-                    "cannot write this process's handled types for the group",
-                    extra=self._options.log_extra("consumer.join_failed", error=safe_error(exc)),
-                )
         # Work for the handler tasks: a fetched batch, or one delivery. A fixed set of
         # ``concurrency`` tasks takes it (anyio spawns a task in ~25 µs, an item passes
         # through the stream in ~2.5 µs).

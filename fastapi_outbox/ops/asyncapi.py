@@ -24,7 +24,7 @@ import re
 import types
 import typing
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Protocol, Union
+from typing import TYPE_CHECKING, Any, Protocol, Union
 from urllib.parse import urlsplit
 
 from fastapi_outbox import exceptions
@@ -38,6 +38,9 @@ from fastapi_outbox.events import (
     Event,
     Message,
 )
+
+if TYPE_CHECKING:
+    from fastapi import APIRouter
 
 __all__ = [
     "ASYNCAPI_PATH",
@@ -370,7 +373,7 @@ def build_asyncapi(
     return document
 
 
-def build_asyncapi_router(source: AsyncApiSource, dependencies: Sequence[Any] | None) -> Any:
+def build_asyncapi_router(source: AsyncApiSource, dependencies: Sequence[Any] | None) -> APIRouter:
     """``GET /outbox/asyncapi.json`` behind ``dependencies`` (the dashboard's guard).
     ``None`` is refused, as for the dashboard: pass ``[]`` to serve it unguarded."""
     from fastapi import APIRouter

@@ -51,14 +51,15 @@ from pydantic import BaseModel, Field
 
 from fastapi_outbox.consume.subscriber import ConsumerStatus
 from fastapi_outbox.ops import operations
-from fastapi_outbox.ops.port import OutboxPort, SlotView, WalRelayState, relay_here, wall_time
+from fastapi_outbox.ops.port import OutboxPort, relay_here, wall_time
 from fastapi_outbox.redaction import redact
+from fastapi_outbox.relay.wal import WalRelay
 from fastapi_outbox.settings import OutboxSettings
 from fastapi_outbox.storage import clock
 from fastapi_outbox.storage.db_outage import describe as describe_database_error
 from fastapi_outbox.storage.probe import POOL_PROBE_SECONDS, DatabaseProbe, PoolUsage
 from fastapi_outbox.storage.store import BrokerStats
-from fastapi_outbox.storage.wal_slot import SlotStats, format_lsn
+from fastapi_outbox.storage.wal_slot import SlotStats, WalSlot, format_lsn
 
 Status = Literal["ok", "degraded", "down"]
 
@@ -232,7 +233,7 @@ class _Findings:
 
 async def compute_health(outbox: OutboxPort) -> OutboxHealth:
     found = _Findings()
-    if not outbox.started and outbox.settings.run_dispatchers:
+    if not outbox.lifecycle.started and outbox.settings.run_dispatchers:
         found.is_down(NOT_STARTED)
     stats: dict[str, BrokerStats] = {}
     probe = outbox.database_probe
@@ -260,11 +261,11 @@ async def compute_health(outbox: OutboxPort) -> OutboxHealth:
         pool=None
         if pool is None
         else PoolHealth(in_use=pool.in_use, capacity=pool.capacity, wait_seconds=pool.wait_seconds),
-        dispatchers_running=outbox.started,
+        dispatchers_running=outbox.lifecycle.started,
         reasons=found.reasons,
         processors=processors,
         wal=wal,
-        listening=None if outbox.listener is None else outbox.listener.listening,
+        listening=None if outbox.relays.listener is None else outbox.relays.listener.listening,
     )
 
 
@@ -292,7 +293,7 @@ def _processor_health(
     message waits too long for it; degraded when its broker is down, messages fail or
     are abandoned, or keys are blocked. ``s``: its counts (None: database unreachable)."""
     p = relay_here(outbox, name)
-    if outbox.started and (p is None or not p.running):
+    if outbox.lifecycle.started and (p is None or not p.running):
         found.is_down(f"processor {name!r} is not running")
     broker_down = p is not None and p.running and not p.broker_ok
     down_for: float | None = None
@@ -362,14 +363,14 @@ def _backlog_health(
 
 
 async def _wal_health(
-    outbox: OutboxPort, slot: SlotView, found: _Findings, database_ok: bool
+    outbox: OutboxPort, slot: WalSlot, found: _Findings, database_ok: bool
 ) -> WalHealth:
     """The slot's health. Down: the slot is missing or was invalidated (messages lost: a
     restart cures nothing, but nothing must look fine), the relay of this process died,
     the reader here stopped before an undecodable message or has made no progress for
     longer than health_max_pending_age_seconds, or it is stuck; degraded: its broker is
     down, or the slot's WAL is about to exceed max_slot_wal_keep_size."""
-    relay = outbox.wal_relay if outbox.started else None
+    relay = outbox.relays.wal if outbox.lifecycle.started else None
     stats = None
     if database_ok:
         try:
@@ -379,7 +380,7 @@ async def _wal_health(
             database_ok = False
             found.is_down(f"replication slot unreadable ({type(exc).__name__})")
     _slot_findings(slot.name, stats, found, database_ok)
-    if outbox.started and (relay is None or not relay.running):
+    if outbox.lifecycle.started and (relay is None or not relay.running):
         found.is_down("the WAL relay is not running")
     reader = relay if relay is not None and relay.leader else None
     if reader is not None:
@@ -432,7 +433,7 @@ def _slot_findings(name: str, stats: SlotStats | None, found: _Findings, databas
 def _reader_findings(
     settings: OutboxSettings,
     slot: str,
-    reader: WalRelayState,
+    reader: WalRelay,
     stats: SlotStats | None,
     found: _Findings,
 ) -> None:
@@ -476,7 +477,7 @@ async def _consumers_health(outbox: OutboxPort, found: _Findings) -> list[Consum
     for c in statuses:
         c.last_error = _redacted(c.last_error)  # a handler's error text is the app's own
         where = f"consumer group {c.group!r} on {c.stream!r}"
-        if outbox.started and not c.running:
+        if outbox.lifecycle.started and not c.running:
             found.is_down(f"{where} is not running")
         elif c.running and c.broker_available is False:
             found.is_degraded(f"{where}: broker {c.broker!r} unavailable")
@@ -549,14 +550,14 @@ def liveness(outbox: OutboxPort) -> list[str]:
     """Why this process cannot make progress (empty: it can): a dispatcher, subscriber or
     WAL relay that should run here has stopped. In-process state only, no I/O: an outage of
     the database or a broker is not cured by a restart and never fails liveness."""
-    if not outbox.started:
+    if not outbox.lifecycle.started:
         return []
     reasons = [
         f"processor {name!r} is not running"
         for name in outbox.all_brokers
         if (p := relay_here(outbox, name)) is None or not p.running
     ]
-    if outbox.wal_slot is not None and (outbox.wal_relay is None or not outbox.wal_relay.running):
+    if outbox.wal_slot is not None and (outbox.relays.wal is None or not outbox.relays.wal.running):
         reasons.append("the WAL relay is not running")
     reasons += [
         f"consumer group {s.group!r} on {s.stream!r} is not running"

@@ -21,7 +21,7 @@ Metrics (prefix ``outbox_``, change it with ``namespace=``):
   the broker's acknowledgement — the commit-to-publish latency;
 * ``pending_messages``, ``oldest_pending_age_seconds``, ``abandoned_messages`` by
   ``broker``, ``database_up`` and ``processor_up`` by ``broker``: gauges refreshed from
-  :meth:`Store.stats` when ``/metrics`` is scraped (at most once per
+  :meth:`Messages.stats` when ``/metrics`` is scraped (at most once per
   ``refresh_interval_seconds``), so they describe the whole table, whichever process
   dispatches it.
 
@@ -43,7 +43,8 @@ from fastapi import APIRouter, Request, Response
 from fastapi_outbox import exceptions
 from fastapi_outbox.events import HEADER_OCCURRED_AT, Envelope
 from fastapi_outbox.instrumentation import Instrumentation
-from fastapi_outbox.ops.port import OutboxPort, SlotView, relay_here
+from fastapi_outbox.ops.port import OutboxPort, relay_here
+from fastapi_outbox.storage.wal_slot import WalSlot
 
 __all__ = ["PrometheusInstrumentation", "metrics_router", "mount_metrics"]
 
@@ -236,7 +237,7 @@ class PrometheusInstrumentation(Instrumentation):
                 m.processor_up.labels(name).set(1 if processor and processor.running else 0)
             try:
                 with anyio.fail_after(REFRESH_TIMEOUT_SECONDS):
-                    stats = await outbox.store.stats(
+                    stats = await outbox.store.messages.stats(
                         outbox.all_brokers, ordered=outbox.settings.ordered
                     )
             except Exception:
@@ -251,9 +252,9 @@ class PrometheusInstrumentation(Instrumentation):
                 await self._refresh_wal(outbox, outbox.wal_slot)
             self._refreshed_at = time.monotonic()
 
-    async def _refresh_wal(self, outbox: OutboxPort, slot: SlotView) -> None:
+    async def _refresh_wal(self, outbox: OutboxPort, slot: WalSlot) -> None:
         m = self.metrics
-        relay = outbox.wal_relay
+        relay = outbox.relays.wal
         if relay is not None and relay.leader:
             m.wal_lag_seconds.labels(slot.name).set(relay.lag_seconds)
         try:

@@ -5,7 +5,7 @@
 ``replay_dead_letters``. It sees the outbox through its port
 (:class:`fastapi_outbox.ops.port.OutboxPort`), never ``Outbox``; the SQL stays in
 :mod:`fastapi_outbox.storage` (retention's batched delete in
-:mod:`fastapi_outbox.relay.retention`). This module validates what an operator asked for,
+:mod:`fastapi_outbox.lifecycle.retention`). This module validates what an operator asked for,
 runs it, says per message id what it did (:class:`Outcome`: a :class:`Verdict` per id,
 which callers branch on; the sentences of ``Outcome.problems`` are for people), and logs
 every change with the operator's identity (``operator=``: who asked, as the dashboard's
@@ -27,11 +27,15 @@ import anyio
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.brokers.consumer import DeadLetter
-from fastapi_outbox.consume.subscriber import ConsumerStatus
+from fastapi_outbox.consume.subscriber import ConsumerStatus, Subscriber
 from fastapi_outbox.events import HEADER_MESSAGE_ID, MessageStatus
-from fastapi_outbox.ops.port import OutboxPort, SubscriberView, relay_here, wall_time
+from fastapi_outbox.lifecycle import retention
+from fastapi_outbox.ops.port import OutboxPort, relay_here, wall_time
 from fastapi_outbox.payloads import Revealed, claim_check
-from fastapi_outbox.relay import retention
+
+# The listing's filter and its statuses: built by the CLI and the dashboard from a request.
+from fastapi_outbox.storage.filters import STATUS_FILTERS as STATUS_FILTERS
+from fastapi_outbox.storage.filters import MessageFilter as MessageFilter
 from fastapi_outbox.storage.inbox import GroupStats
 
 logger = logging.getLogger("fastapi_outbox.ops")
@@ -44,8 +48,6 @@ ABANDONABLE = (MessageStatus.PENDING.value, MessageStatus.FAILED.value)
 CANCELLABLE = (MessageStatus.PENDING.value,)
 #: Rows moved back to pending per statement by ``replay_abandoned``.
 REPLAY_BATCH_SIZE = 1000
-#: ``status`` filters: the stored statuses, and ``scheduled`` (pending, not yet due).
-STATUS_FILTERS = (*(s.value for s in MessageStatus), "scheduled")
 #: Most messages one list page shows.
 MAX_PAGE_SIZE = 500
 #: Most message ids one operator request takes (CLI or dashboard); a longer list is refused.
@@ -154,29 +156,6 @@ class Outcome:
         return sum(1 for r in self.results if r.verdict is Verdict.DONE)
 
 
-@dataclasses.dataclass(slots=True)
-class MessageFilter:
-    """Filters of ``list_messages``; ``None`` means any."""
-
-    status: str | None = None
-    stream: str | None = None
-    broker: str | None = None
-    type: str | None = None
-    key: str | None = None
-    since: dt.datetime | None = None
-    until: dt.datetime | None = None
-
-    def __post_init__(self) -> None:
-        if self.status is not None and self.status not in STATUS_FILTERS:
-            raise exceptions.OperationError(
-                f"status: {self.status!r} is not one of " + ", ".join(STATUS_FILTERS)
-            )
-        for name in ("since", "until"):
-            value = getattr(self, name)
-            if value is not None and value.tzinfo is None:
-                setattr(self, name, value.replace(tzinfo=dt.UTC))
-
-
 async def list_messages(
     outbox: OutboxPort,
     where: MessageFilter,
@@ -188,18 +167,7 @@ async def list_messages(
     ``before_id=<last id>`` (keyset pagination)."""
     if not 1 <= limit <= MAX_PAGE_SIZE:
         raise exceptions.OperationError(f"limit: must be 1 to {MAX_PAGE_SIZE}, not {limit}")
-    return await outbox.store.list_messages(
-        status=where.status,
-        scheduled=where.status == "scheduled",
-        stream=where.stream,
-        broker=where.broker,
-        type_=where.type,
-        key=where.key,
-        since=where.since,
-        until=where.until,
-        before_id=before_id,
-        limit=limit,
-    )
+    return await outbox.store.messages.list_messages(where, before_id=before_id, limit=limit)
 
 
 async def show(
@@ -215,7 +183,7 @@ async def show(
         raise exceptions.OperationError(
             "this outbox has no archive: archive=True (OUTBOX_ARCHIVE) is not set"
         )
-    row = None if archived else await outbox.store.get(message_id)
+    row = None if archived else await outbox.store.messages.get(message_id)
     if row is None and outbox.archive is not None:
         row = await outbox.archive.get(message_id)
     if row is None:
@@ -280,17 +248,7 @@ async def list_archived(
         raise exceptions.OperationError(
             f"status: archived messages are published or abandoned, not {where.status!r}"
         )
-    return await outbox.archive.list_messages(
-        status=where.status,
-        stream=where.stream,
-        broker=where.broker,
-        type_=where.type,
-        key=where.key,
-        since=where.since,
-        until=where.until,
-        before_id=before_id,
-        limit=limit,
-    )
+    return await outbox.archive.list_messages(where, before_id=before_id, limit=limit)
 
 
 async def replay(
@@ -304,7 +262,7 @@ async def replay(
     ``dry_run``: what it would do (``changed``: the ids it would move), changing nothing."""
 
     async def move(page: list[uuid.UUID]) -> list[uuid.UUID]:
-        return await outbox.store.replay(page, statuses=REPLAYABLE)
+        return await outbox.store.messages.replay(page, statuses=REPLAYABLE)
 
     outcome = await _by_pages(outbox, ids, None if dry_run else move, Action.REPLAY)
     if not dry_run:
@@ -322,7 +280,8 @@ async def replay_abandoned(
 ) -> int:
     """Move every abandoned message (of ``stream``) back to pending, in bounded batches;
     ``max_rows``: at most that many (the count an operator confirmed)."""
-    total = await outbox.store.count_matching(MessageStatus.ABANDONED.value, stream=stream)
+    abandoned = MessageStatus.ABANDONED.value
+    total = await outbox.store.messages.count_matching(abandoned, stream=stream)
     if max_rows is not None:
         total = min(total, max_rows)
     replayed = 0
@@ -334,7 +293,7 @@ async def replay_abandoned(
             limit = min(limit, max_rows - replayed)
             if limit <= 0:
                 break
-        moved = await outbox.store.replay(stream=stream, limit=limit)
+        moved = await outbox.store.messages.replay(stream=stream, limit=limit)
         replayed += len(moved)
         if progress is not None:
             progress(len(moved))
@@ -365,7 +324,7 @@ async def abandon(
     error = f"abandoned by an operator{who}" + (f": {reason}" if reason else "")
 
     async def stop(page: list[uuid.UUID]) -> list[uuid.UUID]:
-        return await outbox.store.abandon_unclaimed(page, error)
+        return await outbox.store.messages.abandon_unclaimed(page, error)
 
     outcome = await _by_pages(outbox, ids, None if dry_run else stop, Action.ABANDON)
     if not dry_run:
@@ -385,7 +344,7 @@ async def cancel(
     is too late to cancel, and the answer says so."""
 
     async def delete(page: list[uuid.UUID]) -> list[uuid.UUID]:
-        return await outbox.store.cancel_unclaimed(page)
+        return await outbox.store.messages.cancel_unclaimed(page)
 
     outcome = await _by_pages(outbox, ids, None if dry_run else delete, Action.CANCEL)
     if not dry_run:
@@ -417,7 +376,7 @@ async def purge(
     """Delete finished (published or abandoned) messages older than that, in batches;
     ``max_rows``: at most that many (the count an operator confirmed)."""
     deleted = await retention.purge(
-        outbox.store,
+        outbox.store.retention,
         status,
         older_than_seconds,
         batch_size=batch_size,
@@ -451,8 +410,8 @@ async def overview(outbox: OutboxPort) -> Overview:
     """Counts per broker and stream, published per minute over the last hour, and the
     status of the database and of each broker's processor in this process."""
     try:
-        streams = await outbox.store.stream_stats()
-        per_minute = await outbox.store.published_per_minute(60)
+        streams = await outbox.store.messages.stream_stats()
+        per_minute = await outbox.store.messages.published_per_minute(60)
         database_ok = True
     except Exception as exc:
         logger.warning(
@@ -504,7 +463,7 @@ async def _by_pages(
         page = unique[start : start + ID_PAGE_SIZE]
         done = set(await change(page)) if change is not None else set()
         rest = [mid for mid in page if mid not in done]
-        states = await outbox.store.states(rest) if rest else {}
+        states = await outbox.store.messages.states(rest) if rest else {}
         for mid in page:  # keep the order given
             if mid in done:
                 outcome.results.append(IdOutcome(mid, Verdict.DONE))
@@ -591,7 +550,7 @@ async def _inbox_stats(
         return exc
 
 
-def _status_here(sub: SubscriberView) -> ConsumerStatus:
+def _status_here(sub: Subscriber) -> ConsumerStatus:
     """What this process knows of a subscriber (its broker's and inbox's figures unset)."""
     return ConsumerStatus(
         stream=sub.stream,
@@ -610,7 +569,7 @@ def _status_here(sub: SubscriberView) -> ConsumerStatus:
     )
 
 
-async def _broker_figures(sub: SubscriberView, status: ConsumerStatus) -> None:
+async def _broker_figures(sub: Subscriber, status: ConsumerStatus) -> None:
     """Set the group's lag, pending, trimmed and dead letters from its broker; a broker
     that does not answer in time leaves them None."""
     try:
@@ -633,7 +592,7 @@ async def _broker_figures(sub: SubscriberView, status: ConsumerStatus) -> None:
         )
 
 
-def find_subscriber(outbox: OutboxPort, stream: str, group: str) -> SubscriberView:
+def find_subscriber(outbox: OutboxPort, stream: str, group: str) -> Subscriber:
     """The subscriber of (``stream``, ``group``); OperationError naming the known ones."""
     for sub in outbox.subscribers:
         if sub.stream == stream and sub.group == group:
@@ -684,7 +643,7 @@ async def stale_dead_letters(
     consumer = sub.consumer or sub.make_consumer()
     letters = list(await consumer.dead_letters(STALE_SCAN))
     wanted = None if entry_ids is None else set(entry_ids)
-    now = await outbox.store.clock()
+    now = await outbox.store.messages.clock()
     stale = []
     for letter in letters:
         if wanted is not None and letter.entry_id not in wanted:

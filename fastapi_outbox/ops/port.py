@@ -3,253 +3,45 @@ from an outbox and do to it, and nothing more.
 
 ``ops/`` never sees :class:`~fastapi_outbox.outbox.Outbox`; it is typed against
 :class:`OutboxPort`, which ``Outbox`` satisfies structurally (no inheritance, no
-registration). Each member is a read-only property here, so the composition root may hold a
-richer object (``dict[str, Processor]`` for ``Mapping[str, RelayState]``). Conformance is
-checked twice: by ``mypy --strict`` wherever typed code hands an ``Outbox`` to ``ops/``
-(``Outbox.health_router``, ``Outbox.dashboard_router``, ``Outbox.cancel``, the CLI), and at
-run time by ``tests/unit/test_ops_port.py``, which holds each member of every protocol here
-against the objects the outbox really builds (as pgqueuer's ``test_port_conformance.py``
-does for its repository port).
+registration): ``ops/`` is below the composition root, so this names which of the outbox's
+attributes it reads, each by the concrete type of the part below ``ops/`` that holds it.
+Conformance is checked by ``mypy --strict`` wherever typed code hands an ``Outbox`` to
+``ops/`` (``Outbox.health_router``, ``Outbox.dashboard_router``, ``Outbox.cancel``, the
+CLI).
 
 What the port holds, by what ``ops/`` does with it:
 
-* reads: the settings, the brokers' names, whether the dispatchers run here, each
-  relay's state (:class:`RelayState`, :class:`WalRelayState`), the replication slot
-  (:class:`SlotView`), the LISTEN connection (:class:`ListenerState`), each subscriber's
-  state (:class:`SubscriberView`), the inbox's per-group figures (:class:`InboxView`), the
-  instrumentation (metrics) and the dashboard's guard (health's detail);
-* the archive table of ``archive=True`` (:class:`ArchiveView`): one message, a listing;
-* store queries and actions (:class:`MessageStore`): counts, listings, one message, the
-  database's clock, and the row changes an operator asks for (replay, abandon, cancel,
-  purge batches), each one of :class:`~fastapi_outbox.storage.store.Store`'s public
-  methods with its signature.
+* reads: the settings, the brokers' names, whether the relays run here
+  (:class:`~fastapi_outbox.lifecycle.supervisor.Lifecycle`), the relays' state and the
+  LISTEN connection (:class:`~fastapi_outbox.relay.relays.Relays`), the replication slot,
+  the subscribers, the instrumentation (metrics) and the dashboard's guard (health's
+  detail) — the parts below ``ops/`` by their own types;
+* the storage itself, by its own types (each has one implementation, so no protocol
+  restates it): the outbox table's operator reads and actions
+  (:class:`~fastapi_outbox.storage.messages.Messages`, as ``store.messages``) and retention
+  (``store.retention``), the archive table of ``archive=True``
+  (:class:`~fastapi_outbox.storage.archive.Archive`) and the inbox's per-group figures
+  (:class:`~fastapi_outbox.storage.inbox.Inbox`).
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from fastapi_outbox.brokers.consumer import Consumer
-from fastapi_outbox.consume.subscriber import SubscriberStats
+from fastapi_outbox.consume.subscriber import Subscriber
 from fastapi_outbox.instrumentation import Instrumentation
+from fastapi_outbox.lifecycle.supervisor import Lifecycle
 from fastapi_outbox.payloads import Payloads
+from fastapi_outbox.relay.relays import Relays
+from fastapi_outbox.relay.table import TableRelay
 from fastapi_outbox.settings import OutboxSettings
-from fastapi_outbox.storage.inbox import GroupStats
+from fastapi_outbox.storage.archive import Archive
+from fastapi_outbox.storage.inbox import Inbox
 from fastapi_outbox.storage.probe import DatabaseProbe
-from fastapi_outbox.storage.store import ABANDONED, BrokerStats
-from fastapi_outbox.storage.wal_slot import SlotStats, Undecodable
-
-
-class MessageStore(Protocol):
-    """The outbox table as ``ops/`` reads and changes it (``Store``'s public methods)."""
-
-    #: PostgreSQL (else SQLite): which classifier tells what a failed query means.
-    is_postgres: bool
-
-    async def stats(
-        self,
-        brokers: Iterable[str] = (),
-        *,
-        published_totals: bool = False,
-        ordered: bool = False,
-    ) -> dict[str, BrokerStats]:
-        """Counts per broker (health, metrics, ``status``)."""
-        ...
-
-    async def count_matching(
-        self,
-        status: str,
-        *,
-        stream: str | None = None,
-        finished_before_seconds: float | None = None,
-    ) -> int:
-        """Rows an operator's bulk action would take (its confirmation, its progress)."""
-        ...
-
-    async def get(self, message_id: uuid.UUID) -> Mapping[str, Any] | None:
-        """One message, payload and headers as JSON text (``show``)."""
-        ...
-
-    async def list_messages(
-        self,
-        *,
-        status: str | None = None,
-        stream: str | None = None,
-        broker: str | None = None,
-        type_: str | None = None,
-        key: str | None = None,
-        since: dt.datetime | None = None,
-        until: dt.datetime | None = None,
-        before_id: uuid.UUID | None = None,
-        limit: int = 50,
-        scheduled: bool = False,
-    ) -> list[Mapping[str, Any]]:
-        """A keyset page of messages without payloads (``list``, the messages page)."""
-        ...
-
-    async def stream_stats(self) -> list[dict[str, Any]]:
-        """Counts per broker and stream (the overview)."""
-        ...
-
-    async def published_per_minute(self, minutes: int = 60) -> list[tuple[dt.datetime, int]]:
-        """Published messages per minute (the overview's chart)."""
-        ...
-
-    async def states(self, ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, tuple[str, bool]]:
-        """(status, claimed) of the ids an action left alone: why it did."""
-        ...
-
-    async def clock(self) -> dt.datetime:
-        """The database's now (the age of dead letters)."""
-        ...
-
-    async def replay(
-        self,
-        ids: Sequence[uuid.UUID] | None = None,
-        *,
-        stream: str | None = None,
-        statuses: Sequence[str] = (ABANDONED,),
-        limit: int | None = None,
-    ) -> list[uuid.UUID]:
-        """Move messages back to pending, attempts reset; the ids moved."""
-        ...
-
-    async def abandon_unclaimed(self, ids: Sequence[uuid.UUID], error: str) -> list[uuid.UUID]:
-        """Abandon the pending or failed ids no dispatcher holds; the ids abandoned."""
-        ...
-
-    async def cancel_unclaimed(self, ids: Sequence[uuid.UUID]) -> list[uuid.UUID]:
-        """Delete the pending ids no dispatcher holds; the ids cancelled."""
-        ...
-
-    async def purge_batch(
-        self, status: str, older_than_seconds: float, limit: int, *, keep_blocking: bool = False
-    ) -> int:
-        """Delete one bounded batch of finished rows (``purge``); how many."""
-        ...
-
-
-class ArchiveView(Protocol):
-    """The archive table of ``archive=True`` as ``ops/`` reads it (``Archive``'s methods):
-    ``show`` and the message page fall back to it, ``archive list`` pages through it."""
-
-    async def get(self, message_id: uuid.UUID) -> Mapping[str, Any] | None:
-        """One archived message, payload and headers as JSON text."""
-        ...
-
-    async def list_messages(
-        self,
-        *,
-        status: str | None = None,
-        stream: str | None = None,
-        broker: str | None = None,
-        type_: str | None = None,
-        key: str | None = None,
-        since: dt.datetime | None = None,
-        until: dt.datetime | None = None,
-        before_id: uuid.UUID | None = None,
-        limit: int = 50,
-    ) -> list[Mapping[str, Any]]:
-        """A keyset page of archived messages without payloads, newest first."""
-        ...
-
-
-class InboxView(Protocol):
-    """The consumers' inbox, as the consumers view reads it."""
-
-    async def group_stats(
-        self, groups: list[str] | None = None, *, counts: bool = True
-    ) -> dict[str, GroupStats]: ...
-
-
-class RelayState(Protocol):
-    """A table relay (a ``Processor``) of this process, as health, metrics and the
-    overview show it."""
-
-    @property
-    def running(self) -> bool: ...
-    @property
-    def broker_ok(self) -> bool: ...
-    @property
-    def broker_refusing(self) -> bool: ...
-    @property
-    def broker_authentication_failed(self) -> bool: ...
-    @property
-    def broker_down_since(self) -> float | None: ...
-    @property
-    def last_tick(self) -> float | None: ...
-    @property
-    def last_error(self) -> str | None: ...
-
-
-class WalRelayState(Protocol):
-    """The WAL relay of this process (``capture="wal"``), as health and metrics show it."""
-
-    @property
-    def running(self) -> bool: ...
-    @property
-    def leader(self) -> bool: ...
-    @property
-    def broker_ok(self) -> bool: ...
-    @property
-    def last_error(self) -> str | None: ...
-    @property
-    def last_relayed_at(self) -> float | None: ...
-    @property
-    def undecodable(self) -> Undecodable | None: ...
-    @property
-    def lag_seconds(self) -> float: ...
-    @property
-    def no_progress_seconds(self) -> float | None: ...
-    @property
-    def read_window_bytes(self) -> int: ...
-
-
-class SlotView(Protocol):
-    """The replication slot (``capture="wal"``): its name and ``pg_replication_slots``."""
-
-    @property
-    def name(self) -> str: ...
-
-    async def stats(self) -> SlotStats | None: ...
-
-
-class ListenerState(Protocol):
-    """The LISTEN connection of this process's dispatchers."""
-
-    @property
-    def listening(self) -> bool: ...
-
-
-class SubscriberView(Protocol):
-    """A declared ``@outbox.subscriber``: what it consumes, its state in this process, and
-    its consumer (for lag and dead letters, made on demand when it does not run here)."""
-
-    @property
-    def stream(self) -> str: ...
-    @property
-    def group(self) -> str: ...
-    @property
-    def broker_name(self) -> str: ...
-    @property
-    def name(self) -> str: ...
-    @property
-    def dead_letter(self) -> str: ...
-    @property
-    def running(self) -> bool: ...
-    @property
-    def broker_ok(self) -> bool | None: ...
-    @property
-    def stats(self) -> SubscriberStats: ...
-    @property
-    def dead_letters_unwritten(self) -> int: ...
-    @property
-    def consumer(self) -> Consumer | None: ...
-
-    def make_consumer(self) -> Consumer: ...
+from fastapi_outbox.storage.store import Store
+from fastapi_outbox.storage.wal_slot import WalSlot
 
 
 @runtime_checkable
@@ -259,16 +51,19 @@ class OutboxPort(Protocol):
     @property
     def settings(self) -> OutboxSettings: ...
     @property
-    def store(self) -> MessageStore: ...
+    def store(self) -> Store:
+        """The outbox table: ``ops/`` reads and acts through ``store.messages``."""
+        ...
+
     @property
     def payloads(self) -> Payloads:
         """The payload stages: what ``show`` can read of an encrypted payload."""
         ...
 
     @property
-    def inbox(self) -> InboxView: ...
+    def inbox(self) -> Inbox: ...
     @property
-    def archive(self) -> ArchiveView | None:
+    def archive(self) -> Archive | None:
         """The archive table (``archive=True``), else None."""
         ...
 
@@ -280,23 +75,20 @@ class OutboxPort(Protocol):
     @property
     def external_brokers(self) -> Mapping[str, object]: ...
     @property
-    def started(self) -> bool:
-        """The dispatchers (relays, subscribers) run in this process."""
+    def lifecycle(self) -> Lifecycle:
+        """``lifecycle.started``: the relays and subscribers run in this process."""
         ...
 
     @property
-    def processors(self) -> Mapping[str, RelayState]:
-        """The table relays of this process by broker (while ``started``)."""
+    def relays(self) -> Relays:
+        """The relays of this process: the table relays by broker (``tables``), the WAL
+        relay, the LISTEN connection."""
         ...
 
     @property
-    def wal_slot(self) -> SlotView | None: ...
+    def wal_slot(self) -> WalSlot | None: ...
     @property
-    def wal_relay(self) -> WalRelayState | None: ...
-    @property
-    def listener(self) -> ListenerState | None: ...
-    @property
-    def subscribers(self) -> Sequence[SubscriberView]: ...
+    def subscribers(self) -> Sequence[Subscriber]: ...
     @property
     def instrumentation(self) -> Instrumentation: ...
     @property
@@ -310,10 +102,10 @@ class OutboxPort(Protocol):
         ...
 
 
-def relay_here(outbox: OutboxPort, broker: str) -> RelayState | None:
-    """The table relay of ``broker`` in this process (None when the dispatchers do not run
+def relay_here(outbox: OutboxPort, broker: str) -> TableRelay | None:
+    """The table relay of ``broker`` in this process (None when the relays do not run
     here, or when it has none)."""
-    return outbox.processors.get(broker) if outbox.started else None
+    return outbox.relays.tables.get(broker) if outbox.lifecycle.started else None
 
 
 def wall_time(seconds: float | None) -> dt.datetime | None:

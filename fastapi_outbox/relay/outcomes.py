@@ -20,7 +20,7 @@ from fastapi_outbox.instrumentation import Instrumentation
 from fastapi_outbox.log import safe_error
 from fastapi_outbox.relay.loop import envelope_of
 from fastapi_outbox.settings import OutboxSettings
-from fastapi_outbox.storage.store import ERROR_MAX_CHARS, ClaimedRow, Failure, Store
+from fastapi_outbox.storage.claims import ERROR_MAX_CHARS, ClaimedRow, Claims, Failure
 
 __all__ = ["NotAttempted", "Outcomes", "retry_delay"]
 
@@ -50,7 +50,7 @@ class Outcomes:
     def __init__(
         self,
         *,
-        store: Store,
+        store: Claims,
         settings: OutboxSettings,
         broker_name: str,
         instrumentation: Instrumentation,

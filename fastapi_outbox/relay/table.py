@@ -48,7 +48,7 @@ from fastapi_outbox.relay.outcomes import NotAttempted, Outcomes
 from fastapi_outbox.relay.outcomes import retry_delay as retry_delay
 from fastapi_outbox.settings import OutboxSettings
 from fastapi_outbox.storage import clock
-from fastapi_outbox.storage.store import ClaimedRow, Store
+from fastapi_outbox.storage.claims import ClaimedRow, Claims
 
 logger = logging.getLogger("fastapi_outbox.relay")
 
@@ -68,7 +68,7 @@ class TableRelay(RelayLoop):
     def __init__(
         self,
         *,
-        store: Store,
+        store: Claims,
         broker_name: str,
         broker: Broker,
         settings: OutboxSettings,

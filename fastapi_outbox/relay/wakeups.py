@@ -28,7 +28,7 @@ import anyio
 from fastapi_outbox.backoff import exponential_delay
 from fastapi_outbox.settings import LISTEN_CHECK_INTERVAL_SECONDS, LISTEN_CHECK_TIMEOUT_SECONDS
 from fastapi_outbox.storage.connector import Held
-from fastapi_outbox.storage.statements.wakeups import NOTIFY_SQL
+from fastapi_outbox.storage.statements.notify import NOTIFY_SQL
 from fastapi_outbox.storage.store import Store
 
 logger = logging.getLogger("fastapi_outbox.relay")

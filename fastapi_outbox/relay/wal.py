@@ -570,7 +570,7 @@ class WalRelay(RelayLoop):
             for index, (txn, m) in enumerate(items)
         ]
         with anyio.fail_after(self._db_bound):
-            await self.store.insert_failed(rows)
+            await self.store.inserts.insert_failed(rows)
         if pending:
             logger.warning(
                 "wal messages for a broker this dispatcher does not know: left pending in "
@@ -604,7 +604,7 @@ class WalRelay(RelayLoop):
 def _table_row(
     txn: Transaction, m: WalMessage, status: MessageStatus, error: str | None, delay: float
 ) -> dict[str, Any]:
-    """The outbox row a WAL message is handed over as (``Store.insert_failed``): pending
+    """The outbox row a WAL message is handed over as (``Inserts.insert_failed``): pending
     (a broker this dispatcher does not know), failed or abandoned (refused)."""
     return {
         "id": uuid.UUID(m.id),

@@ -18,7 +18,6 @@ abandoned rows past their retention instead of deleting them.
 
 from __future__ import annotations
 
-import datetime as dt
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -28,8 +27,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from fastapi_outbox.storage import partitions, schema
 from fastapi_outbox.storage.dialects import is_postgres
+from fastapi_outbox.storage.filters import MessageFilter
 from fastapi_outbox.storage.statements import archive as archive_sql
-from fastapi_outbox.storage.statements import operations as ops_sql
+from fastapi_outbox.storage.statements import messages as messages_sql
 
 __all__ = ["Archive"]
 
@@ -99,32 +99,19 @@ class Archive:
     async def get(self, message_id: uuid.UUID) -> Mapping[str, Any] | None:
         """One archived message, payload and headers as stored JSON text; None if absent."""
         async with self.engine.connect() as conn:
-            row = (await conn.execute(ops_sql.get(self.table, message_id))).mappings().first()
+            row = (await conn.execute(messages_sql.get(self.table, message_id))).mappings().first()
         return None if row is None else dict(row)
 
     async def list_messages(
         self,
+        where: MessageFilter | None = None,
         *,
-        status: str | None = None,
-        stream: str | None = None,
-        broker: str | None = None,
-        type_: str | None = None,
-        key: str | None = None,
-        since: dt.datetime | None = None,
-        until: dt.datetime | None = None,
         before_id: uuid.UUID | None = None,
         limit: int = 50,
     ) -> list[Mapping[str, Any]]:
         """Archived rows without payloads, newest first by id (keyset: ``before_id``)."""
-        statement = ops_sql.list_messages(
-            self.table,
-            self.dialect,
-            status=status,
-            filters={"stream": stream, "broker": broker, "type": type_, "key": key},
-            since=since,
-            until=until,
-            before_id=before_id,
-            limit=limit,
+        statement = messages_sql.list_messages(
+            self.table, self.dialect, where or MessageFilter(), before_id=before_id, limit=limit
         )
         async with self.engine.connect() as conn:
             return [dict(r) for r in (await conn.execute(statement)).mappings().all()]
@@ -132,4 +119,4 @@ class Archive:
     async def count(self) -> int:
         """Rows in the archive (``archive list``'s footer, the tests)."""
         async with self.engine.connect() as conn:
-            return int((await conn.execute(ops_sql.count(self.table))).scalar_one())
+            return int((await conn.execute(messages_sql.count(self.table))).scalar_one())

@@ -92,7 +92,7 @@ from typing import Any
 
 import anyio
 
-from fastapi_outbox.storage.statements import engine as engine_sql
+from fastapi_outbox.storage.statements import session as session_sql
 
 __all__ = [
     "AUTHENTICATION_FIX",
@@ -313,7 +313,7 @@ async def database_answers(engine: Any, timeout: float = PING_SECONDS) -> bool:
     try:
         with anyio.fail_after(timeout):
             async with engine.connect() as conn:
-                await conn.exec_driver_sql(engine_sql.PING)
+                await conn.exec_driver_sql(session_sql.PING)
     except Exception:
         return False
     return True

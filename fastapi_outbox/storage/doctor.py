@@ -40,8 +40,8 @@ from sqlalchemy.schema import CreateColumn, CreateIndex, CreateTable
 from fastapi_outbox.exceptions import OutboxError
 from fastapi_outbox.log import safe_error
 from fastapi_outbox.storage import partitions, schema
-from fastapi_outbox.storage.statements import doctor as sql
 from fastapi_outbox.storage.statements import partitions as partition_sql
+from fastapi_outbox.storage.statements import schema_check as sql
 
 #: Columns of earlier layouts that the library no longer reads or writes.
 OBSOLETE_COLUMNS = {

@@ -22,7 +22,7 @@ from fastapi_outbox.redaction import redact, redact_url, remember
 from fastapi_outbox.settings import check_database_url
 from fastapi_outbox.storage.dialects import is_postgres as is_postgres
 from fastapi_outbox.storage.dialects import uses_asyncpg as uses_asyncpg
-from fastapi_outbox.storage.statements import engine as engine_sql
+from fastapi_outbox.storage.statements import session as session_sql
 
 __all__ = [
     "PG_CONNECT_TIMEOUT_SECONDS",
@@ -125,7 +125,7 @@ def _tune_sqlite(engine: AsyncEngine) -> None:
         dbapi_connection.isolation_level = None  # we issue BEGIN ourselves
         cursor = dbapi_connection.cursor()
         file_database = engine.url.database not in (None, "", ":memory:")
-        for pragma in engine_sql.sqlite_pragmas(SQLITE_BUSY_TIMEOUT_MS, wal=file_database):
+        for pragma in session_sql.sqlite_pragmas(SQLITE_BUSY_TIMEOUT_MS, wal=file_database):
             cursor.execute(pragma)
         cursor.close()
 
@@ -135,7 +135,7 @@ def _tune_sqlite(engine: AsyncEngine) -> None:
             # Each statement commits on its own (``db upgrade``): a BEGIN here would open
             # a transaction that SQLAlchemy never commits, and the change would be lost.
             return
-        conn.exec_driver_sql(engine_sql.BEGIN_IMMEDIATE)
+        conn.exec_driver_sql(session_sql.BEGIN_IMMEDIATE)
 
 
 def engine_defaults(url: str, options: dict[str, Any]) -> dict[str, Any]:

@@ -221,7 +221,7 @@ class Inbox:
         """Delete up to ``limit`` rows handled more than ``older_than_seconds`` ago: one
         short transaction through the ``handled_at`` index (SKIP LOCKED on PostgreSQL: two
         cleaners never wait on each other's rows). Caller: retention
-        (:class:`fastapi_outbox.relay.retention.Cleaner`)."""
+        (:class:`fastapi_outbox.lifecycle.retention.Cleaner`)."""
         t = self.table
         cutoff = clock.db_later(self.is_postgres, seconds=-older_than_seconds)
         victims = (
@@ -236,6 +236,45 @@ class Inbox:
         async with self.engine.begin() as conn:
             result: Any = await conn.execute(stmt)
         return int(result.rowcount)
+
+    async def purge_group_rows_batch(self, older_than_seconds: float, limit: int) -> int:
+        """Delete up to ``limit`` rows of each of the handlers and attempts tables that
+        nothing needs any more: attempts of a message its group has handled, or last
+        counted more than ``older_than_seconds`` ago (a crash, or a hand-back nobody
+        settled, leaves them; a message still retried touches its row at each run), and
+        handlers rows expired that long ago (a process that was killed). One short
+        transaction (SKIP LOCKED on PostgreSQL). Caller: retention, with the inbox's."""
+        inbox = self.table
+        handlers, attempts = self.group_tables
+        cutoff = clock.db_later(self.is_postgres, seconds=-older_than_seconds)
+        handled = (
+            select(inbox.c.message_id)
+            .where(inbox.c.group == attempts.c.group, inbox.c.message_id == attempts.c.message_id)
+            .exists()
+        )
+        stale = (
+            select(attempts.c.group, attempts.c.message_id)
+            .where((attempts.c.updated_at < cutoff) | handled)
+            .limit(limit)
+        )
+        expired = (
+            select(handlers.c.group, handlers.c.stream, handlers.c.member)
+            .where(handlers.c.expires_at < cutoff)
+            .limit(limit)
+        )
+        if self.is_postgres:
+            stale = stale.with_for_update(skip_locked=True)
+            expired = expired.with_for_update(skip_locked=True)
+        async with self.engine.begin() as conn:
+            a: Any = await conn.execute(
+                delete(attempts).where(tuple_(attempts.c.group, attempts.c.message_id).in_(stale))
+            )
+            h: Any = await conn.execute(
+                delete(handlers).where(
+                    tuple_(handlers.c.group, handlers.c.stream, handlers.c.member).in_(expired)
+                )
+            )
+        return max(int(a.rowcount), int(h.rowcount))
 
     async def group_stats(
         self, groups: list[str] | None = None, *, counts: bool = True

@@ -5,7 +5,7 @@ execution, and initialises a scan of each partition before it prunes on a value 
 computes itself (an init plan): pruned scans are "never executed" but cost their set-up,
 34 times per claim and per mark on a month of daily partitions. A value passed as the
 statement's own parameter is pruned *before* the scans are set up. Two uses of that, both
-by :class:`~fastapi_outbox.storage.store.Store` on asyncpg:
+by :class:`~fastapi_outbox.storage.claims.Claims` on asyncpg:
 
 * **The claim's floor.** The unordered claim takes ``id >= $floor`` (its candidate scan
   and its update), the start of the oldest range partition that holds a row of the

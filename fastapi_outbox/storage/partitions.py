@@ -9,7 +9,7 @@ catalogue change. The layout and its maintenance, all here:
   ``sql.id_bound(time)`` (that millisecond, zeros after). The primary key is ``(id)``, and
   every lookup by id prunes to one partition: ``id = $1`` when planned or at executor
   start; a batch's claim and marks on the range of its ids, computed in init plans, when
-  the plan runs (``statements.relay._chosen_rows``, ``statements.parts.ids_in``).
+  the plan runs (``statements.claims._chosen_rows``, ``statements.parts.ids_in``).
   :class:`Partition` bounds are times whatever the key, so the maintenance below reads the
   same for a table an earlier release partitioned by ``created_at``
   (:func:`partition_key`): it keeps working, with timestamp bounds, without the pruning.

@@ -20,7 +20,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import AsyncAdaptedQueuePool, QueuePool
 from sqlalchemy.sql.schema import Table
 
-from fastapi_outbox.storage.store import BrokerStats, Store
+from fastapi_outbox.storage.connector import Connector
+from fastapi_outbox.storage.messages import Messages
+from fastapi_outbox.storage.read_models import BrokerStats
 
 __all__ = ["POOL_PROBE_SECONDS", "DatabaseProbe", "PoolUsage"]
 
@@ -59,36 +61,36 @@ class DatabaseProbe:
     """The store health reads its counts from (one connection of its own), and the
     application pool's usage. Built on first use; :meth:`aclose` disposes of its engine."""
 
-    def __init__(self, engine: AsyncEngine, table: Table, app_store: Store) -> None:
+    def __init__(self, engine: AsyncEngine, table: Table, app_messages: Messages) -> None:
         self._engine = engine
         self._table = table
-        self._app_store = app_store
+        self._app_messages = app_messages
         self._own: AsyncEngine | None = None
-        self._store: Store | None = None
+        self._messages: Messages | None = None
 
     @property
-    def store(self) -> Store:
-        if self._store is None:
+    def messages(self) -> Messages:
+        if self._messages is None:
             if self._engine.dialect.name == "sqlite":
-                self._store = self._app_store
+                self._messages = self._app_messages
             else:
                 self._own = _own_engine(self._engine)
-                self._store = Store(self._own, self._table)
-        return self._store
+                self._messages = Messages(Connector(self._own), self._table)
+        return self._messages
 
     async def stats(self, brokers: Iterable[str], *, ordered: bool) -> dict[str, BrokerStats]:
-        """:meth:`Store.stats` on health's own connection. Its kept connection may have died
+        """:meth:`Messages.stats` on health's own connection. Its kept connection may have died
         while idle (the database restarted since the last check): on an error it is tried
         once more, on a new connection, so the first check after an outage does not report
         the database down when it is back. (No pre-ping: it would cost round trips on every
         check to save one on the rare dead connection.)"""
         try:
-            return await self.store.stats(brokers, ordered=ordered)
+            return await self.messages.stats(brokers, ordered=ordered)
         except Exception:
             if self._own is None:
                 raise
             await self._own.dispose()  # drops the dead connection, keeps the engine
-            return await self.store.stats(brokers, ordered=ordered)
+            return await self.messages.stats(brokers, ordered=ordered)
 
     async def pool_usage(self, limit: float = POOL_PROBE_SECONDS) -> PoolUsage:
         """Check a connection of the application's pool out and back in (no statement),
@@ -115,7 +117,7 @@ class DatabaseProbe:
         if self._own is not None:
             await self._own.dispose()
             self._own = None
-            self._store = None
+            self._messages = None
 
 
 def _own_engine(engine: AsyncEngine) -> AsyncEngine:

@@ -1,9 +1,9 @@
 """The read side of the dashboard, health and ``status``: the rows of the counting
-statements (:func:`fastapi_outbox.storage.statements.operations.stats` and
+statements (:func:`fastapi_outbox.storage.statements.messages.stats` and
 ``stream_stats``, ``published_per_minute``) folded into what those callers show.
 
 Pure functions of the rows and the database's clock, so ``tests/unit`` checks them without
-a database; :class:`~fastapi_outbox.storage.store.Store` runs the statements and hands the
+a database; :class:`~fastapi_outbox.storage.messages.Messages` runs the statements and hands the
 rows here.
 """
 
@@ -64,7 +64,7 @@ def broker_stats(
     ordered: bool = False,
     published_totals: bool = False,
 ) -> dict[str, BrokerStats]:
-    """:meth:`Store.stats <fastapi_outbox.storage.store.Store.stats>`: ``rows`` holds the
+    """:meth:`Messages.stats <fastapi_outbox.storage.messages.Messages.stats>`: ``rows`` holds the
     rows of each statement of ``operations.stats`` by name (``active``, ``abandoned``,
     ``scheduled``, ``recent``; ``waiting_ordered`` and ``blocking_ordered`` with
     ``ordered``; ``published`` with ``published_totals``). Every broker of ``brokers``
@@ -102,7 +102,7 @@ def broker_stats(
 
 
 def stream_stats(db_now: dt.datetime, rows: Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
-    """:meth:`Store.stream_stats <fastapi_outbox.storage.store.Store.stream_stats>`: the
+    """:meth:`Messages.stream_stats <fastapi_outbox.storage.messages.Messages.stream_stats>`: the
     rows of ``operations.stream_stats`` by name (``active``, ``abandoned``, ``scheduled``)
     as one zero-filled entry per (broker, stream), sorted by broker then stream."""
     out: dict[tuple[str, str], dict[str, Any]] = {}
@@ -125,8 +125,8 @@ def stream_stats(db_now: dt.datetime, rows: Mapping[str, Sequence[Any]]) -> list
 def per_minute(
     db_now: dt.datetime, rows: Iterable[Any], minutes: int
 ) -> list[tuple[dt.datetime, int]]:
-    """:meth:`Store.published_per_minute
-    <fastapi_outbox.storage.store.Store.published_per_minute>`: the (minute, count) rows of
+    """:meth:`Messages.published_per_minute
+    <fastapi_outbox.storage.messages.Messages.published_per_minute>`: the (minute, count) rows of
     ``operations.published_per_minute`` as one entry per minute of the last ``minutes``
     ending with ``db_now``'s, oldest first, minutes without any row as 0."""
     counts: dict[dt.datetime, int] = {}

@@ -174,7 +174,7 @@ def setup_storage(engine: AsyncEngine, settings: OutboxSettings) -> Storage:
     a partitioned table, its upkeep."""
     table = build_outbox_table(settings)
     store = Store(engine, table)
-    store.set_timeouts(settings.statement_timeout_seconds, settings.lock_timeout_seconds)
+    store.claims.set_timeouts(settings.statement_timeout_seconds, settings.lock_timeout_seconds)
     wal_slot: WalSlot | None = None
     if settings.capture == "wal":
         config_checks.check_wal_capture(engine.dialect.name, engine.dialect.driver)

@@ -37,7 +37,7 @@ class TableCapture:
         self.store = store
 
     def write(self, connection: Connection, rows: list[dict[str, Any]]) -> None:
-        self.store.insert_rows_sync(connection, rows)
+        self.store.inserts.insert_rows_sync(connection, rows)
 
 
 def capture_for(store: Store, wal_slot: WalSlot | None) -> Capture:

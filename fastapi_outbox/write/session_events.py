@@ -45,14 +45,14 @@ is left to the owner, who calls
 until then (a rollback of the session undoes its rows in the database; waking a dispatcher
 for nothing costs one empty claim).
 
-A ``Sink`` (the :class:`~fastapi_outbox.outbox.Outbox`) knows how to write its rows and what to
-do after a commit; a session may carry rows for several outboxes (several tables).
+A sink (an outbox's :class:`~fastapi_outbox.write.producer.Producer`) writes its rows and wakes
+its relays after a commit; a session may carry rows for several outboxes (several tables).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
 from sqlalchemy import event as sa_event
 from sqlalchemy.engine import Connection, Engine
@@ -76,8 +76,9 @@ from fastapi_outbox.aggregates import (
 from fastapi_outbox.events import Event, Message
 from fastapi_outbox.exceptions import UnitOfWorkError
 from fastapi_outbox.storage.connector import commit_with
+from fastapi_outbox.write.producer import Producer
 
-__all__ = ["JOINED_KEY", "STATE_KEY", "SessionState", "Sink", "state_of"]
+__all__ = ["JOINED_KEY", "STATE_KEY", "SessionState", "state_of"]
 
 #: ``session.info`` key of the :class:`SessionState`.
 STATE_KEY = "fastapi_outbox.state"
@@ -87,26 +88,6 @@ JOINED_KEY = "fastapi_outbox.joined"
 #: ``Connection.info`` key of the NOTIFYs the connection's next COMMIT carries
 #: (:class:`_Carried`), set when the rows are written, cleared at the transaction's end.
 _CARRY_KEY = "fastapi_outbox.carry"
-
-
-class Sink(Protocol):
-    """Where queued rows go: the outbox they belong to."""
-
-    def write_rows(self, connection: Connection, rows: list[dict[str, Any]]) -> None:
-        """Insert ``rows`` on ``connection`` (sync API, called inside SQLAlchemy's greenlet)."""
-
-    def notify_with_commit(self, brokers: Mapping[str, float]) -> str | None:
-        """Before the commit: the statements (a NOTIFY) its COMMIT carries to wake other
-        processes, or None when none is needed."""
-
-    def committed(self, brokers: Mapping[str, float], *, notified: bool = False) -> bool:
-        """Wake (or, for delayed rows, schedule) dispatchers: ``brokers`` maps each broker
-        that got rows to the earliest delay among them (0: due now); ``notified``: the
-        COMMIT carried the NOTIFY. True when a NOTIFY must still be sent (by
-        :meth:`notify_after_commit`)."""
-
-    async def notify_after_commit(self) -> None:
-        """Send that NOTIFY (bounded in time; a failure is only logged)."""
 
 
 class _Carried:
@@ -191,14 +172,14 @@ class SessionState:
 
     def __init__(self) -> None:
         #: ``(savepoint or None, sink, row)``; ``None`` is the root transaction's level.
-        self.queued: list[tuple[SessionTransaction | None, Sink, dict[str, Any]]] = []
+        self.queued: list[tuple[SessionTransaction | None, Producer, dict[str, Any]]] = []
         #: brokers of rows written in the current root transaction, per sink, with the
         #: earliest delay (seconds) of their rows.
-        self.written: dict[Sink, dict[str, float]] = {}
+        self.written: dict[Producer, dict[str, float]] = {}
         #: sinks whose commit still needs a NOTIFY from an async caller.
-        self.notify: list[Sink] = []
+        self.notify: list[Producer] = []
         #: the NOTIFY of each sink that the COMMIT of the current root transaction carries.
-        self.carried: dict[Sink, _Carried] = {}
+        self.carried: dict[Producer, _Carried] = {}
         self._publishers: list[Callable[[Event | Message], object]] = []
         #: events raised by aggregates in the current transaction, oldest first.
         self.raised: list[_Raised] = []
@@ -210,7 +191,7 @@ class SessionState:
 
     # -- queueing ---------------------------------------------------------------------------
 
-    def queue(self, session: Session, sink: Sink, rows: list[dict[str, Any]]) -> None:
+    def queue(self, session: Session, sink: Producer, rows: list[dict[str, Any]]) -> None:
         tag = session.get_nested_transaction()
         self.queued.extend((tag, sink, row) for row in rows)
         if self._raising is not None:
@@ -230,7 +211,7 @@ class SessionState:
             self._raising = None
         return True
 
-    def count(self, sink: Sink) -> int:
+    def count(self, sink: Producer) -> int:
         return sum(1 for _, s, _ in self.queued if s is sink)
 
     def push_publisher(self, publish: Callable[[Event | Message], object]) -> None:
@@ -341,8 +322,8 @@ class SessionState:
         # Inside a savepoint, only the rows queued in it (or in savepoints within it) are
         # written: a row queued before the savepoint began must not be undone with it.
         level = session.get_nested_transaction()
-        batches: dict[Sink, list[dict[str, Any]]] = {}
-        kept: list[tuple[SessionTransaction | None, Sink, dict[str, Any]]] = []
+        batches: dict[Producer, list[dict[str, Any]]] = {}
+        kept: list[tuple[SessionTransaction | None, Producer, dict[str, Any]]] = []
         for queued in self.queued:
             tag, sink, row = queued
             if level is None or _within(tag, level):
@@ -360,7 +341,7 @@ class SessionState:
                 written[broker] = min(delay, written.get(broker, delay))
             sink.write_rows(connection, rows)
             if sink not in self.carried:
-                sql = sink.notify_with_commit(written)
+                sql = sink.relays.notify_with_commit(written)
                 if sql is not None:
                     carried = self.carried[sink] = _Carried(sql)
                     connection.info.setdefault(_CARRY_KEY, []).append(carried)
@@ -407,14 +388,18 @@ class SessionState:
         carried, self.carried = self.carried, {}
         for sink, brokers in written.items():
             notified = sink in carried and carried[sink].sent
-            if brokers and sink.committed(brokers, notified=notified) and sink not in self.notify:
+            if (
+                brokers
+                and sink.relays.committed(brokers, notified=notified)
+                and sink not in self.notify
+            ):
                 self.notify.append(sink)
         if self.notify and in_greenlet():
             sinks, self.notify = self.notify, []
             for sink in sinks:
-                await_(sink.notify_after_commit())
+                await_(sink.relays.notify_after_commit())
 
-    def take_notify(self) -> list[Sink]:
+    def take_notify(self) -> list[Producer]:
         """Sinks still to be told after a commit made outside SQLAlchemy's greenlet (a sync
         ``Session``); an ``AsyncSession``'s commit has told them already."""
         sinks, self.notify = self.notify, []

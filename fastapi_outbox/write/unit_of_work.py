@@ -14,18 +14,20 @@ endpoint returns; users keep writing ``Depends(unit_of_work)``.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import contextvars
 import datetime as dt
 import json
 import re
 import uuid
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated, Any
 
 import anyio
 from fastapi import Depends, HTTPException, Request
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.events import (
@@ -44,11 +46,20 @@ from fastapi_outbox.events import (
 )
 from fastapi_outbox.storage import clock
 from fastapi_outbox.write.commit import commit, roll_back
-from fastapi_outbox.write.context import WriteContext
+from fastapi_outbox.write.producer import Producer
 from fastapi_outbox.write.session_events import state_of
 from fastapi_outbox.write.unavailable import unavailable
 
-__all__ = ["UnitOfWork", "UnitOfWorkDep", "unit_of_work"]
+__all__ = [
+    "HANDLER_TRANSACTION",
+    "HandlerTransaction",
+    "UnitOfWork",
+    "UnitOfWorkDep",
+    "activate",
+    "close",
+    "transaction",
+    "unit_of_work",
+]
 
 CORRELATION_HEADER = "X-Correlation-ID"
 CORRELATION_ID_MAX_LENGTH = 128
@@ -99,7 +110,7 @@ class UnitOfWork:
 
     def __init__(
         self,
-        outbox: WriteContext,
+        producer: Producer,
         session: AsyncSession,
         *,
         correlation_id: str | None = None,
@@ -110,7 +121,7 @@ class UnitOfWork:
             raise exceptions.UnitOfWorkError(f"invalid correlation_id {correlation_id!r}")
         if causation_id is not None and not valid_correlation_id(causation_id):
             raise exceptions.UnitOfWorkError(f"invalid causation_id {causation_id!r}")
-        self.outbox = outbox
+        self._producer = producer
         self.session = session
         self.correlation_id = correlation_id or str(uuid7())
         self.causation_id = causation_id
@@ -125,12 +136,12 @@ class UnitOfWork:
     def pending(self) -> int:
         """Outbox rows queued on the session, not yet written (they are written by the
         next commit, or by :meth:`flush`)."""
-        return self._state.count(self.outbox)
+        return self._state.count(self._producer)
 
     @property
     def queued(self) -> list[dict[str, Any]]:
         """Those rows themselves (the dicts a capture writes), oldest first."""
-        return [row for _, sink, row in self._state.queued if sink is self.outbox]
+        return [row for _, sink, row in self._state.queued if sink is self._producer]
 
     def publish(
         self,
@@ -153,8 +164,8 @@ class UnitOfWork:
             raise exceptions.UnitOfWorkError(
                 "this unit of work has already committed or rolled back"
             )
-        settings = self.outbox.settings
-        target = self.outbox.resolve_broker(broker)
+        settings = self._producer.settings
+        target = self._producer.resolve_broker(broker)
         if isinstance(event, Event):
             encoded = _encode_event(event, key, headers)
         elif isinstance(event, Message):
@@ -166,7 +177,7 @@ class UnitOfWork:
         user_headers = _check_headers(extra_headers, stream, type_name)
         due_in, due_at = _delay(delay, deliver_at, settings.max_delay_seconds, type_name)
         message_id = uuid7()
-        payloads = self.outbox.payloads
+        payloads = self._producer.payloads
         if user_headers:
             payloads.refuse_reserved(user_headers, type_name)
         #: Keys a payload stage adds to the message's first row until the commit writes it
@@ -195,7 +206,7 @@ class UnitOfWork:
         ]
         if first_row:
             rows[0].update(first_row)
-        self._state.queue(self.session.sync_session, self.outbox, rows)
+        self._state.queue(self.session.sync_session, self._producer, rows)
         return message_id
 
     def _targets(
@@ -218,19 +229,19 @@ class UnitOfWork:
         }
         if self.causation_id is not None:
             base[HEADER_CAUSATION_ID] = self.causation_id
-        trace = self.outbox.trace_headers(self.traceparent)
+        trace = self._producer.trace_headers(self.traceparent)
         internal_headers = {**user_headers, **trace, **base}
         targets = [(target, message_id, internal_headers)]
         if external:
             public = {k: v for k, v in internal_headers.items() if k not in INTERNAL_HEADERS}
-            targets += [(name, uuid7(), public) for name in self.outbox.external_brokers]
+            targets += [(name, uuid7(), public) for name in self._producer.external_brokers]
         return targets
 
     def _publish_raised(self, event: Event | Message) -> None:
         """Publisher of events raised on the session's aggregates (``raise_event``)."""
         self.publish(event)
 
-    def harvest(self) -> int:
+    def _harvest(self) -> int:
         """Publish the events pending on aggregates the session tracks; returns how many."""
         return self._state.harvest(self.session.sync_session)
 
@@ -239,31 +250,97 @@ class UnitOfWork:
         (or savepoint) now, instead of at commit."""
         await self.session.run_sync(self._state.write)
 
-    def activate(self) -> None:
+    def _activate(self) -> None:
         """From now on, events raised on the session's aggregates are published through
         this unit of work (the innermost active one wins): called when its block, or its
         handler, begins."""
         self._state.push_publisher(self._publish_raised)
 
-    def close(self) -> None:
+    def _close(self) -> None:
         """The block or the handler ended: raised events go to the unit of work active
         before this one, and :meth:`publish` refuses from now on."""
         self._closed = True
         self._state.pop_publisher(self._publish_raised)
 
-    def mark_committed(self) -> None:
+    def _mark_committed(self) -> None:
         self.committed = True
 
-    def take_notify(self) -> list[Any]:
+    def _take_notify(self) -> list[Any]:
         """The outboxes still to be told about a commit made outside SQLAlchemy's greenlet
         (a sync ``Session``; an ``AsyncSession``'s commit has told them already)."""
         return self._state.take_notify()
 
 
+def activate(uow: UnitOfWork) -> None:
+    """``uow`` becomes the publisher of the events raised on its session's aggregates (the
+    innermost active one wins): its block, or its handler, begins."""
+    uow._activate()
+
+
+def close(uow: UnitOfWork) -> None:
+    """``uow``'s block or handler ended: raised events go to the unit of work active before
+    it, and its ``publish`` refuses from now on."""
+    uow._close()
+
+
+class HandlerTransaction:
+    """The transaction of a subscriber's handler running in this context (set by
+    :mod:`fastapi_outbox.consume.processing`): the handler's session and the unit of work and
+    message of the handler running now. ``outbox.unit_of_work()`` inside the handler joins
+    it (:func:`transaction`)."""
+
+    __slots__ = ("ended", "engine", "message", "name", "session", "task", "uow")
+
+    def __init__(self, engine: AsyncEngine, name: str, session: AsyncSession) -> None:
+        #: The outbox's database and the subscriber's name (for a refused second session).
+        self.engine = engine
+        self.name = name
+        self.session = session
+        self.uow: UnitOfWork | None = None
+        self.message = ""
+        #: The task the handlers run in: the only one that may join their transaction.
+        self.task = asyncio.current_task()
+        #: The handlers are done: a task they started that is still running may not join.
+        self.ended = False
+
+
+#: The transaction of the handler running in this context (None outside handlers).
+HANDLER_TRANSACTION: contextvars.ContextVar[HandlerTransaction | None] = contextvars.ContextVar(
+    "fastapi_outbox.handler_run", default=None
+)
+
+
+def _handler_transaction(engine: AsyncEngine) -> HandlerTransaction | None:
+    """The transaction of the handler running in this context when it works on ``engine``
+    (its own outbox's database, or another outbox's on the same engine) and a handler runs
+    now, else None."""
+    run = HANDLER_TRANSACTION.get()
+    if run is None or run.engine is not engine:
+        return None
+    if run.ended:
+        raise exceptions.UnitOfWorkError(
+            f"a task started by handler {run.name} while handling {run.message} outlived "
+            "the handler and called outbox.unit_of_work(): the handler's transaction has "
+            "ended (committed with the message's inbox row, or rolled back), and a unit of "
+            "work of the task's own would not go with that row. Await the task inside the "
+            "handler, or publish an event and do the work in a subscriber of it"
+        )
+    if run.uow is None:
+        return None
+    if asyncio.current_task() is not run.task:
+        raise exceptions.UnitOfWorkError(
+            f"handler {run.name} called outbox.unit_of_work() from a second task "
+            f"(asyncio.gather, create_task, a task group) while handling {run.message}: "
+            "the handler's transaction is one session on one connection, which two tasks "
+            "cannot share. Run the blocks one after the other in the handler's task"
+        )
+    return run
+
+
 @contextlib.asynccontextmanager
 async def transaction(
-    context: WriteContext,
-    session: AsyncSession | None,
+    producer: Producer,
+    session: AsyncSession | None = None,
     *,
     correlation_id: str | None = None,
     causation_id: str | None = None,
@@ -271,22 +348,34 @@ async def transaction(
 ) -> AsyncIterator[UnitOfWork]:
     """The body of ``outbox.unit_of_work()``: a unit of work on a session of its own that
     commits on exit and rolls back on error, or — ``session`` given — on the caller's
-    session, in a savepoint that the caller's commit or rollback decides."""
+    session, in a savepoint that the caller's commit or rollback decides. Inside a
+    subscriber's handler, without ``session``, it joins the handler's session that way (a
+    savepoint of the handler's transaction, the handler's correlation and causation ids
+    and traceparent unless given)."""
+    if session is None:
+        run = _handler_transaction(producer.engine)
+        if run is not None:
+            handler_uow = run.uow
+            assert handler_uow is not None
+            session = run.session
+            correlation_id = correlation_id or handler_uow.correlation_id
+            causation_id = causation_id or handler_uow.causation_id
+            traceparent = traceparent or handler_uow.traceparent
     own = session is None
-    sess = context.session_factory() if session is None else session
+    sess = producer.session_factory() if session is None else session
     uow = UnitOfWork(
-        context,
+        producer,
         sess,
         correlation_id=correlation_id,
         causation_id=causation_id,
         traceparent=traceparent,
     )
-    uow.activate()
+    uow._activate()
     try:
         if own:
             try:
                 yield uow
-                await commit(sess, uow.mark_committed)
+                await commit(sess, uow._mark_committed)
             except BaseException:
                 await roll_back(sess)
                 raise
@@ -294,12 +383,12 @@ async def transaction(
             async with sess.begin_nested():
                 yield uow
     finally:
-        uow.close()
+        uow._close()
         if own:
             with anyio.CancelScope(shield=True):
                 await sess.close()
-    for _ in uow.take_notify():  # only for a commit made outside the greenlet
-        await context.notify_after_commit()
+    for producer_told in uow._take_notify():  # only for a commit made outside the greenlet
+        await producer_told.relays.notify_after_commit()
 
 
 def _encode_event(
@@ -469,22 +558,21 @@ def _check_headers(headers: dict[str, str] | None, stream: str, type_name: str) 
     return dict(headers)
 
 
-#: Every live Outbox of this process (weakly): the request dependency falls back on the
-#: only one when the app was not started with ``outbox.lifespan``.
-_outboxes: weakref.WeakSet[Any] = weakref.WeakSet()
+#: The write side of every live Outbox of this process (weakly): the request dependency
+#: falls back on the only one when the app was not started with ``outbox.lifespan``.
+_producers: weakref.WeakSet[Producer] = weakref.WeakSet()
 
 
-def register_outbox(outbox: WriteContext) -> None:
-    _outboxes.add(outbox)
+def register(producer: Producer) -> None:
+    _producers.add(producer)
 
 
-def current_outbox() -> WriteContext:
-    """The only Outbox of this process; :class:`UnitOfWorkError` when there is none or
-    several."""
-    instances = list(_outboxes)
+def only_producer() -> Producer:
+    """The write side of the only Outbox of this process; :class:`UnitOfWorkError` when
+    there is none or several."""
+    instances = list(_producers)
     if len(instances) == 1:
-        found: WriteContext = instances[0]
-        return found
+        return instances[0]
     if not instances:
         raise exceptions.UnitOfWorkError(
             "no Outbox exists: create one and start the app with lifespan=outbox.lifespan"
@@ -495,35 +583,39 @@ def current_outbox() -> WriteContext:
     )
 
 
-def _outbox_for(request: Request) -> WriteContext:
-    outbox = getattr(request.app.state, "fastapi_outbox", None)
-    if outbox is None:
-        outbox = current_outbox()
-    return outbox
+def serve_app(state: Any, producer: Producer) -> None:
+    """Requests of the app whose ``app.state`` is ``state`` get units of work of
+    ``producer`` (``outbox.lifespan`` and the test harness call it)."""
+    state.fastapi_outbox = producer
+
+
+def _producer_for(request: Request) -> Producer:
+    producer: Producer | None = getattr(request.app.state, "fastapi_outbox", None)
+    return only_producer() if producer is None else producer
 
 
 async def _request_unit_of_work(request: Request) -> AsyncIterator[UnitOfWork]:
-    async with _serve(_outbox_for(request), request) as uow:
+    async with _serve(_producer_for(request), request) as uow:
         yield uow
 
 
 @contextlib.asynccontextmanager
-async def _serve(outbox: WriteContext, request: Request) -> AsyncIterator[UnitOfWork]:
+async def _serve(producer: Producer, request: Request) -> AsyncIterator[UnitOfWork]:
     try:
         correlation_id, traceparent = correlation_from_headers(request.headers)
     except ValueError as exc:
         raise HTTPException(status_code=400, detail=str(exc)) from exc
     committing = False
     try:
-        async with outbox.unit_of_work(
-            correlation_id=correlation_id, traceparent=traceparent
+        async with transaction(
+            producer, correlation_id=correlation_id, traceparent=traceparent
         ) as uow:
             yield uow
             committing = True
     except Exception as exc:
         # An outage answers 503 with Retry-After (fastapi_outbox.write.unavailable).
         answer = await unavailable(
-            exc, outbox.session_factory.kw.get("bind"), committing=committing
+            exc, producer.session_factory.kw.get("bind"), committing=committing
         )
         if answer is None:
             raise
@@ -542,13 +634,17 @@ async def unit_of_work(
 UnitOfWorkDep = Annotated[UnitOfWork, Depends(unit_of_work)]
 
 
-def dependency_for(outbox: WriteContext) -> Any:
-    """A ``unit_of_work`` dependency bound to ``outbox`` (several outboxes in one app):
-    ``uow: UnitOfWork = Depends(billing_outbox.dependency)``."""
+#: A FastAPI dependency giving a unit of work.
+Dependency = Callable[..., Awaitable[UnitOfWork]]
+
+
+def dependency_for(producer: Producer) -> Dependency:
+    """A ``unit_of_work`` dependency bound to one outbox's ``producer`` (several outboxes
+    in one app): ``uow: UnitOfWork = Depends(billing_outbox.dependency)``."""
 
     async def scoped(request: Request) -> AsyncIterator[UnitOfWork]:
         # `async with`, not `async for`: the endpoint's error must reach _serve's handler.
-        async with _serve(outbox, request) as uow:
+        async with _serve(producer, request) as uow:
             yield uow
 
     async def bound_unit_of_work(uow: UnitOfWork) -> UnitOfWork:

@@ -28,7 +28,7 @@ from sqlalchemy.util import await_only
 
 from fastapi_outbox.storage import wal_slot
 from fastapi_outbox.storage.statements import wal as wal_sql
-from fastapi_outbox.storage.statements.write import EMIT_SQL, emit_message
+from fastapi_outbox.storage.statements.inserts import EMIT_SQL, emit_message
 from fastapi_outbox.storage.store import Store
 
 __all__ = ["WalCapture"]
@@ -48,7 +48,7 @@ class WalCapture:
         # is due: the database's clock decides when it is (see ``clock``).
         due = [r for r in rows if not r["delay"] and r.get("deliver_at") is None]
         if len(due) < len(rows):
-            self.store.insert_rows_sync(
+            self.store.inserts.insert_rows_sync(
                 connection, [r for r in rows if r["delay"] or r.get("deliver_at") is not None]
             )
         if not due:

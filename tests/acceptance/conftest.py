@@ -148,10 +148,11 @@ def _cli() -> list[str]:
 
 
 class Dispatchers:
-    """``count`` dispatcher processes running :data:`APP` with ``env``."""
+    """``count`` dispatcher processes running ``app`` (default :data:`APP`) with ``env``."""
 
-    def __init__(self, count: int, env: dict[str, str], log_dir: Path) -> None:
+    def __init__(self, count: int, env: dict[str, str], log_dir: Path, app: str = APP) -> None:
         self.env = env
+        self.app = app
         self.log_dir = log_dir
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * count
         self.logs: list[Path | None] = [None] * count
@@ -161,11 +162,12 @@ class Dispatchers:
 
     def start(self, index: int) -> None:
         self.started += 1
-        log_path = self.log_dir / f"dispatcher-{index}-{self.started}.log"
+        name = self.app.split(":")[0].rsplit(".", 1)[-1]
+        log_path = self.log_dir / f"{name}-{id(self):x}-{index}-{self.started}.log"
         log: IO[bytes]
         with log_path.open("wb") as log:
             self.procs[index] = subprocess.Popen(
-                [*_cli(), "dispatch", "--app", APP],
+                [*_cli(), "dispatch", "--app", self.app],
                 cwd=REPO,
                 env=self.env,
                 stdin=subprocess.DEVNULL,
@@ -203,6 +205,13 @@ class Dispatchers:
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         self.kills += 1
+
+    def terminate(self, index: int) -> int:
+        """SIGTERM (a normal stop, as Kubernetes sends): the exit code."""
+        proc = self.procs[index]
+        assert proc is not None
+        proc.terminate()
+        return proc.wait(20)
 
     def restart_exited(self) -> None:
         """Start again every process that ended by itself (crash)."""
@@ -247,11 +256,11 @@ def dispatcher_env(
 
 @pytest.fixture
 def dispatchers(tmp_path: Path) -> Iterator[Callable[..., Dispatchers]]:
-    """``dispatchers(count, env)`` → :class:`Dispatchers`, all stopped at teardown."""
+    """``dispatchers(count, env, app=APP)`` → :class:`Dispatchers`, all stopped at teardown."""
     made: list[Dispatchers] = []
 
-    def make(count: int, env: dict[str, str]) -> Dispatchers:
-        group = Dispatchers(count, env, tmp_path)
+    def make(count: int, env: dict[str, str], app: str = APP) -> Dispatchers:
+        group = Dispatchers(count, env, tmp_path, app)
         made.append(group)
         return group
 
@@ -305,7 +314,7 @@ async def produce(
 
 async def unfinished(outbox: Outbox) -> int:
     """Rows that still need work: pending, processing or failed."""
-    return sum([await outbox.store.count(s) for s in ("pending", "processing", "failed")])
+    return sum([await outbox.store.messages.count(s) for s in ("pending", "processing", "failed")])
 
 
 async def wait_drained(outbox: Outbox, timeout: float, describe: Callable[[], str]) -> None:

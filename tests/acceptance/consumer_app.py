@@ -7,10 +7,18 @@ marker file per kill already done, so each kill happens once) and ``KILL_BEFORE_
 itself: inside the handler after its effect is flushed, or after the commit but before the
 broker ack). Each message's effect is one row of ``effects`` (no unique constraint: a
 double effect would show as two rows).
+
+Versions and holds (``tests/acceptance/test_lifecycle.py``): ``CONSUMER_TYPES`` the types
+the handler takes (``Tick``, default, or ``Tick,Tock``: a second code version that added
+``Tock``; the first does not declare it); ``CONSUMER_CONCURRENCY`` / ``CONSUMER_BATCH_SIZE``
+/ ``CONSUMER_BATCH`` (``0``: one transaction per message) the subscriber's options;
+``HOLD_DIR``: every handler run writes ``<message id>.<pid>`` there and never returns (the
+message is in a handler when the process is killed).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -35,6 +43,9 @@ def _numbers(name: str) -> set[int]:
 
 KILL_BEFORE_COMMIT = _numbers("KILL_BEFORE_COMMIT")
 KILL_AFTER_COMMIT = _numbers("KILL_AFTER_COMMIT")
+TYPES = set(os.environ.get("CONSUMER_TYPES", "Tick").split(","))
+HOLD_DIR = os.environ.get("HOLD_DIR")
+BATCH_SIZE = os.environ.get("CONSUMER_BATCH_SIZE")
 
 
 class Base(DeclarativeBase):
@@ -53,6 +64,15 @@ class Tick(Event, stream=STREAM):
     n: int
 
 
+takes: Any = Tick
+if "Tock" in TYPES:
+
+    class Tock(Event, stream=STREAM):
+        n: int
+
+    takes = Tick | Tock
+
+
 def kill_once(when: str, n: int) -> None:
     marker = KILL_DIR / f"{when}-{n}"
     if marker.exists():
@@ -68,12 +88,25 @@ outbox = Outbox(
 )
 
 
-@outbox.subscriber(STREAM, group="effects", start="all", concurrency=16)
-async def apply(tick: Tick, uow: UnitOfWork) -> None:
+async def apply(tick: Any, uow: UnitOfWork) -> None:
+    if HOLD_DIR:
+        (Path(HOLD_DIR) / f"{uow.causation_id}.{os.getpid()}").touch()
+        await asyncio.Event().wait()
     uow.session.add(Effect(n=tick.n, message_id=uow.causation_id or ""))
     if tick.n in KILL_BEFORE_COMMIT:
         await uow.session.flush()  # the effect is written, not committed
         kill_once("before", tick.n)
+
+
+apply.__annotations__["tick"] = takes
+outbox.subscriber(
+    STREAM,
+    group="effects",
+    start="all",
+    concurrency=int(os.environ.get("CONSUMER_CONCURRENCY", "16")),
+    batch_size=int(BATCH_SIZE) if BATCH_SIZE else None,
+    batch=os.environ.get("CONSUMER_BATCH", "1") == "1",
+)(apply)
 
 
 def _kill_between_commit_and_ack(consumer_class: type) -> None:

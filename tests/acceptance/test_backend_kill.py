@@ -52,8 +52,8 @@ async def test_dispatcher_backends_terminated_mid_batch(pg_url: str, redis_url: 
     admin = await asyncpg.connect(url)
     killed = 0
     try:
-        async with outbox.dispatcher():
-            processor = outbox.processors["default"]
+        async with outbox.relaying():
+            processor = outbox.relays.tables["default"]
             async with anyio.create_task_group() as tg:
                 committed: list[str] = []
 

@@ -58,8 +58,8 @@ async def run_through_refusal(
     await outbox.create_tables()
     admin = aioredis.Redis.from_url(server.url)
     try:
-        async with outbox.dispatcher():
-            processor = outbox.processors["default"]
+        async with outbox.relaying():
+            processor = outbox.relays.tables["default"]
             committed = await produce(outbox, stream, 60)
             await wait_drained(outbox, 20, lambda: "before the refusal")
 
@@ -74,8 +74,8 @@ async def run_through_refusal(
                 assert code in (processor.last_error or ""), processor.last_error
             # Refused for a while, with everything committed: still nothing charged.
             await wait_until(lambda: _down_for(processor) > 1.0, timeout=15)
-            assert await outbox.store.count("abandoned") == 0
-            assert await outbox.store.count("failed") == 0
+            assert await outbox.store.messages.count("abandoned") == 0
+            assert await outbox.store.messages.count("failed") == 0
             left = await unfinished(outbox)
             if left == 0:  # say what the server was doing: the refusal must hold here
                 role = (await admin.info("replication")).get("role")
@@ -88,7 +88,7 @@ async def run_through_refusal(
             await accept(admin)
             await wait_drained(outbox, 30, lambda: f"after the refusal: {processor.last_error}")
             assert processor.broker_ok and not processor.broker_refusing
-        assert await outbox.store.count("abandoned") == 0
+        assert await outbox.store.messages.count("abandoned") == 0
         async with outbox.engine.connect() as conn:
             attempts = (
                 await conn.exec_driver_sql(f"SELECT max(attempts) FROM {outbox.table.name}")
@@ -156,8 +156,8 @@ async def test_jetstream_stream_gone_is_an_outage_that_heals(
     outbox = Outbox(pg_url, brokers={"default": broker}, settings=OutboxSettings(**SETTINGS))
     await outbox.create_tables()
     try:
-        async with outbox.dispatcher():
-            processor = outbox.processors["default"]
+        async with outbox.relaying():
+            processor = outbox.relays.tables["default"]
             first = await produce(outbox, subject, 20)
             await wait_drained(outbox, 20, lambda: "before the deletion")
             exactly_once(first, await nats_ids(private_nats.url, subject))
@@ -170,7 +170,7 @@ async def test_jetstream_stream_gone_is_an_outage_that_heals(
             later = await produce(outbox, subject, 40)
             await wait_drained(outbox, 20, lambda: f"after the deletion: {processor.last_error}")
             assert processor.broker_ok
-        assert await outbox.store.count("abandoned") == 0
+        assert await outbox.store.messages.count("abandoned") == 0
         async with outbox.engine.connect() as conn:
             attempts = (
                 await conn.exec_driver_sql(f"SELECT max(attempts) FROM {outbox.table.name}")

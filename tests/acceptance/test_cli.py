@@ -475,7 +475,7 @@ async def test_dispatch_serves_health_for_probes_and_stops_on_sigterm(
         body = response.json()
         assert body["dispatchers_running"] is True
         assert body["processors"][0]["running"] is True
-        assert await outbox.store.count("published") == 2
+        assert await outbox.store.messages.count("published") == 2
         proc.send_signal(signal.SIGTERM)
         with anyio.fail_after(20):
             code = await proc.wait()

@@ -8,7 +8,7 @@ AOF (fsync on every write) and a NATS with JetStream on a store directory of its
 loopback ports of their own. The shared services on 5432 / 6379 / 4222 are not touched.
 
 The producer is this test: it commits the messages through ``outbox.unit_of_work()`` into
-the private PostgreSQL and its own dispatcher (``outbox.dispatcher()``) publishes them. The
+the private PostgreSQL and its own dispatcher (``outbox.relaying()``) publishes them. The
 consumers are three ``fastapi-outbox dispatch --app tests.acceptance.consumer_app:outbox``
 processes: one ``@outbox.subscriber`` (group ``effects``) adding one ``effects`` row per
 message in the handler's transaction (no unique constraint: a double effect shows as two
@@ -423,7 +423,7 @@ async def test_consumers_chaos_every_effect_exactly_once(
         return max(1.0, min(timeout, began + BUDGET_SECONDS - time.monotonic()))
 
     try:
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             procs.start_all()
             await anyio.to_thread.run_sync(lambda: procs.wait_ready(timeout=60))
             note("3 consumers ready")

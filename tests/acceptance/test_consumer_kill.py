@@ -45,7 +45,7 @@ KILL_AFTER_COMMIT = [120, 300, 510]
 BOUND_SECONDS = 55.0
 
 
-def envelopes(stream: str, numbers: range) -> list[Envelope]:
+def envelopes(stream: str, numbers: range, type_: str = "Tick") -> list[Envelope]:
     out = []
     for n in numbers:
         message_id = str(uuid7())
@@ -53,10 +53,10 @@ def envelopes(stream: str, numbers: range) -> list[Envelope]:
             Envelope(
                 message_id,
                 stream,
-                "Tick",
+                type_,
                 None,
                 json.dumps({"n": n}).encode(),
-                {"message-id": message_id, "type": "Tick", "correlation-id": "load"},
+                {"message-id": message_id, "type": type_, "correlation-id": "load"},
             )
         )
     return out

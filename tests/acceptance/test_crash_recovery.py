@@ -96,7 +96,7 @@ async def test_dispatchers_killed_repeatedly_lose_and_duplicate_nothing(
             group.restart_exited()
             await wait_drained(outbox, 25, tail_of(group))
         exactly_once(ids, await redis_ids(redis_url, stream))
-        assert await outbox.store.count("abandoned") == 0
+        assert await outbox.store.messages.count("abandoned") == 0
         assert group.kills >= 12
     finally:
         await outbox.aclose()
@@ -123,7 +123,7 @@ async def test_broker_killed_and_restarted_mid_run(
             group.wait_ready()
 
             async def published_at_least(n: int) -> bool:
-                return await outbox.store.count("published") >= n
+                return await outbox.store.messages.count("published") >= n
 
             async def outages() -> None:
                 for threshold in (300, 1200):
@@ -143,7 +143,7 @@ async def test_broker_killed_and_restarted_mid_run(
             delivered = await read(server.url, stream)
         exactly_once(ids, delivered)
         assert server.kills == 2
-        assert await outbox.store.count("abandoned") == 0
+        assert await outbox.store.messages.count("abandoned") == 0
     finally:
         await outbox.aclose()
 
@@ -178,7 +178,7 @@ async def test_a_message_that_crashes_every_publish_is_abandoned_after_max_attem
                 tg.start_soon(keep_alive)
                 await wait_drained(outbox, 40, tail_of(group))
                 stop.set()
-        rows = await outbox.store.list_messages(limit=1000)
+        rows = await outbox.store.messages.list_messages(limit=1000)
         abandoned = [r for r in rows if r["status"] == "abandoned"]
         assert len(abandoned) == 1, abandoned
         (dead,) = abandoned
@@ -192,7 +192,7 @@ async def test_a_message_that_crashes_every_publish_is_abandoned_after_max_attem
         assert str(dead["id"]) not in others
         exactly_once(others, await redis_ids(redis_url, stream))
         assert sorted([*others, str(dead["id"])]) == sorted(ids)
-        stored = await outbox.store.get(dead["id"])
+        stored = await outbox.store.messages.get(dead["id"])
         assert stored is not None and json.loads(stored["payload"])["poison"] is True
     finally:
         await outbox.aclose()

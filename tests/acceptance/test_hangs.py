@@ -52,7 +52,7 @@ async def freeze_cycles(
     outbox: Outbox, server: Server, stream: str, delivered: Any, leaks: Any
 ) -> list[str]:
     committed: list[str] = []
-    processor = outbox.processors["default"]
+    processor = outbox.relays.tables["default"]
     await commit(outbox, stream, 20, committed)
     await wait_drained(outbox, 20, lambda: "warm-up")
     baseline = await leaks()
@@ -108,7 +108,7 @@ async def test_frozen_redis_ten_times(pg_url: str, private_redis: Server) -> Non
         return {"redis connections": len(clients) - 1, "asyncio tasks": task_count()}
 
     try:
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             committed = await freeze_cycles(outbox, private_redis, stream, delivered, leaks)
         exactly_once(committed, await delivered())
     finally:
@@ -139,7 +139,7 @@ async def test_frozen_nats_ten_times(pg_url: str, private_nats: Server) -> None:
         }
 
     try:
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             committed = await freeze_cycles(outbox, private_nats, stream, delivered, leaks)
         with anyio.fail_after(30):
             exactly_once(committed, await nats_ids(private_nats.url, stream))
@@ -181,7 +181,7 @@ async def test_frozen_redis_under_a_subscriber(pg_url: str, private_redis: Serve
         return len(await probe.client_list())
 
     try:
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             await send(0)
             await wait_until(lambda: handled == ["0"], timeout=10)
             before = await clients()
@@ -253,7 +253,7 @@ async def test_redis_killed_and_restarted_under_a_busy_subscriber(
             await client.aclose()
 
     try:
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             total = 0
             for _ in range(2):
                 await send(range(total, total + 2000))

@@ -186,11 +186,11 @@ async def test_stream_leader_killed_mid_run_every_message_once(
             await conn.run_sync(Base.metadata.create_all)
         await outbox.create_tables()
         with anyio.fail_after(50):
-            async with outbox.dispatcher():
+            async with outbox.relaying():
                 committed += await commit(range(PER_ROUND))
 
                 async def published(n: int) -> bool:
-                    return outbox.processors["default"].published_total >= n
+                    return outbox.relays.tables["default"].published_total >= n
 
                 await wait_until(lambda: published(PER_ROUND), timeout=15)
                 name, replicas, leader = await stream_state(cluster, stream)
@@ -273,7 +273,7 @@ async def test_a_frozen_node_is_left_for_another_within_seconds(
             await conn.run_sync(Base.metadata.create_all)
         await outbox.create_tables()
         with anyio.fail_after(60):
-            async with outbox.dispatcher():
+            async with outbox.relaying():
                 committed += await commit(range(20))
                 await wait_until(lambda: handled(20), timeout=15)
                 port = broker.connection.client.connected_url.port

@@ -99,7 +99,9 @@ async def all_handled(outbox: Outbox, committed: list[str], timeout: float = 40)
     async def done() -> bool:
         return len(await effects(outbox)) >= len(committed)
 
-    await wait_drained(outbox, timeout, lambda: f"relay: {outbox.processors['default'].last_error}")
+    await wait_drained(
+        outbox, timeout, lambda: f"relay: {outbox.relays.tables['default'].last_error}"
+    )
     try:
         await wait_until(done, timeout=timeout, interval=0.1)
     except TimeoutError:
@@ -114,7 +116,7 @@ async def exactly_once(outbox: Outbox, committed: list[str]) -> None:
     seen = await effects(outbox)
     assert set(seen) == set(committed)
     assert all(n == 1 for n in seen.values()), {m: n for m, n in seen.items() if n > 1}
-    assert await outbox.store.count("abandoned") == 0
+    assert await outbox.store.messages.count("abandoned") == 0
     sub = outbox.subscribers[0]
     assert sub.stats.dead_lettered == 0
     assert sub.consumer is not None
@@ -126,15 +128,15 @@ async def test_node_killed_and_restarted_mid_run(
 ) -> None:
     outbox, stream = app
     await anyio.to_thread.run_sync(node.settle)  # the group's queue survives a SIGKILL
-    async with outbox.dispatcher():
+    async with outbox.relaying():
         committed = await produce(outbox, stream, 60)
         await wait_until(lambda: outbox.subscribers[0].stats.handled >= 10, timeout=20)
         await anyio.to_thread.run_sync(node.kill)
         # Committed while the node is down: they wait in the outbox.
         committed += await produce(outbox, stream, 60)
-        processor = outbox.processors["default"]
+        processor = outbox.relays.tables["default"]
         await wait_until(lambda: not processor.broker_ok, timeout=20)
-        assert await outbox.store.count("abandoned") == 0
+        assert await outbox.store.messages.count("abandoned") == 0
         await anyio.to_thread.run_sync(node.start)
         committed += await produce(outbox, stream, 30)
         await all_handled(outbox, committed)
@@ -146,8 +148,8 @@ async def test_memory_alarm_raised_then_cleared(
 ) -> None:
     outbox, stream = app
     broker = outbox.brokers["default"]
-    async with outbox.dispatcher():
-        processor = outbox.processors["default"]
+    async with outbox.relaying():
+        processor = outbox.relays.tables["default"]
         committed = await produce(outbox, stream, 30)
         await all_handled(outbox, committed)
         await anyio.to_thread.run_sync(node.ctl, "set_vm_memory_high_watermark", "0.0000001")
@@ -159,8 +161,8 @@ async def test_memory_alarm_raised_then_cleared(
                 await broker.ping()
             health = await compute_health(outbox)
             assert health.status == "degraded", health
-            assert await outbox.store.count("abandoned") == 0
-            assert await outbox.store.count("failed") == 0
+            assert await outbox.store.messages.count("abandoned") == 0
+            assert await outbox.store.messages.count("failed") == 0
         finally:
             await anyio.to_thread.run_sync(node.ctl, "set_vm_memory_high_watermark", "0.4")
         await all_handled(outbox, committed)
@@ -179,7 +181,7 @@ async def test_queue_deleted_under_a_running_consumer(
     import aio_pika
 
     outbox, stream = app
-    async with outbox.dispatcher():
+    async with outbox.relaying():
         committed = await produce(outbox, stream, 30)
         await all_handled(outbox, committed)
         conn = await aio_pika.connect(node.url)
@@ -206,13 +208,13 @@ async def test_network_cut_through_a_proxy(pg_url: str, node: PrivateRabbitMQ) -
                 outbox,
                 stream,
             ),
-            outbox.dispatcher(),
+            outbox.relaying(),
         ):
             committed = await produce(outbox, stream, 30)
             await wait_until(lambda: outbox.subscribers[0].stats.handled >= 5, timeout=20)
             await proxy.stop()
             committed += await produce(outbox, stream, 30)
-            processor = outbox.processors["default"]
+            processor = outbox.relays.tables["default"]
             await wait_until(lambda: not processor.broker_ok, timeout=20)
             await proxy.start()
             committed += await produce(outbox, stream, 30)
@@ -233,7 +235,7 @@ async def test_broker_down_at_start_gets_the_groups_before_the_first_publish(
     try:
         async with (
             service(pg_url, f"amqp://guest:guest@127.0.0.1:{proxy.port}/") as (outbox, stream),
-            outbox.dispatcher(),
+            outbox.relaying(),
         ):
             committed = await produce(outbox, stream, 20)
             assert outbox.subscribers[0].stats.handled == 0

@@ -169,7 +169,7 @@ async def test_streams_on_every_master_drained_consumed_dead_lettered_and_replay
     plan = [(s, {"n": n}) for n in range(15) for s in streams]
     try:
         with anyio.fail_after(60):
-            async with outbox.dispatcher():
+            async with outbox.relaying():
                 committed = await commit(outbox, plan)
                 poison = await commit(outbox, [(s, {"poison": True}) for s in streams])
                 poisoned.update(poison)
@@ -216,10 +216,10 @@ async def test_streams_on_every_master_drained_consumed_dead_lettered_and_replay
                 await broker.ping()  # every master answers
             counts = await effects(outbox)
             in_streams = {s: Counter(await stream_ids(broker, s)) for s in streams}
-            assert await outbox.store.count("abandoned") == 0
+            assert await outbox.store.messages.count("abandoned") == 0
             # Every row marked published, none after a failed attempt (a broker error).
-            assert await outbox.store.count("published") == len(committed) + len(poison)
-            assert await outbox.store.count() == len(committed) + len(poison)
+            assert await outbox.store.messages.count("published") == len(committed) + len(poison)
+            assert await outbox.store.messages.count() == len(committed) + len(poison)
     finally:
         await outbox.aclose()
 
@@ -249,7 +249,7 @@ async def test_a_master_killed_mid_run_every_message_once(
     committed: list[str] = []
     try:
         with anyio.fail_after(60):
-            async with outbox.dispatcher():
+            async with outbox.relaying():
                 committed += await commit(outbox, rounds[0])
 
                 async def handled(n: int) -> bool:
@@ -271,7 +271,7 @@ async def test_a_master_killed_mid_run_every_message_once(
                 await wait_until(all_handled, timeout=30)
 
                 async def all_published() -> bool:
-                    return await outbox.store.count("published") == len(committed)
+                    return await outbox.store.messages.count("published") == len(committed)
 
                 # A batch whose WAIT failed while the promoted master had no replica yet was
                 # handled (its entries reached the stream) but is marked only at its retry:
@@ -283,7 +283,7 @@ async def test_a_master_killed_mid_run_every_message_once(
             in_streams: Counter[str] = Counter()
             for stream in streams:
                 in_streams.update(await stream_ids(broker, stream))
-            assert await outbox.store.count("abandoned") == 0
+            assert await outbox.store.messages.count("abandoned") == 0
             stats = [s.stats for s in outbox.subscribers]
     finally:
         await outbox.aclose()
@@ -351,7 +351,7 @@ async def test_ordered_subscribers_on_every_master_two_instances_each_key_in_ord
     committed: list[str] = []
     try:
         with anyio.fail_after(60):
-            async with first.dispatcher(), outboxes[1].dispatcher():
+            async with first.relaying(), outboxes[1].relaying():
                 await wait_until(shared, timeout=15)
                 for step in range(steps):  # one commit per step: keys interleave in streams
                     async with first.unit_of_work() as uow:

@@ -137,7 +137,7 @@ async def test_relays_killed_repeatedly_lose_and_duplicate_nothing(
         exactly_once(ids, delivered)
         assert group.kills >= 10
         # Nothing went through the table.
-        assert await outbox.store.count() == 0
+        assert await outbox.store.messages.count() == 0
     finally:
         await outbox.aclose()
 

@@ -33,7 +33,7 @@ def app_for(outbox: Outbox) -> FastAPI:
 
 
 async def status_of(outbox: Outbox, message_id: Any) -> str:
-    row = await outbox.store.get(message_id)
+    row = await outbox.store.messages.get(message_id)
     assert row is not None
     return str(row["status"])
 

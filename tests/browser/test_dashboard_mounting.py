@@ -58,7 +58,7 @@ async def outbox_with_abandoned(url: str, stream: str) -> tuple[Outbox, uuid.UUI
 
 
 async def status_of(outbox: Outbox, message_id: uuid.UUID) -> str:
-    row = await outbox.store.get(message_id)
+    row = await outbox.store.messages.get(message_id)
     assert row is not None
     return str(row["status"])
 

@@ -12,11 +12,10 @@ from fastapi_outbox.ops.health import liveness
 def port(*, started: bool, relay_running: bool = True, subscriber_running: bool = True) -> Any:
     relay = SimpleNamespace(running=relay_running, broker_ok=False)  # broker down: irrelevant
     return SimpleNamespace(
-        started=started,
+        lifecycle=SimpleNamespace(started=started),
         all_brokers={"default": object()},
-        processors={"default": relay} if started else {},
+        relays=SimpleNamespace(tables={"default": relay} if started else {}, wal=None),
         wal_slot=None,
-        wal_relay=None,
         subscribers=[SimpleNamespace(group="billing", stream="orders", running=subscriber_running)],
     )
 

@@ -15,8 +15,8 @@ from typing import Any
 
 from sqlalchemy.dialects import postgresql, sqlite
 
-from fastapi_outbox.storage.statements import doctor, engine
 from fastapi_outbox.storage.statements import partitions as part
+from fastapi_outbox.storage.statements import schema_check, session
 
 PG = postgresql.dialect()
 LITE = sqlite.dialect()
@@ -149,76 +149,84 @@ def test_detach_recheck_drop() -> None:
 
 
 def test_doctor_catalogue_reads() -> None:
-    assert pg(doctor.COLUMNS) == (
+    assert pg(schema_check.COLUMNS) == (
         "SELECT attname, format_type(atttypid, atttypmod), attnotnull, attidentity "
         "FROM pg_attribute WHERE attrelid = to_regclass(%(r)s) AND attnum > 0 "
         "AND NOT attisdropped"
     )
-    assert pg(doctor.INDEXES) == (
+    assert pg(schema_check.INDEXES) == (
         "SELECT c.relname, pg_get_indexdef(i.indexrelid), i.indisvalid, i.indisprimary "
         "FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
         "WHERE i.indrelid = to_regclass(%(r)s)"
     )
-    assert pg(doctor.RELOPTIONS) == (
+    assert pg(schema_check.RELOPTIONS) == (
         "SELECT reloptions FROM pg_class WHERE oid = to_regclass(%(r)s)"
     )
-    assert pg(doctor.RELKIND) == (
+    assert pg(schema_check.RELKIND) == (
         "SELECT relkind::text FROM pg_class WHERE oid = to_regclass(%(r)s)"
     )
-    assert str(doctor.SQLITE_INDEXES.compile(dialect=LITE)) == (
+    assert str(schema_check.SQLITE_INDEXES.compile(dialect=LITE)) == (
         "SELECT name, sql FROM sqlite_master WHERE type = 'index' AND tbl_name = ?"
     )
-    assert str(doctor.sqlite_columns("outbox")) == 'PRAGMA table_info("outbox")'
+    assert str(schema_check.sqlite_columns("outbox")) == 'PRAGMA table_info("outbox")'
 
 
 def test_probe_renames_the_table_and_drops_the_partitioning() -> None:
     create = '\nCREATE TABLE "outbox" (\n\tid UUID\n) PARTITION BY RANGE (created_at)\n\n'
-    assert doctor.probe_table(create, "probe") == "CREATE TEMPORARY TABLE probe (\n\tid UUID\n)\n\n"
+    assert (
+        schema_check.probe_table(create, "probe")
+        == "CREATE TEMPORARY TABLE probe (\n\tid UUID\n)\n\n"
+    )
     index = "CREATE INDEX ix_outbox_due ON outbox (next_attempt_at) WHERE status = 'x'"
-    assert doctor.probe_index(index, "probe") == (
+    assert schema_check.probe_index(index, "probe") == (
         "CREATE INDEX ix_outbox_due ON probe (next_attempt_at) WHERE status = 'x'"
     )
 
 
 def test_upgrade_lock_timeout_is_set_then_reset() -> None:
-    assert str(doctor.lock_timeout(2000)) == "SET lock_timeout = 2000"
-    assert str(doctor.RESET_LOCK_TIMEOUT) == "RESET lock_timeout"
+    assert str(schema_check.lock_timeout(2000)) == "SET lock_timeout = 2000"
+    assert str(schema_check.RESET_LOCK_TIMEOUT) == "RESET lock_timeout"
 
 
 def test_column_fixes() -> None:
-    assert doctor.add_column("outbox", "seq BIGINT") == 'ALTER TABLE "outbox" ADD COLUMN seq BIGINT'
-    assert doctor.alter_type("outbox", "key", "text") == (
+    assert (
+        schema_check.add_column("outbox", "seq BIGINT")
+        == 'ALTER TABLE "outbox" ADD COLUMN seq BIGINT'
+    )
+    assert schema_check.alter_type("outbox", "key", "text") == (
         'ALTER TABLE "outbox" ALTER COLUMN "key" TYPE text USING "key"::text'
     )
-    assert doctor.set_not_null("outbox", "key", True) == (
+    assert schema_check.set_not_null("outbox", "key", True) == (
         'ALTER TABLE "outbox" ALTER COLUMN "key" SET NOT NULL'
     )
-    assert doctor.set_not_null("outbox", "key", False) == (
+    assert schema_check.set_not_null("outbox", "key", False) == (
         'ALTER TABLE "outbox" ALTER COLUMN "key" DROP NOT NULL'
     )
-    assert doctor.drop_column("outbox", "txid") == 'ALTER TABLE "outbox" DROP COLUMN "txid"'
+    assert schema_check.drop_column("outbox", "txid") == 'ALTER TABLE "outbox" DROP COLUMN "txid"'
 
 
 def test_index_fixes() -> None:
     ddl = "CREATE INDEX ix_o_due ON outbox (next_attempt_at)"
-    concurrent = doctor.create_index(ddl, concurrently=True)
+    concurrent = schema_check.create_index(ddl, concurrently=True)
     assert (
         concurrent == "CREATE INDEX CONCURRENTLY IF NOT EXISTS ix_o_due ON outbox (next_attempt_at)"
     )
-    assert doctor.create_index(ddl, concurrently=False) == (
+    assert schema_check.create_index(ddl, concurrently=False) == (
         "CREATE INDEX IF NOT EXISTS ix_o_due ON outbox (next_attempt_at)"
     )
-    assert doctor.rename_in_create(concurrent, "ix_o_due", "ix_o_due_new") == (
+    assert schema_check.rename_in_create(concurrent, "ix_o_due", "ix_o_due_new") == (
         "CREATE INDEX CONCURRENTLY IF NOT EXISTS ix_o_due_new ON outbox (next_attempt_at)"
     )
-    assert doctor.drop_index("ix", concurrently=True) == 'DROP INDEX CONCURRENTLY IF EXISTS "ix"'
-    assert doctor.drop_index("ix", concurrently=False) == 'DROP INDEX IF EXISTS "ix"'
-    assert doctor.drop_index("ix", if_exists=False) == 'DROP INDEX "ix"'
-    assert doctor.rename_index("ix_new", "ix") == 'ALTER INDEX "ix_new" RENAME TO "ix"'
+    assert (
+        schema_check.drop_index("ix", concurrently=True) == 'DROP INDEX CONCURRENTLY IF EXISTS "ix"'
+    )
+    assert schema_check.drop_index("ix", concurrently=False) == 'DROP INDEX IF EXISTS "ix"'
+    assert schema_check.drop_index("ix", if_exists=False) == 'DROP INDEX "ix"'
+    assert schema_check.rename_index("ix_new", "ix") == 'ALTER INDEX "ix_new" RENAME TO "ix"'
 
 
 def test_storage_fix() -> None:
-    assert doctor.set_storage("outbox_p1", "autovacuum_vacuum_threshold = 5000") == (
+    assert schema_check.set_storage("outbox_p1", "autovacuum_vacuum_threshold = 5000") == (
         'ALTER TABLE "outbox_p1" SET (autovacuum_vacuum_threshold = 5000)'
     )
 
@@ -227,12 +235,12 @@ def test_storage_fix() -> None:
 
 
 def test_sqlite_pragmas_in_order_with_wal_only_for_a_file_database() -> None:
-    assert engine.sqlite_pragmas(30_000, wal=True) == [
+    assert session.sqlite_pragmas(30_000, wal=True) == [
         "PRAGMA journal_mode=WAL",
         "PRAGMA synchronous=NORMAL",
         "PRAGMA busy_timeout=30000",
         "PRAGMA foreign_keys=ON",
     ]
-    assert engine.sqlite_pragmas(5, wal=False)[0] == "PRAGMA synchronous=NORMAL"
-    assert engine.BEGIN_IMMEDIATE == "BEGIN IMMEDIATE"
-    assert engine.PING == "SELECT 1"
+    assert session.sqlite_pragmas(5, wal=False)[0] == "PRAGMA synchronous=NORMAL"
+    assert session.BEGIN_IMMEDIATE == "BEGIN IMMEDIATE"
+    assert session.PING == "SELECT 1"

@@ -118,9 +118,14 @@ class _States:
         return {i: self._states[i] for i in ids if i in self._states}
 
 
+class _Store:
+    def __init__(self, states: dict[uuid.UUID, tuple[str, bool]]) -> None:
+        self.messages = _States(states)
+
+
 class _Box:
     def __init__(self, states: dict[uuid.UUID, tuple[str, bool]]) -> None:
-        self.store = _States(states)
+        self.store = _Store(states)
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""The one supervision loop (``relay.supervisor.Supervisor``) on fake services: start in
+"""The one supervision loop (``lifecycle.supervisor.Supervisor``) on fake services: start in
 order once ready, stop every stoppable service at once, await them within the shutdown
 bound, cancel the rest."""
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import anyio
 
-from fastapi_outbox.relay.supervisor import StoppableService, Supervisor
+from fastapi_outbox.lifecycle.supervisor import StoppableService, Supervisor
 
 
 class _Stoppable:

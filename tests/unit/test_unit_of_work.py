@@ -26,7 +26,7 @@ from fastapi_outbox import (
     UnknownBroker,
 )
 from fastapi_outbox.brokers import MemoryBroker
-from fastapi_outbox.write.unit_of_work import correlation_from_headers
+from fastapi_outbox.write.unit_of_work import close, correlation_from_headers
 
 
 class OrderPlaced(Event, stream="orders", key="order_id"):
@@ -54,7 +54,7 @@ def outbox() -> Outbox:
 
 
 def make_uow(outbox: Outbox, **kwargs: Any) -> UnitOfWork:
-    return UnitOfWork(outbox, outbox.session_factory(), **kwargs)
+    return UnitOfWork(outbox._producer, outbox.session_factory(), **kwargs)
 
 
 def rows(uow: UnitOfWork) -> list[dict[str, Any]]:
@@ -220,7 +220,7 @@ def test_invalid_correlation_or_causation_id_is_refused(outbox: Outbox) -> None:
 
 def test_publish_after_close_is_refused(outbox: Outbox) -> None:
     uow = make_uow(outbox)
-    uow.close()
+    close(uow)
     with pytest.raises(UnitOfWorkError, match="already committed"):
         uow.publish(OrderPlaced(order_id=1, total=1))
 

@@ -37,7 +37,7 @@ def uow() -> UnitOfWork:
     outbox = Outbox(
         "sqlite+aiosqlite://", brokers={"default": MemoryBroker()}, settings=OutboxSettings()
     )
-    return UnitOfWork(outbox, outbox.session_factory())
+    return UnitOfWork(outbox._producer, outbox.session_factory())
 
 
 def message(payload: dict[str, Any], **kw: Any) -> Message:

@@ -3,7 +3,7 @@ rows from the outbox table to the archive table, the archive's own retention, an
 catalogue changes that re-attach a finished partition to a partitioned archive.
 
 Caller: :class:`fastapi_outbox.storage.archive.Archive` (``move_batch``, ``purge_batch``),
-run by the relay's cleaner (:mod:`fastapi_outbox.relay.retention`),
+run by the relay's cleaner (:mod:`fastapi_outbox.lifecycle.retention`),
 :mod:`fastapi_outbox.storage.partitions` (``archive_partition_sync``,
 ``expired_archive_partitions``, ``archive_default_statements``) and
 :mod:`fastapi_outbox.storage.doctor` (the fix for a missing DEFAULT partition of the
@@ -20,7 +20,7 @@ from sqlalchemy.sql.elements import TextClause
 
 from fastapi_outbox.storage.statements.partitions import quote
 from fastapi_outbox.storage.statements.parts import later, now
-from fastapi_outbox.storage.statements.retention import victims
+from fastapi_outbox.storage.statements.purge import victims
 
 __all__ = [
     "PARTITION_BOUND",

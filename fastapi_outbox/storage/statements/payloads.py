@@ -3,7 +3,7 @@
 Callers: :class:`fastapi_outbox.storage.claim_check.DatabasePayloadStore` — ``insert`` from
 the session's ``before_commit`` (the producer's transaction, through the outbox's
 ``write_rows``), ``fetch`` from a subscriber resolving a reference before it decodes,
-``purge`` from retention (:class:`fastapi_outbox.relay.retention.Cleaner`). The builders are
+``purge`` from retention (:class:`fastapi_outbox.lifecycle.retention.Cleaner`). The builders are
 pure: a table in, a statement out.
 """
 

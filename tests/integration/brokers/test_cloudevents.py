@@ -315,7 +315,7 @@ async def test_a_subscriber_handles_foreign_cloudevents_once(side: Side, sqlite_
         )
         for n in range(2)
     ]
-    async with outbox.dispatcher():
+    async with outbox.relaying():
         for event in events:
             ids.append(event["id"])
             await side.write(stream, *writer(event))

@@ -23,6 +23,7 @@ from fastapi_outbox import Event, Outbox, OutboxSettings, exceptions
 from fastapi_outbox.brokers import MemoryBroker, NatsJetStreamBroker, RedisStreamsBroker
 from fastapi_outbox.brokers.nats.wire import stream_name_for
 from fastapi_outbox.events import INTERNAL_HEADERS, Message
+from fastapi_outbox.storage.filters import MessageFilter
 from tests.conftest import unique, wait_until
 from tests.servers import PrivateServer, private_nats_server
 
@@ -40,7 +41,7 @@ class LedgerPosted(Event, stream="ledger"):
 
 
 async def headers_of(outbox: Outbox, row_id: uuid.UUID) -> dict[str, str]:
-    row = await outbox.store.get(row_id)
+    row = await outbox.store.messages.get(row_id)
     assert row is not None
     return dict(json.loads(str(row["headers"])))
 
@@ -66,7 +67,7 @@ async def test_external_event_gets_a_row_per_external_broker_with_a_reduced_enve
             with pytest.raises(exceptions.UnknownBroker, match="external=True"):
                 uow.publish(LedgerPosted(entry_id=2), broker="partner")
 
-        rows = await outbox.store.list_messages(limit=10)
+        rows = await outbox.store.messages.list_messages(limit=10)
         by_broker = {(r["broker"], r["stream"]): r for r in rows}
         assert sorted(by_broker) == [
             ("bi", "payments"),
@@ -97,14 +98,16 @@ async def test_external_event_gets_a_row_per_external_broker_with_a_reduced_enve
             assert headers["type"] == "PaymentSettled"
             assert headers["x-tenant"] == "acme"
             assert headers["occurred-at"] == internal_headers["occurred-at"]
-            payload = await outbox.store.get(external["id"])
+            payload = await outbox.store.messages.get(external["id"])
             assert payload is not None
             assert json.loads(str(payload["payload"])) == {"payment_id": 7, "amount": 12.5}
 
         # An explicit Message can be external too.
         async with outbox.unit_of_work() as uow:
             uow.publish(Message("payments", "Refund", {"id": 1}, external=True))
-        refunds = [r for r in await outbox.store.list_messages(limit=20) if r["type"] == "Refund"]
+        refunds = [
+            r for r in await outbox.store.messages.list_messages(limit=20) if r["type"] == "Refund"
+        ]
         assert sorted(r["broker"] for r in refunds) == ["bi", "default", "partner"]
     finally:
         await outbox.aclose()
@@ -151,17 +154,17 @@ async def test_a_down_external_broker_holds_back_only_its_own_rows(
     async def statuses() -> dict[str, tuple[str, int]]:
         return {
             r["broker"]: (r["status"], r["attempts"])
-            for r in await outbox.store.list_messages(stream=stream)
+            for r in await outbox.store.messages.list_messages(MessageFilter(stream=stream))
         }
 
     try:
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             async with outbox.unit_of_work(correlation_id="corr-9") as uow:
                 uow.publish(Settled(payment_id=9))
             await wait_until(lambda: len_is(redis_entries, 1), timeout=10)
-            partner = outbox.processors["partner"]
+            partner = outbox.relays.tables["partner"]
             await wait_until(lambda: not partner.broker_ok, timeout=10)
-            assert outbox.processors["default"].broker_ok
+            assert outbox.relays.tables["default"].broker_ok
             expected = {"default": ("published", 1), "partner": ("pending", 0)}
             await wait_until(lambda: statuses_are(statuses, expected), timeout=5)
 
@@ -213,7 +216,7 @@ async def test_external_rows_are_published_independently_of_internal_failures(
     )
     await outbox.create_tables()
     try:
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             async with outbox.unit_of_work() as uow:
                 uow.publish(PaymentSettled(payment_id=1, amount=1.0))
             (received,) = await partner.wait_for(1, timeout=5)

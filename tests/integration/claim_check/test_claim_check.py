@@ -165,7 +165,7 @@ async def test_a_5mb_payload_reaches_the_handler_whole_once(
 
         await outbox.create_tables()
         refuser = outbox.subscribers[1]
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             async with outbox.unit_of_work() as uow:
                 big_id = uow.publish(event_cls(name="big", blob=big))
                 uow.publish(event_cls(name="small", blob="y"))
@@ -250,17 +250,17 @@ async def test_file_store_orphans_of_a_rollback_or_a_crash_are_removed(
     # A rollback after the file was written (flush), and a crash between the write of the
     # file and the commit (the capture fails after the store wrote).
     await _rolled_back(outbox, big)
-    capture = outbox.capture
+    capture = outbox._producer.capture
 
     class Crashing:
         def write(self, connection: Any, rows: Any) -> None:
             raise RuntimeError("crash before the commit")
 
-    outbox.capture = Crashing()  # type: ignore[assignment]
+    outbox._producer.capture = Crashing()  # type: ignore[assignment]
     with pytest.raises(RuntimeError, match="crash before the commit"):
         async with outbox.unit_of_work() as uow:
             uow.publish(Scan(name="crashed", blob=big))
-    outbox.capture = capture
+    outbox._producer.capture = capture
     async with outbox.unit_of_work() as uow:
         kept = uow.publish(Scan(name="committed", blob=big))
     assert len(_files(store)) == 3
@@ -303,7 +303,7 @@ async def test_a_payload_gone_dead_letters_its_message(redis_url: str, pg_url: s
         async with outbox.engine.begin() as conn:
             await conn.execute(store.table.delete())
         sub = outbox.subscribers[0]
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             await wait_until(lambda: sub.stats.dead_lettered == 1, timeout=15)
         assert handled == []
         [letter] = await sub.consumer.dead_letters()
@@ -378,7 +378,7 @@ async def test_encrypted_then_claim_checked_the_store_holds_ciphertext(sqlite_ur
 
     await outbox.create_tables()
     secret = "SECRET" * 20_000
-    async with outbox.dispatcher():
+    async with outbox.relaying():
         async with outbox.unit_of_work() as uow:
             uow.publish(Scan(name="sealed", blob=secret))
         await wait_until(lambda: len(seen) == 1, timeout=10)
@@ -436,7 +436,7 @@ async def test_the_store_unreachable_is_waited_out_with_no_attempt_charged(pg_ur
     try:
         async with outbox.unit_of_work() as uow:
             uow.publish(Scan(name="big", blob="x" * 100_000))
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             await wait_until(lambda: len(waits) >= 2, timeout=15)
             assert handled == []
             await proxy.start()  # back
@@ -512,7 +512,7 @@ async def test_a_message_delayed_past_the_payload_retention_is_published_whole(
     await _days_pass(outbox, 0.5)
     await outbox.cleaner.run_once()  # due now, not published yet
     try:
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             await wait_until(lambda: len(got) >= 1, timeout=10)
     finally:
         await outbox.aclose()

@@ -62,14 +62,14 @@ def build_app(outbox: Outbox, wiring: str, stream: str) -> FastAPI:
 def count_claims(outbox: Outbox) -> dict[str, set[int]]:
     """Wrap the store's claim: which worker indexes of which processor claimed."""
     seen: dict[str, set[int]] = {}
-    claim = outbox.store.claim
+    claim = outbox.store.claims.claim
 
     async def counting(broker: str, limit: int, token: str, *args: Any, **kw: Any) -> Any:
         # token = "<instance>:<worker index>:<claim number>"
         seen.setdefault(broker, set()).add(int(token.rsplit(":", 2)[1]))
         return await claim(broker, limit, token, *args, **kw)
 
-    outbox.store.claim = counting  # type: ignore[method-assign]
+    outbox.store.claims.claim = counting  # type: ignore[method-assign]
     return seen
 
 
@@ -142,9 +142,9 @@ async def test_lifespan_runs_one_processor_per_broker_and_delivers_http_events(
             app.router.lifespan_context(app),
             httpx.AsyncClient(transport=transport, base_url="http://test") as client,
         ):
-            assert outbox.started
-            assert sorted(outbox.processors) == ["audit", "default"]
-            assert all(p.running for p in outbox.processors.values())
+            assert outbox.lifecycle.started
+            assert sorted(outbox.relays.tables) == ["audit", "default"]
+            assert all(p.running for p in outbox.relays.tables.values())
             await wait_until(
                 lambda: claimed_by == {"default": set(range(WORKERS)), "audit": set(range(WORKERS))}
             )
@@ -168,9 +168,9 @@ async def test_lifespan_runs_one_processor_per_broker_and_delivers_http_events(
                 "audit",
                 "default",
             }
-        assert not outbox.started
-        assert not any(p.running for p in outbox.processors.values())
-        rows = await outbox.store.list_messages()
+        assert not outbox.lifecycle.started
+        assert not any(p.running for p in outbox.relays.tables.values())
+        rows = await outbox.store.messages.list_messages()
         assert [(r["broker"], r["status"]) for r in rows] == [("default", "published")]
     finally:
         await outbox.aclose()
@@ -265,7 +265,7 @@ async def test_shutdown_releases_a_claim_the_broker_never_answers(
         message_id = await publish_one(outbox)
         with anyio.fail_after(10):
             await broker.publishing.wait()
-        row = await outbox.store.get(message_id)
+        row = await outbox.store.messages.get(message_id)
         assert row is not None and (row["status"], row["attempts"]) == ("processing", 1)
         stop.set()
 
@@ -273,7 +273,7 @@ async def test_shutdown_releases_a_claim_the_broker_never_answers(
     assert SHUTDOWN_TIMEOUT - 0.1 <= elapsed < SHUTDOWN_TIMEOUT + 1.0, elapsed
     assert broker.cancelled and broker.published == []
     assert broker.closed == 1
-    row = await outbox.store.get(message_id)
+    row = await outbox.store.messages.get(message_id)
     assert row is not None
     assert (row["status"], row["locked_by"], row["locked_until"], row["attempts"]) == (
         "pending",
@@ -282,7 +282,7 @@ async def test_shutdown_releases_a_claim_the_broker_never_answers(
         0,
     )
     # Claimable at once by the next dispatcher, not after the 30 s lease.
-    claimed = await outbox.store.claim("default", 10, "next-process:0:1", 30)
+    claimed = await outbox.store.claims.claim("default", 10, "next-process:0:1", 30)
     assert [r.id for r in claimed] == [message_id]
 
 
@@ -295,7 +295,7 @@ async def test_shutdown_lets_an_in_flight_batch_finish_within_the_timeout(
     processor_stopping = anyio.Event()
 
     async def answer_once_stopping() -> None:
-        await wait_until(lambda: outbox.processors["default"].stopping, timeout=5)
+        await wait_until(lambda: outbox.relays.tables["default"].stopping, timeout=5)
         processor_stopping.set()
         broker.gate.set()  # the broker answers after shutdown began
 
@@ -311,7 +311,7 @@ async def test_shutdown_lets_an_in_flight_batch_finish_within_the_timeout(
     assert processor_stopping.is_set()
     assert timing["end"] - timing["begin"] < SHUTDOWN_TIMEOUT
     assert not broker.cancelled and broker.published == [str(message_id)]
-    row = await outbox.store.get(message_id)
+    row = await outbox.store.messages.get(message_id)
     assert row is not None
     assert (row["status"], row["locked_by"], row["attempts"]) == ("published", None, 1)
 
@@ -330,10 +330,12 @@ async def test_idle_shutdown_is_prompt(pg_url: str) -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(run_until_stopped, app, started, stop, timing)
             await started.wait()
-            assert outbox.listener is not None
-            await wait_until(lambda: outbox.listener is not None and outbox.listener.listening)
+            assert outbox.relays.listener is not None
+            await wait_until(
+                lambda: outbox.relays.listener is not None and outbox.relays.listener.listening
+            )
             stop.set()
         assert timing["end"] - timing["begin"] < 1.0
-        assert not outbox.started and outbox.listener is None
+        assert not outbox.lifecycle.started and outbox.relays.listener is None
     finally:
         await outbox.aclose()

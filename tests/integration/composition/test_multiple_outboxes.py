@@ -52,9 +52,11 @@ async def test_each_route_writes_to_its_own_outbox(tmp_path: Any, pg_url: str) -
         ):
             assert (await client.post("/orders")).status_code == 200
             assert (await client.post("/invoices")).status_code == 200
-        assert await orders.store.count() == 1
-        assert await billing.store.count() == 2
-        assert [r["stream"] for r in await billing.store.list_messages()] == ["invoices"] * 2
+        assert await orders.store.messages.count() == 1
+        assert await billing.store.messages.count() == 2
+        assert [r["stream"] for r in await billing.store.messages.list_messages()] == [
+            "invoices"
+        ] * 2
     finally:
         await orders.aclose()
         await billing.aclose()

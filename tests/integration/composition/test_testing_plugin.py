@@ -17,5 +17,5 @@ async def test_plugin_fixtures_and_drain(
 
     assert await drain(sqlite_outbox) == 3
     assert [m.json() for m in memory_broker.messages] == [{"n": 0}, {"n": 1}, {"n": 2}]
-    assert await sqlite_outbox.store.count("published") == 3
+    assert await sqlite_outbox.store.messages.count("published") == 3
     assert await drain(sqlite_outbox) == 0  # nothing left

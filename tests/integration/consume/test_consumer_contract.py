@@ -296,7 +296,7 @@ async def test_effects_once_and_raised_events_carry_causation(harness: Harness) 
     incoming: dict[int, str] = {}
     correlation = "corr-" + uuid7().hex
     n = 20
-    async with outbox.dispatcher():
+    async with outbox.relaying():
         async with outbox.unit_of_work(correlation_id=correlation) as uow:
             for i in range(n):
                 incoming[i] = str(uow.publish(OrderPlaced(order_id=i)))
@@ -330,7 +330,7 @@ async def test_redelivery_after_commit_without_ack_is_skipped(harness: Harness) 
     sub(bill)
     subscriber = outbox.subscribers[0]
     dropped: list[str] = []
-    async with outbox.dispatcher():
+    async with outbox.relaying():
         consumer = subscriber.consumer
         assert consumer is not None
         real_ack = consumer.ack
@@ -375,7 +375,7 @@ async def test_handled_message_past_max_attempts_is_acked_not_dead_lettered(
     outbox.subscriber(orders, group="billing", start="all", max_attempts=1)(bill)
     subscriber = outbox.subscribers[0]
     dropped: list[str] = []
-    async with outbox.dispatcher():
+    async with outbox.relaying():
         consumer = subscriber.consumer
         assert consumer is not None
         real_ack = consumer.ack
@@ -418,7 +418,7 @@ async def test_poison_is_dead_lettered_and_others_are_handled(harness: Harness) 
     bill.__annotations__["event"] = OrderPlaced
     outbox.subscriber(orders, group="billing", start="all")(bill)
     subscriber = outbox.subscribers[0]
-    async with outbox.dispatcher():
+    async with outbox.relaying():
         async with outbox.unit_of_work() as uow:
             for i in range(8):
                 uow.publish(OrderPlaced(order_id=i))
@@ -468,7 +468,7 @@ async def test_ordered_keeps_each_key_in_stream_order(harness: Harness) -> None:
 
     track.__annotations__["event"] = OrderPlaced
     outbox.subscriber(orders, group="tracking", start="all", ordered=True)(track)
-    async with outbox.dispatcher():
+    async with outbox.relaying():
         async with outbox.unit_of_work() as uow:
             for i in range(6):
                 # One key for all six: they must be handled in this order.
@@ -503,7 +503,7 @@ async def test_ordered_dead_letters_a_poison_message_and_its_key_goes_on_in_orde
     track.__annotations__["event"] = OrderPlaced
     outbox.subscriber(orders, group="tracking", start="all", ordered=True)(track)
     subscriber = outbox.subscribers[0]
-    async with outbox.dispatcher():
+    async with outbox.relaying():
         async with outbox.unit_of_work() as uow:
             for i in range(6):
                 uow.publish(OrderPlaced(order_id=i), key="k")
@@ -554,13 +554,13 @@ async def test_batch_handler_effects_once_with_redelivery_duplicates_and_causati
     assert subscriber.batch_handler
     # The groups exist before anything is published to the stream (``db create`` does
     # this in a deployment): a RabbitMQ queue receives only what comes after it.
-    await outbox.declare_groups()
+    await outbox.lifecycle.declare_groups()
     n = 30
     ids = [str(uuid7()) for _ in range(n)]
     for i, mid in enumerate(ids):  # on the stream before the subscriber starts: one batch
         await h.inject(orders, mid, "OrderPlaced", {"order_id": i}, {"correlation-id": f"c{i}"})
     dropped = False
-    async with outbox.dispatcher():
+    async with outbox.relaying():
         consumer = subscriber.consumer
         assert consumer is not None
         real_ack = consumer.ack
@@ -613,10 +613,10 @@ async def test_batch_handler_poison_is_isolated_and_dead_lettered(harness: Harne
     bill.__annotations__["events"] = list[OrderPlaced]  # type: ignore[valid-type]
     outbox.subscriber(orders, group="billing", start="all")(bill)
     subscriber = outbox.subscribers[0]
-    await outbox.declare_groups()  # before the first message (see above)
+    await outbox.lifecycle.declare_groups()  # before the first message (see above)
     for i in range(10):
         await h.inject(orders, f"m{i}", "OrderPlaced", {"order_id": i}, {})
-    async with outbox.dispatcher():
+    async with outbox.relaying():
         await wait_until(
             lambda: subscriber.stats.dead_lettered >= 1 and subscriber.stats.handled >= 9,
             timeout=20,

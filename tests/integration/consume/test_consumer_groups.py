@@ -96,7 +96,7 @@ async def test_two_subjects_of_one_wildcard_stream_get_a_durable_each(
         seen[b].append(message.payload["n"])
 
     try:
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             await publish(outbox, a, range(10))
             await publish(outbox, b, range(10, 20))
 
@@ -156,7 +156,7 @@ async def test_an_existing_durable_is_brought_to_the_declared_settings(
             raise RuntimeError(f"failure {len(attempts)}")
 
     try:
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             info = await js.consumer_info(name, durable)
             assert (info.config.max_deliver, info.config.ack_wait) == (-1, 1.0)
             await publish(outbox, stream, range(1))
@@ -208,8 +208,8 @@ async def test_a_durable_of_an_earlier_release_hands_over_after_its_ack_floor(
         handled.append(message.payload["n"])
 
     try:
-        await outbox.declare_groups()
-        async with outbox.dispatcher():
+        await outbox.lifecycle.declare_groups()
+        async with outbox.relaying():
 
             async def done() -> bool:
                 return len(handled) >= 4
@@ -250,14 +250,14 @@ async def test_create_tables_creates_the_groups_before_the_first_deploy(
         try:
             await outbox.create_tables()
             await other.create_tables()
-            async with other.dispatcher():  # another service, before the first deploy
+            async with other.relaying():  # another service, before the first deploy
                 await publish(other, stream, range(5))
 
                 async def published(other: Outbox = other) -> bool:
-                    return other.processors["default"].published_total == 5
+                    return other.relays.tables["default"].published_total == 5
 
                 await wait_until(published, timeout=30)
-            async with outbox.dispatcher():
+            async with outbox.relaying():
 
                 async def all_handled(handled: list[int] = handled) -> bool:
                     return sorted(handled) == list(range(5))
@@ -284,7 +284,7 @@ async def test_nats_dead_letter_streams_have_no_limits_unless_asked(
             pass
 
         try:
-            await outbox.declare_groups()
+            await outbox.lifecycle.declare_groups()
             dead = outbox.subscribers[0].dead_letter
             info = await js.stream_info(await js.find_stream_name_by_subject(dead))
             assert (float(info.config.max_age or 0), info.config.max_bytes) == expected
@@ -320,7 +320,7 @@ async def test_nats_a_failing_dead_letter_keeps_the_message_pending(
 
     sub = outbox.subscribers[0]
     try:
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             await publish(outbox, stream, range(1))
 
             async def failed_twice() -> bool:
@@ -367,7 +367,7 @@ async def test_redis_a_failing_dead_letter_keeps_the_entry_pending(
 
     sub = outbox.subscribers[0]
     try:
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             await publish(outbox, stream, range(1))
 
             async def failed() -> bool:
@@ -425,13 +425,13 @@ async def test_a_broker_down_at_start_gets_the_groups_before_the_first_publish(
     monkeypatch.setattr(sub, "run", idle)
     try:
         await outbox.create_tables(groups=False)
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             await publish(outbox, stream, range(10))
             await server.start()
             await publish(outbox, stream, range(10, 20))
 
             async def published() -> bool:
-                return outbox.processors["default"].published_total == 20
+                return outbox.relays.tables["default"].published_total == 20
 
             await wait_until(published, timeout=60)
         lag = await sub.make_consumer().lag()

@@ -97,7 +97,7 @@ async def backlog_through_an_outage(
         async with outbox.engine.begin() as conn:
             await conn.exec_driver_sql("CREATE TABLE effects (n INTEGER NOT NULL)")
         await publish_raw(broker, stream, range(BACKLOG))
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             await wait_until(lambda: waiting > 0 and sub.stats.handled >= 1, timeout=30)
             await outage()
             gate.set()
@@ -196,7 +196,7 @@ async def test_a_handlers_own_sql_error_on_sqlite_is_dead_lettered(
 
     sub = outbox.subscribers[0]
     await publish_raw(broker, stream, range(10))
-    async with outbox.dispatcher():
+    async with outbox.relaying():
         await wait_until(lambda: sub.stats.dead_lettered == 1, timeout=20)
         await wait_until(lambda: sub.stats.handled == 9, timeout=10)
         [letter] = await sub.make_consumer().dead_letters()
@@ -261,7 +261,7 @@ async def test_a_shutdown_during_an_outage_releases_the_message_uncharged(
         await outbox.create_tables()
         await publish_raw(broker, stream, range(2))
         proxy.starting_up(600.0)
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             await wait_until(
                 lambda: "database unreachable" in (sub.stats.last_error or ""), timeout=15
             )
@@ -274,7 +274,7 @@ async def test_a_shutdown_during_an_outage_releases_the_message_uncharged(
                 detail = await client.xpending_range(stream, "g", "-", "+", 10)
                 assert [d["times_delivered"] for d in detail] == [0, 0]  # as before
         proxy.starting_up(0.0)  # the database is back
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             await wait_until(lambda: sorted(handled) == [0, 1], timeout=20)
         assert sub.stats.dead_lettered == 0
         consumer = sub.make_consumer()
@@ -307,8 +307,8 @@ async def test_the_relay_tells_an_unavailable_database_from_a_failing_statement(
     )
     try:
         await outbox.create_tables()
-        async with outbox.dispatcher():
-            processor = outbox.processors["default"]
+        async with outbox.relaying():
+            processor = outbox.relays.tables["default"]
             proxy.starting_up(600.0)
             await wait_until(lambda: not processor.database_ok, timeout=15)
             assert "database unavailable" in (processor.last_error or "")
@@ -324,7 +324,7 @@ async def test_the_relay_tells_an_unavailable_database_from_a_failing_statement(
                 await conn.exec_driver_sql(f"ALTER TABLE gone RENAME TO {outbox.table.name}")
             async with outbox.unit_of_work() as uow:
                 uow.publish(Message(stream="s", type="T", payload={}))
-            await wait_until(lambda: outbox.store.count("published"), timeout=15)
+            await wait_until(lambda: outbox.store.messages.count("published"), timeout=15)
     finally:
         await outbox.aclose()
 
@@ -352,7 +352,7 @@ async def test_too_many_clients_is_waited_out(
     sub = outbox.subscribers[0]
     try:
         await outbox.create_tables()
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             proxy.refuse(600.0, "53300", "sorry, too many clients already")
             await publish_raw(broker, stream, range(20))
             await wait_until(
@@ -388,7 +388,7 @@ async def test_a_pool_timeout_is_waited_out(pg_url: str) -> None:
     sub = outbox.subscribers[0]
     try:
         await outbox.create_tables()
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             async with outbox.engine.connect() as a, outbox.engine.connect() as b:
                 await a.exec_driver_sql("SELECT 1")
                 await b.exec_driver_sql("SELECT 1")
@@ -437,13 +437,13 @@ async def test_a_handler_cancelled_at_shutdown_is_released_uncharged(
     try:
         await outbox.create_tables()
         await publish_raw(broker, stream, range(1))
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             await entered.wait()
         async with aioredis.Redis.from_url(redis_url) as client:
             [entry] = await client.xpending_range(stream, "g", "-", "+", 10)
             assert entry["times_delivered"] == 0  # released, uncharged
         hang = False
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             await wait_until(lambda: handled == [0], timeout=20)
         assert sub.stats.dead_lettered == 0
     finally:
@@ -484,7 +484,7 @@ async def test_sqlite_locked_past_the_busy_timeout_is_waited_out(sqlite_url: str
     holder = sqlite3.connect(path, isolation_level=None)
     try:
         holder.execute("BEGIN EXCLUSIVE")  # the write lock, held by "another process"
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             await publish_raw(broker, stream, range(5))
             await wait_until(
                 lambda: "database unreachable" in (sub.stats.last_error or ""), timeout=15

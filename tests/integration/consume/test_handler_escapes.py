@@ -117,7 +117,7 @@ async def test_a_foreign_cancellation_is_a_failure_retried(
             uow.publish(Later(n=job.n))
 
         sub = outbox.subscribers[0]
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             await publish_jobs(outbox)
             await wait_until(lambda: sub.stats.handled == COUNT, timeout=20)
             assert sub.running
@@ -150,7 +150,7 @@ async def test_a_base_exception_dead_letters_its_message_and_the_rest_goes_on(
                 raise Fatal("the SDK gave up")
 
         sub = outbox.subscribers[0]
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             await publish_jobs(outbox)
             await wait_until(
                 lambda: sub.stats.handled == COUNT - 1 and sub.stats.dead_lettered == 1,
@@ -159,7 +159,7 @@ async def test_a_base_exception_dead_letters_its_message_and_the_rest_goes_on(
             async with outbox.unit_of_work() as uow:
                 uow.publish(Job(n=100))
             await wait_until(lambda: sub.stats.handled == COUNT, timeout=10)
-            assert sub.running and all(p.running for p in outbox.processors.values())
+            assert sub.running and all(p.running for p in outbox.relays.tables.values())
             assert sub.consumer is not None
             letters = await sub.consumer.dead_letters()
         assert tries[3] == 3
@@ -195,7 +195,7 @@ async def main():
             raise KeyboardInterrupt
         await asyncio.Event().wait()
 
-    async with outbox.dispatcher():
+    async with outbox.relaying():
         async with outbox.unit_of_work() as uow:
             for n in range(5):
                 uow.publish(Job(n=n))
@@ -248,7 +248,7 @@ async def test_keyboard_interrupt_stops_the_process_releasing_in_flight(
 
     sub = outbox.subscribers[0]
     try:
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             await wait_until(lambda: len(handled) == 5, timeout=15)
         assert sub.stats.dead_lettered == 0
     finally:
@@ -300,7 +300,7 @@ async def test_a_dying_worker_is_logged_replaced_and_shown_by_health(
     sub = outbox.subscribers[0]
     try:
         with caplog.at_level(logging.ERROR, "fastapi_outbox.consume"):
-            async with outbox.dispatcher():
+            async with outbox.relaying():
                 await publish_jobs(outbox)
                 # One worker (concurrency=1): it must survive the failure to handle the rest.
                 group_of = outbox.inbox.group_stats

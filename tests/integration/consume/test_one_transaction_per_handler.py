@@ -117,7 +117,7 @@ async def test_gather_of_two_units_of_work_in_a_handler_is_refused(
             await asyncio.gather(write(outbox, job.n, "a"), write(outbox, job.n, "b"))
 
         sub = outbox.subscribers[0]
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             await run_jobs(outbox)
             await wait_until(lambda: sub.stats.dead_lettered == COUNT, timeout=20)
             assert sub.consumer is not None
@@ -139,7 +139,7 @@ async def test_units_of_work_one_after_the_other_in_the_handler_work(
             await write(outbox, job.n, "b")
 
         sub = outbox.subscribers[0]
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             await run_jobs(outbox)
             await wait_until(lambda: sub.stats.handled == COUNT, timeout=20)
         want = {(n, label) for n in range(COUNT) for label in "ab"}
@@ -170,7 +170,7 @@ async def test_a_task_that_outlives_its_handler_cannot_join_it(
             tasks.append(asyncio.get_running_loop().create_task(later(job.n)))
 
         sub = outbox.subscribers[0]
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             await run_jobs(outbox)
             await wait_until(lambda: sub.stats.handled == COUNT, timeout=20)
             go_on.set()

@@ -81,13 +81,13 @@ async def test_normal_stops_charge_no_attempt(harness: Harness, closing: list[Ou
     for stop in range(STOPS):
         outbox = first if stop == 0 else new_outbox()
         runs = sum(started.values())
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             # The handlers blocked on a message each, the rest waiting in the prefetch.
             await wait_until(lambda: sum(started.values()) >= runs + busy, timeout=20)  # noqa: B023
         assert outbox.subscribers[0].stats.dead_lettered == 0
     blocked["on"] = False
     last = new_outbox()
-    async with last.dispatcher():
+    async with last.relaying():
 
         async def all_handled() -> bool:
             rows = await effects(last)

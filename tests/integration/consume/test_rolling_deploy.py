@@ -107,7 +107,7 @@ async def deployed() -> AsyncIterator[Any]:
     async with anyio.create_task_group() as tg:
 
         async def run(outbox: Outbox, task_status: Any) -> None:
-            async with outbox.dispatcher():
+            async with outbox.relaying():
                 task_status.started()
                 await stops[id(outbox)].wait()
             done[id(outbox)].set()
@@ -188,8 +188,8 @@ async def test_a_type_only_a_newer_version_knows_waits_for_it_then_its_grace(
     Placed, _, _ = three_types(stream)
     v1 = await version(h, stream, Placed, consumer_unknown_type_grace_seconds=1.0)
     v2 = await version(h, stream, Message)
-    async with v1.dispatcher():
-        async with v2.dispatcher():
+    async with v1.relaying():
+        async with v2.relaying():
             ids = [str(uuid7()) for _ in range(PER_TYPE)]
             for m in ids:
                 await h.inject(stream, m, "Refunded", {"order_id": 1}, {})

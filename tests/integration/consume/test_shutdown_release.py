@@ -101,7 +101,7 @@ async def test_a_stopped_consumer_releases_what_it_holds_to_the_next(
     async with cleanup(kind, url, stream):
         await first.create_tables()
         with anyio.fail_after(60):
-            async with first.dispatcher():
+            async with first.relaying():
                 async with first.unit_of_work() as uow:
                     for n in range(COUNT):
                         uow.publish(Message(stream=stream, type="Work", payload={"n": n}))
@@ -113,7 +113,7 @@ async def test_a_stopped_consumer_releases_what_it_holds_to_the_next(
                 await wait_until(all_held, timeout=20)  # the five delivered, none acked
             assert not holder.running and handled == []
             assert holder.stats.handled == 0
-            async with second.dispatcher():
+            async with second.relaying():
                 # Well within claim_idle_seconds: released, not left to expire.
                 await wait_until(lambda: len(handled) == COUNT, timeout=CLAIM_IDLE / 4)
             assert sorted(handled) == list(range(COUNT))

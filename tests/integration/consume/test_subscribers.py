@@ -68,7 +68,7 @@ async def test_ordered_handles_a_key_in_stream_order_despite_retries(sqlite_url:
             raise RuntimeError("first step fails once")
         seen.append((event.order_id, event.step))
 
-    async with outbox.dispatcher():
+    async with outbox.relaying():
         async with outbox.unit_of_work() as uow:
             for step in range(4):
                 for order in range(3):
@@ -97,7 +97,7 @@ async def test_shutdown_releases_unfinished_messages_and_a_restart_handles_them(
 
     sub = outbox.subscribers[0]
     with anyio.fail_after(10):
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             async with outbox.unit_of_work() as uow:
                 uow.publish(Shipped(order_id=7, step=0))
             await entered.wait()
@@ -106,7 +106,7 @@ async def test_shutdown_releases_unfinished_messages_and_a_restart_handles_them(
         assert not sub.running
         assert not await outbox.inbox.contains("slow", await _only_message_id(outbox))
         slow = False
-        async with outbox.dispatcher():  # a restart: the released message comes again
+        async with outbox.relaying():  # a restart: the released message comes again
             await wait_until(lambda: handled == [7], timeout=5)
     assert sub.stats.handled == 1
     await outbox.aclose()
@@ -222,7 +222,7 @@ async def test_declaration_mistakes_are_refused_with_names(sqlite_url: str) -> N
     assert outbox.subscribers[-1].signature.uow_params == ["uow"]
     await outbox.create_tables()
     async with outbox.unit_of_work() as uow:
-        in_batch = BatchUnitOfWork(outbox, uow.session, causation_id="m1")
+        in_batch = BatchUnitOfWork(outbox._producer, uow.session, causation_id="m1")
         with pytest.raises(PublishError, match="invalid causation_id 'a b'"):
             in_batch.publish(Shipped(order_id=1, step=1), causation_id="a b")
         with pytest.raises(PublishError, match="invalid correlation_id 'a/b'"):
@@ -256,7 +256,7 @@ async def test_a_raw_subscriber_gets_foreign_messages_and_unique_names(sqlite_ur
     async def second(message: Message) -> None:
         b.append(message.type)
 
-    async with outbox.dispatcher():
+    async with outbox.relaying():
         async with outbox.unit_of_work() as uow:
             uow.publish(Message(stream=stream, type="Ping", payload={"x": 1}))
         await wait_until(lambda: a == ["Ping"] and b == ["Ping"], timeout=5)
@@ -339,7 +339,7 @@ async def test_a_handler_that_commits_itself_runs_once_inside_its_batch(
     async with outbox.unit_of_work() as uow:
         for order in range(5):
             uow.publish(Shipped(order_id=order, step=0))
-    async with outbox.dispatcher():
+    async with outbox.relaying():
         await wait_until(lambda: sub.stats.handled == 5, timeout=10)
     for order in range(5):
         assert calls.count(order) == 1
@@ -389,7 +389,7 @@ async def test_events_raised_on_new_aggregates_carry_their_own_message_as_cause(
     async with outbox.unit_of_work() as uow:
         for order in range(6):
             sent[order] = str(uow.publish(Shipped(order_id=order, step=0)))
-    async with outbox.dispatcher():
+    async with outbox.relaying():
         await wait_until(lambda: len(got) == 6, timeout=10)
     assert {m.payload["order_id"]: m.headers["causation-id"] for m in got} == sent
     await outbox.aclose()
@@ -410,7 +410,7 @@ async def test_a_handlers_own_connection_error_is_retried_then_dead_lettered(
         raise ConnectionRefusedError("carrier API refused the connection")
 
     sub = outbox.subscribers[0]
-    async with outbox.dispatcher():
+    async with outbox.relaying():
         async with outbox.unit_of_work() as uow:
             uow.publish(Shipped(order_id=5, step=0))
         await wait_until(lambda: sub.stats.dead_lettered == 1, timeout=10)
@@ -443,7 +443,7 @@ async def test_a_database_outage_costs_no_attempt(pg_url: str) -> None:
     sub = outbox.subscribers[0]
     try:
         await outbox.create_tables()
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             await proxy.stop()
             mid = str(uuid7())
             headers = {"message-id": mid, "type": "Shipped"}
@@ -492,7 +492,7 @@ async def test_a_consumer_without_ack_soon_gets_plain_acks(sqlite_url: str) -> N
         seen.extend(e.order_id for e in events)
 
     sub = outbox.subscribers[0]
-    async with outbox.dispatcher():
+    async with outbox.relaying():
         async with outbox.unit_of_work() as uow:
             for n in range(5):
                 uow.publish(Shipped(order_id=n, step=0))

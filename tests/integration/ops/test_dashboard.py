@@ -110,7 +110,7 @@ async def test_the_guard_protects_every_page_and_action(db_url: str, caplog: Any
                     f"/outbox/dashboard/api/{action}", json={"ids": [str(ids[0])]}
                 )
                 assert response.status_code == 401
-            assert await outbox.store.count("abandoned") == 2  # nothing changed
+            assert await outbox.store.messages.count("abandoned") == 2  # nothing changed
 
             headers = await csrf(client, headers=AUTH)
             with caplog.at_level(logging.INFO, logger="fastapi_outbox"):
@@ -119,7 +119,7 @@ async def test_the_guard_protects_every_page_and_action(db_url: str, caplog: Any
                 )
             assert response.status_code == 200, response.text
             assert response.json() == {"changed": 1, "problems": []}
-            assert await outbox.store.count("abandoned") == 1
+            assert await outbox.store.messages.count("abandoned") == 1
             record = next(
                 r for r in caplog.records if getattr(r, "action", "") == "operator.replay"
             )
@@ -156,7 +156,7 @@ async def test_actions_need_the_csrf_token_and_a_json_body(db_url: str) -> None:
                 headers={**headers, "content-type": "application/x-www-form-urlencoded"},
             )
             assert form.status_code == 415
-            assert await outbox.store.count("abandoned") == 1
+            assert await outbox.store.messages.count("abandoned") == 1
             ok = await client.post("/outbox/dashboard/api/replay", json=body, headers=headers)
             assert ok.json()["changed"] == 1
     finally:
@@ -209,7 +209,7 @@ async def test_replay_and_abandon_report_what_they_changed(db_url: str) -> None:
                 headers=headers,
             )
             assert response.json() == {"changed": 1, "problems": []}
-            assert await outbox.store.count_matching("abandoned", stream=other) == 2
+            assert await outbox.store.messages.count_matching("abandoned", stream=other) == 2
 
             response = await client.post(
                 "/outbox/dashboard/api/abandon",
@@ -217,7 +217,7 @@ async def test_replay_and_abandon_report_what_they_changed(db_url: str) -> None:
                 headers=headers,
             )
             assert response.json() == {"changed": 2, "problems": []}
-            row = await outbox.store.get(pending[0])
+            row = await outbox.store.messages.get(pending[0])
             assert row is not None and row["status"] == "abandoned"
             assert "customer withdrew" in row["last_error"]
 

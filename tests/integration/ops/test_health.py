@@ -80,7 +80,7 @@ async def test_counts_status_and_openapi(db_url: str) -> None:
             await publish(outbox, stream, 3)
             await broker.wait_for(3)
             await publish(outbox, stream, 1, bad=True)
-            processor = outbox.processors["default"]
+            processor = outbox.relays.tables["default"]
             # Marked, not only sent: the broker has the three before their batch is marked.
             await wait_until(lambda: processor.failed_total == 1 and processor.published_total == 3)
 
@@ -154,7 +154,7 @@ async def test_dead_processor_is_503(sqlite_url: str) -> None:
     try:
         async with serve(app) as client:
             assert (await client.get("/outbox/health")).status_code == 200
-            processor = outbox.processors["default"]
+            processor = outbox.relays.tables["default"]
 
             async def bug(timeout: float | None) -> bool:
                 raise RuntimeError("a bug in a worker")
@@ -261,7 +261,7 @@ async def test_body_holds_no_payload_and_no_credentials(pg_url: str) -> None:
     try:
         async with serve(app) as client:
             await publish(outbox, stream, 1, secret=MARKER)
-            processor = outbox.processors["default"]
+            processor = outbox.relays.tables["default"]
             await wait_until(lambda: processor.failed_total == 1)
             broker.available = False
             await publish(outbox, stream, 1, secret=MARKER)
@@ -290,14 +290,14 @@ async def test_counts_are_cached(sqlite_url: str) -> None:
     await outbox.create_tables()
     app = build_app(outbox)
     calls = 0
-    stats = outbox.store.stats
+    stats = outbox.store.messages.stats
 
     async def counting(*args: Any, **kwargs: Any) -> Any:
         nonlocal calls
         calls += 1
         return await stats(*args, **kwargs)
 
-    outbox.store.stats = counting  # type: ignore[method-assign]
+    outbox.store.messages.stats = counting  # type: ignore[method-assign]
     try:
         async with serve(app) as client:
             for _ in range(5):

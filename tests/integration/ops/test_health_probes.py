@@ -151,7 +151,7 @@ async def test_wait_counts_from_the_commit_not_the_transaction_start(pg_url: str
             started = dt.datetime.now(dt.UTC)
             await wait_until(lambda: dt.datetime.now(dt.UTC) - started > dt.timedelta(seconds=1))
             uow.publish(Message(stream=unique("orders"), type="Thing", payload={}))
-        stats = (await outbox.store.stats(["default"]))["default"]
+        stats = (await outbox.store.messages.stats(["default"]))["default"]
         assert stats.pending == 1
         assert stats.oldest_pending_age_seconds is not None
         assert stats.oldest_pending_age_seconds < 0.9, stats
@@ -194,11 +194,11 @@ async def test_ordered_rows_behind_a_failing_message_do_not_count(db_url: str) -
                 .where(table.c.id == first)
                 .values(status="failed", next_attempt_at=an_hour_ago + dt.timedelta(hours=2))
             )
-        stats = (await outbox.store.stats(["default"], ordered=True))["default"]
+        stats = (await outbox.store.messages.stats(["default"], ordered=True))["default"]
         assert stats.pending == 2 and stats.failed == 1
         assert stats.oldest_pending_age_seconds is None
         # Without the ordered rule they would count.
-        plain = (await outbox.store.stats(["default"]))["default"]
+        plain = (await outbox.store.messages.stats(["default"]))["default"]
         assert plain.oldest_pending_age_seconds is not None
         assert plain.oldest_pending_age_seconds > 3500
         # A row of another key that is due does count.
@@ -208,7 +208,7 @@ async def test_ordered_rows_behind_a_failing_message_do_not_count(db_url: str) -
             await conn.execute(
                 update(table).where(table.c.key == "other").values(next_attempt_at=an_hour_ago)
             )
-        stats = (await outbox.store.stats(["default"], ordered=True))["default"]
+        stats = (await outbox.store.messages.stats(["default"], ordered=True))["default"]
         assert stats.oldest_pending_age_seconds is not None
         assert stats.oldest_pending_age_seconds > 3500
     finally:

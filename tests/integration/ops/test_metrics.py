@@ -55,7 +55,7 @@ async def test_metrics_after_publishing(db_url: str) -> None:
             await publish(outbox, good, 3)
             await publish(outbox, bad, 1)
             await broker.wait_for(3)
-            processor = outbox.processors["default"]
+            processor = outbox.relays.tables["default"]
             # Counted once marked, which follows the broker's answer: wait for the marks.
             await wait_until(
                 lambda: processor.abandoned_total == 1 and processor.published_total == 3
@@ -91,7 +91,7 @@ async def test_metrics_after_publishing(db_url: str) -> None:
             await wait_until(lambda: not processor.broker_ok)
 
             async def released() -> bool:  # the claim given back: pending again
-                stats = await outbox.store.stats()
+                stats = await outbox.store.messages.stats()
                 return stats["default"].pending == 2
 
             await wait_until(released)
@@ -165,7 +165,7 @@ async def test_stream_label_values_are_bounded(pg_url: str) -> None:
             for stream in tenants:
                 await publish(outbox, stream, 2)
             await broker.wait_for(80)
-            processor = outbox.processors["default"]
+            processor = outbox.relays.tables["default"]
             await wait_until(lambda: processor.published_total == 80)
             text = (await client.get("/metrics")).text
     finally:

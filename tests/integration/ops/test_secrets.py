@@ -152,7 +152,9 @@ async def test_no_surface_shows_a_credential(pg_url: str, caplog: pytest.LogCapt
     try:
         async with asgi_client(app) as client:
             await wait_until(
-                lambda: all(p.last_error and not p.broker_ok for p in outbox.processors.values()),
+                lambda: all(
+                    p.last_error and not p.broker_ok for p in outbox.relays.tables.values()
+                ),
                 timeout=30,
             )
             await wait_until(lambda: bool(outbox.subscribers[0].stats.last_error), timeout=30)
@@ -191,7 +193,7 @@ async def test_no_surface_shows_a_credential(pg_url: str, caplog: pytest.LogCapt
     assert "outbox_processor_up" in metrics.text and not leaks(metrics.text)
 
     # Processors' and the consumer's errors; every log record as any formatter shows it.
-    last_errors = [p.last_error or "" for p in outbox.processors.values()]
+    last_errors = [p.last_error or "" for p in outbox.relays.tables.values()]
     last_errors.append(outbox.subscribers[0].stats.last_error or "")
     assert not leaks("\n".join(last_errors)), last_errors
     assert any(getattr(r, "action", "") == "broker.unavailable" for r in caplog.records)
@@ -225,7 +227,7 @@ async def test_health_detail_without_a_guard_is_refused_unless_made_public(
         app.include_router(outbox.router)
         try:
             async with asgi_client(app) as client:
-                down = outbox.processors["default"]
+                down = outbox.relays.tables["default"]
                 await wait_until(lambda down=down: not down.broker_ok, timeout=30)
                 detail = await client.get("/outbox/health/detail")
                 public = (await client.get("/outbox/health")).json()
@@ -284,7 +286,7 @@ async def test_a_handler_error_quoting_a_url_is_redacted_in_the_dead_letter(
         raise RuntimeError(f"cannot reach rediss://:{REDISS_PASSWORD}@cache.internal:6380/0")
 
     await outbox.create_tables()
-    async with outbox.dispatcher():
+    async with outbox.relaying():
         async with outbox.unit_of_work() as uow:
             uow.publish(Message(stream=stream, type="Thing", payload={"n": 1}))
         sub = outbox.subscribers[0]

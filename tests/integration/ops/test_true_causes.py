@@ -90,8 +90,8 @@ async def test_refused_broker_credentials_are_reported_as_authentication_failed(
     try:
         async with outbox.unit_of_work() as uow:
             uow.publish(Message(stream=unique("orders"), type="OrderPlaced", payload={}))
-        async with outbox.dispatcher():
-            processor = outbox.processors["default"]
+        async with outbox.relaying():
+            processor = outbox.relays.tables["default"]
             await wait_until(lambda: not processor.broker_ok, timeout=15)
             assert processor.broker_authentication_failed
             assert "authentication failed" in (processor.last_error or "")
@@ -100,8 +100,8 @@ async def test_refused_broker_credentials_are_reported_as_authentication_failed(
         [reason] = [r for r in health.reasons if "broker 'default'" in r]
         assert "authentication failed" in reason and "unreachable" not in reason
         # An outage, not the message's fault: nothing charged.
-        assert await outbox.store.count("pending") == 1
-        assert await outbox.store.count("failed") == 0
+        assert await outbox.store.messages.count("pending") == 1
+        assert await outbox.store.messages.count("failed") == 0
     finally:
         await outbox.aclose()
 
@@ -138,8 +138,8 @@ async def test_a_missing_table_is_reported_with_its_fix_not_as_an_outage(
         health = await compute_health(outbox)
         assert MISSING in health.reasons, health.reasons
         assert not any("unreachable" in r for r in health.reasons)
-        async with outbox.dispatcher():
-            processor = outbox.processors["default"]
+        async with outbox.relaying():
+            processor = outbox.relays.tables["default"]
             await wait_until(lambda: MISSING in (processor.last_error or ""), timeout=10)
             assert processor.database_ok  # the database answers
     finally:
@@ -165,8 +165,8 @@ async def test_refused_database_credentials_are_reported_as_authentication_faile
         assert health.status == "down"
         assert any(r.startswith("database authentication failed") for r in health.reasons)
         assert not any("unreachable" in r for r in health.reasons)
-        async with outbox.dispatcher():
-            processor = outbox.processors["default"]
+        async with outbox.relaying():
+            processor = outbox.relays.tables["default"]
             await wait_until(lambda: not processor.database_ok, timeout=10)
             assert "authentication failed" in (processor.last_error or "")
         created = await anyio.to_thread.run_sync(lambda: run_cli("db", "create", "--url", url))

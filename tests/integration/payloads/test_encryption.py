@@ -92,7 +92,7 @@ async def test_table_and_redis_entry_hold_no_plaintext_and_the_handler_gets_the_
                 )
             ).all()
         assert no_marker(payload, headers) and '"encryption-key-id": "k1"' in headers
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             await wait_until(lambda: len(got) == 1, timeout=15)
         entries = await client.xrange(stream)
         assert len(entries) == 1
@@ -121,7 +121,7 @@ async def test_jetstream_message_holds_no_plaintext(sqlite_url: str, nats_url: s
 
         subscribe(outbox, Secret, got.append)
 
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             async with outbox.unit_of_work() as uow:
                 uow.publish(Secret(card=MARKER), headers={"card-holder": MARKER})
             await wait_until(lambda: len(got) == 1, timeout=15)
@@ -159,7 +159,7 @@ async def test_the_wal_message_holds_no_plaintext(wal_pg_url: str) -> None:
             await conn.close()
         ours = [d for d in datas if b"encryption-key-id" in d]
         assert len(ours) == 1 and no_marker(*datas)
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             await broker.wait_for(1)
         assert no_marker(broker.messages[0].payload, broker.messages[0].headers_json)
     finally:
@@ -194,7 +194,7 @@ async def test_rotation_in_flight_unknown_key_and_tampering(
         subscribe(consumer, Secret, lambda event: seen.append(event.n), max_attempts=3)
 
         ids = {}
-        async with old.dispatcher():  # in flight under k1: in the stream, not consumed
+        async with old.relaying():  # in flight under k1: in the stream, not consumed
             async with old.unit_of_work() as uow:
                 for n in range(3):
                     uow.publish(Secret(card=MARKER, n=n))
@@ -207,7 +207,7 @@ async def test_rotation_in_flight_unknown_key_and_tampering(
             ids["tampered"] = uow.publish(Secret(card=MARKER, n=200))
         await tamper(new, ids["tampered"])
         sub = consumer.subscribers[0]
-        async with new.dispatcher(), consumer.dispatcher():
+        async with new.relaying(), consumer.relaying():
             await wait_until(lambda: sub.stats.dead_lettered == 2 and len(seen) == 6, timeout=20)
         assert sorted(seen) == [0, 1, 2, 3, 4, 5]
         reader = sub.make_consumer()
@@ -236,7 +236,7 @@ async def test_rotation_in_flight_unknown_key_and_tampering(
             assert await dead.replay_dead_letters([entry]) == 1
         finally:
             await dead.aclose()
-        async with healed.dispatcher():
+        async with healed.relaying():
             await wait_until(lambda: 100 in seen, timeout=15)
     finally:
         async for key in client.scan_iter(f"{stream}*"):
@@ -313,7 +313,7 @@ async def test_cloudevents_carry_the_key_id_and_the_ciphertext(sqlite_url: str, 
     try:
         await outbox.create_tables()
         subscribe(outbox, Secret, got.append)
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             async with outbox.unit_of_work() as uow:
                 uow.publish(Secret(card=MARKER), headers={"card-holder": MARKER})
             await wait_until(lambda: len(got) == 1, timeout=10)
@@ -364,7 +364,7 @@ async def test_rabbitmq_message_holds_no_plaintext(sqlite_url: str, rabbitmq_url
         spy = await channel.declare_queue(unique("enc_spy"), exclusive=True)
         await spy.bind(x, routing_key=stream)
         subscribe(outbox, Secret, got.append)
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             async with outbox.unit_of_work() as uow:
                 uow.publish(Secret(card=MARKER), headers={"card-holder": MARKER})
             await wait_until(lambda: len(got) == 1, timeout=15)

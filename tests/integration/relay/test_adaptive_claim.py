@@ -26,22 +26,22 @@ async def test_claims_grow_with_a_backlog_and_shrink_when_it_is_gone(db_url: str
     await outbox.create_tables()
     stream = unique("orders")
     asked: list[tuple[int, int]] = []  # (rows asked for, rows returned)
-    claim = outbox.store.claim
+    claim = outbox.store.claims.claim
 
     async def recording(broker_name: str, size: int, *args: Any, **kw: Any) -> Any:
         rows = await claim(broker_name, size, *args, **kw)
         asked.append((size, len(rows)))
         return rows
 
-    outbox.store.claim = recording  # type: ignore[method-assign]
+    outbox.store.claims.claim = recording  # type: ignore[method-assign]
     try:
         # A backlog committed before any dispatcher runs.
         async with outbox.unit_of_work() as uow:
             for n in range(BACKLOG):
                 uow.publish(Message(stream, "Numbered", {"n": n}))
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             await broker.wait_for(BACKLOG, timeout=30)
-            processor = outbox.processors["default"]
+            processor = outbox.relays.tables["default"]
             # Idle again: claims that come back empty halve the size down to the floor.
             await wait_until(lambda: processor.claim_size == 25, timeout=10)
             idle_from = len(asked)
@@ -72,18 +72,18 @@ async def test_fixed_claims_when_min_batch_size_equals_batch_size(sqlite_url: st
     outbox = Outbox(sqlite_url, brokers={"default": broker}, settings=settings)
     await outbox.create_tables()
     asked: list[int] = []
-    claim = outbox.store.claim
+    claim = outbox.store.claims.claim
 
     async def recording(broker_name: str, size: int, *args: Any, **kw: Any) -> Any:
         asked.append(size)
         return await claim(broker_name, size, *args, **kw)
 
-    outbox.store.claim = recording  # type: ignore[method-assign]
+    outbox.store.claims.claim = recording  # type: ignore[method-assign]
     try:
         async with outbox.unit_of_work() as uow:
             for n in range(100):
                 uow.publish(Message(unique("s"), "Numbered", {"n": n}))
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             await broker.wait_for(100, timeout=10)
     finally:
         await outbox.aclose()

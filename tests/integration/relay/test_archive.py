@@ -87,7 +87,7 @@ async def test_retention_moves_finished_rows_once_in_batches(db_url: str) -> Non
         assert await mismatches(outbox, archive) == []  # the doctor knows the archive
         due, stay = await seed(outbox, unique("orders"))
         sample = next(iter(due))
-        before = await outbox.store.get(sample)
+        before = await outbox.store.messages.get(sample)
 
         moved = await outbox.cleaner.run_once()
         again = await outbox.cleaner.run_once()  # nothing left to move: nothing copied twice
@@ -116,7 +116,7 @@ async def test_a_failed_move_loses_nothing_and_copies_nothing(db_url: str) -> No
         await outbox.create_tables()
         due, stay = await seed(outbox, unique("orders"))
         clash = sorted(due)[0]
-        row = dict(await outbox.store.get(clash) or {})
+        row = dict(await outbox.store.messages.get(clash) or {})
         async with outbox.engine.begin() as conn:  # a stray copy in the archive
             await conn.execute(
                 archive.insert().values(
@@ -264,7 +264,7 @@ async def test_a_finished_partition_is_reattached_to_the_archive(pg_url: str) ->
             **done,
         )
         stray = id_at(now - 6 * DAY)
-        row = dict(await outbox.store.get(refused[0]) or {})
+        row = dict(await outbox.store.messages.get(refused[0]) or {})
         async with outbox.engine.begin() as conn:
             await conn.execute(
                 outbox.archive.table.insert().values(**{**row, "id": stray, "archived_at": now})

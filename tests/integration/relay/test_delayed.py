@@ -16,6 +16,7 @@ import pytest
 from fastapi_outbox import Message, Outbox, OutboxSettings, PublishError
 from fastapi_outbox.brokers import MemoryBroker, RedisStreamsBroker
 from fastapi_outbox.exceptions import MessageNotFound, TooLate
+from fastapi_outbox.storage.filters import MessageFilter
 from tests.conftest import unique, wait_until
 
 DELAY = 1.2
@@ -51,7 +52,7 @@ async def test_bad_delays_are_refused_where_made_and_write_nothing(
     try:
         with pytest.raises(PublishError, match=needle):
             await publish_both()
-        assert await outbox.store.count() == 0
+        assert await outbox.store.messages.count() == 0
     finally:
         await outbox.aclose()
 
@@ -68,7 +69,7 @@ async def test_a_delayed_message_is_not_published_before_it_is_due(db_url: str) 
     stream = unique("reminders")
     claims: list[float] = []
     in_flight: list[int] = []  # sizes of claims still running, then of the finished ones
-    claim = outbox.store.claim
+    claim = outbox.store.claims.claim
 
     async def counting(*args: Any, **kw: Any) -> Any:
         claims.append(time.monotonic())
@@ -81,9 +82,9 @@ async def test_a_delayed_message_is_not_published_before_it_is_due(db_url: str) 
         # Every claim so far has returned, and the last one found nothing.
         return bool(in_flight) and -1 not in in_flight and in_flight[-1] == 0
 
-    outbox.store.claim = counting  # type: ignore[method-assign]
+    outbox.store.claims.claim = counting  # type: ignore[method-assign]
     try:
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             async with outbox.unit_of_work() as uow:
                 now_id = uow.publish(msg(stream, 1))
             await broker.wait_for(1)
@@ -97,7 +98,7 @@ async def test_a_delayed_message_is_not_published_before_it_is_due(db_url: str) 
                     msg(stream, 3), deliver_at=dt.datetime.now(dt.UTC) + dt.timedelta(seconds=DELAY)
                 )
             committed = time.monotonic()
-            stats = (await outbox.store.stats(["default"]))["default"]
+            stats = (await outbox.store.messages.stats(["default"]))["default"]
             assert (stats.pending, stats.scheduled) == (2, 2)
 
             await broker.wait_for(3, timeout=DELAY + 5)
@@ -122,7 +123,7 @@ async def test_delayed_message_reaches_redis_when_due(pg_url: str, redis_url: st
     await outbox.create_tables()
     client = aioredis.Redis.from_url(redis_url)
     try:
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             async with outbox.unit_of_work() as uow:
                 uow.publish(msg(stream), delay=DELAY)
             committed = time.monotonic()
@@ -147,20 +148,22 @@ async def test_cancel_before_the_claim_and_too_late_after_it(db_url: str) -> Non
         async with outbox.unit_of_work() as uow:
             scheduled = uow.publish(msg(stream, 1), delay=3600)
             due = uow.publish(msg(stream, 2))
-        listed = await outbox.store.list_messages(scheduled=True, stream=stream)
+        listed = await outbox.store.messages.list_messages(
+            MessageFilter(status="scheduled", stream=stream)
+        )
         assert [r["id"] for r in listed] == [scheduled]
 
         await outbox.cancel(scheduled)
-        assert await outbox.store.get(scheduled) is None
+        assert await outbox.store.messages.get(scheduled) is None
         with pytest.raises(MessageNotFound, match=str(scheduled)):
             await outbox.cancel(scheduled)
 
         # A dispatcher claims it first: the cancel is too late and changes nothing.
-        (claimed,) = await outbox.store.claim("default", 10, "worker:1", 30)
+        (claimed,) = await outbox.store.claims.claim("default", 10, "worker:1", 30)
         assert claimed.id == due
         with pytest.raises(TooLate, match=f"too late: message {due} is processing"):
             await outbox.cancel(due)
-        row = await outbox.store.get(due)
+        row = await outbox.store.messages.get(due)
         assert row is not None and row["locked_by"] == "worker:1"
         with pytest.raises(MessageNotFound):
             await outbox.cancel(uuid.uuid4())
@@ -209,6 +212,6 @@ async def test_scheduled_messages_in_status_list_dashboard_and_cli_cancel(pg_url
         assert cancelled.returncode == 0 and "cancelled 1 message(s)" in cancelled.stdout
         again = run_cli("cancel", "--url", pg_url, str(later))
         assert again.returncode == 1 and str(later) in again.stderr
-        assert await outbox.store.get(later) is None
+        assert await outbox.store.messages.get(later) is None
     finally:
         await outbox.aclose()

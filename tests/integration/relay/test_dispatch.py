@@ -40,24 +40,24 @@ async def test_each_batch_is_one_broker_call_and_one_mark(db_url: str) -> None:
     )
     await outbox.create_tables()
     marks = 0
-    mark_published = outbox.store.mark_published
+    mark_published = outbox.store.claims.mark_published
 
     async def counting(*args: Any, **kw: Any) -> int:
         nonlocal marks
         marks += 1
         return await mark_published(*args, **kw)
 
-    outbox.store.mark_published = counting  # type: ignore[method-assign]
+    outbox.store.claims.mark_published = counting  # type: ignore[method-assign]
     try:
         ids = await publish(outbox, 250, per_transaction=250)
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             await broker.wait_for(250)
             await wait_until(lambda: count_is(outbox, "published", 250), timeout=5)
         assert broker.publish_calls == 3  # 100 + 100 + 50
         assert marks == 3
         assert [m.id for m in broker.messages] == [str(i) for i in ids]  # oldest first
         assert broker.duplicates == 0
-        for row in await outbox.store.list_messages(limit=300):
+        for row in await outbox.store.messages.list_messages(limit=300):
             assert (row["status"], row["attempts"], row["locked_by"]) == ("published", 1, None)
             assert row["published_at"] is not None and row["locked_until"] is None
     finally:
@@ -65,7 +65,7 @@ async def test_each_batch_is_one_broker_call_and_one_mark(db_url: str) -> None:
 
 
 async def count_is(outbox: Outbox, status: str, n: int) -> bool:
-    return await outbox.store.count(status) == n
+    return await outbox.store.messages.count(status) == n
 
 
 async def test_two_dispatchers_on_one_table_publish_every_message_once(pg_url: str) -> None:
@@ -75,7 +75,7 @@ async def test_two_dispatchers_on_one_table_publish_every_message_once(pg_url: s
     b = Outbox(pg_url, brokers={"default": second}, settings=settings)
     await a.create_tables()
     try:
-        async with a.dispatcher(), b.dispatcher():
+        async with a.relaying(), b.relaying():
             # Written from both "processes" while both relay.
             ids = await publish(a, 300, per_transaction=30) + await publish(
                 b, 300, per_transaction=30
@@ -88,7 +88,7 @@ async def test_two_dispatchers_on_one_table_publish_every_message_once(pg_url: s
         assert got_a | got_b == {str(i) for i in ids}
         assert got_a and got_b  # both took part
         assert first.duplicates == second.duplicates == 0
-        assert {r["attempts"] for r in await a.store.list_messages(limit=1000)} == {1}
+        assert {r["attempts"] for r in await a.store.messages.list_messages(limit=1000)} == {1}
     finally:
         await a.aclose()
         await b.aclose()
@@ -104,7 +104,7 @@ async def test_delete_on_publish_removes_the_rows(db_url: str) -> None:
     await outbox.create_tables()
     try:
         await publish(outbox, 5)
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             await broker.wait_for(5)
             await wait_until(lambda: count_is(outbox, "pending", 0), timeout=5)
             await wait_until(lambda: total_is(outbox, 0), timeout=5)
@@ -113,7 +113,7 @@ async def test_delete_on_publish_removes_the_rows(db_url: str) -> None:
 
 
 async def total_is(outbox: Outbox, n: int) -> bool:
-    return await outbox.store.count() == n
+    return await outbox.store.messages.count() == n
 
 
 class FlakyBroker(MemoryBroker):
@@ -142,12 +142,12 @@ async def test_a_broker_that_raises_does_not_stop_the_processor(sqlite_url: str)
     await outbox.create_tables()
     try:
         ids = await publish(outbox, 3)
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             await broker.wait_for(3, timeout=5)
-            processor = outbox.processors["default"]
+            processor = outbox.relays.tables["default"]
             assert processor.running and processor.failed_total == 3
         for i in ids:
-            row = await outbox.store.get(i)
+            row = await outbox.store.messages.get(i)
             assert row is not None
             # Counted as a failed attempt (the broker said nothing usable), then published.
             assert (row["status"], row["attempts"]) == ("published", 2)
@@ -183,12 +183,12 @@ async def test_a_publish_timeout_gives_the_batch_back_without_charge(sqlite_url:
     await outbox.create_tables()
     try:
         ids = await publish(outbox, 2)
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             await broker.wait_for(2, timeout=5)
             assert broker.hung.is_set()
             await wait_until(lambda: count_is(outbox, "published", 2), timeout=5)
         for i in ids:
-            row = await outbox.store.get(i)
+            row = await outbox.store.messages.get(i)
             assert row is not None
             assert (row["status"], row["attempts"]) == ("published", 1)  # the timeout was free
     finally:

@@ -58,7 +58,7 @@ def free_port() -> int:
 async def rows(outbox: Outbox, ids: Sequence[uuid.UUID]) -> list[dict[str, Any]]:
     out = []
     for i in ids:
-        row = await outbox.store.get(i)
+        row = await outbox.store.messages.get(i)
         assert row is not None
         out.append(dict(row))
     return out
@@ -135,7 +135,7 @@ async def test_refused_message_backs_off_then_is_abandoned(db_url: str) -> None:
     await outbox.create_tables()
     # Observe every failure as it is recorded: the row right after mark_failed.
     recorded: list[tuple[Failure, dict[str, Any], dt.datetime]] = []
-    mark_failed = outbox.store.mark_failed
+    mark_failed = outbox.store.claims.mark_failed
 
     async def observing(failures: Sequence[Failure], token: str) -> int:
         n = await mark_failed(failures, token)
@@ -145,19 +145,19 @@ async def test_refused_message_backs_off_then_is_abandoned(db_url: str) -> None:
             recorded.append((f, row, now))
         return n
 
-    outbox.store.mark_failed = observing  # type: ignore[method-assign]
+    outbox.store.claims.mark_failed = observing  # type: ignore[method-assign]
     stream = unique("orders")
     try:
         async with outbox.unit_of_work() as uow:
             good = [uow.publish(Message(stream, "OrderPlaced", {"n": n})) for n in (1, 2)]
             poison = uow.publish(Message(stream, "Poison", {"n": 3}))
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             await broker.wait_for(2)
             await wait_until(
                 lambda: len(recorded) == max_attempts and recorded[-1][1]["status"] == "abandoned",
                 timeout=10,
             )
-            processor = outbox.processors["default"]
+            processor = outbox.relays.tables["default"]
             assert (processor.failed_total, processor.abandoned_total) == (2, 1)
             assert processor.broker_ok  # a refusal is not an outage
 
@@ -198,8 +198,8 @@ async def test_unavailable_broker_costs_no_attempts_and_pauses_the_processor(pg_
     await outbox.create_tables()
     try:
         ids = await publish(outbox, unique("orders"), [{"n": n} for n in range(3)])
-        async with outbox.dispatcher():
-            processor = outbox.processors["default"]
+        async with outbox.relaying():
+            processor = outbox.relays.tables["default"]
             await wait_until(lambda: len(broker.calls) >= 5, timeout=10)
             assert not processor.broker_ok
             assert "unavailable" in (processor.last_error or "")
@@ -257,8 +257,8 @@ async def test_killed_redis_costs_no_attempts_and_messages_flow_once_it_is_back(
             await client.aclose()
 
     try:
-        async with outbox.dispatcher():
-            processor = outbox.processors["default"]
+        async with outbox.relaying():
+            processor = outbox.relays.tables["default"]
             await publish(outbox, stream, [{"n": 0}, {"n": 1}])
             await wait_until(lambda: xlen_is(xlen, 2), timeout=10)
 
@@ -294,14 +294,14 @@ async def test_database_with_nothing_listening_keeps_workers_alive_and_the_app_s
         settings=OutboxSettings(**FAST, health_cache_seconds=0),
     )
     claims = 0
-    claim = outbox.store.claim
+    claim = outbox.store.claims.claim
 
     async def counting(*args: Any, **kw: Any) -> Any:
         nonlocal claims
         claims += 1
         return await claim(*args, **kw)
 
-    outbox.store.claim = counting  # type: ignore[method-assign]
+    outbox.store.claims.claim = counting  # type: ignore[method-assign]
     app = FastAPI(lifespan=outbox.lifespan)
     app.include_router(outbox.health_router)
 
@@ -317,7 +317,7 @@ async def test_database_with_nothing_listening_keeps_workers_alive_and_the_app_s
             httpx.AsyncClient(transport=transport, base_url="http://t") as client,
         ):
             assert time.monotonic() - begin < 5  # the app starts although the database is down
-            processor = outbox.processors["default"]
+            processor = outbox.relays.tables["default"]
             await wait_until(lambda: claims >= 3, timeout=10)  # retried with backoff
             assert processor.running
             assert not processor.database_ok
@@ -345,8 +345,8 @@ async def test_database_outage_and_recovery_through_a_proxy(pg_url: str) -> None
     direct = Outbox(pg_url, settings=OutboxSettings(run_dispatchers=False))
     await outbox.create_tables()
     try:
-        async with outbox.dispatcher():
-            processor = outbox.processors["default"]
+        async with outbox.relaying():
+            processor = outbox.relays.tables["default"]
             await publish(outbox, unique("orders"), [{"n": 0}])
             await broker.wait_for(1)
 
@@ -394,7 +394,7 @@ async def test_two_megabyte_message_to_nats_does_not_block_the_others(
         payloads = [{"n": 0}, {"n": 1}, {"blob": "x" * (2 * 1024 * 1024)}, {"n": 3}]
         ids = await publish(outbox, stream, payloads)
         poison = ids[2]
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             await wait_until(lambda: row_status(outbox, poison, "abandoned"), timeout=10)
             await wait_until(lambda: all_published(outbox, [*ids[:2], ids[3]]), timeout=5)
         info = await jsm.stream_info(stream_name_for(stream))

@@ -43,7 +43,7 @@ async def add(outbox: Outbox, n: int) -> list[uuid.UUID]:
 
 
 async def row(outbox: Outbox, message_id: uuid.UUID) -> dict[str, object]:
-    found = await outbox.store.get(message_id)
+    found = await outbox.store.messages.get(message_id)
     assert found is not None
     return dict(found)
 
@@ -53,7 +53,7 @@ async def claim_after_expiry(outbox: Outbox, token: str, n: int) -> list[uuid.UU
     claimed: list[uuid.UUID] = []
 
     async def take() -> bool:
-        claimed.extend(r.id for r in await outbox.store.claim("default", 100, token, 30))
+        claimed.extend(r.id for r in await outbox.store.claims.claim("default", 100, token, 30))
         return len(claimed) >= n
 
     await wait_until(take, timeout=5)
@@ -66,27 +66,30 @@ async def test_a_worker_whose_lease_expired_cannot_touch_the_new_claim(outbox: O
     # Same worker, two claims: the token differs by claim, so the fence holds even against
     # a later claim of the very same worker.
     old, new = "host:1:w0:1", "host:1:w0:2"
-    first = await store.claim("default", 100, old, lease_seconds=0.05)
+    first = await store.claims.claim("default", 100, old, lease_seconds=0.05)
     assert sorted(r.id for r in first) == sorted(ids)
     assert {r.attempts for r in first} == {1}
 
     assert sorted(await claim_after_expiry(outbox, new, 2)) == sorted(ids)
 
     # Everything the old holder could still try is refused by the fence.
-    assert await store.mark_published(ids, old) == 0
-    assert await store.mark_published(ids, old, delete_rows=True) == 0
-    assert await store.mark_failed([Failure(i, "late", 1.0, abandon=False) for i in ids], old) == 0
-    assert await store.abandon(ids, old, "late") == 0
-    assert await store.release(ids, old) == 0
+    assert await store.claims.mark_published(ids, old) == 0
+    assert await store.claims.mark_published(ids, old, delete_rows=True) == 0
+    assert (
+        await store.claims.mark_failed([Failure(i, "late", 1.0, abandon=False) for i in ids], old)
+        == 0
+    )
+    assert await store.claims.abandon(ids, old, "late") == 0
+    assert await store.claims.release(ids, old) == 0
     for i in ids:
         r = await row(outbox, i)
         assert (r["status"], r["locked_by"], r["attempts"]) == ("processing", new, 2)
         assert r["last_error"] is None
 
     # The current holder marks them; the old holder still cannot undo that.
-    assert await store.mark_published(ids, new) == 2
-    assert await store.release(ids, old) == 0
-    assert await store.mark_failed([Failure(ids[0], "late", 0, abandon=True)], old) == 0
+    assert await store.claims.mark_published(ids, new) == 2
+    assert await store.claims.release(ids, old) == 0
+    assert await store.claims.mark_failed([Failure(ids[0], "late", 0, abandon=True)], old) == 0
     for i in ids:
         r = await row(outbox, i)
         assert (r["status"], r["locked_by"], r["attempts"]) == ("published", None, 2)
@@ -98,14 +101,14 @@ async def test_attempts_are_counted_at_claim_and_refunded_on_release(outbox: Out
     (message_id,) = await add(outbox, 1)
     assert (await row(outbox, message_id))["attempts"] == 0
 
-    (claimed,) = await store.claim("default", 10, "t1", 30)
+    (claimed,) = await store.claims.claim("default", 10, "t1", 30)
     assert claimed.attempts == 1
     r = await row(outbox, message_id)
     assert (r["status"], r["locked_by"], r["attempts"]) == ("processing", "t1", 1)
     assert r["locked_until"] is not None
 
     # Given back (shutdown / broker unreachable): claimable at once, attempt refunded.
-    assert await store.release([message_id], "t1") == 1
+    assert await store.claims.release([message_id], "t1") == 1
     r = await row(outbox, message_id)
     assert (r["status"], r["locked_by"], r["locked_until"], r["attempts"]) == (
         "pending",
@@ -114,9 +117,12 @@ async def test_attempts_are_counted_at_claim_and_refunded_on_release(outbox: Out
         0,
     )
 
-    (claimed,) = await store.claim("default", 10, "t2", 30)
+    (claimed,) = await store.claims.claim("default", 10, "t2", 30)
     assert claimed.attempts == 1
-    assert await store.mark_failed([Failure(message_id, "refused", 0.0, abandon=False)], "t2") == 1
+    assert (
+        await store.claims.mark_failed([Failure(message_id, "refused", 0.0, abandon=False)], "t2")
+        == 1
+    )
     r = await row(outbox, message_id)
     assert (r["status"], r["locked_by"], r["attempts"], r["last_error"]) == (
         "failed",
@@ -133,10 +139,10 @@ async def test_attempts_are_counted_at_claim_and_refunded_on_release(outbox: Out
 async def test_a_claimed_row_is_not_claimed_twice_while_its_lease_runs(outbox: Outbox) -> None:
     store = outbox.store
     ids = await add(outbox, 3)
-    assert len(await store.claim("default", 2, "a", 30)) == 2
-    rest = await store.claim("default", 10, "b", 30)
+    assert len(await store.claims.claim("default", 2, "a", 30)) == 2
+    rest = await store.claims.claim("default", 10, "b", 30)
     assert len(rest) == 1
-    assert await store.claim("default", 10, "c", 30) == []
+    assert await store.claims.claim("default", 10, "c", 30) == []
     assert {(await row(outbox, i))["locked_by"] for i in ids} == {"a", "b"}
 
 
@@ -145,9 +151,9 @@ async def test_stale_processing_rows_are_reclaimed_and_published(outbox: Outbox)
     assert isinstance(broker, MemoryBroker)
     ids = await add(outbox, 3)
     # A dispatcher claimed them and died: nobody will ever mark or release them.
-    assert len(await outbox.store.claim("default", 10, "dead:0:1", lease_seconds=0.3)) == 3
+    assert len(await outbox.store.claims.claim("default", 10, "dead:0:1", lease_seconds=0.3)) == 3
 
-    async with outbox.dispatcher():
+    async with outbox.relaying():
         await broker.wait_for(3, timeout=10)
         await wait_until(
             lambda: all_published(outbox, ids),

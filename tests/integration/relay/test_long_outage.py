@@ -148,7 +148,7 @@ async def test_outage_longer_than_the_old_window_between_publish_and_mark(
 
     broker.publish = publish_then_cut
     try:
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             async with direct.unit_of_work() as uow:
                 message_id = uow.publish(Message(stream, "OrderPlaced", {"n": 1}))
             await wait_until(lambda: bool(cut_at), timeout=30)
@@ -160,11 +160,11 @@ async def test_outage_longer_than_the_old_window_between_publish_and_mark(
                 await proxy.start()
 
             async def published() -> bool:
-                row = await direct.store.get(message_id)
+                row = await direct.store.messages.get(message_id)
                 return row is not None and row["status"] == "published"
 
             await wait_until(published, timeout=60)
-            row = await direct.store.get(message_id)
+            row = await direct.store.messages.get(message_id)
             assert row is not None
             if outage == "database":
                 assert row["attempts"] >= 2  # it was claimed again after its lease

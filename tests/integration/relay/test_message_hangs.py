@@ -96,7 +96,7 @@ def real_broker(request: pytest.FixtureRequest) -> tuple[Any, Any]:
 
 
 async def row(outbox: Outbox, message_id: uuid.UUID) -> dict[str, Any]:
-    found = await outbox.store.get(message_id)
+    found = await outbox.store.messages.get(message_id)
     assert found is not None
     return dict(found)
 
@@ -115,8 +115,8 @@ async def test_one_hanging_message_is_charged_and_the_others_flow(
         poison = ids[10]
         broker.poison.add(str(poison))
         others = [i for i in ids if i != poison]
-        async with outbox.dispatcher():
-            processor = outbox.processors["default"]
+        async with outbox.relaying():
+            processor = outbox.relays.tables["default"]
 
             async def others_in_stream() -> bool:
                 return len(set(await stream_ids(stream))) == len(others)
@@ -161,7 +161,7 @@ async def test_a_hanging_message_alone_in_its_batch_is_charged(sqlite_url: str) 
         async def abandoned() -> bool:
             return (await row(outbox, message_id))["status"] == "abandoned"
 
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             await wait_until(abandoned, timeout=20, interval=0.1)
         r = await row(outbox, message_id)
         assert r["attempts"] == SETTINGS["max_attempts"]
@@ -233,9 +233,9 @@ async def test_a_payload_that_stalls_its_connection_is_charged_through_a_real_so
                 await redis_stream_ids(redis_url, stream)
             ) == len(others)
 
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             await wait_until(settled, timeout=30, interval=0.1)
-            assert outbox.processors["default"].broker_ok
+            assert outbox.relays.tables["default"].broker_ok
         assert sorted(await redis_stream_ids(redis_url, stream)) == sorted(map(str, others))
         assert proxy.stalls >= SETTINGS["max_attempts"]
         hung = await row(outbox, poison)
@@ -281,7 +281,7 @@ async def test_ordered_a_hanging_message_holds_back_its_key_only(db_url: str) ->
         async def abandoned() -> bool:
             return (await row(outbox, k1))["status"] == "abandoned"
 
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             await broker.wait_for(2, timeout=20)
             await wait_until(abandoned, timeout=20, interval=0.1)
         assert [m.id for m in broker.messages] == [str(o1), str(o2)]
@@ -324,8 +324,8 @@ async def test_a_broker_whose_ping_hangs_too_is_an_outage_and_charges_nothing(
     try:
         async with outbox.unit_of_work() as uow:
             ids = [uow.publish(Message(unique("hang"), "Tick", {"n": n})) for n in range(3)]
-        async with outbox.dispatcher():
-            processor = outbox.processors["default"]
+        async with outbox.relaying():
+            processor = outbox.relays.tables["default"]
             await wait_until(lambda: broker.publish_calls >= 3, timeout=20)
             assert not processor.broker_ok
 

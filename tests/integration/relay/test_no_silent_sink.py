@@ -32,7 +32,7 @@ async def test_outbox_without_brokers_refuses_to_start_dispatchers(pg_url: str) 
         message = str(error.value)
         assert "brokers=" in message and "--broker-url" in message
         assert "OUTBOX_BROKER_URL" in message
-        assert await outbox.store.count("pending") == 1  # nothing was "published"
+        assert await outbox.store.messages.count("pending") == 1  # nothing was "published"
     finally:
         await outbox.aclose()
 
@@ -43,7 +43,7 @@ async def test_api_only_outbox_without_brokers_serves(pg_url: str) -> None:
         await outbox.create_tables()
         async with asgi_client(FastAPI(lifespan=outbox.lifespan)):
             await publish_one(outbox)
-        assert await outbox.store.count("pending") == 1
+        assert await outbox.store.messages.count("pending") == 1
     finally:
         await outbox.aclose()
 
@@ -54,7 +54,7 @@ async def test_memory_broker_by_name(sqlite_url: str) -> None:
         broker = outbox.brokers["default"]
         assert isinstance(broker, MemoryBroker)
         await outbox.create_tables()
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             await publish_one(outbox)
             await wait_until(lambda: len(broker.messages) == 1)
     finally:
@@ -69,7 +69,7 @@ async def test_dispatch_without_broker_exits_2_and_publishes_nothing(pg_url: str
         result = await anyio.to_thread.run_sync(lambda: run_cli("dispatch", "--url", pg_url))
         assert result.returncode == 2, result.stderr
         assert "--broker-url" in result.stderr and "OUTBOX_BROKER_URL" in result.stderr
-        assert await outbox.store.count("pending") == 1
+        assert await outbox.store.messages.count("pending") == 1
     finally:
         await outbox.aclose()
 

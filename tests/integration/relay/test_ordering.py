@@ -1,6 +1,6 @@
 """Ordered dispatch (``OutboxSettings(ordered=True)``) against real databases and Redis.
 
-The guarantee these tests hold the library to (see ``storage.statements.relay.claim``):
+The guarantee these tests hold the library to (see ``storage.statements.claims.claim``):
 
     Per key, messages are ordered by ``seq``, the insert order of their outbox rows (an
     identity column on PostgreSQL, the rowid on SQLite). If message A's transaction
@@ -166,8 +166,8 @@ async def test_per_key_commit_order_with_concurrent_producers(
     try:
         await setup_tables(outboxes[0])
         async with (
-            outboxes[0].dispatcher(),
-            outboxes[-1].dispatcher() if instances == 2 else _nothing(),
+            outboxes[0].relaying(),
+            outboxes[-1].relaying() if instances == 2 else _nothing(),
         ):
 
             async def producer(seed: int) -> None:
@@ -198,7 +198,7 @@ async def test_per_key_commit_order_with_concurrent_producers(
         assert set(got) == set(expected)
         for key, versions in expected.items():
             assert got[key] == sorted(versions), key
-        assert await outboxes[0].store.count("published") == total
+        assert await outboxes[0].store.messages.count("published") == total
     finally:
         for outbox in outboxes:
             await outbox.aclose()
@@ -246,7 +246,7 @@ async def test_a_refused_message_blocks_only_its_own_key(db_url: str) -> None:
             for key in KEYS:
                 await commit_step(outbox, stream, key, parts=2)
         others_expected = 2 * 3 * (len(KEYS) - 1)
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             await broker.wait_for(others_expected + 6, timeout=20)
         assert refusals >= 3
         # The broker never saw a later message of the blocked key before its first one
@@ -256,7 +256,7 @@ async def test_a_refused_message_blocks_only_its_own_key(db_url: str) -> None:
         got = per_key([m.json() for m in broker.messages])
         for key in KEYS:
             assert got[key] == [(v, p) for v in (1, 2, 3) for p in (0, 1)], key
-        rows = await outbox.store.list_messages(limit=1000)
+        rows = await outbox.store.messages.list_messages(limit=1000)
         assert {r["status"] for r in rows} == {"published"}
         assert max(r["attempts"] for r in rows) == refusals + 1
     finally:
@@ -368,7 +368,7 @@ async def test_ordered_claims_take_turns_even_on_a_repeatable_read_engine(pg_url
         for version in (1, 2):
             async with outbox.unit_of_work() as uow:
                 uow.publish(Message(stream, "Stepped", {"version": version}), key="k")
-        first, second = sorted(await outbox.store.list_messages(), key=lambda r: r["id"])
+        first, second = sorted(await outbox.store.messages.list_messages(), key=lambda r: r["id"])
         turn = f"fastapi_outbox:{outbox.table.name}:default"
         async with engine.connect() as holder:
             await holder.execution_options(isolation_level="READ COMMITTED")
@@ -378,7 +378,9 @@ async def test_ordered_claims_take_turns_even_on_a_repeatable_read_engine(pg_url
                 result: list[Any] = []
 
                 async def claim() -> None:
-                    result.append(await outbox.store.claim("default", 10, "b", 30, ordered=True))
+                    result.append(
+                        await outbox.store.claims.claim("default", 10, "b", 30, ordered=True)
+                    )
 
                 tg.start_soon(claim)
 
@@ -402,7 +404,7 @@ async def test_ordered_claims_take_turns_even_on_a_repeatable_read_engine(pg_url
                 )
                 await holder.commit()
         assert result == [[]], "the second message was claimed while the first is in flight"
-        assert (await outbox.store.get(second["id"]) or {})["status"] == "pending"
+        assert (await outbox.store.messages.get(second["id"]) or {})["status"] == "pending"
     finally:
         await outbox.aclose()
         await engine.dispose()
@@ -419,15 +421,15 @@ async def test_a_due_row_locked_by_someone_else_holds_back_its_key(
     for key in ("k", "k", "other"):
         async with outbox.unit_of_work() as uow:
             uow.publish(Message(stream, "Stepped", {"key": key}), key=key)
-    rows = sorted(await outbox.store.list_messages(), key=lambda r: r["id"])
+    rows = sorted(await outbox.store.messages.list_messages(), key=lambda r: r["id"])
     async with outbox.engine.connect() as holder, holder.begin():
         await holder.execute(
             text(f"SELECT 1 FROM {outbox.table.name} WHERE id = :id FOR UPDATE"),
             {"id": rows[0]["id"]},
         )
-        claimed = await outbox.store.claim("default", 10, "t", 30, ordered=True)
+        claimed = await outbox.store.claims.claim("default", 10, "t", 30, ordered=True)
         assert [r.key for r in claimed] == ["other"]
-    claimed = await outbox.store.claim("default", 10, "t2", 30, ordered=True)
+    claimed = await outbox.store.claims.claim("default", 10, "t2", 30, ordered=True)
     assert [r.id for r in claimed] == [rows[0]["id"], rows[1]["id"]]
 
 
@@ -462,9 +464,9 @@ async def test_a_key_deeper_than_one_publish_timeout_still_drains_in_order(db_ur
             ids = [
                 str(uow.publish(Message(stream, "Step", {"n": n}), key="deep")) for n in range(60)
             ]
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             await broker.wait_for(60, timeout=30)
-            processor = outbox.processors["default"]
+            processor = outbox.relays.tables["default"]
             assert processor.broker_ok  # slow is not an outage
         assert [m.id for m in broker.messages] == ids  # in order, each once
         assert broker.duplicates == 0
@@ -511,11 +513,13 @@ async def test_an_abandoned_message_blocks_its_key_until_an_operator_replays_it(
         poison.append(str(k1))
         assert await drain(outbox) == 1
         assert [m.id for m in broker.messages] == [str(o1)]
-        states = {i: ((await outbox.store.get(i)) or {}).get("status") for i in (k1, k2, o1, k3)}
+        states = {
+            i: ((await outbox.store.messages.get(i)) or {}).get("status") for i in (k1, k2, o1, k3)
+        }
         assert states == {k1: "abandoned", k2: "pending", o1: "published", k3: "pending"}
         # Nothing else is claimable: the key waits for its abandoned message.
-        assert await outbox.store.claim("default", 10, "probe", 30, ordered=True) == []
-        stats = (await outbox.store.stats(["default"], ordered=True))["default"]
+        assert await outbox.store.claims.claim("default", 10, "probe", 30, ordered=True) == []
+        stats = (await outbox.store.messages.stats(["default"], ordered=True))["default"]
         assert (stats.blocked_keys, stats.blocking_message) == (1, str(k1))
         health = await compute_health(outbox)
         assert any(str(k1) in reason and "blocked" in reason for reason in health.reasons)
@@ -527,7 +531,7 @@ async def test_an_abandoned_message_blocks_its_key_until_an_operator_replays_it(
         assert outcome.changed == [k1]
         assert await drain(outbox) == 3
         assert [m.id for m in broker.messages] == [str(i) for i in (o1, k1, k2, k3)]
-        stats = (await outbox.store.stats(["default"], ordered=True))["default"]
+        stats = (await outbox.store.messages.stats(["default"], ordered=True))["default"]
         assert (stats.blocked_keys, stats.blocking_message) == (0, None)
     finally:
         await outbox.aclose()
@@ -558,8 +562,8 @@ async def test_a_batch_does_not_publish_past_a_message_it_abandons(db_url: str) 
             o1 = uow.publish(Message(stream, "Stepped", {"n": 3}), key="o")
         assert await drain(outbox) == 1
         assert [m.id for m in broker.messages] == [str(o1)]
-        assert ((await outbox.store.get(k1)) or {}).get("status") == "abandoned"
-        row = (await outbox.store.get(k2)) or {}
+        assert ((await outbox.store.messages.get(k1)) or {}).get("status") == "abandoned"
+        row = (await outbox.store.messages.get(k2)) or {}
         assert (row.get("status"), row.get("attempts")) == ("pending", 0)
     finally:
         await outbox.aclose()
@@ -571,8 +575,8 @@ async def test_retention_keeps_a_blocking_abandoned_message_and_a_purge_releases
     """Retention (``abandoned_retention_seconds``) does not delete an abandoned message
     that a later message of its key waits for: that would be the silent gap again. An
     operator's purge does, and the key goes on without it."""
+    from fastapi_outbox.lifecycle.retention import Cleaner
     from fastapi_outbox.ops import operations
-    from fastapi_outbox.relay.retention import Cleaner
 
     poison: list[str] = []
     broker = MemoryBroker(
@@ -597,8 +601,8 @@ async def test_retention_keeps_a_blocking_abandoned_message_and_a_purge_releases
             )
         await Cleaner(outbox.store, settings).run_once()
         # The abandoned message nothing waits for is gone; the blocking one stays.
-        assert await outbox.store.get(lone) is None
-        assert ((await outbox.store.get(k1)) or {}).get("status") == "abandoned"
+        assert await outbox.store.messages.get(lone) is None
+        assert ((await outbox.store.messages.get(k1)) or {}).get("status") == "abandoned"
         assert await drain(outbox) == 0
 
         deleted = await operations.purge(outbox, "abandoned", 0, batch_size=100)

@@ -12,7 +12,7 @@ from sqlalchemy import event, func, select, update
 
 from fastapi_outbox import Message, Outbox, OutboxSettings
 from fastapi_outbox.brokers import MemoryBroker
-from fastapi_outbox.relay.retention import Cleaner
+from fastapi_outbox.lifecycle.retention import Cleaner
 from tests.conftest import unique, wait_until
 
 HOUR = 3600.0
@@ -26,16 +26,16 @@ async def publish(outbox: Outbox, stream: str, n: int) -> list[Any]:
 
 
 def count_purges(outbox: Outbox) -> list[tuple[int, int]]:
-    """Wrap ``store.purge_batch``; returns the list of (limit, deleted) per call."""
+    """Wrap ``store.retention.purge_batch``; returns the list of (limit, deleted) per call."""
     calls: list[tuple[int, int]] = []
-    purge_batch = outbox.store.purge_batch
+    purge_batch = outbox.store.retention.purge_batch
 
     async def wrapper(status: str, older_than_seconds: float, limit: int, **kw: Any) -> int:
         deleted = await purge_batch(status, older_than_seconds, limit, **kw)
         calls.append((limit, deleted))
         return deleted
 
-    outbox.store.purge_batch = wrapper  # type: ignore[method-assign]
+    outbox.store.retention.purge_batch = wrapper  # type: ignore[method-assign]
     return calls
 
 
@@ -126,7 +126,7 @@ async def test_dispatch_goes_on_while_a_large_cleanup_runs(pg_url: str) -> None:
             f"FROM generate_series(1, {old_rows})"
         )
 
-    purge_batch = outbox.store.purge_batch
+    purge_batch = outbox.store.retention.purge_batch
     calls: list[int] = []
     started = anyio.Event()
     new_published = anyio.Event()
@@ -142,9 +142,9 @@ async def test_dispatch_goes_on_while_a_large_cleanup_runs(pg_url: str) -> None:
                 await new_published.wait()
         return deleted
 
-    outbox.store.purge_batch = observed  # type: ignore[method-assign]
+    outbox.store.retention.purge_batch = observed  # type: ignore[method-assign]
     try:
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             with anyio.fail_after(30):
                 await started.wait()
             cleaner = outbox.cleaner
@@ -168,5 +168,63 @@ async def test_dispatch_goes_on_while_a_large_cleanup_runs(pg_url: str) -> None:
                 select(outbox.table.c.stream, func.count()).group_by(outbox.table.c.stream)
             )
             assert dict(left.all()) == {stream: 15}  # the new ones, published and kept
+    finally:
+        await outbox.aclose()
+
+
+async def test_retention_prunes_the_attempts_and_handlers_nothing_needs(db_url: str) -> None:
+    """The library's attempts and the group's handlers rows go in bounded batches with the
+    inbox's retention: attempts of a message its group handled, or last counted before
+    the cutoff (a crash, a hand-back nobody settled), and handlers rows expired before it
+    (a killed process). A message still counted and a live process keep theirs. Old code
+    kept every such row forever."""
+    settings = OutboxSettings(
+        run_dispatchers=False, cleanup_batch_size=2, inbox_retention_seconds=HOUR
+    )
+    outbox = Outbox(db_url, brokers={"default": MemoryBroker()}, settings=settings)
+    stream = unique("orders")
+
+    @outbox.subscriber(stream, group="billing")
+    async def bill(message: Message) -> None:  # pragma: no cover - never runs
+        pass
+
+    try:
+        await outbox.create_tables()
+        handlers, attempts = outbox.inbox.group_tables
+        now = dt.datetime.now(dt.UTC)
+        old = now - dt.timedelta(days=2)
+        rows = {  # message id → updated_at; handled ones get an inbox row
+            **{f"old-{i}": old for i in range(5)},
+            "handled": now,
+            "counting": now,
+        }
+        async with outbox.engine.begin() as conn:
+            await conn.execute(
+                attempts.insert(),
+                [
+                    {"group": "billing", "message_id": m, "attempts": 1, "updated_at": at}
+                    for m, at in rows.items()
+                ],
+            )
+            await outbox.inbox.record(conn, "billing", "handled", stream)
+            await conn.execute(
+                handlers.insert(),
+                [
+                    {
+                        "group": "billing",
+                        "stream": stream,
+                        "member": m,
+                        "types": "*",
+                        "expires_at": at,
+                    }
+                    for m, at in (("killed", old), ("live", now + dt.timedelta(seconds=15)))
+                ],
+            )
+        assert await outbox.cleaner.run_once() >= 6
+        async with outbox.engine.connect() as conn:
+            left = (await conn.execute(select(attempts.c.message_id))).scalars().all()
+            members = (await conn.execute(select(handlers.c.member))).scalars().all()
+        assert sorted(left) == ["counting"]
+        assert members == ["live"]
     finally:
         await outbox.aclose()

@@ -45,7 +45,7 @@ async def test_message_past_its_deadline_is_abandoned_with_attempts_left(
     await outbox.create_tables()
     stream = unique("orders")
     try:
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             if failure == "broker down":
                 broker.available = False
             async with outbox.unit_of_work() as uow:

@@ -28,9 +28,9 @@ WAKE_WITHIN = 2.0
 def idle(outbox: Outbox) -> bool:
     """Every worker of every processor is waiting for a wake-up (no claim in flight), and
     LISTEN is up where there is one."""
-    listening = outbox.listener is None or outbox.listener.listening
+    listening = outbox.relays.listener is None or outbox.relays.listener.listening
     return listening and all(
-        p.wakeup.idle_waiters == outbox.settings.workers for p in outbox.processors.values()
+        p.wakeup.idle_waiters == outbox.settings.workers for p in outbox.relays.tables.values()
     )
 
 
@@ -60,7 +60,7 @@ async def test_a_commit_wakes_the_dispatcher_of_its_own_process(
     broker = MemoryBroker()
     outbox = await make_outbox(db_url, broker, **SLOW_POLL)
     stream = unique("orders")
-    async with outbox.dispatcher():
+    async with outbox.relaying():
         for n in range(3):
             await wait_until(lambda: idle(outbox), timeout=5)
             begin = time.monotonic()
@@ -78,15 +78,15 @@ async def test_notify_from_an_api_only_process_wakes_another_dispatcher(
     api = await make_outbox(pg_url, api_broker, run_dispatchers=False)
     relay = await make_outbox(pg_url, relay_broker, **SLOW_POLL)
     stream = unique("orders")
-    async with relay.dispatcher():
-        assert relay.listener is not None
+    async with relay.relaying():
+        assert relay.relays.listener is not None
         for n in range(2):
             await wait_until(lambda: idle(relay), timeout=5)
             begin = time.monotonic()
             await commit_one(api, stream, n)
             await relay_broker.wait_for(n + 1, timeout=WAKE_WITHIN)
             assert time.monotonic() - begin < WAKE_WITHIN
-        assert relay.listener.received >= 2
+        assert relay.relays.listener.received >= 2
     assert api_broker.messages == []
     assert [m.json() for m in relay_broker.messages] == [{"n": 0}, {"n": 1}]
 
@@ -98,21 +98,21 @@ async def test_a_running_dispatchers_commit_wakes_another_process(
     writer = await make_outbox(pg_url, MemoryBroker(), **SLOW_POLL)
     relay = await make_outbox(pg_url, relay_broker, **SLOW_POLL)
     stream = unique("orders")
-    async with writer.dispatcher(), relay.dispatcher():
+    async with writer.relaying(), relay.relaying():
         # The writer's processor stops: no worker of its own takes the row, so it is the
         # NOTIFY its COMMIT carries that gets the row published (by the relay).
-        writer.processors["default"].stop()
-        await wait_until(lambda: not writer.processors["default"].running, timeout=5)
-        assert writer.notifier is not None and relay.listener is not None
+        writer.relays.tables["default"].stop()
+        await wait_until(lambda: not writer.relays.tables["default"].running, timeout=5)
+        assert writer.relays.notifier is not None and relay.relays.listener is not None
         await wait_until(lambda: idle(relay), timeout=5)
-        sent_before, received_before = writer.notifier.sent, relay.listener.received
+        sent_before, received_before = writer.relays.notifier.sent, relay.relays.listener.received
         begin = time.monotonic()
         await commit_one(writer, stream, 7)
         await relay_broker.wait_for(1, timeout=WAKE_WITHIN)
         assert time.monotonic() - begin < WAKE_WITHIN
-        assert relay.listener.received > received_before
+        assert relay.relays.listener.received > received_before
         # The commit carried it: the writer's NOTIFY sender had nothing to send.
-        assert writer.notifier.sent == sent_before
+        assert writer.relays.notifier.sent == sent_before
     assert [m.json() for m in relay_broker.messages] == [{"n": 7}]
 
 
@@ -122,25 +122,25 @@ async def test_a_commit_taken_by_an_idle_local_worker_sends_no_notify(
     broker = MemoryBroker()
     writer = await make_outbox(pg_url, broker, **SLOW_POLL)
     stream = unique("orders")
-    async with writer.dispatcher():
+    async with writer.relaying():
         await wait_until(lambda: idle(writer), timeout=5)
-        assert writer.notifier is not None
-        sent_before = writer.notifier.sent
+        assert writer.relays.notifier is not None
+        sent_before = writer.relays.notifier.sent
         await commit_one(writer, stream, 1)
         await broker.wait_for(1, timeout=WAKE_WITHIN)
         # The in-process wake-up sufficed: other processes were not disturbed.
-        assert writer.notifier.sent == sent_before
+        assert writer.relays.notifier.sent == sent_before
 
 
 def count_claims(outbox: Outbox) -> list[float]:
     times: list[float] = []
-    claim = outbox.store.claim
+    claim = outbox.store.claims.claim
 
     async def counting(*args: Any, **kw: Any) -> Any:
         times.append(time.monotonic())
         return await claim(*args, **kw)
 
-    outbox.store.claim = counting  # type: ignore[method-assign]
+    outbox.store.claims.claim = counting  # type: ignore[method-assign]
     return times
 
 
@@ -151,9 +151,11 @@ async def test_an_idle_dispatcher_backs_its_polling_off_while_listen_is_up(
         pg_url, MemoryBroker(), poll_interval_seconds=0.01, max_poll_interval_seconds=30
     )
     claims = count_claims(outbox)
-    async with outbox.dispatcher():
-        assert outbox.listener is not None
-        await wait_until(lambda: outbox.listener is not None and outbox.listener.listening)
+    async with outbox.relaying():
+        assert outbox.relays.listener is not None
+        await wait_until(
+            lambda: outbox.relays.listener is not None and outbox.relays.listener.listening
+        )
         # Wait for the first idle gap of a second or more between two claims.
         await wait_until(lambda: len(claims) >= 3 and claims[-1] - claims[-2] >= 1.0, timeout=8)
     # claims[0] and claims[1] are the two workers' first claims; from then on only the
@@ -178,8 +180,8 @@ async def test_without_listen_an_idle_dispatcher_keeps_polling(
         notify=False,
     )
     claims = count_claims(outbox)
-    async with outbox.dispatcher():
-        assert outbox.listener is None
+    async with outbox.relaying():
+        assert outbox.relays.listener is None
         # No wake-up can come from other processes: polling stays at poll_interval_seconds.
         await wait_until(lambda: len(claims) >= 12, timeout=3)
     gaps = [b - a for a, b in itertools.pairwise(claims[4:])]

@@ -57,18 +57,18 @@ async def test_a_joined_session_committed_by_its_owner_wakes_another_dispatcher(
     api = await make_outbox(pg_url, MemoryBroker(), run_dispatchers=False)
     relay = await make_outbox(pg_url, relay_broker, **SLOW_POLL)
     stream = unique("orders")
-    notifying = api.notifying() if writer == "notifier-running" else contextlib.nullcontext()
-    async with relay.dispatcher(), notifying:
-        assert relay.listener is not None
+    notifying = api.relays.notifying() if writer == "notifier-running" else contextlib.nullcontext()
+    async with relay.relaying(), notifying:
+        assert relay.relays.listener is not None
         for n in range(2):
             await wait_until(lambda: idle(relay), timeout=10)
-            received = relay.listener.received
+            received = relay.relays.listener.received
             async with AsyncSession(api.engine) as session:
                 async with api.unit_of_work(session=session) as uow:
                     uow.publish(Message(stream, "OrderPlaced", {"n": n}))
                 await session.commit()  # the owner's commit, after the unit of work
             await relay_broker.wait_for(n + 1, timeout=WAKE_WITHIN)
-            assert relay.listener.received > received
+            assert relay.relays.listener.received > received
     assert [m.json() for m in relay_broker.messages] == [{"n": 0}, {"n": 1}]
 
 
@@ -103,8 +103,8 @@ async def test_a_script_without_a_lifespan_wakes_the_dispatchers(
     relay_broker = MemoryBroker()
     relay = await make_outbox(pg_url, relay_broker, **SLOW_POLL)
     stream = unique("orders")
-    async with relay.dispatcher():
-        assert relay.listener is not None
+    async with relay.relaying():
+        assert relay.relays.listener is not None
         await wait_until(lambda: idle(relay), timeout=10)
         await anyio.to_thread.run_sync(
             lambda: subprocess.run(
@@ -115,7 +115,7 @@ async def test_a_script_without_a_lifespan_wakes_the_dispatchers(
             )
         )
         await relay_broker.wait_for(1, timeout=WAKE_WITHIN)
-        assert relay.listener.received >= 1
+        assert relay.relays.listener.received >= 1
     assert [m.json() for m in relay_broker.messages] == [{"n": how}]
 
 
@@ -175,11 +175,11 @@ async def test_a_silently_dead_listen_connection_is_noticed_and_replaced(
     transport = httpx.ASGITransport(app=app)
     try:
         async with (
-            relay.dispatcher(),
+            relay.relaying(),
             httpx.AsyncClient(transport=transport, base_url="http://test") as http,
             anyio.create_task_group() as tg,
         ):
-            listener = relay.listener
+            listener = relay.relays.listener
             assert listener is not None
             tg.start_soon(watch_health, http)
             await wait_until(lambda: seen[-1:] == [True], timeout=10)
@@ -229,8 +229,8 @@ async def test_stopping_with_a_silent_listen_connection_does_not_hang(pg_url: st
     try:
         await relay.create_tables()
         with anyio.fail_after(20):
-            async with relay.dispatcher():
-                listener = relay.listener
+            async with relay.relaying():
+                listener = relay.relays.listener
                 assert listener is not None
                 await wait_until(lambda: listener.listening, timeout=10)
                 assert proxy.blackhole(b"LISTEN ") == 1

@@ -43,16 +43,18 @@ async def test_a_frozen_holder_of_the_ordered_lock_is_cut_off(pg_url: str) -> No
         # What an ordered claimer does first, then it freezes inside its transaction.
         await frozen.begin()
         lock = func.hashtext(f"fastapi_outbox:{outbox.table.name}:default")
-        await frozen.execute(select(*store.local_timeouts(), func.pg_advisory_xact_lock(lock)))
+        await frozen.execute(
+            select(*store.claims.local_timeouts(), func.pg_advisory_xact_lock(lock))
+        )
 
         started = time.monotonic()
         with pytest.raises((DBAPIError, asyncpg.LockNotAvailableError), match="lock timeout"):
-            await store.claim("default", 10, "other:1", 6, ordered=True)
+            await store.claims.claim("default", 10, "other:1", 6, ordered=True)
         assert time.monotonic() - started < 1.0  # lock_timeout, not a hang
 
         async def claims() -> bool:
             try:
-                return len(await store.claim("default", 10, "other:2", 6, ordered=True)) == 1
+                return len(await store.claims.claim("default", 10, "other:2", 6, ordered=True)) == 1
             except (DBAPIError, asyncpg.LockNotAvailableError):
                 return False
 

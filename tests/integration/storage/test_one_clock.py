@@ -67,7 +67,7 @@ async def test_retry_deadline_is_counted_by_the_database(db_url: str, skew: floa
     await outbox.create_tables()
     stream = unique("orders")
     try:
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             async with outbox.unit_of_work() as uow:
                 fine = uow.publish(Message(stream, "Fine", {}))
                 doomed = uow.publish(Message(stream, "Doomed", {}))
@@ -100,7 +100,7 @@ async def test_deliver_at_and_delay_are_due_by_the_database_clock(db_url: str, s
     await outbox.create_tables()
     stream = unique("reminders")
     try:
-        at = await outbox.store.now() + dt.timedelta(seconds=1)
+        at = await outbox.store.messages.now() + dt.timedelta(seconds=1)
         async with outbox.unit_of_work() as uow:
             scheduled = uow.publish(Message(stream, "At", {}), deliver_at=at)
             delayed = uow.publish(Message(stream, "Later", {}), delay=1.0)
@@ -108,13 +108,13 @@ async def test_deliver_at_and_delay_are_due_by_the_database_clock(db_url: str, s
         # Stored as given (to SQLite's millisecond), and the delay from the commit.
         assert abs(at_row["next_attempt_at"] - at) < dt.timedelta(milliseconds=1)
         assert delayed_row["next_attempt_at"] >= delayed_row["created_at"] + dt.timedelta(seconds=1)
-        assert (await outbox.store.stats())["default"].scheduled == 2
+        assert (await outbox.store.messages.stats())["default"].scheduled == 2
         due = {str(scheduled), str(delayed)}
 
         async def both_out() -> bool:
             return due <= {m.id for m in broker.messages}
 
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             await wait_until(both_out, timeout=60)
         for message_id in (scheduled, delayed):
             sent = await row(outbox, message_id)
@@ -141,15 +141,15 @@ async def test_backoff_lease_age_and_retention_use_the_database_clock(
             first = uow.publish(Message(stream, "A", {}))
             uow.publish(Message(stream, "B", {}))
         # Pending age: the rows are due since their commit, a moment ago.
-        stats = (await store.stats())["default"]
+        stats = (await store.messages.stats())["default"]
         assert stats.pending == 2
         assert stats.oldest_pending_age_seconds is not None
         assert 0 <= stats.oldest_pending_age_seconds < SKEW / 2
         assert stats.scheduled == 0
 
-        before = await store.now()
-        claimed = await store.claim("default", 10, "w:1", lease_seconds=30.0)
-        after = await store.now()
+        before = await store.messages.now()
+        claimed = await store.claims.claim("default", 10, "w:1", lease_seconds=30.0)
+        after = await store.messages.now()
         assert {r.id for r in claimed} >= {first}
         assert all(r.age_seconds is not None and 0 <= r.age_seconds < SKEW / 2 for r in claimed)
         leased = await row(outbox, first)
@@ -157,33 +157,33 @@ async def test_backoff_lease_age_and_retention_use_the_database_clock(
         assert before + lease <= leased["locked_until"] + dt.timedelta(milliseconds=1)
         assert leased["locked_until"] <= after + lease
         # A lease that ran out on the database's clock is claimable again (stale lock).
-        assert await store.claim("default", 10, "w:2", lease_seconds=30.0) == []
+        assert await store.claims.claim("default", 10, "w:2", lease_seconds=30.0) == []
 
         from fastapi_outbox.storage.store import Failure
 
         others = [r.id for r in claimed if r.id != first]
-        await store.mark_failed([Failure(first, "refused", 20.0, abandon=False)], "w:1")
+        await store.claims.mark_failed([Failure(first, "refused", 20.0, abandon=False)], "w:1")
         failed = await row(outbox, first)
         assert failed["status"] == "failed"
         backoff = dt.timedelta(seconds=20)
         assert before + backoff <= failed["next_attempt_at"] + dt.timedelta(milliseconds=1)
-        assert failed["next_attempt_at"] <= await store.now() + backoff
-        assert (await store.next_due_in("default")) is not None
+        assert failed["next_attempt_at"] <= await store.messages.now() + backoff
+        assert (await store.claims.next_due_in("default")) is not None
 
-        await store.mark_published(others, "w:1")
+        await store.claims.mark_published(others, "w:1")
         published = await row(outbox, others[0])
         assert before <= published["published_at"] + dt.timedelta(milliseconds=1)
-        assert published["published_at"] <= await store.now()
+        assert published["published_at"] <= await store.messages.now()
         # Retention: a row published a moment ago is kept by a 60 s retention; one
         # published 90 s ago (by the database's clock) goes.
-        assert await store.purge_batch("published", 60.0, 100) == 0
+        assert await store.retention.purge_batch("published", 60.0, 100) == 0
         async with outbox.engine.begin() as conn:
             await conn.execute(
                 update(t)
                 .where(t.c.id == others[0])
                 .values(published_at=clock.db_later(store.is_postgres, seconds=-90.0))
             )
-        assert await store.purge_batch("published", 60.0, 100) == 1
+        assert await store.retention.purge_batch("published", 60.0, 100) == 1
     finally:
         await outbox.aclose()
 
@@ -201,7 +201,7 @@ async def test_inbox_retention_uses_the_database_clock(db_url: str, skew: float)
                 "m-2",
                 "m-3",
             }
-        before = await outbox.store.now()
+        before = await outbox.store.messages.now()
         async with outbox.engine.connect() as conn:
             handled = [r[0] for r in await conn.execute(select(t.c.handled_at))]
         assert len(handled) == 3

@@ -19,9 +19,9 @@ from fastapi_outbox import ConfigurationError, Message, Outbox, OutboxSettings, 
 from fastapi_outbox.brokers import MemoryBroker
 from fastapi_outbox.storage import partitions
 from fastapi_outbox.storage.schema import ddl
-from fastapi_outbox.storage.statements import operations as ops_sql
+from fastapi_outbox.storage.statements import claims as claims_sql
+from fastapi_outbox.storage.statements import messages as messages_sql
 from fastapi_outbox.storage.statements import partitions as part_sql
-from fastapi_outbox.storage.statements import relay as relay_sql
 from fastapi_outbox.storage.statements.parts import batch_params
 from fastapi_outbox.testing import drain
 from tests.conftest import run_cli, unique
@@ -131,8 +131,8 @@ async def test_claims_are_index_served_across_partitions_and_messages_arrive(
         assert {placed[i] for i in ids} == {partitions.partition_name(table, today)}
 
         store = outbox.store
-        stmt = store.claim_statement("default", 100, False)
-        sql, args = store.connector.compile("explain", stmt, store.claim_params("t", 30.0))
+        stmt = store.claims.claim_statement("default", 100, False)
+        sql, args = store.connector.compile("explain", stmt, store.claims.claim_params("t", 30.0))
         async with store.connector.driver_connection() as driver:
             plan = "\n".join(r[0] for r in await driver.fetch("EXPLAIN " + sql, *args))
         # The partition holding rows is read through its partial claim index and its
@@ -147,7 +147,7 @@ async def test_claims_are_index_served_across_partitions_and_messages_arrive(
         assert await drain(outbox) == 30
         got = {uuid.UUID(m.id) for m in broker.messages}
         assert got == set(ids)
-        assert await outbox.store.count("published") == 20030
+        assert await outbox.store.messages.count("published") == 20030
     finally:
         await outbox.aclose()
 
@@ -264,7 +264,7 @@ async def test_a_partition_whose_row_is_replayed_meanwhile_is_not_dropped(pg_url
         async with outbox.engine.begin() as conn:
             chosen = await conn.run_sync(partitions.expired_candidates, table, 86400.0, 86400.0)
         assert chosen == [name]
-        await outbox.store.replay([ids[0]])  # between the choice and the drop
+        await outbox.store.messages.replay([ids[0]])  # between the choice and the drop
         original = partitions.expired_candidates
         try:
             partitions.expired_candidates = lambda *a: chosen  # type: ignore[assignment]
@@ -398,7 +398,7 @@ async def test_the_readme_procedure_moves_a_plain_table_to_partitions(pg_url: st
         assert {placed[i] for i in new} == {"outbox_messages_legacy"}
         seqs = {
             r["id"]: r["seq"]
-            for r in [await outbox.store.get(i) for i in [*old_pending, *new]]
+            for r in [await outbox.store.messages.get(i) for i in [*old_pending, *new]]
             if r
         }
         assert min(seqs[i] for i in new) > max(seqs[i] for i in old_pending)
@@ -465,7 +465,7 @@ async def test_dispatchers_on_a_partitioned_table_deliver_to_redis(
     client = aioredis.Redis.from_url(redis_url)
     try:
         await outbox.create_tables()
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             ids = await publish(outbox, stream, 50)
 
             async def arrived() -> bool:
@@ -476,7 +476,7 @@ async def test_dispatchers_on_a_partitioned_table_deliver_to_redis(
         assert {uuid.UUID(fields[b"id"].decode()) for _, fields in entries} == set(ids)
         found = await outbox.partitions.partitions()  # type: ignore[union-attr]
         assert len([p for p in found if not p.is_default]) >= 48  # two days of hours
-        assert await outbox.store.count("published") == 50
+        assert await outbox.store.messages.count("published") == 50
     finally:
         await client.aclose()
         await outbox.aclose()
@@ -534,7 +534,7 @@ def executed(plan: dict[str, Any], index_suffix: str = "") -> dict[str, int]:
 async def test_claims_on_a_table_partitioned_by_id_run_the_generic_plan(pg_url: str) -> None:
     """The claim (plain and ordered) is planned once, not at every execution: left to
     ``plan_cache_mode = auto``, PostgreSQL plans the first five executions (and, on 34
-    partitions, every later one) as custom plans of every partition (relay_sql.generic_plan)."""
+    partitions, every later one) as custom plans of every partition (claims_sql.generic_plan)."""
     # One connection runs them all: its prepared statements are every claim's.
     engine = create_async_engine(pg_url, pool_size=1, max_overflow=0)
     outbox = Outbox(
@@ -550,9 +550,9 @@ async def test_claims_on_a_table_partitioned_by_id_run_the_generic_plan(pg_url: 
         for n in range(6):
             for ordered in (False, True):
                 token = f"t{n}{ordered}"
-                rows = await store.claim("default", 2, token, 30.0, ordered=ordered)
+                rows = await store.claims.claim("default", 2, token, 30.0, ordered=ordered)
                 claimed += len(rows)
-                await store.release([r.id for r in rows], token)
+                await store.claims.release([r.id for r in rows], token)
         async with store.connector.driver_connection() as driver:
             plans = await driver.fetchrow(
                 "SELECT coalesce(sum(generic_plans), 0) AS generic, "
@@ -592,23 +592,25 @@ async def test_lookups_by_id_read_one_partition_in_generic_plans(pg_url: str) ->
         here = partitions.partition_name(table, today)
         assert set((await where_rows(outbox)).values()) >= {here}
         async with store.connector.driver_connection() as driver:
-            claim = store.claim_statement("default", 3, False)
-            sql, args = store.connector.compile("claim", claim, store.claim_params("t", 30.0))
+            claim = store.claims.claim_statement("default", 3, False)
+            sql, args = store.connector.compile(
+                "claim", claim, store.claims.claim_params("t", 30.0)
+            )
             plan = await explain_generic(driver, sql, args)
             # The claimed rows are updated through one scan of their partition's primary
             # key; the other partitions' scans never run (pruned on the ids' range).
             assert executed(plan, "_pkey") == {here: 1}, plan
 
-            rows = await store.claim("default", 3, "tok", 30.0)
+            rows = await store.claims.claim("default", 3, "tok", 30.0)
             claimed = [r.id for r in rows]
-            mark = relay_sql.mark_published(outbox.table, outbox.engine.dialect)
+            mark = claims_sql.mark_published(outbox.table, outbox.engine.dialect)
             sql, args = store.connector.compile(
                 "mark", mark, {**batch_params(claimed), "token": "tok"}
             )
             plan = await explain_generic(driver, sql, args)
             assert executed(plan) == {here: 1}, plan
 
-            failed = relay_sql.mark_failed(outbox.table, outbox.engine.dialect)
+            failed = claims_sql.mark_failed(outbox.table, outbox.engine.dialect)
             params = {"row_id": claimed[0], "token": "tok", "new_status": "failed"}
             params |= {"error": "e", "delay": dt.timedelta(seconds=1)}
             sql, args = store.connector.compile("failed", failed, params)
@@ -617,9 +619,9 @@ async def test_lookups_by_id_read_one_partition_in_generic_plans(pg_url: str) ->
 
             dialect = outbox.engine.dialect
             for operation in (
-                ops_sql.get(outbox.table, ids[-1]),  # show
-                ops_sql.cancel_unclaimed(outbox.table, ids[-2:]),
-                ops_sql.replay(outbox.table, dialect, ids[-2:], statuses=("pending",)),
+                messages_sql.get(outbox.table, ids[-1]),  # show
+                messages_sql.cancel_unclaimed(outbox.table, ids[-2:]),
+                messages_sql.replay(outbox.table, dialect, ids[-2:], statuses=("pending",)),
             ):
                 c = operation.compile(dialect=dialect, compile_kwargs={"render_postcompile": True})
                 args = [c.params[k] for k in c.positiontup or ()]
@@ -717,7 +719,7 @@ async def test_a_drain_claims_from_its_floor_and_a_replayed_row_below_it_still_g
     table = outbox.table.name
     today = midnight(dt.datetime.now(dt.UTC))
     store = outbox.store
-    pmap = store.partition_map
+    pmap = store.claims.partition_map
     assert pmap is not None
     try:
         await outbox.create_tables()
@@ -742,35 +744,35 @@ async def test_a_drain_claims_from_its_floor_and_a_replayed_row_below_it_still_g
         )
         await publish(outbox, stream, 6)
 
-        first = await store.claim("default", 2, "t1", 30.0)  # full, without a floor
+        first = await store.claims.claim("default", 2, "t1", 30.0)  # full, without a floor
         assert old in {r.id for r in first}
-        await store.release([r.id for r in first if r.id != old], "t1")
-        second = await store.claim("default", 2, "t2", 30.0)  # reads the floor first
+        await store.claims.release([r.id for r in first if r.id != old], "t1")
+        second = await store.claims.claim("default", 2, "t2", 30.0)  # reads the floor first
         assert len(second) == 2
         assert pmap.floor("default") == part_sql.id_bound(today - 3 * DAY)
-        await store.mark_published([old], "t1")
+        await store.claims.mark_published([old], "t1")
 
         # Read again (a new drain): the oldest partition with work is today's now.
         pmap.claimed("default", uuid.UUID(int=0), full=True)
-        assert len(await store.claim("default", 2, "t3", 30.0)) == 2
+        assert len(await store.claims.claim("default", 2, "t3", 30.0)) == 2
         assert pmap.floor("default") == part_sql.id_bound(today)
         # The floored claim's generic plan: the three partitions below are pruned before
         # its scans are set up, in its candidate scan and in its update.
         async with store.connector.driver_connection() as driver:
             sql, args = store.connector.compile(
                 "explain",
-                store.claim_statement("default", 2, False),
-                store.claim_params("x", 30.0, pmap.floor("default")),
+                store.claims.claim_statement("default", 2, False),
+                store.claims.claim_params("x", 30.0, pmap.floor("default")),
             )
             plan = await explain_generic(driver, sql, args)
         assert removed(plan) == 6, plan
 
-        assert await store.replay([done]) == [done]  # pending again, below the floor
+        assert await store.messages.replay([done]) == [done]  # pending again, below the floor
         # The floored claims take today's last two rows, not it; the next one is short
         # (none left above the floor) and drops the floor; the one after takes it.
         sizes = []
         for n in range(3):
-            batch = await store.claim("default", 2, f"t{n + 4}", 30.0)
+            batch = await store.claims.claim("default", 2, f"t{n + 4}", 30.0)
             sizes.append(len(batch))
             if done in {r.id for r in batch}:
                 break
@@ -791,7 +793,7 @@ async def test_marks_run_on_the_batch_partition_and_survive_its_drop(pg_url: str
     here = partitions.partition_name(table, today)
     gone = partitions.partition_name(table, today - DAY)
     store = outbox.store
-    pmap = store.partition_map
+    pmap = store.claims.partition_map
     assert pmap is not None
     try:
         await outbox.create_tables()
@@ -808,10 +810,10 @@ async def test_marks_run_on_the_batch_partition_and_survive_its_drop(pg_url: str
         fresh = await publish(outbox, stream, 4)
         await pmap.refresh("default")
 
-        rows = await store.claim("default", 10, "tok", 30.0)
+        rows = await store.claims.claim("default", 10, "tok", 30.0)
         assert {r.id for r in rows} == set(yesterday) | set(fresh)
-        assert await store.mark_published(fresh[:2], "tok") == 2  # today's partition
-        assert await store.mark_published([yesterday[0], fresh[2]], "tok") == 2  # across
+        assert await store.claims.mark_published(fresh[:2], "tok") == 2  # today's partition
+        assert await store.claims.mark_published([yesterday[0], fresh[2]], "tok") == 2  # across
         async with store.connector.driver_connection() as driver:
             prepared = {
                 r[0].split(" SET ")[0]
@@ -824,10 +826,10 @@ async def test_marks_run_on_the_batch_partition_and_survive_its_drop(pg_url: str
         async with outbox.engine.begin() as conn:  # gone meanwhile (an operator's DROP)
             await conn.execute(text(f"ALTER TABLE {table} DETACH PARTITION {gone}"))
             await conn.execute(text(f"DROP TABLE {gone}"))
-        assert await store.mark_published([yesterday[1]], "tok") == 0
+        assert await store.claims.mark_published([yesterday[1]], "tok") == 0
         assert pmap.partition_of(fresh) is None  # forgotten: read again at the next drain
-        assert await store.mark_published([fresh[3]], "tok") == 1
-        assert await store.count("published") == 4
+        assert await store.claims.mark_published([fresh[3]], "tok") == 1
+        assert await store.messages.count("published") == 4
     finally:
         await outbox.aclose()
         await engine.dispose()

@@ -29,7 +29,7 @@ async def test_reserved_table_name_dispatches(db_url: str, ordered: bool) -> Non
     )
     try:
         await outbox.create_tables()
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             for n in range(6):
                 async with outbox.unit_of_work() as uow:
                     uow.publish(Message(stream="s", type="T", payload={"n": n}, key=f"k{n % 2}"))
@@ -39,7 +39,7 @@ async def test_reserved_table_name_dispatches(db_url: str, ordered: bool) -> Non
 
             # retention (0 s) then removes the published rows
             async def purged() -> bool:
-                return await outbox.store.count() == 0
+                return await outbox.store.messages.count() == 0
 
             await wait_until(purged, timeout=10)
         by_key: dict[str, list[int]] = {}

@@ -67,7 +67,7 @@ async def test_create_tables_with_a_custom_table_name(db_url: str) -> None:
         assert await table_names(outbox) == {"shop_outbox", *INBOX_TABLES}
         async with outbox.unit_of_work() as uow:
             uow.publish(Message(stream="orders", type="T", payload={}))
-        assert await outbox.store.count() == 1
+        assert await outbox.store.messages.count() == 1
     finally:
         await outbox.aclose()
 
@@ -159,7 +159,7 @@ async def test_claim_uses_the_partial_index_on_a_table_of_published_rows(
         await pg.execute("ANALYZE outbox_messages")
 
         for ordered in (False, True):
-            stmt = outbox.store.claim_statement("default", 100, ordered)
+            stmt = outbox.store.claims.claim_statement("default", 100, ordered)
             values = {"token": "token", "lease": dt.timedelta(seconds=30)}
             compiled = stmt.compile(
                 dialect=outbox.engine.dialect, compile_kwargs={"render_postcompile": True}
@@ -171,7 +171,7 @@ async def test_claim_uses_the_partial_index_on_a_table_of_published_rows(
             assert "ix_outbox_messages_due" in plan, plan
             assert "Seq Scan on outbox_messages o" not in plan, plan
 
-        claimed = await outbox.store.claim("default", 100, "token", 30.0)
+        claimed = await outbox.store.claims.claim("default", 100, "token", 30.0)
         assert len(claimed) == 5
     finally:
         await outbox.aclose()

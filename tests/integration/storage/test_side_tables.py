@@ -22,6 +22,7 @@ from sqlalchemy import func, select, text, update
 from fastapi_outbox import Message, Outbox, OutboxSettings
 from fastapi_outbox.brokers import MemoryBroker
 from fastapi_outbox.cli.main import main
+from fastapi_outbox.outbox import side_tables
 from fastapi_outbox.storage import doctor
 from fastapi_outbox.storage.claim_check import HEADER_CLAIM_CHECK, DatabasePayloadStore
 from fastapi_outbox.testing import drain
@@ -83,7 +84,7 @@ async def archive_one(url: str, settings: OutboxSettings) -> tuple[uuid.UUID, st
                 .values(id=moved, created_at=old, status="published", published_at=old)
             )
         assert await outbox.cleaner.run_once() == 1
-        assert await outbox.store.get(moved) is None
+        assert await outbox.store.messages.get(moved) is None
         assert await outbox.archive.count() == 1
         row = await outbox.archive.get(moved)
         assert row is not None and row["status"] == "published"
@@ -199,7 +200,7 @@ async def test_inbox_and_leases_of_an_outbox_older_than_the_consumers(sqlite_url
                 await conn.execute(text(f"DROP TABLE {table.name}"))
         inbox, (leases, members) = outbox.inbox.table.name, outbox.inbox.lease_tables
 
-        found = await doctor.examine(outbox.engine, outbox.table, side_tables=outbox.side_tables())
+        found = await doctor.examine(outbox.engine, outbox.table, side_tables=side_tables(outbox))
         assert [(f.what, f.mismatch) for f in found] == [
             (
                 f"table {inbox} does not exist (needed by the cleaner's inbox_retention_seconds)",
@@ -212,19 +213,18 @@ async def test_inbox_and_leases_of_an_outbox_older_than_the_consumers(sqlite_url
         @outbox.subscriber("orders", group="billing", ordered=True)
         async def bill(message: Message) -> None: ...
 
-        found = await doctor.examine(outbox.engine, outbox.table, side_tables=outbox.side_tables())
+        found = await doctor.examine(outbox.engine, outbox.table, side_tables=side_tables(outbox))
         assert [f.what for f in found if f.mismatch] == [
             f"table {inbox} does not exist (needed by subscribers)",
             f"table {leases.name} does not exist (needed by ordered subscribers)",
             f"table {members.name} does not exist (needed by ordered subscribers)",
         ]
         applied, left = await doctor.upgrade(
-            outbox.engine, outbox.table, side_tables=outbox.side_tables()
+            outbox.engine, outbox.table, side_tables=side_tables(outbox)
         )
         assert (len(applied), left) == (3, [])
         assert (
-            await doctor.examine(outbox.engine, outbox.table, side_tables=outbox.side_tables())
-            == []
+            await doctor.examine(outbox.engine, outbox.table, side_tables=side_tables(outbox)) == []
         )
         assert await outbox.inbox.group_stats() == {}  # the table is there, and empty
     finally:

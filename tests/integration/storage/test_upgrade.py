@@ -140,8 +140,8 @@ async def test_upgrade_twice_then_every_pending_row_is_delivered(
         assert sorted(delivered) == sorted(expected)  # each once, finished rows not again
         payloads = {json.loads(fields[b"payload"])["status"] for _, fields in entries}
         assert payloads == NEEDS_WORK
-        assert await outbox.store.count("published") == len(expected) + 5
-        assert await outbox.store.count("abandoned") == 2
+        assert await outbox.store.messages.count("published") == len(expected) + 5
+        assert await outbox.store.messages.count("abandoned") == 2
         # New messages go through the upgraded table as well.
         async with outbox.unit_of_work() as uow:
             from fastapi_outbox import Message

@@ -91,9 +91,9 @@ async def test_server_without_logical_wal_level_is_refused_at_startup(pg_url: st
         with pytest.raises(exceptions.ConfigurationError, match=r"wal_level=logical.*restart"):
             await outbox.create_tables()
         with pytest.raises(exceptions.ConfigurationError, match="wal_level=logical"):
-            async with outbox.dispatcher():
+            async with outbox.relaying():
                 pass
-        assert not outbox.started
+        assert not outbox.lifecycle.started
         api_only = Outbox(
             pg_url,
             brokers={"default": MemoryBroker()},
@@ -150,7 +150,7 @@ async def test_committed_messages_are_relayed_rolled_back_ones_never(
             await uow.flush()  # emitted inside the savepoint
             raise RuntimeError("savepoint failed")
 
-    async with outbox.dispatcher():
+    async with outbox.relaying():
         # Rolled back: the whole transaction.
         with pytest.raises(RuntimeError):
             await rolled_back()
@@ -198,7 +198,7 @@ async def test_headers_keys_and_external_brokers_survive_the_wal(wal_pg_url: str
     )
     try:
         await outbox.create_tables()
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             async with outbox.unit_of_work(correlation_id="corr-1") as uow:
                 message_id = uow.publish(Shipped(order="o-1"), headers={"tenant": "t1"})
             await internal.wait_for(1)
@@ -216,7 +216,7 @@ async def test_headers_keys_and_external_brokers_survive_the_wal(wal_pg_url: str
 
 async def test_delayed_messages_go_to_the_table(wal_outbox: tuple[Outbox, MemoryBroker]) -> None:
     outbox, broker = wal_outbox
-    async with outbox.dispatcher():
+    async with outbox.relaying():
         async with outbox.unit_of_work() as uow:
             uow.publish(Counted(counter=1, value=1))
             uow.publish(Counted(counter=1, value=2), delay=0.3)
@@ -258,7 +258,7 @@ async def test_commit_order_across_concurrent_producers(
             async with outbox.unit_of_work() as uow:
                 uow.publish(Message(stream="other", type="Other", payload={"n": n, "i": i}))
 
-    async with outbox.dispatcher():
+    async with outbox.relaying():
         async with anyio.create_task_group() as tg:
             for _ in range(producers):
                 tg.start_soon(increment)
@@ -281,7 +281,7 @@ async def test_slot_moves_over_unrelated_wal(wal_outbox: tuple[Outbox, MemoryBro
     outbox, broker = wal_outbox
     slot = outbox.wal_slot
     assert slot is not None
-    async with outbox.dispatcher():
+    async with outbox.relaying():
         for i in range(50):
             async with outbox.unit_of_work() as uow:
                 uow.session.add(Item(id=100 + i))
@@ -303,7 +303,7 @@ async def test_message_with_another_prefix_is_ignored(
         await conn.execute("SELECT pg_logical_emit_message(true, 'someone_else', 'x')")
     finally:
         await conn.close()
-    async with outbox.dispatcher():
+    async with outbox.relaying():
         async with outbox.unit_of_work() as uow:
             uow.publish(Counted(counter=1, value=1))
         await broker.wait_for(1)
@@ -325,8 +325,8 @@ async def test_testing_drain_relays_the_slot(wal_outbox: tuple[Outbox, MemoryBro
     assert values(broker) == [1, 2, 3]
     assert await drain(outbox) == 0
     # While a relay holds the slot, a drain by hand is refused.
-    async with outbox.dispatcher():
-        relay = outbox.wal_relay
+    async with outbox.relaying():
+        relay = outbox.relays.wal
         assert relay is not None
         await wait_until(lambda: relay.leader)
         with pytest.raises(exceptions.UnitOfWorkError, match="holds the slot"):
@@ -352,9 +352,9 @@ async def test_commits_wake_the_reader_in_process_and_across_processes(wal_pg_ur
     )
     await reader.create_tables()
     try:
-        async with reader.dispatcher():
-            relay = reader.wal_relay
-            listener = reader.listener
+        async with reader.relaying():
+            relay = reader.relays.wal
+            listener = reader.relays.listener
             assert relay is not None and listener is not None
 
             def waiting() -> bool:

@@ -69,8 +69,8 @@ async def test_broker_outage_pauses_the_reader_without_moving_the_slot(
     assert slot is not None
     await outbox.create_tables()
     try:
-        async with outbox.dispatcher():
-            relay = outbox.wal_relay
+        async with outbox.relaying():
+            relay = outbox.relays.wal
             assert relay is not None
             first = await produce(outbox, stream, 20)
             await wait_until(lambda: _has(private_redis.url, stream, first))
@@ -82,7 +82,7 @@ async def test_broker_outage_pauses_the_reader_without_moving_the_slot(
             assert relay.lag_seconds > 0
             stats = await slot.stats()
             assert stats is not None and stats.lag_bytes is not None and stats.lag_bytes > 0
-            assert await outbox.store.count() == 0
+            assert await outbox.store.messages.count() == 0
             await private_redis.start()
             await wait_until(lambda: _has(private_redis.url, stream, first + during), timeout=15)
             await wait_until(lambda: relay.broker_ok and relay.oldest_unrelayed is None)
@@ -91,7 +91,7 @@ async def test_broker_outage_pauses_the_reader_without_moving_the_slot(
         # In commit order.
         assert ids == first + during
         assert await slot.pending_messages() == 0
-        assert await outbox.store.count() == 0
+        assert await outbox.store.messages.count() == 0
     finally:
         await outbox.aclose()
 
@@ -119,13 +119,13 @@ async def test_a_refused_message_becomes_a_failed_row_and_the_table_retries_it(
     assert slot is not None
     await outbox.create_tables()
     try:
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             ids = await produce(outbox, "walrefuse", 5)
             # The others are published; the refused one is in the table, failed.
             await broker.wait_for(4)
 
             async def failed_row() -> dict[str, Any] | None:
-                rows = await outbox.store.list_messages(limit=10)
+                rows = await outbox.store.messages.list_messages(limit=10)
                 return rows[0] if rows else None
 
             await wait_until(lambda: _row_status(outbox, ids[2], "failed", "published"))
@@ -147,7 +147,7 @@ async def test_a_refused_message_becomes_a_failed_row_and_the_table_retries_it(
 async def _row_status(outbox: Outbox, message_id: str, *statuses: str) -> bool:
     import uuid
 
-    row = await outbox.store.get(uuid.UUID(message_id))
+    row = await outbox.store.messages.get(uuid.UUID(message_id))
     return row is not None and row["status"] in statuses
 
 
@@ -160,7 +160,7 @@ async def test_a_refusal_with_max_attempts_1_is_abandoned_and_replayable(wal_pg_
     )
     await outbox.create_tables()
     try:
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             (message_id,) = await produce(outbox, "walabandon", 1)
             await wait_until(lambda: _row_status(outbox, message_id, "abandoned"))
         assert broker.messages == []

@@ -48,7 +48,7 @@ async def _health_reports_the_slot_and_its_lag(
 ) -> None:
     await publish(outbox, 3)
     await broker.wait_for(3)
-    relay = outbox.wal_relay
+    relay = outbox.relays.wal
     assert relay is not None
 
     async def caught_up() -> bool:
@@ -94,9 +94,9 @@ async def _invalidated(
     conn = await asyncpg.connect(wal_pg_url.replace("+asyncpg", ""))
     try:
         # The relay must not move the slot meanwhile: stop it.
-        assert outbox.wal_relay is not None
-        outbox.wal_relay.stop()
-        await wait_until(lambda: outbox.wal_relay is None or not outbox.wal_relay.running)
+        assert outbox.relays.wal is not None
+        outbox.relays.wal.stop()
+        await wait_until(lambda: outbox.relays.wal is None or not outbox.relays.wal.running)
         await conn.execute("ALTER SYSTEM SET max_slot_wal_keep_size = '1MB'")
         await conn.execute("SELECT pg_reload_conf()")
         await conn.execute("CREATE TABLE filler (x int)")
@@ -138,7 +138,7 @@ async def test_prometheus_gauges_show_the_slot(wal_pg_url: str) -> None:
     )
     await outbox.create_tables()
     try:
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             await publish(outbox, 2)
             await broker.wait_for(2)
             await instrumentation.refresh(outbox, force=True)

@@ -155,7 +155,7 @@ async def test_encrypted_and_claim_checked_messages_reach_the_subscriber_whole(
             assert slot is not None
             # WAL capture: the messages wait in the slot; no outbox row names them.
             assert await slot.pending_messages() == 2
-            assert await outbox.store.count() == 0
+            assert await outbox.store.messages.count() == 0
             # The WAL message holds the reference and the sealed small payload: no plaintext,
             # not the 200 KiB.
             wal = await wal_messages(wal_pg_url, slot)
@@ -168,7 +168,7 @@ async def test_encrypted_and_claim_checked_messages_reach_the_subscriber_whole(
             stored = await outbox.claim_check_store.get(big_id)
             assert stored is not None and MARKER.encode() not in stored  # the ciphertext
 
-            async with outbox.dispatcher():
+            async with outbox.relaying():
                 await wait_until(lambda: len(seen) == 2, timeout=15)
                 await wait_until(lambda: slot_empty(slot))
             assert sorted(seen) == [("big", big), ("small", MARKER)]
@@ -188,7 +188,7 @@ async def test_encrypted_and_claim_checked_messages_reach_the_subscriber_whole(
             assert small_headers["encryption-key-id"] == "k1"
             assert isinstance(json.loads(entries[small_id][b"payload"]), str)  # sealed
             # Nothing went through the outbox table.
-            assert await outbox.store.count() == 0
+            assert await outbox.store.messages.count() == 0
         finally:
             await outbox.aclose()
 
@@ -228,7 +228,7 @@ async def test_a_refused_message_keeps_its_reference_and_ciphertext_in_the_table
     big = MARKER + "x" * BIG
     try:
         await outbox.create_tables()
-        async with outbox.dispatcher():
+        async with outbox.relaying():
             async with outbox.unit_of_work() as uow:
                 big_id = uow.publish(
                     Message(stream, "Big", {"blob": big}), headers={"card-holder": MARKER}
@@ -285,7 +285,7 @@ async def test_a_refused_message_keeps_its_reference_and_ciphertext_in_the_table
 
 
 async def _statuses(outbox: Outbox, *ids: uuid.UUID) -> set[str]:
-    rows = [await outbox.store.get(i) for i in ids]
+    rows = [await outbox.store.messages.get(i) for i in ids]
     return {"missing" if row is None else str(row["status"]) for row in rows}
 
 

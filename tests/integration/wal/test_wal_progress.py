@@ -139,8 +139,8 @@ async def test_relay_catches_up_over_1_gb_of_unrelated_wal(
             stats is not None and stats.lag_bytes is not None and stats.lag_bytes >= BACKLOG_BYTES
         )
         began = time.monotonic()
-        async with outbox.dispatcher():
-            relay = outbox.wal_relay
+        async with outbox.relaying():
+            relay = outbox.relays.wal
             assert relay is not None
 
             async def all_arrived() -> bool:
@@ -190,7 +190,7 @@ async def test_health_shows_lag_bytes_and_a_relay_that_makes_no_progress(
         await sql.execute(
             "CREATE TABLE filler AS SELECT g, repeat('x', 1000) FROM generate_series(1, 30000) g"
         )
-        async with outbox.dispatcher():
+        async with outbox.relaying():
 
             async def stalled() -> bool:
                 health = await compute_health(outbox)
@@ -225,8 +225,8 @@ async def test_undecodable_content_stops_the_relay_and_nothing_after_it_is_lost(
             )
         )
         after = await produce(outbox, "bad", 3, start=3)
-        async with outbox.dispatcher():
-            relay = outbox.wal_relay
+        async with outbox.relaying():
+            relay = outbox.relays.wal
             assert relay is not None
             await broker.wait_for(3)
 

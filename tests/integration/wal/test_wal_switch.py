@@ -65,7 +65,7 @@ class Running:
 
     async def _run(self) -> None:
         try:
-            async with self.outbox.dispatcher():
+            async with self.outbox.relaying():
                 self._started.set()
                 await self._stop.wait()
         finally:

@@ -78,7 +78,7 @@ async def setup(db_url: str) -> AsyncIterator[tuple[Outbox, MemoryBroker, httpx.
 async def counts(outbox: Outbox) -> tuple[int, int]:
     async with outbox.engine.connect() as conn:
         orders = (await conn.execute(select(func.count()).select_from(Order))).scalar_one()
-    return orders, await outbox.store.count()
+    return orders, await outbox.store.messages.count()
 
 
 async def test_success_commits_business_row_and_event_together(setup: Any) -> None:
@@ -86,7 +86,7 @@ async def test_success_commits_business_row_and_event_together(setup: Any) -> No
     response = await client.post("/orders", json={"ref": "a", "total": 10})
     assert response.status_code == 200
     assert await counts(outbox) == (1, 1)
-    row = (await outbox.store.list_messages())[0]
+    row = (await outbox.store.messages.list_messages())[0]
     assert row["stream"] == "orders" and row["type"] == "OrderPlaced"
     assert row["key"] == str(response.json()["id"]) and row["status"] == "pending"
 

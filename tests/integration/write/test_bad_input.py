@@ -64,7 +64,7 @@ async def outbox(db_url: str) -> AsyncIterator[Outbox]:
 async def counts(outbox: Outbox) -> tuple[int, int]:
     async with outbox.engine.connect() as conn:
         orders = (await conn.execute(select(func.count()).select_from(Order))).scalar_one()
-    return orders, await outbox.store.count()
+    return orders, await outbox.store.messages.count()
 
 
 def raised_in_publish(info: pytest.ExceptionInfo[BaseException]) -> bool:
@@ -132,7 +132,7 @@ async def test_refused_publish_queues_nothing_when_the_caller_carries_on(
             uow.publish(Message(stream="orders", type="Raw", payload={"s": {1}}))
         uow.publish(OrderPlaced(order_id=2))
     assert await counts(outbox) == (1, 1)
-    [row] = await outbox.store.list_messages()
+    [row] = await outbox.store.messages.list_messages()
     assert row["type"] == "OrderPlaced"
 
 

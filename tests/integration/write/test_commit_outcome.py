@@ -164,10 +164,10 @@ async def test_cancelled_while_the_commit_wakes_the_relays_reports_no_error(
             notifying.set()
             await go_on.wait()
 
-        monkeypatch.setattr(outbox, "notify_after_commit", slow_notify)
+        monkeypatch.setattr(outbox.relays, "notify_after_commit", slow_notify)
         # On asyncpg the COMMIT carries the NOTIFY itself; the wake-up after the commit is
         # the path of a COMMIT that cannot carry it (another driver): take that one.
-        monkeypatch.setattr(outbox, "notify_with_commit", lambda brokers: None)
+        monkeypatch.setattr(outbox.relays, "notify_with_commit", lambda brokers: None)
         saved: list[UnitOfWork] = []
         task = asyncio.get_running_loop().create_task(save_order(outbox, saved))
         await asyncio.wait_for(notifying.wait(), 5)

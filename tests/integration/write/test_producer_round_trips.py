@@ -26,7 +26,7 @@ from sqlalchemy.engine import make_url
 from fastapi_outbox import Outbox, OutboxSettings, UnitOfWork, unit_of_work
 from fastapi_outbox.brokers import MemoryBroker
 from fastapi_outbox.events import Message
-from fastapi_outbox.storage.statements.write import insert_rows
+from fastapi_outbox.storage.statements.inserts import insert_rows
 from tests.conftest import wait_until
 from tests.servers import WireTap
 
@@ -81,7 +81,7 @@ async def test_a_unit_of_work_sends_the_insert_and_the_commit_nothing_else(
                 uow.publish(Message("orders", "OrderPlaced", {"n": n}))
 
         async def bare(n: int) -> None:
-            params = outbox.store.row_params(
+            params = outbox.store.inserts.row_params(
                 [
                     {
                         "id": uuid.uuid4(),

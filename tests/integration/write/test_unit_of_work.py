@@ -75,14 +75,14 @@ async def outbox(db_url: str) -> AsyncIterator[Outbox]:
 async def counts(outbox: Outbox) -> tuple[int, int]:
     async with outbox.engine.connect() as conn:
         orders = (await conn.execute(select(func.count()).select_from(Order))).scalar_one()
-    return orders, await outbox.store.count()
+    return orders, await outbox.store.messages.count()
 
 
 async def rows(outbox: Outbox) -> list[dict[str, Any]]:
     """Every outbox row, oldest first, with headers and payload decoded."""
     out = []
-    for listed in reversed(await outbox.store.list_messages(limit=1000)):
-        row = await outbox.store.get(listed["id"])
+    for listed in reversed(await outbox.store.messages.list_messages(limit=1000)):
+        row = await outbox.store.messages.get(listed["id"])
         assert row is not None
         out.append(
             {**row, "headers": json.loads(row["headers"]), "payload": json.loads(row["payload"])}
@@ -135,7 +135,7 @@ async def test_outbox_accepts_an_async_engine_and_leaves_it_open(db_url: str) ->
         await outbox.create_tables()
         async with outbox.unit_of_work() as uow:
             uow.publish(OrderPlaced(order_id=1))
-        assert await outbox.store.count() == 1
+        assert await outbox.store.messages.count() == 1
         await outbox.aclose()
         # the caller owns the engine: closing the outbox did not dispose it
         async with engine.connect() as conn:
@@ -340,4 +340,4 @@ async def test_unit_of_work_is_closed_after_commit(outbox: Outbox) -> None:
         pass
     with pytest.raises(UnitOfWorkError):
         uow.publish(OrderPlaced(order_id=1))
-    assert await outbox.store.count() == 0
+    assert await outbox.store.messages.count() == 0

@@ -58,7 +58,7 @@ async def outbox(db_url: str) -> AsyncIterator[Outbox]:
 async def counts(outbox: Outbox) -> tuple[int, int]:
     async with outbox.engine.connect() as conn:
         orders = (await conn.execute(select(func.count()).select_from(Order))).scalar_one()
-    return orders, await outbox.store.count()
+    return orders, await outbox.store.messages.count()
 
 
 BAD: dict[str, tuple[Any, dict[str, Any], str]] = {

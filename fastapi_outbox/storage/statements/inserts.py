@@ -3,7 +3,7 @@
 
 Callers: :class:`fastapi_outbox.write.capture.TableCapture` and
 :class:`fastapi_outbox.write.wal_capture.WalCapture`, from the session's ``before_commit``
-(through ``Store.insert_rows_sync`` for the table). The builders are pure: a table and a
+(through ``Inserts.insert_rows_sync`` for the table). The builders are pure: a table and a
 dialect in, a statement out.
 """
 
@@ -46,8 +46,8 @@ def emit_message() -> TextClause:
 
 
 def insert_rows(table: Table, dialect: Dialect) -> Any:
-    """The INSERT of the unit of work's rows (caller: ``Store.insert_rows_sync``; built once
-    per Store). Every timestamp comes from the database's clock, so it agrees with the
+    """The INSERT of the unit of work's rows (caller: ``Inserts.insert_rows_sync``; built once
+    per table). Every timestamp comes from the database's clock, so it agrees with the
     claim's.
 
     ``created_at``: the transaction's start on PostgreSQL (``now()``: when the event

@@ -7,7 +7,8 @@ declares this process's consumer groups on the broker once before it lets anythi
 published, so the first message of a stream never reaches the broker before the groups of
 the subscribers declared here exist. :func:`gate_brokers` wraps the brokers that this
 process's subscribers consume from and declares their groups before any relay starts,
-bounded in time. :func:`declare_groups` is the declaration itself (``Outbox.declare_groups``).
+bounded in time. :func:`declare_groups` is the declaration itself
+(``outbox.lifecycle.declare_groups()``).
 """
 
 from __future__ import annotations
@@ -15,17 +16,16 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import anyio
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.brokers.base import Broker
-from fastapi_outbox.brokers.consumer import Consumer
+from fastapi_outbox.consume.subscriber import Subscriber
 
 __all__ = [
     "DECLARE_GROUPS_TIMEOUT_SECONDS",
-    "GroupOwner",
     "GroupsFirst",
     "declare_groups",
     "declare_or_warn",
@@ -41,17 +41,7 @@ DECLARE_GROUPS_TIMEOUT_SECONDS = 5.0
 Declare = Callable[[str], Awaitable[None]]
 
 
-class GroupOwner(Protocol):
-    """What declaring a group needs of a subscriber: its broker's name and a consumer of
-    its group (:class:`fastapi_outbox.consume.subscriber.Subscriber`)."""
-
-    @property
-    def broker_name(self) -> str: ...
-
-    def make_consumer(self) -> Consumer: ...
-
-
-async def declare_groups(subscribers: Iterable[GroupOwner], broker: str | None = None) -> None:
+async def declare_groups(subscribers: Iterable[Subscriber], broker: str | None = None) -> None:
     """Create the broker-side group of every subscriber (of ``broker``, or all) — Redis
     consumer group, JetStream durable and dead-letter stream — or bring an existing
     one to the declared settings (idempotent). BrokerUnavailable when its broker does
@@ -76,7 +66,7 @@ async def declare_groups(subscribers: Iterable[GroupOwner], broker: str | None =
 
 class GroupsFirst:
     """A broker whose ``connect`` declares this process's consumer groups on it once
-    (``Outbox.declare_groups``) before it lets anything be published: the processors and
+    (``outbox.lifecycle.declare_groups()``) before it lets anything be published: the processors and
     the WAL relay publish through it, so the first message of a stream never reaches the
     broker before the groups of the subscribers declared here exist. Until they do,
     ``connect`` and ``publish`` raise what the declaration raised (BrokerUnavailable: the

@@ -1,8 +1,8 @@
 """The statements behind what operators see and do: counts for health, metrics, the
 dashboard and ``status``; listing and showing messages; replay, cancel, abandon.
 
-Callers: :mod:`fastapi_outbox.ops` (operations, health, metrics, dashboard) and the CLI,
-through the ``Store`` methods of the same names (``stats``, ``stream_stats``,
+Run by :class:`~fastapi_outbox.storage.messages.Messages` (the methods of the same names:
+``stats``, ``stream_stats``,
 ``published_per_minute``, ``count_matching``, ``get``, ``list_messages``, ``states``,
 ``replay``, ``cancel_unclaimed``, ``abandon_unclaimed``, ``count``). The counts read the
 partial indexes (ix_<table>_due, _abandoned, _published, _key), so they cost what the rows
@@ -13,7 +13,6 @@ prepared statements too.
 
 from __future__ import annotations
 
-import datetime as dt
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -39,6 +38,7 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.sql.elements import ColumnElement
 
 from fastapi_outbox.storage.dialects import is_postgres
+from fastapi_outbox.storage.filters import SCHEDULED, MessageFilter
 from fastapi_outbox.storage.statements.parts import (
     ABANDONED,
     ACTIVE,
@@ -84,7 +84,7 @@ def database_now(dialect: Dialect) -> Select[Any]:
 
 
 def stats(table: Table, dialect: Dialect) -> dict[str, Any]:
-    """The statements behind ``Store.stats`` (health endpoint, metrics, ``status``), each
+    """The statements behind ``Messages.stats`` (health endpoint, metrics, ``status``), each
     served by a partial index (``benchmarks/health.py`` prints their plans)."""
     t = table
     return {
@@ -176,7 +176,7 @@ def blocking_ordered(table: Table, dialect: Dialect) -> Select[Any]:
 
 
 def stream_stats(table: Table, dialect: Dialect) -> dict[str, Select[Any]]:
-    """The dashboard's overview (``Store.stream_stats``): per (broker, stream), the active
+    """The dashboard's overview (``Messages.stream_stats``): per (broker, stream), the active
     rows by status with the earliest due time (ix_<table>_due), the abandoned rows
     (ix_<table>_abandoned), and the delayed messages not due yet (a range of the due index
     past now)."""
@@ -255,34 +255,30 @@ def get(table: Table, message_id: uuid.UUID) -> Select[Any]:
 def list_messages(
     table: Table,
     dialect: Dialect,
+    where: MessageFilter,
     *,
-    status: str | None = None,
-    filters: dict[str, str | None] | None = None,
-    since: dt.datetime | None = None,
-    until: dt.datetime | None = None,
     before_id: uuid.UUID | None = None,
     limit: int = 50,
-    scheduled: bool = False,
 ) -> Select[Any]:
     """Rows without payloads, newest first by id (UUIDv7 ids are time-ordered): ``list``,
     the dashboard's tables. Keyset pagination: ``id < before_id`` is one primary-key range
-    scan however deep the page, never OFFSET over millions of rows. ``filters``: equality on
-    ``stream``/``broker``/``type``/``key``; ``since``/``until`` bound ``created_at``;
-    ``scheduled``: pending rows not yet due (delayed messages)."""
+    scan however deep the page, never OFFSET over millions of rows. ``where``: equality on
+    ``stream``/``broker``/``type``/``key``, ``since``/``until`` bound ``created_at``; the
+    status ``scheduled`` means pending rows not yet due (delayed messages)."""
     t = table
     cols = [c for c in t.c if c.name not in ("payload", "headers", "seq")]
     stmt = select(*cols).order_by(t.c.id.desc()).limit(limit)
-    if scheduled:
+    if where.status == SCHEDULED:
         stmt = stmt.where(status_in(t, PENDING), t.c.next_attempt_at > now(dialect))
-    elif status is not None:
-        stmt = stmt.where(status_in(t, status))
-    for name, value in (filters or {}).items():
+    elif where.status is not None:
+        stmt = stmt.where(status_in(t, where.status))
+    for name, value in where.equalities().items():
         if value is not None:
             stmt = stmt.where(t.c[name] == value)
-    if since is not None:
-        stmt = stmt.where(t.c.created_at >= since)
-    if until is not None:
-        stmt = stmt.where(t.c.created_at < until)
+    if where.since is not None:
+        stmt = stmt.where(t.c.created_at >= where.since)
+    if where.until is not None:
+        stmt = stmt.where(t.c.created_at < where.until)
     if before_id is not None:
         stmt = stmt.where(t.c.id < before_id)
     return stmt

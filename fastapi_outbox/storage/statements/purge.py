@@ -1,6 +1,6 @@
 """Retention's statement: the bounded DELETE of finished rows.
 
-Caller: :func:`fastapi_outbox.relay.retention.purge` through ``Store.purge_batch`` (and the
+Caller: :func:`fastapi_outbox.lifecycle.retention.purge` through ``Retention.purge_batch`` (and the
 CLI's ``purge``, which runs the same loop); ``benchmarks/scale.py`` measures its WAL. The
 archive's move (:mod:`fastapi_outbox.storage.statements.archive`) picks its rows with
 :func:`victims`.

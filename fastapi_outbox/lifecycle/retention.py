@@ -13,7 +13,7 @@ retention (``archive_retention_seconds``) runs after.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 import anyio
@@ -33,8 +33,9 @@ BATCH_PAUSE_SECONDS = 0.01
 
 
 class PurgesBatches(Protocol):
-    """What :func:`purge` needs of a store: ``Store.purge_batch`` (the operator's purge
-    passes the store of ``ops``' port, which is typed by what it offers)."""
+    """What :func:`purge` runs batch by batch: the outbox table's delete
+    (:meth:`~fastapi_outbox.storage.retention.Retention.purge_batch`), or the archive's move
+    (``archive=True``)."""
 
     async def purge_batch(
         self, status: str, older_than_seconds: float, limit: int, *, keep_blocking: bool = False
@@ -52,7 +53,7 @@ async def purge(
     keep_blocking: bool = False,
 ) -> int:
     """Delete ``status`` rows finished more than ``older_than_seconds`` ago, batch by batch;
-    returns how many were deleted. ``keep_blocking``: see ``Store.purge_batch``."""
+    returns how many were deleted. ``keep_blocking``: see ``Retention.purge_batch``."""
     if status not in (PUBLISHED, ABANDONED):
         raise ValueError(f"purge takes 'published' or 'abandoned', not {status!r}")
     total = 0
@@ -97,8 +98,12 @@ class Cleaner:
         archive: Archive | None = None,
         payloads: PayloadStore | None = None,
         known: Callable[[list[str]], Awaitable[set[str]]] | None = None,
+        subscribers: Sequence[object] = (),
     ) -> None:
         self.store = store
+        #: The process's subscribers (a list filled as they are declared): with any, its
+        #: group's handlers and attempts tables exist and are pruned with the inbox.
+        self.subscribers = subscribers
         #: ``archive=True``: finished rows move there instead of being deleted.
         self.archive = archive
         self.archived_partitions: list[str] = []
@@ -146,7 +151,7 @@ class Cleaner:
             if retention is None:
                 continue
             n = await purge(
-                self.store if self.archive is None else _Mover(self.archive),
+                self.store.retention if self.archive is None else _Mover(self.archive),
                 status,
                 retention,
                 batch_size=self.settings.cleanup_batch_size,
@@ -215,18 +220,25 @@ class Cleaner:
         return total
 
     async def _purge_inbox(self) -> int:
-        """Inbox rows past ``inbox_retention_seconds``, in bounded batches."""
+        """Inbox rows past ``inbox_retention_seconds``, in bounded batches; then the rows of
+        the handlers and attempts tables nothing needs any more."""
         retention = self.settings.inbox_retention_seconds
         if self.inbox is None or retention is None:
             return 0
         total = 0
         batch = self.settings.cleanup_batch_size
-        while True:
-            n = await self.inbox.purge_batch(retention, batch)
-            total += n
-            if n < batch:
-                break
-            await anyio.sleep(BATCH_PAUSE_SECONDS)
+        # An attempts row was last counted before its message was handled: one the inbox
+        # purge leaves behind is past the cutoff too.
+        purges = [self.inbox.purge_batch]
+        if self.subscribers:
+            purges.append(self.inbox.purge_group_rows_batch)
+        for purge in purges:
+            while True:
+                n = await purge(retention, batch)
+                total += n
+                if n < batch:
+                    break
+                await anyio.sleep(BATCH_PAUSE_SECONDS)
         if total:
             logger.info(
                 "inbox retention cleanup",
