@@ -44,6 +44,32 @@ from __future__ import annotations
 
 from fastapi_outbox.redaction import redact
 
+__all__ = [
+    "AuthenticationFailed",
+    "BrokerError",
+    "BrokerRefusing",
+    "BrokerTimeout",
+    "BrokerUnavailable",
+    "CommitOutcomeUnknown",
+    "ConfigurationError",
+    "EventDefinitionError",
+    "HandlerEscaped",
+    "MessageNotFound",
+    "MessageRejected",
+    "OperationError",
+    "OutboxError",
+    "PayloadTooLarge",
+    "PayloadUnreadable",
+    "PublishError",
+    "SerializationError",
+    "StaleDeadLetters",
+    "TooLate",
+    "UnitOfWorkError",
+    "UnknownBroker",
+    "UnknownEncryptionKey",
+    "UnstorableText",
+]
+
 
 class OutboxError(Exception):
     """An error in fastapi-outbox. Its message goes through

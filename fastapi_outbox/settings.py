@@ -206,7 +206,7 @@ class OutboxSettings(BaseSettings):
         description="PostgreSQL: range-partition the outbox table by time (its UUIDv7 id's "
         "range), one partition per interval ('daily', 'hourly', '6h', '2d'); lookups by id "
         "read one partition, retention drops "
-        "whole partitions (see fastapi_outbox.partitions). None: one plain table.",
+        "whole partitions (see fastapi_outbox.storage.partitions). None: one plain table.",
         json_schema_extra=_group("database"),
     )
     db_statement_timeout_seconds: float | None = Field(
@@ -541,7 +541,7 @@ class OutboxSettings(BaseSettings):
         default="table",
         description="How the unit of work records messages: 'table' (outbox rows) or 'wal' "
         "(PostgreSQL with wal_level=logical: pg_logical_emit_message in the business "
-        "transaction, relayed from a logical replication slot; see fastapi_outbox.wal_relay).",
+        "transaction, relayed from a logical replication slot; see fastapi_outbox.relay.wal).",
         json_schema_extra=_group("wal"),
     )
     wal_slot_name: str | None = Field(

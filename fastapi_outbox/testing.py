@@ -36,6 +36,7 @@ from fastapi_outbox.brokers.memory.broker import MemoryBroker
 from fastapi_outbox.events import Envelope, Event
 from fastapi_outbox.exceptions import PayloadUnreadable
 from fastapi_outbox.relay.table import TableRelay, process_batch
+from fastapi_outbox.storage.wal_slot import UndecodableWalMessage
 from fastapi_outbox.write.unit_of_work import serve_app
 
 if TYPE_CHECKING:
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
 
     from fastapi_outbox.outbox import Outbox
 
-__all__ = ["OutboxHarness", "drain", "memory_broker", "sqlite_outbox"]
+__all__ = ["OutboxHarness", "UndecodableWalMessage", "drain", "memory_broker", "sqlite_outbox"]
 
 E = TypeVar("E", bound=Event)
 

@@ -127,7 +127,7 @@ from fastapi_outbox.consume.processing import (
 from fastapi_outbox.consume.versions import Versions
 from fastapi_outbox.log import safe_error
 
-logger = logging.getLogger("fastapi_outbox.subscribers")
+logger = logging.getLogger("fastapi_outbox.consume")
 
 __all__ = [
     "DEAD_LETTER_TEMPLATE",

@@ -32,7 +32,7 @@ __all__ = [
     "gate_brokers",
 ]
 
-logger = logging.getLogger("fastapi_outbox")
+logger = logging.getLogger("fastapi_outbox.lifecycle")
 
 #: Bound on declaring the consumer groups at start (a broker that does not answer in time
 #: gets them declared before the first publish instead).

@@ -26,7 +26,7 @@ from fastapi_outbox.storage.inbox import Inbox
 from fastapi_outbox.storage.partitions import Maintainer
 from fastapi_outbox.storage.store import ABANDONED, PUBLISHED, Store
 
-logger = logging.getLogger("fastapi_outbox.retention")
+logger = logging.getLogger("fastapi_outbox.lifecycle")
 
 #: Pause between two batches: lets dispatch and requests through.
 BATCH_PAUSE_SECONDS = 0.01

@@ -40,7 +40,7 @@ from fastapi_outbox.storage.wal_slot import WalSlot
 
 __all__ = ["Lifecycle", "Service", "StoppableService", "Supervisor", "close_brokers"]
 
-logger = logging.getLogger("fastapi_outbox")
+logger = logging.getLogger("fastapi_outbox.lifecycle")
 
 
 class Service(Protocol):

@@ -38,7 +38,7 @@ from fastapi_outbox.storage.filters import STATUS_FILTERS as STATUS_FILTERS
 from fastapi_outbox.storage.filters import MessageFilter as MessageFilter
 from fastapi_outbox.storage.inbox import GroupStats
 
-logger = logging.getLogger("fastapi_outbox.operations")
+logger = logging.getLogger("fastapi_outbox.ops")
 
 #: Statuses a single-message replay accepts: abandoned, or failed (retry now, no backoff).
 REPLAYABLE = (MessageStatus.ABANDONED.value, MessageStatus.FAILED.value)

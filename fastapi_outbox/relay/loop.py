@@ -38,7 +38,7 @@ from fastapi_outbox.storage import clock, db_outage
 from fastapi_outbox.storage.store import ClaimedRow
 from fastapi_outbox.storage.wal_slot import WalMessage
 
-logger = logging.getLogger("fastapi_outbox.dispatcher")
+logger = logging.getLogger("fastapi_outbox.relay")
 
 #: The backoff of a relay whose database step failed: doubled from the first to the last.
 DB_BACKOFF_MIN_SECONDS = 0.2

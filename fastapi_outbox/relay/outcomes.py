@@ -24,7 +24,7 @@ from fastapi_outbox.storage.claims import ERROR_MAX_CHARS, ClaimedRow, Claims, F
 
 __all__ = ["NotAttempted", "Outcomes", "retry_delay"]
 
-logger = logging.getLogger("fastapi_outbox.dispatcher")
+logger = logging.getLogger("fastapi_outbox.relay")
 
 
 def retry_delay(attempts: int, settings: OutboxSettings, rng: random.Random | None = None) -> float:

@@ -50,7 +50,7 @@ from fastapi_outbox.settings import OutboxSettings
 from fastapi_outbox.storage import clock
 from fastapi_outbox.storage.claims import ClaimedRow, Claims
 
-logger = logging.getLogger("fastapi_outbox.dispatcher")
+logger = logging.getLogger("fastapi_outbox.relay")
 
 RELEASE_TIMEOUT_SECONDS = 2.0
 #: Longest wait for a broker's ping after a publish timed out (capped by the publish timeout).
@@ -537,10 +537,6 @@ class _GiveBack(Exception):
 
 class _BrokerDown(Exception):
     """Internal: the broker stopped answering during the one-by-one pass."""
-
-
-#: The table relay's first name, importable from every path it was (``fastapi_outbox.dispatcher``).
-Processor = TableRelay
 
 
 async def process_batch(relay: TableRelay, batch: Sequence[ClaimedRow], token: str) -> None:

@@ -31,7 +31,7 @@ from fastapi_outbox.storage.connector import Held
 from fastapi_outbox.storage.statements.notify import NOTIFY_SQL
 from fastapi_outbox.storage.store import Store
 
-logger = logging.getLogger("fastapi_outbox.notify")
+logger = logging.getLogger("fastapi_outbox.relay")
 
 RECONNECT_MIN_SECONDS = 0.5
 RECONNECT_MAX_SECONDS = 30.0
@@ -445,7 +445,7 @@ async def notify_once(store: Store, channel: str, instance_id: str) -> None:
         with anyio.CancelScope(shield=True), anyio.fail_after(NOTIFY_TIMEOUT_SECONDS):
             await store.notify(channel, instance_id)
     except Exception as exc:
-        logging.getLogger("fastapi_outbox").warning(
+        logger.warning(
             "notify after commit failed; relays fall back to polling",
             extra={"action": "notify.failed", "error": type(exc).__name__},
         )

@@ -95,7 +95,7 @@ from fastapi_outbox.storage.wal_slot import (
     format_lsn,
 )
 
-logger = logging.getLogger("fastapi_outbox.wal")
+logger = logging.getLogger("fastapi_outbox.relay")
 
 #: Client-side margin over the read and confirm timeouts (asyncpg cancels the statement on
 #: the server at the timeout; past the margin the connection itself is given up).

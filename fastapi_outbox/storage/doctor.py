@@ -52,7 +52,7 @@ _PROBE = "fastapi_outbox_doctor_probe"
 #: Partitions must cover at least this far ahead (the cleaner keeps two days ready).
 DOCTOR_AHEAD_SECONDS = 86400.0
 
-logger = logging.getLogger("fastapi_outbox.doctor")
+logger = logging.getLogger("fastapi_outbox.storage")
 
 #: ``db upgrade`` waits this long for each statement's lock (PostgreSQL ``lock_timeout``):
 #: a statement queued behind a long transaction holds up every write to the table.

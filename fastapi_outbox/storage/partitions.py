@@ -54,18 +54,13 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from fastapi_outbox.settings import (
     MAX_PARTITIONED_TABLE_NAME,
-    check_partitioned_table_name,
 )
-from fastapi_outbox.settings import parse_interval as parse_interval  # re-exported
 from fastapi_outbox.storage.statements import archive as archive_sql
 from fastapi_outbox.storage.statements import partitions as sql
 from fastapi_outbox.storage.statements.partitions import AUTOVACUUM as AUTOVACUUM
 from fastapi_outbox.storage.statements.partitions import storage_sql as storage_sql
 
-logger = logging.getLogger("fastapi_outbox.partitions")
-
-#: The table-name check of partitioning, kept under its old name here.
-check_table_name = check_partitioned_table_name
+logger = logging.getLogger("fastapi_outbox.storage")
 
 #: Partitions are created this far ahead of now (and at least two of them).
 AHEAD_SECONDS = 2 * 86400.0

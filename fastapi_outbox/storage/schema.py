@@ -45,7 +45,7 @@ from sqlalchemy.schema import CreateIndex, CreateTable
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.events import MessageStatus
-from fastapi_outbox.settings import check_table_name
+from fastapi_outbox.settings import check_partitioned_table_name, check_table_name, parse_interval
 from fastapi_outbox.storage import partitions
 from fastapi_outbox.storage.statements.partitions import ACTIVE_SQL as _ACTIVE_SQL
 from fastapi_outbox.storage.types import ACTIVE_STATUSES as ACTIVE_STATUSES
@@ -83,8 +83,8 @@ def build_table(
     try:
         check_table_name(name)
         if partitioning is not None:
-            interval = partitions.parse_interval(partitioning)
-            partitions.check_table_name(name)
+            interval = parse_interval(partitioning)
+            check_partitioned_table_name(name)
     except ValueError as exc:
         raise exceptions.ConfigurationError(str(exc)) from None
     md = metadata_ if metadata_ is not None else MetaData()

@@ -1,7 +1,7 @@
 """The table relay's statements: the claim, the marks after a publish, the release, the
 lease extension, the idle poller's next due time, and the WAL relay's refused rows.
 
-Caller: :class:`fastapi_outbox.relay.table.Processor` through
+Caller: :class:`fastapi_outbox.relay.table.TableRelay` through
 :class:`~fastapi_outbox.storage.store.Store` (``claim``, ``mark_published``, ``mark_failed``,
 ``release``, ``extend_lease``, ``abandon``, ``next_due_in``) and
 :class:`fastapi_outbox.relay.wal.WalRelay` (``insert_failed``).
