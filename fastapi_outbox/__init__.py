@@ -1,7 +1,7 @@
 """fastapi-outbox: an asyncio-native transactional outbox for FastAPI.
 
 A route handler changes business data and raises domain events; ``Depends(unit_of_work)``
-commits both in one transaction before the response is sent, and dispatchers started by
+commits both in one transaction before the response is sent, and relays started by
 the app's lifespan move the events to Redis Streams or NATS JetStream.
 """
 

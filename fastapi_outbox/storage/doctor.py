@@ -375,7 +375,7 @@ def _legacy_key_finding(name: str, key: str) -> Finding:
         "each partition's primary key; the current layout is partitioned by id",
         [
             "-- see docs/how-to/partitions.md, 'Tables partitioned by created_at': create the "
-            "new table under another table_name, switch producers to it, let one dispatcher "
+            "new table under another table_name, switch producers to it, let one relay "
             "drain the old table, then drop it"
         ],
         automatic=False,
@@ -407,7 +407,7 @@ def _partition_findings(
         findings.append(
             Finding(
                 f"{len(missing)} partition(s) missing ahead of now (first: "
-                f"{missing[0][0].isoformat()}); the cleaner creates them, so are dispatchers "
+                f"{missing[0][0].isoformat()}); the cleaner creates them, so are relays "
                 "running?",
                 [
                     partition_sql.partition_of(

@@ -206,7 +206,7 @@ def create_partition_sync(
     partition already holds rows of that range (the job did not run in time): those rows
     stay there and are cleaned by the batched DELETE."""
     name = partition_name(table, lo)
-    # Every dispatcher process runs this: one at a time, the others skip what is done.
+    # Every relay process runs this: one at a time, the others skip what is done.
     if (
         not _try_lock(conn, table)
         or conn.execute(sql.RELATION_EXISTS, {"name": sql.quote(name)}).scalar_one()
@@ -299,7 +299,7 @@ def expired_candidates(
 
 def _try_lock(conn: Connection, table: str) -> bool:
     """The table's maintenance lock (transaction-scoped, advisory), without waiting: every
-    dispatcher process runs the maintenance, one at a time does it. (Two ATTACHes at once
+    relay process runs the maintenance, one at a time does it. (Two ATTACHes at once
     deadlock: each holds what the other's needs — the DEFAULT partition, the parent.)"""
     key = f"fastapi_outbox:partitions:{table}"
     return bool(conn.execute(sql.TRY_LOCK, {"key": key}).scalar_one())

@@ -12,7 +12,7 @@ Three choices worth knowing:
   ``(broker, next_attempt_at)`` over the rows still needing work, whose size does not
   depend on how many published rows the table keeps.
 * ``payload`` and ``headers`` are stored as the JSON text the unit of work encoded once
-  (JSONB on PostgreSQL) and read back as text: the dispatcher sends those bytes as they
+  (JSONB on PostgreSQL) and read back as text: the relay sends those bytes as they
   are, with no decode/encode per message.
 * ``seq`` (PostgreSQL: an identity column) numbers rows in insert order; ordered dispatch
   sorts a key's rows by it. A row is inserted at the end of its unit of work, after the
