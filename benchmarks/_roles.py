@@ -190,7 +190,7 @@ async def producer(opts: dict[str, Any]) -> None:
         session.info["committed_at"] = time.time()
 
     event.listen(Session, "after_commit", committed)
-    settings = OutboxSettings(run_dispatchers=opts["in_process"])
+    settings = OutboxSettings(run_relays=opts["in_process"])
     outbox = Outbox(
         opts["db_url"],
         brokers={"default": broker_from_url(opts["broker_url"])},

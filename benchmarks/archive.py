@@ -43,7 +43,7 @@ def make_outbox(url: str, **overrides: Any) -> Any:
     from fastapi_outbox.brokers import MemoryBroker
 
     settings = OutboxSettings(
-        run_dispatchers=False,
+        run_relays=False,
         archive=True,
         published_retention_seconds=60.0,
         **overrides,

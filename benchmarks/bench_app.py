@@ -14,7 +14,7 @@ Configured from the environment, so the same module serves uvicorn
   shared: keep connections bounded);
 * ``BENCH_GC_FREEZE=1`` — ``gc.freeze()`` once the app is built (an experiment knob: how
   much of the dispatcher's CPU goes to the cyclic garbage collector);
-* ``OUTBOX_*`` — the outbox settings (``OUTBOX_RUN_DISPATCHERS=false`` for an API-only
+* ``OUTBOX_*`` — the outbox settings (``OUTBOX_RUN_RELAYS=false`` for an API-only
   process, ``OUTBOX_BATCH_SIZE``, ``OUTBOX_WORKERS`` …).
 
 ``POST /orders`` is the example's endpoint (an ``Order`` aggregate raising ``OrderPlaced``

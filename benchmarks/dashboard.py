@@ -75,7 +75,7 @@ async def main() -> None:
         outbox = Outbox(
             url,
             brokers={"default": MemoryBroker()},
-            settings=OutboxSettings(run_dispatchers=False),
+            settings=OutboxSettings(run_relays=False),
             dashboard_dependencies=[],
         )
         await outbox.create_tables()

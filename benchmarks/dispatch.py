@@ -258,7 +258,7 @@ def start_library(
         procs.append(proc)
         started.append(proc)
     for proc in started:
-        proc.wait_for("outbox dispatchers started", timeout=60)
+        proc.wait_for("outbox relays started", timeout=60)
     return started
 
 

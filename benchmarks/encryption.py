@@ -97,7 +97,7 @@ async def publish_commit(url: str, encrypted: bool, size: int, n: int, batch: in
     outbox = Outbox(
         url,
         brokers={"default": MemoryBroker()},
-        settings=settings(encrypted, run_dispatchers=False),
+        settings=settings(encrypted, run_relays=False),
     )
     events = [order(i, size) for i in range(n)]
     try:

@@ -121,7 +121,7 @@ async def main(rows: int, requests: int) -> int:
         outbox = Outbox(
             url,
             brokers={"default": MemoryBroker()},
-            settings=OutboxSettings(health_cache_seconds=0, run_dispatchers=False),
+            settings=OutboxSettings(health_cache_seconds=0, run_relays=False),
         )
         await outbox.create_tables()
         app = FastAPI(lifespan=outbox.lifespan)
@@ -167,10 +167,10 @@ async def main(rows: int, requests: int) -> int:
                     "health body: status={status} pending={pending} failed={failed} "
                     "abandoned={abandoned} published_last_minute={recent}".format(
                         status=body["status"],
-                        pending=body["processors"][0]["pending"],
-                        failed=body["processors"][0]["failed"],
-                        abandoned=body["processors"][0]["abandoned"],
-                        recent=body["processors"][0]["published_last_minute"],
+                        pending=body["relays"][0]["pending"],
+                        failed=body["relays"][0]["failed"],
+                        abandoned=body["relays"][0]["abandoned"],
+                        recent=body["relays"][0]["published_last_minute"],
                     )
                 )
                 print("\nplans of the statements behind Messages.stats (after ANALYZE):")

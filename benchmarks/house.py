@@ -83,7 +83,7 @@ def order(round_: int) -> tuple[str, ...]:
 
 async def drain_rounds(conn: Any, db_url: str, args: argparse.Namespace, before: Path) -> list:
     from benchmarks.dispatch import Brokers, Group, drain, start_library
-    from fastapi_outbox.notify import channel_name
+    from fastapi_outbox.relay.wakeups import channel_name
 
     rows: list[list[Any]] = []
     brokers = Brokers()

@@ -109,7 +109,7 @@ async def cleanup(kind: str, url: str, stream: str) -> None:
 
 
 async def _prepare(db: str) -> None:
-    outbox = Outbox(db, settings=OutboxSettings(run_dispatchers=False))
+    outbox = Outbox(db, settings=OutboxSettings(run_relays=False))
     await outbox.create_tables()
     await outbox.aclose()
     pg = await asyncpg.connect(asyncpg_dsn(db))

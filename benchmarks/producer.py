@@ -71,7 +71,7 @@ async def run(rounds: int, per_round: int) -> dict[str, tuple[float, float]]:
         outbox = Outbox(
             url,
             brokers={"default": MemoryBroker()},
-            settings=OutboxSettings(run_dispatchers=False),
+            settings=OutboxSettings(run_relays=False),
         )
         await outbox.create_tables()
         # The library's own INSERT (due time from the database's clock): the same statement.
@@ -137,7 +137,7 @@ async def run(rounds: int, per_round: int) -> dict[str, tuple[float, float]]:
             script = Outbox(
                 url,
                 brokers={"default": MemoryBroker()},
-                settings=OutboxSettings(run_dispatchers=False),
+                settings=OutboxSettings(run_relays=False),
             )
             factory_script = script.session_factory
             # The same without wake-ups (notify=False): what the NOTIFY the COMMIT carries
@@ -145,7 +145,7 @@ async def run(rounds: int, per_round: int) -> dict[str, tuple[float, float]]:
             quiet = Outbox(
                 url,
                 brokers={"default": MemoryBroker()},
-                settings=OutboxSettings(run_dispatchers=False, notify=False),
+                settings=OutboxSettings(run_relays=False, notify=False),
             )
 
             async def uow_quiet(n: int) -> None:

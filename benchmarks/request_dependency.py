@@ -32,7 +32,7 @@ def build() -> tuple[FastAPI, Outbox]:
     outbox = Outbox(
         "sqlite+aiosqlite:///:memory:",
         brokers={"default": MemoryBroker()},
-        settings=OutboxSettings(run_dispatchers=False),
+        settings=OutboxSettings(run_relays=False),
     )
     app = FastAPI(lifespan=outbox.lifespan)
 

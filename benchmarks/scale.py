@@ -432,7 +432,7 @@ async def dispatch_comparison(
                 published_retention_seconds=None,
                 abandoned_retention_seconds=None,
             )
-            outbox = Outbox(url, settings=settings.model_copy(update={"run_dispatchers": False}))
+            outbox = Outbox(url, settings=settings.model_copy(update={"run_relays": False}))
             dispatcher = Outbox(
                 url,
                 brokers={"default": RedisStreamsBroker(REDIS_URL, maxlen=10_000, dedup="off")},
@@ -540,7 +540,7 @@ async def main(rows: int, days: int, backlog: int, order: str) -> None:
             settings = OutboxSettings(
                 table_name=name,
                 partitioning=partitioning,
-                run_dispatchers=False,
+                run_relays=False,
                 published_retention_seconds=retention_seconds,
                 abandoned_retention_seconds=None,
             )

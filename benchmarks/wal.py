@@ -6,7 +6,7 @@ cluster — both modes pay the same), and stops it at the end.
 
 (a) **Write path.** ``--connections`` tasks in this process commit, for ``--seconds`` per
 round, ``outbox.unit_of_work()`` transactions of one business INSERT (an ORM ``Order``) and
-one event; an API-only outbox (``run_dispatchers=False``, its coalesced NOTIFY sender on).
+one event; an API-only outbox (``run_relays=False``, its coalesced NOTIFY sender on).
 Variants: ``table`` (the outbox row), ``wal`` (``pg_logical_emit_message``), and ``plain``
 (the same transaction through a bare ``AsyncSession``, no event) for reference. Rounds
 alternate (table, wal, plain, table, …); the table prints medians of commits/s, the
@@ -79,7 +79,7 @@ async def write_round(
     capture = "table" if variant == "plain" else variant
     outbox = Outbox(
         url,
-        settings=OutboxSettings(capture=capture, run_dispatchers=False),
+        settings=OutboxSettings(capture=capture, run_relays=False),
         engine_options={"pool_size": connections, "max_overflow": 0},
     )
     async with outbox.engine.begin() as conn:
@@ -171,7 +171,7 @@ async def drain_round(
             capture=capture,
             table_name=unique("drain"),
             batch_size=500,
-            run_dispatchers=False,
+            run_relays=False,
         ),
     )
     try:

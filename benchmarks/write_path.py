@@ -2,7 +2,7 @@
 committing only the business row.
 
 One uvicorn process (1 worker, no access log) serves ``benchmarks.bench_app:app`` on a
-database of its own, with dispatchers off (``OUTBOX_RUN_DISPATCHERS=false``) so only the
+database of its own, with dispatchers off (``OUTBOX_RUN_RELAYS=false``) so only the
 write path is measured. ``wrk`` (or, without it, an httpx client in another process) loads
 ``POST /orders`` (outbox: INSERT order, INSERT outbox row, COMMIT) and ``POST /orders-plain``
 (INSERT order, COMMIT) in alternating rounds (A B A B …); the tables are truncated before
@@ -292,7 +292,7 @@ async def main(args: argparse.Namespace) -> int:
         conn = await asyncpg.connect(asyncpg_dsn(db_url))
         try:
             with processes() as procs:
-                off = {"OUTBOX_RUN_DISPATCHERS": "false"}
+                off = {"OUTBOX_RUN_RELAYS": "false"}
                 api, base = start_api(procs, "api", db_url, workdir, off)
                 variants = [
                     Variant("outbox", api, base + "/orders", True),
@@ -342,7 +342,7 @@ async def main(args: argparse.Namespace) -> int:
                 # For information: the same endpoint with the dispatchers running in the API
                 # process (memory broker): the write path now shares the CPU with the relay.
                 api_on, base_on = start_api(
-                    procs, "api_on", db_url, workdir, {"OUTBOX_RUN_DISPATCHERS": "true"}
+                    procs, "api_on", db_url, workdir, {"OUTBOX_RUN_RELAYS": "true"}
                 )
                 on = Variant("outbox, dispatchers on", api_on, base_on + "/orders", True)
                 await one_round(conn, on, args.warmup, args, workdir, loader)

@@ -32,7 +32,7 @@ async def demo_outbox(path: Path) -> tuple[Outbox, str]:
     outbox = Outbox(
         f"sqlite+aiosqlite:///{path}",
         brokers={"default": MemoryBroker(), "partner": MemoryBroker()},
-        settings=OutboxSettings(run_dispatchers=False),
+        settings=OutboxSettings(run_relays=False),
         dashboard_dependencies=[],
     )
     await outbox.create_tables()

@@ -1,18 +1,14 @@
 """fastapi-outbox: an asyncio-native transactional outbox for FastAPI.
 
 A route handler changes business data and raises domain events; ``Depends(unit_of_work)``
-commits both in one transaction before the response is sent, and dispatchers started by
+commits both in one transaction before the response is sent, and relays started by
 the app's lifespan move the events to Redis Streams or NATS JetStream.
 """
 
 from __future__ import annotations
 
-# The old module path ``fastapi_outbox.unit_of_work`` shares its name with the dependency
-# ``unit_of_work``. Loading that re-export module first, before the dependency is bound below,
-# keeps a later ``import fastapi_outbox.unit_of_work`` from replacing the dependency on the
-# package (Python sets a submodule as a package attribute on its first import only).
-from fastapi_outbox import unit_of_work as _unit_of_work_module  # noqa: F401
 from fastapi_outbox.aggregates import AggregateRoot
+from fastapi_outbox.consume.subscriber import BatchUnitOfWork
 from fastapi_outbox.events import Envelope, Event, Message, MessageStatus, uuid7
 from fastapi_outbox.exceptions import (
     AuthenticationFailed,
@@ -28,9 +24,11 @@ from fastapi_outbox.exceptions import (
     UnitOfWorkError,
     UnknownBroker,
 )
+from fastapi_outbox.log import JsonFormatter, TextFormatter
+from fastapi_outbox.ops.metrics import PrometheusInstrumentation, metrics_router, mount_metrics
 from fastapi_outbox.outbox import Outbox
 from fastapi_outbox.settings import OutboxSettings
-from fastapi_outbox.storage.schema import build_table, metadata, outbox_table
+from fastapi_outbox.storage.schema import build_archive_table, build_table, metadata, outbox_table
 from fastapi_outbox.write.unit_of_work import UnitOfWork, UnitOfWorkDep, unit_of_work
 
 __version__ = "0.1.0"
@@ -38,12 +36,14 @@ __version__ = "0.1.0"
 __all__ = [
     "AggregateRoot",
     "AuthenticationFailed",
+    "BatchUnitOfWork",
     "BrokerRefusing",
     "BrokerUnavailable",
     "ConfigurationError",
     "Envelope",
     "Event",
     "EventDefinitionError",
+    "JsonFormatter",
     "Message",
     "MessageRejected",
     "MessageStatus",
@@ -51,15 +51,20 @@ __all__ = [
     "OutboxError",
     "OutboxSettings",
     "PayloadTooLarge",
+    "PrometheusInstrumentation",
     "PublishError",
     "SerializationError",
+    "TextFormatter",
     "UnitOfWork",
     "UnitOfWorkDep",
     "UnitOfWorkError",
     "UnknownBroker",
     "__version__",
+    "build_archive_table",
     "build_table",
     "metadata",
+    "metrics_router",
+    "mount_metrics",
     "outbox_table",
     "unit_of_work",
     "uuid7",

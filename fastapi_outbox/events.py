@@ -189,11 +189,11 @@ class Message:
 
 
 class Envelope:
-    """What a broker publishes; built by the dispatcher from a claimed outbox row.
+    """What a broker publishes; built by the relay from a claimed outbox row.
 
     ``id`` is the outbox row id (unique per target broker) and serves as the de-duplication
     id; ``headers`` holds ``message-id``, ``type``, ``occurred-at`` and friends. The
-    dispatcher passes the headers as the JSON text stored in the table (``headers_json``)
+    relay passes the headers as the JSON text stored in the table (``headers_json``)
     and they are decoded only when a broker asks for the dict: the Redis broker sends the
     text as it is, so a message costs no JSON decode and re-encode on its way through.
     """

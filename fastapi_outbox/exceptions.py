@@ -27,7 +27,7 @@ errors raised by the library name the setting, broker, table or message id invol
     │   └── AuthenticationFailed    it refuses this process's credentials (a wrong or rotated
     │                               password, a user without access): retried slowly, reported
     │                               as "authentication failed", never as "unreachable"
-    │   └── BrokerTimeout           a publish got no answer in time; the processor pings the
+    │   └── BrokerTimeout           a publish got no answer in time; the relay pings the
     │                               broker to tell an outage from a message that hangs
     │   └── MessageRejected         the broker refused one message: retry that message only
     ├── PayloadUnreadable           a delivered payload cannot be restored (tampered with,
@@ -37,12 +37,38 @@ errors raised by the library name the setting, broker, table or message id invol
     ├── OperationError              an operator's request is malformed (a filter, a limit)
     │   └── StaleDeadLetters        a replay of dead letters older than the inbox retention,
     │                               not forced: other groups would handle them again
-    └── TooLate                     a cancel came after a dispatcher claimed the message
+    └── TooLate                     a cancel came after a relay claimed the message
 """
 
 from __future__ import annotations
 
 from fastapi_outbox.redaction import redact
+
+__all__ = [
+    "AuthenticationFailed",
+    "BrokerError",
+    "BrokerRefusing",
+    "BrokerTimeout",
+    "BrokerUnavailable",
+    "CommitOutcomeUnknown",
+    "ConfigurationError",
+    "EventDefinitionError",
+    "HandlerEscaped",
+    "MessageNotFound",
+    "MessageRejected",
+    "OperationError",
+    "OutboxError",
+    "PayloadTooLarge",
+    "PayloadUnreadable",
+    "PublishError",
+    "SerializationError",
+    "StaleDeadLetters",
+    "TooLate",
+    "UnitOfWorkError",
+    "UnknownBroker",
+    "UnknownEncryptionKey",
+    "UnstorableText",
+]
 
 
 class OutboxError(Exception):
@@ -116,12 +142,12 @@ class BrokerError(OutboxError):
 
 
 class BrokerUnavailable(BrokerError):
-    """The broker cannot be reached; the processor backs off without burning attempts."""
+    """The broker cannot be reached; the relay backs off without burning attempts."""
 
 
 class BrokerRefusing(BrokerUnavailable):
     """The broker answers but refuses every message for a reason of its own (out of memory,
-    read-only replica, still loading, JetStream without resources or leader): the processor
+    read-only replica, still loading, JetStream without resources or leader): the relay
     backs off as a whole, attempts refunded, and resumes by itself."""
 
 
@@ -135,8 +161,8 @@ class AuthenticationFailed(BrokerUnavailable):
 
 class BrokerTimeout(BrokerUnavailable):
     """The broker did not answer a publish in time (a socket read timeout, no ack). The
-    processor then pings the broker: no answer is an outage (attempts refunded, the
-    processor pauses); an answer means the batch hangs, not the broker, and its messages
+    relay then pings the broker: no answer is an outage (attempts refunded, the
+    relay pauses); an answer means the batch hangs, not the broker, and its messages
     are tried one by one so that the one that hangs is charged on its own."""
 
 

@@ -1,12 +1,12 @@
-"""Hooks the dispatcher calls around and after each publish.
+"""Hooks the relay calls around and after each publish.
 
 ``Instrumentation`` is the default: outcome hooks that do nothing, and a publish hook that
 opens one OpenTelemetry span per message when a tracer provider is configured (a no-op
 otherwise, see :mod:`fastapi_outbox.tracing`). ``fastapi_outbox.ops.metrics`` subclasses it for
 Prometheus; any subclass can be passed as ``Outbox(..., instrumentation=...)``.
 
-Hooks run on the dispatcher's event loop in the middle of a batch: they must be quick and
-must not raise (the dispatcher logs and ignores an exception from a hook).
+Hooks run on the relay's event loop in the middle of a batch: they must be quick and
+must not raise (the relay logs and ignores an exception from a hook).
 """
 
 from __future__ import annotations

@@ -319,7 +319,7 @@ class Outbox:
     async def lifespan(self, app: Any) -> AsyncIterator[None]:
         """FastAPI lifespan: ``FastAPI(lifespan=outbox.lifespan)``."""
         serve_app(app.state, self._producer)
-        if not self.settings.run_dispatchers:
+        if not self.settings.run_relays:
             if self.wal_slot is not None:
                 await self.wal_slot.check_server(slot=True)
             async with self.relays.notifying():

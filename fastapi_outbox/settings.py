@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import binascii
 import datetime as dt
+import os
 import re
 from collections.abc import Callable, Mapping
 from typing import Annotated, Any, Literal
@@ -21,7 +22,7 @@ from fastapi_outbox import exceptions
 TABLE_NAME = "outbox_messages"
 #: Largest claim of one worker (``batch_size``): claims grow to it while the backlog lasts.
 BATCH_SIZE = 500
-#: Claim size of an idle dispatcher (``min_batch_size``).
+#: Claim size of an idle relay (``min_batch_size``).
 MIN_BATCH_SIZE = 25
 WORKERS = 2
 LEASE_SECONDS = 30.0
@@ -45,9 +46,9 @@ NOTIFY_INTERVAL_SECONDS = 0.002
 PUBLISH_TIMEOUT_SECONDS = 10.0
 #: Furthest ahead a delayed message may be due (30 days).
 MAX_DELAY_SECONDS = 30 * 86400.0
-#: Bound of each dispatcher statement (server side: statement_timeout, and client side).
+#: Bound of each relay statement (server side: statement_timeout, and client side).
 DB_STATEMENT_TIMEOUT_SECONDS = 10.0
-#: Bound of a dispatcher's wait for a lock (the ordered claimers' turn, a row lock).
+#: Bound of a relay's wait for a lock (the ordered claimers' turn, a row lock).
 DB_LOCK_TIMEOUT_SECONDS = 5.0
 #: Extra margin added to lease + maximal backoff for the brokers' de-duplication window.
 DEDUP_MARGIN_SECONDS = 60.0
@@ -56,7 +57,7 @@ DEDUP_MARGIN_SECONDS = 60.0
 #: mark failed, or the broker's ack was lost) is published again when the outage ends.
 DEDUP_OUTAGE_SECONDS = 4 * 3600.0
 #: ``lease_seconds`` must be at least this many times ``publish_timeout_seconds``: a claim
-#: must outlive its slowest publish plus the mark that follows, or another dispatcher
+#: must outlive its slowest publish plus the mark that follows, or another relay
 #: takes the rows while they are being published (a duplicate for the de-duplication to
 #: absorb at best).
 LEASE_PUBLISH_MARGIN = 1.5
@@ -161,6 +162,24 @@ def setting_group(field: str) -> str:
     return str(extra["group"])
 
 
+#: Environment variables whose setting was renamed: old name → new name. Unknown
+#: ``OUTBOX_*`` variables are otherwise ignored, so a deployment still setting the old one
+#: would silently get the default.
+RENAMED_VARIABLES: Mapping[str, str] = {"OUTBOX_RUN_DISPATCHERS": "OUTBOX_RUN_RELAYS"}
+
+
+def _no_renamed_variables() -> None:
+    """Refuse a variable whose setting was renamed, naming the one to set instead."""
+    present = {name.upper() for name in os.environ}
+    for old, new in RENAMED_VARIABLES.items():
+        if old in present:
+            field = new.removeprefix("OUTBOX_").lower()
+            raise ValueError(
+                f"{old} is set, but that setting is now called {field}: "
+                f"set {new} instead and remove {old}"
+            )
+
+
 class OutboxSettings(BaseSettings):
     """Settings of an :class:`~fastapi_outbox.Outbox`; environment variables ``OUTBOX_<FIELD>``."""
 
@@ -187,22 +206,22 @@ class OutboxSettings(BaseSettings):
         description="PostgreSQL: range-partition the outbox table by time (its UUIDv7 id's "
         "range), one partition per interval ('daily', 'hourly', '6h', '2d'); lookups by id "
         "read one partition, retention drops "
-        "whole partitions (see fastapi_outbox.partitions). None: one plain table.",
+        "whole partitions (see fastapi_outbox.storage.partitions). None: one plain table.",
         json_schema_extra=_group("database"),
     )
     db_statement_timeout_seconds: float | None = Field(
         default=None,
         gt=0,
-        description="Bound of each dispatcher database statement (PostgreSQL "
+        description="Bound of each relay database statement (PostgreSQL "
         "statement_timeout / idle_in_transaction_session_timeout, and the driver's command "
-        "timeout): a frozen database or dispatcher cannot hold a claim or the ordered lock. "
+        "timeout): a frozen database or relay cannot hold a claim or the ordered lock. "
         "None: 10 s, or a third of lease_seconds when that is shorter.",
         json_schema_extra=_group("database"),
     )
     db_lock_timeout_seconds: float | None = Field(
         default=None,
         gt=0,
-        description="Bound of a dispatcher's wait for a lock (PostgreSQL lock_timeout). "
+        description="Bound of a relay's wait for a lock (PostgreSQL lock_timeout). "
         "None: half the statement timeout.",
         json_schema_extra=_group("database"),
     )
@@ -232,7 +251,7 @@ class OutboxSettings(BaseSettings):
         default=LISTEN_CHECK_TIMEOUT_SECONDS,
         gt=0,
         description="A LISTEN self-check not answered within this is a lost connection: "
-        "the dispatchers poll every poll_interval_seconds at once and it reconnects.",
+        "the relays poll every poll_interval_seconds at once and it reconnects.",
         json_schema_extra=_group("wakeups"),
     )
 
@@ -245,16 +264,16 @@ class OutboxSettings(BaseSettings):
         "without --broker-url).",
         json_schema_extra=_group("relay"),
     )
-    run_dispatchers: bool = Field(
+    run_relays: bool = Field(
         default=True,
-        description="Start dispatchers in the app lifespan (False: API only).",
+        description="Start the relays in the app lifespan (False: API only).",
         json_schema_extra=_group("relay"),
     )
     workers: int = Field(
         default=WORKERS,
         ge=1,
         le=64,
-        description="Workers per processor.",
+        description="Workers per relay (one relay per broker).",
         json_schema_extra=_group("relay"),
     )
     batch_size: int = Field(
@@ -269,7 +288,7 @@ class OutboxSettings(BaseSettings):
         default=MIN_BATCH_SIZE,
         ge=1,
         le=10_000,
-        description="Claim size of an idle dispatcher (capped by batch_size; equal to it: "
+        description="Claim size of an idle relay (capped by batch_size; equal to it: "
         "every claim asks for batch_size rows).",
         json_schema_extra=_group("relay"),
     )
@@ -522,7 +541,7 @@ class OutboxSettings(BaseSettings):
         default="table",
         description="How the unit of work records messages: 'table' (outbox rows) or 'wal' "
         "(PostgreSQL with wal_level=logical: pg_logical_emit_message in the business "
-        "transaction, relayed from a logical replication slot; see fastapi_outbox.wal_relay).",
+        "transaction, relayed from a logical replication slot; see fastapi_outbox.relay.wal).",
         json_schema_extra=_group("wal"),
     )
     wal_slot_name: str | None = Field(
@@ -638,6 +657,7 @@ class OutboxSettings(BaseSettings):
     @model_validator(mode="after")
     def _consistent(self) -> OutboxSettings:
         # Both names and both variables: the error is on neither field alone.
+        _no_renamed_variables()
         self._consistent_timing()
         self._consistent_dispatch()
         self._consistent_consumers()
@@ -771,7 +791,7 @@ class OutboxSettings(BaseSettings):
 
     @property
     def smallest_claim(self) -> int:
-        """Claim size of an idle dispatcher: ``min_batch_size``, at most ``batch_size``."""
+        """Claim size of an idle relay: ``min_batch_size``, at most ``batch_size``."""
         return min(self.min_batch_size, self.batch_size)
 
     @property

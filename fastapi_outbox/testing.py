@@ -13,8 +13,8 @@ subscriber has handled it, including what their handlers published in turn; then
         await harness.wait_idle()
         assert harness.published(OrderPlaced) == [OrderPlaced(order_id=1, total=42)]
 
-``await drain(outbox)`` claims and publishes everything due, as a dispatcher would, and
-returns how many messages were published; tests need no running dispatcher.
+``await drain(outbox)`` claims and publishes everything due, as a relay would, and
+returns how many messages were published; tests need no running relay.
 
 The pytest plugin (registered by the package's ``pytest11`` entry point) provides
 ``memory_broker`` and ``sqlite_outbox`` fixtures.
@@ -35,7 +35,8 @@ from fastapi_outbox.brokers.consumer import DeadLetter, Delivery
 from fastapi_outbox.brokers.memory.broker import MemoryBroker
 from fastapi_outbox.events import Envelope, Event
 from fastapi_outbox.exceptions import PayloadUnreadable
-from fastapi_outbox.relay.table import Processor, process_batch
+from fastapi_outbox.relay.table import TableRelay, process_batch
+from fastapi_outbox.storage.wal_slot import UndecodableWalMessage
 from fastapi_outbox.write.unit_of_work import serve_app
 
 if TYPE_CHECKING:
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
 
     from fastapi_outbox.outbox import Outbox
 
-__all__ = ["OutboxHarness", "drain", "memory_broker", "sqlite_outbox"]
+__all__ = ["OutboxHarness", "UndecodableWalMessage", "drain", "memory_broker", "sqlite_outbox"]
 
 E = TypeVar("E", bound=Event)
 
@@ -66,7 +67,7 @@ async def drain(outbox: Outbox, *, broker: str | None = None, max_batches: int =
     if outbox.wal_slot is not None:
         from fastapi_outbox.relay.wal import WalRelay
 
-        relay = WalRelay(
+        wal_relay = WalRelay(
             store=outbox.store,
             slot=outbox.wal_slot,
             brokers=outbox.all_brokers,
@@ -74,10 +75,10 @@ async def drain(outbox: Outbox, *, broker: str | None = None, max_batches: int =
             instance=outbox.instance + ":drain",
             instrumentation=outbox.instrumentation,
         )
-        await relay.drain()
-        published += relay.relayed_total
+        await wal_relay.drain()
+        published += wal_relay.relayed_total
     for name in names:
-        processor = Processor(
+        relay = TableRelay(
             store=outbox.store.claims,
             broker_name=name,
             broker=outbox.all_brokers[name],
@@ -85,9 +86,9 @@ async def drain(outbox: Outbox, *, broker: str | None = None, max_batches: int =
             instance=outbox.instance + ":drain",
             instrumentation=outbox.instrumentation,
         )
-        await processor.broker.connect()
+        await relay.broker.connect()
         for n in range(max_batches):
-            token = f"{processor.instance}:{n}"
+            token = f"{relay.instance}:{n}"
             batch = await outbox.store.claims.claim(
                 name,
                 outbox.settings.batch_size,
@@ -97,9 +98,9 @@ async def drain(outbox: Outbox, *, broker: str | None = None, max_batches: int =
             )
             if not batch:
                 break
-            before = processor.published_total
-            await process_batch(processor, batch, token)
-            published += processor.published_total - before
+            before = relay.published_total
+            await process_batch(relay, batch, token)
+            published += relay.published_total - before
     return published
 
 

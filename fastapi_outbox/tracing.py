@@ -5,7 +5,7 @@
 * The stored ``traceparent`` travels unchanged in the broker message's headers: it is the
   message's *creation context* (OpenTelemetry messaging conventions), so a consumer that
   extracts it joins the trace of the request that raised the event.
-* The dispatcher opens one ``PRODUCER`` span per message around the broker call
+* The relay opens one ``PRODUCER`` span per message around the broker call
   (:func:`start_publish_spans`), *linked* to that stored context. The publish happens
   after the request has ended, often in another process, so the span starts a trace of
   its own instead of being parented to a finished request; the link ties the two.

@@ -32,6 +32,7 @@ __all__ = [
     "RabbitMQBroker",
     "RedisStreamsBroker",
     "broker_from_url",
+    "redact_url",
 ]
 
 

@@ -3,7 +3,7 @@
 ``publish(batch)`` sends a batch and returns one result per envelope, in order: ``None``
 when the broker stored the message, or the exception that refused it (retried on its own
 with backoff). When the broker as a whole cannot be reached it raises
-:class:`~fastapi_outbox.exceptions.BrokerUnavailable` instead, and the dispatcher gives
+:class:`~fastapi_outbox.exceptions.BrokerUnavailable` instead, and the relay gives
 the whole batch back without burning attempts.
 """
 
@@ -22,7 +22,7 @@ PublishResults = list[BaseException | None]
 
 @runtime_checkable
 class Broker(Protocol):
-    """A message broker the dispatcher publishes to."""
+    """A message broker the relay publishes to."""
 
     async def connect(self) -> None:
         """Open connections; idempotent. Raises BrokerUnavailable when unreachable."""

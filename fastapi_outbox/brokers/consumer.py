@@ -5,7 +5,7 @@ A subscriber (:mod:`fastapi_outbox.consume.subscriber`) drives one consumer per 
 * ``setup()`` creates the group / durable consumer (and the dead-letter stream where the
   broker needs one) when missing, or brings an existing one to the declared settings
   (ConfigurationError naming the setting when the broker refuses); ``Outbox`` calls it for
-  every subscriber before its dispatchers publish and in ``create_tables``, so a group
+  every subscriber before its relays publish and in ``create_tables``, so a group
   exists before the first message meant for it, whatever ``start`` says;
 * ``fetch(n, timeout)`` returns up to n :class:`Delivery` objects — new messages, stale ones
   of dead consumers reclaimed after ``claim_idle_seconds``, and this consumer's own retries

@@ -23,7 +23,7 @@ NO_BROKER = (
     "(MemoryBroker() for tests and the embedded default), --broker-url to "
     "`fastapi-outbox dispatch`, or set OUTBOX_BROKER_URL "
     "(redis://, redis+cluster://, nats://, amqp://, memory://); "
-    "an API-only process sets run_dispatchers=False"
+    "an API-only process sets run_relays=False"
 )
 
 

@@ -116,7 +116,7 @@ def add_commands(
     consumers_cli.add_replay_arguments(replay)
 
     abandon = sub.add_parser(
-        "abandon", help="stop retrying pending or failed messages (not held by a dispatcher)"
+        "abandon", help="stop retrying pending or failed messages (not held by a relay)"
     )
     common(abandon)
     _id_arguments(abandon)
@@ -124,7 +124,7 @@ def add_commands(
     abandon.add_argument("--reason", help="recorded in last_error")
 
     cancel = sub.add_parser(
-        "cancel", help="cancel pending (delayed) messages no dispatcher has claimed yet"
+        "cancel", help="cancel pending (delayed) messages no relay has claimed yet"
     )
     common(cancel)
     _id_arguments(cancel)

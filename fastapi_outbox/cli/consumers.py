@@ -17,6 +17,7 @@ from fastapi_outbox.brokers.consumer import DeadLetter
 from fastapi_outbox.cli.support import (
     EXIT_AUTHENTICATION,
     EXIT_FAILED,
+    EXIT_OK,
     EXIT_UNREACHABLE,
     CliError,
     broker_error,
@@ -24,7 +25,6 @@ from fastapi_outbox.cli.support import (
     operator_name,
     render_table,
 )
-from fastapi_outbox.cli.support import EXIT_OK as EXIT_OK  # the old path re-exports it
 from fastapi_outbox.consume.subscriber import ConsumerStatus
 from fastapi_outbox.log import safe_error
 from fastapi_outbox.ops import operations

@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     _db_commands(sub)
-    dispatch = sub.add_parser("dispatch", help="run the dispatchers without a web server")
+    dispatch = sub.add_parser("dispatch", help="run the relays without a web server")
     _common(dispatch)
     dispatch.add_argument(
         "--broker-url",
@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HOST:PORT",
         type=_host_port,
         help="also serve GET /outbox/health (and /metrics with PrometheusInstrumentation) "
-        "on HOST:PORT, for probes of a dispatcher-only process (needs uvicorn)",
+        "on HOST:PORT, for probes of a relay-only process (needs uvicorn)",
     )
 
     from fastapi_outbox.cli import admin
@@ -344,14 +344,14 @@ async def _drop_slot(outbox: Outbox, *, force: bool) -> int:
             if _sqlstate(exc) == "55006" or getattr(exc, "sqlstate", None) == "55006":
                 raise CliError(
                     f"replication slot {slot.name} is being read by a WAL relay: stop the "
-                    "dispatchers (or restart them with capture='table') first",
+                    "relays (or restart them with capture='table') first",
                     EXIT_FAILED,
                 ) from exc
             raise
         if count:
             raise CliError(
                 f"replication slot {slot.name} still holds {count} unrelayed message(s): "
-                "let a dispatcher with capture='wal' relay them first, or pass --force to "
+                "let a relay process with capture='wal' relay them first, or pass --force to "
                 "drop them",
                 EXIT_FAILED,
             )
@@ -360,8 +360,7 @@ async def _drop_slot(outbox: Outbox, *, force: bool) -> int:
     except Exception as exc:
         if getattr(exc, "sqlstate", None) == "55006":
             raise CliError(
-                f"replication slot {slot.name} is in use by a WAL relay: stop the "
-                "dispatchers first",
+                f"replication slot {slot.name} is in use by a WAL relay: stop the relays first",
                 EXIT_FAILED,
             ) from exc
         raise
@@ -423,11 +422,11 @@ def _host_port(text: str) -> tuple[str, int]:
 
 
 def _probe_app(outbox: Outbox) -> FastAPI:
-    """The HTTP surface of a dispatcher-only process: health, and metrics when the outbox
+    """The HTTP surface of a relay-only process: health, and metrics when the outbox
     reports to Prometheus."""
     from fastapi import FastAPI
 
-    app = FastAPI(title="fastapi-outbox dispatcher", openapi_url=None)
+    app = FastAPI(title="fastapi-outbox relay", openapi_url=None)
     app.include_router(outbox.health_router)
     try:
         from fastapi_outbox.ops.metrics import PrometheusInstrumentation, mount_metrics
@@ -447,7 +446,7 @@ async def _serve_probes(outbox: Outbox, host: str, port: int, stop: asyncio.Even
         _probe_app(outbox), host=host, port=port, log_level="warning", lifespan="off"
     )
     server = uvicorn.Server(config)
-    # Signals belong to the dispatcher: it stops the server when it stops.
+    # Signals belong to the relay process: it stops the server when it stops.
     server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
     serving = asyncio.ensure_future(server.serve())
     logger.info("serving health", extra={"action": "dispatch.http", "address": f"{host}:{port}"})
@@ -459,7 +458,7 @@ async def _serve_probes(outbox: Outbox, host: str, port: int, stop: asyncio.Even
 
 
 async def dispatch(outbox: Outbox, *, http: tuple[str, int] | None = None) -> int:
-    """Run the processors until SIGTERM/SIGINT, then shut down cleanly (exit 0)."""
+    """Run the relays until SIGTERM/SIGINT, then shut down cleanly (exit 0)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

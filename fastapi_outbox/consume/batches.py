@@ -32,7 +32,7 @@ from fastapi_outbox.log import safe_error
 
 __all__ = ["BATCH_HANDLER_TRIES", "Batches"]
 
-logger = logging.getLogger("fastapi_outbox.subscribers")
+logger = logging.getLogger("fastapi_outbox.consume")
 
 #: Tries of a failing batch of a batch handler as a whole (the first, then retries after
 #: backoff) before its messages go one by one, each as a one-element list.

@@ -81,7 +81,7 @@ __all__ = [
     "rebalance",
 ]
 
-logger = logging.getLogger("fastapi_outbox.subscribers")
+logger = logging.getLogger("fastapi_outbox.consume")
 
 #: Messages one partition may have read ahead, waiting for their turn; past it the reader
 #: leaves the partition's messages in the stream and reads them again later.

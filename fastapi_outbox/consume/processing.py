@@ -84,7 +84,7 @@ __all__ = [
     "stops_the_process",
 ]
 
-logger = logging.getLogger("fastapi_outbox.subscribers")
+logger = logging.getLogger("fastapi_outbox.consume")
 
 #: Longest wait for the database's answer when telling an outage from a handler's own
 #: connection error.

@@ -42,7 +42,7 @@ Only a rollback of the session reaches that transaction; then a new one is begun
 handler's later work is discarded with it), and the message runs again the careful way: the
 session in a savepoint of the subscriber's transaction (``"create_savepoint"``: its commit
 releases the savepoint, its rollback goes back to it). A batch whose handler rolls back goes
-message by message (a batch handler's batch: again at once, the careful way). The dispatchers
+message by message (a batch handler's batch: again at once, the careful way). The relays
 are woken after the subscriber's real commit, not after the handler's.
 
 Failures:
@@ -127,7 +127,7 @@ from fastapi_outbox.consume.processing import (
 from fastapi_outbox.consume.versions import Versions
 from fastapi_outbox.log import safe_error
 
-logger = logging.getLogger("fastapi_outbox.subscribers")
+logger = logging.getLogger("fastapi_outbox.consume")
 
 __all__ = [
     "DEAD_LETTER_TEMPLATE",

@@ -37,7 +37,7 @@ from fastapi_outbox.storage.group_members import ANY_TYPE, Attempts, GroupMember
 
 __all__ = ["HAND_BACK_SECONDS", "HEARTBEAT_SECONDS", "MEMBER_TTL_SECONDS", "Versions"]
 
-logger = logging.getLogger("fastapi_outbox.subscribers")
+logger = logging.getLogger("fastapi_outbox.consume")
 
 #: A process's row says it is alive for this long after each heartbeat.
 MEMBER_TTL_SECONDS = 15.0

@@ -32,7 +32,7 @@ __all__ = [
     "gate_brokers",
 ]
 
-logger = logging.getLogger("fastapi_outbox")
+logger = logging.getLogger("fastapi_outbox.lifecycle")
 
 #: Bound on declaring the consumer groups at start (a broker that does not answer in time
 #: gets them declared before the first publish instead).
@@ -66,11 +66,12 @@ async def declare_groups(subscribers: Iterable[Subscriber], broker: str | None =
 
 class GroupsFirst:
     """A broker whose ``connect`` declares this process's consumer groups on it once
-    (``outbox.lifecycle.declare_groups()``) before it lets anything be published: the processors and
-    the WAL relay publish through it, so the first message of a stream never reaches the
-    broker before the groups of the subscribers declared here exist. Until they do,
+    (``outbox.lifecycle.declare_groups()``) before it lets anything be published: the
+    table relays and the WAL relay publish through it, so the first message of a stream
+    never reaches the broker before the groups of the subscribers declared here exist.
+    Until they do,
     ``connect`` and ``publish`` raise what the declaration raised (BrokerUnavailable: the
-    processor pauses and tries again). Everything else is the broker's own."""
+    relay pauses and tries again). Everything else is the broker's own."""
 
     def __init__(self, broker: Broker, name: str, declare: Declare) -> None:
         self._broker = broker
@@ -116,7 +117,7 @@ class GroupsFirst:
 async def gate_brokers(
     brokers: Mapping[str, Broker], consumed: Collection[str], declare: Declare
 ) -> dict[str, Broker]:
-    """The brokers the processors and the WAL relay publish with: those in ``consumed``
+    """The brokers the table relays and the WAL relay publish with: those in ``consumed``
     (this process's subscribers consume from them) are wrapped so that nothing is
     published to them before the subscribers' groups exist. The groups are
     declared here, before any relay starts, bounded in time; a broker that does not

@@ -26,7 +26,7 @@ from fastapi_outbox.storage.inbox import Inbox
 from fastapi_outbox.storage.partitions import Maintainer
 from fastapi_outbox.storage.store import ABANDONED, PUBLISHED, Store
 
-logger = logging.getLogger("fastapi_outbox.retention")
+logger = logging.getLogger("fastapi_outbox.lifecycle")
 
 #: Pause between two batches: lets dispatch and requests through.
 BATCH_PAUSE_SECONDS = 0.01
@@ -86,7 +86,7 @@ class _Mover:
 
 
 class Cleaner:
-    """The periodic retention task started with the dispatchers."""
+    """The periodic retention task started with the relays."""
 
     def __init__(
         self,
@@ -122,7 +122,7 @@ class Cleaner:
         self.last_run: float | None = None
         self.deleted_total = 0
         # Made by run(): the Outbox (and this cleaner) may be built outside an event loop,
-        # and each dispatcher run needs fresh ones.
+        # and each relay run needs fresh ones.
         self._stop: anyio.Event | None = None
         #: Set when :meth:`run` has returned (shutdown waits for it, see :meth:`stop`).
         self.stopped: anyio.Event | None = None

@@ -40,7 +40,7 @@ from fastapi_outbox.storage.wal_slot import WalSlot
 
 __all__ = ["Lifecycle", "Service", "StoppableService", "Supervisor", "close_brokers"]
 
-logger = logging.getLogger("fastapi_outbox")
+logger = logging.getLogger("fastapi_outbox.lifecycle")
 
 
 class Service(Protocol):
@@ -177,7 +177,7 @@ class Lifecycle:
                     for service in services:
                         await supervisor.start(service)
                     logger.info(
-                        "outbox dispatchers started",
+                        "outbox relays started",
                         extra={
                             "action": "outbox.start",
                             "brokers": list(relays.tables),
@@ -189,7 +189,7 @@ class Lifecycle:
                         yield
                     finally:
                         await supervisor.stop()
-                        logger.info("outbox dispatchers stopped", extra={"action": "outbox.stop"})
+                        logger.info("outbox relays stopped", extra={"action": "outbox.stop"})
             finally:
                 self.started = False
                 self.relays.stopped()

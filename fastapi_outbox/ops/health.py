@@ -1,13 +1,13 @@
 """``GET /outbox/health``: is the outbox moving?
 
-The body says ``ok``, ``degraded`` or ``down`` and, per processor, whether it runs, when it
+The body says ``ok``, ``degraded`` or ``down`` and, per relay, whether it runs, when it
 last claimed, its counts and how long the longest-waiting due message has waited. HTTP 503
 when ``down`` — only for what a restart of *this* process can cure: the database cannot be
-reached, a processor of this process has died, or a due message has waited longer than
-``health_max_pending_age_seconds`` for a processor of this process that could take it (its
+reached, a relay of this process has died, or a due message has waited longer than
+``health_max_pending_age_seconds`` for a relay of this process that could take it (its
 broker reachable). ``degraded`` (HTTP 200): a broker is unreachable or refusing messages
 (with how long), messages are failing or abandoned, or messages wait too long in a process
-that runs no processor for them (an API-only process: restarting it would cure nothing).
+that runs no relay for them (an API-only process: restarting it would cure nothing).
 Counts come from the partial indexes and are cached for ``health_cache_seconds``; when
 the database cannot be reached they are
 ``null`` (unknown), and the check gives up after ``HEALTH_TIMEOUT_SECONDS`` so a database
@@ -30,10 +30,10 @@ pool whose connections are all held is reported ``database: "busy"`` (degraded, 
 wait), never ``down``.
 
 Probes: ``GET /outbox/health/live`` (liveness) answers 503 only when this process cannot
-make progress — a dispatcher, subscriber or WAL relay that should run here has stopped —
+make progress — a table relay, subscriber or WAL relay that should run here has stopped —
 and does no I/O; ``GET /outbox/health/ready`` (readiness) is ``/outbox/health``: 503 when
 the outbox is down, including an app that never entered ``outbox.lifespan`` while
-``run_dispatchers`` is on.
+``run_relays`` is on.
 """
 
 from __future__ import annotations
@@ -67,17 +67,17 @@ Status = Literal["ok", "degraded", "down"]
 #: They are read on health's own connection, so this never counts a wait for the pool.
 HEALTH_TIMEOUT_SECONDS = 5.0
 
-#: Why an outbox whose dispatchers should run here is down when they were never started.
+#: Why an outbox whose relays should run here is down when they were never started.
 NOT_STARTED = (
-    "the outbox was never started in this process: its dispatchers and subscribers do "
+    "the outbox was never started in this process: its relays and subscribers do "
     "not run. Start the app with FastAPI(lifespan=outbox.lifespan) or "
     "app.include_router(outbox.router); if they run in a separate `fastapi-outbox "
-    "dispatch` process, set run_dispatchers=False (OUTBOX_RUN_DISPATCHERS=false) here"
+    "dispatch` process, set run_relays=False (OUTBOX_RUN_RELAYS=false) here"
 )
 
 
-class ProcessorHealth(BaseModel):
-    """One (database, broker) processor."""
+class RelayHealth(BaseModel):
+    """One (database, broker) relay."""
 
     broker: str
     external: bool = Field(description="Publishes to an external broker.")
@@ -97,7 +97,7 @@ class ProcessorHealth(BaseModel):
     abandoned: int | None
     oldest_pending_age_seconds: float | None = Field(
         description="How long the longest-waiting due pending message has waited for a "
-        "dispatcher (from its commit, or from when it was given back); None when none waits."
+        "relay (from its commit, or from when it was given back); None when none waits."
     )
     published_last_minute: int | None
     last_error: str | None = Field(
@@ -178,18 +178,18 @@ class OutboxHealth(BaseModel):
         "the application's pool had no connection free (degraded, never down)."
     )
     pool: PoolHealth | None = Field(default=None, description="The application's pool.")
-    dispatchers_running: bool = Field(description="Dispatchers run in this process.")
+    relays_running: bool = Field(description="Relays run in this process.")
     reasons: list[str] = Field(default_factory=list, description="Why the status is not ok.")
-    processors: list[ProcessorHealth] = Field(default_factory=list)
+    relays: list[RelayHealth] = Field(default_factory=list)
     wal: WalHealth | None = Field(default=None, description='capture="wal" only.')
     consumers: list[ConsumerStatus] = Field(
         default_factory=list, description="The subscribers' consumer groups."
     )
     listening: bool | None = Field(
         default=None,
-        description="The dispatchers of this process get other processes' commits by "
+        description="The relays of this process get other processes' commits by "
         "LISTEN (False: they poll every poll_interval_seconds until it is back, after a "
-        "lost or silent connection); None when none listens here (no dispatchers, SQLite, "
+        "lost or silent connection); None when none listens here (no relays, SQLite, "
         "notify=False).",
     )
 
@@ -199,7 +199,7 @@ class OutboxHealth(BaseModel):
         wal = self.wal
         return self.model_copy(
             update={
-                "processors": [p.model_copy(update={"last_error": None}) for p in self.processors],
+                "relays": [p.model_copy(update={"last_error": None}) for p in self.relays],
                 "wal": None if wal is None else wal.model_copy(update={"last_error": None}),
                 "consumers": [
                     c.model_copy(update={"handler": None, "last_error": None})
@@ -233,7 +233,7 @@ class _Findings:
 
 async def compute_health(outbox: OutboxPort) -> OutboxHealth:
     found = _Findings()
-    if not outbox.lifecycle.started and outbox.settings.run_dispatchers:
+    if not outbox.lifecycle.started and outbox.settings.run_relays:
         found.is_down(NOT_STARTED)
     stats: dict[str, BrokerStats] = {}
     probe = outbox.database_probe
@@ -247,7 +247,7 @@ async def compute_health(outbox: OutboxPort) -> OutboxHealth:
         found.is_down(describe_database_error(exc, dialect))
         database_ok = False
     pool = await _pool_health(probe, found) if database_ok else None
-    processors = [
+    relays = [
         _processor_health(outbox, name, stats.get(name), found) for name in outbox.all_brokers
     ]
     wal = None
@@ -261,9 +261,9 @@ async def compute_health(outbox: OutboxPort) -> OutboxHealth:
         pool=None
         if pool is None
         else PoolHealth(in_use=pool.in_use, capacity=pool.capacity, wait_seconds=pool.wait_seconds),
-        dispatchers_running=outbox.lifecycle.started,
+        relays_running=outbox.lifecycle.started,
         reasons=found.reasons,
-        processors=processors,
+        relays=relays,
         wal=wal,
         listening=None if outbox.relays.listener is None else outbox.relays.listener.listening,
     )
@@ -288,13 +288,13 @@ async def _pool_health(probe: DatabaseProbe, found: _Findings) -> PoolUsage | No
 
 def _processor_health(
     outbox: OutboxPort, name: str, s: BrokerStats | None, found: _Findings
-) -> ProcessorHealth:
-    """One broker's processor: down when it should run here and does not, or when a due
+) -> RelayHealth:
+    """One broker's relay: down when it should run here and does not, or when a due
     message waits too long for it; degraded when its broker is down, messages fail or
     are abandoned, or keys are blocked. ``s``: its counts (None: database unreachable)."""
     p = relay_here(outbox, name)
     if outbox.lifecycle.started and (p is None or not p.running):
-        found.is_down(f"processor {name!r} is not running")
+        found.is_down(f"relay {name!r} is not running")
     broker_down = p is not None and p.running and not p.broker_ok
     down_for: float | None = None
     if broker_down and p is not None:
@@ -312,7 +312,7 @@ def _processor_health(
         _backlog_health(
             outbox, name, s, found, stuck_here=bool(p and p.running) and not broker_down
         )
-    return ProcessorHealth(
+    return RelayHealth(
         broker=name,
         external=name in outbox.external_brokers,
         running=bool(p and p.running),
@@ -333,9 +333,9 @@ def _processor_health(
 def _backlog_health(
     outbox: OutboxPort, name: str, s: BrokerStats, found: _Findings, *, stuck_here: bool
 ) -> None:
-    """What the counts of one broker say. ``stuck_here``: a processor of this process
+    """What the counts of one broker say. ``stuck_here``: a relay of this process
     runs for it with its broker up, so a message waiting too long is this process's fault
-    (a restart cures it: down); otherwise (a broker outage, during which the processor
+    (a restart cures it: down); otherwise (a broker outage, during which the relay
     pauses on purpose, or an API-only process's view of the table) it is degraded."""
     limit = outbox.settings.health_max_pending_age_seconds
     age = s.oldest_pending_age_seconds
@@ -343,7 +343,7 @@ def _backlog_health(
         reason = (
             f"a due message of {name!r} has waited {age:.0f}s "
             f"(> health_max_pending_age_seconds={limit:g})"
-            + ("" if stuck_here else "; no processor here could take it")
+            + ("" if stuck_here else "; no relay here could take it")
         )
         if stuck_here:
             found.is_down(reason)
@@ -547,13 +547,13 @@ class SingleFlight:
 
 
 def liveness(outbox: OutboxPort) -> list[str]:
-    """Why this process cannot make progress (empty: it can): a dispatcher, subscriber or
+    """Why this process cannot make progress (empty: it can): a table relay, subscriber or
     WAL relay that should run here has stopped. In-process state only, no I/O: an outage of
     the database or a broker is not cured by a restart and never fails liveness."""
     if not outbox.lifecycle.started:
         return []
     reasons = [
-        f"processor {name!r} is not running"
+        f"relay {name!r} is not running"
         for name in outbox.all_brokers
         if (p := relay_here(outbox, name)) is None or not p.running
     ]

@@ -1,4 +1,4 @@
-"""Prometheus metrics (extra ``prometheus``): counters from the dispatcher's hooks, gauges
+"""Prometheus metrics (extra ``prometheus``): counters from the relay's hooks, gauges
 from the outbox table, and a ``/metrics`` route.
 
 ::
@@ -12,7 +12,7 @@ from the outbox table, and a ``/metrics`` route.
 Metrics (prefix ``outbox_``, change it with ``namespace=``):
 
 * ``messages_published_total``, ``messages_failed_total`` (refused, will be retried) and
-  ``messages_abandoned_total``, by ``broker`` and ``stream``: counted by the dispatchers of
+  ``messages_abandoned_total``, by ``broker`` and ``stream``: counted by the relays of
   this process. Stream names can grow without bound (a stream per tenant), and every
   label value is a series kept forever: the first ``max_stream_labels`` streams seen keep
   their name, the others are counted under ``stream="other"``;
@@ -20,7 +20,7 @@ Metrics (prefix ``outbox_``, change it with ``namespace=``):
   header (set when the event was published on the unit of work, just before commit) to
   the broker's acknowledgement — the commit-to-publish latency;
 * ``pending_messages``, ``oldest_pending_age_seconds``, ``abandoned_messages`` by
-  ``broker``, ``database_up`` and ``processor_up`` by ``broker``: gauges refreshed from
+  ``broker``, ``database_up`` and ``relay_up`` by ``broker``: gauges refreshed from
   :meth:`Messages.stats` when ``/metrics`` is scraped (at most once per
   ``refresh_interval_seconds``), so they describe the whole table, whichever process
   dispatches it.
@@ -108,9 +108,7 @@ class _Metrics:
             "oldest_pending_age_seconds", "Age of the oldest pending message (0: none)."
         )
         self.abandoned_now = gauge("abandoned_messages", "Abandoned messages in the table.")
-        self.processor_up = gauge(
-            "processor_up", "1 while this process runs the broker's processor."
-        )
+        self.relay_up = gauge("relay_up", "1 while this process runs the broker's relay.")
         self.database_up = gauge("database_up", "1 when the last refresh reached the database.", ())
         # capture="wal": the replication slot.
         self.wal_lag_bytes = gauge(
@@ -142,7 +140,7 @@ def _metrics_for(registry: Any, namespace: str, buckets: Sequence[float]) -> _Me
 
 
 class PrometheusInstrumentation(Instrumentation):
-    """Dispatcher hooks feeding Prometheus collectors on ``registry`` (default: the
+    """Relay hooks feeding Prometheus collectors on ``registry`` (default: the
     global ``prometheus_client.REGISTRY``)."""
 
     def __init__(
@@ -175,7 +173,7 @@ class PrometheusInstrumentation(Instrumentation):
         self._refreshed_at: float | None = None
         self._refresh_lock = anyio.Lock()
 
-    # -- dispatcher hooks (hot path: one label lookup per stream and batch) --------------------
+    # -- relay hooks (hot path: one label lookup per stream and batch) --------------------
 
     def _label(self, stream: str) -> str:
         """``stream``'s label value: its name while the bound allows, else "other"."""
@@ -233,8 +231,8 @@ class PrometheusInstrumentation(Instrumentation):
                 return
             m = self.metrics
             for name in outbox.all_brokers:
-                processor = relay_here(outbox, name)
-                m.processor_up.labels(name).set(1 if processor and processor.running else 0)
+                relay = relay_here(outbox, name)
+                m.relay_up.labels(name).set(1 if relay and relay.running else 0)
             try:
                 with anyio.fail_after(REFRESH_TIMEOUT_SECONDS):
                     stats = await outbox.store.messages.stats(

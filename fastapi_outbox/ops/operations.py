@@ -38,13 +38,13 @@ from fastapi_outbox.storage.filters import STATUS_FILTERS as STATUS_FILTERS
 from fastapi_outbox.storage.filters import MessageFilter as MessageFilter
 from fastapi_outbox.storage.inbox import GroupStats
 
-logger = logging.getLogger("fastapi_outbox.operations")
+logger = logging.getLogger("fastapi_outbox.ops")
 
 #: Statuses a single-message replay accepts: abandoned, or failed (retry now, no backoff).
 REPLAYABLE = (MessageStatus.ABANDONED.value, MessageStatus.FAILED.value)
-#: Statuses an operator may abandon: not yet published and not held by a dispatcher.
+#: Statuses an operator may abandon: not yet published and not held by a relay.
 ABANDONABLE = (MessageStatus.PENDING.value, MessageStatus.FAILED.value)
-#: Statuses of messages that can still be cancelled (when no dispatcher holds them).
+#: Statuses of messages that can still be cancelled (when no relay holds them).
 CANCELLABLE = (MessageStatus.PENDING.value,)
 #: Rows moved back to pending per statement by ``replay_abandoned``.
 REPLAY_BATCH_SIZE = 1000
@@ -58,7 +58,7 @@ ID_PAGE_SIZE = 1000
 
 class Action(enum.Enum):
     """An operator's action on message ids: what it is called when done, the statuses it
-    takes, and whether a message a dispatcher holds is left alone."""
+    takes, and whether a message a relay holds is left alone."""
 
     REPLAY = "replay"
     ABANDON = "abandon"
@@ -76,8 +76,8 @@ class Action(enum.Enum):
 
     @property
     def unclaimed_only(self) -> bool:
-        """Abandon and cancel leave a message a dispatcher holds alone (fenced); a replay
-        takes abandoned and failed ones, which no dispatcher holds."""
+        """Abandon and cancel leave a message a relay holds alone (fenced); a replay
+        takes abandoned and failed ones, which no relay holds."""
         return self is not Action.REPLAY
 
 
@@ -97,7 +97,7 @@ class Verdict(enum.Enum):
     NOT_FOUND = "not_found"
     #: Its status is not one the action takes (published, say).
     WRONG_STATUS = "wrong_status"
-    #: In a status the action takes, but a dispatcher holds it right now.
+    #: In a status the action takes, but a relay holds it right now.
     HELD = "held"
 
 
@@ -123,7 +123,7 @@ def explain(action: Action, result: IdOutcome) -> str | None:
         now = "being published" if verdict is Verdict.HELD else result.status
         return f"too late: message {mid} is {now}"
     if verdict is Verdict.HELD:
-        return f"message {mid} is held by a dispatcher right now: not {action.done}"
+        return f"message {mid} is held by a relay right now: not {action.done}"
     return (
         f"message {mid} is {result.status}: only {' or '.join(action.takes)} messages "
         f"can be {action.done}"
@@ -319,7 +319,7 @@ async def abandon(
     reason: str | None = None,
     dry_run: bool = False,
 ) -> Outcome:
-    """Stop retrying pending or failed messages that no dispatcher holds right now."""
+    """Stop retrying pending or failed messages that no relay holds right now."""
     who = f" by {operator}" if operator else ""
     error = f"abandoned by an operator{who}" + (f": {reason}" if reason else "")
 
@@ -339,7 +339,7 @@ async def cancel(
     operator: str | None = None,
     dry_run: bool = False,
 ) -> Outcome:
-    """Cancel pending messages (delayed ones, typically) that no dispatcher has claimed:
+    """Cancel pending messages (delayed ones, typically) that no relay has claimed:
     their rows are deleted. Fenced against a concurrent claim: a message claimed first
     is too late to cancel, and the answer says so."""
 
@@ -354,7 +354,7 @@ async def cancel(
 
 async def cancel_one(outbox: OutboxPort, message_id: uuid.UUID) -> None:
     """Cancel one pending message (``Outbox.cancel``): MessageNotFound for an unknown id,
-    TooLate when a dispatcher claimed it, or it finished, first."""
+    TooLate when a relay claimed it, or it finished, first."""
     outcome = await cancel(outbox, [message_id])
     for refused in outcome.refused:
         text = explain(outcome.action, refused)
@@ -408,7 +408,7 @@ class Overview:
 
 async def overview(outbox: OutboxPort) -> Overview:
     """Counts per broker and stream, published per minute over the last hour, and the
-    status of the database and of each broker's processor in this process."""
+    status of the database and of each broker's relay in this process."""
     try:
         streams = await outbox.store.messages.stream_stats()
         per_minute = await outbox.store.messages.published_per_minute(60)
@@ -424,7 +424,7 @@ async def overview(outbox: OutboxPort) -> Overview:
 
 
 def _broker_row(outbox: OutboxPort, name: str) -> dict[str, Any]:
-    """One broker of the overview: its processor's state in this process."""
+    """One broker of the overview: its relay's state in this process."""
     p = relay_here(outbox, name)
     return {
         "broker": name,
@@ -456,7 +456,7 @@ async def _by_pages(
     """Apply ``change`` to ``ids`` a page of ``ID_PAGE_SIZE`` at a time (each page one
     statement, and one more reading the states of the ids it left alone), with a verdict
     for every id. ``change=None``: a dry run, the ids that would change (in a status the
-    action takes, and held by no dispatcher when the action leaves those alone)."""
+    action takes, and held by no relay when the action leaves those alone)."""
     outcome = Outcome(action)
     unique = checked_ids(ids)
     for start in range(0, len(unique), ID_PAGE_SIZE):
@@ -478,7 +478,7 @@ def verdict(
     action: Action, message_id: uuid.UUID, state: tuple[str, bool] | None, *, dry_run: bool
 ) -> IdOutcome:
     """Why ``action`` left ``message_id`` alone, from its ``state`` (status, held by a
-    dispatcher; None: not in the table); in a dry run, DONE when it would change."""
+    relay; None: not in the table); in a dry run, DONE when it would change."""
     if state is None:
         return IdOutcome(message_id, Verdict.NOT_FOUND)
     status, held = state

@@ -38,7 +38,7 @@ from fastapi_outbox.storage import clock, db_outage
 from fastapi_outbox.storage.store import ClaimedRow
 from fastapi_outbox.storage.wal_slot import WalMessage
 
-logger = logging.getLogger("fastapi_outbox.dispatcher")
+logger = logging.getLogger("fastapi_outbox.relay")
 
 #: The backoff of a relay whose database step failed: doubled from the first to the last.
 DB_BACKOFF_MIN_SECONDS = 0.2
@@ -51,8 +51,8 @@ class RelayLoop:
     #: What :meth:`_broker_down` logs: the message for a broker that cannot be reached,
     #: the message for one refusing every message, and the action.
     BROKER_DOWN = (
-        "broker unavailable; processor backing off",
-        "broker refusing messages; processor backing off",
+        "broker unavailable; relay backing off",
+        "broker refusing messages; relay backing off",
         "broker.unavailable",
     )
     #: What :meth:`_broker_up` logs: the message and the action.
@@ -235,7 +235,7 @@ class RelayLoop:
         """``broker`` cannot be reached or refuses every message: the loop pauses."""
         unreachable, refusing, action = self.BROKER_DOWN
         if isinstance(exc, exceptions.AuthenticationFailed):
-            unreachable = "broker authentication failed; processor retrying slowly"
+            unreachable = "broker authentication failed; relay retrying slowly"
         self._outage(
             exc,
             refusing if isinstance(exc, exceptions.BrokerRefusing) else unreachable,

@@ -24,7 +24,7 @@ from fastapi_outbox.storage.claims import ERROR_MAX_CHARS, ClaimedRow, Claims, F
 
 __all__ = ["NotAttempted", "Outcomes", "retry_delay"]
 
-logger = logging.getLogger("fastapi_outbox.dispatcher")
+logger = logging.getLogger("fastapi_outbox.relay")
 
 
 def retry_delay(attempts: int, settings: OutboxSettings, rng: random.Random | None = None) -> float:
@@ -196,7 +196,7 @@ class Outcomes:
         """Abandon rows claimed more than ``max_attempts`` times without an outcome."""
         error = (
             f"claimed {rows[0].attempts} times (max_attempts={self.settings.max_attempts}) "
-            "without a recorded outcome: the dispatcher probably crashed while publishing it"
+            "without a recorded outcome: the relay probably crashed while publishing it"
         )
         await self.store.abandon([r.id for r in rows], token, error)
         self.abandoned_total += len(rows)

@@ -163,7 +163,7 @@ class Relays:
     @contextlib.asynccontextmanager
     async def notifying(self) -> AsyncIterator[None]:
         """Run only the coalesced NOTIFY sender (API-only processes:
-        ``run_dispatchers=False``), so commits wake the relay processes without one extra
+        ``run_relays=False``), so commits wake the relay processes without one extra
         round trip per request."""
         if not self._notifies or self.notifier is not None:
             yield

@@ -1,4 +1,4 @@
-"""Processors and their workers: claim → publish → mark, with backoff and wake-ups.
+"""Table relays and their workers: claim → publish → mark, with backoff and wake-ups.
 
 One :class:`TableRelay` per (database, broker) pair runs ``settings.workers`` workers in an
 anyio task group. A worker's cycle:
@@ -9,7 +9,7 @@ anyio task group. A worker's cycle:
 3. **mark** the published rows in one statement and the refused ones with a backoff
    (``failed``) or as ``abandoned``, every change fenced by the claim token.
 
-Failure classes: a broker that cannot be reached makes the processor give the batch back
+Failure classes: a broker that cannot be reached makes the relay give the batch back
 (attempts refunded) and pause as a whole with exponential backoff; a message the broker
 refuses is retried on its own with exponential backoff and jitter; a publish that times out
 is an outage only when the broker then fails a ping too, otherwise the batch is tried message
@@ -50,7 +50,7 @@ from fastapi_outbox.settings import OutboxSettings
 from fastapi_outbox.storage import clock
 from fastapi_outbox.storage.claims import ClaimedRow, Claims
 
-logger = logging.getLogger("fastapi_outbox.dispatcher")
+logger = logging.getLogger("fastapi_outbox.relay")
 
 RELEASE_TIMEOUT_SECONDS = 2.0
 #: Longest wait for a broker's ping after a publish timed out (capped by the publish timeout).
@@ -58,13 +58,13 @@ PROBE_TIMEOUT_SECONDS = 2.0
 
 
 def instance_id() -> str:
-    """Identifies this dispatcher process in claim tokens: host, pid and a random part."""
+    """Identifies this relay process in claim tokens: host, pid and a random part."""
     return f"{socket.gethostname()[:32]}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
 
 
 class TableRelay(RelayLoop):
-    """Moves one broker's rows from the outbox table to the broker (the table relay; its
-    old name, ``Processor``, stays an alias: "processor" in its logs and health)."""
+    """Moves one broker's rows from the outbox table to the broker: the table relay, one per
+    broker ("relay" in its logs, metrics and health)."""
 
     def __init__(
         self,
@@ -104,7 +104,7 @@ class TableRelay(RelayLoop):
         )
 
     def __repr__(self) -> str:
-        return f"Processor(broker={self.broker_name!r})"
+        return f"TableRelay(broker={self.broker_name!r})"
 
     @property
     def published_total(self) -> int:
@@ -123,12 +123,10 @@ class TableRelay(RelayLoop):
         workers = [functools.partial(self._worker, index) for index in range(self.settings.workers)]
         try:
             await self._supervise(
-                workers, task_status, name="processor", action="processor", broker=self.broker_name
+                workers, task_status, name="table relay", action="relay", broker=self.broker_name
             )
         finally:
-            logger.info(
-                "processor stopped", extra={"action": "processor.stop", "broker": self.broker_name}
-            )
+            logger.info("relay stopped", extra={"action": "relay.stop", "broker": self.broker_name})
 
     def schedule(self, delay_seconds: float) -> None:
         """A delayed message of this broker is due in ``delay_seconds``: the idle poller
@@ -183,7 +181,7 @@ class TableRelay(RelayLoop):
     # -- the worker loop ---------------------------------------------------------------------
 
     async def _worker(self, index: int, first: anyio.Event) -> None:
-        """Claim, publish, mark until the processor stops. Worker 0 is the poller: when
+        """Claim, publish, mark until the relay stops. Worker 0 is the poller: when
         a claim comes back empty it polls (:meth:`_poll`); the others wait for a wake-up."""
         settings = self.settings
         poller = index == 0
@@ -285,7 +283,7 @@ class TableRelay(RelayLoop):
         when the outcome could not be recorded)."""
         if self._paused_until > time.monotonic():
             # Another worker found the broker down while this claim ran: give the
-            # batch back (attempts refunded) rather than call a broker the processor
+            # batch back (attempts refunded) rather than call a broker the relay
             # is pausing for.
             with anyio.CancelScope(shield=True), anyio.move_on_after(RELEASE_TIMEOUT_SECONDS):
                 await self.store.release([r.id for r in batch], token)
@@ -315,7 +313,7 @@ class TableRelay(RelayLoop):
     def _adapt_claim(self, got: int, asked: int) -> None:
         """Size the next claim to the backlog: double it (up to ``batch_size``) when a
         claim came back full, halve it (down to ``min_batch_size``) when one came back
-        under a quarter full. An idle dispatcher claims a few rows at a time, so a trickle
+        under a quarter full. An idle relay claims a few rows at a time, so a trickle
         of commits is spread over the workers; a backlog is drained in claims of
         ``batch_size``, where the claim, the publish round trip and the mark cost the
         least per message. The lease does not grow with the claim: each step of a batch
@@ -355,7 +353,7 @@ class TableRelay(RelayLoop):
             await self.outcomes.abandon_exhausted(exhausted, token)
         expired: list[ClaimedRow] = []
         if settings.retry_deadline_seconds is not None:
-            # The row's age as the database counted it at the claim: the dispatcher's own
+            # The row's age as the database counted it at the claim: the relay's own
             # clock may be minutes off the clock that wrote created_at.
             deadline = settings.retry_deadline_seconds
             expired = [r for r in live if r.age_seconds is not None and r.age_seconds > deadline]
@@ -385,7 +383,7 @@ class TableRelay(RelayLoop):
             raise _GiveBack() from exc
         except exceptions.OutboxError as exc:
             results = [exc] * len(envelopes)
-        except Exception as exc:  # a bug in a broker must not stop the dispatcher
+        except Exception as exc:  # a bug in a broker must not stop the relay
             results = [self._broker_bug(self.broker_name, exc)] * len(envelopes)
         if answered:
             self._broker_up(self.broker_name)
@@ -445,7 +443,7 @@ class TableRelay(RelayLoop):
         less one publish timeout allows: the rest is given back (attempt refunded) and
         claimed again at once, without the charged message, which backs off. The broker
         failing to answer a ping meanwhile ends the pass as an outage (rest given back,
-        processor paused). Ordered: a key stops at its first failure, as in
+        relay paused). Ordered: a key stops at its first failure, as in
         :func:`~fastapi_outbox.relay.ordered.publish_ordered`."""
         settings = self.settings
         logger.warning(
@@ -541,11 +539,7 @@ class _BrokerDown(Exception):
     """Internal: the broker stopped answering during the one-by-one pass."""
 
 
-#: The table relay's first name, importable from every path it was (``fastapi_outbox.dispatcher``).
-Processor = TableRelay
-
-
-async def process_batch(processor: TableRelay, batch: Sequence[ClaimedRow], token: str) -> None:
-    """Run one claimed batch through ``processor`` (used by the testing helpers)."""
+async def process_batch(relay: TableRelay, batch: Sequence[ClaimedRow], token: str) -> None:
+    """Run one claimed batch through ``relay`` (used by the testing helpers)."""
     with contextlib.suppress(_GiveBack):
-        await processor._process(list(batch), token)
+        await relay._process(list(batch), token)

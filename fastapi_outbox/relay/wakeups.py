@@ -1,13 +1,13 @@
 """Wake-ups: the in-process signal, the coalesced NOTIFY sender and the LISTEN listener.
 
-A commit wakes the dispatchers of its own process at once (:class:`Wakeup`). Other
+A commit wakes the relays of its own process at once (:class:`Wakeup`). Other
 processes learn about it through PostgreSQL ``NOTIFY``, sent after the commit and outside
 the business transaction (a transaction that has notified takes a database-wide lock at
 commit, which would serialise every commit). :class:`Notifier` coalesces: however many
 commits arrive while a NOTIFY is in flight, one more NOTIFY follows, so the write path pays
 nothing per request. :class:`Listener` holds one connection that LISTENs and wakes the local
-processors; when it is down (no PostgreSQL, or PgBouncer in transaction mode) the
-dispatchers fall back to polling every ``poll_interval_seconds``. The listener proves its
+relays; when it is down (no PostgreSQL, or PgBouncer in transaction mode) the
+relays fall back to polling every ``poll_interval_seconds``. The listener proves its
 connection alive with a NOTIFY to itself every ``listen_check_interval_seconds`` (and TCP
 keepalives), so a connection lost silently counts as down within
 ``listen_check_interval_seconds + listen_check_timeout_seconds``.
@@ -31,7 +31,7 @@ from fastapi_outbox.storage.connector import Held
 from fastapi_outbox.storage.statements.notify import NOTIFY_SQL
 from fastapi_outbox.storage.store import Store
 
-logger = logging.getLogger("fastapi_outbox.notify")
+logger = logging.getLogger("fastapi_outbox.relay")
 
 RECONNECT_MIN_SECONDS = 0.5
 RECONNECT_MAX_SECONDS = 30.0
@@ -144,7 +144,7 @@ class Notifier:
 
 
 #: Payloads of the LISTEN self-checks start with this; every listener ignores them (they are
-#: no commit), so a check wakes no dispatcher of any process.
+#: no commit), so a check wakes no relay of any process.
 PING_PREFIX = "ping:"
 
 
@@ -182,7 +182,7 @@ class Listener:
     it counts as listening only once a NOTIFY it sent to itself came back, and it sends one
     every ``check_interval`` seconds; when that round trip does not come back within
     ``check_timeout``, the connection is declared lost at once —
-    ``listening`` becomes False, the dispatchers are woken and poll every
+    ``listening`` becomes False, the relays are woken and poll every
     ``poll_interval_seconds`` — and the listener reconnects."""
 
     def __init__(
@@ -356,7 +356,7 @@ class WalRelayWaking(Protocol):
 
 def notify_with_commit(
     brokers: Mapping[str, float],
-    processors: Mapping[str, TableRelayWaking],
+    relays: Mapping[str, TableRelayWaking],
     wal_relay: WalRelayWaking | None,
     *,
     can_notify: bool,
@@ -376,12 +376,12 @@ def notify_with_commit(
             if not (wal_relay.leader and not wal_relay.stopping):
                 return True
             continue
-        processor = processors.get(name)
+        table_relay = relays.get(name)
         if (
-            processor is None
-            or processor.stopping
+            table_relay is None
+            or table_relay.stopping
             or delay > 0
-            or processor.wakeup.idle_waiters == 0
+            or table_relay.wakeup.idle_waiters == 0
         ):
             return True
     return False
@@ -389,7 +389,7 @@ def notify_with_commit(
 
 def wake_after_commit(
     brokers: Mapping[str, float],
-    processors: Mapping[str, TableRelayWaking],
+    relays: Mapping[str, TableRelayWaking],
     wal_relay: WalRelayWaking | None,
     notifier: Notifier | None,
     *,
@@ -402,7 +402,7 @@ def wake_after_commit(
     Rows due now wake an idle worker of this process; delayed rows only tell its poller
     when to look (no claim before they are due). Returns True when other processes still
     have to be told: this process runs no :class:`Notifier` (an API-only process,
-    ``run_dispatchers=False``) but ``can_notify`` (PostgreSQL with ``notify`` on) — the
+    ``run_relays=False``) but ``can_notify`` (PostgreSQL with ``notify`` on) — the
     caller then sends the NOTIFY itself (:func:`notify_once`). ``notified``: the COMMIT
     carried the NOTIFY (:func:`notify_with_commit`); only this process's relays are left
     to wake."""
@@ -417,15 +417,15 @@ def wake_after_commit(
                 handled_here = False
             relay.wakeup.set()
             continue
-        processor = processors.get(name)
-        if processor is None or processor.stopping:
+        table_relay = relays.get(name)
+        if table_relay is None or table_relay.stopping:
             handled_here = False
         elif delay > 0:
-            processor.schedule(delay)
+            table_relay.schedule(delay)
             handled_here = False  # other processes may poll later than it is due
         # An idle worker of this process takes the rows at once: no other process
         # needs waking, and the commit costs no NOTIFY.
-        elif not processor.wakeup.set():
+        elif not table_relay.wakeup.set():
             handled_here = False
     if handled_here or notified:
         return False
@@ -445,7 +445,7 @@ async def notify_once(store: Store, channel: str, instance_id: str) -> None:
         with anyio.CancelScope(shield=True), anyio.fail_after(NOTIFY_TIMEOUT_SECONDS):
             await store.notify(channel, instance_id)
     except Exception as exc:
-        logging.getLogger("fastapi_outbox").warning(
-            "notify after commit failed; dispatchers fall back to polling",
+        logger.warning(
+            "notify after commit failed; relays fall back to polling",
             extra={"action": "notify.failed", "error": type(exc).__name__},
         )

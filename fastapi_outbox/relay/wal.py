@@ -1,7 +1,7 @@
 """The WAL relay of ``capture="wal"``: from a logical replication slot to the brokers.
 
 One reader per slot: the relay that holds a session-level advisory lock on a dedicated
-connection reads the slot; the others (standbys: every other dispatcher process of the
+connection reads the slot; the others (standbys: every other relay process of the
 outbox) try to take the lock every ``wal_standby_poll_seconds``. A reader that dies loses
 its connection, PostgreSQL releases its lock, and a standby takes over from the slot's
 confirmed position.
@@ -38,12 +38,12 @@ A crash anywhere before 3 makes the next reader publish the batch again; the bro
 de-duplication by message id (Redis script / IDMP, JetStream ``Nats-Msg-Id``) absorbs the
 republish, so the stream holds every message once.
 
-Failure classes, as in the table's dispatcher (:mod:`fastapi_outbox.relay.table`): a broker
+Failure classes, as in the table's relay (:mod:`fastapi_outbox.relay.table`): a broker
 that cannot be reached or refuses every message (``BrokerUnavailable``, ``BrokerRefusing``,
 a publish timeout) pauses the reader with exponential backoff, its batch held and the slot
 unmoved; a message the broker refuses for itself is inserted into the outbox table as a
 ``failed`` row (``abandoned`` when ``max_attempts`` is 1), due after the first backoff,
-before the slot moves — the table's processors retry it, abandon it after ``max_attempts``,
+before the slot moves — the table's relays retry it, abandon it after ``max_attempts``,
 and ``replay`` brings it back; a database that cannot be reached makes the relay reconnect
 with backoff (and stand for election again).
 
@@ -95,7 +95,7 @@ from fastapi_outbox.storage.wal_slot import (
     format_lsn,
 )
 
-logger = logging.getLogger("fastapi_outbox.wal")
+logger = logging.getLogger("fastapi_outbox.relay")
 
 #: Client-side margin over the read and confirm timeouts (asyncpg cancels the statement on
 #: the server at the timeout; past the margin the connection itself is given up).
@@ -469,7 +469,7 @@ class WalRelay(RelayLoop):
             if not await self.slot.try_lock(held.driver):
                 raise exceptions.UnitOfWorkError(
                     f"a running WAL relay holds the slot {self.slot.name!r}: stop the "
-                    "dispatchers before draining by hand"
+                    "relays before draining by hand"
                 )
             while await self._step(held.driver):
                 pass
@@ -487,7 +487,7 @@ class WalRelay(RelayLoop):
             broker = self.brokers.get(name)
             if broker is None:
                 # A broker this process does not know (a configuration mismatch between
-                # producers and dispatchers): the table keeps it pending, as in table mode.
+                # producers and relays): the table keeps it pending, as in table mode.
                 await self._to_table(queue, None, name, pending=True)
                 continue
             chunk = self.settings.batch_size
@@ -573,7 +573,7 @@ class WalRelay(RelayLoop):
             await self.store.inserts.insert_failed(rows)
         if pending:
             logger.warning(
-                "wal messages for a broker this dispatcher does not know: left pending in "
+                "wal messages for a broker this relay does not know: left pending in "
                 "the outbox table",
                 extra={"action": "wal.unknown_broker", "broker": broker, "count": len(rows)},
             )
@@ -605,7 +605,7 @@ def _table_row(
     txn: Transaction, m: WalMessage, status: MessageStatus, error: str | None, delay: float
 ) -> dict[str, Any]:
     """The outbox row a WAL message is handed over as (``Inserts.insert_failed``): pending
-    (a broker this dispatcher does not know), failed or abandoned (refused)."""
+    (a broker this relay does not know), failed or abandoned (refused)."""
     return {
         "id": uuid.UUID(m.id),
         "broker": m.broker,

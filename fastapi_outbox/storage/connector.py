@@ -124,7 +124,7 @@ class Held:
 
 class Connector:
     """One engine's connections for the store's statements: the autocommit engine, the
-    asyncpg path with its compiled-statement cache, and the dispatcher's bounds."""
+    asyncpg path with its compiled-statement cache, and the relay's bounds."""
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
@@ -214,7 +214,7 @@ class Connector:
         """The asyncpg connection under a pooled SQLAlchemy connection (autocommit).
         SQLAlchemy does not see what runs on it, so this is where a connection whose state
         is unknown is dropped: one that died (backend terminated, server restarted), timed
-        out, or was cancelled mid-statement (a shutdown, the dispatcher's own bound on a
+        out, or was cancelled mid-statement (a shutdown, the relay's own bound on a
         step) is invalidated, never handed out again by the pool."""
         async with self.autocommit_engine.connect() as conn:
             raw = await conn.get_raw_connection()

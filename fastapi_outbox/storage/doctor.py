@@ -52,7 +52,7 @@ _PROBE = "fastapi_outbox_doctor_probe"
 #: Partitions must cover at least this far ahead (the cleaner keeps two days ready).
 DOCTOR_AHEAD_SECONDS = 86400.0
 
-logger = logging.getLogger("fastapi_outbox.doctor")
+logger = logging.getLogger("fastapi_outbox.storage")
 
 #: ``db upgrade`` waits this long for each statement's lock (PostgreSQL ``lock_timeout``):
 #: a statement queued behind a long transaction holds up every write to the table.
@@ -375,7 +375,7 @@ def _legacy_key_finding(name: str, key: str) -> Finding:
         "each partition's primary key; the current layout is partitioned by id",
         [
             "-- see docs/how-to/partitions.md, 'Tables partitioned by created_at': create the "
-            "new table under another table_name, switch producers to it, let one dispatcher "
+            "new table under another table_name, switch producers to it, let one relay "
             "drain the old table, then drop it"
         ],
         automatic=False,
@@ -407,7 +407,7 @@ def _partition_findings(
         findings.append(
             Finding(
                 f"{len(missing)} partition(s) missing ahead of now (first: "
-                f"{missing[0][0].isoformat()}); the cleaner creates them, so are dispatchers "
+                f"{missing[0][0].isoformat()}); the cleaner creates them, so are relays "
                 "running?",
                 [
                     partition_sql.partition_of(

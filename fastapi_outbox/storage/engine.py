@@ -2,7 +2,7 @@
 
 :func:`create_engine` turns the database URL given to ``Outbox(...)`` into an
 :class:`~sqlalchemy.ext.asyncio.AsyncEngine` with the project's defaults (SQLite: WAL, a busy
-timeout and ``BEGIN IMMEDIATE``, so the embedded default copes with a dispatcher and
+timeout and ``BEGIN IMMEDIATE``, so the embedded default copes with a relay and
 requests writing at once; PostgreSQL: a pool sized for the relays and the requests).
 :func:`is_postgres` and :func:`uses_asyncpg` (re-exported from
 :mod:`~fastapi_outbox.storage.dialects`) are the two questions the statements and the
@@ -62,7 +62,7 @@ PG_KEEPALIVE_IDLE_SECONDS, PG_KEEPALIVE_INTERVAL_SECONDS, PG_KEEPALIVE_PROBES = 
 
 def create_engine(url: str, options: dict[str, Any]) -> AsyncEngine:
     """An engine for ``url``; SQLite gets WAL, a busy timeout and BEGIN IMMEDIATE so the
-    embedded default copes with a dispatcher and requests writing at the same time."""
+    embedded default copes with a relay and requests writing at the same time."""
     remember(url)
     check_database_url(url)
     try:

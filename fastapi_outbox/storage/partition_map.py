@@ -1,4 +1,4 @@
-"""Where the rows of a table partitioned by id are, for the dispatcher's hot statements.
+"""Where the rows of a table partitioned by id are, for the relay's hot statements.
 
 A generic plan on a partitioned table (PostgreSQL 15) locks every partition at each
 execution, and initialises a scan of each partition before it prunes on a value the plan

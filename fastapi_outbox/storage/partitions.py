@@ -54,18 +54,13 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from fastapi_outbox.settings import (
     MAX_PARTITIONED_TABLE_NAME,
-    check_partitioned_table_name,
 )
-from fastapi_outbox.settings import parse_interval as parse_interval  # re-exported
 from fastapi_outbox.storage.statements import archive as archive_sql
 from fastapi_outbox.storage.statements import partitions as sql
 from fastapi_outbox.storage.statements.partitions import AUTOVACUUM as AUTOVACUUM
 from fastapi_outbox.storage.statements.partitions import storage_sql as storage_sql
 
-logger = logging.getLogger("fastapi_outbox.partitions")
-
-#: The table-name check of partitioning, kept under its old name here.
-check_table_name = check_partitioned_table_name
+logger = logging.getLogger("fastapi_outbox.storage")
 
 #: Partitions are created this far ahead of now (and at least two of them).
 AHEAD_SECONDS = 2 * 86400.0
@@ -211,7 +206,7 @@ def create_partition_sync(
     partition already holds rows of that range (the job did not run in time): those rows
     stay there and are cleaned by the batched DELETE."""
     name = partition_name(table, lo)
-    # Every dispatcher process runs this: one at a time, the others skip what is done.
+    # Every relay process runs this: one at a time, the others skip what is done.
     if (
         not _try_lock(conn, table)
         or conn.execute(sql.RELATION_EXISTS, {"name": sql.quote(name)}).scalar_one()
@@ -304,7 +299,7 @@ def expired_candidates(
 
 def _try_lock(conn: Connection, table: str) -> bool:
     """The table's maintenance lock (transaction-scoped, advisory), without waiting: every
-    dispatcher process runs the maintenance, one at a time does it. (Two ATTACHes at once
+    relay process runs the maintenance, one at a time does it. (Two ATTACHes at once
     deadlock: each holds what the other's needs — the DEFAULT partition, the parent.)"""
     key = f"fastapi_outbox:partitions:{table}"
     return bool(conn.execute(sql.TRY_LOCK, {"key": key}).scalar_one())

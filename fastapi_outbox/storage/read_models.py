@@ -79,7 +79,7 @@ def broker_stats(
         if status == PENDING and oldest is not None and not ordered:
             entry(broker).oldest_pending_age_seconds = age(db_now, oldest)
     if ordered:
-        # The pending age of the rows a dispatcher could take now (not those waiting behind
+        # The pending age of the rows a relay could take now (not those waiting behind
         # an earlier row of their key), and the keys blocked behind an abandoned row.
         for broker, oldest in rows["waiting_ordered"]:
             if oldest is not None:

@@ -12,7 +12,7 @@ Three choices worth knowing:
   ``(broker, next_attempt_at)`` over the rows still needing work, whose size does not
   depend on how many published rows the table keeps.
 * ``payload`` and ``headers`` are stored as the JSON text the unit of work encoded once
-  (JSONB on PostgreSQL) and read back as text: the dispatcher sends those bytes as they
+  (JSONB on PostgreSQL) and read back as text: the relay sends those bytes as they
   are, with no decode/encode per message.
 * ``seq`` (PostgreSQL: an identity column) numbers rows in insert order; ordered dispatch
   sorts a key's rows by it. A row is inserted at the end of its unit of work, after the
@@ -45,7 +45,7 @@ from sqlalchemy.schema import CreateIndex, CreateTable
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.events import MessageStatus
-from fastapi_outbox.settings import check_table_name
+from fastapi_outbox.settings import check_partitioned_table_name, check_table_name, parse_interval
 from fastapi_outbox.storage import partitions
 from fastapi_outbox.storage.statements.partitions import ACTIVE_SQL as _ACTIVE_SQL
 from fastapi_outbox.storage.types import ACTIVE_STATUSES as ACTIVE_STATUSES
@@ -83,8 +83,8 @@ def build_table(
     try:
         check_table_name(name)
         if partitioning is not None:
-            interval = partitions.parse_interval(partitioning)
-            partitions.check_table_name(name)
+            interval = parse_interval(partitioning)
+            check_partitioned_table_name(name)
     except ValueError as exc:
         raise exceptions.ConfigurationError(str(exc)) from None
     md = metadata_ if metadata_ is not None else MetaData()

@@ -41,7 +41,7 @@ class Storage:
 
     table: Table
     store: Store
-    #: ``capture="wal"``: the replication slot (its relay runs with the dispatchers).
+    #: ``capture="wal"``: the replication slot (its WAL relay runs beside the table relays).
     wal_slot: WalSlot | None
     #: The consumers' inbox, on the outbox table's MetaData.
     inbox: Inbox

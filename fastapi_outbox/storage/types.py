@@ -44,7 +44,7 @@ class JsonText(TypeDecorator[str]):
     """JSON stored and returned as already-encoded text (JSONB on PostgreSQL).
 
     No json.dumps/json.loads happens in SQLAlchemy: the unit of work encodes each payload
-    once (it needs the size anyway) and the dispatcher publishes the text it reads back.
+    once (it needs the size anyway) and the relay publishes the text it reads back.
     """
 
     impl = Text

@@ -72,7 +72,7 @@ __all__ = [
     "encode",
 ]
 
-logger = logging.getLogger("fastapi_outbox.wal")
+logger = logging.getLogger("fastapi_outbox.storage")
 
 #: Version of the JSON content of a message (``{"v": 1, "m": [[id, broker, stream, type,
 #: key, headers, payload], ...]}``).

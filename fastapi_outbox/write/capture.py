@@ -1,7 +1,7 @@
 """How committed messages are captured in the business transaction: one small interface.
 
 ``capture="table"`` (the default): each message is a row of the outbox table, inserted on
-the session's connection; dispatchers claim the rows. (``capture="wal"``, a message written
+the session's connection; relays claim the rows. (``capture="wal"``, a message written
 into PostgreSQL's write-ahead log and relayed from a logical replication slot, implements
 the same interface.)
 

@@ -34,7 +34,7 @@ from fastapi_outbox.storage import db_outage
 
 __all__ = ["commit", "roll_back"]
 
-logger = logging.getLogger("fastapi_outbox")
+logger = logging.getLogger("fastapi_outbox.write")
 
 #: Set inside a commit's own task: a one-element list made True when its COMMIT is sent.
 _COMMIT_SENT: contextvars.ContextVar[list[bool] | None] = contextvars.ContextVar(

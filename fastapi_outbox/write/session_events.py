@@ -21,7 +21,7 @@ the connection's ``commit``
     producer's transaction sends its INSERTs and its COMMIT, nothing else.
 ``after_commit``
     (root only) tells the outbox which brokers got rows, to wake this process's
-    dispatchers (and, where the COMMIT could not carry it — a driver other than asyncpg —
+    relays (and, where the COMMIT could not carry it — a driver other than asyncpg —
     sends the NOTIFY right there).
 ``after_flush``, ``pending_to_transient``, ``persistent_to_detached`` …
     follow aggregates: an object that leaves the session before the commit (``expunge``,
@@ -42,7 +42,7 @@ subscriber's handler session, bound to the subscriber's connection with
 way, but its own ``commit()`` commits nothing or only releases a savepoint: ``after_commit``
 is left to the owner, who calls
 :meth:`SessionState.after_commit` after the real commit, and what was written is remembered
-until then (a rollback of the session undoes its rows in the database; waking a dispatcher
+until then (a rollback of the session undoes its rows in the database; waking a relay
 for nothing costs one empty claim).
 
 A sink (an outbox's :class:`~fastapi_outbox.write.producer.Producer`) writes its rows and wakes
@@ -377,7 +377,7 @@ class SessionState:
                 wait_on(raised.instance, [raised.event])
 
     def after_commit(self) -> None:
-        """Every commit wakes the dispatchers, whoever opened the session: the sink wakes
+        """Every commit wakes the relays, whoever opened the session: the sink wakes
         its own process's; when other processes must be told, the NOTIFY is sent here, in
         the commit call (an ``AsyncSession`` commits inside SQLAlchemy's greenlet, where
         ``await_`` runs a coroutine) — so a session joined by ``unit_of_work(session=…)``

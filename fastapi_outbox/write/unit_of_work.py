@@ -492,7 +492,7 @@ def _delay(
     """The delay of a message from ``publish(delay=…)`` / ``publish(deliver_at=…)``, and
     its ``deliver_at``: the database compares that time with its own clock (the
     producer's clock only checks it against ``max_delay_seconds`` and estimates the delay
-    for the dispatchers' wake-up)."""
+    for the relays' wake-up)."""
     if delay is None and deliver_at is None:
         return _NO_DELAY, None
     if delay is not None and deliver_at is not None:

@@ -11,7 +11,7 @@ nothing behind.
 
 Delayed messages (``publish(delay=…)``/``deliver_at=…``) are not for the WAL — the slot
 hands everything out at once: they are written as ``pending`` rows of the outbox table in
-the same transaction, and the table's processors (which run in both modes) publish them
+the same transaction, and the table's relays (which run in both modes) publish them
 when due.
 
 The first write of a process checks that the server has ``wal_level=logical`` and that the

@@ -38,7 +38,7 @@ APP = "tests.acceptance.crash_app:outbox"
 REDIS_PORTS = range(6390, 6400)
 NATS_PORTS = range(4230, 4240)
 #: A dispatcher subprocess writes this (INFO log) once its processors run.
-READY_LINE = b"outbox dispatchers started"
+READY_LINE = b"outbox relays started"
 
 
 # -- ports and servers ------------------------------------------------------------------------

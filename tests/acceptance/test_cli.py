@@ -73,7 +73,7 @@ async def run_all(*calls: tuple[Any, ...]) -> list[subprocess.CompletedProcess[b
 
 @pytest.fixture
 async def outbox(pg_url: str) -> AsyncIterator[Outbox]:
-    box = Outbox(pg_url, settings=OutboxSettings(run_dispatchers=False))
+    box = Outbox(pg_url, settings=OutboxSettings(run_relays=False))
     await box.create_tables()
     yield box
     await box.aclose()
@@ -133,7 +133,7 @@ async def test_status_list_and_show(outbox: Outbox, pg_url: str) -> None:
     box = Outbox(
         pg_url,
         brokers={"default": MemoryBroker(), "audit": MemoryBroker()},
-        settings=OutboxSettings(run_dispatchers=False),
+        settings=OutboxSettings(run_relays=False),
     )
     try:
         pending = await publish(box, orders, 3)
@@ -386,7 +386,7 @@ async def test_dispatch_publishes_and_exits_on_sigterm(
 
     (tmp_path / "cli_app.py").write_text(APP_MODULE)
     by_app, by_url = unique("by_app"), unique("by_url")
-    other = Outbox(pg_url, settings=OutboxSettings(table_name="outbox_b", run_dispatchers=False))
+    other = Outbox(pg_url, settings=OutboxSettings(table_name="outbox_b", run_relays=False))
     await other.create_tables()
     ids = await publish(outbox, by_app, 3)
     other_ids = await publish(other, by_url, 2)
@@ -409,7 +409,7 @@ async def test_dispatch_publishes_and_exits_on_sigterm(
         )
         outputs = [Output(p) for p in procs]
         for output in outputs:  # SIGTERM before the handlers exist would kill, not stop
-            await output.until(b"outbox dispatchers started")
+            await output.until(b"outbox relays started")
 
         async def delivered() -> bool:
             rows = [await row(outbox, i) for i in ids] + [await row(other, i) for i in other_ids]
@@ -445,7 +445,7 @@ async def test_dispatch_publishes_and_exits_on_sigterm(
 async def test_dispatch_serves_health_for_probes_and_stops_on_sigterm(
     outbox: Outbox, pg_url: str, redis_url: str, tmp_path: Path
 ) -> None:
-    """``dispatch --http HOST:PORT``: a dispatcher-only process answers GET /outbox/health
+    """``dispatch --http HOST:PORT``: a relay-only process answers GET /outbox/health
     (for liveness/readiness probes) while it dispatches, and still exits 0 on SIGTERM."""
     import httpx
 
@@ -467,14 +467,14 @@ async def test_dispatch_serves_health_for_probes_and_stops_on_sigterm(
 
             async def drained() -> bool:
                 body = (await http.get("/outbox/health")).json()
-                return bool(body["processors"][0]["pending"] == 0)
+                return bool(body["relays"][0]["pending"] == 0)
 
             await wait_until(drained, timeout=20)
             response = await http.get("/outbox/health")
         assert response.status_code == 200
         body = response.json()
-        assert body["dispatchers_running"] is True
-        assert body["processors"][0]["running"] is True
+        assert body["relays_running"] is True
+        assert body["relays"][0]["running"] is True
         assert await outbox.store.messages.count("published") == 2
         proc.send_signal(signal.SIGTERM)
         with anyio.fail_after(20):

@@ -110,7 +110,7 @@ async def test_sigkill_mid_handler_every_effect_exactly_once(
     tmp_path: Path,
 ) -> None:
     kind, url, stream = broker_url
-    outbox = Outbox(pg_url, settings=OutboxSettings(run_dispatchers=False))
+    outbox = Outbox(pg_url, settings=OutboxSettings(run_relays=False))
     await outbox.create_tables()
     pg = await asyncpg.connect(pg_url.replace("+asyncpg", ""))
     await pg.execute(

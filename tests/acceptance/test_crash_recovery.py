@@ -57,7 +57,7 @@ async def producing_outbox(pg_url: str, table: str) -> Outbox:
     outbox = Outbox(
         pg_url,
         brokers={"default": MemoryBroker()},
-        settings=OutboxSettings(table_name=table, run_dispatchers=False),
+        settings=OutboxSettings(table_name=table, run_relays=False),
     )
     await outbox.create_tables()
     return outbox

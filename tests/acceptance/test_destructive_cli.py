@@ -53,7 +53,7 @@ async def tty_cli(*args: str, database: str, answer: str) -> subprocess.Complete
 
 @pytest.fixture
 async def outbox(pg_url: str) -> AsyncIterator[Outbox]:
-    box = Outbox(pg_url, settings=OutboxSettings(run_dispatchers=False))
+    box = Outbox(pg_url, settings=OutboxSettings(run_relays=False))
     await box.create_tables()
     yield box
     await box.aclose()

@@ -61,7 +61,7 @@ async def test_no_message_committed_after_start_is_skipped_across_sigkills(
     tmp_path: Path,
 ) -> None:
     _kind, url, stream = broker
-    producer = Outbox(pg_url, settings=OutboxSettings(run_dispatchers=False))
+    producer = Outbox(pg_url, settings=OutboxSettings(run_relays=False))
     await producer.create_tables()
     pg = await asyncpg.connect(pg_url.replace("+asyncpg", ""))
     await pg.execute("CREATE TABLE effects (id serial PRIMARY KEY, n int NOT NULL)")

@@ -128,7 +128,7 @@ class Life:
 @pytest.fixture
 async def life(pg_url: str, broker_url: tuple[str, str, str]) -> AsyncIterator[Life]:
     _, url, stream = broker_url
-    outbox = Outbox(pg_url, settings=OutboxSettings(run_dispatchers=False))
+    outbox = Outbox(pg_url, settings=OutboxSettings(run_relays=False))
     await outbox.create_tables()  # the inbox, its handlers and attempts tables
     await outbox.aclose()
     pg = await asyncpg.connect(pg_url.replace("+asyncpg", ""))

@@ -116,7 +116,7 @@ class Run:
         self.pg: Any = None
 
     async def __aenter__(self) -> Run:
-        outbox = Outbox(self.pg_url, settings=OutboxSettings(run_dispatchers=False))
+        outbox = Outbox(self.pg_url, settings=OutboxSettings(run_relays=False))
         await outbox.create_tables()
         await outbox.aclose()
         self.pg = await asyncpg.connect(self.pg_url.replace("+asyncpg", ""))
@@ -166,7 +166,7 @@ class Run:
         # A process started last may still be starting: SIGTERM once it runs.
         for p in running:
             log = self.log_path(self.procs.index(p))
-            await wait_until(lambda: b"dispatchers started" in log.read_bytes(), timeout=15)  # noqa: B023
+            await wait_until(lambda: b"relays started" in log.read_bytes(), timeout=15)  # noqa: B023
             p.send_signal(signal.SIGTERM)
         for p in running:
             assert p.wait(timeout=15) == 0, self.tmp_path

@@ -52,7 +52,7 @@ async def producing_outbox(url: str, table: str) -> Outbox:
     outbox = Outbox(
         url,
         brokers={"default": MemoryBroker()},
-        settings=OutboxSettings(table_name=table, run_dispatchers=False, capture="wal"),
+        settings=OutboxSettings(table_name=table, run_relays=False, capture="wal"),
     )
     await outbox.create_tables()
     return outbox

@@ -156,7 +156,7 @@ async def test_markup_from_messages_is_shown_as_text_and_never_runs(
     outbox = Outbox(
         pg_url,
         brokers={"default": MemoryBroker()},
-        settings=OutboxSettings(run_dispatchers=False),
+        settings=OutboxSettings(run_relays=False),
         dashboard_dependencies=[],
     )
     await outbox.create_tables()

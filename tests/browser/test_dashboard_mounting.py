@@ -46,7 +46,7 @@ async def outbox_with_abandoned(url: str, stream: str) -> tuple[Outbox, uuid.UUI
     outbox = Outbox(
         url,
         brokers={"default": MemoryBroker()},
-        settings=OutboxSettings(run_dispatchers=False),
+        settings=OutboxSettings(run_relays=False),
         dashboard_dependencies=[],
     )
     await outbox.create_tables()

@@ -1,4 +1,4 @@
-"""The database outage classifier (:mod:`fastapi_outbox.db_outage`): which exceptions mean
+"""The database outage classifier (:mod:`fastapi_outbox.storage.db_outage`): which exceptions mean
 "the database is unavailable" (the message waits, no attempt charged), which are a failure
 of the statement (charged), and which a ping must decide. No I/O."""
 

@@ -24,10 +24,8 @@ def test_running_workers_are_alive_even_with_their_broker_down() -> None:
     assert liveness(port(started=True)) == []
 
 
-def test_a_stopped_processor_or_subscriber_fails_liveness() -> None:
-    assert liveness(port(started=True, relay_running=False)) == [
-        "processor 'default' is not running"
-    ]
+def test_a_stopped_relay_or_subscriber_fails_liveness() -> None:
+    assert liveness(port(started=True, relay_running=False)) == ["relay 'default' is not running"]
     assert liveness(port(started=True, subscriber_running=False)) == [
         "consumer group 'billing' on 'orders' is not running"
     ]

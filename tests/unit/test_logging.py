@@ -50,7 +50,7 @@ async def test_failing_publish_logs_ids_never_payload_or_password(
     outbox = Outbox(
         f"sqlite+aiosqlite:///{tmp_path}/log.db",
         brokers={"default": broker},
-        settings=OutboxSettings(run_dispatchers=False, max_attempts=3, retry_base_delay_seconds=0),
+        settings=OutboxSettings(run_relays=False, max_attempts=3, retry_base_delay_seconds=0),
     )
     await outbox.create_tables()
     caplog.set_level(logging.DEBUG, logger="fastapi_outbox")
@@ -130,3 +130,35 @@ def test_safe_error_and_redact() -> None:
     assert len(safe_error(RuntimeError("x" * 1000))) == 300
     group = ExceptionGroup("group", [KeyError("k")])
     assert safe_error(group) == "KeyError: 'k'"
+
+
+def test_loggers_are_named_after_the_package_that_logs() -> None:
+    # A logging configuration filters by package (``fastapi_outbox.relay``, ``.consume``…):
+    # each module logs under its own package or an ancestor of it, never a name of its own.
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    import fastapi_outbox
+
+    root = Path(fastapi_outbox.__file__).parent
+    checked = 0
+    for path in sorted(root.rglob("*.py")):
+        module = ".".join(("fastapi_outbox", *path.relative_to(root).with_suffix("").parts))
+        module = module.removesuffix(".__init__")
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "getLogger"
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and str(node.args[0].value).startswith("fastapi_outbox")
+            ):
+                continue
+            name = str(node.args[0].value)
+            checked += 1
+            assert module == name or module.startswith(name + "."), f"{module} logs as {name}"
+            spec = importlib.util.find_spec(name)
+            assert spec is not None and spec.submodule_search_locations, f"{name}: not a package"
+    assert checked > 20

@@ -63,7 +63,7 @@ def test_verdict_from_the_state_of_an_id(
         (
             Action.ABANDON,
             IdOutcome(MID, Verdict.HELD, "failed"),
-            f"message {MID} is held by a dispatcher right now: not abandoned",
+            f"message {MID} is held by a relay right now: not abandoned",
         ),
         (
             Action.ABANDON,

@@ -16,6 +16,7 @@ import pytest
 from pydantic import ValidationError
 
 from fastapi_outbox import ConfigurationError, Outbox, OutboxSettings, build_table
+from fastapi_outbox.settings import RENAMED_VARIABLES
 
 CONTRACT_DEFAULTS = {
     "table_name": "outbox_messages",
@@ -43,7 +44,8 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     import os
 
     for name in list(os.environ):
-        if name.startswith("OUTBOX_") and name[7:].lower() in OutboxSettings.model_fields:
+        known = name.startswith("OUTBOX_") and name[7:].lower() in OutboxSettings.model_fields
+        if known or name.upper() in RENAMED_VARIABLES:
             monkeypatch.delenv(name)
 
 
@@ -99,6 +101,22 @@ def test_max_poll_below_poll_names_both_settings() -> None:
         OutboxSettings(poll_interval_seconds=5, max_poll_interval_seconds=1)
     text = str(info.value)
     assert "max_poll_interval_seconds" in text and "poll_interval_seconds" in text
+
+
+def test_relays_are_switched_off_by_their_own_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OUTBOX_RUN_RELAYS", "false")
+    assert OutboxSettings.from_env().run_relays is False
+
+
+def test_the_old_dispatchers_variable_is_refused_naming_the_new_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Ignored silently, it would start relays in an API-only process that meant to run none.
+    monkeypatch.setenv("OUTBOX_RUN_DISPATCHERS", "false")
+    with pytest.raises(ConfigurationError) as info:
+        OutboxSettings.from_env()
+    text = str(info.value)
+    assert "OUTBOX_RUN_DISPATCHERS" in text and "OUTBOX_RUN_RELAYS" in text
 
 
 def test_max_poll_below_poll_from_env_names_both_variables(

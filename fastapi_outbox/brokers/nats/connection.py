@@ -295,7 +295,7 @@ class NatsConnection:
         # interval left a frozen node's clients stalled): see the constants above.
         # max_reconnect_attempts=-1 keeps an established connection coming back, but
         # nats-py applies it to the first connect too, which then retries forever: a
-        # dispatcher starting while NATS is down would hang instead of reporting the broker
+        # relay starting while NATS is down would hang instead of reporting the broker
         # unavailable. The first connect is bounded here.
         nc: Any = nats.aio.client.Client()
         timeout = self.connect_timeout_seconds
@@ -345,7 +345,7 @@ class NatsConnection:
         await self.connect()
         self.ensure_connected()
         try:
-            # A JetStream round trip, not a core PING: the processor pings after a publish
+            # A JetStream round trip, not a core PING: the relay pings after a publish
             # timed out to tell an outage from a message that hangs, and JetStream may stop
             # answering while the server still answers PINGs. And nats-py's ``flush`` left
             # a cancelled PONG future behind when cut short, which kills its read loop when

@@ -281,7 +281,7 @@ class NatsJetStreamPublisher:
         missing = [i for i, reply in sent.items() if reply in self._awaiting]
         if len(missing) == len(sent):
             # No ack at all: a frozen server, or a batch JetStream never answers
-            # (the processor pings to tell which).
+            # (the relay pings to tell which).
             raise exceptions.BrokerTimeout(
                 f"NATS at {redact_url(self.url)}: no ack for {len(sent)} messages in {timeout}s"
             )

@@ -9,7 +9,7 @@ still be able to acknowledge then); both are this class, so neither imports the 
 A connection the server closed (a node restart, a network cut) is noticed at the next
 call, which opens a new one: no reconnect loop runs in the background, and a call made
 while the node is down raises :class:`~fastapi_outbox.exceptions.BrokerUnavailable` at
-once, so the processor or the subscriber pauses with backoff and charges no attempt.
+once, so the relay or the subscriber pauses with backoff and charges no attempt.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@
   the start with a ConfigurationError naming the setting. A group's queue receives what is
   published from its creation on: ``start="all"`` cannot reach further back (RabbitMQ keeps
   no history), so declare groups before publishing (``db create``, ``create_tables``, and
-  every process's dispatchers do).
+  every process's relays do).
 * ``fetch``: a consumer on a channel of its own with ``prefetch`` = the subscriber's
   in-flight limit (``concurrency`` times ``batch_size``); deliveries wait in a local buffer
   until fetched. The attempt is the quorum queue's ``x-delivery-count`` + 1. The consumer is

@@ -9,7 +9,7 @@ marks nothing RabbitMQ has not taken responsibility for). Per message:
 * confirmed → published;
 * returned unroutable (``mandatory``: no queue is bound to its stream) → a failure of that
   message, ``last_error`` "no queue bound for stream …", retried with backoff — never a
-  silent drop; a subscriber's group queue, declared before the dispatchers publish, is
+  silent drop; a subscriber's group queue, declared before the relays publish, is
   what binds a stream;
 * nacked by RabbitMQ, or a header name / stream AMQP cannot carry → a failure of that
   message.
@@ -17,7 +17,7 @@ marks nothing RabbitMQ has not taken responsibility for). Per message:
 The connection blocked by a memory or disk alarm is a refusal of the whole broker
 (``BrokerRefusing``); a lost connection, a closed channel, a node down are outages
 (``BrokerUnavailable``); no confirm at all within ``confirm_timeout_seconds`` is a
-``BrokerTimeout`` (the processor pings to tell which). See :func:`~.wire.outage`.
+``BrokerTimeout`` (the relay pings to tell which). See :func:`~.wire.outage`.
 
 RabbitMQ has no de-duplication of its own: a batch published again after a crash between
 the confirm and the mark arrives twice, with the same ``message_id``; the consumers' inbox

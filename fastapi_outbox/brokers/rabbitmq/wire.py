@@ -181,7 +181,7 @@ def outage(error: BaseException, url: str, *, blocked: str | None = None) -> Exc
       gave) → :class:`~fastapi_outbox.exceptions.BrokerRefusing`;
     * a connection that is lost, refused or closed by the server, a closed channel, a
       channel in an invalid state, a socket error → :class:`BrokerUnavailable`;
-    * a timeout → :class:`BrokerTimeout` (the processor pings to tell an outage from a
+    * a timeout → :class:`BrokerTimeout` (the relay pings to tell an outage from a
       message that hangs);
     * the login refused (``ACCESS_REFUSED``) → :class:`AuthenticationFailed`.
     """

@@ -289,7 +289,7 @@ class RedisConnection:
                 f"({type(exc).__name__}: {exc}): check the user and password of the URL"
             )
         if isinstance(exc, rexc.TimeoutError):
-            # No answer in ``socket_timeout``: the processor pings to tell a frozen server
+            # No answer in ``socket_timeout``: the relay pings to tell a frozen server
             # from a call that hangs on what it carries.
             return exceptions.BrokerTimeout(
                 f"Redis at {redact_url(self.url)} did not answer in time: "

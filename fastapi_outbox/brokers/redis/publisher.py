@@ -20,7 +20,7 @@ De-duplication (``dedup=``):
   producer ids (the message id picks one). Each stream's ``IDMP-DURATION`` must be set once
   by the operator (``XCFGSET <stream> IDMP-DURATION <window> IDMP-MAXSIZE 10000``): the
   default is 100 s, shorter than a lease plus the longest backoff, and the library does not
-  call XCFGSET itself because XCFGSET clears the ids already remembered, so a dispatcher
+  call XCFGSET itself because XCFGSET clears the ids already remembered, so a relay
   restarting after a crash would forget exactly the ids it needs.
   ``"auto"`` therefore picks the script on every version: it is tested here, its window
   follows the settings, and it holds any number of ids.

@@ -41,7 +41,7 @@ _PUBLISHED = list(PUBLISHED_FIELDS)
 #: dataset still loading, a busy script, a cluster without quorum or mid-resharding, a
 #: slot that moved again while redis-py followed it (``MOVED`` / ``ASK`` reaching the
 #: caller: a redirection storm during a failover or a resharding). They are outages of the
-#: broker, not faults of a message: the processor backs off as a whole and no attempt is
+#: broker, not faults of a message: the relay backs off as a whole and no attempt is
 #: charged.
 REFUSAL_CODES = frozenset(
     {

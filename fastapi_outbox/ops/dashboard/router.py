@@ -49,7 +49,7 @@ from fastapi_outbox.ops import operations
 from fastapi_outbox.ops.port import OutboxPort
 from fastapi_outbox.redaction import redact
 
-logger = logging.getLogger("fastapi_outbox.dashboard")
+logger = logging.getLogger("fastapi_outbox.ops")
 
 #: The router's own prefix; pages find where they are served with :func:`served_at`.
 PREFIX = "/outbox/dashboard"

@@ -1,7 +1,7 @@
 """The table relay's statements: the claim, the marks after a publish, the release, the
 lease extension, the idle poller's next due time, and the WAL relay's refused rows.
 
-Caller: :class:`fastapi_outbox.relay.table.Processor` through
+Caller: :class:`fastapi_outbox.relay.table.TableRelay` through
 :class:`~fastapi_outbox.storage.store.Store` (``claim``, ``mark_published``, ``mark_failed``,
 ``release``, ``extend_lease``, ``abandon``, ``next_due_in``) and
 :class:`fastapi_outbox.relay.wal.WalRelay` (``insert_failed``).
@@ -87,7 +87,7 @@ def claim(table: Table, broker: str, limit: int, ordered: bool, dialect: Dialect
     own. A suspect is a row still ``processing`` whose lease ran out (its claimer crashed
     or stalled mid-batch, maybe because of that very row) and that had been claimed before
     that (attempts >= 2): a batch orphaned once, say by a deploy that killed its
-    dispatcher, is taken back whole; a row whose batch died twice is isolated, so a
+    relay, is taken back whole; a row whose batch died twice is isolated, so a
     message that kills the process on every publish burns the attempts of its batch-mates
     twice at most, and then only its own.
 
@@ -133,7 +133,7 @@ def claim(table: Table, broker: str, limit: int, ordered: bool, dialect: Dialect
             cast(t.c.headers, Text),
             t.c.attempts,
             t.c.created_at,
-            # The retry deadline is judged by the database's clock, not the dispatcher's.
+            # The retry deadline is judged by the database's clock, not the relay's.
             clock.age_seconds(pg, t.c.created_at),
             # Ordered: the caller sorts the batch by these (RETURNING has no order).
             *order_columns(t, dialect),
@@ -324,9 +324,9 @@ def ordered_turn(
 
 
 def local_timeouts(statement_ms: int | None, lock_ms: int | None) -> list[Any]:
-    """``set_config(…, is_local => true)`` of the dispatcher's bounds for the current
+    """``set_config(…, is_local => true)`` of the relay's bounds for the current
     transaction (callers: the ordered claim and ``Store.mark_failed``): ``statement_timeout``
-    and ``lock_timeout``, and ``idle_in_transaction_session_timeout`` so a frozen dispatcher
+    and ``lock_timeout``, and ``idle_in_transaction_session_timeout`` so a frozen relay
     holding the ordered claimers' lock is cut off too. Nothing when unbounded."""
     if statement_ms is None or lock_ms is None:
         return []

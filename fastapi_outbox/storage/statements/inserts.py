@@ -53,7 +53,7 @@ def insert_rows(table: Table, dialect: Dialect) -> Any:
     ``created_at``: the transaction's start on PostgreSQL (``now()``: when the event
     happened). ``next_attempt_at``, the first due time: the INSERT's own clock
     (``statement_timestamp()``), at the commit (rows are written in ``before_commit``), so
-    how long a row waits for a dispatcher is counted from then, not from the start of a
+    how long a row waits for a relay is counted from then, not from the start of a
     long producer transaction; a delayed message is due ``delay`` after that, a
     ``deliver_at`` one at that time. ``greatest``/``max`` of now and that: a past
     ``deliver_at`` is due now, never "overdue" since then in the health's pending age."""

@@ -94,7 +94,7 @@ def stats(table: Table, dialect: Dialect) -> dict[str, Any]:
         .where(status_in(t, *ACTIVE))
         .group_by(t.c.broker, t.c.status),
         # Ordered dispatch: the earliest due pending row that is not held back by an earlier
-        # row of its key: those wait for that row, not for a dispatcher.
+        # row of its key: those wait for that row, not for a relay.
         "waiting_ordered": waiting_ordered(table, dialect),
         # Ordered dispatch: abandoned rows that block later rows of their key.
         "blocking_ordered": blocking_ordered(table, dialect),
@@ -119,7 +119,7 @@ def stats(table: Table, dialect: Dialect) -> dict[str, Any]:
 
 def waiting_ordered(table: Table, dialect: Dialect) -> Select[Any]:
     """Ordered dispatch (``stats``): per broker, the earliest due time of the pending rows
-    a dispatcher could take now — not held by an earlier row of their key in flight or
+    a relay could take now — not held by an earlier row of their key in flight or
     failing (``e``: active, not pending, earlier in insert order), nor behind an abandoned
     one (``a``). Served by ix_<table>_key."""
     t = table
@@ -141,7 +141,7 @@ def waiting_ordered(table: Table, dialect: Dialect) -> Select[Any]:
         select(o.c.broker, func.min(o.c.next_attempt_at))
         .where(
             o.c.status.in_([literal_column(f"'{PENDING}'")]),
-            # Due now: a delayed message is not waiting for a dispatcher.
+            # Due now: a delayed message is not waiting for a relay.
             o.c.next_attempt_at <= now(dialect),
             or_(o.c.key.is_(None), and_(~held, ~behind_abandoned)),
         )
@@ -337,7 +337,7 @@ def replay(
 
 
 def cancel_unclaimed(table: Table, ids: Sequence[uuid.UUID]) -> Any:
-    """Delete pending rows no dispatcher holds (``cancel``), returning the ids deleted.
+    """Delete pending rows no relay holds (``cancel``), returning the ids deleted.
     ``status = pending`` and ``locked_by IS NULL`` are the fence against a concurrent
     claim: the DELETE waits for the claim's row lock, then checks them again."""
     t = table
@@ -350,7 +350,7 @@ def cancel_unclaimed(table: Table, ids: Sequence[uuid.UUID]) -> Any:
 
 def abandon_unclaimed(table: Table, ids: Sequence[uuid.UUID], error: str, dialect: Dialect) -> Any:
     """An operator's abandon (``abandon``): stop retrying pending or failed rows that no
-    dispatcher holds (``locked_by IS NULL``: a row claimed meanwhile is left to its claim),
+    relay holds (``locked_by IS NULL``: a row claimed meanwhile is left to its claim),
     returning the ids abandoned. ``abandoned_at`` by the database's clock starts the
     abandoned retention; the error says who abandoned it."""
     t = table

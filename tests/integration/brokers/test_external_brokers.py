@@ -53,7 +53,7 @@ async def test_external_event_gets_a_row_per_external_broker_with_a_reduced_enve
         db_url,
         brokers={"default": MemoryBroker(), "audit": MemoryBroker()},
         external_brokers={"partner": MemoryBroker(), "bi": MemoryBroker()},
-        settings=OutboxSettings(run_dispatchers=False),
+        settings=OutboxSettings(run_relays=False),
     )
     await outbox.create_tables()
     try:

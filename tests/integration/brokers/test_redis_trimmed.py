@@ -31,7 +31,7 @@ async def test_entries_trimmed_before_a_group_read_them_show_in_health_and_dashb
     outbox = Outbox(
         pg_url,
         brokers={"default": RedisStreamsBroker(redis_url, maxlen=MAXLEN)},
-        settings=OutboxSettings(run_dispatchers=False),
+        settings=OutboxSettings(run_relays=False),
         dashboard_dependencies=[],
     )
     handled: list[Any] = []

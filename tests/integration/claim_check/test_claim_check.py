@@ -323,7 +323,7 @@ async def test_show_and_the_dashboard_page_display_the_reference_and_the_payload
     outbox = Outbox(
         sqlite_url,
         brokers={},
-        settings=OutboxSettings(**{**SETTINGS, "run_dispatchers": False}),
+        settings=OutboxSettings(**{**SETTINGS, "run_relays": False}),
         dashboard_dependencies=[],
     )
     await outbox.create_tables()
@@ -432,7 +432,7 @@ async def test_the_store_unreachable_is_waited_out_with_no_attempt_charged(pg_ur
 
     store.get = get_in_an_outage  # type: ignore[method-assign]
     watcher = Waits()
-    logging.getLogger("fastapi_outbox.subscribers").addHandler(watcher)
+    logging.getLogger("fastapi_outbox.consume").addHandler(watcher)
     try:
         async with outbox.unit_of_work() as uow:
             uow.publish(Scan(name="big", blob="x" * 100_000))
@@ -442,7 +442,7 @@ async def test_the_store_unreachable_is_waited_out_with_no_attempt_charged(pg_ur
             await proxy.start()  # back
             await wait_until(lambda: handled == [100_000], timeout=20)
     finally:
-        logging.getLogger("fastapi_outbox.subscribers").removeHandler(watcher)
+        logging.getLogger("fastapi_outbox.consume").removeHandler(watcher)
         await outbox.aclose()
         await proxy.stop()
     stats = outbox.subscribers[0].stats

@@ -164,7 +164,7 @@ async def test_lifespan_runs_one_processor_per_broker_and_delivers_http_events(
             assert headers["type"] == "OrderPlaced"
             assert headers["correlation-id"] == "req-1"
             health = (await client.get("/outbox/health")).json()
-            assert {p["broker"] for p in health["processors"] if p["running"]} == {
+            assert {p["broker"] for p in health["relays"] if p["running"]} == {
                 "audit",
                 "default",
             }

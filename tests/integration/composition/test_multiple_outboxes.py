@@ -12,7 +12,7 @@ from fastapi_outbox.brokers import MemoryBroker
 
 
 async def test_each_route_writes_to_its_own_outbox(tmp_path: Any, pg_url: str) -> None:
-    settings = OutboxSettings(run_dispatchers=False)
+    settings = OutboxSettings(run_relays=False)
     orders = Outbox(pg_url, brokers={"default": MemoryBroker()}, settings=settings)
     billing = Outbox(
         f"sqlite+aiosqlite:///{tmp_path}/billing.db",

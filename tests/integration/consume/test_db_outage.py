@@ -91,7 +91,7 @@ async def backlog_through_an_outage(
 
     sub = outbox.subscribers[0]
     waits = DbWaits()
-    logging.getLogger("fastapi_outbox.subscribers").addHandler(waits)
+    logging.getLogger("fastapi_outbox.consume").addHandler(waits)
     try:
         await outbox.create_tables()
         async with outbox.engine.begin() as conn:
@@ -126,7 +126,7 @@ async def backlog_through_an_outage(
             "errors": sorted(waits.errors),
         }
     finally:
-        logging.getLogger("fastapi_outbox.subscribers").removeHandler(waits)
+        logging.getLogger("fastapi_outbox.consume").removeHandler(waits)
         await outbox.aclose()
 
 

@@ -299,7 +299,7 @@ async def test_a_dying_worker_is_logged_replaced_and_shown_by_health(
 
     sub = outbox.subscribers[0]
     try:
-        with caplog.at_level(logging.ERROR, "fastapi_outbox.subscribers"):
+        with caplog.at_level(logging.ERROR, "fastapi_outbox.consume"):
             async with outbox.relaying():
                 await publish_jobs(outbox)
                 # One worker (concurrency=1): it must survive the failure to handle the rest.

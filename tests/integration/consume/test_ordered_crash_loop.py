@@ -59,7 +59,7 @@ async def test_a_handler_that_kills_its_process_is_dead_lettered_after_max_attem
     outbox = Outbox(
         pg_url,
         brokers={"default": broker_from_url(redis_url)},
-        settings=OutboxSettings(run_dispatchers=False),
+        settings=OutboxSettings(run_relays=False),
     )
 
     @outbox.subscriber(stream, group=group, start="all", ordered=True)

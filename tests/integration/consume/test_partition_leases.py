@@ -16,7 +16,7 @@ from tests.conftest import wait_until
 
 
 async def test_a_stale_owner_loses_its_fence_and_commits_nothing(pg_url: str) -> None:
-    outbox = Outbox(pg_url, settings=OutboxSettings(run_dispatchers=False))
+    outbox = Outbox(pg_url, settings=OutboxSettings(run_relays=False))
     try:
         await outbox.create_tables()
         async with outbox.engine.begin() as conn:
@@ -70,7 +70,7 @@ async def test_attempts_on_record_outlive_their_owner_and_an_unstarted_one_is_fo
     announced by the fence before it, or recorded on their own (a retry). An owner that
     dies leaves them to the next one; a release forgets an announcement whose handler never
     started; a stale owner cannot record."""
-    outbox = Outbox(pg_url, settings=OutboxSettings(run_dispatchers=False))
+    outbox = Outbox(pg_url, settings=OutboxSettings(run_relays=False))
     try:
         await outbox.create_tables()
         leases = outbox.inbox.leases("billing", "orders")

@@ -25,7 +25,7 @@ MARKER = "ARCHIVED-PAYLOAD-7d2e"
 
 def make(url: str, **overrides: Any) -> Outbox:
     settings = OutboxSettings(
-        run_dispatchers=False,
+        run_relays=False,
         archive=True,
         published_retention_seconds=3600.0,
         **overrides,
@@ -64,7 +64,7 @@ def dashboard_outbox(url: str) -> Outbox:
     return Outbox(
         url,
         brokers={"default": MemoryBroker()},
-        settings=OutboxSettings(run_dispatchers=False, archive=True),
+        settings=OutboxSettings(run_relays=False, archive=True),
         dashboard_dependencies=[],
     )
 
@@ -151,7 +151,7 @@ async def test_dashboard_lists_the_archive_read_only(tmp_path: Path) -> None:
     plain = Outbox(
         f"sqlite+aiosqlite:///{tmp_path}/plain.db",
         brokers={"default": MemoryBroker()},
-        settings=OutboxSettings(run_dispatchers=False),
+        settings=OutboxSettings(run_relays=False),
         dashboard_dependencies=[],
     )
     app, other = FastAPI(), FastAPI()

@@ -31,7 +31,7 @@ async def test_consumers_command_health_and_dead_letter_replay(
         outbox = Outbox(
             pg_url,
             brokers={"default": broker_from_url(url, **options)},
-            settings=OutboxSettings(run_dispatchers=False),
+            settings=OutboxSettings(run_relays=False),
         )
         await outbox.create_tables()
 

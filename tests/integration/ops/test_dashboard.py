@@ -41,7 +41,7 @@ AUTH = {"Authorization": "Basic " + base64.b64encode(b"admin:s3cret").decode()}
 
 
 def make_outbox(db_url: str, **kw: Any) -> Outbox:
-    settings = kw.pop("settings", OutboxSettings(run_dispatchers=False))
+    settings = kw.pop("settings", OutboxSettings(run_relays=False))
     return Outbox(db_url, brokers={"default": MemoryBroker()}, settings=settings, **kw)
 
 
@@ -268,7 +268,7 @@ async def test_messages_filter_and_page_by_keyset(db_url: str) -> None:
 async def test_payloads_can_be_kept_off_the_dashboard(db_url: str) -> None:
     outbox = make_outbox(
         db_url,
-        settings=OutboxSettings(run_dispatchers=False, dashboard_show_payloads=False),
+        settings=OutboxSettings(run_relays=False, dashboard_show_payloads=False),
         dashboard_dependencies=[],
     )
     await outbox.create_tables()

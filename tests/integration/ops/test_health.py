@@ -89,8 +89,8 @@ async def test_counts_status_and_openapi(db_url: str) -> None:
             body = response.json()
             assert body["status"] == "degraded"
             assert body["database"] == "ok"
-            assert body["dispatchers_running"] is True
-            [p] = body["processors"]
+            assert body["relays_running"] is True
+            [p] = body["relays"]
             assert p["broker"] == "default"
             assert p["running"] is True
             assert p["last_tick"] is not None
@@ -103,8 +103,8 @@ async def test_counts_status_and_openapi(db_url: str) -> None:
         operation = schema["paths"]["/outbox/health"]["get"]
         assert "503" in operation["responses"]
         health_schema = schema["components"]["schemas"]["OutboxHealth"]
-        assert {"status", "database", "processors"} <= set(health_schema["properties"])
-        processor_schema = schema["components"]["schemas"]["ProcessorHealth"]
+        assert {"status", "database", "relays"} <= set(health_schema["properties"])
+        processor_schema = schema["components"]["schemas"]["RelayHealth"]
         assert {
             "running",
             "last_tick",
@@ -134,8 +134,8 @@ async def test_app_starts_and_serves_while_database_is_down() -> None:
                 body = response.json()
                 assert body["status"] == "down"
                 assert body["database"] == "down"
-                assert body["processors"][0]["running"] is True
-                assert body["processors"][0]["pending"] is None  # unknown, not 0
+                assert body["relays"][0]["running"] is True
+                assert body["relays"][0]["pending"] is None  # unknown, not 0
                 assert PASSWORD not in response.text
                 assert (await client.get("/ping")).status_code == 200
     finally:
@@ -167,13 +167,13 @@ async def test_dead_processor_is_503(sqlite_url: str) -> None:
             assert response.status_code == 503
             body = response.json()
             assert body["status"] == "down"
-            assert "processor 'default' is not running" in body["reasons"]
-            assert body["processors"][0]["running"] is False
+            assert "relay 'default' is not running" in body["reasons"]
+            assert body["relays"][0]["running"] is False
             # The error is detail (it may name a host): not in the public body.
-            assert body["processors"][0]["last_error"] is None
+            assert body["relays"][0]["last_error"] is None
             detail = await client.get("/outbox/health/detail")
             assert detail.status_code == 503
-            assert "RuntimeError" in detail.json()["processors"][0]["last_error"]
+            assert "RuntimeError" in detail.json()["relays"][0]["last_error"]
             # The crash ended the processor, not the app.
             assert (await client.get("/ping")).status_code == 200
     finally:
@@ -189,7 +189,7 @@ async def test_old_pending_message_in_an_api_process_is_degraded_not_503(db_url:
         db_url,
         brokers={"default": MemoryBroker()},
         settings=OutboxSettings(
-            health_cache_seconds=0, health_max_pending_age_seconds=30, run_dispatchers=False
+            health_cache_seconds=0, health_max_pending_age_seconds=30, run_relays=False
         ),
     )
     await outbox.create_tables()
@@ -209,7 +209,7 @@ async def test_old_pending_message_in_an_api_process_is_degraded_not_503(db_url:
             response = await client.get("/outbox/health")
             assert response.status_code == 200
             assert response.json()["status"] == "degraded"
-            assert response.json()["processors"][0]["oldest_pending_age_seconds"] is None
+            assert response.json()["relays"][0]["oldest_pending_age_seconds"] is None
 
             # Due an hour ago, threshold 30 s: reported, degraded, not down.
             async with outbox.engine.begin() as conn:
@@ -220,9 +220,9 @@ async def test_old_pending_message_in_an_api_process_is_degraded_not_503(db_url:
             assert response.status_code == 200
             body = response.json()
             assert body["status"] == "degraded"
-            assert body["processors"][0]["oldest_pending_age_seconds"] >= 3500
+            assert body["relays"][0]["oldest_pending_age_seconds"] >= 3500
             assert any(
-                "health_max_pending_age_seconds=30" in r and "no processor here" in r
+                "health_max_pending_age_seconds=30" in r and "no relay here" in r
                 for r in body["reasons"]
             )
     finally:
@@ -269,12 +269,12 @@ async def test_body_holds_no_payload_and_no_credentials(pg_url: str) -> None:
 
             response = await client.get("/outbox/health")
             body = response.json()
-            assert body["processors"][0]["failed"] == 1
-            assert body["processors"][0]["broker_available"] is False
-            assert body["processors"][0]["last_error"] is None  # public: no error text
+            assert body["relays"][0]["failed"] == 1
+            assert body["relays"][0]["broker_available"] is False
+            assert body["relays"][0]["last_error"] is None  # public: no error text
             assert "10.0.0.1" not in response.text
             detail = await client.get("/outbox/health/detail")
-            assert "***" in detail.json()["processors"][0]["last_error"]  # redacted, not dropped
+            assert "***" in detail.json()["relays"][0]["last_error"]  # redacted, not dropped
             for text in (response.text, detail.text):
                 assert MARKER not in text
                 assert PASSWORD not in text
@@ -284,9 +284,7 @@ async def test_body_holds_no_payload_and_no_credentials(pg_url: str) -> None:
 
 
 async def test_counts_are_cached(sqlite_url: str) -> None:
-    outbox = Outbox(
-        sqlite_url, settings=OutboxSettings(health_cache_seconds=60, run_dispatchers=False)
-    )
+    outbox = Outbox(sqlite_url, settings=OutboxSettings(health_cache_seconds=60, run_relays=False))
     await outbox.create_tables()
     app = build_app(outbox)
     calls = 0

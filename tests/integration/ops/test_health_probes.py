@@ -68,7 +68,7 @@ async def test_broker_outage_is_degraded_with_its_duration_never_503(db_url: str
 
             async def outage_longer_than_threshold() -> bool:
                 body = (await client.get("/outbox/health")).json()
-                p = body["processors"][0]
+                p = body["relays"][0]
                 return (p["broker_down_seconds"] or 0) > 0.6 and (
                     p["oldest_pending_age_seconds"] or 0
                 ) > 0.3
@@ -78,7 +78,7 @@ async def test_broker_outage_is_degraded_with_its_duration_never_503(db_url: str
             body = response.json()
             assert response.status_code == 200, body
             assert body["status"] == "degraded"
-            p = body["processors"][0]
+            p = body["relays"][0]
             assert p["broker_available"] is False
             assert p["broker_down_since"] is not None
             assert any("refusing messages for" in r for r in body["reasons"]), body
@@ -93,7 +93,7 @@ async def test_broker_outage_is_degraded_with_its_duration_never_503(db_url: str
                 lambda: _status(client, "ok"),
             )
             body = (await client.get("/outbox/health")).json()
-            assert body["processors"][0]["broker_down_seconds"] is None
+            assert body["relays"][0]["broker_down_seconds"] is None
     finally:
         await outbox.aclose()
 
@@ -130,8 +130,8 @@ async def test_a_stuck_dispatcher_with_a_reachable_broker_is_503(db_url: str) ->
             await wait_until(down)
             body = (await client.get("/outbox/health")).json()
             assert body["status"] == "down"
-            assert body["processors"][0]["broker_available"] is True
-            assert body["processors"][0]["oldest_pending_age_seconds"] > 0.3
+            assert body["relays"][0]["broker_available"] is True
+            assert body["relays"][0]["oldest_pending_age_seconds"] > 0.3
             assert any("has waited" in r for r in body["reasons"]), body
     finally:
         await outbox.aclose()
@@ -142,7 +142,7 @@ async def test_wait_counts_from_the_commit_not_the_transaction_start(pg_url: str
     outbox = Outbox(
         pg_url,
         brokers={"default": MemoryBroker()},
-        settings=OutboxSettings(run_dispatchers=False),
+        settings=OutboxSettings(run_relays=False),
     )
     await outbox.create_tables()
     try:
@@ -172,7 +172,7 @@ async def test_ordered_rows_behind_a_failing_message_do_not_count(db_url: str) -
     outbox = Outbox(
         db_url,
         brokers={"default": broker},
-        settings=OutboxSettings(ordered=True, run_dispatchers=False),
+        settings=OutboxSettings(ordered=True, run_relays=False),
     )
     await outbox.create_tables()
     stream = unique("orders")

@@ -48,7 +48,7 @@ def api_only(url: str, **settings: Any) -> Outbox:
     return Outbox(
         url,
         brokers={"default": MemoryBroker()},
-        settings=OutboxSettings(run_dispatchers=False, **settings),
+        settings=OutboxSettings(run_relays=False, **settings),
         engine_options={"pool_size": 2, "max_overflow": 0, "pool_timeout": 30},
         dashboard_dependencies=[],
     )
@@ -185,7 +185,7 @@ async def _after_cache(client: httpx.AsyncClient, path: str) -> httpx.Response:
 async def test_an_app_that_never_entered_the_lifespan_is_down_naming_the_fix(
     pg_url: str,
 ) -> None:
-    outbox = Outbox(pg_url, brokers={"default": MemoryBroker()})  # run_dispatchers on
+    outbox = Outbox(pg_url, brokers={"default": MemoryBroker()})  # run_relays on
     await outbox.create_tables()
     forgot = FastAPI()  # no lifespan=outbox.lifespan
     forgot.include_router(outbox.health_router)
@@ -198,7 +198,7 @@ async def test_an_app_that_never_entered_the_lifespan_is_down_naming_the_fix(
             assert answer.status_code == 503
             [reason] = answer.json()["reasons"]
             assert "never started" in reason and "lifespan=outbox.lifespan" in reason
-            assert "fastapi-outbox dispatch" in reason and "run_dispatchers=False" in reason
+            assert "fastapi-outbox dispatch" in reason and "run_relays=False" in reason
         async with live_server(api_only_app) as base, httpx.AsyncClient(base_url=base) as c:
             answer = await c.get("/outbox/health")
             assert answer.status_code == 200 and answer.json()["status"] == "ok"

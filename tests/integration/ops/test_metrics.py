@@ -82,7 +82,7 @@ async def test_metrics_after_publishing(db_url: str) -> None:
             assert m[("outbox_pending_messages", on)] == 0
             assert m[("outbox_abandoned_messages", on)] == 1
             assert m[("outbox_oldest_pending_age_seconds", on)] == 0
-            assert m[("outbox_processor_up", on)] == 1
+            assert m[("outbox_relay_up", on)] == 1
             assert m[("outbox_database_up", ())] == 1
 
             # The broker goes away: messages wait, the gauges say so on the next scrape.
@@ -117,7 +117,7 @@ async def test_database_down_does_not_fail_the_scrape() -> None:
     registry = CollectorRegistry()
     outbox = Outbox(
         "postgresql+asyncpg://u:pw@127.0.0.1:1/x",
-        settings=OutboxSettings(run_dispatchers=False),
+        settings=OutboxSettings(run_relays=False),
         instrumentation=PrometheusInstrumentation(registry, refresh_interval_seconds=0),
     )
     app = FastAPI()

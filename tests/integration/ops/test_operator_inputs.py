@@ -23,7 +23,7 @@ from fastapi_outbox.log import JsonFormatter, TextFormatter
 from fastapi_outbox.ops.dashboard import CSRF_HEADER
 
 ROOT = Path(__file__).resolve().parents[3]
-FORGED = "alice\n2026-01-01 00:00:00,000 INFO fastapi_outbox.operations operator purge"
+FORGED = "alice\n2026-01-01 00:00:00,000 INFO fastapi_outbox.ops operator purge"
 #: A line of the text format starts with a date: nothing else may.
 RECORD_START = re.compile(r"^\d{4}-\d\d-\d\d ")
 
@@ -35,7 +35,7 @@ def lines_of(records: list[logging.LogRecord]) -> tuple[list[str], list[str]]:
 
 
 def test_a_line_break_in_a_value_never_makes_a_record_of_its_own() -> None:
-    record = logging.LogRecord("fastapi_outbox.operations", logging.INFO, "f", 1, "x", (), None)
+    record = logging.LogRecord("fastapi_outbox.ops", logging.INFO, "f", 1, "x", (), None)
     record.__dict__.update(operator=FORGED, reason="a\r\nb\u2028c", action="operator.abandon")
     text, jsons = lines_of([record])
     assert len(text) == 1 and len(jsons) == 1
@@ -62,7 +62,7 @@ async def test_dashboard_actions_with_hostile_operator_names_and_headers(
     outbox = Outbox(
         pg_url,
         brokers={"default": MemoryBroker()},
-        settings=OutboxSettings(run_dispatchers=False),
+        settings=OutboxSettings(run_relays=False),
         dashboard_dependencies=[Depends(guard)],
     )
     await outbox.create_tables()

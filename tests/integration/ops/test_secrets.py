@@ -177,20 +177,20 @@ async def test_no_surface_shows_a_credential(pg_url: str, caplog: pytest.LogCapt
     body = public.json()
     assert body["status"] == "degraded"
     assert any("broker 'nats_token' unreachable for" in r for r in body["reasons"]), body
-    assert all(p["last_error"] is None for p in body["processors"])
+    assert all(p["last_error"] is None for p in body["relays"])
     assert body["consumers"][0]["handler"] is None and body["consumers"][0]["group"] == "billing"
     assert not leaks(public.text, public=True, ports=ports), public.text
     # The detail: for the guard only; errors there, redacted.
     assert unguarded.status_code == 401
     assert detail.status_code == 200
-    errors = {p["broker"]: p["last_error"] for p in detail.json()["processors"]}
+    errors = {p["broker"]: p["last_error"] for p in detail.json()["relays"]}
     assert "unreachable" in errors["nats_token"] and "***@127.0.0.1" in errors["nats_token"]
     assert detail.json()["consumers"][0]["handler"].endswith("bill")
     assert not leaks(detail.text), detail.text
     for page in pages:
         assert page.status_code == 200, page.text
         assert not leaks(page.text), (str(page.url), leaks(page.text))
-    assert "outbox_processor_up" in metrics.text and not leaks(metrics.text)
+    assert "outbox_relay_up" in metrics.text and not leaks(metrics.text)
 
     # Processors' and the consumer's errors; every log record as any formatter shows it.
     last_errors = [p.last_error or "" for p in outbox.relays.tables.values()]
@@ -237,9 +237,9 @@ async def test_health_detail_without_a_guard_is_refused_unless_made_public(
         if expected == 403:
             assert "dashboard_dependencies" in detail.text
             assert "health_public_detail" in detail.text
-            assert public["processors"][0]["last_error"] is None
+            assert public["relays"][0]["last_error"] is None
         else:  # on purpose: the detail in the public body, still without the password
-            assert "someUser:***@127.0.0.1" in public["processors"][0]["last_error"]
+            assert "someUser:***@127.0.0.1" in public["relays"][0]["last_error"]
         assert REDIS_AT_PASSWORD not in detail.text
 
 

@@ -43,7 +43,7 @@ async def test_publish_span_linked_to_the_committing_span(
     outbox = Outbox(
         db_url,
         brokers={"default": broker},
-        settings=OutboxSettings(run_dispatchers=False, retry_base_delay_seconds=60),
+        settings=OutboxSettings(run_relays=False, retry_base_delay_seconds=60),
         instrumentation=Instrumentation(tracer_provider=provider),
     )
     await outbox.create_tables()

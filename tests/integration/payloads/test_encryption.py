@@ -289,7 +289,7 @@ async def test_the_dashboard_shows_encrypted_unless_it_holds_the_key(sqlite_url:
         ops = Outbox(
             sqlite_url,
             brokers={"default": MemoryBroker()},
-            settings=settings(keys, run_dispatchers=False, dashboard_show_payloads=show),
+            settings=settings(keys, run_relays=False, dashboard_show_payloads=show),
             dashboard_dependencies=[],
         )
         app = FastAPI(lifespan=ops.lifespan)

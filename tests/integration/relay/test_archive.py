@@ -24,7 +24,7 @@ DAY = dt.timedelta(days=1)
 
 def archiving(url: str, **overrides: Any) -> Outbox:
     options: dict[str, Any] = dict(
-        run_dispatchers=False,
+        run_relays=False,
         archive=True,
         cleanup_batch_size=4,
         published_retention_seconds=HOUR,

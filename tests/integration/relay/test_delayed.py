@@ -140,7 +140,7 @@ async def test_delayed_message_reaches_redis_when_due(pg_url: str, redis_url: st
 
 async def test_cancel_before_the_claim_and_too_late_after_it(db_url: str) -> None:
     outbox = Outbox(
-        db_url, brokers={"default": MemoryBroker()}, settings=OutboxSettings(run_dispatchers=False)
+        db_url, brokers={"default": MemoryBroker()}, settings=OutboxSettings(run_relays=False)
     )
     await outbox.create_tables()
     stream = unique("reminders")
@@ -181,7 +181,7 @@ async def test_scheduled_messages_in_status_list_dashboard_and_cli_cancel(pg_url
     outbox = Outbox(
         pg_url,
         brokers={"default": MemoryBroker()},
-        settings=OutboxSettings(run_dispatchers=False),
+        settings=OutboxSettings(run_relays=False),
         dashboard_dependencies=[],
     )
     await outbox.create_tables()

@@ -34,9 +34,7 @@ async def test_each_batch_is_one_broker_call_and_one_mark(db_url: str) -> None:
     outbox = Outbox(
         db_url,
         brokers={"default": broker},
-        settings=OutboxSettings(
-            batch_size=100, min_batch_size=100, workers=1, run_dispatchers=False
-        ),
+        settings=OutboxSettings(batch_size=100, min_batch_size=100, workers=1, run_relays=False),
     )
     await outbox.create_tables()
     marks = 0

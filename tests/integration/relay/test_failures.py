@@ -342,7 +342,7 @@ async def test_database_outage_and_recovery_through_a_proxy(pg_url: str) -> None
         settings=OutboxSettings(**FAST),
         engine_options={"pool_size": 2},
     )
-    direct = Outbox(pg_url, settings=OutboxSettings(run_dispatchers=False))
+    direct = Outbox(pg_url, settings=OutboxSettings(run_relays=False))
     await outbox.create_tables()
     try:
         async with outbox.relaying():

@@ -26,7 +26,7 @@ async def outbox(db_url: str) -> AsyncIterator[Outbox]:
         db_url,
         brokers={"default": MemoryBroker()},
         settings=OutboxSettings(
-            poll_interval_seconds=0.05, max_poll_interval_seconds=0.2, run_dispatchers=False
+            poll_interval_seconds=0.05, max_poll_interval_seconds=0.2, run_relays=False
         ),
     )
     await box.create_tables()

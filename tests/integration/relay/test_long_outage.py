@@ -124,7 +124,7 @@ async def test_outage_longer_than_the_old_window_between_publish_and_mark(
         settings=settings,
         engine_options={"pool_size": 2},
     )
-    direct = Outbox(pg_url, settings=OutboxSettings(run_dispatchers=False))
+    direct = Outbox(pg_url, settings=OutboxSettings(run_relays=False))
     await outbox.create_tables()
     stream = unique("orders")
     cut_at: list[float] = []

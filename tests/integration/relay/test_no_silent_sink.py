@@ -38,7 +38,7 @@ async def test_outbox_without_brokers_refuses_to_start_dispatchers(pg_url: str) 
 
 
 async def test_api_only_outbox_without_brokers_serves(pg_url: str) -> None:
-    outbox = Outbox(pg_url, settings=OutboxSettings(run_dispatchers=False))
+    outbox = Outbox(pg_url, settings=OutboxSettings(run_relays=False))
     try:
         await outbox.create_tables()
         async with asgi_client(FastAPI(lifespan=outbox.lifespan)):
@@ -62,7 +62,7 @@ async def test_memory_broker_by_name(sqlite_url: str) -> None:
 
 
 async def test_dispatch_without_broker_exits_2_and_publishes_nothing(pg_url: str) -> None:
-    outbox = Outbox(pg_url, settings=OutboxSettings(run_dispatchers=False))
+    outbox = Outbox(pg_url, settings=OutboxSettings(run_relays=False))
     try:
         await outbox.create_tables()
         await publish_one(outbox)

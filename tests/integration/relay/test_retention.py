@@ -42,7 +42,7 @@ def count_purges(outbox: Outbox) -> list[tuple[int, int]]:
 async def test_cleanup_deletes_only_old_finished_rows_in_bounded_batches(db_url: str) -> None:
     stream = unique("orders")
     settings = OutboxSettings(
-        run_dispatchers=False,
+        run_relays=False,
         cleanup_batch_size=4,
         published_retention_seconds=HOUR,
         abandoned_retention_seconds=HOUR,
@@ -178,9 +178,7 @@ async def test_retention_prunes_the_attempts_and_handlers_nothing_needs(db_url: 
     the cutoff (a crash, a hand-back nobody settled), and handlers rows expired before it
     (a killed process). A message still counted and a live process keep theirs. Old code
     kept every such row forever."""
-    settings = OutboxSettings(
-        run_dispatchers=False, cleanup_batch_size=2, inbox_retention_seconds=HOUR
-    )
+    settings = OutboxSettings(run_relays=False, cleanup_batch_size=2, inbox_retention_seconds=HOUR)
     outbox = Outbox(db_url, brokers={"default": MemoryBroker()}, settings=settings)
     stream = unique("orders")
 

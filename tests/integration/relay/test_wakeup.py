@@ -74,8 +74,8 @@ async def test_notify_from_an_api_only_process_wakes_another_dispatcher(
     pg_url: str, make_outbox: Any
 ) -> None:
     api_broker, relay_broker = MemoryBroker(), MemoryBroker()
-    # The API process runs no dispatcher (run_dispatchers=False, or simply never started).
-    api = await make_outbox(pg_url, api_broker, run_dispatchers=False)
+    # The API process runs no dispatcher (run_relays=False, or simply never started).
+    api = await make_outbox(pg_url, api_broker, run_relays=False)
     relay = await make_outbox(pg_url, relay_broker, **SLOW_POLL)
     stream = unique("orders")
     async with relay.relaying():

@@ -54,7 +54,7 @@ async def test_a_joined_session_committed_by_its_owner_wakes_another_dispatcher(
     pg_url: str, make_outbox: Any, writer: str
 ) -> None:
     relay_broker = MemoryBroker()
-    api = await make_outbox(pg_url, MemoryBroker(), run_dispatchers=False)
+    api = await make_outbox(pg_url, MemoryBroker(), run_relays=False)
     relay = await make_outbox(pg_url, relay_broker, **SLOW_POLL)
     stream = unique("orders")
     notifying = api.relays.notifying() if writer == "notifier-running" else contextlib.nullcontext()
@@ -153,7 +153,7 @@ async def test_a_silently_dead_listen_connection_is_noticed_and_replaced(
     )
     # Another process: its own engine, straight to PostgreSQL, no dispatcher.
     writer = Outbox(
-        pg_url, brokers={"default": MemoryBroker()}, settings=OutboxSettings(run_dispatchers=False)
+        pg_url, brokers={"default": MemoryBroker()}, settings=OutboxSettings(run_relays=False)
     )
     await relay.create_tables()
     app = FastAPI()

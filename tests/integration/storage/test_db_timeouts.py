@@ -27,7 +27,7 @@ async def test_a_frozen_holder_of_the_ordered_lock_is_cut_off(pg_url: str) -> No
         brokers={"default": MemoryBroker()},
         settings=OutboxSettings(
             ordered=True,
-            run_dispatchers=False,
+            run_relays=False,
             lease_seconds=6,
             publish_timeout_seconds=2,
             db_statement_timeout_seconds=1,

@@ -1,7 +1,7 @@
 """One clock: every due time, deadline and age is the database's, whatever the clock of the
 process that writes, dispatches or observes, since hosts' clocks drift apart.
 
-Each test shifts the library's clock (``fastapi_outbox.clock.wall``, the one seam through
+Each test shifts the library's clock (``fastapi_outbox.storage.clock.wall``, the one seam through
 which the library reads its host's time) 120 s ahead or behind the database's and checks
 what the database stores and what the dispatcher does: nothing abandoned early, nothing
 due early or late, ages and retention cutoffs as the database counts them."""

@@ -37,7 +37,7 @@ UUID7_SQL = (
 
 def partitioned(url: str, **overrides: Any) -> Outbox:
     settings = OutboxSettings(
-        run_dispatchers=False,
+        run_relays=False,
         partitioning="daily",
         published_retention_seconds=86400.0,
         abandoned_retention_seconds=86400.0,
@@ -364,7 +364,7 @@ async def test_the_readme_procedure_moves_a_plain_table_to_partitions(pg_url: st
     step1, step2 = script.split("-- 2. The switch, one transaction:")
 
     plain = Outbox(
-        pg_url, brokers={"default": MemoryBroker()}, settings=OutboxSettings(run_dispatchers=False)
+        pg_url, brokers={"default": MemoryBroker()}, settings=OutboxSettings(run_relays=False)
     )
     stream = unique("orders")
     try:
@@ -540,7 +540,7 @@ async def test_claims_on_a_table_partitioned_by_id_run_the_generic_plan(pg_url: 
     outbox = Outbox(
         engine,
         brokers={"default": MemoryBroker()},
-        settings=OutboxSettings(run_dispatchers=False, partitioning="daily"),
+        settings=OutboxSettings(run_relays=False, partitioning="daily"),
     )
     store = outbox.store
     try:
@@ -694,7 +694,7 @@ def single_connection_outbox(pg_url: str) -> tuple[Outbox, Any]:
     """A partitioned outbox on an engine of one connection: its prepared statements are
     every statement the store ran."""
     engine = create_async_engine(pg_url, pool_size=1, max_overflow=0)
-    settings = OutboxSettings(run_dispatchers=False, partitioning="daily", notify=False)
+    settings = OutboxSettings(run_relays=False, partitioning="daily", notify=False)
     return Outbox(engine, brokers={"default": MemoryBroker()}, settings=settings), engine
 
 

@@ -133,7 +133,7 @@ def test_archive_turned_on_later(
         table_name=env["OUTBOX_TABLE_NAME"],
         partitioning=partitioning,
         archive=True,
-        run_dispatchers=False,
+        run_relays=False,
         published_retention_seconds=3600.0,
     )
     _, relation = asyncio.run(archive_one(url, settings))
@@ -163,7 +163,7 @@ def test_claim_check_turned_on_later(
 
     async def publish_big() -> None:
         settings = OutboxSettings(
-            table_name=env["OUTBOX_TABLE_NAME"], claim_check_bytes=1024, run_dispatchers=False
+            table_name=env["OUTBOX_TABLE_NAME"], claim_check_bytes=1024, run_relays=False
         )
         broker = MemoryBroker()
         outbox = Outbox(url, brokers={"default": broker}, settings=settings)
@@ -191,7 +191,7 @@ async def test_inbox_and_leases_of_an_outbox_older_than_the_consumers(sqlite_url
     """A table from before the inbox: the inbox is needed (its retention runs with the
     cleaner), the partition leases only once an ordered subscriber is declared; ``db
     upgrade`` creates both (``db create`` makes them all)."""
-    settings = OutboxSettings(table_name=unique("outbox"), run_dispatchers=False)
+    settings = OutboxSettings(table_name=unique("outbox"), run_relays=False)
     outbox = Outbox(sqlite_url, brokers={"default": MemoryBroker()}, settings=settings)
     try:
         await outbox.create_tables()

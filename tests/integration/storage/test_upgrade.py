@@ -129,7 +129,7 @@ async def test_upgrade_twice_then_every_pending_row_is_delivered(
     outbox = Outbox(
         pg_url,
         brokers={"default": RedisStreamsBroker(redis_url)},
-        settings=OutboxSettings(ordered=True, run_dispatchers=False),
+        settings=OutboxSettings(ordered=True, run_relays=False),
     )
     client = aioredis.Redis.from_url(redis_url)
     try:

@@ -31,7 +31,7 @@ def outbox_of(url: str) -> Outbox:
     return Outbox(
         url,
         brokers={"default": MemoryBroker()},
-        settings=OutboxSettings(ordered=True, run_dispatchers=False),
+        settings=OutboxSettings(ordered=True, run_relays=False),
     )
 
 
@@ -72,7 +72,7 @@ async def test_upgrade_retries_and_succeeds_once_the_lock_is_released(
     outbox = outbox_of(pg_url)
     holder = await hold_lock(pg_url)
     result: list[tuple[list[doctor.Finding], list[doctor.Finding]]] = []
-    caplog.set_level(logging.WARNING, logger="fastapi_outbox.doctor")
+    caplog.set_level(logging.WARNING, logger="fastapi_outbox.storage")
 
     def retries() -> int:
         return sum(getattr(r, "action", None) == "upgrade.lock_timeout" for r in caplog.records)

@@ -97,7 +97,7 @@ async def test_server_without_logical_wal_level_is_refused_at_startup(pg_url: st
         api_only = Outbox(
             pg_url,
             brokers={"default": MemoryBroker()},
-            settings=wal_settings(run_dispatchers=False),
+            settings=wal_settings(run_relays=False),
         )
         try:
             with pytest.raises(exceptions.ConfigurationError, match="wal_level=logical"):
@@ -348,7 +348,7 @@ async def test_commits_wake_the_reader_in_process_and_across_processes(wal_pg_ur
     api = Outbox(
         wal_pg_url,
         brokers={"default": MemoryBroker()},
-        settings=OutboxSettings(capture="wal", run_dispatchers=False, **SLOW_POLL),
+        settings=OutboxSettings(capture="wal", run_relays=False, **SLOW_POLL),
     )
     await reader.create_tables()
     try:

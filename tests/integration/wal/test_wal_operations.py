@@ -162,7 +162,7 @@ async def test_cli_creates_reports_and_drops_the_slot(wal_pg_url: str) -> None:
     outbox = Outbox(
         wal_pg_url,
         brokers={"default": MemoryBroker()},
-        settings=OutboxSettings(capture="wal", table_name=table, run_dispatchers=False),
+        settings=OutboxSettings(capture="wal", table_name=table, run_relays=False),
     )
     try:
         await publish(outbox, 3)

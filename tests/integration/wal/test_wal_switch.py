@@ -21,7 +21,7 @@ def make(url: str, broker: MemoryBroker, capture: str, *, dispatch: bool) -> Out
     return Outbox(
         url,
         brokers={"default": broker},
-        settings=OutboxSettings(capture=capture, run_dispatchers=dispatch, **FAST),
+        settings=OutboxSettings(capture=capture, run_relays=dispatch, **FAST),
     )
 
 

@@ -217,7 +217,7 @@ MATRIX: list[tuple[Case, dict[int, str], list[str]]] = [
 @pytest.fixture
 async def outbox(db_url: str) -> AsyncIterator[Outbox]:
     box = Outbox(
-        db_url, brokers={"default": MemoryBroker()}, settings=OutboxSettings(run_dispatchers=False)
+        db_url, brokers={"default": MemoryBroker()}, settings=OutboxSettings(run_relays=False)
     )
     async with box.engine.begin() as conn:
         await conn.run_sync(Base.metadata.create_all)

@@ -64,9 +64,7 @@ def build_app(outbox: Outbox) -> FastAPI:
 @pytest.fixture
 async def setup(db_url: str) -> AsyncIterator[tuple[Outbox, MemoryBroker, httpx.AsyncClient]]:
     broker = MemoryBroker()
-    outbox = Outbox(
-        db_url, brokers={"default": broker}, settings=OutboxSettings(run_dispatchers=False)
-    )
+    outbox = Outbox(db_url, brokers={"default": broker}, settings=OutboxSettings(run_relays=False))
     async with outbox.engine.begin() as conn:
         await conn.run_sync(Base.metadata.create_all)
     await outbox.create_tables()

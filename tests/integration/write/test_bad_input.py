@@ -52,7 +52,7 @@ async def outbox(db_url: str) -> AsyncIterator[Outbox]:
     box = Outbox(
         db_url,
         brokers={"default": MemoryBroker(), "audit": MemoryBroker()},
-        settings=OutboxSettings(run_dispatchers=False, max_payload_bytes=512),
+        settings=OutboxSettings(run_relays=False, max_payload_bytes=512),
     )
     async with box.engine.begin() as conn:
         await conn.run_sync(Base.metadata.create_all)

@@ -18,7 +18,7 @@ from tests.conftest import unique
 @pytest.fixture
 async def outbox(db_url: str) -> AsyncIterator[Outbox]:
     box = Outbox(
-        db_url, brokers={"default": MemoryBroker()}, settings=OutboxSettings(run_dispatchers=False)
+        db_url, brokers={"default": MemoryBroker()}, settings=OutboxSettings(run_relays=False)
     )
     await box.create_tables()
     yield box
@@ -83,9 +83,7 @@ async def test_redis_entry_id_is_the_real_message_id(sqlite_url: str, redis_url:
     be the message id, whatever a (refused) header could have looked like."""
     stream = unique("hdr")
     broker = RedisStreamsBroker(redis_url)
-    box = Outbox(
-        sqlite_url, brokers={"default": broker}, settings=OutboxSettings(run_dispatchers=False)
-    )
+    box = Outbox(sqlite_url, brokers={"default": broker}, settings=OutboxSettings(run_relays=False))
     await box.create_tables()
     try:
         async with box.unit_of_work() as uow:

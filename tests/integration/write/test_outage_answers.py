@@ -57,7 +57,7 @@ async def test_a_database_outage_answers_503_with_retry_after_and_saves_nothing(
     outbox = Outbox(
         pg_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}"),
         brokers={"default": MemoryBroker()},
-        settings=OutboxSettings(run_dispatchers=False),
+        settings=OutboxSettings(run_relays=False),
         engine_options={"pool_timeout": 2},
     )
     direct = Outbox(pg_url, brokers={"default": MemoryBroker()})
@@ -93,7 +93,7 @@ async def test_a_broker_outage_answers_503_and_rolls_back_while_bugs_stay_500(
     outbox = Outbox(
         pg_url,
         brokers={"default": MemoryBroker()},
-        settings=OutboxSettings(run_dispatchers=False),
+        settings=OutboxSettings(run_relays=False),
     )
     await outbox.create_tables()
     async with outbox.engine.begin() as conn:

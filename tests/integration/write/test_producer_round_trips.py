@@ -136,7 +136,7 @@ async def test_the_request_dependency_sends_the_insert_and_the_commit_nothing_el
     outbox = Outbox(
         url,
         brokers={"default": MemoryBroker()},
-        settings=OutboxSettings(run_dispatchers=False),
+        settings=OutboxSettings(run_relays=False),
         engine_options=ONE,
     )
     await outbox.create_tables()

@@ -55,7 +55,7 @@ TRACEPARENT = f"00-{TRACE_ID}-00f067aa0ba902b7-01"
 
 
 def settings() -> OutboxSettings:
-    return OutboxSettings(run_dispatchers=False)
+    return OutboxSettings(run_relays=False)
 
 
 @pytest.fixture

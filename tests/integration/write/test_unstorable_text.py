@@ -46,7 +46,7 @@ async def outbox(db_url: str) -> AsyncIterator[Outbox]:
     box = Outbox(
         db_url,
         brokers={"default": MemoryBroker()},
-        settings=OutboxSettings(run_dispatchers=False),
+        settings=OutboxSettings(run_relays=False),
     )
     async with box.engine.begin() as conn:
         await conn.run_sync(Base.metadata.create_all)
