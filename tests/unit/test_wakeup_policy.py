@@ -10,7 +10,7 @@ import anyio.abc
 from fastapi_outbox.relay.wakeups import Wakeup, notify_with_commit, wake_after_commit
 
 
-class _Processor:
+class _Relay:
     def __init__(self, *, stopping: bool = False) -> None:
         self.wakeup = Wakeup()
         self.stopping = stopping
@@ -36,13 +36,13 @@ class _Notifier:
         self.signals += 1
 
 
-async def _idle(processor: _Processor, tg: anyio.abc.TaskGroup, woken: list[bool]) -> None:
+async def _idle(relay: _Relay, tg: anyio.abc.TaskGroup, woken: list[bool]) -> None:
     async def worker() -> None:
-        woken.append(await processor.wakeup.wait(None))
+        woken.append(await relay.wakeup.wait(None))
 
     tg.start_soon(worker)
     await anyio.wait_all_tasks_blocked()
-    assert processor.wakeup.idle_waiters == 1
+    assert relay.wakeup.idle_waiters == 1
 
 
 def test_nothing_written_wakes_nobody() -> None:
@@ -50,22 +50,20 @@ def test_nothing_written_wakes_nobody() -> None:
 
 
 async def test_an_idle_worker_here_takes_rows_due_now_and_no_notify_is_needed() -> None:
-    processor, woken = _Processor(), []
+    relay, woken = _Relay(), []
     async with anyio.create_task_group() as tg:
-        await _idle(processor, tg, woken)
+        await _idle(relay, tg, woken)
         assert (
-            wake_after_commit({"default": 0.0}, {"default": processor}, None, None, can_notify=True)
+            wake_after_commit({"default": 0.0}, {"default": relay}, None, None, can_notify=True)
             is False
         )
     assert woken == [True]
 
 
 def test_no_idle_worker_here_asks_for_a_notify_when_one_can_be_sent() -> None:
-    processor = _Processor()
-    assert wake_after_commit({"default": 0.0}, {"default": processor}, None, None, can_notify=True)
-    assert not wake_after_commit(
-        {"default": 0.0}, {"default": processor}, None, None, can_notify=False
-    )
+    relay = _Relay()
+    assert wake_after_commit({"default": 0.0}, {"default": relay}, None, None, can_notify=True)
+    assert not wake_after_commit({"default": 0.0}, {"default": relay}, None, None, can_notify=False)
 
 
 def test_a_running_notifier_sends_it_instead_of_the_committer() -> None:
@@ -75,15 +73,15 @@ def test_a_running_notifier_sends_it_instead_of_the_committer() -> None:
 
 
 def test_delayed_rows_schedule_the_poller_and_other_processes_are_told() -> None:
-    processor = _Processor()
-    assert wake_after_commit({"default": 5.0}, {"default": processor}, None, None, can_notify=True)
-    assert processor.scheduled == [5.0]
+    relay = _Relay()
+    assert wake_after_commit({"default": 5.0}, {"default": relay}, None, None, can_notify=True)
+    assert relay.scheduled == [5.0]
 
 
 def test_a_stopping_or_unknown_relay_leaves_it_to_other_processes() -> None:
-    stopping = _Processor(stopping=True)
+    stopping = _Relay(stopping=True)
     assert wake_after_commit({"default": 0.0}, {"default": stopping}, None, None, can_notify=True)
-    assert wake_after_commit({"other": 0.0}, {"default": _Processor()}, None, None, can_notify=True)
+    assert wake_after_commit({"other": 0.0}, {"default": _Relay()}, None, None, can_notify=True)
 
 
 def test_wal_capture_wakes_the_wal_relay_and_only_a_leader_here_suffices() -> None:
@@ -91,19 +89,19 @@ def test_wal_capture_wakes_the_wal_relay_and_only_a_leader_here_suffices() -> No
     assert not wake_after_commit({"default": 0.0}, {}, leader, None, can_notify=True)
     standby = _WalRelay(leader=False)
     assert wake_after_commit({"default": 0.0}, {}, standby, None, can_notify=True)
-    # Delayed rows are table rows, for the processors, even with capture="wal".
-    processor = _Processor()
-    wake_after_commit({"default": 2.0}, {"default": processor}, leader, None, can_notify=True)
-    assert processor.scheduled == [2.0]
+    # Delayed rows are table rows, for the relays, even with capture="wal".
+    relay = _Relay()
+    wake_after_commit({"default": 2.0}, {"default": relay}, leader, None, can_notify=True)
+    assert relay.scheduled == [2.0]
 
 
 async def test_the_commit_carries_a_notify_unless_an_idle_worker_here_takes_the_rows() -> None:
-    processor, woken = _Processor(), []
-    here = {"default": processor}
+    relay, woken = _Relay(), []
+    here = {"default": relay}
     # No worker of this process waits: other processes must be told.
     assert notify_with_commit({"default": 0.0}, here, None, can_notify=True) is True
     async with anyio.create_task_group() as tg:
-        await _idle(processor, tg, woken)
+        await _idle(relay, tg, woken)
         assert notify_with_commit({"default": 0.0}, here, None, can_notify=True) is False
         # Delayed rows, another broker's rows: other processes are told all the same.
         assert notify_with_commit({"default": 5.0}, here, None, can_notify=True) is True
