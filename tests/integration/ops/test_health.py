@@ -80,9 +80,9 @@ async def test_counts_status_and_openapi(db_url: str) -> None:
             await publish(outbox, stream, 3)
             await broker.wait_for(3)
             await publish(outbox, stream, 1, bad=True)
-            processor = outbox.relays.tables["default"]
+            relay = outbox.relays.tables["default"]
             # Marked, not only sent: the broker has the three before their batch is marked.
-            await wait_until(lambda: processor.failed_total == 1 and processor.published_total == 3)
+            await wait_until(lambda: relay.failed_total == 1 and relay.published_total == 3)
 
             response = await client.get("/outbox/health")
             assert response.status_code == 200  # failing messages: degraded, not down
@@ -154,14 +154,14 @@ async def test_dead_processor_is_503(sqlite_url: str) -> None:
     try:
         async with serve(app) as client:
             assert (await client.get("/outbox/health")).status_code == 200
-            processor = outbox.relays.tables["default"]
+            relay = outbox.relays.tables["default"]
 
             async def bug(timeout: float | None) -> bool:
                 raise RuntimeError("a bug in a worker")
 
-            processor.wakeup.wait = bug  # type: ignore[method-assign]
-            processor.wakeup.set_all()
-            await wait_until(lambda: not processor.running)
+            relay.wakeup.wait = bug  # type: ignore[method-assign]
+            relay.wakeup.set_all()
+            await wait_until(lambda: not relay.running)
 
             response = await client.get("/outbox/health")
             assert response.status_code == 503
@@ -174,16 +174,16 @@ async def test_dead_processor_is_503(sqlite_url: str) -> None:
             detail = await client.get("/outbox/health/detail")
             assert detail.status_code == 503
             assert "RuntimeError" in detail.json()["relays"][0]["last_error"]
-            # The crash ended the processor, not the app.
+            # The crash ended the relay, not the app.
             assert (await client.get("/ping")).status_code == 200
     finally:
         await outbox.aclose()
 
 
 async def test_old_pending_message_in_an_api_process_is_degraded_not_503(db_url: str) -> None:
-    """A process that runs no processor for the rows (API-only) reports a long wait but
+    """A process that runs no relay for the rows (API-only) reports a long wait but
     answers 200: restarting it would cure nothing (see test_health_probes.py for the 503
-    of a stuck dispatcher)."""
+    of a stuck relay)."""
     stream = unique("orders")
     outbox = Outbox(
         db_url,
@@ -261,11 +261,11 @@ async def test_body_holds_no_payload_and_no_credentials(pg_url: str) -> None:
     try:
         async with serve(app) as client:
             await publish(outbox, stream, 1, secret=MARKER)
-            processor = outbox.relays.tables["default"]
-            await wait_until(lambda: processor.failed_total == 1)
+            relay = outbox.relays.tables["default"]
+            await wait_until(lambda: relay.failed_total == 1)
             broker.available = False
             await publish(outbox, stream, 1, secret=MARKER)
-            await wait_until(lambda: not processor.broker_ok)
+            await wait_until(lambda: not relay.broker_ok)
 
             response = await client.get("/outbox/health")
             body = response.json()
