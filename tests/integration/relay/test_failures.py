@@ -3,7 +3,7 @@
 * A message the broker refuses is retried on its own with exponential backoff and jitter,
   then abandoned with ``abandoned_at`` and ``last_error``; the rest of its batch goes out.
 * A broker that cannot be reached (MemoryBroker marked unavailable; a private Redis that is
-  killed and restarted) charges no attempts: the batch is given back, the processor pauses
+  killed and restarted) charges no attempts: the batch is given back, the relay pauses
   as a whole with growing pauses, and everything flows once the broker is back.
 * A database that cannot be reached (nothing listening; a proxy that drops PostgreSQL and
   comes back) leaves the workers alive and reporting it; the app keeps serving.
@@ -157,9 +157,9 @@ async def test_refused_message_backs_off_then_is_abandoned(db_url: str) -> None:
                 lambda: len(recorded) == max_attempts and recorded[-1][1]["status"] == "abandoned",
                 timeout=10,
             )
-            processor = outbox.relays.tables["default"]
-            assert (processor.failed_total, processor.abandoned_total) == (2, 1)
-            assert processor.broker_ok  # a refusal is not an outage
+            relay = outbox.relays.tables["default"]
+            assert (relay.failed_total, relay.abandoned_total) == (2, 1)
+            assert relay.broker_ok  # a refusal is not an outage
 
         assert sorted(m.id for m in broker.messages) == sorted(str(i) for i in good)
         for r in await rows(outbox, good):
@@ -199,11 +199,11 @@ async def test_unavailable_broker_costs_no_attempts_and_pauses_the_processor(pg_
     try:
         ids = await publish(outbox, unique("orders"), [{"n": n} for n in range(3)])
         async with outbox.relaying():
-            processor = outbox.relays.tables["default"]
+            relay = outbox.relays.tables["default"]
             await wait_until(lambda: len(broker.calls) >= 5, timeout=10)
-            assert not processor.broker_ok
-            assert "unavailable" in (processor.last_error or "")
-            # The processor pauses as a whole: one offer per pause, and the pauses grow
+            assert not relay.broker_ok
+            assert "unavailable" in (relay.last_error or "")
+            # The relay pauses as a whole: one offer per pause, and the pauses grow
             # (poll interval x 2^n, capped at broker_backoff_max_seconds) — no hot loop.
             gaps = [b - a for a, b in itertools.pairwise(broker.calls)][:4]
             for n, gap in enumerate(gaps):
@@ -215,8 +215,8 @@ async def test_unavailable_broker_costs_no_attempts_and_pauses_the_processor(pg_
             broker.available = True
             await broker.wait_for(3, timeout=5)
             await wait_until(lambda: all_published(outbox, ids), timeout=5)
-            assert processor.broker_ok
-            assert processor.failed_total == processor.abandoned_total == 0
+            assert relay.broker_ok
+            assert relay.failed_total == relay.abandoned_total == 0
         for r in await rows(outbox, ids):
             assert (r["status"], r["attempts"], r["last_error"]) == ("published", 1, None)
     finally:
@@ -258,21 +258,21 @@ async def test_killed_redis_costs_no_attempts_and_messages_flow_once_it_is_back(
 
     try:
         async with outbox.relaying():
-            processor = outbox.relays.tables["default"]
+            relay = outbox.relays.tables["default"]
             await publish(outbox, stream, [{"n": 0}, {"n": 1}])
             await wait_until(lambda: xlen_is(xlen, 2), timeout=10)
 
             await private_redis.kill()
             later = await publish(outbox, stream, [{"n": n} for n in range(2, 5)])
-            await wait_until(lambda: not processor.broker_ok, timeout=10)
-            assert "unreachable" in (processor.last_error or "")
+            await wait_until(lambda: not relay.broker_ok, timeout=10)
+            assert "unreachable" in (relay.last_error or "")
             await wait_until(lambda: given_back_now(outbox, later), timeout=5)
 
             await private_redis.start()  # an empty server: no persistence
             await wait_until(lambda: xlen_is(xlen, 3), timeout=10)
             await wait_until(lambda: all_published(outbox, later), timeout=5)
-            assert processor.broker_ok
-            assert processor.failed_total == 0
+            assert relay.broker_ok
+            assert relay.failed_total == 0
         for r in await rows(outbox, later):
             assert (r["status"], r["attempts"]) == ("published", 1)
     finally:
@@ -317,16 +317,16 @@ async def test_database_with_nothing_listening_keeps_workers_alive_and_the_app_s
             httpx.AsyncClient(transport=transport, base_url="http://t") as client,
         ):
             assert time.monotonic() - begin < 5  # the app starts although the database is down
-            processor = outbox.relays.tables["default"]
+            relay = outbox.relays.tables["default"]
             await wait_until(lambda: claims >= 3, timeout=10)  # retried with backoff
-            assert processor.running
-            assert not processor.database_ok
-            assert (processor.last_error or "").startswith("database")
+            assert relay.running
+            assert not relay.database_ok
+            assert (relay.last_error or "").startswith("database")
             assert (await client.get("/ping")).status_code == 200
             health = await client.get("/outbox/health")
             assert health.status_code == 503
             assert health.json()["database"] == "down"
-            assert processor.running  # still alive after all that
+            assert relay.running  # still alive after all that
     finally:
         await outbox.aclose()
 
@@ -346,21 +346,21 @@ async def test_database_outage_and_recovery_through_a_proxy(pg_url: str) -> None
     await outbox.create_tables()
     try:
         async with outbox.relaying():
-            processor = outbox.relays.tables["default"]
+            relay = outbox.relays.tables["default"]
             await publish(outbox, unique("orders"), [{"n": 0}])
             await broker.wait_for(1)
 
             await proxy.stop()
-            await wait_until(lambda: not processor.database_ok, timeout=10)
+            await wait_until(lambda: not relay.database_ok, timeout=10)
             # Written meanwhile by another process that still reaches the database.
             stream = unique("orders")
             ids = await publish(direct, stream, [{"n": 1}, {"n": 2}])
-            assert processor.running
+            assert relay.running
 
             await proxy.start()
             await broker.wait_for(3, timeout=10)
-            await wait_until(lambda: processor.database_ok, timeout=5)
-            assert processor.running
+            await wait_until(lambda: relay.database_ok, timeout=5)
+            assert relay.running
         assert [m.json() for m in broker.on_stream(stream)] == [{"n": 1}, {"n": 2}]
         for r in await rows(direct, ids):
             assert (r["status"], r["attempts"]) == ("published", 1)
