@@ -164,7 +164,9 @@ async def test_two_versions_of_a_group_settle_nothing_the_other_takes(
         async def all_handled() -> bool:
             return len(await handled(first, ids)) == len(ids)
 
-        await wait_until(all_handled, timeout=20)
+        # Hand-backs go to whichever consumer of the group asks first (a coin toss per
+        # round): the bound leaves room for an unlucky run on a loaded machine.
+        await wait_until(all_handled, timeout=60)
         assert await handled(first, ids) == dict.fromkeys(ids, 1)
         assert [o.subscribers[0].stats.skipped for o in (first, second)] == skipped
         await deploy.stop(first)
@@ -197,7 +199,7 @@ async def test_a_type_only_a_newer_version_knows_waits_for_it_then_its_grace(
             async def all_handled() -> bool:
                 return len(await handled(v1, ids)) == len(ids)
 
-            await wait_until(all_handled, timeout=20)
+            await wait_until(all_handled, timeout=60)
             assert await handled(v1, ids) == dict.fromkeys(ids, 1)
             assert v1.subscribers[0].stats.dead_lettered == 0
         # v2 gone: nobody takes Refunded; handed back for the grace, then dead-lettered.

@@ -35,7 +35,7 @@ async def test_reserved_table_name_dispatches(db_url: str, ordered: bool) -> Non
                     uow.publish(Message(stream="s", type="T", payload={"n": n}, key=f"k{n % 2}"))
             await wait_until(lambda: len(broker.messages) == 6)
             health = await compute_health(outbox)
-            assert health.processors[0].failed == 0
+            assert health.relays[0].failed == 0
 
             # retention (0 s) then removes the published rows
             async def purged() -> bool:
