@@ -36,10 +36,22 @@ def answers(port: int) -> bool:
         return False
 
 
+def bindable(port: int) -> bool:
+    """No socket holds 127.0.0.1:``port`` (not even a client connection's own end, which
+    nothing answers on but which makes a server's bind fail)."""
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port(ports: range) -> int:
-    """The first port of ``ports`` nobody listens on; skips the test when there is none."""
+    """The first port of ``ports`` nobody listens on or holds; skips the test when there is
+    none."""
     for port in ports:
-        if not answers(port):
+        if not answers(port) and bindable(port):
             return port
     pytest.skip(f"no free port in the private range {ports.start}-{ports.stop - 1}")
 
@@ -561,8 +573,9 @@ class PrivateRabbitMQ:
 
 
 def free_ports(ports: range, count: int) -> list[int]:
-    """``count`` ports of ``ports`` nobody listens on; skips the test when there are fewer."""
-    found = [port for port in ports if not answers(port)][:count]
+    """``count`` ports of ``ports`` nobody listens on or holds; skips the test when there
+    are fewer."""
+    found = [port for port in ports if not answers(port) and bindable(port)][:count]
     if len(found) < count:
         pytest.skip(f"fewer than {count} free ports in {ports.start}-{ports.stop - 1}")
     return found
