@@ -71,6 +71,20 @@ async def purge(
     return total
 
 
+async def purge_in_batches(
+    purge_batch: Callable[[float, int], Awaitable[int]], older_than_seconds: float, batch: int
+) -> int:
+    """Run ``purge_batch(older_than_seconds, batch)`` until a batch comes back short, with
+    a pause between batches; returns how many rows went."""
+    total = 0
+    while True:
+        n = await purge_batch(older_than_seconds, batch)
+        total += n
+        if n < batch:
+            return total
+        await anyio.sleep(BATCH_PAUSE_SECONDS)
+
+
 class _Mover:
     """An archive seen as :class:`PurgesBatches`: :func:`purge`'s batches move the rows."""
 
@@ -204,14 +218,9 @@ class Cleaner:
             return 0
         if self.partitions is not None:
             await self.partitions.drop_archive_expired(archive.table, retention)
-        total = 0
-        batch = self.settings.cleanup_batch_size
-        while True:
-            n = await archive.purge_batch(retention, batch)
-            total += n
-            if n < batch:
-                break
-            await anyio.sleep(BATCH_PAUSE_SECONDS)
+        total = await purge_in_batches(
+            archive.purge_batch, retention, self.settings.cleanup_batch_size
+        )
         if total:
             logger.info(
                 "archive retention cleanup",
@@ -232,13 +241,8 @@ class Cleaner:
         purges = [self.inbox.purge_batch]
         if self.subscribers:
             purges.append(self.inbox.purge_group_rows_batch)
-        for purge in purges:
-            while True:
-                n = await purge(retention, batch)
-                total += n
-                if n < batch:
-                    break
-                await anyio.sleep(BATCH_PAUSE_SECONDS)
+        for purge_batch in purges:
+            total += await purge_in_batches(purge_batch, retention, batch)
         if total:
             logger.info(
                 "inbox retention cleanup",
@@ -264,12 +268,7 @@ class Cleaner:
         total = 0
         retention = settings.claim_check_retention_seconds
         if retention is not None:
-            while True:
-                n = await store.purge_batch(retention, batch)
-                total += n
-                if n < batch:
-                    break
-                await anyio.sleep(BATCH_PAUSE_SECONDS)
+            total += await purge_in_batches(store.purge_batch, retention, batch)
         rows_name_payloads = not settings.delete_on_publish and settings.capture == "table"
         if self.known is not None and rows_name_payloads:
             window = settings.published_retention_seconds
