@@ -96,6 +96,11 @@ class UnknownBroker(PublishError):
     """No broker of that name is configured."""
 
 
+class UnknownTenant(OutboxError):
+    """A multi-tenant outbox was asked for a tenant it does not serve (or for none):
+    refused before anything is written."""
+
+
 class SerializationError(PublishError):
     """The event payload or headers cannot be serialised to JSON."""
 

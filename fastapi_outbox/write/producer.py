@@ -42,6 +42,7 @@ class Producer:
         "relays",
         "session_factory",
         "settings",
+        "tenant",
     )
 
     def __init__(
@@ -55,6 +56,7 @@ class Producer:
         capture: Capture,
         claim_check_store: PayloadStore | None,
         relays: Relays,
+        tenant: str | None = None,
     ) -> None:
         self.engine = engine
         self.settings = settings
@@ -68,6 +70,9 @@ class Producer:
         self.claim_check_store = claim_check_store
         #: The relays a commit wakes (and the NOTIFY that wakes other processes').
         self.relays = relays
+        #: The tenant of a multi-tenant outbox this write side serves (its messages carry
+        #: it in the ``tenant`` header), else None.
+        self.tenant = tenant
 
     @property
     def external_brokers(self) -> Mapping[str, Broker]:

@@ -1,0 +1,158 @@
+"""Multi-tenant outboxes on SQLite tenant databases: each tenant's rows, messages and inbox
+entries stay in its own database; one relay serves every tenant."""
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Annotated, Any
+
+import httpx
+import pytest
+from fastapi import Depends, FastAPI, Header
+from sqlalchemy import Column, Integer, MetaData, String, Table, insert, select
+
+from fastapi_outbox import Message, Outbox, OutboxSettings, UnitOfWork, unit_of_work
+from fastapi_outbox.brokers import MemoryBroker
+from fastapi_outbox.exceptions import UnknownTenant
+from tests.conftest import wait_until
+
+metadata = MetaData()
+orders = Table("orders", metadata, Column("id", Integer, primary_key=True), Column("who", String))
+
+
+def tenant_urls(tmp_path: Path, *names: str) -> dict[str, str]:
+    return {name: f"sqlite+aiosqlite:///{tmp_path}/{name}.db" for name in names}
+
+
+async def make(tenants: Any, **settings: Any) -> tuple[Outbox, MemoryBroker]:
+    broker = MemoryBroker()
+    outbox = Outbox(
+        tenants=tenants,
+        brokers={"default": broker},
+        settings=OutboxSettings(poll_interval_seconds=0.1, **settings),
+        tenant_dependency=tenant_header,
+    )
+    await outbox.create_tables()
+    for name in outbox.tenants.names if outbox.tenants else []:
+        async with outbox.tenant_outbox(name).engine.begin() as conn:
+            await conn.run_sync(metadata.create_all)
+    return outbox, broker
+
+
+def tenant_header(x_tenant: Annotated[str, Header()]) -> str:
+    return x_tenant
+
+
+@pytest.fixture
+async def two(tmp_path: Path) -> AsyncIterator[tuple[Outbox, MemoryBroker]]:
+    outbox, broker = await make(tenant_urls(tmp_path, "acme", "globex"))
+    try:
+        yield outbox, broker
+    finally:
+        await outbox.aclose()
+
+
+async def order_rows(outbox: Outbox, tenant: str) -> list[str]:
+    async with outbox.tenant_outbox(tenant).engine.connect() as conn:
+        return [r.who for r in await conn.execute(select(orders.c.who))]
+
+
+async def test_a_request_commits_in_its_tenants_database(
+    two: tuple[Outbox, MemoryBroker],
+) -> None:
+    outbox, broker = two
+    app = FastAPI(lifespan=outbox.lifespan)
+
+    @app.post("/orders/{who}")
+    async def place(who: str, uow: Annotated[UnitOfWork, Depends(unit_of_work)]) -> None:
+        await uow.session.execute(insert(orders).values(who=who))
+        uow.publish(Message("orders", "OrderPlaced", {"who": who}))
+
+    @app.post("/bound/{who}")
+    async def bound(who: str, uow: Annotated[UnitOfWork, Depends(outbox.dependency)]) -> None:
+        await uow.session.execute(insert(orders).values(who=who))
+        uow.publish(Message("orders", "OrderPlaced", {"who": who}))
+
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c,
+    ):
+        assert (await c.post("/orders/a1", headers={"x-tenant": "acme"})).status_code == 200
+        r = await c.post("/bound/g1", headers={"x-tenant": "globex"})
+        assert r.status_code == 200, r.text
+        refused = await c.post("/orders/x", headers={"x-tenant": "initech"})
+        assert refused.status_code == 404
+        assert "unknown tenant 'initech'" in refused.text
+        sent = await broker.wait_for(2)
+    assert await order_rows(outbox, "acme") == ["a1"]
+    assert await order_rows(outbox, "globex") == ["g1"]
+    assert sorted((m.headers["tenant"], m.payload) for m in sent) == [
+        ("acme", b'{"who":"a1"}'),
+        ("globex", b'{"who":"g1"}'),
+    ]
+    for tenant in ("acme", "globex"):
+        assert await outbox.tenant_outbox(tenant).store.messages.count("published") == 1
+
+
+async def test_scripts_name_the_tenant_and_an_unknown_one_writes_nothing(
+    two: tuple[Outbox, MemoryBroker],
+) -> None:
+    outbox, broker = two
+    async with outbox.unit_of_work(tenant="acme") as uow:
+        uow.publish(Message("orders", "OrderPlaced", {"n": 1}))
+    with pytest.raises(UnknownTenant, match="unknown tenant 'nope'"):
+        async with outbox.unit_of_work(tenant="nope") as uow:
+            uow.publish(Message("orders", "OrderPlaced", {"n": 2}))
+    with pytest.raises(UnknownTenant, match="name one"):
+        async with outbox.unit_of_work() as uow:
+            pass
+    assert await outbox.tenant_outbox("acme").store.messages.count() == 1
+    assert await outbox.tenant_outbox("globex").store.messages.count() == 0
+    async with outbox.relaying():
+        sent = await broker.wait_for(1)
+    assert [m.headers["tenant"] for m in sent] == ["acme"]
+    assert await outbox.tenant_outbox("acme").store.messages.count("published") == 1
+
+
+async def test_one_relay_drains_every_tenant(tmp_path: Path) -> None:
+    names = [f"t{i}" for i in range(6)]
+    outbox, broker = await make(tenant_urls(tmp_path, *names), tenant_connection_budget=2)
+    try:
+        for name in names:
+            async with outbox.unit_of_work(tenant=name) as uow:
+                for n in range(30):
+                    uow.publish(Message("orders", "OrderPlaced", {"n": n}))
+        async with outbox.relaying():
+            sent = await broker.wait_for(180)
+            assert len(outbox.lifecycle.relays.tenants.relay.turns) == 6
+        assert sorted({m.headers["tenant"] for m in sent}) == names
+        assert len({m.id for m in sent}) == 180
+    finally:
+        await outbox.aclose()
+
+
+async def test_a_tenant_added_at_runtime_is_relayed_within_one_refresh(tmp_path: Path) -> None:
+    urls = tenant_urls(tmp_path, "acme", "late")
+    current = {"acme": urls["acme"]}
+
+    async def read_tenants() -> dict[str, str]:
+        return dict(current)
+
+    outbox, broker = await make(read_tenants, tenant_refresh_seconds=0.3)
+    try:
+        late = Outbox(urls["late"], brokers={"default": MemoryBroker()})
+        await late.create_tables()  # the tenant's database exists before it is declared
+        await late.aclose()
+        async with outbox.relaying():
+            current["late"] = urls["late"]
+            await wait_until(lambda: "late" in outbox.tenants.names if outbox.tenants else False)
+            async with outbox.unit_of_work(tenant="late") as uow:
+                uow.publish(Message("orders", "OrderPlaced", {"n": 1}))
+            (sent,) = await broker.wait_for(1, timeout=2)
+            assert sent.headers["tenant"] == "late"
+            del current["acme"]
+            await wait_until(lambda: outbox.tenants.names == ["late"] if outbox.tenants else False)
+            with pytest.raises(UnknownTenant):
+                async with outbox.unit_of_work(tenant="acme"):
+                    pass
+    finally:
+        await outbox.aclose()
