@@ -197,7 +197,9 @@ class TenantRelay:
         self.signal()
 
     def signal(self) -> None:
-        self._signal.set()
+        """Wake every idle worker (each looks for a turn again)."""
+        signal, self._signal = self._signal, anyio.Event()
+        signal.set()
 
     # -- running -----------------------------------------------------------------------------
 
@@ -229,6 +231,7 @@ class TenantRelay:
     async def _next(self) -> TenantTurns | None:
         """The next turn due, in queue order; waits for one (None: stopping)."""
         while not self._stopping:
+            signal = self._signal  # before the scan: a wake-up during it is not lost
             now = time.monotonic()
             soonest: float | None = None
             for key, turns in self.turns.items():
@@ -249,9 +252,8 @@ class TenantRelay:
                     continue  # paused meanwhile (an outage): its time brings it back
                 taken.in_flight = True
                 return taken
-            self._signal = anyio.Event()
             with anyio.move_on_after(None if soonest is None else soonest - now):
-                await self._signal.wait()
+                await signal.wait()
         return None
 
     async def _worker(self) -> None:
