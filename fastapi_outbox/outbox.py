@@ -36,7 +36,7 @@ from fastapi_outbox.consume.subscriber import ConsumerStatus, Subscriber
 from fastapi_outbox.instrumentation import Instrumentation
 from fastapi_outbox.lifecycle.retention import Cleaner
 from fastapi_outbox.lifecycle.supervisor import Lifecycle, close_brokers
-from fastapi_outbox.lifecycle.tenants import TenantRelays, Tenants, TenantSource
+from fastapi_outbox.lifecycle.tenants import TenantCleaner, TenantRelays, Tenants, TenantSource
 from fastapi_outbox.ops.routers import Routers
 from fastapi_outbox.payloads import build_payloads
 from fastapi_outbox.redaction import redact_url
@@ -231,6 +231,10 @@ class Outbox:
                 tenant=name,
             )
             child.dashboard_dependencies = self.dashboard_dependencies
+            # The subscribers are the multi-tenant outbox's: a tenant's retention prunes
+            # their tables, its doctor expects their inbox.
+            child.subscribers = child.cleaner.subscribers = self.subscribers
+            child.lifecycle.subscribers = self.subscribers
             child.tenants = None
             child._tenant_dependency = None
             child._schema = target if is_schema(target) else None
@@ -251,6 +255,8 @@ class Outbox:
             instrumentation=self.instrumentation,
             wal_slot=None,
         )
+
+        self.cleaner = self.lifecycle.cleaner = TenantCleaner(tenants, self.cleaner)
 
         def resolve(name: str | None) -> ConsumeContext:
             outbox: Outbox = tenants.get(name)

@@ -20,13 +20,14 @@ from typing import Any, Protocol
 import anyio
 
 from fastapi_outbox import exceptions
+from fastapi_outbox.lifecycle.retention import Cleaner
 from fastapi_outbox.log import safe_error
 from fastapi_outbox.relay.relays import Relays
 from fastapi_outbox.relay.table import TableRelay
 from fastapi_outbox.relay.tenants import TenantRelay
 from fastapi_outbox.storage.claims import Claims
 
-__all__ = ["TenantOutbox", "TenantRelays", "TenantSource", "Tenants"]
+__all__ = ["TenantCleaner", "TenantOutbox", "TenantRelays", "TenantSource", "Tenants"]
 
 logger = logging.getLogger("fastapi_outbox.lifecycle")
 
@@ -245,3 +246,34 @@ class TenantRelays(Relays):
         relay.start_brokers(publishing)
         await start(self.tenants)
         await start(relay)
+
+
+class TenantCleaner(Cleaner):
+    """Retention of a multi-tenant outbox: each sweep runs every tenant's own cleaner
+    (its outbox table, inbox, archive and partitions, in its database); a tenant whose
+    database fails is logged and skipped, the others are swept."""
+
+    def __init__(self, tenants: Tenants, like: Cleaner) -> None:
+        super().__init__(
+            like.store,
+            like.settings,
+            like.partitions,
+            inbox=like.inbox,
+            archive=like.archive,
+            subscribers=like.subscribers,
+        )
+        self.tenants = tenants
+
+    async def run_once(self) -> int:
+        deleted = 0
+        for name, outbox in list(self.tenants.outboxes.items()):
+            try:
+                deleted += await outbox.cleaner.run_once()
+            except Exception as exc:
+                logger.warning(
+                    "retention cleanup failed for a tenant",
+                    extra={"action": "retention.failed", "tenant": name, "error": safe_error(exc)},
+                )
+        self.deleted_total += deleted
+        self.last_run = anyio.current_time()
+        return deleted

@@ -12,6 +12,8 @@ from sqlalchemy import Column, Integer, MetaData, String, Table, insert, select
 
 from fastapi_outbox import Message, Outbox, OutboxSettings, UnitOfWork, unit_of_work
 from fastapi_outbox.brokers import MemoryBroker
+from fastapi_outbox.brokers.consumer import DEAD_LETTER_ERROR
+from fastapi_outbox.events import Envelope, uuid7
 from fastapi_outbox.exceptions import UnknownTenant
 from tests.conftest import wait_until
 
@@ -156,3 +158,46 @@ async def test_a_tenant_added_at_runtime_is_relayed_within_one_refresh(tmp_path:
                     pass
     finally:
         await outbox.aclose()
+
+
+async def test_a_subscriber_handles_each_message_in_its_tenants_database(
+    two: tuple[Outbox, MemoryBroker],
+) -> None:
+    outbox, broker = two
+    handled: list[tuple[str, int]] = []
+
+    @outbox.subscriber("orders", group="billing", start="all")
+    async def bill(event: Message, uow: UnitOfWork) -> None:
+        await uow.session.execute(insert(orders).values(who=f"billed-{event.payload['n']}"))
+        async with outbox.unit_of_work() as inner:  # joins the handler: the message's tenant
+            inner.publish(Message("invoices", "Invoiced", {"n": event.payload["n"]}))
+        handled.append((event.headers["tenant"], event.payload["n"]))
+
+    await outbox.create_tables()
+    for tenant, n in (("acme", 1), ("globex", 2), ("acme", 3)):
+        async with outbox.unit_of_work(tenant=tenant) as uow:
+            uow.publish(Message("orders", "OrderPlaced", {"n": n}))
+    await broker.publish(
+        [Envelope(str(uuid7()), "orders", "OrderPlaced", None, b'{"n":9}', {"tenant": "nope"})]
+    )
+    async with outbox.relaying():
+        await wait_until(lambda: len(handled) == 3)
+        await wait_until(lambda: len(broker.on_stream("orders.billing.dlq")) == 1)
+        await broker.wait_for(3 + 1 + 1 + 3)  # orders, the injected one, its dead letter, invoices
+    (dead,) = broker.on_stream("orders.billing.dlq")
+    assert dead.headers["tenant"] == "nope"
+    assert "unknown tenant 'nope'" in dead.headers[DEAD_LETTER_ERROR]
+    assert sorted(handled) == [("acme", 1), ("acme", 3), ("globex", 2)]
+    assert sorted(await order_rows(outbox, "acme")) == ["billed-1", "billed-3"]
+    assert await order_rows(outbox, "globex") == ["billed-2"]
+    invoices = broker.on_stream("invoices")
+    assert sorted((m.headers["tenant"], m.payload) for m in invoices) == [
+        ("acme", b'{"n":1}'),
+        ("acme", b'{"n":3}'),
+        ("globex", b'{"n":2}'),
+    ]
+    for tenant, count in (("acme", 2), ("globex", 1)):
+        inbox = outbox.tenant_outbox(tenant).inbox
+        async with inbox.engine.connect() as conn:
+            rows = (await conn.execute(select(inbox.table))).all()
+        assert len(rows) == count
