@@ -96,8 +96,7 @@ def check_tenants(settings: Any) -> None:
     table capture only, and claim-checked payloads are not supported there yet."""
     if settings.capture != "table":
         raise exceptions.ConfigurationError(
-            f'tenants=: capture="{settings.capture}" is not supported; tenants need '
-            'capture="table"'
+            f'tenants=: capture="{settings.capture}" is not supported; tenants need capture="table"'
         )
     if settings.claim_check_bytes is not None:
         raise exceptions.ConfigurationError(

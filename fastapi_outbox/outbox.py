@@ -30,9 +30,9 @@ from fastapi_outbox.brokers.setup import NO_BROKER as NO_BROKER
 from fastapi_outbox.brokers.setup import BrokerSetup, setup_brokers
 from fastapi_outbox.consume import entry
 from fastapi_outbox.consume.context import ConsumeContext, TenantConsumeContext, current_tenant
-from fastapi_outbox.exceptions import UnknownTenant
 from fastapi_outbox.consume.handlers import Handler
 from fastapi_outbox.consume.subscriber import ConsumerStatus, Subscriber
+from fastapi_outbox.exceptions import UnknownTenant
 from fastapi_outbox.instrumentation import Instrumentation
 from fastapi_outbox.lifecycle.retention import Cleaner
 from fastapi_outbox.lifecycle.supervisor import Lifecycle, close_brokers

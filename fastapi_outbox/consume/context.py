@@ -27,7 +27,13 @@ from fastapi_outbox.storage.inbox import Inbox
 from fastapi_outbox.write.producer import Producer
 from fastapi_outbox.write.unit_of_work import UnitOfWork
 
-__all__ = ["ConsumeContext", "MixedTenants", "TenantConsumeContext", "UnitOfWorkT", "current_tenant"]
+__all__ = [
+    "ConsumeContext",
+    "MixedTenants",
+    "TenantConsumeContext",
+    "UnitOfWorkT",
+    "current_tenant",
+]
 
 #: The class of unit of work a handler receives (``UnitOfWork`` or ``BatchUnitOfWork``).
 UnitOfWorkT = TypeVar("UnitOfWorkT", bound=UnitOfWork)

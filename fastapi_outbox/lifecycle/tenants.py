@@ -34,9 +34,7 @@ logger = logging.getLogger("fastapi_outbox.lifecycle")
 #: What ``Outbox(tenants=...)`` takes: tenant id → database URL or schema, or a callable
 #: (sync or async) returning that mapping.
 TenantSource = (
-    Mapping[str, str]
-    | Callable[[], Mapping[str, str]]
-    | Callable[[], Awaitable[Mapping[str, str]]]
+    Mapping[str, str] | Callable[[], Mapping[str, str]] | Callable[[], Awaitable[Mapping[str, str]]]
 )
 
 
