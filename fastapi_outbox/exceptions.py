@@ -67,6 +67,7 @@ __all__ = [
     "UnitOfWorkError",
     "UnknownBroker",
     "UnknownEncryptionKey",
+    "UnknownTenant",
     "UnstorableText",
 ]
 

@@ -52,7 +52,7 @@ from pydantic import BaseModel, Field
 from fastapi_outbox.consume.subscriber import ConsumerStatus
 from fastapi_outbox.lifecycle.tenants import Tenants
 from fastapi_outbox.ops import operations
-from fastapi_outbox.ops.port import OutboxPort, relay_here, wall_time
+from fastapi_outbox.ops.port import OutboxPort, relay_here, tenants_of, wall_time
 from fastapi_outbox.redaction import redact
 from fastapi_outbox.relay.wal import WalRelay
 from fastapi_outbox.settings import OutboxSettings
@@ -254,8 +254,9 @@ class _Findings:
 
 
 async def compute_health(outbox: OutboxPort) -> OutboxHealth:
-    if outbox.tenants is not None:
-        return await _tenants_health(outbox, outbox.tenants)
+    tenants = tenants_of(outbox)
+    if tenants is not None:
+        return await _tenants_health(outbox, tenants)
     found = _Findings()
     if not outbox.lifecycle.started and outbox.settings.run_relays:
         found.is_down(NOT_STARTED)
@@ -620,8 +621,9 @@ def liveness(outbox: OutboxPort) -> list[str]:
     the database or a broker is not cured by a restart and never fails liveness."""
     if not outbox.lifecycle.started:
         return []
-    if outbox.tenants is not None:
-        running = outbox.tenants.relay.running
+    tenants = tenants_of(outbox)
+    if tenants is not None:
+        running = tenants.relay.running
         reasons = [] if running else ["the tenant relay is not running"]
         return reasons + [
             f"consumer group {s.group!r} on {s.stream!r} is not running"

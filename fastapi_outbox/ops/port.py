@@ -118,3 +118,10 @@ def relay_here(outbox: OutboxPort, broker: str) -> TableRelay | None:
 def wall_time(seconds: float | None) -> dt.datetime | None:
     """A state's wall-clock time (``time.time()`` seconds) as a UTC datetime."""
     return None if seconds is None else dt.datetime.fromtimestamp(seconds, dt.UTC)
+
+
+def tenants_of(outbox: OutboxPort) -> Tenants | None:
+    """A multi-tenant outbox's tenants, else None (an object standing in for an outbox
+    that does not say is a single-tenant one)."""
+    tenants: Tenants | None = getattr(outbox, "tenants", None)
+    return tenants
