@@ -1,6 +1,7 @@
 """Multi-tenant outboxes on SQLite tenant databases: each tenant's rows, messages and inbox
 entries stay in its own database; one relay serves every tenant."""
 
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Annotated, Any
@@ -15,6 +16,7 @@ from fastapi_outbox.brokers import MemoryBroker
 from fastapi_outbox.brokers.consumer import DEAD_LETTER_ERROR
 from fastapi_outbox.events import Envelope, uuid7
 from fastapi_outbox.exceptions import UnknownTenant
+from fastapi_outbox.ops.dashboard import CSRF_COOKIE, CSRF_HEADER
 from tests.conftest import wait_until
 
 metadata = MetaData()
@@ -201,3 +203,39 @@ async def test_a_subscriber_handles_each_message_in_its_tenants_database(
         async with inbox.engine.connect() as conn:
             rows = (await conn.execute(select(inbox.table))).all()
         assert len(rows) == count
+
+
+async def test_the_dashboard_shows_and_acts_on_the_selected_tenant_only(
+    two: tuple[Outbox, MemoryBroker],
+) -> None:
+    outbox, _ = two
+    outbox.dashboard_dependencies = []
+    ids = {}
+    for tenant in ("acme", "globex"):
+        async with outbox.unit_of_work(tenant=tenant) as uow:
+            ids[tenant] = uow.publish(Message("orders", "OrderPlaced", {"t": tenant}))
+        await outbox.tenant_outbox(tenant).store.messages.abandon_unclaimed([ids[tenant]], "test")
+    app = FastAPI()
+    app.include_router(outbox.dashboard_router)
+    base = "/outbox/dashboard"
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        index = await c.get(base)
+        assert index.status_code == 200
+        assert f'href="{base}/t/acme"' in index.text and f'href="{base}/t/globex"' in index.text
+        page = await c.get(f"{base}/t/acme/messages")
+        assert page.status_code == 200
+        assert str(ids["acme"]) in page.text and str(ids["globex"]) not in page.text
+        assert f'href="{base}/t/globex"' in page.text  # the selector
+        assert (await c.get(f"{base}/t/globex/messages/{ids['acme']}")).status_code == 404
+        assert (await c.get(f"{base}/t/initech/messages")).status_code == 404
+        token = re.search(r'name="outbox-csrf" content="([^"]+)"', page.text)
+        assert token is not None
+        headers = {CSRF_HEADER: token.group(1)}
+        c.cookies.set(CSRF_COOKIE, token.group(1), path=f"{base}/t/globex")
+        replay = f"{base}/t/globex/api/replay"
+        other = await c.post(replay, json={"ids": [str(ids["acme"])]}, headers=headers)
+        assert other.status_code == 200 and other.json()["changed"] == 0
+        own = await c.post(replay, json={"ids": [str(ids["globex"])]}, headers=headers)
+        assert own.status_code == 200 and own.json()["changed"] == 1
+    assert await outbox.tenant_outbox("acme").store.messages.count("abandoned") == 1
+    assert await outbox.tenant_outbox("globex").store.messages.count("pending") == 1
