@@ -12,6 +12,7 @@ from that read on, a removed one is no longer served and its engine is closed.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Mapping
@@ -26,6 +27,7 @@ from fastapi_outbox.relay.relays import Relays
 from fastapi_outbox.relay.table import TableRelay
 from fastapi_outbox.relay.tenants import TenantRelay
 from fastapi_outbox.storage.claims import Claims
+from fastapi_outbox.storage.tenant_schema import close_idle
 
 __all__ = ["TenantCleaner", "TenantOutbox", "TenantRelays", "TenantSource", "Tenants"]
 
@@ -145,7 +147,10 @@ class Tenants:
             self.outboxes[name] = outbox
             self.targets[name] = target
             self.relay.add_tenant(
-                name, outbox.store.claims, outbox.engine.dispose, outbox.relays.tables
+                name,
+                outbox.store.claims,
+                functools.partial(close_idle, outbox.engine),
+                outbox.relays.tables,
             )
             added.append(name)
         self.loaded = True

@@ -121,6 +121,9 @@ class TenantRelay:
         self._signal = anyio.Event()
         #: Tenants in the order of their last turn (the last: the most recent).
         self._warm: collections.OrderedDict[str, None] = collections.OrderedDict()
+        #: Tenants whose pool is being closed: no turn of theirs starts meanwhile (a
+        #: connection taken from a pool while it is closed would never be closed).
+        self._cooling: set[str] = set()
         self._tokens = count(1)
         self._stopping = False
         self.running = False
@@ -250,6 +253,9 @@ class TenantRelay:
                 taken.queued = False
                 if taken.next_turn is not None and taken.next_turn > now:
                     continue  # paused meanwhile (an outage): its time brings it back
+                if taken.tenant in self._cooling:
+                    taken.next_turn = now  # its turn comes once its pool is closed
+                    continue
                 taken.in_flight = True
                 return taken
             with anyio.move_on_after(None if soonest is None else soonest - now):
@@ -334,13 +340,17 @@ class TenantRelay:
                 break
             if name in busy:
                 continue
-            del self._warm[name]
             entry = self._tenants.get(name)
+            del self._warm[name]
             if entry is not None:
+                self._cooling.add(name)
                 try:
                     await entry[1]()
                 except Exception:  # closing an idle pool is best effort
                     logger.debug("closing an idle tenant pool failed", exc_info=True)
+                finally:
+                    self._cooling.discard(name)
+                    self.signal()
 
     # -- health -------------------------------------------------------------------------------
 

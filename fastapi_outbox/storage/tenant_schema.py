@@ -58,3 +58,13 @@ async def create_schema(engine: AsyncEngine, schema: str) -> None:
     """``CREATE SCHEMA IF NOT EXISTS`` a tenant's schema (before its tables)."""
     async with engine.begin() as conn:
         await conn.execute(text(f'CREATE SCHEMA IF NOT EXISTS "{schema}"'))
+
+
+async def close_idle(engine: AsyncEngine) -> None:
+    """Close the connections of ``engine``'s pool that nobody uses now (a tenant whose
+    relay turns ended), each one properly: taken from the pool and invalidated, so the
+    pool itself — and the connections in use — stay as they are."""
+    checkedin = getattr(engine.pool, "checkedin", None)
+    for _ in range(0 if checkedin is None else int(checkedin())):
+        async with engine.connect() as conn:
+            await conn.invalidate()
