@@ -56,6 +56,7 @@ class CountingBroker(MemoryBroker):
         self.first: float | None = None
         self.last: float | None = None
         self.quiet: dict[str, float] = {}
+        self._published = asyncio.Event()
 
     async def publish(self, batch: Sequence[Envelope]) -> PublishResults:
         now = time.perf_counter()
@@ -66,7 +67,14 @@ class CountingBroker(MemoryBroker):
         for envelope in batch:
             if envelope.stream == "quiet":
                 self.quiet[envelope.headers["message-id"]] = now
+        self._published.set()
         return [None] * len(batch)
+
+    async def until(self, done: Any) -> None:
+        """Return once ``done()`` holds, looking again after each publish."""
+        while not done():
+            self._published.clear()
+            await self._published.wait()
 
     def reset(self) -> None:
         self.count, self.first, self.last = 0, None, None
@@ -134,8 +142,7 @@ async def idle(outbox: Outbox, prefix: str, seconds: float) -> tuple[float, int]
 async def drain(outbox: Outbox, broker: CountingBroker, total: int) -> float:
     broker.reset()
     async with outbox.relaying():
-        while broker.count < total:
-            await asyncio.sleep(0.01)
+        await broker.until(lambda: broker.count >= total)
     assert broker.first is not None and broker.last is not None
     return total / (broker.last - broker.first)
 
@@ -153,8 +160,7 @@ async def quiet_latency(
         async with outbox.unit_of_work(tenant=tenant) as uow:
             started = time.perf_counter()
             message_id = str(uow.publish(Message("quiet", "Ping", {"n": n})))
-        while message_id not in broker.quiet:
-            await asyncio.sleep(0.0005)
+        await broker.until(lambda m=message_id: m in broker.quiet)
         times.append(broker.quiet[message_id] - started)
         await asyncio.sleep(0.02)
     return times
@@ -232,8 +238,7 @@ async def report(
     await fill(tenant_url(busy), outbox.settings.table_name, args.backlog)
     broker.reset()
     async with outbox.relaying():
-        while broker.count < 1000:
-            await asyncio.sleep(0.01)
+        await broker.until(lambda: broker.count >= 1000)
         beside = await quiet_latency(outbox, broker, quiet, args.samples)
         drained = broker.count
     print(f"beside the backlog: {ms(beside)} ({drained:,} backlog rows published meanwhile)")
