@@ -221,6 +221,12 @@ class TenantRelay:
         """Run ``tenant_connection_budget`` workers until :meth:`stop` (or cancellation)."""
         self.running = True
         self.stopped = anyio.Event()
+        self._stopping = False
+        self._ready.clear()  # a run before this one may have left turns queued
+        for key, turns in self.turns.items():
+            turns.queued = turns.in_flight = False
+            turns.next_turn = None
+            self._queue(key)
         try:
             async with anyio.create_task_group() as tg:
                 for _ in range(self.settings.tenant_connection_budget):
