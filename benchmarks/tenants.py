@@ -38,7 +38,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import asyncpg  # noqa: E402
+import asyncpg
 
 from benchmarks._common import PG_URL, asyncpg_dsn, banner, loopback, machine_note, percentile
 from fastapi_outbox import Message, Outbox, OutboxSettings

@@ -115,6 +115,11 @@ async def test_scripts_name_the_tenant_and_an_unknown_one_writes_nothing(
         sent = await broker.wait_for(1)
     assert [m.headers["tenant"] for m in sent] == ["acme"]
     assert await outbox.tenant_outbox("acme").store.messages.count("published") == 1
+    async with outbox.unit_of_work(tenant="globex") as uow:
+        uow.publish(Message("orders", "OrderPlaced", {"n": 3}))
+    async with outbox.relaying():  # a second run relays again
+        sent = await broker.wait_for(2)
+    assert [m.headers["tenant"] for m in sent] == ["acme", "globex"]
 
 
 async def test_one_relay_drains_every_tenant(tmp_path: Path) -> None:
