@@ -149,7 +149,13 @@ async def drain(outbox: Outbox, broker: CountingBroker, total: int) -> float:
 
 async def fill_tenants(outbox: Outbox, names: Sequence[str], per_tenant: int) -> None:
     table = outbox.settings.table_name
-    await asyncio.gather(*(fill(tenant_url(n), table, per_tenant) for n in names))
+    gate = asyncio.Semaphore(8)  # the server's max_connections is shared
+
+    async def one(name: str) -> None:
+        async with gate:
+            await fill(tenant_url(name), table, per_tenant)
+
+    await asyncio.gather(*(one(n) for n in names))
 
 
 async def quiet_latency(

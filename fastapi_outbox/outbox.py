@@ -454,6 +454,7 @@ class Outbox:
             await self.tenants.ensure_loaded()
             for name in self.tenants.names:
                 await self.tenant_outbox(name).create_tables(groups=False)
+                await self.tenants.rest(name)
         else:
             if self.tenant is not None and self._schema is not None:
                 await create_schema(self.engine, self._schema)
@@ -466,6 +467,7 @@ class Outbox:
             await self.tenants.ensure_loaded()
             for name in self.tenants.names:
                 await self.tenant_outbox(name).drop_tables()
+                await self.tenants.rest(name)
             return
         await self._storage.drop()
 

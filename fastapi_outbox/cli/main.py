@@ -244,6 +244,8 @@ async def _run(args: argparse.Namespace) -> int:
             if len(targets) > 1:
                 print(f"== tenant {name}")
             code = max(code, await _command(args, part))
+            if outbox.tenants is not None and len(targets) > 1:
+                await outbox.tenants.rest(name)
         return code
     finally:
         await outbox.aclose()

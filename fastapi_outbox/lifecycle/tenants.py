@@ -192,6 +192,13 @@ class Tenants:
         if not self.loaded:
             await self.refresh()
 
+    async def rest(self, name: str) -> None:
+        """Close the idle connections of ``name``'s pool (after an operation that went
+        through every tenant: 200 tenants must not keep 200 connections)."""
+        outbox = self.outboxes.get(name)
+        if outbox is not None:
+            await close_idle(outbox.engine)
+
     async def _close(self, outbox: Any) -> None:
         try:
             await outbox.aclose()
@@ -272,6 +279,7 @@ class TenantCleaner(Cleaner):
         for name, outbox in list(self.tenants.outboxes.items()):
             try:
                 deleted += await outbox.cleaner.run_once()
+                await self.tenants.rest(name)
             except Exception as exc:
                 logger.warning(
                     "retention cleanup failed for a tenant",
