@@ -15,6 +15,17 @@ CONSTRAINTS = ("-c", "constraints.txt")
 @nox.session
 def tests(session: nox.Session) -> None:
     session.install("-e", ".[test]", *CONSTRAINTS)
+    # The official AsyncAPI parser the document is checked with (needs node and npm).
+    session.run(
+        "npm",
+        "ci",
+        "--ignore-scripts",
+        "--no-audit",
+        "--no-fund",
+        "--prefix",
+        "tools/asyncapi",
+        external=True,
+    )
     session.run("pytest", *session.posargs)
 
 

@@ -372,7 +372,7 @@ class Outbox:
         return self._routers.combined
 
     def asyncapi(self, **options: Any) -> dict[str, Any]:
-        """The AsyncAPI 3.0 document of this outbox's streams, events and subscribers
+        """The AsyncAPI 3.1 document of this outbox's streams, events and subscribers
         (:func:`fastapi_outbox.ops.asyncapi.build_asyncapi`; ``title=``, ``version=``,
         ``description=``, ``events=``)."""
         from fastapi_outbox.ops.asyncapi import build_asyncapi
