@@ -72,3 +72,37 @@ DOCUMENTS: dict[str, Callable[[], dict[str, Any]]] = {
     ),
     "memory-binary": lambda: zoo_document(MemoryBroker(envelope="cloudevents")),
 }
+
+
+class KafkaLike:
+    """A broker with a ``kafka://`` URL and no ``asyncapi_wire()`` of its own: described by
+    its scheme (``BY_SCHEME``). It is never connected."""
+
+    def __init__(self, url: str, envelope_format: Any = None) -> None:
+        self.url = url
+        self.envelope_format = envelope_format
+
+    async def connect(self) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+    async def ping(self) -> None: ...
+
+    async def publish(self, batch: Any) -> list[BaseException | None]:
+        return [None for _ in batch]
+
+    def configure(self, *, dedup_window_seconds: float) -> None: ...
+
+    def consumer(self, config: Any) -> Any:
+        raise NotImplementedError("never started")
+
+
+def _kafka() -> dict[str, Any]:
+    from fastapi_outbox.brokers.cloudevents import CloudEventsOptions
+
+    return zoo_document(
+        KafkaLike("kafka://user:pw@k1:9092,k2:9092", CloudEventsOptions("cloudevents"))
+    )
+
+
+DOCUMENTS["kafka-binary"] = _kafka

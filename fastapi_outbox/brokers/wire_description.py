@@ -6,18 +6,22 @@ the AsyncAPI protocol of its servers, :meth:`~WireDescription.encode` (the heade
 body it sends for an envelope, computed by the same functions its publisher calls, so the
 document cannot drift from what is sent) and its protocol bindings (the channel's address
 on the broker, the consumer group of a receive operation). A broker without the method
-gets the default: the envelope's headers as headers and its payload as the body, in the
-broker's CloudEvents envelope when it has one, and no bindings.
+gets the description of its URL's scheme (:data:`BY_SCHEME`: Kafka's, the topic and the
+consumer group, ``ce_`` CloudEvents headers and the ordering key as the record's key), else
+the default: the envelope's headers as headers and its payload as the body, in the broker's
+CloudEvents envelope when it has one, and no bindings.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 from fastapi_outbox.brokers.cloudevents import BINARY_PREFIX, CloudEventsOptions, to_envelope
 from fastapi_outbox.events import Envelope
 
-__all__ = ["WireDescription", "wire_of"]
+__all__ = ["BY_SCHEME", "KafkaWire", "WireDescription", "wire_of"]
 
 Bindings = dict[str, Any]
 
@@ -67,13 +71,50 @@ class WireDescription:
         return {}
 
 
+class KafkaWire(WireDescription):
+    """A Kafka record: the stream is the topic, the ordering key the record's key, the
+    headers record headers (CloudEvents binary mode: ``ce_`` per the Kafka binding); a
+    group is a Kafka consumer group committing its offsets."""
+
+    protocol = "kafka"
+    binding_version = "0.5.0"
+    cloudevents_prefix = "ce_"
+
+    def layout(self) -> str:
+        return (
+            "A Kafka record on the topic of the channel's address: the headers below are "
+            "record headers, the ordering key is the record's key, the payload its value."
+        )
+
+    def channel_bindings(self, stream: str) -> Bindings:
+        return {"topic": stream}
+
+    def receive_bindings(self, stream: str, group: str) -> Bindings:
+        return {"groupId": {"type": "string", "enum": [group]}}
+
+    def message_bindings(self, envelope: Envelope) -> Bindings:
+        if envelope.key is None:
+            return {}
+        return {"key": {"type": "string", "description": "The ordering key."}}
+
+
+#: The description of a broker without ``asyncapi_wire()``, by its URL's scheme.
+BY_SCHEME: dict[str, Callable[[CloudEventsOptions | None], WireDescription]] = {
+    "kafka": KafkaWire,
+    "kafka+ssl": KafkaWire,
+}
+
+
 def wire_of(broker: Any) -> WireDescription:
-    """``broker``'s own description (its ``asyncapi_wire()``), else the default one with
-    its CloudEvents options (``envelope_format``) when it has them."""
+    """``broker``'s own description (its ``asyncapi_wire()``), else its URL scheme's, else
+    the default one, with its CloudEvents options (``envelope_format``) when it has them."""
     own = getattr(broker, "asyncapi_wire", None)
     if callable(own):
         described = own()
         if isinstance(described, WireDescription):
             return described
     options = getattr(broker, "envelope_format", None)
-    return WireDescription(options if isinstance(options, CloudEventsOptions) else None)
+    envelope_format = options if isinstance(options, CloudEventsOptions) else None
+    url = getattr(broker, "url", None)
+    scheme = urlsplit(url.split(",")[0]).scheme if isinstance(url, str) else ""
+    return BY_SCHEME.get(scheme, WireDescription)(envelope_format)

@@ -344,3 +344,16 @@ def test_every_schema_pydantic_makes_is_an_asyncapi_schema() -> None:
     assert schemas["Everything"]["properties"]["blob"]["format"] == "base64url" or (
         schemas["Everything"]["properties"]["blob"]["format"] == "binary"
     )
+
+
+def test_a_kafka_url_gets_topic_group_and_key_bindings_and_ce_underscore_headers() -> None:
+    document = _zoo("kafka-binary")
+    assert document["servers"]["default"] == {"host": "k1:9092", "protocol": "kafka"}
+    assert "pw" not in json.dumps(document)
+    channel = document["channels"]["zoo.everything"]
+    assert channel["bindings"]["kafka"] == {"topic": "zoo.everything", "bindingVersion": "0.5.0"}
+    receive = document["operations"]["consume.zoo.everything.auditors"]["bindings"]["kafka"]
+    assert receive["groupId"] == {"type": "string", "enum": ["auditors"]}
+    message = _message(document)
+    assert message["bindings"]["kafka"]["key"]["type"] == "string"
+    assert {"ce_id", "ce_type", "ce_partitionkey"} <= set(message["headers"]["required"])
