@@ -204,14 +204,16 @@ class OutboxHarness:
     of ``metadata``, your models', when given), and every subscriber starts consuming.
     ``isolated=False`` uses the app's own database as it is.
 
-    Nothing is relayed by itself: :meth:`wait_idle` relays what was committed
-    (as :func:`drain`) and waits until the subscribers have handled all of it, over and over
+    Nothing is relayed by itself: [`wait_idle`][fastapi_outbox.testing.OutboxHarness.wait_idle]
+    relays what was committed
+    (as `drain`) and waits until the subscribers have handled all of it, over and over
     until nothing is left — events that handlers publish are relayed and handled too.
 
     ``app``: a FastAPI app to serve with this outbox (``harness.client()``; its lifespan is
     not run). ``fast_retries``: a failing handler is retried without backoff, so a poison
     message reaches its dead letters within ``wait_idle`` (``consumer_max_attempts``
-    attempts). Dead letters are in :meth:`dead_letters`.
+    attempts). Dead letters are in
+    [`dead_letters`][fastapi_outbox.testing.OutboxHarness.dead_letters].
 
     As a pytest fixture::
 
@@ -376,7 +378,8 @@ class OutboxHarness:
 
     def handled(self, event_type: type[E], *, group: str | None = None) -> list[E]:
         """The events of ``event_type`` whose handling committed (an inbox row of a
-        subscriber's group, or of ``group``) as of the last :meth:`wait_idle`, in publish
+        subscriber's group, or of ``group``) as of the last
+        [`wait_idle`][fastapi_outbox.testing.OutboxHarness.wait_idle], in publish
         order."""
         groups = {
             s.group

@@ -1,12 +1,12 @@
 """How a broker puts a message on the wire, told to the AsyncAPI document
-(``outbox.asyncapi()``, :mod:`fastapi_outbox.ops.asyncapi`).
+(``outbox.asyncapi()``, `fastapi_outbox.ops.asyncapi`).
 
-Each broker contributes its own :class:`WireDescription` from a method ``asyncapi_wire()``:
-the AsyncAPI protocol of its servers, :meth:`~WireDescription.encode` (the headers and the
+Each broker contributes its own `WireDescription` from a method ``asyncapi_wire()``:
+the AsyncAPI protocol of its servers, `encode` (the headers and the
 body it sends for an envelope, computed by the same functions its publisher calls, so the
 document cannot drift from what is sent) and its protocol bindings (the channel's address
 on the broker, the consumer group of a receive operation). A broker without the method
-gets the description of its URL's scheme (:data:`BY_SCHEME`: Kafka's, the topic and the
+gets the description of its URL's scheme (`BY_SCHEME`: Kafka's, the topic and the
 consumer group, ``ce_`` CloudEvents headers and the ordering key as the record's key), else
 the default: the envelope's headers as headers and its payload as the body, in the broker's
 CloudEvents envelope when it has one, and no bindings.

@@ -1,7 +1,7 @@
 """``fastapi-outbox asyncapi --app module:outbox``: print the app's AsyncAPI 3.1 document.
 
 The document is built from what the app declares (events, subscribers, brokers) by
-:func:`fastapi_outbox.ops.asyncapi.build_asyncapi`; nothing is connected to.
+`fastapi_outbox.ops.asyncapi.build_asyncapi`; nothing is connected to.
 """
 
 from __future__ import annotations

@@ -3,10 +3,10 @@
 ``list_messages``, ``show``, ``replay``, ``replay_abandoned``, ``abandon``, ``cancel``,
 ``purge``, ``overview``; for consumers ``consumers``, ``dead_letters``,
 ``replay_dead_letters``. It sees the outbox through its port
-(:class:`fastapi_outbox.ops.port.OutboxPort`), never ``Outbox``; the SQL stays in
-:mod:`fastapi_outbox.storage` (retention's batched delete in
-:mod:`fastapi_outbox.lifecycle.retention`). This module validates what an operator asked for,
-runs it, says per message id what it did (:class:`Outcome`: a :class:`Verdict` per id,
+(`fastapi_outbox.ops.port.OutboxPort`), never ``Outbox``; the SQL stays in
+`fastapi_outbox.storage` (retention's batched delete in
+`fastapi_outbox.lifecycle.retention`). This module validates what an operator asked for,
+runs it, says per message id what it did (`Outcome`: a `Verdict` per id,
 which callers branch on; the sentences of ``Outcome.problems`` are for people), and logs
 every change with the operator's identity (``operator=``: who asked, as the dashboard's
 guard or the CLI's user knows it).
@@ -666,7 +666,8 @@ async def replay_dead_letters(
     """Put dead letters of (``stream``, ``group``) back on the stream (all, or the entries
     ``entry_ids``); the group handles them again, other groups skip them through their
     inbox — as long as their inbox rows are kept: dead letters older than
-    ``inbox_retention_seconds`` raise :class:`~fastapi_outbox.exceptions.StaleDeadLetters`
+    ``inbox_retention_seconds`` raise
+    [`StaleDeadLetters`][fastapi_outbox.exceptions.StaleDeadLetters]
     unless ``force``. Returns how many were re-driven."""
     sub = find_subscriber(outbox, stream, group)
     consumer = sub.consumer or sub.make_consumer()

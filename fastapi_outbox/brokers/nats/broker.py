@@ -33,7 +33,8 @@ __all__ = ["NatsJetStreamBroker", "NatsJetStreamWire"]
 
 class NatsJetStreamBroker(NatsJetStreamPublisher):
     """Publishes to JetStream with ``Nats-Msg-Id`` de-duplication, and consumes with
-    durable pull consumers (:meth:`consumer`), on one connection (:attr:`connection`)."""
+    durable pull consumers ([`consumer`][fastapi_outbox.brokers.NatsJetStreamBroker.consumer]), on
+    one connection (`connection`)."""
 
     def __init__(
         self,

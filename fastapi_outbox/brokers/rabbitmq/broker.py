@@ -44,7 +44,7 @@ __all__ = ["RabbitMQBroker", "RabbitMQWire"]
 class RabbitMQBroker(RabbitMQPublisher):
     """Publishes to a durable topic exchange with publisher confirms (the stream is the
     routing key), and consumes with a durable quorum queue per subscriber group
-    (:meth:`consumer`)."""
+    ([`consumer`][fastapi_outbox.brokers.RabbitMQBroker.consumer])."""
 
     def __init__(
         self,

@@ -31,8 +31,9 @@ __all__ = ["RedisStreamsBroker", "RedisStreamsWire"]
 
 class RedisStreamsBroker(RedisStreamsPublisher):
     """Publishes to Redis Streams (``redis.asyncio``), pipelined and de-duplicated, and
-    consumes them with consumer groups (:meth:`consumer`), on one connection
-    (:attr:`connection`): a single Redis or a Redis Cluster."""
+    consumes them with consumer groups
+    ([`consumer`][fastapi_outbox.brokers.RedisStreamsBroker.consumer]), on one connection
+    (`connection`): a single Redis or a Redis Cluster."""
 
     def __init__(
         self,

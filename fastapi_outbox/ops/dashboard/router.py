@@ -1,4 +1,4 @@
-"""Routes of the operator dashboard (see :mod:`fastapi_outbox.ops.dashboard`).
+"""Routes of the operator dashboard (see `fastapi_outbox.ops.dashboard`).
 
 Pages (GET, HTML): ``/outbox/dashboard`` (overview, refreshing itself every few seconds
 from ``/outbox/dashboard/fragments/overview``), ``/outbox/dashboard/messages`` (filtered
@@ -51,7 +51,7 @@ from fastapi_outbox.redaction import redact
 
 logger = logging.getLogger("fastapi_outbox.ops")
 
-#: The router's own prefix; pages find where they are served with :func:`served_at`.
+#: The router's own prefix; pages find where they are served with `served_at`.
 PREFIX = "/outbox/dashboard"
 CSRF_COOKIE = "outbox_dashboard_csrf"
 CSRF_HEADER = "X-Outbox-CSRF"
