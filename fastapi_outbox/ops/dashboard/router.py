@@ -378,9 +378,9 @@ def _message_routes(router: APIRouter, outbox: OutboxPort, pages: _Pages) -> Non
             message = await operations.show(outbox, mid, reveal=pages.show_payloads)
         except exceptions.MessageNotFound as exc:
             raise HTTPException(404, str(exc)) from exc
-        return pages.render(
-            request, f"/messages/{message_id}", "message.html", **_message_context(message, pages)
-        )
+        context = _message_context(message, pages)
+        context["links"] = await operations.linked_messages(outbox, message["headers"])
+        return pages.render(request, f"/messages/{message_id}", "message.html", **context)
 
 
 def _message_context(message: dict[str, Any], pages: _Pages) -> dict[str, Any]:
