@@ -81,6 +81,8 @@ class KafkaLike:
     def __init__(self, url: str, envelope_format: Any = None) -> None:
         self.url = url
         self.envelope_format = envelope_format
+        self.topic_name = "app.{stream}"
+        self.group_id = "{topic}.{group}"
 
     async def connect(self) -> None: ...
 

@@ -72,25 +72,42 @@ class WireDescription:
 
 
 class KafkaWire(WireDescription):
-    """A Kafka record: the stream is the topic, the ordering key the record's key, the
-    headers record headers (CloudEvents binary mode: ``ce_`` per the Kafka binding); a
-    group is a Kafka consumer group committing its offsets."""
+    """A Kafka record: the stream's topic (``topic_template``, ``{stream}`` filled in), the
+    ordering key as the record's key, the headers as record headers (CloudEvents binary
+    mode: ``ce_`` per the Kafka binding); a subscriber group reads with the Kafka consumer
+    group ``group_template`` names (``{topic}``, ``{stream}`` and ``{group}`` filled in)."""
 
     protocol = "kafka"
     binding_version = "0.5.0"
     cloudevents_prefix = "ce_"
 
+    def __init__(
+        self,
+        envelope_format: CloudEventsOptions | None = None,
+        *,
+        topic_template: str = "{stream}",
+        group_template: str = "{group}",
+    ) -> None:
+        super().__init__(envelope_format)
+        self.topic_template, self.group_template = topic_template, group_template
+
+    def topic(self, stream: str) -> str:
+        return self.topic_template.format(stream=stream)
+
     def layout(self) -> str:
         return (
-            "A Kafka record on the topic of the channel's address: the headers below are "
-            "record headers, the ordering key is the record's key, the payload its value."
+            "A Kafka record on the stream's topic: the headers below are record headers, "
+            "the ordering key is the record's key, the payload its value."
         )
 
     def channel_bindings(self, stream: str) -> Bindings:
-        return {"topic": stream}
+        return {"topic": self.topic(stream)}
 
     def receive_bindings(self, stream: str, group: str) -> Bindings:
-        return {"groupId": {"type": "string", "enum": [group]}}
+        kafka_group = self.group_template.format(
+            topic=self.topic(stream), stream=stream, group=group
+        )
+        return {"groupId": {"type": "string", "enum": [kafka_group]}}
 
     def message_bindings(self, envelope: Envelope) -> Bindings:
         if envelope.key is None:
@@ -98,10 +115,21 @@ class KafkaWire(WireDescription):
         return {"key": {"type": "string", "description": "The ordering key."}}
 
 
+def _kafka(broker: Any, envelope_format: CloudEventsOptions | None) -> WireDescription:
+    """A ``kafka://`` broker without a description of its own, with its ``topic_name`` and
+    ``group_id`` templates when it has them."""
+    templates = {
+        "topic_template": getattr(broker, "topic_name", None),
+        "group_template": getattr(broker, "group_id", None),
+    }
+    given = {k: v for k, v in templates.items() if isinstance(v, str)}
+    return KafkaWire(envelope_format, **given)
+
+
 #: The description of a broker without ``asyncapi_wire()``, by its URL's scheme.
-BY_SCHEME: dict[str, Callable[[CloudEventsOptions | None], WireDescription]] = {
-    "kafka": KafkaWire,
-    "kafka+ssl": KafkaWire,
+BY_SCHEME: dict[str, Callable[[Any, CloudEventsOptions | None], WireDescription]] = {
+    "kafka": _kafka,
+    "kafka+ssl": _kafka,
 }
 
 
@@ -117,4 +145,7 @@ def wire_of(broker: Any) -> WireDescription:
     envelope_format = options if isinstance(options, CloudEventsOptions) else None
     url = getattr(broker, "url", None)
     scheme = urlsplit(url.split(",")[0]).scheme if isinstance(url, str) else ""
-    return BY_SCHEME.get(scheme, WireDescription)(envelope_format)
+    by_scheme = BY_SCHEME.get(scheme)
+    if by_scheme is not None:
+        return by_scheme(broker, envelope_format)
+    return WireDescription(envelope_format)

@@ -351,9 +351,13 @@ def test_a_kafka_url_gets_topic_group_and_key_bindings_and_ce_underscore_headers
     assert document["servers"]["default"] == {"host": "k1:9092", "protocol": "kafka"}
     assert "pw" not in json.dumps(document)
     channel = document["channels"]["zoo.everything"]
-    assert channel["bindings"]["kafka"] == {"topic": "zoo.everything", "bindingVersion": "0.5.0"}
+    # The broker's own topic and group templates (topic_name, group_id).
+    assert channel["bindings"]["kafka"] == {
+        "topic": "app.zoo.everything",
+        "bindingVersion": "0.5.0",
+    }
     receive = document["operations"]["consume.zoo.everything.auditors"]["bindings"]["kafka"]
-    assert receive["groupId"] == {"type": "string", "enum": ["auditors"]}
+    assert receive["groupId"] == {"type": "string", "enum": ["app.zoo.everything.auditors"]}
     message = _message(document)
     assert message["bindings"]["kafka"]["key"]["type"] == "string"
     assert {"ce_id", "ce_type", "ce_partitionkey"} <= set(message["headers"]["required"])
