@@ -101,7 +101,7 @@ def settled(outbox: Outbox) -> int:
 
 @contextlib.asynccontextmanager
 async def deployed() -> AsyncIterator[Any]:
-    """``start(outbox)`` runs its dispatcher until ``stop(outbox)`` (or the end)."""
+    """``start(outbox)`` runs its relay until ``stop(outbox)`` (or the end)."""
     stops: dict[int, anyio.Event] = {}
     done: dict[int, anyio.Event] = {}
     async with anyio.create_task_group() as tg:
