@@ -200,14 +200,15 @@ class OutboxHarness:
     [`MemoryBroker`][fastapi_outbox.brokers.MemoryBroker] (given back on exit), the outbox's
     engine is pointed at a database of the harness's own (``isolated=True``, the default: a
     fresh SQLite file, or a new schema on PostgreSQL, removed on exit; an in-memory SQLite
-    database is used as it is), the outbox and inbox tables are created in it (and the tables
+    database, and an outbox with ``capture="wal"``, whose replication slot is the whole
+    database's, use their own), the outbox and inbox tables are created in it (and the tables
     of ``metadata``, your models', when given), and every subscriber starts consuming.
     ``isolated=False`` uses the app's own database as it is.
 
     Nothing is relayed by itself: [`wait_idle`][fastapi_outbox.testing.OutboxHarness.wait_idle]
-    relays what was committed
-    (as `drain`) and waits until the subscribers have handled all of it, over and over
-    until nothing is left — events that handlers publish are relayed and handled too.
+    relays what was committed (as [`drain`][fastapi_outbox.testing.drain]) and waits until the
+    subscribers have handled all of it, over and over until nothing is left — events that
+    handlers publish are relayed and handled too.
 
     ``app``: a FastAPI app to serve with this outbox (``harness.client()``; its lifespan is
     not run). ``fast_retries``: a failing handler is retried without backoff, so a poison
@@ -264,7 +265,10 @@ class OutboxHarness:
         if self.app is not None:
             serve_app(self.app.state, outbox._producer)
         try:
-            if self.isolated and _IsolatedDatabase.applies(outbox.engine):
+            # WAL capture reads a replication slot of the whole database: no schema of the
+            # harness's own can hold it, so the harness runs on the outbox's database then.
+            wal = outbox.settings.capture == "wal"
+            if self.isolated and not wal and _IsolatedDatabase.applies(outbox.engine):
                 self._database = _IsolatedDatabase(outbox.engine)
                 await self._database.install()
             if self.metadata is not None:
