@@ -70,7 +70,6 @@ DOCUMENTS: dict[str, Callable[[], dict[str, Any]]] = {
     "amqp-sealed": lambda: zoo_document(
         RabbitMQBroker("amqp://guest:guest@127.0.0.1:5672/"), sealed=True
     ),
-    "memory-binary": lambda: zoo_document(MemoryBroker(envelope="cloudevents")),
 }
 
 
