@@ -492,7 +492,8 @@ class _Catalog:
             name += "_"
         return name
 
-    def _put(self, stream: str, name: str, broker: str) -> None:
+    def put(self, stream: str, name: str, broker: str) -> None:
+        """Message ``name`` is on ``stream``, carried by ``broker``."""
         carriers = self.on_streams.setdefault(stream, {}).setdefault(name, [])
         if broker not in carriers:
             carriers.append(broker)
@@ -526,7 +527,7 @@ class _Catalog:
                 }
                 self._names[key] = self._name(type_name, broker, message)
             name = self._names[key]
-            self._put(stream, name, broker)
+            self.put(stream, name, broker)
             if name not in names:
                 names.append(name)
         return names
@@ -549,7 +550,7 @@ class _Catalog:
             message["description"] = layout
             self._names[key] = self._name(_RAW, broker, message)
         name = self._names[key]
-        self._put(stream, name, broker)
+        self.put(stream, name, broker)
         return name
 
 
@@ -607,7 +608,7 @@ def _received(catalog: _Catalog, subscribers: Iterable[SubscriberLike]) -> _Rece
         else:
             names = [n for e in accepted for n in catalog.add(e, [sub.broker_name])]
             for name in names:  # what it receives is on its stream, whatever the class says
-                catalog._put(sub.stream, name, sub.broker_name)
+                catalog.put(sub.stream, name, sub.broker_name)
         received.append((sub, names))
     return received
 
