@@ -30,7 +30,7 @@ WHERE datname = current_database() AND pid <> pg_backend_pid() AND query LIKE '%
 """
 
 
-async def test_dispatcher_backends_terminated_mid_batch(pg_url: str, redis_url: str) -> None:
+async def test_relay_backends_terminated_mid_batch(pg_url: str, redis_url: str) -> None:
     stream = unique("orders")
     # Producers on an engine of their own, as an API process beside a relay process:
     # a pooled connection killed while idle would fail whichever session takes it next.

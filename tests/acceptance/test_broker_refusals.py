@@ -107,7 +107,7 @@ def _down_for(table_relay: Any) -> float:
     return 0.0 if since is None else time.time() - since
 
 
-async def test_redis_at_maxmemory_pauses_the_processor_and_loses_nothing(
+async def test_redis_at_maxmemory_pauses_the_relay_and_loses_nothing(
     pg_url: str, private_redis: Server
 ) -> None:
     async def full(admin: Any) -> None:

@@ -63,7 +63,7 @@ async def producing_outbox(pg_url: str, table: str) -> Outbox:
     return outbox
 
 
-async def test_dispatchers_killed_repeatedly_lose_and_duplicate_nothing(
+async def test_relays_killed_repeatedly_lose_and_duplicate_nothing(
     pg_url: str, redis_url: str, relays: Callable[..., Relays]
 ) -> None:
     stream, table = unique("crash"), new_table()

@@ -122,7 +122,7 @@ async def real_broker(request: pytest.FixtureRequest) -> AsyncIterator[tuple[str
     [("lifespan", "redis"), ("router", "nats")],
     indirect=["real_broker"],
 )
-async def test_lifespan_runs_one_processor_per_broker_and_delivers_http_events(
+async def test_lifespan_runs_one_relay_per_broker_and_delivers_http_events(
     pg_url: str, wiring: str, real_broker: tuple[str, Broker, Any]
 ) -> None:
     _kind, broker, read = real_broker

@@ -385,7 +385,7 @@ async def test_effects_once_whatever_the_handler_does_with_its_session(
 
 
 @pytest.mark.parametrize("mode", ["one_by_one", "batch_handler"])
-async def test_dispatchers_are_woken_by_the_subscribers_commit_not_the_handlers(
+async def test_relays_are_woken_by_the_subscribers_commit_not_the_handlers(
     outbox: Outbox, mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A handler's own commit commits nothing, so it wakes no relay: the wake-up (and a

@@ -102,7 +102,7 @@ async def _status(client: Any, expected: str) -> bool:
     return bool((await client.get("/outbox/health")).json()["status"] == expected)
 
 
-async def test_a_stuck_dispatcher_with_a_reachable_broker_is_503(db_url: str) -> None:
+async def test_a_stuck_relay_with_a_reachable_broker_is_503(db_url: str) -> None:
     broker = StuckBroker()
     outbox = Outbox(
         db_url,

@@ -66,7 +66,7 @@ async def count_is(outbox: Outbox, status: str, n: int) -> bool:
     return await outbox.store.messages.count(status) == n
 
 
-async def test_two_dispatchers_on_one_table_publish_every_message_once(pg_url: str) -> None:
+async def test_two_relays_on_one_table_publish_every_message_once(pg_url: str) -> None:
     settings = OutboxSettings(batch_size=20, workers=3, poll_interval_seconds=0.05)
     first, second = MemoryBroker(), MemoryBroker()
     a = Outbox(pg_url, brokers={"default": first}, settings=settings)
@@ -128,7 +128,7 @@ class FlakyBroker(MemoryBroker):
         return await super().publish(batch)
 
 
-async def test_a_broker_that_raises_does_not_stop_the_processor(sqlite_url: str) -> None:
+async def test_a_broker_that_raises_does_not_stop_the_relay(sqlite_url: str) -> None:
     broker = FlakyBroker()
     outbox = Outbox(
         sqlite_url,

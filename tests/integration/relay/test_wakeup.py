@@ -54,7 +54,7 @@ async def make_outbox() -> AsyncIterator[Any]:
         await outbox.aclose()
 
 
-async def test_a_commit_wakes_the_dispatcher_of_its_own_process(
+async def test_a_commit_wakes_the_relay_of_its_own_process(
     db_url: str, make_outbox: Any
 ) -> None:
     broker = MemoryBroker()
@@ -70,7 +70,7 @@ async def test_a_commit_wakes_the_dispatcher_of_its_own_process(
     assert [m.json() for m in broker.messages] == [{"n": 0}, {"n": 1}, {"n": 2}]
 
 
-async def test_notify_from_an_api_only_process_wakes_another_dispatcher(
+async def test_notify_from_an_api_only_process_wakes_another_relay(
     pg_url: str, make_outbox: Any
 ) -> None:
     api_broker, relay_broker = MemoryBroker(), MemoryBroker()
@@ -91,7 +91,7 @@ async def test_notify_from_an_api_only_process_wakes_another_dispatcher(
     assert [m.json() for m in relay_broker.messages] == [{"n": 0}, {"n": 1}]
 
 
-async def test_a_running_dispatchers_commit_wakes_another_process(
+async def test_a_running_relays_commit_wakes_another_process(
     pg_url: str, make_outbox: Any
 ) -> None:
     relay_broker = MemoryBroker()
@@ -144,7 +144,7 @@ def count_claims(outbox: Outbox) -> list[float]:
     return times
 
 
-async def test_an_idle_dispatcher_backs_its_polling_off_while_listen_is_up(
+async def test_an_idle_relay_backs_its_polling_off_while_listen_is_up(
     pg_url: str, make_outbox: Any
 ) -> None:
     outbox = await make_outbox(
@@ -169,7 +169,7 @@ async def test_an_idle_dispatcher_backs_its_polling_off_while_listen_is_up(
     assert gaps[-1] >= 1.0  # already under one claim per second, and falling
 
 
-async def test_without_listen_an_idle_dispatcher_keeps_polling(
+async def test_without_listen_an_idle_relay_keeps_polling(
     pg_url: str, make_outbox: Any
 ) -> None:
     outbox = await make_outbox(

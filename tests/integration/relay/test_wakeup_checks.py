@@ -50,7 +50,7 @@ make_outbox = test_wakeup.make_outbox
 
 
 @pytest.mark.parametrize("writer", ["api-only", "notifier-running"])
-async def test_a_joined_session_committed_by_its_owner_wakes_another_dispatcher(
+async def test_a_joined_session_committed_by_its_owner_wakes_another_relay(
     pg_url: str, make_outbox: Any, writer: str
 ) -> None:
     relay_broker = MemoryBroker()
@@ -97,7 +97,7 @@ asyncio.run(main(*sys.argv[1:]))
 
 
 @pytest.mark.parametrize("how", ["own", "joined"])
-async def test_a_script_without_a_lifespan_wakes_the_dispatchers(
+async def test_a_script_without_a_lifespan_wakes_the_relays(
     pg_url: str, make_outbox: Any, how: str
 ) -> None:
     relay_broker = MemoryBroker()

@@ -413,7 +413,7 @@ async def test_the_readme_procedure_moves_a_plain_table_to_partitions(pg_url: st
         await outbox.aclose()
 
 
-async def test_dispatcher_processes_maintaining_at_once_do_not_trip_over_each_other(
+async def test_relay_processes_maintaining_at_once_do_not_trip_over_each_other(
     pg_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Every relay process runs the maintenance: each partition is created or dropped
@@ -446,7 +446,7 @@ async def test_dispatcher_processes_maintaining_at_once_do_not_trip_over_each_ot
         await two.aclose()
 
 
-async def test_dispatchers_on_a_partitioned_table_deliver_to_redis(
+async def test_relays_on_a_partitioned_table_deliver_to_redis(
     pg_url: str, redis_url: str
 ) -> None:
     """The whole path on a partitioned table: the lifespan's cleaner keeps the partitions,
