@@ -230,8 +230,9 @@ _STUB = {
     "maxProperties": 0,
     "description": (
         f"Claim-check stub: the payload is in the outbox's payload store under the "
-        f"{HEADER_CLAIM_CHECK} header's reference ({HEADER_CLAIM_CHECK_SIZE}: its size in "
-        "bytes); a subscriber's handler receives the whole event."
+        f"reference the {HEADER_CLAIM_CHECK} header holds ({HEADER_CLAIM_CHECK_SIZE}: its "
+        "size in bytes; ce-outboxclaimcheck and ce-outboxclaimchecksize as CloudEvents "
+        "extensions); a subscriber's handler receives the whole event."
     ),
 }
 
@@ -242,8 +243,9 @@ def _sealed(plain: Mapping[str, Any]) -> dict[str, Any]:
         "contentEncoding": "base64",
         "description": (
             "Encrypted (AES-GCM): base64 of the 12-byte nonce, the ciphertext of the JSON "
-            f"payload and the 16-byte tag, as a JSON string; {HEADER_ENCRYPTION_KEY_ID} "
-            "names the key. The associated data is the message id, type and stream."
+            f"payload and the 16-byte tag, as a JSON string; the {HEADER_ENCRYPTION_KEY_ID} "
+            "header (CloudEvents: the encryptionkeyid extension) names the key. The "
+            "associated data is the message id, type and stream."
         ),
     }
     if "$ref" in plain:
