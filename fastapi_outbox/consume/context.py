@@ -2,9 +2,9 @@
 
 A subscriber needs the database (engine, the session factory, the inbox), the settings,
 the payload stages, the brokers it may consume from, this process's instance id, and the
-outbox's write side (:class:`~fastapi_outbox.write.producer.Producer`), through which its
+outbox's write side (`Producer`), through which its
 handlers' units of work publish and whose relays their commits wake.
-:class:`ConsumeContext` holds exactly that; the composition root builds one per outbox.
+`ConsumeContext` holds exactly that; the composition root builds one per outbox.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class ConsumeContext:
         self.instance = instance
         self._brokers = brokers
         #: The subscribers registered so far (``register`` appends; ``Any``: the list holds
-        #: :class:`~fastapi_outbox.consume.subscriber.Subscriber`, which this module below
+        #: `Subscriber`, which this module below
         #: it cannot name).
         self.subscribers = subscribers
 
@@ -96,7 +96,7 @@ class ConsumeContext:
 
     def serving(self, deliveries: Sequence[Delivery]) -> contextlib.AbstractContextManager[None]:
         """While it runs, the handling of ``deliveries`` works in their database: this
-        outbox's (a multi-tenant outbox's: their tenant's, :class:`TenantConsumeContext`)."""
+        outbox's (a multi-tenant outbox's: their tenant's, `TenantConsumeContext`)."""
         return contextlib.nullcontext()
 
     def make_unit_of_work(
@@ -140,7 +140,7 @@ class TenantConsumeContext(ConsumeContext):
     """A multi-tenant outbox's subscribers: each delivery is handled in the database of the
     tenant its ``tenant`` header names (its inbox row, its handler's effects and the events
     it publishes commit there); a delivery naming no tenant this outbox serves raises
-    :class:`~fastapi_outbox.exceptions.UnknownTenant` (the subscriber dead-letters it)."""
+    `UnknownTenant` (the subscriber dead-letters it)."""
 
     def __init__(self, *, resolve: Callable[[str | None], ConsumeContext], **options: Any) -> None:
         self._resolve = resolve

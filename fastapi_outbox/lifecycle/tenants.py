@@ -2,11 +2,11 @@
 
 ``Outbox(..., tenants=...)`` takes a mapping from tenant id to the tenant's database URL
 (a database per tenant) or schema (a schema per tenant of the outbox's database), or a
-callable — sync or async — returning that mapping. :class:`Tenants` builds a tenant's
+callable — sync or async — returning that mapping. `Tenants` builds a tenant's
 outbox (engine, tables, write side: an ``Outbox`` of its own that runs nothing) when the
 tenant first appears, hands its outbox table to the one
-:class:`~fastapi_outbox.relay.tenants.TenantRelay`, and, for a callable, reads it again
-every ``tenant_refresh_seconds`` (:meth:`Tenants.run`): a new tenant is served and relayed
+`TenantRelay`, and, for a callable, reads it again
+every ``tenant_refresh_seconds`` (`run`): a new tenant is served and relayed
 from that read on, a removed one is no longer served and its engine is closed.
 """
 
@@ -50,7 +50,7 @@ class _Relays(Protocol):
 
 
 class TenantOutbox(Protocol):
-    """What :class:`Tenants` needs of a tenant's outbox (an ``Outbox`` that runs nothing)."""
+    """What `Tenants` needs of a tenant's outbox (an ``Outbox`` that runs nothing)."""
 
     @property
     def store(self) -> _Store: ...
@@ -98,7 +98,7 @@ class Tenants:
         return sorted(self.outboxes)
 
     def get(self, tenant: str | None) -> Any:
-        """The outbox of ``tenant``; :class:`~fastapi_outbox.exceptions.UnknownTenant` for
+        """The outbox of ``tenant``; `UnknownTenant` for
         a tenant this outbox does not serve (or none)."""
         if tenant is None:
             raise exceptions.UnknownTenant(
@@ -235,7 +235,7 @@ class Tenants:
 
 class TenantRelays(Relays):
     """What a multi-tenant outbox's lifecycle starts in place of a relay per broker: the
-    tenants' refresh loop and the one :class:`~fastapi_outbox.relay.tenants.TenantRelay`
+    tenants' refresh loop and the one `TenantRelay`
     of every tenant (no NOTIFY/LISTEN: commits of this process wake their tenant's turn,
     other processes' commits are found by the poll)."""
 

@@ -21,7 +21,7 @@ Metrics (prefix ``outbox_``, change it with ``namespace=``):
   the broker's acknowledgement — the commit-to-publish latency;
 * ``pending_messages``, ``oldest_pending_age_seconds``, ``abandoned_messages`` by
   ``broker``, ``database_up`` and ``relay_up`` by ``broker``: gauges refreshed from
-  :meth:`Messages.stats` when ``/metrics`` is scraped (at most once per
+  `Messages.stats` when ``/metrics`` is scraped (at most once per
   ``refresh_interval_seconds``), so they describe the whole table, whichever process
   dispatches it.
 
@@ -33,7 +33,7 @@ counted under ``tenant="other"``):
 * ``tenant_up`` by ``tenant``: 1 while the relay's last claim in the tenant's database
   answered (refreshed when ``/metrics`` is scraped).
 
-The hooks inherit :class:`Instrumentation`'s publish spans: metrics and traces together.
+The hooks inherit `Instrumentation`'s publish spans: metrics and traces together.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """One relay for every tenant of a multi-tenant outbox: fair turns within a connection budget.
 
 A multi-tenant outbox keeps each tenant's outbox table in the tenant's own database (or
-schema). Rather than a relay and a pool per tenant, :class:`TenantRelay` runs
+schema). Rather than a relay and a pool per tenant, `TenantRelay` runs
 ``tenant_connection_budget`` workers that take *turns*: a turn is one tenant and one
 broker — one claim and, when it found rows, one publish and one mark, by the same code as
-a table relay's worker (:class:`~fastapi_outbox.relay.table.TableRelay`, one per tenant and
+a table relay's worker (`TableRelay`, one per tenant and
 broker, whose own loop never runs here).
 
 - **Fair.** Turns are handed out round-robin: a tenant whose claim came back with rows
@@ -66,7 +66,7 @@ class _TurnWakeup(Wakeup):
 
 
 class TenantTurns(TableRelay):
-    """One tenant's relay to one broker, run a turn at a time by :class:`TenantRelay`
+    """One tenant's relay to one broker, run a turn at a time by `TenantRelay`
     (never by its own workers)."""
 
     def __init__(self, relay: TenantRelay, tenant: str, **options: Any) -> None:
@@ -218,7 +218,7 @@ class TenantRelay:
         self.signal()
 
     async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
-        """Run ``tenant_connection_budget`` workers until :meth:`stop` (or cancellation)."""
+        """Run ``tenant_connection_budget`` workers until `stop` (or cancellation)."""
         self.running = True
         self.stopped = anyio.Event()
         self._stopping = False

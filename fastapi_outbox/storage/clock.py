@@ -6,7 +6,7 @@ processes that write, claim and observe the outbox may run on hosts whose clocks
 by minutes, the database is the one clock they share. The helpers here build those
 expressions for both dialects.
 
-The process's own wall clock is :func:`wall` / :func:`utcnow`. The library reads it only
+The process's own wall clock is `wall` / `utcnow`. The library reads it only
 for what never meets a stored timestamp (when a loop last ran, a log line, the validation
 of ``deliver_at`` against ``max_delay_seconds``); tests shift it (patch
 ``fastapi_outbox.storage.clock.wall``) to show that nothing stored depends on it.
@@ -37,7 +37,7 @@ def wall() -> float:
 
 
 def utcnow() -> dt.datetime:
-    """The process's wall clock as an aware UTC datetime (see :func:`wall`)."""
+    """The process's wall clock as an aware UTC datetime (see `wall`)."""
     return dt.datetime.fromtimestamp(wall(), dt.UTC)
 
 
@@ -51,7 +51,7 @@ def db_now(is_postgres: bool) -> ColumnElement[dt.datetime]:
 
 def seconds_modifier(seconds: float) -> str:
     """SQLite's date modifier for ``seconds`` (``+1.500000 seconds``), the value of the
-    parameter :func:`db_later` binds on SQLite."""
+    parameter `db_later` binds on SQLite."""
     return f"{seconds:+.6f} seconds"
 
 
@@ -59,7 +59,7 @@ def db_later(is_postgres: bool, name: str | None = None, seconds: float = 0.0) -
     """The database's now plus a bound number of seconds (negative: earlier).
 
     ``name``: the parameter to bind per execution (PostgreSQL: a ``timedelta``; SQLite: a
-    :func:`seconds_modifier` string); without a name, ``seconds`` is bound in place."""
+    `seconds_modifier` string); without a name, ``seconds`` is bound in place."""
     if is_postgres:
         if name is None:
             offset = bindparam(None, dt.timedelta(seconds=seconds), type_=Interval())

@@ -1,7 +1,7 @@
 """Which database a statement is for: the two questions the statement builders and the
 connector ask of an engine, a connection or a dialect — which SQL to write
-(:func:`is_postgres`), and whether the driver's connection can run it directly
-(:func:`uses_asyncpg`). Imports nothing of the package, so every module of ``storage/``
+(`is_postgres`), and whether the driver's connection can run it directly
+(`uses_asyncpg`). Imports nothing of the package, so every module of ``storage/``
 may ask.
 """
 
@@ -27,5 +27,5 @@ def is_postgres(bound: _Bound) -> bool:
 
 def uses_asyncpg(bound: _Bound) -> bool:
     """True when the driver is asyncpg: the hot statements then run on its connection
-    (see :mod:`fastapi_outbox.storage.connector`)."""
+    (see `fastapi_outbox.storage.connector`)."""
     return _dialect(bound).driver == "asyncpg"

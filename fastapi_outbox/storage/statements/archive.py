@@ -2,11 +2,11 @@
 rows from the outbox table to the archive table, the archive's own retention, and the
 catalogue changes that re-attach a finished partition to a partitioned archive.
 
-Caller: :class:`fastapi_outbox.storage.archive.Archive` (``move_batch``, ``purge_batch``),
-run by the relay's cleaner (:mod:`fastapi_outbox.lifecycle.retention`),
-:mod:`fastapi_outbox.storage.partitions` (``archive_partition_sync``,
+Caller: `fastapi_outbox.storage.archive.Archive` (``move_batch``, ``purge_batch``),
+run by the relay's cleaner (`fastapi_outbox.lifecycle.retention`),
+`fastapi_outbox.storage.partitions` (``archive_partition_sync``,
 ``expired_archive_partitions``, ``archive_default_statements``) and
-:mod:`fastapi_outbox.storage.doctor` (the fix for a missing DEFAULT partition of the
+`fastapi_outbox.storage.doctor` (the fix for a missing DEFAULT partition of the
 archive). Every builder is pure.
 """
 
@@ -90,7 +90,7 @@ def move_insert(
 ) -> Any:
     """SQLite (no DELETE in a WITH), first of the two statements of one transaction: copy
     one batch into the archive. It takes the database's write lock, so nobody changes the
-    outbox before :func:`move_delete` picks the same rows (``ordered``: by finish time and
+    outbox before `move_delete` picks the same rows (``ordered``: by finish time and
     id, and rows that qualify later finished later)."""
     chosen = victims(
         source,
@@ -121,7 +121,7 @@ def move_delete(
     keep_blocking: bool = False,
 ) -> Any:
     """SQLite, second statement of the move's transaction: delete the rows
-    :func:`move_insert` copied — the same choice, and only rows the archive now holds
+    `move_insert` copied — the same choice, and only rows the archive now holds
     (never a row that was not archived)."""
     chosen = victims(
         source,

@@ -1,10 +1,10 @@
 """The table relay's statements: the claim, the marks after a publish, the release, the
 lease extension, the idle poller's next due time, and the WAL relay's refused rows.
 
-Caller: :class:`fastapi_outbox.relay.table.TableRelay` through
-:class:`~fastapi_outbox.storage.store.Store` (``claim``, ``mark_published``, ``mark_failed``,
+Caller: `fastapi_outbox.relay.table.TableRelay` through
+`Store` (``claim``, ``mark_published``, ``mark_failed``,
 ``release``, ``extend_lease``, ``abandon``, ``next_due_in``) and
-:class:`fastapi_outbox.relay.wal.WalRelay` (``insert_failed``).
+`fastapi_outbox.relay.wal.WalRelay` (``insert_failed``).
 
 Every change after the claim is *fenced*: it only touches rows whose ``locked_by`` still
 equals the claim token, so a worker whose lease expired can never overwrite a newer claim
@@ -72,7 +72,7 @@ __all__ = [
     "transaction_bounds",
 ]
 
-#: The claim returns these columns first (a :class:`~fastapi_outbox.storage.store.ClaimedRow`
+#: The claim returns these columns first (a `ClaimedRow`
 #: each), then the insert-order columns that sort an ordered batch.
 CLAIM_COLUMNS = 9
 
@@ -91,17 +91,17 @@ def claim(table: Table, broker: str, limit: int, ordered: bool, dialect: Dialect
     message that kills the process on every publish burns the attempts of its batch-mates
     twice at most, and then only its own.
 
-    Ordered (``ordered=True``): rows go in insert order (:func:`order_columns`), and a keyed
+    Ordered (``ordered=True``): rows go in insert order (`order_columns`), and a keyed
     row is taken only when no earlier row of its key is in flight, backing off after a
     failure, or abandoned (until replayed or purged); ``Store.claim`` serialises ordered
-    claimers (:func:`ordered_turn`) so that every batch is a prefix of each key's queue.
+    claimers (`ordered_turn`) so that every batch is a prefix of each key's queue.
     On PostgreSQL a row is also dropped when an earlier row of its key is due but was
     skipped as locked (a slow holder whose lease ran out is recording its outcome right
     now): it may be about to back off.
 
     Bound per execution: ``token`` (the claim token) and ``lease`` (see
-    :func:`~fastapi_outbox.storage.statements.parts.offset`); unordered, on a table
-    partitioned by id, ``floor`` too (:func:`has_floor`).
+    `offset`); unordered, on a table
+    partitioned by id, ``floor`` too (`has_floor`).
     """
     t = table
     pg = is_postgres(dialect)
@@ -145,7 +145,7 @@ def has_floor(table: Table, ordered: bool, dialect: Dialect) -> bool:
     """Whether the claim takes ``id >= $floor`` (its candidates and its update): unordered
     on a PostgreSQL table partitioned by id. A parameter of the statement itself, so a
     generic plan prunes the partitions below it before setting up their scans (see
-    :mod:`fastapi_outbox.storage.partition_map`; the nil UUID prunes nothing). Never the
+    `fastapi_outbox.storage.partition_map`; the nil UUID prunes nothing). Never the
     ordered claim: a row below the floor would let the later rows of its key overtake it."""
     return is_postgres(dialect) and not ordered and table.info.get("partitioning") is not None
 
@@ -189,7 +189,7 @@ def _labels(table: Table, ordered: bool, dialect: Dialect) -> list[str]:
 
 
 def _locked(table: Table, broker: str, limit: int, ordered: bool, dialect: Dialect) -> Any:
-    """The ``locked`` CTE of :func:`claim`: the candidates, locked."""
+    """The ``locked`` CTE of `claim`: the candidates, locked."""
     o = table.alias("o")
     order = _claim_order(o, ordered, dialect)
     labels = _labels(table, ordered, dialect)
@@ -255,7 +255,7 @@ def _active_and_waiting(e: Any, due_now: Any) -> ColumnElement[bool]:
 def _ranked(
     table: Table, broker: str, locked: Any, labels: list[str], ordered: bool, dialect: Dialect
 ) -> Any:
-    """The ``ranked`` CTE of :func:`claim`: the locked rows numbered in claim order."""
+    """The ``ranked`` CTE of `claim`: the locked rows numbered in claim order."""
     position = func.row_number().over(order_by=[locked.c[label] for label in labels])
     ranked: Select[Any] = select(locked.c.id, locked.c.suspect, position.label("rn"))
     if ordered and is_postgres(dialect):
@@ -274,7 +274,7 @@ def _ranked(
 
 
 def _chosen(ranked: Any, limit: int) -> Any:
-    """The ``chosen`` CTE of :func:`claim`: the rows before the first suspect, or the
+    """The ``chosen`` CTE of `claim`: the rows before the first suspect, or the
     first row alone (a suspect first in line is claimed on its own)."""
     first_suspect = select(func.min(ranked.c.rn)).where(ranked.c.suspect)
     return (
@@ -298,7 +298,7 @@ def generic_plan() -> Select[Any]:
     ``locked`` scan over every partition, ~4 ms per claim on 34 partitions
     (pg_stat_statements: total_plan_time about 4 ms per call), more than the statement itself
     costs over the plain table's. The generic plan prunes the update to the batch's
-    partition when it runs (init plans: see :func:`_chosen_rows`), so it loses nothing."""
+    partition when it runs (init plans: see `_chosen_rows`), so it loses nothing."""
     return select(func.set_config("plan_cache_mode", "force_generic_plan", True))
 
 
@@ -314,8 +314,8 @@ def ordered_turn(
     broker take turns on a transaction-scoped advisory lock, so the claim that follows
     sees the rows the previous claim took as in flight (each batch a prefix of every key's
     queue). The lock key is the hash of ``<lock_key>:<broker>``; the local timeouts (see
-    :func:`local_timeouts`) come first, so a frozen holder cannot stall the turn forever;
-    ``generic``: :func:`generic_plan` too (a table partitioned by id)."""
+    `local_timeouts`) come first, so a frozen holder cannot stall the turn forever;
+    ``generic``: `generic_plan` too (a table partitioned by id)."""
     return select(
         *local_timeouts(statement_ms, lock_ms),
         *(generic_plan().selected_columns if generic else []),
@@ -338,7 +338,7 @@ def local_timeouts(statement_ms: int | None, lock_ms: int | None) -> list[Any]:
 
 
 def transaction_bounds(statement_ms: int | None, lock_ms: int | None) -> Select[Any] | None:
-    """``SELECT set_config(…)`` of :func:`local_timeouts`, the first statement of a bounded
+    """``SELECT set_config(…)`` of `local_timeouts`, the first statement of a bounded
     transaction (caller: ``Store.mark_failed``); None when unbounded."""
     timeouts = local_timeouts(statement_ms, lock_ms)
     return select(*timeouts) if timeouts else None

@@ -1,13 +1,13 @@
 """The statements behind what operators see and do: counts for health, metrics, the
 dashboard and ``status``; listing and showing messages; replay, cancel, abandon.
 
-Run by :class:`~fastapi_outbox.storage.messages.Messages` (the methods of the same names:
+Run by `Messages` (the methods of the same names:
 ``stats``, ``stream_stats``,
 ``published_per_minute``, ``count_matching``, ``get``, ``list_messages``, ``states``,
 ``replay``, ``cancel_unclaimed``, ``abandon_unclaimed``, ``count``). The counts read the
 partial indexes (ix_<table>_due, _abandoned, _published, _key), so they cost what the rows
 that still need work cost, not the table's history of published rows; statuses are SQL
-literals (:func:`~fastapi_outbox.storage.statements.parts.status_in`) so those indexes serve
+literals (`status_in`) so those indexes serve
 prepared statements too.
 """
 
