@@ -306,8 +306,8 @@ class OutboxSettings(BaseSettings):
         ge=1,
         le=1000,
         description="Multi-tenant outboxes: the most database connections the relay holds "
-        "across all tenants (its turns at once, and the tenants whose pools stay open "
-        "between turns; the others are closed after their turn).",
+        "across all tenants (half for its turns at once, half for the pools of the most "
+        "recently active tenants; the others' idle connections are closed after a turn).",
         json_schema_extra=_group("relay"),
     )
     poll_interval_seconds: float = Field(

@@ -2,7 +2,7 @@
 
 A multi-tenant outbox keeps each tenant's outbox table in the tenant's own database (or
 schema). Rather than a relay and a pool per tenant, `TenantRelay` runs
-``tenant_connection_budget`` workers that take *turns*: a turn is one tenant and one
+workers (half of ``tenant_connection_budget``) that take *turns*: a turn is one tenant and one
 broker — one claim and, when it found rows, one publish and one mark, by the same code as
 a table relay's worker (`TableRelay`, one per tenant and
 broker, whose own loop never runs here).
@@ -13,9 +13,11 @@ broker, whose own loop never runs here).
   queue twice.
 - **Idle tenants cost a probe per poll interval.** A tenant whose claim came back empty
   is looked at again after ``poll_interval_seconds`` (or when a commit of this process
-  wakes it, or a delayed message of it is due); it holds no connection meanwhile: only
-  the ``tenant_connection_budget`` tenants with the most recent turns keep their pooled
-  connections, the others' are closed after the turn.
+  wakes it, or a delayed message of it is due); it holds no connection meanwhile.
+- **Connections are bounded.** ``tenant_connection_budget`` is shared: half of it are
+  the workers (turns at once, a connection each), the other half the tenants with the
+  most recent turns, whose pools stay open between turns; the others' idle connections
+  are closed after their turn. The relay holds at most the budget.
 - **A tenant's failure is its own.** A claim or a mark that fails (the database down,
   slow, or without its tables) pauses that tenant alone with exponential backoff; its
   state (``database_ok``, ``last_error``) is what the health endpoint reports for it.
@@ -137,6 +139,12 @@ class TenantRelay:
         return self._stopping
 
     @property
+    def workers(self) -> int:
+        """Turns at once: half the connection budget (at least one); the other half keeps
+        the pools of the most recently active tenants open between their turns."""
+        return max(1, self.settings.tenant_connection_budget // 2)
+
+    @property
     def tenants(self) -> list[str]:
         return list(self._tenants)
 
@@ -218,7 +226,7 @@ class TenantRelay:
         self.signal()
 
     async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
-        """Run ``tenant_connection_budget`` workers until `stop` (or cancellation)."""
+        """Run `workers` workers until `stop` (or cancellation)."""
         self.running = True
         self.stopped = anyio.Event()
         self._stopping = False
@@ -229,7 +237,7 @@ class TenantRelay:
             self._queue(key)
         try:
             async with anyio.create_task_group() as tg:
-                for _ in range(self.settings.tenant_connection_budget):
+                for _ in range(self.workers):
                     tg.start_soon(self._worker)
                 task_status.started()
         finally:
@@ -337,7 +345,7 @@ class TenantRelay:
             return
         self._warm[tenant] = None
         self._warm.move_to_end(tenant)
-        budget = self.settings.tenant_connection_budget
+        budget = self.settings.tenant_connection_budget - self.workers
         if len(self._warm) <= budget:
             return
         busy = {key[0] for key, t in self.turns.items() if t.in_flight}
