@@ -47,6 +47,9 @@ __all__ = ["TenantRelay", "TenantTurns"]
 
 logger = logging.getLogger("fastapi_outbox.relay")
 
+#: One turn in this many is an idle tenant's probe when turns with work are waiting.
+PROBE_EVERY = 4
+
 #: A turn's key: (tenant, broker).
 Key = tuple[str, str]
 
@@ -79,14 +82,26 @@ class TenantTurns(TableRelay):
         #: When the next turn may run (monotonic); None: whenever it is queued.
         self.next_turn: float | None = None
         self.db_delay = DB_BACKOFF_MIN_SECONDS
-        self.queued = False
+        self.claim_size = self.settings.batch_size
+        #: Waiting in the relay's queue of turns with work (woken, or rows left) / of
+        #: idle probes.
+        self.in_ready = False
+        self.in_probes = False
         self.in_flight = False
+        #: A commit woke it while its turn ran (that claim may have missed its rows): it
+        #: goes back to the queue of work when the turn ends.
+        self.rewake = False
         #: The last turn's failure (the database down, or a statement failing on it: a
         #: missing table), None once a claim answers again.
         self.failing: str | None = None
 
     def __repr__(self) -> str:
         return f"TenantTurns(tenant={self.tenant!r}, broker={self.broker_name!r})"
+
+    def _adapt_claim(self, got: int, asked: int) -> None:
+        """A tenant's turn always claims ``batch_size``: its turns are one at a time, so
+        a small claim would only cost it more turns (and connections) for its rows."""
+        self.claim_size = self.settings.batch_size
 
     @property
     def stopping(self) -> bool:
@@ -119,7 +134,12 @@ class TenantRelay:
             str, tuple[Claims, Callable[[], Awaitable[None]], dict[str, TableRelay]]
         ] = {}
         self._brokers: dict[str, Broker] = {}
+        #: Turns with work (a commit woke them, or their last claim came back full) go
+        #: before the idle tenants' probes: a probe is taken first only every
+        #: ``PROBE_EVERY`` turns, so 200 idle tenants cannot delay a woken one.
         self._ready: collections.deque[Key] = collections.deque()
+        self._probes: collections.deque[Key] = collections.deque()
+        self._taken = 0
         self._signal = anyio.Event()
         #: Tenants in the order of their last turn (the last: the most recent).
         self._warm: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -189,7 +209,7 @@ class TenantRelay:
             )
             self.turns[key] = turns
             tables[broker] = turns
-            self._queue(key)
+            self._queue(key, probe=True)
         return turns
 
     def wake(self, tenant: str, broker: str) -> None:
@@ -197,14 +217,22 @@ class TenantRelay:
         turns = self.turns.get((tenant, broker))
         if turns is not None:
             turns.next_turn = None
+            if turns.in_flight:
+                turns.rewake = True
             self._queue((tenant, broker))
 
-    def _queue(self, key: Key) -> None:
+    def _queue(self, key: Key, *, probe: bool = False) -> None:
         turns = self.turns.get(key)
-        if turns is None or turns.queued or turns.in_flight:
+        if turns is None or turns.in_flight or turns.in_ready:
             return
-        turns.queued = True
-        self._ready.append(key)
+        if probe:
+            if turns.in_probes:
+                return
+            turns.in_probes = True
+            self._probes.append(key)
+        else:
+            turns.in_ready = True  # a probe queued before stays, and is skipped once taken
+            self._ready.append(key)
         self.signal()
 
     def signal(self) -> None:
@@ -231,10 +259,11 @@ class TenantRelay:
         self.stopped = anyio.Event()
         self._stopping = False
         self._ready.clear()  # a run before this one may have left turns queued
+        self._probes.clear()
         for key, turns in self.turns.items():
-            turns.queued = turns.in_flight = False
+            turns.in_ready = turns.in_probes = turns.in_flight = False
             turns.next_turn = None
-            self._queue(key)
+            self._queue(key, probe=True)
         try:
             async with anyio.create_task_group() as tg:
                 for _ in range(self.workers):
@@ -253,18 +282,37 @@ class TenantRelay:
             soonest: float | None = None
             for key, turns in self.turns.items():
                 due = turns.next_turn
-                if due is None or turns.queued or turns.in_flight:
+                if due is None or turns.in_ready or turns.in_probes or turns.in_flight:
                     continue
                 if due <= now:
                     turns.next_turn = None
-                    self._queue(key)
+                    self._queue(key, probe=True)
                 elif soonest is None or due < soonest:
                     soonest = due
-            while self._ready:
-                taken = self.turns.get(self._ready.popleft())
+            taken = self._take(now)
+            if taken is not None:
+                return taken
+            with anyio.move_on_after(None if soonest is None else soonest - now):
+                await signal.wait()
+        return None
+
+    def _take(self, now: float) -> TenantTurns | None:
+        """The next turn of the queues: work first, a probe every ``PROBE_EVERY`` turns."""
+        self._taken += 1
+        first, second = self._ready, self._probes
+        if self._taken % PROBE_EVERY == 0:
+            first, second = second, first
+        for queue in (first, second):
+            while queue:
+                taken = self.turns.get(queue.popleft())
                 if taken is None:
                     continue
-                taken.queued = False
+                if queue is self._ready:
+                    if not taken.in_ready:
+                        continue
+                elif not taken.in_probes or taken.in_ready:
+                    continue  # taken already, or waiting in the queue of work
+                taken.in_ready = taken.in_probes = False
                 if taken.next_turn is not None and taken.next_turn > now:
                     continue  # paused meanwhile (an outage): its time brings it back
                 if taken.tenant in self._cooling:
@@ -272,8 +320,6 @@ class TenantRelay:
                     continue
                 taken.in_flight = True
                 return taken
-            with anyio.move_on_after(None if soonest is None else soonest - now):
-                await signal.wait()
         return None
 
     async def _worker(self) -> None:
@@ -285,6 +331,10 @@ class TenantRelay:
                 await self._turn(turns)
             finally:
                 turns.in_flight = False
+                if turns.rewake:
+                    turns.rewake = False
+                    turns.next_turn = None
+                    self._queue((turns.tenant, turns.broker_name))
             await self._cool(turns.tenant)
 
     async def _turn(self, turns: TenantTurns) -> None:
@@ -331,9 +381,11 @@ class TenantRelay:
         turns.db_delay = await turns._take(batch, token, size, before)
         if turns.db_delay > before:  # the outcome could not be recorded: the tenant pauses
             turns.next_turn = time.monotonic() + turns.db_delay
+        elif len(batch) < size:  # drained: looked at again by its probe (or a commit)
+            if turns.next_turn is None:
+                turns.next_turn = time.monotonic() + settings.poll_interval_seconds
         else:
             turns.next_turn = None
-            turns.queued = False
             turns.in_flight = False
             self._queue((turns.tenant, turns.broker_name))  # back of the queue
             turns.in_flight = True
