@@ -286,7 +286,8 @@ class TenantRelay:
                     continue
                 if due <= now:
                     turns.next_turn = None
-                    self._queue(key, probe=True)
+                    self._queue(key, probe=not turns.rewake)
+                    turns.rewake = False
                 elif soonest is None or due < soonest:
                     soonest = due
             taken = self._take(now)
@@ -316,7 +317,9 @@ class TenantRelay:
                 if taken.next_turn is not None and taken.next_turn > now:
                     continue  # paused meanwhile (an outage): its time brings it back
                 if taken.tenant in self._cooling:
-                    taken.next_turn = now  # its turn comes once its pool is closed
+                    # Its turn comes once its pool is closed, in the queue it was in.
+                    taken.next_turn = now
+                    taken.rewake = taken.rewake or queue is self._ready
                     continue
                 taken.in_flight = True
                 return taken
