@@ -139,7 +139,7 @@ def _expected_pg(conn: Connection, table: Table) -> tuple[dict[str, Any], dict[s
     with conn.begin_nested() as savepoint:
         conn.execute(text(create))
         for index in table.indexes:
-            if index._ddl_if is not None and index._ddl_if.dialect not in (None, "postgresql"):
+            if not schema.builds_on(index, "postgresql"):
                 continue
             ddl = sql.probe_index(str(CreateIndex(index).compile(dialect=conn.dialect)), _PROBE)
             conn.execute(text(ddl))
@@ -486,7 +486,7 @@ def _examine_sqlite(conn: Connection, table: Table) -> list[Finding]:
         if row[1] is not None
     }
     for index in sorted(table.indexes, key=lambda i: i.name or ""):
-        if index._ddl_if is not None and index._ddl_if.dialect not in (None, "sqlite"):
+        if not schema.builds_on(index, "sqlite"):
             continue
         index_name = str(index.name)
         ddl = " ".join(str(CreateIndex(index).compile(dialect=conn.dialect)).split())
