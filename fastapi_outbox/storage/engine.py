@@ -26,12 +26,12 @@ from fastapi_outbox.storage.dialects import uses_asyncpg as uses_asyncpg
 from fastapi_outbox.storage.statements import session as session_sql
 
 __all__ = [
+    "MYSQL_ISOLATION",
+    "MYSQL_POOL_RECYCLE_SECONDS",
     "PG_CONNECT_TIMEOUT_SECONDS",
     "PG_KEEPALIVE_IDLE_SECONDS",
     "PG_KEEPALIVE_INTERVAL_SECONDS",
     "PG_KEEPALIVE_PROBES",
-    "MYSQL_ISOLATION",
-    "MYSQL_POOL_RECYCLE_SECONDS",
     "POOL_MAX_OVERFLOW",
     "POOL_SIZE",
     "SQLITE_BUSY_TIMEOUT_MS",

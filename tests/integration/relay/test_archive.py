@@ -18,6 +18,8 @@ from fastapi_outbox.brokers import MemoryBroker
 from fastapi_outbox.storage import doctor, partitions
 from tests.conftest import unique
 
+pytestmark = pytest.mark.mariadb
+
 HOUR = 3600.0
 DAY = dt.timedelta(days=1)
 

@@ -15,6 +15,8 @@ from fastapi_outbox.brokers import MemoryBroker
 from fastapi_outbox.lifecycle.retention import Cleaner
 from tests.conftest import unique, wait_until
 
+pytestmark = pytest.mark.mariadb
+
 HOUR = 3600.0
 
 

@@ -20,6 +20,8 @@ from fastapi_outbox.brokers import MemoryBroker
 from fastapi_outbox.storage import clock
 from tests.conftest import unique, wait_until
 
+pytestmark = pytest.mark.mariadb
+
 SKEW = 120.0
 #: The retry deadline: far below SKEW, so either clock error would show (abandoned at the
 #: first claim, or 120 s late), and long enough for the first claim to come before it.
