@@ -183,7 +183,7 @@ async def test_backoff_lease_age_and_retention_use_the_database_clock(
             await conn.execute(
                 update(t)
                 .where(t.c.id == others[0])
-                .values(published_at=clock.db_later(store.is_postgres, seconds=-90.0))
+                .values(published_at=clock.db_later(store.engine.dialect.name, seconds=-90.0))
             )
         assert await store.retention.purge_batch("published", 60.0, 100) == 1
     finally:
@@ -213,7 +213,7 @@ async def test_inbox_retention_uses_the_database_clock(db_url: str, skew: float)
             await conn.execute(
                 update(t)
                 .where(t.c.message_id == "m-1")
-                .values(handled_at=clock.db_later(outbox.store.is_postgres, seconds=-90.0))
+                .values(handled_at=clock.db_later(outbox.engine.dialect.name, seconds=-90.0))
             )
         assert await inbox.purge_batch(60.0, 100) == 1
     finally:
