@@ -16,8 +16,6 @@ from fastapi_outbox import AggregateRoot, Event, Outbox, OutboxSettings, UnitOfW
 from fastapi_outbox.brokers import MemoryBroker
 from tests.conftest import asgi_client
 
-pytestmark = pytest.mark.mariadb
-
 
 class Base(DeclarativeBase):
     pass
