@@ -284,6 +284,14 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Any) -> str:
     return str(request.getfixturevalue("pg_url"))
 
 
+@pytest.fixture(params=["postgres", "mariadb"])
+def server_db_url(request: pytest.FixtureRequest) -> str:
+    """A database server's database of this test's own, on PostgreSQL and on MariaDB: for
+    the tests whose processes share it (dispatchers killed and restarted), which SQLite's
+    one file on one host does not model."""
+    return str(request.getfixturevalue("pg_url" if request.param == "postgres" else "mysql_url"))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """``db_url[mariadb]`` only for the tests marked ``mariadb``."""
     keep, drop = [], []
