@@ -20,7 +20,16 @@ import datetime as dt
 import time
 from typing import Any
 
-from sqlalchemy import BigInteger, Float, Interval, String, bindparam, func, literal_column
+from sqlalchemy import (
+    BigInteger,
+    Float,
+    Interval,
+    String,
+    bindparam,
+    func,
+    literal_column,
+    type_coerce,
+)
 from sqlalchemy.sql.elements import ColumnElement
 
 from fastapi_outbox.storage.dialects import MYSQL, POSTGRESQL, Flavor, flavor
@@ -126,7 +135,7 @@ def age_seconds(is_postgres: Flavor, column: Any) -> ColumnElement[float]:
     dialect = flavor(is_postgres)
     if dialect == MYSQL:
         diff = func.timestampdiff(literal_column("MICROSECOND"), column, _mysql_now())
-        return (diff / 1_000_000.0).cast(Float)
+        return type_coerce(diff / 1_000_000.0, Float)  # MySQL has no CAST to FLOAT
     if dialect == POSTGRESQL:
         return func.extract("epoch", func.now() - column).cast(Float)
     # julianday() differences in days; subtract first to keep the precision.

@@ -28,7 +28,6 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.util import await_only
 
-from fastapi_outbox.storage.dialects import is_mysql
 from fastapi_outbox.storage.engine import is_postgres, uses_asyncpg
 
 __all__ = ["Connector", "Held", "commit_with", "row_count"]
@@ -131,12 +130,12 @@ class Connector:
         self.engine = engine
         self.is_postgres = is_postgres(engine)
         self.asyncpg = uses_asyncpg(engine)
-        # Single statements on PostgreSQL and MySQL run in autocommit: one round trip each
-        # instead of BEGIN, statement, COMMIT. SQLite keeps its BEGIN IMMEDIATE transactions.
+        # Single statements on PostgreSQL run in autocommit: one round trip each instead
+        # of BEGIN, statement, COMMIT. SQLite keeps its BEGIN IMMEDIATE transactions. MySQL
+        # too: its BEGIN is implicit (no round trip), while switching a pooled connection
+        # to autocommit and back costs two (``SET autocommit``), more than the COMMIT.
         self.autocommit_engine = (
-            engine.execution_options(isolation_level="AUTOCOMMIT")
-            if self.is_postgres or is_mysql(engine)
-            else engine
+            engine.execution_options(isolation_level="AUTOCOMMIT") if self.is_postgres else engine
         )
         self._compiled: dict[str, tuple[str, list[str], dict[str, Any]]] = {}
         #: Client-side bound (seconds) of every driver-level statement: asyncpg then

@@ -2,7 +2,7 @@
 one transaction of two steps, since MySQL has no ``UPDATE … RETURNING``.
 
 1. Per active status (``pending``, ``processing``, ``failed``), the due rows in claim
-   order, ``FOR UPDATE SKIP LOCKED``, with their columns
+   order, ``FOR UPDATE SKIP LOCKED``, with their columns, the three in one ``UNION ALL``
    (:func:`~fastapi_outbox.storage.statements.claims.claim_candidates`): concurrent
    claimers lock disjoint rows. The three lists merged in claim order, ``limit`` kept,
    and the suspect rule of :func:`~fastapi_outbox.storage.statements.claims.claim`
@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from sqlalchemy import Table
+from sqlalchemy import Table, union_all
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from fastapi_outbox.storage.statements import claims as claims_sql
@@ -44,17 +44,24 @@ class MysqlClaim:
         self.engine = engine
         self.table = table
         self.dialect = engine.dialect
-        self._statements: dict[tuple[str, int, bool, str], Any] = {}
+        self._statements: dict[tuple[str, int, bool], Any] = {}
         self._update = claims_sql.claim_rows(table, self.dialect)
         digest = hashlib.sha1(table.name.encode(), usedforsecurity=False).hexdigest()[:16]
         self._lock_prefix = f"fastapi_outbox:{digest}"
 
-    def _candidates(self, broker: str, limit: int, ordered: bool, status: str) -> Any:
-        key = (broker, limit, ordered, status)
+    def _candidates(self, broker: str, limit: int, ordered: bool) -> Any:
+        """One statement for the three statuses: a ``UNION ALL`` of a locking read each
+        (one round trip; each part a range of the claim index in claim order)."""
+        key = (broker, limit, ordered)
         stmt = self._statements.get(key)
         if stmt is None:
-            stmt = self._statements[key] = claims_sql.claim_candidates(
-                self.table, broker, limit, ordered, status, self.dialect
+            stmt = self._statements[key] = union_all(
+                *(
+                    claims_sql.claim_candidates(
+                        self.table, broker, limit, ordered, status, self.dialect
+                    )
+                    for status in ACTIVE
+                )
             )
         return stmt
 
@@ -92,11 +99,7 @@ class MysqlClaim:
         self, conn: Any, broker: str, limit: int, token: str, lease: Any, ordered: bool
     ) -> list[tuple[Any, ...]]:
         async with conn.begin():
-            found: list[Any] = []
-            for status in ACTIVE:
-                found += (
-                    await conn.execute(self._candidates(broker, limit, ordered, status))
-                ).all()
+            found = list((await conn.execute(self._candidates(broker, limit, ordered))).all())
             if not found:
                 return []
             width = claims_sql.CLAIM_COLUMNS
