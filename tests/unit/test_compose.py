@@ -30,6 +30,8 @@ IMAGE_TOOLS: dict[tuple[str, str], set[str]] = {
     ("postgres", "alpine"): _BUSYBOX | {"postgres", "pg_isready", "psql"},
     ("redis", "debian"): _DEBIAN | {"redis-server", "redis-cli"},
     ("redis", "alpine"): _BUSYBOX | {"redis-server", "redis-cli"},
+    # The official image's own check script (docs: "healthcheck.sh --connect").
+    ("mariadb", "debian"): _DEBIAN | {"mariadbd", "mariadb", "healthcheck.sh"},
     ("nats", "scratch"): {"nats-server"},
     ("nats", "alpine"): _BUSYBOX | {"nats-server"},
     ("rabbitmq", "debian"): _DEBIAN | {"rabbitmq-server", "rabbitmqctl", "rabbitmq-diagnostics"},
