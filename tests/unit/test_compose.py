@@ -67,7 +67,7 @@ def services() -> dict[str, Any]:
 
 
 def test_every_service_has_a_health_check_so_up_wait_can_wait() -> None:
-    assert set(services()) == {"postgres", "redis", "nats", "rabbitmq"}
+    assert set(services()) == {"postgres", "mariadb", "redis", "nats", "rabbitmq"}
     for name, service in services().items():
         check = service.get("healthcheck")
         assert check and check.get("test"), f"{name}: no health check"
