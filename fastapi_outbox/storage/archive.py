@@ -87,10 +87,10 @@ class Archive:
                 await conn.execute(
                     archive_sql.copy_ids(self.source, self.table, self.dialect), {"ids": ids}
                 )
-                deleted = await conn.execute(
+                removed = await conn.execute(
                     archive_sql.delete_ids(self.source, self.dialect), {"ids": ids}
                 )
-                return int(deleted.rowcount)
+                return int(removed.rowcount)
             copied = (
                 await conn.execute(archive_sql.move_insert(*args, keep_blocking=keep_blocking))
             ).rowcount

@@ -85,7 +85,7 @@ def builds_on(index: Index, dialect_name: str) -> bool:
 
 @compiles(CreateColumn, "mysql")
 @compiles(CreateColumn, "mariadb")
-def _mysql_insert_order(element: CreateColumn[Any], compiler: Any, **kw: Any) -> str:
+def _mysql_insert_order(element: Any, compiler: Any, **kw: Any) -> str:
     """MySQL: ``seq`` numbers rows in insert order by ``AUTO_INCREMENT`` (an identity
     column is PostgreSQL's); MySQL wants such a column to lead a key: ``UNIQUE``."""
     text_ = str(compiler.visit_create_column(element, **kw))
@@ -190,7 +190,7 @@ def _add_indexes(table: Table) -> None:
         table.c.id,
         postgresql_where=text(_ACTIVE_SQL),
         sqlite_where=text(_ACTIVE_SQL),
-    ).ddl_if(dialect=_PARTIAL)
+    ).ddl_if(dialect=_PARTIAL)  # type: ignore[arg-type]
     # MySQL (no partial index): per status, so the claim of each active status is a range
     # scan in due order that never meets a finished row.
     Index(
@@ -199,7 +199,7 @@ def _add_indexes(table: Table) -> None:
         table.c.status,
         table.c.next_attempt_at,
         table.c.id,
-    ).ddl_if(dialect=MYSQL_DIALECTS)
+    ).ddl_if(dialect=MYSQL_DIALECTS)  # type: ignore[arg-type]
     # Ordered dispatch: the earlier unfinished rows of a key.
     Index(
         f"ix_{name}_key",
@@ -253,7 +253,7 @@ def _add_ordered_index(table: Table) -> None:
         table.c.broker,
         table.c.status,
         table.c.seq,
-    ).ddl_if(dialect=MYSQL_DIALECTS)
+    ).ddl_if(dialect=MYSQL_DIALECTS)  # type: ignore[arg-type]
     # An abandoned row keeps blocking the later rows of its key: the ordered claim asks,
     # for each candidate, whether its key has an earlier abandoned row.
     Index(
@@ -263,7 +263,7 @@ def _add_ordered_index(table: Table) -> None:
         table.c.seq,
         postgresql_where=text("status = 'abandoned' AND key IS NOT NULL"),
         sqlite_where=text("status = 'abandoned' AND key IS NOT NULL"),
-    ).ddl_if(dialect=_PARTIAL)  # MySQL (no partial index): ix_<table>_key is the same
+    ).ddl_if(dialect=_PARTIAL)  # type: ignore[arg-type]  # MySQL (no partial index): ix_<table>_key is the same
 
 
 def build_archive_table(outbox: Table, name: str, metadata_: MetaData | None = None) -> Table:

@@ -290,7 +290,7 @@ def claim_turn(lock_name: str, wait_seconds: int) -> tuple[Select[Any], Select[A
     64 characters), the turn ordered claimers of one table and broker take, as
     :func:`ordered_turn` on PostgreSQL. A named lock belongs to the session, not to the
     transaction: the caller releases it after the commit (or drops the connection)."""
-    name = literal_column(f"'{lock_name}'")
+    name: ColumnElement[str] = literal_column(f"'{lock_name}'")
     return (
         select(func.get_lock(name, literal_column(str(int(wait_seconds))))),
         select(func.release_lock(name)),
