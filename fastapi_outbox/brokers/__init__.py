@@ -61,12 +61,14 @@ URL_OPTIONS: dict[str, Any] = {
     "replicas": int,
     "ping_interval_seconds": float,
     "max_outstanding_pings": int,
+    "connect_timeout_seconds": float,
 }
 #: Options only some brokers take: option → the URL schemes that accept it.
 _SCHEMES_OF: dict[str, tuple[str, ...]] = {
     "replicas": ("nats", "tls"),
     "ping_interval_seconds": ("nats", "tls"),
     "max_outstanding_pings": ("nats", "tls"),
+    "connect_timeout_seconds": ("nats", "tls"),
 }
 
 
