@@ -293,9 +293,16 @@ def server_db_url(request: pytest.FixtureRequest) -> str:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """``db_url[mariadb]`` only for the tests marked ``mariadb``."""
+    """``db_url[mariadb]`` only for the tests marked ``mariadb``; a test marked ``postgres``
+    (PostgreSQL only) says why in the marker's ``reason``."""
     keep, drop = [], []
     for item in items:
+        for marker in item.iter_markers("postgres"):
+            if not marker.kwargs.get("reason"):
+                raise pytest.UsageError(
+                    f"{item.nodeid}: pytest.mark.postgres(reason=...) must say why the test "
+                    "runs on PostgreSQL only (not on MariaDB and SQLite too)"
+                )
         callspec = getattr(item, "callspec", None)
         on_mariadb = callspec is not None and callspec.params.get("db_url") == "mariadb"
         if on_mariadb and item.get_closest_marker("mariadb") is None:

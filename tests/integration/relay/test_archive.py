@@ -227,7 +227,7 @@ async def age(outbox: Outbox, ids: list[uuid.UUID], at: dt.datetime, **values: A
     return new
 
 
-@pytest.mark.postgres
+@pytest.mark.postgres(reason="partitions (re-attached to the archive) are PostgreSQL's alone")
 async def test_a_finished_partition_is_reattached_to_the_archive(pg_url: str) -> None:
     outbox = archiving(
         pg_url,
