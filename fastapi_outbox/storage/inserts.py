@@ -12,7 +12,6 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from fastapi_outbox.storage.connector import Connector
-from fastapi_outbox.storage.dialects import is_mysql
 from fastapi_outbox.storage.statements import claims as claims_sql
 from fastapi_outbox.storage.statements import inserts as inserts_sql
 from fastapi_outbox.storage.statements.inserts import INSERT_KEYS
@@ -51,9 +50,6 @@ class Inserts:
         asyncpg, once the transaction has begun, the INSERT runs on the driver connection
         itself (see :meth:`Connector.insert_sync`)."""
         params = self.row_params(rows)
-        if len(params) > 1 and is_mysql(self.dialect):
-            conn.execute(inserts_sql.insert_rows_mysql(self.table, params))
-            return
         stmt = self.insert_statement()
         keys = [*INSERT_KEYS, "delay", "deliver_at"]
         if not self.connector.insert_sync(conn, stmt, keys, params):

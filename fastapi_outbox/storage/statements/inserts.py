@@ -25,7 +25,6 @@ __all__ = [
     "INSERT_KEYS",
     "emit_message",
     "insert_rows",
-    "insert_rows_mysql",
     "row_params",
 ]
 
@@ -79,24 +78,6 @@ def insert_rows(table: Table, dialect: Dialect) -> Any:
         created_at=created,
         next_attempt_at=latest(statement_now, func.coalesce(due_at, after_delay)),
     )
-
-
-def insert_rows_mysql(table: Table, params: list[dict[str, Any]]) -> Any:
-    """MySQL, a unit of work of several rows (caller: ``Inserts.insert_rows_sync``): ONE
-    INSERT with a VALUES row per message, each with the due time of :func:`insert_rows`
-    (``params`` from :func:`row_params`). The drivers fold an executemany into one
-    multi-row INSERT only when every value is a bare placeholder, and the database's clock
-    is not one: executed row by row, ten events cost ten round trips."""
-    now = clock.db_now(MYSQL)
-    rows = []
-    for row in params:
-        after_delay = clock.db_later(MYSQL, seconds=row["delay"] / 1_000_000)
-        due_at = bindparam(None, row["deliver_at"], type_=UtcDateTime())
-        values = {key: row[key] for key in INSERT_KEYS}
-        values["created_at"] = now
-        values["next_attempt_at"] = func.greatest(now, func.coalesce(due_at, after_delay))
-        rows.append(values)
-    return insert(table).values(rows)
 
 
 def row_params(rows: list[dict[str, Any]], dialect: Dialect) -> list[dict[str, Any]]:
