@@ -46,6 +46,7 @@ class MysqlClaim:
         self.dialect = engine.dialect
         self._statements: dict[tuple[str, int, bool], Any] = {}
         self._update = claims_sql.claim_rows(table, self.dialect)
+        self._earliest: dict[str, Any] = {}
         digest = hashlib.sha1(table.name.encode(), usedforsecurity=False).hexdigest()[:16]
         self._lock_prefix = f"fastapi_outbox:{digest}"
 
@@ -104,6 +105,10 @@ class MysqlClaim:
                 return []
             width = claims_sql.CLAIM_COLUMNS
             found.sort(key=lambda row: tuple(row[width + 1 :]))
+            if ordered:
+                found = await self._without_passed_by(conn, broker, found)
+                if not found:
+                    return []
             chosen = choose(found[:limit], suspect_at=width)
             await conn.execute(
                 self._update, {"ids": [row[0] for row in chosen], "token": token, "lease": lease}
@@ -114,6 +119,28 @@ class MysqlClaim:
             values[6] += 1  # attempts: the one this claim counted
             claimed.append((*values[:width], *values[width + 1 :]))
         return claimed
+
+    async def _without_passed_by(self, conn: Any, broker: str, found: list[Any]) -> list[Any]:
+        """Ordered: drop the candidates of a key whose earliest active row is not among
+        them (``SKIP LOCKED`` passed it by; see ``claims_sql.earliest_active``). ``found``
+        is in insert order; the result too."""
+        keys = {row[3] for row in found if row[3] is not None}
+        if not keys:
+            return found
+        stmt = self._earliest.get(broker)
+        if stmt is None:
+            stmt = self._earliest[broker] = claims_sql.earliest_active(self.table, broker)
+        earliest = dict((await conn.execute(stmt, {"keys": sorted(keys)})).all())
+        width = claims_sql.CLAIM_COLUMNS
+        first_found: dict[str, Any] = {}
+        for row in found:
+            if row[3] is not None:
+                first_found.setdefault(row[3], row[width + 1])
+        return [
+            row
+            for row in found
+            if row[3] is None or earliest.get(row[3], first_found[row[3]]) >= first_found[row[3]]
+        ]
 
 
 def choose(rows: list[Any], *, suspect_at: int) -> list[Any]:

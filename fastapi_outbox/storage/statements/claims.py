@@ -62,6 +62,7 @@ __all__ = [
     "claim_candidates",
     "claim_rows",
     "claim_turn",
+    "earliest_active",
     "extend_lease",
     "generic_plan",
     "has_floor",
@@ -282,6 +283,21 @@ def claim_rows(table: Table, dialect: Dialect) -> Any:
             next_attempt_at=until,
             attempts=t.c.attempts + 1,
         )
+    )
+
+
+def earliest_active(table: Table, broker: str) -> Select[Any]:
+    """MySQL, ordered claim, in the claim's transaction after :func:`claim_candidates`: the
+    insert position (``seq``) of the earliest active row of each key in ``keys`` (bound,
+    expanding). A candidate whose key has an active row before it that is not among the
+    candidates was passed by ``SKIP LOCKED`` (its writer was committing it, or its holder
+    is recording an outcome): the candidate waits, as PostgreSQL's claim makes it (the
+    ``ranked`` step of :func:`claim`). A plain read, at the database's latest commit."""
+    t = table
+    return (
+        select(t.c.key, func.min(t.c.seq))
+        .where(t.c.broker == broker, t.c.key.in_(bindparam("keys", expanding=True)), active(t))
+        .group_by(t.c.key)
     )
 
 
