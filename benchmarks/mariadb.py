@@ -41,6 +41,8 @@ from urllib.parse import urlparse
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import contextlib
+
 from benchmarks._common import (
     REDIS_URL,
     Proc,
@@ -135,10 +137,8 @@ async def relay(opts: dict[str, Any]) -> None:
                 rows = await cur.fetchall()
                 if not rows:
                     await conn.commit()
-                    try:
+                    with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(stop.wait(), float(opts["poll"]))
-                    except TimeoutError:
-                        pass
                     continue
                 pipe = client.pipeline(transaction=False)
                 for r in rows:
