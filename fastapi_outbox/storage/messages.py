@@ -164,9 +164,9 @@ class Messages:
             return int((await conn.execute(messages_sql.count(self.table, status))).scalar_one())
 
     async def clock(self) -> dt.datetime:
-        """The time every age is measured with: the database's on PostgreSQL, the
+        """The time every age is measured with: the database's on PostgreSQL and MySQL, the
         process's on SQLite."""
-        if not self.is_postgres:
+        if not self.is_postgres and not is_mysql(self.dialect):
             return dt.datetime.now(dt.UTC)
         async with self.engine.connect() as conn:
             return await self._db_now(conn)

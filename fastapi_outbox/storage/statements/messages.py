@@ -205,6 +205,8 @@ def published_per_minute(table: Table, minutes: int, dialect: Dialect) -> Select
     t = table
     if is_postgres(dialect):
         bucket: Any = func.date_trunc("minute", t.c.published_at)
+    elif is_mysql(dialect):
+        bucket = func.date_format(t.c.published_at, "%Y-%m-%dT%H:%i")
     else:
         bucket = func.strftime("%Y-%m-%dT%H:%M", t.c.published_at)
     return (
