@@ -6,6 +6,10 @@ Caller: :class:`fastapi_outbox.relay.table.TableRelay` through
 ``release``, ``extend_lease``, ``abandon``, ``next_due_in``) and
 :class:`fastapi_outbox.relay.wal.WalRelay` (``insert_failed``).
 
+MariaDB and MySQL have no ``UPDATE … RETURNING``: their claim is :func:`claim_candidates`
+(a locking read per active status, one ``UNION ALL``), :func:`earliest_active` (ordered)
+and :func:`claim_rows`, in one transaction (:mod:`fastapi_outbox.storage.mysql_claim`).
+
 Every change after the claim is *fenced*: it only touches rows whose ``locked_by`` still
 equals the claim token, so a worker whose lease expired can never overwrite a newer claim
 — not even a later claim of the same worker (the token is new for every claim). Every
