@@ -3,10 +3,10 @@ database it is given, its broker names, each broker's de-duplication window agai
 settings, and the settings that need a given database (``partitioning``, ``capture="wal"``).
 
 They look at plain values (a dialect name, a driver name, broker names, a broker's window)
-and raise :class:`~fastapi_outbox.exceptions.ConfigurationError` with a message that names
+and raise [`ConfigurationError`][fastapi_outbox.ConfigurationError] with a message that names
 the setting or the broker, so each is unit-tested without a database. The composition root
-(:mod:`fastapi_outbox.outbox`) calls them; ``OutboxSettings`` checks what a setting can
-decide on its own (:mod:`fastapi_outbox.settings`).
+(`fastapi_outbox.outbox`) calls them; ``OutboxSettings`` checks what a setting can
+decide on its own (`fastapi_outbox.settings`).
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ DEDUP_OUTAGE_SECONDS = 4 * 3600.0
 #: takes the rows while they are being published (a duplicate for the de-duplication to
 #: absorb at best).
 LEASE_PUBLISH_MARGIN = 1.5
-#: Consumers (``@outbox.subscriber``): see :mod:`fastapi_outbox.consume.subscriber`.
+#: Consumers (``@outbox.subscriber``): see `fastapi_outbox.consume.subscriber`.
 INBOX_TABLE_NAME = "outbox_inbox"
 INBOX_RETENTION_SECONDS = 14 * 24 * 3600.0
 CONSUMER_BATCH_SIZE = 100
@@ -148,14 +148,14 @@ SETTING_GROUPS: dict[str, tuple[str, str]] = {
 
 
 def _group(key: str) -> dict[str, Any]:
-    """The marker of a field of group ``key`` (one of :data:`SETTING_GROUPS`)."""
+    """The marker of a field of group ``key`` (one of `SETTING_GROUPS`)."""
     if key not in SETTING_GROUPS:
         raise KeyError(f"settings group {key!r} is not in SETTING_GROUPS")
     return {"group": key}
 
 
 def setting_group(field: str) -> str:
-    """The :data:`SETTING_GROUPS` key of ``OutboxSettings`` field ``field``."""
+    """The `SETTING_GROUPS` key of ``OutboxSettings`` field ``field``."""
     extra = OutboxSettings.model_fields[field].json_schema_extra
     if not isinstance(extra, dict) or not isinstance(extra.get("group"), str):
         raise KeyError(f"OutboxSettings.{field} names no group")
@@ -181,7 +181,8 @@ def _no_renamed_variables() -> None:
 
 
 class OutboxSettings(BaseSettings):
-    """Settings of an :class:`~fastapi_outbox.Outbox`; environment variables ``OUTBOX_<FIELD>``."""
+    """Settings of an [`Outbox`][fastapi_outbox.Outbox]; environment variables
+    ``OUTBOX_<FIELD>``."""
 
     # hide_input_in_errors: a rejected value may be a key or a URL with a password, and
     # validation errors end up in logs.
@@ -882,7 +883,7 @@ def check_database_url(url: str) -> None:
     it: ``postgres://`` (no such dialect), a URL without a driver (``postgresql://`` means
     psycopg2, ``sqlite://`` the blocking ``sqlite3``, ``mysql://`` mysqlclient), a blocking
     driver, or a database the outbox does not run on (``oracle://``). The
-    :class:`~fastapi_outbox.exceptions.ConfigurationError` names the URL (credentials
+    `ConfigurationError` names the URL (credentials
     masked) and the form to use."""
     from fastapi_outbox.redaction import redact_url, remember
 

@@ -110,7 +110,7 @@ def broker_from_url(url: str, **options: Any) -> Broker:
     """``memory://``, ``redis://`` / ``rediss://`` / ``unix://``, a Redis Cluster's
     ``redis+cluster://host:port[,host:port…]`` / ``rediss+cluster://``, ``nats://`` /
     ``tls://`` or ``amqp://`` / ``amqps://`` (RabbitMQ). Broker options may ride in the URL's
-    query (:func:`url_options`: ``?envelope=cloudevents``, ``?replicas=3`` for NATS); keyword
+    query (`url_options`: ``?envelope=cloudevents``, ``?replicas=3`` for NATS); keyword
     ``options`` win over them."""
     url, from_query = url_options(url)
     options = {**from_query, **options}

@@ -1,13 +1,14 @@
 """The ``fastapi-outbox`` command (also ``python -m fastapi_outbox``).
 
-The database comes from ``--url``, from ``--app module:outbox`` (an :class:`Outbox` in an
+The database comes from ``--url``, from ``--app module:outbox`` (an
+[`Outbox`][fastapi_outbox.Outbox] in an
 importable module, brokers included) or from ``OUTBOX_DATABASE_URL``. Exit codes: 0
 success, 1 failure of the operation (unknown message id, missing table), 2 usage or
 configuration error (bad duration, no database given), 3 database unreachable. Errors
 name what they are about and never print a password.
 
 Logs go to stderr, as text (``key=value`` extras) or, with ``--log-format json``, one
-JSON object per line (:class:`fastapi_outbox.log.JsonFormatter`).
+JSON object per line ([`fastapi_outbox.log.JsonFormatter`][fastapi_outbox.JsonFormatter]).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ detail in the public body, for a deployment whose health port only the operators
 Under load: one computation at a time per process, shared by every concurrent caller
 (single flight) and kept for ``health_cache_seconds``, so a flood of anonymous requests
 costs one set of queries per period. The counts are read on health's own connection
-(:mod:`fastapi_outbox.storage.probe`), never queued behind the application's requests; a
+(`fastapi_outbox.storage.probe`), never queued behind the application's requests; a
 pool whose connections are all held is reported ``database: "busy"`` (degraded, with the
 wait), never ``down``.
 

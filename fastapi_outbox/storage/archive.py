@@ -8,7 +8,7 @@ abandoned rows past their retention instead of deleting them.
   retention's DELETE is (``LIMIT``, ``FOR UPDATE SKIP LOCKED``).
 * A partitioned outbox table (PostgreSQL): the archive is partitioned the same way; a
   finished partition is detached from the outbox and attached to the archive, no row copied
-  (:func:`fastapi_outbox.storage.partitions.archive_partition_sync`). Only the rows of the
+  (`fastapi_outbox.storage.partitions.archive_partition_sync`). Only the rows of the
   outbox's DEFAULT partition are moved in batches (into the archive's DEFAULT partition):
   the rows of a range partition wait for their whole partition, so that its range never
   has rows in both tables.

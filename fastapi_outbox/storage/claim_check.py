@@ -1,16 +1,16 @@
 """Claim-check stores: where payloads over ``claim_check_bytes`` go instead of the message.
 
 A claim-checked message carries a small stub payload and two headers, the reference
-(:data:`HEADER_CLAIM_CHECK`, the message id) and the payload's size
-(:data:`HEADER_CLAIM_CHECK_SIZE`); the payload itself is in a :class:`PayloadStore`, one
+(`HEADER_CLAIM_CHECK`, the message id) and the payload's size
+(`HEADER_CLAIM_CHECK_SIZE`); the payload itself is in a `PayloadStore`, one
 small protocol with two implementations:
 
-:class:`DatabasePayloadStore` (``claim_check_store="database"``)
+`DatabasePayloadStore` (``claim_check_store="database"``)
     a table next to the outbox's (``<table_name>_payloads``), written on the session's
     connection in the producer's transaction (the session's ``before_commit``, with the
     outbox rows): a rollback stores nothing, a commit stores both. Consumers read it from
     that database, so it serves producers and consumers that share it.
-:class:`FilePayloadStore` (``claim_check_store="file:///directory"``)
+`FilePayloadStore` (``claim_check_store="file:///directory"``)
     one file per payload in a directory every producer and consumer mounts (a network
     file system, or an object store mounted as one); the shape of an S3-style store. It
     cannot take part in the transaction: the file is written (and synced) in
@@ -192,7 +192,7 @@ class FilePayloadStore:
     the producer's commit; orphans (a rollback, a crash before the commit) removed by
     retention after ``orphan_grace_seconds``. The files' modification times (the file
     system's clock) date them, set to when their message is due; ``live`` (which of some
-    references name a message that still needs its payload, see :func:`live_in`) keeps a
+    references name a message that still needs its payload, see `live_in`) keeps a
     file past the retention."""
 
     kind = "file"
@@ -325,7 +325,7 @@ class FilePayloadStore:
 def known_in(
     engine: AsyncEngine, outbox_table: Table
 ) -> Callable[[list[str]], Awaitable[set[str]]]:
-    """The ``known`` of :meth:`PayloadStore.purge_orphans`: which references are message
+    """The ``known`` of `PayloadStore.purge_orphans`: which references are message
     ids of ``outbox_table``."""
     stmt = payloads_sql.known_messages(outbox_table)
 
@@ -347,7 +347,7 @@ def known_in(
 def live_in(
     engine: AsyncEngine, outbox_table: Table
 ) -> Callable[[list[str], float], Awaitable[set[str]]]:
-    """The ``live`` of :class:`FilePayloadStore`: which references name a message of
+    """The ``live`` of `FilePayloadStore`: which references name a message of
     ``outbox_table`` that still needs its payload (a row not finished, or published less
     than the given number of seconds ago)."""
     is_postgres = flavor(engine)

@@ -5,10 +5,10 @@ by the database, in the statement (``now()`` on PostgreSQL, ``'now'`` on SQLite,
 ``UTC_TIMESTAMP(6)`` on MariaDB and MySQL, the statement's start there): the
 processes that write, claim and observe the outbox may run on hosts whose clocks disagree
 by minutes, the database is the one clock they share. The helpers here build those
-expressions for each dialect; they take a :data:`~fastapi_outbox.storage.dialects.Flavor`
+expressions for each dialect; they take a `Flavor`
 (a dialect name, or True for PostgreSQL and False for SQLite).
 
-The process's own wall clock is :func:`wall` / :func:`utcnow`. The library reads it only
+The process's own wall clock is `wall` / `utcnow`. The library reads it only
 for what never meets a stored timestamp (when a loop last ran, a log line, the validation
 of ``deliver_at`` against ``max_delay_seconds``); tests shift it (patch
 ``fastapi_outbox.storage.clock.wall``) to show that nothing stored depends on it.
@@ -58,7 +58,7 @@ def wall() -> float:
 
 
 def utcnow() -> dt.datetime:
-    """The process's wall clock as an aware UTC datetime (see :func:`wall`)."""
+    """The process's wall clock as an aware UTC datetime (see `wall`)."""
     return dt.datetime.fromtimestamp(wall(), dt.UTC)
 
 
@@ -81,13 +81,13 @@ def db_now(is_postgres: Flavor) -> ColumnElement[dt.datetime]:
 
 def microseconds(seconds: float) -> int:
     """MySQL's offset for ``seconds``: whole microseconds (``TIMESTAMPADD(MICROSECOND, …)``),
-    the value of the parameter :func:`db_later` binds on MySQL."""
+    the value of the parameter `db_later` binds on MySQL."""
     return round(seconds * 1_000_000)
 
 
 def offset_value(is_postgres: Flavor, seconds: float) -> Any:
-    """The value of a named :func:`db_later` parameter: a ``timedelta`` on PostgreSQL, a
-    :func:`seconds_modifier` on SQLite, :func:`microseconds` on MySQL."""
+    """The value of a named `db_later` parameter: a ``timedelta`` on PostgreSQL, a
+    `seconds_modifier` on SQLite, `microseconds` on MySQL."""
     name = flavor(is_postgres)
     if name == POSTGRESQL:
         return dt.timedelta(seconds=seconds)
@@ -98,7 +98,7 @@ def offset_value(is_postgres: Flavor, seconds: float) -> Any:
 
 def seconds_modifier(seconds: float) -> str:
     """SQLite's date modifier for ``seconds`` (``+1.500000 seconds``), the value of the
-    parameter :func:`db_later` binds on SQLite."""
+    parameter `db_later` binds on SQLite."""
     return f"{seconds:+.6f} seconds"
 
 
@@ -106,7 +106,7 @@ def db_later(is_postgres: Flavor, name: str | None = None, seconds: float = 0.0)
     """The database's now plus a bound number of seconds (negative: earlier).
 
     ``name``: the parameter to bind per execution (PostgreSQL: a ``timedelta``; SQLite: a
-    :func:`seconds_modifier` string; MySQL: :func:`microseconds`; see :func:`offset_value`);
+    `seconds_modifier` string; MySQL: `microseconds`; see `offset_value`);
     without a name, ``seconds`` is bound in place."""
     dialect = flavor(is_postgres)
     if dialect == MYSQL:

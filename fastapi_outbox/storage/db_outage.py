@@ -8,10 +8,10 @@ code 3. Everything else — a handler's own SQL error (no
 such table, syntax, constraint, deadlock, statement timeout) — is a failure: charged to the
 message, retried with backoff, dead-lettered after ``max_attempts``.
 
-Three verdicts (:class:`Verdict`): ``OUTAGE`` and ``FAILURE`` are certain from the exception
+Three verdicts (`Verdict`): ``OUTAGE`` and ``FAILURE`` are certain from the exception
 alone; ``UNKNOWN`` is an error that may be the database's or the handler's own — an
 ``OSError`` (the driver's socket refused at connect, or a partner API's), a driver error
-without SQLSTATE — and :func:`is_outage` asks the database (``SELECT 1``, bounded) to decide:
+without SQLSTATE — and `is_outage` asks the database (``SELECT 1``, bounded) to decide:
 no answer, an outage; an answer, the handler's failure. Two more name a cause an operator
 must fix, so that nobody is told "unreachable" about a database that answers:
 ``AUTHENTICATION`` (an outage: nothing is charged, the loops keep trying since a rotated
@@ -29,7 +29,7 @@ the CLI say "table missing" and how to create it).
   raises the socket's own at connect, unwrapped): unknown, the ping decides;
 * an ``ExceptionGroup``: an outage if every member is one, a failure if any member is one.
 
-**PostgreSQL** (:func:`classify_postgresql`), by SQLSTATE (asyncpg's exception classes carry
+**PostgreSQL** (`classify_postgresql`), by SQLSTATE (asyncpg's exception classes carry
 theirs: ``CannotConnectNowError`` 57P03, ``TooManyConnectionsError`` 53300,
 ``ConnectionDoesNotExistError`` 08003, ``PostgresConnectionError`` 08000…):
 
@@ -60,7 +60,7 @@ theirs: ``CannotConnectNowError`` 57P03, ``TooManyConnectionsError`` 53300,
 * unknown — a driver error without SQLSTATE (asyncpg's ``InterfaceError`` with the
   connection still open, psycopg's ``OperationalError`` at connect).
 
-**SQLite** (:func:`classify_sqlite`), by the primary result code Python's ``sqlite3`` puts on
+**SQLite** (`classify_sqlite`), by the primary result code Python's ``sqlite3`` puts on
 its exceptions (``sqlite_errorcode``; never the message text):
 
 * outage — ``SQLITE_CANTOPEN`` "unable to open database file" (the file or its directory
@@ -80,7 +80,7 @@ its exceptions (``sqlite_errorcode``; never the message text):
   letters rather than a wait that would never end), and any other code;
 * unknown — an ``sqlite3`` error without a result code.
 
-**MariaDB and MySQL** (:func:`classify_mysql`), by the server's error number (asyncmy
+**MariaDB and MySQL** (`classify_mysql`), by the server's error number (asyncmy
 and aiomysql put it first in the exception's ``args``; never the message text):
 
 * outage — ``2002`` / ``2003`` cannot connect (socket, TCP), ``2006`` server has gone away,
@@ -142,14 +142,14 @@ class Verdict(enum.Enum):
     OUTAGE = "outage"
     #: The statement's (the handler's) own error: charged, retried, dead-lettered.
     FAILURE = "failure"
-    #: Either: the database's answer to a ping decides (:func:`is_outage`).
+    #: Either: the database's answer to a ping decides (`is_outage`).
     UNKNOWN = "unknown"
     #: The database refuses the credentials: an outage (nothing charged) with its cause.
     AUTHENTICATION = "authentication"
     #: The statement's table does not exist: a failure with its cause.
     TABLE_MISSING = "table_missing"
     #: A deadlock or lock wait timeout (MySQL): retried, nothing charged; the database is
-    #: up (:func:`is_outage` counts it so that the message waits uncharged).
+    #: up (`is_outage` counts it so that the message waits uncharged).
     CONTENTION = "contention"
 
 

@@ -1,12 +1,12 @@
 """Which database a statement is for: the questions the statement builders and the
 connector ask of an engine, a connection or a dialect — which SQL to write
-(:func:`is_postgres`, :func:`is_mysql`, :func:`flavor`), and whether the driver's
-connection can run it directly (:func:`uses_asyncpg`). Imports nothing of the package, so
+(`is_postgres`, `is_mysql`, `flavor`), and whether the driver's
+connection can run it directly (`uses_asyncpg`). Imports nothing of the package, so
 every module of ``storage/`` may ask.
 
 Three databases: PostgreSQL, SQLite and MySQL (MariaDB >= 10.6, MySQL 8; SQLAlchemy calls
-both ``mysql``). The clock helpers (:mod:`~fastapi_outbox.storage.clock`) take a
-:data:`Flavor`: a dialect name, or the older boolean (True: PostgreSQL, False: SQLite).
+both ``mysql``). The clock helpers (`clock`) take a
+`Flavor`: a dialect name, or the older boolean (True: PostgreSQL, False: SQLite).
 """
 
 from __future__ import annotations
@@ -65,5 +65,5 @@ def is_mysql(bound: _Bound | Flavor) -> bool:
 
 def uses_asyncpg(bound: _Bound) -> bool:
     """True when the driver is asyncpg: the hot statements then run on its connection
-    (see :mod:`fastapi_outbox.storage.connector`)."""
+    (see `fastapi_outbox.storage.connector`)."""
     return _dialect(bound).driver == "asyncpg"

@@ -1,19 +1,19 @@
 """``fastapi-outbox doctor`` and ``fastapi-outbox db upgrade``: the live table against the
 layout this version of the library expects.
 
-:func:`examine` lists the differences as :class:`Finding` s, each with the SQL that fixes
+`examine` lists the differences as `Finding` s, each with the SQL that fixes
 it. On PostgreSQL the expected layout is not compared as text with what the catalogue
 says: it is created as a temporary table (with its indexes) in a transaction that is rolled
 back, so PostgreSQL itself normalises both sides (types, index predicates) and the
 comparison is exact. Nothing is written.
 
-:func:`upgrade` applies the fixes marked ``automatic`` — the ones that add what a table
+`upgrade` applies the fixes marked ``automatic`` — the ones that add what a table
 created by an earlier release lacks (columns, indexes, storage parameters, partitions ahead)
 or drop what it no longer uses (the pre-release ``txid`` column) — and is idempotent: a
 second run finds nothing to do. A changed column type or a plain table that should be
 partitioned is only reported, with the SQL or the README procedure: those rewrite data.
 
-Both also look at the outbox's side tables (:class:`SideTable`: the inbox and the partition
+Both also look at the outbox's side tables (`SideTable`: the inbox and the partition
 leases of ordered subscribers, the archive of ``archive=True``, the claim-check payloads of
 ``claim_check_store="database"``): a missing one is a finding whose fix is its DDL, and
 ``db upgrade`` creates it with the code ``create_tables()`` / ``db create`` run (a
@@ -97,7 +97,7 @@ class Finding:
 @dataclasses.dataclass(frozen=True, slots=True)
 class SideTable:
     """A table beside the outbox table that ``create_tables()`` / ``db create`` make
-    (:meth:`fastapi_outbox.storage.setup.Storage.side_tables`): the doctor reports it
+    (`fastapi_outbox.storage.setup.Storage.side_tables`): the doctor reports it
     missing, ``db upgrade`` creates it."""
 
     table: Table
@@ -302,7 +302,7 @@ def _key_and_index_findings(
 ) -> list[Finding]:
     """PostgreSQL: a primary key other than the layout's, and missing or different indexes
     (a table partitioned by ``created_at`` has its own primary key: reported once, by
-    :func:`_legacy_key_finding`)."""
+    `_legacy_key_finding`)."""
     findings: list[Finding] = []
     want_pk = next(body for body, _, primary in expected_indexes.values() if primary)
     have_pk = next((body for body, _, primary in live_indexes.values() if primary), None)
@@ -593,7 +593,7 @@ def _side_findings(conn: Connection, side: SideTable) -> list[Finding]:
 def examine_all_sync(
     conn: Connection, table: Table, side_tables: Sequence[SideTable] = ()
 ) -> list[Finding]:
-    """:func:`examine_sync` of the outbox table, then its side tables (not when the outbox
+    """`examine_sync` of the outbox table, then its side tables (not when the outbox
     table itself is missing: ``db create`` makes them all)."""
     findings = examine_sync(conn, table)
     if not _exists(conn, table.name):
@@ -637,9 +637,9 @@ async def upgrade(
     the table behind it for as long. A statement that times out is retried, after
     ``pause_seconds``, from a new look at the table (an interrupted ``CONCURRENTLY`` build
     leaves an invalid index, which the next look rebuilds), ``attempts`` times in all;
-    then :class:`UpgradeLockTimeout` names the table.
+    then `UpgradeLockTimeout` names the table.
 
-    A missing side table of ``side_tables`` is created by its :attr:`SideTable.create`
+    A missing side table of ``side_tables`` is created by its `SideTable.create`
     (advice or not: ``db upgrade`` leaves what ``db create`` would have made)."""
     applied: list[Finding] = []
     bounded = engine.dialect.name == "postgresql" or is_mysql(engine)
@@ -676,7 +676,7 @@ async def _upgrade_once(
     side_tables: Sequence[SideTable],
     lock_timeout_seconds: float | None,
 ) -> tuple[list[Finding], list[Finding], Finding | None]:
-    """One pass of :func:`upgrade`: (applied, left, the fix whose lock timed out)."""
+    """One pass of `upgrade`: (applied, left, the fix whose lock timed out)."""
     findings = await examine(engine, table, side_tables=side_tables)
     applied: list[Finding] = []
     left: list[Finding] = []

@@ -1,12 +1,12 @@
 """The engine factory and the dialect checks every statement builder asks.
 
-:func:`create_engine` turns the database URL given to ``Outbox(...)`` into an
-:class:`~sqlalchemy.ext.asyncio.AsyncEngine` with the project's defaults (SQLite: WAL, a busy
+`create_engine` turns the database URL given to ``Outbox(...)`` into an
+`AsyncEngine` with the project's defaults (SQLite: WAL, a busy
 timeout and ``BEGIN IMMEDIATE``, so the embedded default copes with a relay and
 requests writing at once; PostgreSQL: a pool sized for the relays and the requests;
 MariaDB/MySQL: the same pool, READ COMMITTED as PostgreSQL's default, a connect timeout).
-:func:`is_postgres` and :func:`uses_asyncpg` (re-exported from
-:mod:`~fastapi_outbox.storage.dialects`) are the two questions the statements and the
+`is_postgres` and `uses_asyncpg` (re-exported from
+`dialects`) are the two questions the statements and the
 connector ask of an engine or a connection.
 """
 

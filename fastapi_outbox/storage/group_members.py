@@ -13,7 +13,7 @@ Two tables beside the inbox (on its ``MetaData``: ``create_tables()``, ``db crea
 During a rolling deploy two versions of one group run side by side. A process that gets a
 message of a type its handler does not take asks this table whether another live process
 of its group takes it: then the message is handed back to the group, uncharged, for that
-process (see :mod:`fastapi_outbox.consume.processing`).
+process (see `fastapi_outbox.consume.processing`).
 
 ``<inbox>_attempts``, one row per (group, message id) that was redelivered or failed::
 

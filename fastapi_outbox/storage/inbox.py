@@ -11,7 +11,7 @@ with the row. The subscriber owns that transaction: it inserts the row on a conn
 its own and binds the handler's session to it so that whatever the handler does with its
 session (commit, rollback, savepoints) cannot commit or undo the row — only the
 subscriber's final commit or rollback does, for the row and the effects together (see
-:mod:`fastapi_outbox.consume.subscriber`).
+`fastapi_outbox.consume.subscriber`).
 
 No row inserted: the group handled this message before (a redelivery after a crash between
 commit and ack, a duplicate entry in the stream, a replay), the handler is skipped and the
@@ -95,10 +95,10 @@ class Inbox:
     def __init__(self, engine: AsyncEngine, table: Table) -> None:
         self.engine = engine
         self.table = table
-        #: The partition leases of ordered subscribers (:mod:`fastapi_outbox.storage.leases`),
+        #: The partition leases of ordered subscribers (`fastapi_outbox.storage.leases`),
         #: beside the inbox on its MetaData.
         self.lease_tables = build_lease_tables(table.name, table.metadata)
-        #: The handlers and attempts tables (:mod:`fastapi_outbox.storage.group_members`).
+        #: The handlers and attempts tables (`fastapi_outbox.storage.group_members`).
         self.group_tables = build_group_tables(table.name, table.metadata)
         self.is_postgres = engine.dialect.name == "postgresql"
         self.is_mysql = is_mysql(engine)
@@ -242,7 +242,7 @@ class Inbox:
         """Delete up to ``limit`` rows handled more than ``older_than_seconds`` ago: one
         short transaction through the ``handled_at`` index (SKIP LOCKED on PostgreSQL: two
         cleaners never wait on each other's rows). Caller: retention
-        (:class:`fastapi_outbox.lifecycle.retention.Cleaner`)."""
+        (`fastapi_outbox.lifecycle.retention.Cleaner`)."""
         t = self.table
         cutoff = clock.db_later(self._flavor, seconds=-older_than_seconds)
         victims = (
@@ -306,7 +306,7 @@ class Inbox:
         how many rows each has. Counting reads every row of the groups (an operator's
         command); without it, each group costs one backward walk of the ``handled_at``
         index that stops at the group's newest row (cheap for a group that is active:
-        health and the dashboard). Caller: :func:`fastapi_outbox.ops.operations.consumers`."""
+        health and the dashboard). Caller: `fastapi_outbox.ops.operations.consumers`."""
         t = self.table
         rows: list[Any]
         async with self.engine.connect() as conn:

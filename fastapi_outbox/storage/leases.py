@@ -23,7 +23,7 @@ records what comes next in the partition's queue: no statement added), in a stat
 its own otherwise (an empty queue, a retry). A new owner that finds ``started`` past
 ``position`` knows its predecessor died (or stopped) inside that transaction: it handles a
 batch's messages one by one, and dead-letters a message whose ``attempts`` reached
-``consumer_max_attempts`` (see :mod:`fastapi_outbox.consume.partitioned`).
+``consumer_max_attempts`` (see `fastapi_outbox.consume.partitioned`).
 
 and one row per live process in ``<inbox>_members`` (group, stream, member, expires_at):
 its heartbeat, from which each process computes its fair share (``ceil(partitions /
@@ -31,7 +31,7 @@ live members)``).
 
 The fence: the handler's transaction begins with ``UPDATE … SET position = <entry> WHERE
 … AND token = <the owner's token>``: no row, the lease was taken over (the owner was
-frozen, its lease expired): :class:`LeaseLost`, the transaction rolls back, nothing of the
+frozen, its lease expired): `LeaseLost`, the transaction rolls back, nothing of the
 stale owner commits. The row lock it takes also makes a take-over wait for (or, with
 ``SKIP LOCKED``, skip) a partition whose owner is committing: the new owner reads the
 position after the last commit.
@@ -372,7 +372,7 @@ class Leases:
     ) -> None:
         """Give ``partitions`` up at once (a rebalance, a stop): free for the others now,
         not after the lease. ``unstarted``: those whose announced next message (see
-        :meth:`fence`) never started: its count goes, the next owner starts it at attempt
+        `fence`) never started: its count goes, the next owner starts it at attempt
         1. Caller: the coordinator."""
         wanted = list(partitions)
         if not wanted:
@@ -401,7 +401,7 @@ class Leases:
 
     async def leave(self, member: str, *, unstarted: Iterable[int] = ()) -> None:
         """``member`` stops: its member row goes, its partitions are freed (``unstarted``:
-        as in :meth:`release`). Caller: the coordinator at a stop."""
+        as in `release`). Caller: the coordinator at a stop."""
         t, m = self.table, self.members
         async with self.engine.begin() as conn:
             await self._forget_unstarted(conn, member, unstarted)
@@ -425,8 +425,8 @@ class Leases:
         next_start: tuple[str | None, int] = (None, 0),
     ) -> None:
         """In ``conn``'s transaction: the partition's position moves to ``position`` if
-        ``token`` still holds it, else :class:`LeaseLost`. ``next_start``: (``started``,
-        ``attempts``) announced for the partition's next transaction (see :meth:`start`),
+        ``token`` still holds it, else `LeaseLost`. ``next_start``: (``started``,
+        ``attempts``) announced for the partition's next transaction (see `start`),
         in the same statement."""
         started, attempts = next_start
         result = await conn.execute(
@@ -455,7 +455,7 @@ class Leases:
         position: str,
         next_start: tuple[str | None, int] = (None, 0),
     ) -> None:
-        """:meth:`fence` in a transaction of its own: a message settled without a handler's
+        """`fence` in a transaction of its own: a message settled without a handler's
         transaction (skipped, dead-lettered)."""
         async with self.engine.begin() as conn:
             await self.fence(conn, partition, token, position, next_start)
@@ -465,7 +465,7 @@ class Leases:
         ``started`` (the partition's first unsettled message); ``attempts``: its starts on
         it alone so far, this one included, or 0 for a batch beginning with it (a crashed
         batch costs its messages no attempt: they go one by one after it).
-        :class:`LeaseLost` when ``token`` no longer holds the partition."""
+        `LeaseLost` when ``token`` no longer holds the partition."""
         async with self.engine.begin() as conn:
             result = await conn.execute(
                 self._start,

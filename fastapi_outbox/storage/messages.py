@@ -2,8 +2,8 @@
 dashboard and ``status`` show, one message and pages of them, and the row changes an
 operator asks for (replay, abandon, cancel).
 
-The SQL is in :mod:`fastapi_outbox.storage.statements.messages`; the counts' rows are
-folded by :mod:`fastapi_outbox.storage.read_models`. The counts read the partial indexes,
+The SQL is in `fastapi_outbox.storage.statements.messages`; the counts' rows are
+folded by `fastapi_outbox.storage.read_models`. The counts read the partial indexes,
 so they cost what the rows that still need work cost, not the table's history.
 """
 
@@ -49,8 +49,8 @@ class Messages:
             return await self._db_now(conn)
 
     def stats_statements(self) -> dict[str, Any]:
-        """The statements behind :meth:`stats` (see
-        :func:`~fastapi_outbox.storage.statements.messages.stats`)."""
+        """The statements behind `stats` (see
+        `stats`)."""
         return messages_sql.stats(self.table, self.dialect)
 
     async def stats(

@@ -3,18 +3,18 @@ one transaction of two steps, since MySQL has no ``UPDATE … RETURNING``.
 
 1. Per active status (``pending``, ``processing``, ``failed``), the due rows in claim
    order, ``FOR UPDATE SKIP LOCKED``, with their columns, the three in one ``UNION ALL``
-   (:func:`~fastapi_outbox.storage.statements.claims.claim_candidates`): concurrent
+   (`claim_candidates`): concurrent
    claimers lock disjoint rows. The three lists merged in claim order, ``limit`` kept,
-   and the suspect rule of :func:`~fastapi_outbox.storage.statements.claims.claim`
+   and the suspect rule of `claim`
    applied: the rows before the first suspect, or a suspect alone.
 2. One ``UPDATE`` of the chosen ids
-   (:func:`~fastapi_outbox.storage.statements.claims.claim_rows`): ``processing``, the
+   (`claim_rows`): ``processing``, the
    claim token (the fence of every later change), the lease by the database's clock, one
    more attempt. The locks of step 1 hold until the commit, so no other claim can
    come between.
 
 The transaction is READ COMMITTED (the engine's default on MySQL; see
-:data:`~fastapi_outbox.storage.engine.MYSQL_ISOLATION`): no gap locks, so producers keep
+`MYSQL_ISOLATION`): no gap locks, so producers keep
 inserting while a claim holds its rows. Ordered claimers of one table and broker take
 turns on a named lock (``GET_LOCK``), as PostgreSQL's take an advisory lock.
 """
@@ -145,7 +145,7 @@ class MysqlClaim:
 
 def choose(rows: list[Any], *, suspect_at: int) -> list[Any]:
     """The suspect rule of the claim (see
-    :func:`~fastapi_outbox.storage.statements.claims.claim`): the rows before the first
+    `claim`): the rows before the first
     suspect (column ``suspect_at``), or the first row alone when it is the suspect."""
     for position, row in enumerate(rows):
         if row[suspect_at]:

@@ -1,7 +1,7 @@
 """The outbox table: columns, indexes, DDL.
 
 ``metadata`` holds the default table (``outbox_messages``) so an Alembic ``env.py`` can
-include it in ``target_metadata``; :func:`build_table` builds a table of another name on
+include it in ``target_metadata``; `build_table` builds a table of another name on
 another ``MetaData``.
 
 Three choices worth knowing:
@@ -108,9 +108,9 @@ def build_table(
     serves the ordered claim (``OutboxSettings(ordered=True)``); unordered outboxes do
     without it, which spares every insert one index entry. ``partitioning`` (``"daily"``,
     ``"6h"``…; PostgreSQL only) makes it range-partitioned by the UUIDv7 ``id`` (its time
-    range: see :mod:`fastapi_outbox.storage.partitions`), primary key ``(id)``, so every
+    range: see `fastapi_outbox.storage.partitions`), primary key ``(id)``, so every
     lookup by id reads one partition; ``table.create()`` then also creates the DEFAULT
-    partition and the partitions ahead (see :mod:`fastapi_outbox.storage.partitions`)."""
+    partition and the partitions ahead (see `fastapi_outbox.storage.partitions`)."""
     interval = None
     try:
         check_table_name(name)
@@ -334,8 +334,8 @@ def ddl(table: Table, dialect: DialectT) -> str:
 
 
 def ddl_statements(table: Table, dialect: DialectT) -> list[str]:
-    """The statements of :func:`ddl`, one by one (the fix the doctor prints for a missing
-    table: ``db upgrade`` creates it with :func:`create_table` and its owner's extras)."""
+    """The statements of `ddl`, one by one (the fix the doctor prints for a missing
+    table: ``db upgrade`` creates it with `create_table` and its owner's extras)."""
     statements = [str(CreateTable(table).compile(dialect=dialect)).strip()]
     statements += [
         str(CreateIndex(index).compile(dialect=dialect)).strip()

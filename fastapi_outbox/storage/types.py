@@ -1,6 +1,6 @@
 """The column types of the outbox tables and the statuses their partial indexes cover.
 
-Below :mod:`~fastapi_outbox.storage.schema` (which builds the tables with them) and the
+Below `schema` (which builds the tables with them) and the
 statements (which bind values with them), so that neither imports the other's module.
 """
 

@@ -2,11 +2,11 @@
 rows from the outbox table to the archive table, the archive's own retention, and the
 catalogue changes that re-attach a finished partition to a partitioned archive.
 
-Caller: :class:`fastapi_outbox.storage.archive.Archive` (``move_batch``, ``purge_batch``),
-run by the relay's cleaner (:mod:`fastapi_outbox.lifecycle.retention`),
-:mod:`fastapi_outbox.storage.partitions` (``archive_partition_sync``,
+Caller: `fastapi_outbox.storage.archive.Archive` (``move_batch``, ``purge_batch``),
+run by the relay's cleaner (`fastapi_outbox.lifecycle.retention`),
+`fastapi_outbox.storage.partitions` (``archive_partition_sync``,
 ``expired_archive_partitions``, ``archive_default_statements``) and
-:mod:`fastapi_outbox.storage.doctor` (the fix for a missing DEFAULT partition of the
+`fastapi_outbox.storage.doctor` (the fix for a missing DEFAULT partition of the
 archive). Every builder is pure.
 """
 
@@ -93,7 +93,7 @@ def move_insert(
 ) -> Any:
     """SQLite (no DELETE in a WITH), first of the two statements of one transaction: copy
     one batch into the archive. It takes the database's write lock, so nobody changes the
-    outbox before :func:`move_delete` picks the same rows (``ordered``: by finish time and
+    outbox before `move_delete` picks the same rows (``ordered``: by finish time and
     id, and rows that qualify later finished later)."""
     chosen = victims(
         source,
@@ -124,7 +124,7 @@ def move_delete(
     keep_blocking: bool = False,
 ) -> Any:
     """SQLite, second statement of the move's transaction: delete the rows
-    :func:`move_insert` copied — the same choice, and only rows the archive now holds
+    `move_insert` copied — the same choice, and only rows the archive now holds
     (never a row that was not archived)."""
     chosen = victims(
         source,
@@ -154,7 +154,7 @@ def move_ids(
 ) -> Any:
     """MySQL, first of the move's three statements (one transaction): the ids of one batch,
     chosen as retention's DELETE chooses them, locked ``FOR UPDATE SKIP LOCKED`` (a row an
-    operator holds is left to them); :func:`copy_ids` and :func:`delete_ids` then move
+    operator holds is left to them); `copy_ids` and `delete_ids` then move
     exactly these."""
     chosen = victims(
         source, status, older_than_seconds, limit, dialect, keep_blocking=keep_blocking
@@ -163,7 +163,7 @@ def move_ids(
 
 
 def copy_ids(source: Table, archive: Table, dialect: Dialect) -> Any:
-    """MySQL: copy the rows ``ids`` (locked by :func:`move_ids`) into the archive."""
+    """MySQL: copy the rows ``ids`` (locked by `move_ids`) into the archive."""
     names = _columns(source)
     return insert(archive).from_select(
         [*names, "archived_at"],
@@ -172,7 +172,7 @@ def copy_ids(source: Table, archive: Table, dialect: Dialect) -> Any:
 
 
 def delete_ids(source: Table, dialect: Dialect) -> Any:
-    """MySQL: delete the rows ``ids`` that :func:`copy_ids` copied."""
+    """MySQL: delete the rows ``ids`` that `copy_ids` copied."""
     return delete(source).where(ids_in(source, dialect))
 
 

@@ -1,8 +1,8 @@
 """The unit of work's statements: the INSERT of the outbox rows, and the WAL capture's
 ``pg_logical_emit_message``.
 
-Callers: :class:`fastapi_outbox.write.capture.TableCapture` and
-:class:`fastapi_outbox.write.wal_capture.WalCapture`, from the session's ``before_commit``
+Callers: `fastapi_outbox.write.capture.TableCapture` and
+`fastapi_outbox.write.wal_capture.WalCapture`, from the session's ``before_commit``
 (through ``Inserts.insert_rows_sync`` for the table). The builders are pure: a table and a
 dialect in, a statement out.
 """
@@ -40,7 +40,7 @@ EMIT_SQL = "SELECT pg_logical_emit_message(true, $1, $2::text)"
 
 
 def emit_message() -> TextClause:
-    """:data:`EMIT_SQL` with named parameters (``prefix``, ``content``), for a connection
+    """`EMIT_SQL` with named parameters (``prefix``, ``content``), for a connection
     that is not asyncpg's."""
     return text("SELECT pg_logical_emit_message(true, :prefix, CAST(:content AS text))")
 
@@ -81,7 +81,7 @@ def insert_rows(table: Table, dialect: Dialect) -> Any:
 
 
 def row_params(rows: list[dict[str, Any]], dialect: Dialect) -> list[dict[str, Any]]:
-    """The unit of work's row dicts completed for :func:`insert_rows`: ``delay`` (a timedelta
+    """The unit of work's row dicts completed for `insert_rows`: ``delay`` (a timedelta
     from the commit) and ``deliver_at`` (an aware datetime or None) become parameters of
     the due time the database computes."""
     params = [{"deliver_at": None, **row} for row in rows]

@@ -1,13 +1,13 @@
 """The statements behind what operators see and do: counts for health, metrics, the
 dashboard and ``status``; listing and showing messages; replay, cancel, abandon.
 
-Run by :class:`~fastapi_outbox.storage.messages.Messages` (the methods of the same names:
+Run by `Messages` (the methods of the same names:
 ``stats``, ``stream_stats``,
 ``published_per_minute``, ``count_matching``, ``get``, ``list_messages``, ``states``,
 ``replay``, ``cancel_unclaimed``, ``abandon_unclaimed``, ``count``). The counts read the
 partial indexes (ix_<table>_due, _abandoned, _published, _key), so they cost what the rows
 that still need work cost, not the table's history of published rows; statuses are SQL
-literals (:func:`~fastapi_outbox.storage.statements.parts.status_in`) so those indexes serve
+literals (`status_in`) so those indexes serve
 prepared statements too.
 """
 
@@ -304,10 +304,10 @@ def replay_target(
     statuses: Sequence[str] = (ABANDONED,),
     limit: int | None = None,
 ) -> Select[Any]:
-    """The ids :func:`replay` moves: rows in ``statuses`` (among ``ids``, in ``stream``);
+    """The ids `replay` moves: rows in ``statuses`` (among ``ids``, in ``stream``);
     ``ORDER BY id LIMIT`` makes a bulk replay go in batches, oldest first; ``FOR UPDATE
     SKIP LOCKED`` (PostgreSQL, MySQL): a row another operator or a purge holds is left to
-    it. MySQL runs it on its own first (see :func:`replay`)."""
+    it. MySQL runs it on its own first (see `replay`)."""
     t = table
     target = select(t.c.id).where(t.c.status.in_(list(statuses)))
     if ids is not None:
@@ -322,7 +322,7 @@ def replay_target(
 
 
 def replay_values(dialect: Dialect) -> dict[str, Any]:
-    """What :func:`replay` sets: pending, attempts reset, due now; lease, finish times and
+    """What `replay` sets: pending, attempts reset, due now; lease, finish times and
     the error cleared."""
     return {
         "status": PENDING,
@@ -345,10 +345,10 @@ def replay(
     limit: int | None = None,
 ) -> Any:
     """Move rows (abandoned by default) back to pending with attempts reset, due now
-    (``replay``), returning the ids moved. The target subquery: :func:`replay_target`.
+    (``replay``), returning the ids moved. The target subquery: `replay_target`.
     Lease, finish times and the error are cleared. MySQL (no ``UPDATE … RETURNING``, no
-    subquery on the updated table): ``Messages.replay`` locks :func:`replay_target`'s
-    rows first, then updates them by id with :func:`replay_values`."""
+    subquery on the updated table): ``Messages.replay`` locks `replay_target`'s
+    rows first, then updates them by id with `replay_values`."""
     t = table
     target = replay_target(t, dialect, ids, stream=stream, statuses=statuses, limit=limit)
     chosen: ColumnElement[bool] = t.c.id.in_(target.scalar_subquery())

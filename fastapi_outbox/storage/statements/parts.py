@@ -1,8 +1,8 @@
 """The pieces the statements of every caller share: status predicates, the id set of a
 batch, the insert-order columns and the database's clock, each for both dialects.
 
-Every function takes the SQLAlchemy :class:`~sqlalchemy.engine.Dialect` the statement is for
-(or asks :func:`~fastapi_outbox.storage.engine.is_postgres` of it), never an engine: the
+Every function takes the SQLAlchemy `Dialect` the statement is for
+(or asks `is_postgres` of it), never an engine: the
 builders stay pure, so ``tests/unit`` compiles them without a database.
 """
 
@@ -73,7 +73,7 @@ def status_in(alias: Any, *statuses: str) -> ColumnElement[bool]:
 
 def active(alias: Any) -> ColumnElement[bool]:
     """``status IN ('pending', 'processing', 'failed')``: exactly the partial due index's
-    predicate (see :func:`status_in` for why the values are literals)."""
+    predicate (see `status_in` for why the values are literals)."""
     return status_in(alias, *ACTIVE)
 
 
@@ -82,7 +82,7 @@ def ids_in(table: Table, dialect: Dialect, name: str = "ids") -> ColumnElement[b
     cached statement serves every batch size), an expanding ``IN`` on SQLite.
 
     On a table partitioned by id also ``id >= $ids_lo AND id <= $ids_hi``, the batch's
-    smallest and largest id (:func:`batch_params`): PostgreSQL prunes the partitions of a
+    smallest and largest id (`batch_params`): PostgreSQL prunes the partitions of a
     generic (prepared) plan on a range of parameters when the executor starts (not on an
     array parameter); a batch claimed in due order spans one partition, two around a
     boundary. The three values go in as ``(SELECT $n)``: init plans, so no plan prunes at
@@ -104,7 +104,7 @@ def ids_in(table: Table, dialect: Dialect, name: str = "ids") -> ColumnElement[b
 def batch_params(
     ids: Sequence[uuid.UUID], name: str = "ids", *, ranged: bool = True
 ) -> dict[str, Any]:
-    """The parameters of :func:`ids_in`: the ids, and their range when ``ranged`` (only a
+    """The parameters of `ids_in`: the ids, and their range when ``ranged`` (only a
     table partitioned by id uses it; ``min`` and ``max`` of 500 UUIDs cost about 0.4 µs
     per message, compared in Python)."""
     listed = list(ids)
@@ -131,7 +131,7 @@ def order_columns(alias: Any, dialect: Dialect) -> tuple[Any, ...]:
 
 
 def now(dialect: Dialect) -> ColumnElement[dt.datetime]:
-    """The clock every due time is compared with: the database's (see :mod:`clock`), one
+    """The clock every due time is compared with: the database's (see `clock`), one
     clock for every process whatever its host's clock says."""
     return clock.db_now(flavor(dialect))
 
@@ -142,7 +142,7 @@ def later(dialect: Dialect, seconds: float) -> ColumnElement[dt.datetime]:
 
 
 def offset(dialect: Dialect, seconds: float) -> Any:
-    """The value of a named :func:`clock.db_later` parameter: an interval on PostgreSQL, a
+    """The value of a named `clock.db_later` parameter: an interval on PostgreSQL, a
     date modifier on SQLite, microseconds on MySQL."""
     return clock.offset_value(flavor(dialect), seconds)
 

@@ -1,9 +1,9 @@
 """The claim-check table's statements (``claim_check_store="database"``).
 
-Callers: :class:`fastapi_outbox.storage.claim_check.DatabasePayloadStore` — ``insert`` from
+Callers: `fastapi_outbox.storage.claim_check.DatabasePayloadStore` — ``insert`` from
 the session's ``before_commit`` (the producer's transaction, through the outbox's
 ``write_rows``), ``fetch`` from a subscriber resolving a reference before it decodes,
-``purge`` from retention (:class:`fastapi_outbox.lifecycle.retention.Cleaner`). The builders are
+``purge`` from retention (`fastapi_outbox.lifecycle.retention.Cleaner`). The builders are
 pure: a table in, a statement out.
 """
 
@@ -33,7 +33,7 @@ __all__ = ["fetch", "insert_payload", "known_messages", "live_messages", "purge"
 
 def insert_payload(table: Table, is_postgres: Flavor) -> Any:
     """One stored payload (``ref``, ``data``, ``size`` bound per row, and ``due``: the
-    message's delay, a :func:`~fastapi_outbox.storage.clock.db_later` parameter).
+    message's delay, a `db_later` parameter).
     ``created_at`` is when the message is due, by the database's clock (the one retention
     compares with): a delayed message's payload is dated from its publication, not from
     the commit, so retention never takes it before the message is sent."""
@@ -65,7 +65,7 @@ def purge(
 ) -> Any:
     """Delete up to ``limit`` payloads dated more than ``older_than_seconds`` ago, oldest
     first, through the ``created_at`` index, except those whose message in
-    ``outbox_table`` still needs them (:func:`_live`): one short transaction (SKIP LOCKED
+    ``outbox_table`` still needs them (`_live`): one short transaction (SKIP LOCKED
     on PostgreSQL: two cleaners never wait on each other)."""
     t = table
     cutoff = clock.db_later(is_postgres, seconds=-older_than_seconds)

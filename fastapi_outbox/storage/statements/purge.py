@@ -1,9 +1,9 @@
 """Retention's statement: the bounded DELETE of finished rows.
 
-Caller: :func:`fastapi_outbox.lifecycle.retention.purge` through ``Retention.purge_batch`` (and the
+Caller: `fastapi_outbox.lifecycle.retention.purge` through ``Retention.purge_batch`` (and the
 CLI's ``purge``, which runs the same loop); ``benchmarks/scale.py`` measures its WAL. The
-archive's move (:mod:`fastapi_outbox.storage.statements.archive`) picks its rows with
-:func:`victims`.
+archive's move (`fastapi_outbox.storage.statements.archive`) picks its rows with
+`victims`.
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ def victims(
     whole: Table | None = None,
     ordered: bool = False,
 ) -> Any:
-    """The ids of one batch of :func:`purge` (and of the archive's move,
-    :func:`fastapi_outbox.storage.statements.archive.move`): ``table`` is where the rows are
+    """The ids of one batch of `purge` (and of the archive's move,
+    `fastapi_outbox.storage.statements.archive.move`): ``table`` is where the rows are
     taken from, ``whole`` the outbox table the ``keep_blocking`` check looks in (the same
     table unless the rows are taken from one partition). ``ordered``: by finish time then
     id, so that two evaluations in one transaction pick the same rows (SQLite's move)."""

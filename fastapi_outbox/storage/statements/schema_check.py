@@ -2,7 +2,7 @@
 describe the live table, the probe that lets PostgreSQL describe the expected one, and the
 fixes a finding carries.
 
-Caller: :mod:`fastapi_outbox.storage.doctor` (``examine_sync`` and its helpers for the
+Caller: `fastapi_outbox.storage.doctor` (``examine_sync`` and its helpers for the
 reads, the findings for the fixes, ``_upgrade_once`` for the lock timeout), run by the CLI's
 ``doctor`` and ``db upgrade``. Names come in
 plain and are double-quoted here; catalogue reads take a *quoted* relation name as
@@ -151,7 +151,7 @@ def create_index(ddl: str, *, concurrently: bool) -> str:
 
 
 def rename_in_create(create: str, name: str, new: str) -> str:
-    """A :func:`create_index` statement that builds the index under the name ``new``."""
+    """A `create_index` statement that builds the index under the name ``new``."""
     return create.replace(f"EXISTS {name} ", f"EXISTS {new} ", 1)
 
 
