@@ -28,15 +28,15 @@ __all__ = [
 ]
 
 #: The databases an outbox runs on.
-SUPPORTED_DIALECTS = ("postgresql", "sqlite")
+SUPPORTED_DIALECTS = ("postgresql", "sqlite", "mysql")
 _BROKER_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
 
 def check_database(dialect: str) -> None:
-    """PostgreSQL or SQLite, nothing else."""
+    """PostgreSQL, SQLite or MariaDB/MySQL (``mysql``), nothing else."""
     if dialect not in SUPPORTED_DIALECTS:
         raise exceptions.ConfigurationError(
-            f"unsupported database {dialect!r}: use PostgreSQL or SQLite"
+            f"unsupported database {dialect!r}: use PostgreSQL, SQLite or MariaDB/MySQL"
         )
 
 

@@ -875,20 +875,31 @@ class OutboxSettings(BaseSettings):
 ASYNC_DRIVERS = {
     "postgresql": ("asyncpg", "psycopg", "psycopg_async"),
     "sqlite": ("aiosqlite",),
+    # MariaDB >= 10.6 and MySQL 8.
+    "mysql": ("asyncmy", "aiomysql"),
 }
 #: The form to use instead, per database (what the docs and the errors show).
-_RIGHT_SCHEME = {"postgresql": "postgresql+asyncpg", "sqlite": "sqlite+aiosqlite"}
+_RIGHT_SCHEME = {
+    "postgresql": "postgresql+asyncpg",
+    "sqlite": "sqlite+aiosqlite",
+    "mysql": "mysql+asyncmy",
+}
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9_]*(\+[A-Za-z0-9_]+)?$")
 #: Other spellings of a supported database (``postgres://`` of Heroku, Render, Fly...).
-_ALIASES = {"postgres": "postgresql", "pgsql": "postgresql", "sqlite3": "sqlite"}
+_ALIASES = {
+    "postgres": "postgresql",
+    "pgsql": "postgresql",
+    "sqlite3": "sqlite",
+    "mariadb": "mysql",
+}
 
 
 def check_database_url(url: str) -> None:
     """Refuse a database URL SQLAlchemy's asyncio engine cannot use, before any driver sees
     it: ``postgres://`` (no such dialect), a URL without a driver (``postgresql://`` means
-    psycopg2, ``sqlite://`` the blocking ``sqlite3``), a blocking driver, or a database the
-    outbox does not run on (``mysql://``). The
-    [`ConfigurationError`][fastapi_outbox.ConfigurationError] names the URL (credentials
+    psycopg2, ``sqlite://`` the blocking ``sqlite3``, ``mysql://`` mysqlclient), a blocking
+    driver, or a database the outbox does not run on (``oracle://``). The
+    `ConfigurationError` names the URL (credentials
     masked) and the form to use."""
     from fastapi_outbox.redaction import redact_url, remember
 
@@ -906,8 +917,9 @@ def check_database_url(url: str) -> None:
     if known not in ASYNC_DRIVERS:
         raise exceptions.ConfigurationError(
             f"database URL {redact_url(url)!r}: {database!r} is not a database the outbox "
-            "runs on: use PostgreSQL (postgresql+asyncpg://host/database) or "
-            "SQLite (sqlite+aiosqlite:///file.db)"
+            "runs on: use PostgreSQL (postgresql+asyncpg://host/database), "
+            "SQLite (sqlite+aiosqlite:///file.db) or MariaDB/MySQL "
+            "(mysql+asyncmy://host/database)"
         )
     if known == database and driver in ASYNC_DRIVERS[known]:
         return

@@ -176,7 +176,9 @@ def _db_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     sql = db_sub.add_parser("sql", help="print the DDL")
     _common(sql)
     sql.add_argument(
-        "--dialect", choices=["postgresql", "sqlite"], help="dialect when no --url is given"
+        "--dialect",
+        choices=["postgresql", "sqlite", "mysql"],
+        help="dialect when no --url is given (mysql: MariaDB and MySQL)",
     )
     upgrade = db_sub.add_parser(
         "upgrade",
@@ -430,7 +432,7 @@ async def _drop_slot(outbox: Outbox, *, force: bool) -> int:
 
 
 def _print_ddl(args: argparse.Namespace) -> int:
-    from sqlalchemy.dialects import postgresql, sqlite
+    from sqlalchemy.dialects import mysql, postgresql, sqlite
 
     from fastapi_outbox.storage.claim_check import build_payload_table
     from fastapi_outbox.storage.group_members import build_group_tables
@@ -440,10 +442,10 @@ def _print_ddl(args: argparse.Namespace) -> int:
 
     try:
         settings = OutboxSettings.from_env()
-        if settings.partitioning is not None and args.dialect == "sqlite":
+        if settings.partitioning is not None and args.dialect in ("sqlite", "mysql"):
             raise CliError(
                 f"partitioning={settings.partitioning!r} (OUTBOX_PARTITIONING) needs "
-                "PostgreSQL: SQLite keeps one plain table"
+                f"PostgreSQL: {args.dialect} keeps one plain table"
             )
         table = build_table(
             args.table or settings.table_name,
@@ -459,7 +461,7 @@ def _print_ddl(args: argparse.Namespace) -> int:
         )
     except exceptions.ConfigurationError as exc:  # bad --table or OUTBOX_* variable
         raise CliError(str(exc)) from exc
-    module = sqlite if args.dialect == "sqlite" else postgresql
+    module = {"sqlite": sqlite, "mysql": mysql}.get(args.dialect, postgresql)
     dialect = module.dialect()
     print(ddl(table, dialect), end="")
     print("\n" + ddl(inbox, dialect), end="")

@@ -268,8 +268,7 @@ async def compute_health(outbox: OutboxPort) -> OutboxHealth:
         database_ok = True
     except Exception as exc:
         # The cause in our words only: a driver's message can quote the URL.
-        dialect = "postgresql" if outbox.store.is_postgres else "sqlite"
-        found.is_down(describe_database_error(exc, dialect))
+        found.is_down(describe_database_error(exc, outbox.store.engine.dialect.name))
         database_ok = False
     pool = await _pool_health(probe, found) if database_ok else None
     relays = [

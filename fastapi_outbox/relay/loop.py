@@ -214,6 +214,11 @@ class RelayLoop:
                 extra={**extra, "error": self.last_error},
             )
             return
+        if verdict is db_outage.Verdict.CONTENTION:
+            # The database answers (MySQL: a deadlock, a lock wait timeout): retried, not down.
+            self.last_error = db_outage.describe(exc, dialect)
+            logger.warning(message, extra={**extra, "error": self.last_error})
+            return
         if verdict is not db_outage.Verdict.FAILURE:
             if self.database_ok:
                 logger.warning(message, extra={**extra, "error": safe_error(exc)})

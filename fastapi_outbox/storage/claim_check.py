@@ -30,7 +30,6 @@ dead-letters its message, naming the message and the reference.
 
 from __future__ import annotations
 
-import datetime as dt
 import os
 import time
 import uuid
@@ -40,6 +39,7 @@ from typing import Any, Protocol
 
 import anyio
 from sqlalchemy import BigInteger, Column, Index, LargeBinary, MetaData, String, Table
+from sqlalchemy.dialects import mysql
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.util.concurrency import await_, in_greenlet
@@ -47,7 +47,8 @@ from sqlalchemy.util.concurrency import await_, in_greenlet
 from fastapi_outbox import exceptions
 from fastapi_outbox.settings import OutboxSettings, check_table_name
 from fastapi_outbox.storage import schema
-from fastapi_outbox.storage.clock import seconds_modifier
+from fastapi_outbox.storage.clock import offset_value
+from fastapi_outbox.storage.dialects import flavor
 from fastapi_outbox.storage.statements import payloads as payloads_sql
 
 __all__ = [
@@ -126,7 +127,13 @@ def build_payload_table(name: str, metadata_: MetaData | None = None) -> Table:
         name,
         md,
         Column("ref", String(64), primary_key=True, comment="message id"),
-        Column("data", LargeBinary(), nullable=False, comment="the payload as published"),
+        Column(
+            "data",
+            # MySQL: LONGBLOB (its BLOB stops at 64 KiB, below most claim-checked payloads).
+            LargeBinary().with_variant(mysql.LONGBLOB(), "mysql", "mariadb"),
+            nullable=False,
+            comment="the payload as published",
+        ),
         Column("size", BigInteger, nullable=False),
         Column("created_at", schema.UtcDateTime(), nullable=False),
     )
@@ -147,11 +154,12 @@ class DatabasePayloadStore:
         #: The messages that name the payloads: one still in need keeps its payload.
         self.outbox_table = outbox_table
         self.is_postgres = engine.dialect.name == "postgresql"
-        self._insert = payloads_sql.insert_payload(table, self.is_postgres)
+        self._flavor = flavor(engine)
+        self._insert = payloads_sql.insert_payload(table, self._flavor)
         self._fetch = payloads_sql.fetch(table)
 
     def put(self, connection: Connection, ref: str, data: bytes, due_in: float = 0.0) -> None:
-        due: Any = dt.timedelta(seconds=due_in) if self.is_postgres else seconds_modifier(due_in)
+        due: Any = offset_value(self._flavor, due_in)
         connection.execute(self._insert, {"ref": ref, "data": data, "size": len(data), "due": due})
 
     async def get(self, ref: str) -> bytes | None:
@@ -161,7 +169,7 @@ class DatabasePayloadStore:
 
     async def purge_batch(self, older_than_seconds: float, limit: int) -> int:
         stmt = payloads_sql.purge(
-            self.table, self.is_postgres, older_than_seconds, limit, self.outbox_table
+            self.table, self._flavor, older_than_seconds, limit, self.outbox_table
         )
         async with self.engine.begin() as conn:
             result: Any = await conn.execute(stmt)
@@ -342,7 +350,7 @@ def live_in(
     """The ``live`` of `FilePayloadStore`: which references name a message of
     ``outbox_table`` that still needs its payload (a row not finished, or published less
     than the given number of seconds ago)."""
-    is_postgres = engine.dialect.name == "postgresql"
+    is_postgres = flavor(engine)
 
     async def live(refs: list[str], older_than_seconds: float) -> set[str]:
         ids = []

@@ -22,6 +22,8 @@ from typing import Any
 from sqlalchemy import Table
 
 from fastapi_outbox.storage.connector import Connector
+from fastapi_outbox.storage.dialects import is_mysql
+from fastapi_outbox.storage.mysql_claim import MysqlClaim
 from fastapi_outbox.storage.partition_map import NIL, PartitionMap
 from fastapi_outbox.storage.read_models import aware
 from fastapi_outbox.storage.statements import claims as claims_sql
@@ -85,6 +87,8 @@ class Claims:
         self.partition_map = (
             PartitionMap(self.engine, table) if self._by_id and connector.asyncpg else None
         )
+        #: MariaDB/MySQL: the claim in two steps (no UPDATE … RETURNING there).
+        self._mysql = MysqlClaim(self.engine, table) if is_mysql(self.engine) else None
 
     @property
     def statement_timeout(self) -> float | None:
@@ -142,6 +146,10 @@ class Claims:
     ) -> list[ClaimedRow]:
         """Claim up to ``limit`` due rows of ``broker`` for ``token``, oldest first (ordered:
         in insert order). A row whose batch died twice comes alone (see the statement)."""
+        if self._mysql is not None:
+            lease = offset(self.dialect, lease_seconds)
+            rows = await self._mysql.claim(broker, limit, token, lease, ordered=ordered)
+            return [ClaimedRow(*row[: claims_sql.CLAIM_COLUMNS]) for row in rows]
         stmt = self.claim_statement(broker, limit, ordered)
         pmap = None if ordered else self.partition_map
         floor = NIL if pmap is None else await pmap.next_floor(broker)

@@ -131,7 +131,9 @@ class Connector:
         self.is_postgres = is_postgres(engine)
         self.asyncpg = uses_asyncpg(engine)
         # Single statements on PostgreSQL run in autocommit: one round trip each instead
-        # of BEGIN, statement, COMMIT. SQLite keeps its BEGIN IMMEDIATE transactions.
+        # of BEGIN, statement, COMMIT. SQLite keeps its BEGIN IMMEDIATE transactions. MySQL
+        # too: its BEGIN is implicit (no round trip), while switching a pooled connection
+        # to autocommit and back costs two (``SET autocommit``), more than the COMMIT.
         self.autocommit_engine = (
             engine.execution_options(isolation_level="AUTOCOMMIT") if self.is_postgres else engine
         )

@@ -32,6 +32,7 @@ from typing import Any
 
 import anyio
 from sqlalchemy import Table, text
+from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -40,6 +41,8 @@ from sqlalchemy.schema import CreateColumn, CreateIndex, CreateTable
 from fastapi_outbox.exceptions import OutboxError
 from fastapi_outbox.log import safe_error
 from fastapi_outbox.storage import partitions, schema
+from fastapi_outbox.storage.db_outage import mysql_code
+from fastapi_outbox.storage.dialects import is_mysql
 from fastapi_outbox.storage.statements import partitions as partition_sql
 from fastapi_outbox.storage.statements import schema_check as sql
 
@@ -63,6 +66,8 @@ UPGRADE_LOCK_ATTEMPTS = 10
 UPGRADE_RETRY_PAUSE_SECONDS = 1.0
 #: SQLSTATE lock_not_available: ``lock_timeout`` ran out.
 LOCK_NOT_AVAILABLE = "55P03"
+#: MySQL: the metadata lock of a DDL statement not taken within ``lock_wait_timeout``.
+MYSQL_LOCK_WAIT_TIMEOUT = 1205
 
 
 class UpgradeLockTimeout(OutboxError, RuntimeError):
@@ -139,7 +144,7 @@ def _expected_pg(conn: Connection, table: Table) -> tuple[dict[str, Any], dict[s
     with conn.begin_nested() as savepoint:
         conn.execute(text(create))
         for index in table.indexes:
-            if index._ddl_if is not None and index._ddl_if.dialect not in (None, "postgresql"):
+            if not schema.builds_on(index, "postgresql"):
                 continue
             ddl = sql.probe_index(str(CreateIndex(index).compile(dialect=conn.dialect)), _PROBE)
             conn.execute(text(ddl))
@@ -156,6 +161,8 @@ def _pg_partitioned(conn: Connection, table: str) -> bool | None:
 
 def examine_sync(conn: Connection, table: Table) -> list[Finding]:
     """The differences between ``table`` (the expected layout) and the live table."""
+    if is_mysql(conn):
+        return _examine_mysql(conn, table)
     if table.info.get("doctor") == "columns":
         return _examine_columns(conn, table)
     if conn.dialect.name != "postgresql":
@@ -486,7 +493,7 @@ def _examine_sqlite(conn: Connection, table: Table) -> list[Finding]:
         if row[1] is not None
     }
     for index in sorted(table.indexes, key=lambda i: i.name or ""):
-        if index._ddl_if is not None and index._ddl_if.dialect not in (None, "sqlite"):
+        if not schema.builds_on(index, "sqlite"):
             continue
         index_name = str(index.name)
         ddl = " ".join(str(CreateIndex(index).compile(dialect=conn.dialect)).split())
@@ -510,10 +517,57 @@ def _examine_sqlite(conn: Connection, table: Table) -> list[Finding]:
     return findings
 
 
+def _examine_mysql(conn: Connection, table: Table) -> list[Finding]:
+    """MariaDB/MySQL, through SQLAlchemy's inspector: a missing table (the outbox's only:
+    a side table compared by columns is skipped, as elsewhere), missing columns and
+    indexes (each with its fix), obsolete columns. No partial indexes there to compare:
+    an index is found by its name."""
+    name = table.name
+    inspector = sa_inspect(conn)
+    if not inspector.has_table(name):
+        if table.info.get("doctor") == "columns":
+            return []
+        return [
+            Finding(
+                f"table {name} does not exist", ["-- fastapi-outbox db create"], automatic=False
+            )
+        ]
+    quoted = conn.dialect.identifier_preparer.quote(name)
+    columns = {c["name"] for c in inspector.get_columns(name)}
+    findings: list[Finding] = []
+    for column in table.columns:
+        if column.name not in columns:
+            add = str(CreateColumn(column).compile(dialect=conn.dialect)).strip()
+            what = f"column {column.name} is missing"
+            if table.info.get("doctor") == "columns":
+                what = f"table {name}: {what}"
+            findings.append(Finding(what, [f"ALTER TABLE {quoted} ADD COLUMN {add}"]))
+    if table.info.get("doctor") == "columns":
+        return findings
+    live = {i["name"] for i in inspector.get_indexes(name)}
+    for index in sorted(table.indexes, key=lambda i: i.name or ""):
+        if not schema.builds_on(index, conn.dialect.name):
+            continue
+        if str(index.name) not in live:
+            ddl = str(CreateIndex(index).compile(dialect=conn.dialect)).strip()
+            findings.append(Finding(f"index {index.name} is missing", [ddl]))
+    for column_name, why in OBSOLETE_COLUMNS.items():
+        if column_name in columns and column_name not in table.c:
+            findings.append(
+                Finding(
+                    f"obsolete column {column_name} ({why})",
+                    [f"ALTER TABLE {quoted} DROP COLUMN {column_name}"],
+                )
+            )
+    return findings
+
+
 # -- side tables ------------------------------------------------------------------------------
 
 
 def _exists(conn: Connection, name: str) -> bool:
+    if is_mysql(conn):
+        return bool(sa_inspect(conn).has_table(name))
     if conn.dialect.name == "postgresql":
         return _pg_partitioned(conn, name) is not None
     return conn.execute(sql.sqlite_columns(name)).first() is not None
@@ -588,7 +642,8 @@ async def upgrade(
     A missing side table of ``side_tables`` is created by its `SideTable.create`
     (advice or not: ``db upgrade`` leaves what ``db create`` would have made)."""
     applied: list[Finding] = []
-    limit = lock_timeout_seconds if engine.dialect.name == "postgresql" else None
+    bounded = engine.dialect.name == "postgresql" or is_mysql(engine)
+    limit = lock_timeout_seconds if bounded else None
     waited_for = "a change"
     for attempt in range(1, attempts + 1):
         done, left, blocked = await _upgrade_once(engine, table, side_tables, limit)
@@ -637,19 +692,23 @@ async def _upgrade_once(
                 applied.append(finding)
                 continue
             async with autocommit.connect() as conn:
+                mysql = is_mysql(engine)
                 if lock_timeout_seconds is not None:
                     ms = max(1, int(lock_timeout_seconds * 1000))
-                    await conn.execute(sql.lock_timeout(ms))
+                    await conn.execute(sql.lock_timeout(ms, mysql=mysql))
                 try:
                     for statement in finding.fix:
+                        # MySQL: each DDL statement commits on its own (no transactional
+                        # DDL); every fix is one statement, applied or not, and the next
+                        # look at the table finds what is left.
                         if not statement.startswith("--"):
                             await conn.execute(text(statement))
                 finally:
                     if lock_timeout_seconds is not None and not conn.invalidated:
                         with contextlib.suppress(DBAPIError):
-                            await conn.execute(sql.RESET_LOCK_TIMEOUT)
+                            await conn.execute(sql.reset_lock_timeout(mysql=mysql))
         except DBAPIError as exc:  # e.g. a partition whose range has rows in DEFAULT
-            if _sqlstate(exc) == LOCK_NOT_AVAILABLE:
+            if _sqlstate(exc) == LOCK_NOT_AVAILABLE or mysql_code(exc) == MYSQL_LOCK_WAIT_TIMEOUT:
                 return applied, left, finding
             finding.what += f" (fix failed: {safe_error(exc, 200)})"
             left.append(finding)

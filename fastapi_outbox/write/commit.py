@@ -96,8 +96,9 @@ def _told(exc: Exception, sent: bool, session: AsyncSession) -> Exception:
         return exc
     bind = session.bind
     dialect = bind.dialect.name if bind is not None else "postgresql"
-    if db_outage.classify(exc, dialect) is db_outage.Verdict.FAILURE:
-        return exc  # the database answered: not committed
+    answered = (db_outage.Verdict.FAILURE, db_outage.Verdict.CONTENTION)
+    if db_outage.classify(exc, dialect) in answered:
+        return exc  # the database answered (a deadlock too): not committed
     return exceptions.CommitOutcomeUnknown(
         f"the connection was lost while COMMIT was on its way ({type(exc).__name__}: "
         f"{exc}): the transaction may have committed or not, and the database alone knows. "

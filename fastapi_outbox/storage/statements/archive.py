@@ -19,7 +19,7 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.sql.elements import TextClause
 
 from fastapi_outbox.storage.statements.partitions import quote
-from fastapi_outbox.storage.statements.parts import later, now
+from fastapi_outbox.storage.statements.parts import derived, ids_in, later, now
 from fastapi_outbox.storage.statements.purge import victims
 
 __all__ = [
@@ -29,9 +29,12 @@ __all__ = [
     "archive_busy",
     "archived_at_index",
     "attach_as",
+    "copy_ids",
     "copy_rows",
+    "delete_ids",
     "move",
     "move_delete",
+    "move_ids",
     "move_insert",
     "purge",
 ]
@@ -139,13 +142,47 @@ def move_delete(
     )
 
 
+def move_ids(
+    source: Table,
+    archive: Table,
+    status: str,
+    older_than_seconds: float,
+    limit: int,
+    dialect: Dialect,
+    *,
+    keep_blocking: bool = False,
+) -> Any:
+    """MySQL, first of the move's three statements (one transaction): the ids of one batch,
+    chosen as retention's DELETE chooses them, locked ``FOR UPDATE SKIP LOCKED`` (a row an
+    operator holds is left to them); `copy_ids` and `delete_ids` then move
+    exactly these."""
+    chosen = victims(
+        source, status, older_than_seconds, limit, dialect, keep_blocking=keep_blocking
+    )
+    return chosen.with_for_update(skip_locked=True)
+
+
+def copy_ids(source: Table, archive: Table, dialect: Dialect) -> Any:
+    """MySQL: copy the rows ``ids`` (locked by `move_ids`) into the archive."""
+    names = _columns(source)
+    return insert(archive).from_select(
+        [*names, "archived_at"],
+        select(*[source.c[n] for n in names], now(dialect)).where(ids_in(source, dialect)),
+    )
+
+
+def delete_ids(source: Table, dialect: Dialect) -> Any:
+    """MySQL: delete the rows ``ids`` that `copy_ids` copied."""
+    return delete(source).where(ids_in(source, dialect))
+
+
 def purge(table: Table, older_than_seconds: float, limit: int, dialect: Dialect) -> Any:
     """The archive's retention: delete up to ``limit`` rows archived more than
     ``older_than_seconds`` ago (ix_<archive>_archived_at; on a partitioned archive, its
     DEFAULT partition, whose partitions are dropped whole)."""
     t = table
     chosen = select(t.c.id).where(t.c.archived_at < later(dialect, -older_than_seconds))
-    return delete(t).where(t.c.id.in_(chosen.limit(limit).scalar_subquery()))
+    return delete(t).where(t.c.id.in_(derived(chosen.limit(limit), dialect).scalar_subquery()))
 
 
 # -- a partitioned archive (PostgreSQL) --------------------------------------------------------

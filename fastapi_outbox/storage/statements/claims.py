@@ -6,6 +6,10 @@ Caller: `fastapi_outbox.relay.table.TableRelay` through
 ``release``, ``extend_lease``, ``abandon``, ``next_due_in``) and
 `fastapi_outbox.relay.wal.WalRelay` (``insert_failed``).
 
+MariaDB and MySQL have no ``UPDATE … RETURNING``: their claim is `claim_candidates`
+(a locking read per active status, one ``UNION ALL``), `earliest_active` (ordered)
+and `claim_rows`, in one transaction (`fastapi_outbox.storage.mysql_claim`).
+
 Every change after the claim is *fenced*: it only touches rows whose ``locked_by`` still
 equals the claim token, so a worker whose lease expired can never overwrite a newer claim
 — not even a later claim of the same worker (the token is new for every claim). Every
@@ -42,7 +46,7 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.sql.elements import ColumnElement
 
 from fastapi_outbox.storage import clock
-from fastapi_outbox.storage.dialects import is_postgres
+from fastapi_outbox.storage.dialects import flavor, is_mysql, is_postgres
 from fastapi_outbox.storage.statements.parts import (
     ABANDONED,
     ACTIVE,
@@ -59,6 +63,10 @@ from fastapi_outbox.storage.statements.parts import (
 __all__ = [
     "CLAIM_COLUMNS",
     "claim",
+    "claim_candidates",
+    "claim_rows",
+    "claim_turn",
+    "earliest_active",
     "extend_lease",
     "generic_plan",
     "has_floor",
@@ -214,11 +222,99 @@ def _locked(table: Table, broker: str, limit: int, ordered: bool, dialect: Diale
         candidates = candidates.where(_floor(o))
     # Oldest first (the index order, so the LIMIT stops early), a batch at most.
     candidates = candidates.order_by(*order).limit(limit)
-    if is_postgres(dialect):
+    if is_postgres(dialect) or is_mysql(dialect):
         # Concurrent claimers skip each other's rows instead of waiting: disjoint batches.
         # SQLite needs none: its one writer holds the write lock (BEGIN IMMEDIATE).
         candidates = candidates.with_for_update(skip_locked=True)
     return candidates
+
+
+def claim_candidates(
+    table: Table, broker: str, limit: int, ordered: bool, status: str, dialect: Dialect
+) -> Select[Any]:
+    """MySQL's claim, first statement (caller: ``Claims.claim``, once per active status, in
+    one READ COMMITTED transaction): up to ``limit`` due rows of ``broker`` in ``status``,
+    in claim order, locked ``FOR UPDATE SKIP LOCKED`` (concurrent claimers take disjoint
+    rows, as on PostgreSQL), with what the relay publishes.
+
+    One status per statement: MySQL has no partial index, and its claim index
+    ``(broker, status, next_attempt_at, id)`` serves ``ORDER BY … LIMIT`` for one status
+    only (an ``IN`` of three would sort every due row first). The caller merges the three
+    in claim order, keeps ``limit``, applies the suspect rule of `claim` and marks
+    them with `claim_rows` (MySQL has no ``UPDATE … RETURNING``).
+
+    Columns: `CLAIM_COLUMNS` of a claimed row (``attempts`` as stored: the caller adds
+    the one the update counts), ``suspect``, then the claim order's columns."""
+    o = table.alias("o")
+    order = _claim_order(o, ordered, dialect)
+    due_now = now(dialect)
+    candidates: Select[Any] = select(
+        o.c.id,
+        o.c.stream,
+        o.c.type,
+        o.c.key,
+        o.c.payload,
+        o.c.headers,
+        o.c.attempts,
+        o.c.created_at,
+        # The retry deadline is judged by the database's clock, not the relay's.
+        clock.age_seconds(flavor(dialect), o.c.created_at),
+        and_(o.c.status == PROCESSING, o.c.attempts >= 2).label("suspect"),
+        *order,
+    ).where(
+        o.c.broker == broker,
+        o.c.status.in_([literal_column(f"'{status}'")]),
+        o.c.next_attempt_at <= due_now,
+    )
+    if ordered:
+        candidates = candidates.where(_key_may_go(table, o, order, due_now, dialect))
+    return candidates.order_by(*order).limit(limit).with_for_update(skip_locked=True)
+
+
+def claim_rows(table: Table, dialect: Dialect) -> Any:
+    """MySQL's claim, second statement (after `claim_candidates`, in its transaction):
+    the chosen rows (``ids``, locked by the first) become ``processing`` for ``token``
+    until ``lease`` from the database's now, with one more attempt, as `claim` does."""
+    t = table
+    until = clock.db_later(flavor(dialect), "lease")
+    return (
+        update(t)
+        .where(ids_in(t, dialect))
+        .values(
+            status=PROCESSING,
+            locked_by=bindparam("token"),
+            locked_until=until,
+            next_attempt_at=until,
+            attempts=t.c.attempts + 1,
+        )
+    )
+
+
+def earliest_active(table: Table, broker: str) -> Select[Any]:
+    """MySQL, ordered claim, in the claim's transaction after `claim_candidates`: the
+    insert position (``seq``) of the earliest active row of each key in ``keys`` (bound,
+    expanding). A candidate whose key has an active row before it that is not among the
+    candidates was passed by ``SKIP LOCKED`` (its writer was committing it, or its holder
+    is recording an outcome): the candidate waits, as PostgreSQL's claim makes it (the
+    ``ranked`` step of `claim`). A plain read, at the database's latest commit."""
+    t = table
+    return (
+        select(t.c.key, func.min(t.c.seq))
+        .where(t.c.broker == broker, t.c.key.in_(bindparam("keys", expanding=True)), active(t))
+        .group_by(t.c.key)
+    )
+
+
+def claim_turn(lock_name: str, wait_seconds: int) -> tuple[Select[Any], Select[Any]]:
+    """MySQL, ordered claim: ``GET_LOCK`` and ``RELEASE_LOCK`` of ``lock_name`` (at most
+    64 characters), the turn ordered claimers of one table and broker take, as
+    `ordered_turn` on PostgreSQL. A named lock belongs to the session, not to the
+    transaction: the caller releases it after the commit (or drops the connection)."""
+    name: ColumnElement[str] = literal_column(f"'{lock_name}'")
+    return (
+        select(func.get_lock(name, literal_column(str(int(wait_seconds))))),
+        select(func.release_lock(name)),
+    )
 
 
 def _key_may_go(
@@ -381,7 +477,7 @@ def mark_failed(table: Table, dialect: Dialect) -> Any:
         .where(t.c.id == bindparam("row_id"), t.c.locked_by == bindparam("token"))
         .values(
             status=status,
-            next_attempt_at=clock.db_later(is_postgres(dialect), "delay"),
+            next_attempt_at=clock.db_later(flavor(dialect), "delay"),
             last_error=bindparam("error"),
             locked_by=None,
             locked_until=None,
@@ -417,7 +513,7 @@ def extend_lease(table: Table, dialect: Dialect) -> Any:
     Fenced by the token; ``next_attempt_at`` moves with ``locked_until`` because it is the
     due time an expired lease is recognised by."""
     t = table
-    until = clock.db_later(is_postgres(dialect), "lease")
+    until = clock.db_later(flavor(dialect), "lease")
     return (
         update(t)
         .where(ids_in(t, dialect), t.c.locked_by == bindparam("token"))

@@ -13,13 +13,24 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import ARRAY, Table, Uuid, and_, any_, bindparam, cast, literal_column, select
+from sqlalchemy import (
+    ARRAY,
+    Select,
+    Table,
+    Uuid,
+    and_,
+    any_,
+    bindparam,
+    cast,
+    literal_column,
+    select,
+)
 from sqlalchemy.engine import Dialect
 from sqlalchemy.sql.elements import ColumnElement
 
 from fastapi_outbox.events import MessageStatus
 from fastapi_outbox.storage import clock
-from fastapi_outbox.storage.dialects import is_postgres
+from fastapi_outbox.storage.dialects import flavor, is_mysql, is_postgres
 from fastapi_outbox.storage.types import ACTIVE_STATUSES
 
 __all__ = [
@@ -32,6 +43,7 @@ __all__ = [
     "PUBLISHED",
     "active",
     "batch_params",
+    "derived",
     "ids_in",
     "later",
     "now",
@@ -111,8 +123,8 @@ def order_columns(alias: Any, dialect: Dialect) -> tuple[Any, ...]:
     of one aggregate can hold ids in the opposite order of their commits. The unit of work
     inserts outbox rows at the end, after the business writes: a producer that waited for
     another one's lock inserts after that one committed."""
-    if is_postgres(dialect):
-        return (alias.c.seq,)
+    if is_postgres(dialect) or is_mysql(dialect):
+        return (alias.c.seq,)  # MySQL: AUTO_INCREMENT, in insert order as PostgreSQL's
     # Quoted: the table may carry an SQL keyword's name (``order``).
     quoted = dialect.identifier_preparer.quote(alias.name)
     return (literal_column(f"{quoted}.rowid"),)
@@ -121,17 +133,26 @@ def order_columns(alias: Any, dialect: Dialect) -> tuple[Any, ...]:
 def now(dialect: Dialect) -> ColumnElement[dt.datetime]:
     """The clock every due time is compared with: the database's (see `clock`), one
     clock for every process whatever its host's clock says."""
-    return clock.db_now(is_postgres(dialect))
+    return clock.db_now(flavor(dialect))
 
 
 def later(dialect: Dialect, seconds: float) -> ColumnElement[dt.datetime]:
     """The database's now plus ``seconds`` (negative: earlier), the value bound in place."""
-    return clock.db_later(is_postgres(dialect), seconds=seconds)  # type: ignore[no-any-return]
+    return clock.db_later(flavor(dialect), seconds=seconds)  # type: ignore[no-any-return]
 
 
 def offset(dialect: Dialect, seconds: float) -> Any:
     """The value of a named `clock.db_later` parameter: an interval on PostgreSQL, a
-    date modifier on SQLite."""
-    if is_postgres(dialect):
-        return dt.timedelta(seconds=seconds)
-    return clock.seconds_modifier(seconds)
+    date modifier on SQLite, microseconds on MySQL."""
+    return clock.offset_value(flavor(dialect), seconds)
+
+
+def derived(chosen: Select[Any], dialect: Dialect) -> Select[Any]:
+    """``chosen`` (rows of a table picked for a change of that same table) as MySQL accepts
+    it in the change's ``IN (…)``: read from a derived table, which MySQL materialises
+    first. Asked directly it refuses both a subquery on the table being changed (error
+    1093) and a ``LIMIT`` in an ``IN`` subquery (1235). Other dialects: as it is."""
+    if not is_mysql(dialect):
+        return chosen
+    inner = chosen.subquery("chosen")
+    return select(*inner.c)

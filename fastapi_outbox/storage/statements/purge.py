@@ -14,7 +14,13 @@ from sqlalchemy import Table, delete, exists, or_, select, tuple_
 from sqlalchemy.engine import Dialect
 
 from fastapi_outbox.storage.dialects import is_postgres
-from fastapi_outbox.storage.statements.parts import PUBLISHED, active, later, order_columns
+from fastapi_outbox.storage.statements.parts import (
+    PUBLISHED,
+    active,
+    derived,
+    later,
+    order_columns,
+)
 
 __all__ = ["purge", "victims"]
 
@@ -39,7 +45,8 @@ def purge(
     waits for is kept — deleting it would let the key go on with a gap."""
     t = table
     chosen = victims(t, status, older_than_seconds, limit, dialect, keep_blocking=keep_blocking)
-    return delete(t).where(t.c.id.in_(chosen.scalar_subquery()))
+    # MySQL: the victims from a derived table (see ``derived``), and no SKIP LOCKED there.
+    return delete(t).where(t.c.id.in_(derived(chosen, dialect).scalar_subquery()))
 
 
 def victims(

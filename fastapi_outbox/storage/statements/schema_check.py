@@ -36,6 +36,7 @@ __all__ = [
     "probe_table",
     "rename_in_create",
     "rename_index",
+    "reset_lock_timeout",
     "set_not_null",
     "set_storage",
     "sqlite_columns",
@@ -92,11 +93,22 @@ def probe_index(ddl: str, probe: str) -> str:
     return re.sub(r" ON \S+ ", f" ON {probe} ", ddl, count=1)
 
 
-def lock_timeout(ms: int) -> TextClause:
+def lock_timeout(ms: int, *, mysql: bool = False) -> TextClause:
     """``_upgrade_once``, before each fix on PostgreSQL: its lock is waited for ``ms`` at
     most, so an ``ALTER TABLE`` queued behind a long transaction never holds every write
-    to the table behind it (session-level: the fix runs in autocommit)."""
+    to the table behind it (session-level: the fix runs in autocommit). MySQL: the same
+    for its metadata lock (``lock_wait_timeout``, whole seconds)."""
+    if mysql:
+        return text(f"SET SESSION lock_wait_timeout = {max(1, round(ms / 1000))}")
     return text(f"SET lock_timeout = {ms}")
+
+
+def reset_lock_timeout(*, mysql: bool = False) -> TextClause:
+    """``_upgrade_once``, after each fix: the pooled connection goes back with the
+    server's default lock timeout."""
+    if mysql:
+        return text("SET SESSION lock_wait_timeout = DEFAULT")
+    return RESET_LOCK_TIMEOUT
 
 
 def add_column(table: str, column_ddl: str) -> str:
