@@ -9,7 +9,7 @@ from typing import Annotated, Any
 import httpx
 import pytest
 from fastapi import Depends, FastAPI, Header
-from sqlalchemy import Column, Integer, MetaData, String, Table, insert, select
+from sqlalchemy import Column, Integer, MetaData, String, Table, insert, select, text
 
 from fastapi_outbox import Message, Outbox, OutboxSettings, UnitOfWork, unit_of_work
 from fastapi_outbox.brokers import MemoryBroker
@@ -244,3 +244,36 @@ async def test_the_dashboard_shows_and_acts_on_the_selected_tenant_only(
         assert own.status_code == 200 and own.json()["changed"] == 1
     assert await outbox.tenant_outbox("acme").store.messages.count("abandoned") == 1
     assert await outbox.tenant_outbox("globex").store.messages.count("pending") == 1
+
+
+async def test_a_schema_per_tenant_keeps_each_tenants_tables_in_its_schema(pg_url: str) -> None:
+    broker = MemoryBroker()
+    outbox = Outbox(
+        pg_url,
+        tenants={"acme": "tenant_acme", "globex": "tenant_globex"},
+        brokers={"default": broker},
+        settings=OutboxSettings(poll_interval_seconds=0.1),
+    )
+    try:
+        await outbox.create_tables()
+        for tenant in ("acme", "globex"):
+            async with outbox.tenant_outbox(tenant).engine.begin() as conn:
+                await conn.run_sync(metadata.create_all)
+        async with outbox.unit_of_work(tenant="acme") as uow:
+            await uow.session.execute(insert(orders).values(who="a1"))
+            uow.publish(Message("orders", "OrderPlaced", {"who": "a1"}))
+        async with outbox.relaying():
+            (sent,) = await broker.wait_for(1)
+        assert sent.headers["tenant"] == "acme"
+        assert await order_rows(outbox, "acme") == ["a1"]
+        assert await order_rows(outbox, "globex") == []
+        assert await outbox.tenant_outbox("globex").store.messages.count() == 0
+        async with outbox.tenant_outbox("acme").engine.connect() as conn:
+            where = await conn.execute(
+                text(
+                    "SELECT table_schema FROM information_schema.tables WHERE table_name = 'orders'"
+                )
+            )
+            assert sorted(r[0] for r in where) == ["tenant_acme", "tenant_globex"]
+    finally:
+        await outbox.aclose()
