@@ -1,13 +1,13 @@
 """Brokers: the ``Broker`` and ``Consumer`` protocols (``base``, ``consumer``) and one
-package per broker (``memory``, ``redis``, ``nats``, ``rabbitmq``), each made of a
+package per broker (``memory``, ``redis``, ``nats``, ``rabbitmq``, ``kafka``), each made of a
 ``connection`` (the client and what both sides need of the server), a ``wire`` module
 (encoding, header rules, the broker's one refusal and outage classifier), a ``publisher``
 and a ``consumer`` that each receive the connection and never import each other, and a
 ``broker`` composing them.
 
-``RedisStreamsBroker``, ``NatsJetStreamBroker`` and ``RabbitMQBroker`` import their client
-libraries lazily, so ``fastapi_outbox.brokers`` imports without the ``redis``, ``nats`` or
-``rabbitmq`` extras installed.
+``RedisStreamsBroker``, ``NatsJetStreamBroker``, ``RabbitMQBroker`` and ``KafkaBroker``
+import their client libraries lazily, so ``fastapi_outbox.brokers`` imports without the
+``redis``, ``nats``, ``rabbitmq`` or ``kafka`` extras installed.
 """
 
 from __future__ import annotations
@@ -20,12 +20,14 @@ from fastapi_outbox.brokers.base import Broker, PublishResults, redact_url
 from fastapi_outbox.brokers.memory.broker import MemoryBroker
 
 if TYPE_CHECKING:
+    from fastapi_outbox.brokers.kafka.broker import KafkaBroker
     from fastapi_outbox.brokers.nats.broker import NatsJetStreamBroker
     from fastapi_outbox.brokers.rabbitmq.broker import RabbitMQBroker
     from fastapi_outbox.brokers.redis.broker import RedisStreamsBroker
 
 __all__ = [
     "Broker",
+    "KafkaBroker",
     "MemoryBroker",
     "NatsJetStreamBroker",
     "PublishResults",
@@ -49,6 +51,10 @@ def __getattr__(name: str) -> Any:
         from fastapi_outbox.brokers.rabbitmq.broker import RabbitMQBroker
 
         return RabbitMQBroker
+    if name == "KafkaBroker":
+        from fastapi_outbox.brokers.kafka.broker import KafkaBroker
+
+        return KafkaBroker
     raise AttributeError(name)
 
 
@@ -107,8 +113,9 @@ def url_options(url: str) -> tuple[str, dict[str, Any]]:
 def broker_from_url(url: str, **options: Any) -> Broker:
     """``memory://``, ``redis://`` / ``rediss://`` / ``unix://``, a Redis Cluster's
     ``redis+cluster://host:port[,host:port…]`` / ``rediss+cluster://``, ``nats://`` /
-    ``tls://`` or ``amqp://`` / ``amqps://`` (RabbitMQ). Broker options may ride in the URL's
-    query (:func:`url_options`: ``?envelope=cloudevents``, ``?replicas=3`` for NATS); keyword
+    ``tls://``, ``amqp://`` / ``amqps://`` (RabbitMQ) or Kafka's
+    ``kafka://host:9092[,host:9092…]``. Broker options may ride in the URL's query
+    (:func:`url_options`: ``?envelope=cloudevents``, ``?replicas=3`` for NATS); keyword
     ``options`` win over them."""
     url, from_query = url_options(url)
     options = {**from_query, **options}
@@ -127,7 +134,11 @@ def broker_from_url(url: str, **options: Any) -> Broker:
         from fastapi_outbox.brokers.rabbitmq.broker import RabbitMQBroker
 
         return RabbitMQBroker(url, **options)
+    if scheme == "kafka":
+        from fastapi_outbox.brokers.kafka.broker import KafkaBroker
+
+        return KafkaBroker(url, **options)
     raise exceptions.ConfigurationError(
         f"unsupported broker URL {redact_url(url)!r}: "
-        "use memory://, redis://, rediss://, redis+cluster://, nats:// or amqp://"
+        "use memory://, redis://, rediss://, redis+cluster://, nats://, amqp:// or kafka://"
     )

@@ -1,9 +1,10 @@
-"""One contract, every broker: MemoryBroker, RedisStreamsBroker, NatsJetStreamBroker and
-RabbitMQBroker.
+"""One contract, every broker: MemoryBroker, RedisStreamsBroker, NatsJetStreamBroker,
+RabbitMQBroker and KafkaBroker.
 
 Each broker is driven through the ``Broker`` protocol only, and what it published is read
 back from the real server (XRANGE on Redis, the JetStream stream on NATS, a queue bound to
-the test's own exchange on RabbitMQ), never from the broker object itself.
+the test's own exchange on RabbitMQ, the topic's partitions on Kafka), never from the broker
+object itself.
 Broker-specific guarantees (stream creation and acknowledgement on NATS, MAXLEN on Redis,
 unroutable messages on RabbitMQ, URL parsing) follow the shared contract.
 
@@ -34,6 +35,7 @@ import redis.asyncio as aioredis
 from fastapi_outbox import exceptions
 from fastapi_outbox.brokers import (
     Broker,
+    KafkaBroker,
     MemoryBroker,
     NatsJetStreamBroker,
     RabbitMQBroker,
@@ -315,6 +317,74 @@ async def rabbitmq_harness(request: pytest.FixtureRequest) -> AsyncIterator[Harn
         await conn.close()
 
 
+async def kafka_harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
+    """The broker on the session's Kafka-protocol server, its topics of one partition (the
+    contract reads a stream back in order; Kafka keeps order per partition, so per key)."""
+    from aiokafka import AIOKafkaConsumer
+    from aiokafka.admin import AIOKafkaAdminClient
+    from aiokafka.structs import TopicPartition
+
+    from fastapi_outbox.brokers import KafkaBroker
+    from fastapi_outbox.brokers.kafka.wire import bootstrap_servers, header_dict
+
+    url = str(request.getfixturevalue("kafka_url"))
+    servers = bootstrap_servers(url)
+
+    async def read(stream: str) -> list[Received]:
+        reader = AIOKafkaConsumer(bootstrap_servers=servers, enable_auto_commit=False)
+        await reader.start()
+        try:
+            partitions = reader.partitions_for_topic(stream) or set()
+            if not partitions:
+                await reader._client.force_metadata_update()
+                partitions = reader.partitions_for_topic(stream) or set()
+            tps = [TopicPartition(stream, p) for p in sorted(partitions)]
+            reader.assign(tps)
+            await reader.seek_to_beginning(*tps)
+            ends = await reader.end_offsets(tps)
+            out: list[Received] = []
+            for tp in tps:
+                while await reader.position(tp) < ends[tp]:
+                    for record in (await reader.getmany(tp, timeout_ms=2000)).get(tp, []):
+                        headers = header_dict(record.headers)
+                        key = record.key.decode() if record.key is not None else None
+                        value = record.value or b""
+                        out.append(
+                            Received(headers["message-id"], headers["type"], key, headers, value)
+                        )
+            return out
+        finally:
+            await reader.stop()
+
+    async def poison() -> Envelope:
+        # Over the producer's max_request_bytes (1 MiB, Kafka's default message.max.bytes).
+        return envelope(harness.stream(), 0, payload=b'"' + b"x" * TWO_MB + b'"')
+
+    def fresh() -> Broker:
+        return KafkaBroker(url, topic_partitions=1)
+
+    harness = Harness(
+        "kafka",
+        fresh(),
+        read,
+        fresh,
+        poison,
+        lambda: KafkaBroker(
+            f"kafka://u:secret@127.0.0.1:{any_free_port()}", request_timeout_seconds=2
+        ),
+        dedups=False,  # a send repeated by the relay is a new record: the inbox skips it
+    )
+    try:
+        yield harness
+    finally:
+        await harness.broker.aclose()
+        admin = AIOKafkaAdminClient(bootstrap_servers=servers)
+        await admin.start()
+        with contextlib.suppress(Exception):
+            await admin.delete_topics(harness.streams)
+        await admin.close()
+
+
 #: Every broker the shared contract runs against: one entry per broker.
 HARNESSES: dict[str, Callable[[pytest.FixtureRequest], AsyncIterator[Harness]]] = {
     "memory": memory_harness,
@@ -322,6 +392,7 @@ HARNESSES: dict[str, Callable[[pytest.FixtureRequest], AsyncIterator[Harness]]] 
     "redis-cluster": redis_cluster_harness,
     "nats": nats_harness,
     "rabbitmq": rabbitmq_harness,
+    "kafka": kafka_harness,
 }
 
 
@@ -459,10 +530,14 @@ def test_broker_from_url_picks_the_implementation() -> None:
     assert rabbit.exchange == "events"
     assert "secret" not in repr(rabbit)
     assert isinstance(broker_from_url("amqps://127.0.0.1:5671/vhost"), RabbitMQBroker)
+    kafka = broker_from_url("kafka://127.0.0.1:9092,127.0.0.1:9093", topic_partitions=6)
+    assert isinstance(kafka, KafkaBroker)
+    assert kafka.connection.servers == ["127.0.0.1:9092", "127.0.0.1:9093"]
+    assert kafka.connection.topic_partitions == 6
 
 
 @pytest.mark.parametrize(
-    "url", ["kafka://broker:9092", "http://:secret@localhost", "localhost:6379", ""]
+    "url", ["pulsar://broker:6650", "http://:secret@localhost", "localhost:6379", ""]
 )
 def test_broker_from_url_refuses_other_schemes(url: str) -> None:
     with pytest.raises(exceptions.ConfigurationError, match="unsupported broker URL") as info:
