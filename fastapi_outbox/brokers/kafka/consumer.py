@@ -116,6 +116,7 @@ class KafkaConsumer:
         self._retries: list[tuple[float, int, Delivery, bool]] = []
         self._seq = itertools.count()
         self._dirty: set[Any] = set()
+        self._soon: list[Delivery] = []
         self._settled = asyncio.Event()
         self._last_sweep = time.monotonic()
 
@@ -212,6 +213,8 @@ class KafkaConsumer:
     async def _revoked(self, revoked: Any) -> None:
         """Partitions taken away: wait a moment for their deliveries in flight, commit what
         was settled, then forget them (their later acks are ignored)."""
+        waiting, self._soon = self._soon, []
+        self._settle(waiting)
         deadline = time.monotonic() + REVOKE_WAIT_SECONDS
         while time.monotonic() < deadline and any(
             any(not entry[2] for entry in self._partitions[tp].outstanding.values())
@@ -229,6 +232,7 @@ class KafkaConsumer:
 
     async def fetch(self, max_messages: int, timeout: float) -> list[Delivery]:
         consumer = await self._start()
+        await self._ack_waiting()
         await self._commit_dirty()
         self._sweep()
         out = self._due(max_messages)
@@ -342,7 +346,13 @@ class KafkaConsumer:
         await self._commit_dirty()
 
     async def ack_soon(self, deliveries: Sequence[Delivery]) -> None:
-        self._settle(deliveries)
+        # Acknowledged with the next fetch: one commit for the batches settled meanwhile.
+        self._soon.extend(deliveries)
+
+    async def _ack_waiting(self) -> None:
+        if self._soon:
+            waiting, self._soon = self._soon, []
+            await self.ack(waiting)
 
     async def retry(self, delivery: Delivery, delay: float) -> None:
         self._hold(delivery, delay, bump=True)
@@ -513,6 +523,8 @@ class KafkaConsumer:
         if consumer is None:
             return
         with contextlib.suppress(Exception):
+            waiting, self._soon = self._soon, []
+            self._settle(waiting)
             await self._commit_dirty_on(consumer)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(consumer.stop(), self.connection.request_timeout_seconds)
