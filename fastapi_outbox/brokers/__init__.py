@@ -67,12 +67,20 @@ URL_OPTIONS: dict[str, Any] = {
     "replicas": int,
     "ping_interval_seconds": float,
     "max_outstanding_pings": int,
+    "topic_partitions": int,
+    "session_timeout_seconds": float,
+    "heartbeat_interval_seconds": float,
+    "request_timeout_seconds": float,
 }
 #: Options only some brokers take: option → the URL schemes that accept it.
 _SCHEMES_OF: dict[str, tuple[str, ...]] = {
     "replicas": ("nats", "tls"),
     "ping_interval_seconds": ("nats", "tls"),
     "max_outstanding_pings": ("nats", "tls"),
+    "topic_partitions": ("kafka",),
+    "session_timeout_seconds": ("kafka",),
+    "heartbeat_interval_seconds": ("kafka",),
+    "request_timeout_seconds": ("kafka",),
 }
 
 

@@ -60,22 +60,24 @@ class KafkaBroker(KafkaPublisher):
         """``url``: ``kafka://host:9092[,host:9092…]`` (the bootstrap servers).
         ``topic_name``: the topic of a stream, ``{stream}`` filled in (also for the
         dead-letter topics); ``group_id``: the Kafka consumer group of a subscriber,
-        ``{stream}`` and ``{group}`` filled in. Topics missing are created with
-        ``topic_partitions`` partitions and ``topic_replication`` replicas (dead-letter
-        topics with one partition); ``create_topics=False`` leaves that to the operator.
-        ``idempotence``: None (default) uses the idempotent producer where the cluster
-        grants a producer id and produces without it elsewhere; True requires it.
-        ``session_timeout_seconds`` / ``heartbeat_interval_seconds``: how soon a silent
-        consumer leaves its group. ``client_options``: more aiokafka keywords (TLS, SASL),
-        given to every client. ``envelope="cloudevents"`` publishes CloudEvents per the
-        Kafka protocol binding (``ce_`` headers in binary mode)."""
+        ``{topic}`` (the stream's topic) or ``{stream}``, and ``{group}`` filled in.
+        Missing topics are created with ``topic_partitions`` partitions and
+        ``topic_replication`` replicas (dead-letter topics with one partition);
+        ``create_topics=False`` leaves that to the operator. ``idempotence``: None
+        (default) uses the idempotent producer where the cluster grants a producer id and
+        produces without it elsewhere; True requires it. ``session_timeout_seconds`` /
+        ``heartbeat_interval_seconds``: how soon a silent consumer leaves its group.
+        ``client_options``: more aiokafka keywords (TLS, SASL), given to every client.
+        ``envelope="cloudevents"`` publishes CloudEvents per the Kafka protocol binding
+        (``ce_`` headers in binary mode)."""
         if "{stream}" not in topic_name:
             raise exceptions.ConfigurationError(
                 f"KafkaBroker: topic_name {topic_name!r} must contain {{stream}}"
             )
-        if "{stream}" not in group_id or "{group}" not in group_id:
+        if "{group}" not in group_id or ("{stream}" not in group_id and "{topic}" not in group_id):
             raise exceptions.ConfigurationError(
-                f"KafkaBroker: group_id {group_id!r} must contain {{stream}} and {{group}}"
+                f"KafkaBroker: group_id {group_id!r} must contain {{group}} and {{topic}} "
+                "(or {stream})"
             )
         for option, value in (
             ("topic_partitions", topic_partitions),

@@ -4,8 +4,8 @@
   dead-letter topic (one partition) created when missing; a group without committed
   offsets and ``start="new"`` gets the topic's current end offsets committed, so it
   receives what is published from then on even if its first member joins later
-  (``start="all"``: from the beginning). The Kafka group is ``group_id`` with ``{stream}``
-  and ``{group}`` filled in (default ``{stream}.{group}``).
+  (``start="all"``: from the beginning). The Kafka group is ``group_id`` with ``{topic}``
+  (or ``{stream}``) and ``{group}`` filled in (default ``{topic}.{group}``).
 * ``fetch``: aiokafka's ``AIOKafkaConsumer`` subscribed to the topic with a rebalance
   listener, ``getmany`` for new records; retries that are due come first. Kafka keeps no
   per-message delivery count: the attempt is counted here (1 on the first fetch, one more
@@ -108,7 +108,7 @@ class KafkaConsumer:
         self.config = config
         self.topic = connection.topic(config.stream)
         self.dead_letter_topic = connection.topic(config.dead_letter)
-        self.group_id = group_id.format(stream=config.stream, group=config.group)
+        self.group_id = group_id.format(stream=config.stream, topic=self.topic, group=config.group)
         self.prefetch = config.prefetch or DEFAULT_PREFETCH
         self._consumer: Any = None
         self._partitions: dict[Any, _Partition] = {}

@@ -44,10 +44,10 @@ __all__ = [
 
 #: The topic of a stream: ``{stream}`` filled in (``KafkaBroker(topic_name=…)``).
 TOPIC_TEMPLATE = "{stream}"
-#: The Kafka consumer group of a subscriber's (stream, group): one Kafka group per pair, so
-#: a rebalance of one stream's consumers never stops another stream's, and two streams
-#: with the same group name never share committed offsets.
-GROUP_TEMPLATE = "{stream}.{group}"
+#: The Kafka consumer group of a subscriber's (stream, group), ``{topic}`` the stream's
+#: topic: one Kafka group per pair, so a rebalance of one stream's consumers never stops
+#: another stream's, and two streams with the same group name never share a group.
+GROUP_TEMPLATE = "{topic}.{group}"
 #: Kafka's limit on a topic name, and the characters it allows.
 TOPIC_MAX_CHARS = 249
 _TOPIC_CHARS = re.compile(r"[A-Za-z0-9._-]+")
