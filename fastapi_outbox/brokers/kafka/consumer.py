@@ -2,9 +2,9 @@
 
 * ``setup``: the stream's topic (``topic_partitions`` partitions) and the group's
   dead-letter topic (one partition) created when missing; a group without committed
-  offsets and ``start="new"`` gets the topic's current end offsets committed, so it
-  receives what is published from then on even if its first member joins later
-  (``start="all"``: from the beginning). The Kafka group is ``group_id`` with ``{topic}``
+  offsets and ``start="new"`` gets the topic's current end offsets committed (0 on a new
+  topic), so it exists and receives what is published from then on even if its first
+  member joins later (``start="all"``: from the beginning). The Kafka group is ``group_id`` with ``{topic}``
   (or ``{stream}``) and ``{group}`` filled in (default ``{topic}.{group}``).
 * ``fetch``: aiokafka's ``AIOKafkaConsumer`` subscribed to the topic with a rebalance
   listener, ``getmany`` for new records; retries that are due come first. Kafka keeps no
@@ -134,18 +134,17 @@ class KafkaConsumer:
             await self._start_at_end()
 
     async def _start_at_end(self) -> None:
-        """Commit the end offsets for a group that has none yet (``start="new"`` on a
-        topic with history); a new topic's end is its beginning: nothing to commit."""
+        """Give a group that has no committed offsets yet the topic's end offsets (0 on a
+        new topic): the group then exists, positioned before whatever is published next,
+        even if its first member joins later; a group with offsets keeps them."""
         async with self._standalone(self.group_id) as client:
             tps = await self._topic_partitions(client, self.topic)
             if not tps:
                 return
+            for tp in tps:
+                if await client.committed(tp) is not None:
+                    return
             ends = await client.end_offsets(tps)
-            if not any(ends.values()):
-                return
-            committed = {tp: await client.committed(tp) for tp in tps}
-            if any(offset is not None for offset in committed.values()):
-                return
             client.assign(tps)
             await client.commit({tp: ends[tp] for tp in tps})
 
