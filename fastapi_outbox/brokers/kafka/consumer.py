@@ -4,8 +4,9 @@
   dead-letter topic (one partition) created when missing; a group without committed
   offsets and ``start="new"`` gets the topic's current end offsets committed (0 on a new
   topic), so it exists and receives what is published from then on even if its first
-  member joins later (``start="all"``: from the beginning). The Kafka group is ``group_id`` with ``{topic}``
-  (or ``{stream}``) and ``{group}`` filled in (default ``{topic}.{group}``).
+  member joins later (``start="all"``: from the beginning). The Kafka group is
+  ``group_id`` with ``{topic}`` (or ``{stream}``) and ``{group}`` filled in (default
+  ``{topic}.{group}``).
 * ``fetch``: aiokafka's ``AIOKafkaConsumer`` subscribed to the topic with a rebalance
   listener, ``getmany`` for new records; retries that are due come first. Kafka keeps no
   per-message delivery count: the attempt is counted here (1 on the first fetch, one more
