@@ -64,6 +64,7 @@ _PROTOCOLS = {
     "tls": "nats",
     "amqp": "amqp",
     "amqps": "amqps",
+    "kafka": "kafka",
 }
 
 
