@@ -26,7 +26,7 @@ rows in the table (``--quick`` 100,000) and with none; the raw SQL claim alongsi
     python benchmarks/dispatch.py             # full (~4-5 minutes)
     python benchmarks/dispatch.py --quick     # smoke run
     python benchmarks/dispatch.py --only drain --brokers redis
-    python benchmarks/dispatch.py --only drain --brokers kafka --backlog 50000 --profile
+    python benchmarks/dispatch.py --only drain --brokers kafka --backlog 50000
 """
 
 from __future__ import annotations
