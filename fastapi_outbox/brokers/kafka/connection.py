@@ -208,10 +208,52 @@ class KafkaConnection:
             if self.producer is None:
                 self.producer = await self._start_producer()
 
+    async def _grants_producer_id(self) -> bool:
+        """Whether the cluster grants a producer id (``InitProducerId`` without a
+        transactional id answers without error): asked once, on a client of its own, so
+        a refusal costs no failed producer start (and no error logged by aiokafka)."""
+        from aiokafka.client import AIOKafkaClient
+        from aiokafka.protocol.transaction import InitProducerIdRequest
+
+        client = AIOKafkaClient(**self.common_options())
+        try:
+            await asyncio.wait_for(client.bootstrap(), self.request_timeout_seconds)
+            answer = await asyncio.wait_for(
+                client.send(
+                    client.get_random_node(),
+                    InitProducerIdRequest(
+                        transactional_id=None,
+                        transaction_timeout_ms=int(self.request_timeout_seconds * 1000),
+                    ),
+                ),
+                self.request_timeout_seconds,
+            )
+        except Exception as exc:
+            if outage(exc, self.url) is not None:
+                raise self.unavailable(exc) from exc
+            return False
+        finally:
+            with contextlib.suppress(Exception):
+                await client.close()
+        granted = int(getattr(answer, "error_code", -1)) == 0
+        if not granted:
+            logger.info(
+                "kafka grants no producer id, producing without idempotence",
+                extra={
+                    "action": "broker.idempotence_refused",
+                    "broker_url": redact_url(self.url),
+                    "error_code": getattr(answer, "error_code", None),
+                },
+            )
+        return granted
+
     async def _start_producer(self) -> Any:
         from aiokafka import AIOKafkaProducer
 
-        tries = [self.idempotence] if self.idempotence is not None else [True, False]
+        if self.idempotence is not None:
+            tries = [self.idempotence]
+        else:
+            tries = [True, False] if await self._grants_producer_id() else [False]
         last: BaseException | None = None
         for idempotent in tries:
             producer = AIOKafkaProducer(**self.producer_options(idempotent=idempotent))
@@ -222,8 +264,8 @@ class KafkaConnection:
                     await producer.stop()
                 if outage(exc, self.url) is not None:
                     raise self.unavailable(exc) from exc
-                # The cluster refused a producer id (InitProducerId answered with an error:
-                # Tansu 0.6 answers UnknownError): no idempotent producer here.
+                # The cluster refused the idempotent producer at its start after all:
+                # produce without it.
                 last = exc
                 logger.info(
                     "kafka idempotent producer refused, producing without idempotence",

@@ -978,3 +978,107 @@ async def test_rabbitmq_ordered_group_has_one_active_consumer_across_processes(
             await channel.queue_delete(name)
         await channel.exchange_delete(exchange)
         await conn.close()
+
+
+# -- Kafka ----------------------------------------------------------------------------------------
+
+
+async def _kafka_records(url: str, topic: str) -> list[Any]:
+    """Every record of ``topic``, partition by partition, read to the end."""
+    from aiokafka import AIOKafkaConsumer
+
+    from fastapi_outbox.brokers.kafka.wire import bootstrap_servers
+
+    reader = AIOKafkaConsumer(bootstrap_servers=bootstrap_servers(url), enable_auto_commit=False)
+    await reader.start()
+    try:
+        from aiokafka.structs import TopicPartition
+
+        await reader._client.force_metadata_update()
+        tps = [TopicPartition(topic, p) for p in sorted(reader.partitions_for_topic(topic) or [])]
+        reader.assign(tps)
+        await reader.seek_to_beginning(*tps)
+        out: list[Any] = []
+        while batches := await reader.getmany(timeout_ms=500):
+            out += [r for records in batches.values() for r in records]
+        return out
+    finally:
+        await reader.stop()
+
+
+async def test_kafka_key_is_the_record_key_and_headers_follow_the_rules(kafka_url: str) -> None:
+    """The key is the Kafka key (one partition per key, in order); message id, type,
+    correlation and the user's headers are record headers (UTF-8); a user header named
+    ``key`` is a header like any other, never the record key."""
+    topic = unique("orders")
+    broker = KafkaBroker(kafka_url, topic_partitions=3)
+    batch = [envelope(topic, n, key=f"k{n % 2}") for n in range(6)]
+    batch[0].headers["x-note"] = "é ok"
+    batch[1].headers = {**batch[1].headers, "key": "not-the-key"}
+    try:
+        assert await broker.publish(batch) == [None] * 6
+        records = await _kafka_records(kafka_url, topic)
+    finally:
+        await broker.aclose()
+    assert len(records) == 6
+    by_id = {dict(r.headers)["message-id"].decode(): r for r in records}
+    assert set(by_id) == {e.id for e in batch}
+    for e in batch:
+        r = by_id[e.id]
+        headers = {k: v.decode() for k, v in r.headers}
+        assert r.key == e.key.encode() and headers["type"] == "OrderPlaced"  # type: ignore[union-attr]
+        assert headers["correlation-id"] == e.headers["correlation-id"]
+        assert json.loads(r.value) == json.loads(e.payload)
+    assert {k: v.decode() for k, v in by_id[batch[0].id].headers}["x-note"] == "é ok"
+    assert dict(by_id[batch[1].id].headers)["key"] == b"not-the-key"
+    assert by_id[batch[1].id].key == b"k1"
+    for key in ("k0", "k1"):  # one partition per key, in publish order
+        mine = [r for r in records if r.key == key.encode()]
+        assert len({r.partition for r in mine}) == 1
+        order = [
+            dict(r.headers)["message-id"].decode() for r in sorted(mine, key=lambda r: r.offset)
+        ]
+        assert order == [e.id for e in batch if e.key == key]
+
+
+async def test_kafka_idempotence_is_detected_not_assumed(kafka_url: str) -> None:
+    """Tansu 0.6 answers InitProducerId with UnknownError: the broker produces without
+    idempotence (and says so); asking for it refuses the connect with the reason."""
+    detected = KafkaBroker(kafka_url)
+    required = KafkaBroker(kafka_url, idempotence=True)
+    try:
+        await detected.connect()
+        assert detected.idempotent is False
+        with pytest.raises(exceptions.ConfigurationError, match="idempotent producer"):
+            await required.connect()
+    finally:
+        await detected.aclose()
+        await required.aclose()
+
+
+async def test_kafka_message_over_the_size_limit_names_the_claim_check(kafka_url: str) -> None:
+    topic = unique("orders")
+    broker = KafkaBroker(kafka_url, max_request_bytes=10_000)
+    batch = [envelope(topic, 0), envelope(topic, 1, payload=b'"' + b"x" * 20_000 + b'"')]
+    try:
+        results = await broker.publish(batch)
+    finally:
+        await broker.aclose()
+    assert results[0] is None
+    assert isinstance(results[1], exceptions.MessageRejected)
+    assert batch[1].id in str(results[1]) and "claim check" in str(results[1])
+
+
+def test_kafka_options_are_checked() -> None:
+    with pytest.raises(exceptions.ConfigurationError, match="topic_name"):
+        KafkaBroker("kafka://127.0.0.1:9092", topic_name="orders")
+    with pytest.raises(exceptions.ConfigurationError, match="heartbeat_interval_seconds"):
+        KafkaBroker(
+            "kafka://127.0.0.1:9092", session_timeout_seconds=2, heartbeat_interval_seconds=3
+        )
+    with pytest.raises(exceptions.ConfigurationError, match="not a kafka:// URL"):
+        KafkaBroker("redis://127.0.0.1:9092")
+    assert (
+        broker_from_url("kafka://h:1?session_timeout_seconds=4").connection.session_timeout_seconds
+        == 4
+    )  # type: ignore[attr-defined]
