@@ -118,6 +118,8 @@ class KafkaConsumer:
         self._seq = itertools.count()
         self._dirty: set[Any] = set()
         self._soon: list[Delivery] = []
+        #: The acks of the last fetch's ``ack_soon`` batch, committing while it fetches.
+        self._acking: asyncio.Future[Any] | None = None
         self._settled = asyncio.Event()
         self._last_sweep = time.monotonic()
 
@@ -215,6 +217,7 @@ class KafkaConsumer:
         was settled, then forget them (their later acks are ignored)."""
         waiting, self._soon = self._soon, []
         self._settle(waiting)
+        await self._acks_done()
         deadline = time.monotonic() + REVOKE_WAIT_SECONDS
         while time.monotonic() < deadline and any(
             any(not entry[2] for entry in self._partitions[tp].outstanding.values())
@@ -232,8 +235,11 @@ class KafkaConsumer:
 
     async def fetch(self, max_messages: int, timeout: float) -> list[Delivery]:
         consumer = await self._start()
-        await self._ack_waiting()
-        await self._commit_dirty()
+        if self._soon:  # the acks of ack_soon: committed while this fetch waits
+            waiting, self._soon = self._soon, []
+            await self._acks_done()
+            self._acking = asyncio.ensure_future(self.ack(waiting))
+            self._acking.add_done_callback(_quiet)
         self._sweep()
         out = self._due(max_messages)
         if len(out) >= max_messages:
@@ -251,7 +257,7 @@ class KafkaConsumer:
             if part is None:  # revoked meanwhile: the next owner reads it
                 continue
             for record in records:
-                d = decode_record(self.config.stream, record, part.epoch)
+                d = decode_record(self.config.stream, record, part.epoch, tp=tp)
                 part.outstanding[record.offset] = [d, now, False]
                 part.next = record.offset + 1
                 out.append(d)
@@ -267,7 +273,7 @@ class KafkaConsumer:
             part = self._partitions.get(tp)
             if part is None or part.epoch != epoch or offset not in part.outstanding:
                 continue
-            again = decode_record(self.config.stream, record, epoch, d.attempt + int(bump))
+            again = decode_record(self.config.stream, record, epoch, d.attempt + int(bump), tp)
             part.outstanding[offset] = [again, now, False]
             out.append(again)
         return out
@@ -317,7 +323,10 @@ class KafkaConsumer:
         from aiokafka import errors
 
         try:
-            await consumer.commit(offsets)
+            # Bounded: aiokafka waits for a coordinator as long as it takes (a broker down).
+            await asyncio.wait_for(
+                consumer.commit(offsets), self.connection.request_timeout_seconds
+            )
         except (errors.CommitFailedError, errors.IllegalStateError) as exc:
             # A rebalance took the partition: its next owner resumes from the last commit.
             logger.info(
@@ -345,14 +354,15 @@ class KafkaConsumer:
         self._settle(deliveries)
         await self._commit_dirty()
 
+    async def _acks_done(self) -> None:
+        task = self._acking
+        if task is not None and not task.done():
+            with contextlib.suppress(Exception):
+                await task
+
     async def ack_soon(self, deliveries: Sequence[Delivery]) -> None:
         # Acknowledged with the next fetch: one commit for the batches settled meanwhile.
         self._soon.extend(deliveries)
-
-    async def _ack_waiting(self) -> None:
-        if self._soon:
-            waiting, self._soon = self._soon, []
-            await self.ack(waiting)
 
     async def retry(self, delivery: Delivery, delay: float) -> None:
         self._hold(delivery, delay, bump=True)
@@ -519,24 +529,25 @@ class KafkaConsumer:
         )
 
     async def aclose(self) -> None:
-        consumer, self._consumer = self._consumer, None
+        consumer = self._consumer
         if consumer is None:
             return
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # what fails to commit is redelivered
             waiting, self._soon = self._soon, []
             self._settle(waiting)
-            await self._commit_dirty_on(consumer)
+            await self._acks_done()
+            await self._commit_dirty()
+        self._consumer = None
         with contextlib.suppress(Exception):
             await asyncio.wait_for(consumer.stop(), self.connection.request_timeout_seconds)
         self._partitions.clear()
         self._retries.clear()
 
-    async def _commit_dirty_on(self, consumer: Any) -> None:
-        self._consumer = consumer
-        try:
-            await self._commit_dirty()
-        finally:
-            self._consumer = None
+
+def _quiet(task: asyncio.Future[Any]) -> None:
+    """Retrieve a background ack's error (committed again with the next one)."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.debug("kafka commit failed: %r", task.exception())
 
 
 def _listener(owner: KafkaConsumer) -> Any:

@@ -109,39 +109,67 @@ def header_dict(raw: Sequence[tuple[str, bytes]] | None) -> dict[str, str]:
 
 class KafkaDelivery(Delivery):
     """A record delivered to a group: ``handle`` is ``(TopicPartition, offset, epoch,
-    record)``, ``epoch`` the partition's assignment it was fetched under."""
+    record)``, ``epoch`` the partition's assignment it was fetched under. Its headers are
+    read from the record when first asked for (a batch handler that never reads them costs
+    no dict per message)."""
 
     __slots__ = ()
 
+    @property
+    def headers(self) -> dict[str, str]:
+        if self._headers is None:
+            headers = header_dict(self.handle[3].headers)
+            headers[HEADER_MESSAGE_ID] = self.message_id
+            headers[HEADER_TYPE] = self.type
+            self._headers = headers
+        return self._headers
 
-def decode_record(stream: str, record: Any, epoch: int, attempt: int = 1) -> Delivery:
+
+#: Header names that make a record a CloudEvent (the Kafka binding's ``ce_`` prefix, other
+#: bindings' prefixes, a content type: structured mode).
+_CLOUDEVENT_MARKS = ("ce_", "ce-", "cloudevents", "content-type", "content_type")
+
+
+def decode_record(
+    stream: str, record: Any, epoch: int, attempt: int = 1, tp: Any = None
+) -> Delivery:
     """The delivery of a consumed ``record`` (a native message or a CloudEvent of any
-    producer); its entry id is ``partition:offset``."""
-    from aiokafka.structs import TopicPartition
+    producer); its entry id is ``partition:offset``; ``tp``: its ``TopicPartition``."""
+    if tp is None:
+        from aiokafka.structs import TopicPartition
 
-    tp = TopicPartition(record.topic, record.partition)
+        tp = TopicPartition(record.topic, record.partition)
     handle = (tp, record.offset, epoch, record)
     entry_id = f"{record.partition}:{record.offset}"
     key = record.key.decode("utf-8", "replace") if record.key is not None else None
     body = record.value if record.value is not None else b""
-    headers = header_dict(record.headers)
-    event = cloudevents.as_delivery(
-        headers, body, stream=stream, entry_id=entry_id, attempt=attempt, key=key, handle=handle
-    )
-    if event is not None:
-        return event
-    message_id = headers.pop(HEADER_MESSAGE_ID, "") or f"{record.topic}:{entry_id}"
-    type_ = headers.pop(HEADER_TYPE, "")
-    headers = {HEADER_MESSAGE_ID: message_id, HEADER_TYPE: type_, **headers}
+    message_id = type_ = b""
+    for name, value in record.headers or ():
+        if name == HEADER_MESSAGE_ID:
+            message_id = value
+        elif name == HEADER_TYPE:
+            type_ = value
+        elif name.lower().startswith(_CLOUDEVENT_MARKS):
+            event = cloudevents.as_delivery(
+                header_dict(record.headers),
+                body,
+                stream=stream,
+                entry_id=entry_id,
+                attempt=attempt,
+                key=key,
+                handle=handle,
+            )
+            if event is not None:
+                return event
+            break
     return KafkaDelivery(
         stream=stream,
         entry_id=entry_id,
-        message_id=message_id,
-        type=type_,
+        message_id=message_id.decode("utf-8", "replace") or f"{record.topic}:{entry_id}",
+        type=type_.decode("utf-8", "replace") if type_ else "",
         key=key,
         payload=body,
         attempt=attempt,
-        headers=headers,
         handle=handle,
     )
 
