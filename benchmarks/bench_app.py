@@ -1,19 +1,19 @@
 """The application the benchmarks run: the example's order endpoint, with and without the outbox.
 
 Configured from the environment, so the same module serves uvicorn
-(``uvicorn benchmarks.bench_app:app``) and the dispatcher CLI
+(``uvicorn benchmarks.bench_app:app``) and the relay CLI
 (``fastapi-outbox dispatch --app benchmarks.bench_app:outbox``):
 
 * ``BENCH_DATABASE_URL`` — the run's own database (``postgresql+asyncpg://…/bench_…``);
 * ``BENCH_BROKER_URL`` — ``memory://`` (default), ``redis://…``, ``nats://…`` or ``amqp://…``;
 * ``BENCH_BROKER_OPTIONS`` — JSON object of keyword arguments for ``broker_from_url`` (e.g.
   ``{"replicas": 3}`` on a NATS cluster, whose URL lists the nodes comma-separated);
-* ``BENCH_BROKER_NAME`` — the outbox broker name (default ``default``): several dispatcher
+* ``BENCH_BROKER_NAME`` — the outbox broker name (default ``default``): several relay
   groups can share one table, each draining only the rows of its broker name;
 * ``BENCH_POOL_SIZE`` / ``BENCH_MAX_OVERFLOW`` — engine pool (the PostgreSQL server is
   shared: keep connections bounded);
 * ``BENCH_GC_FREEZE=1`` — ``gc.freeze()`` once the app is built (an experiment knob: how
-  much of the dispatcher's CPU goes to the cyclic garbage collector);
+  much of the relay's CPU goes to the cyclic garbage collector);
 * ``OUTBOX_*`` — the outbox settings (``OUTBOX_RUN_RELAYS=false`` for an API-only
   process, ``OUTBOX_BATCH_SIZE``, ``OUTBOX_WORKERS`` …).
 
@@ -120,7 +120,7 @@ async def place_order_plain(body: NewOrder, session: PlainSessionDep) -> dict[st
 
 
 def memory_published() -> int:
-    """Messages the memory broker received (dispatchers-on round)."""
+    """Messages the memory broker received (relays-on round)."""
     return len(broker.messages) if isinstance(broker, MemoryBroker) else 0
 
 

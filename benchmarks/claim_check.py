@@ -15,12 +15,12 @@ only — and 1 MiB):
 
 * **write**: one ``outbox.unit_of_work()`` publishing one event and committing, ``--commits``
   times in a row: milliseconds per commit;
-* **end to end**: with the dispatcher and one subscriber running, ``--messages`` messages
+* **end to end**: with the relay and one subscriber running, ``--messages`` messages
   committed one per unit of work: milliseconds per message from the first commit until the
   handler has seen every one whole (the commits, dispatch to Redis, the subscriber's fetch,
   the claim-check look-up, decoding, the handler's transaction, pipelined).
 
-Each figure also in this process's CPU time (producer, dispatcher and subscriber run in
+Each figure also in this process's CPU time (producer, relay and subscriber run in
 it; the database server's and Redis's CPU are not counted), steadier than wall time on a
 loaded machine. Rounds alternate the variants' order (A B C, C B A, …); the tables print
 medians and the ratio to inline.
@@ -201,7 +201,7 @@ async def main(args: argparse.Namespace) -> None:
         )
     )
     print(
-        "CPU: this process's (producer, dispatcher and subscriber together), not the "
+        "CPU: this process's (producer, relay and subscriber together), not the "
         "database server's nor Redis's."
     )
 

@@ -18,13 +18,13 @@ medians:
 * **drain** — ``dispatch.py``'s drain (a backlog inserted in one ``INSERT … SELECT``,
   ``fastapi-outbox dispatch`` processes of ``benchmarks.bench_app`` with the default
   settings, rate = rows / (last ``published_at`` - commit), every message counted in the
-  stream afterwards); one group of dispatcher processes per target, all up for the whole
+  stream afterwards); one group of relay processes per target, all up for the whole
   stage, each draining the rows of its own broker name;
 * **consume** — ``consume.py``'s library subscriber (a batch handler writing its effects in
   one array statement, and the per-message ORM handler), from a stream filled beforehand by
   the library's own ``publish``, into PostgreSQL, after a warm-up.
 
-Beside the rates, CPU per message from ``/proc``: of the dispatcher processes (``relay``) or
+Beside the rates, CPU per message from ``/proc``: of the relay processes (``relay``) or
 of this process (the consumer), of the PostgreSQL backends serving the run's database
 (``pg``), and of the broker's server processes, summed over the nodes (``broker``).
 
@@ -438,7 +438,7 @@ async def run(
             for kind, targets in by_kind.items():
                 if "drain" in args.only:
                     for nproc in args.processes:
-                        banner(f"{kind}: drain, {nproc} dispatcher process(es) per target")
+                        banner(f"{kind}: drain, {nproc} relay process(es) per target")
                         rows += await drain_stage(conn, targets, nproc, args, workdir, db_url)
                 if "consume" in args.only:
                     banner(f"{kind}: consume")
@@ -461,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         help="drain: streams the backlog is spread over (default 8: several hash slots and"
         " stream leaders on a cluster)",
     )
-    p.add_argument("--processes", type=int, nargs="+", default=[1], help="dispatchers per target")
+    p.add_argument("--processes", type=int, nargs="+", default=[1], help="relays per target")
     p.add_argument("--messages", type=int, help="consume: measured messages (20,000; quick 3,000)")
     p.add_argument("--warmup", type=int, default=2000, help="consume: warm-up messages")
     p.add_argument("--rounds", type=int, help="rounds per target (default 3; quick 1)")

@@ -2,7 +2,7 @@
 
 (a) **Drain**: a backlog (100,000 rows; ``--quick`` 10,000) inserted in one
 ``INSERT … SELECT generate_series`` is drained to Redis Streams and to NATS JetStream by
-the library's dispatcher (``python -m fastapi_outbox dispatch --app
+the library's relay (``python -m fastapi_outbox dispatch --app
 benchmarks.bench_app:outbox``; default settings — adaptive claims of 25 up to 500 rows,
 workers 2 — and workers 1; de-duplication on: the
 Redis script, ``Nats-Msg-Id``) with 1 and 2 processes, and by a minimal hand-written
@@ -17,7 +17,7 @@ restarts. One more drain runs under py-spy for the library and the baseline (hot
 ``outbox.unit_of_work()`` at a steady 1,000 msg/s for 10 s (``--quick`` 3 s); a consumer
 process reads the Redis stream with XREAD BLOCK (``--latency-broker nats``: subscribes to
 the JetStream subject); latency = receipt - commit (the producer's ``after_commit`` time).
-Twice: with a separate dispatcher process (woken by LISTEN/NOTIFY) and with the dispatcher
+Twice: with a separate relay process (woken by LISTEN/NOTIFY) and with the relay
 in the producer's process (in-process wake-up).
 
 (c) **Claim time**: ``Claims.claim`` of 100 pending rows, 50 times, with 1,000,000 published
@@ -81,7 +81,7 @@ TABLE = "outbox_messages"
 RABBITMQ_EXCHANGE = "outbox"
 APP = "benchmarks.bench_app:outbox"
 #: The library's drain rate at least this much of the hand-written batched relay's, by
-#: number of dispatcher processes.
+#: number of relay processes.
 DRAIN_FLOORS = {1: 1.2, 2: 1.0}
 LATENCY_GOALS_MS = (3.0, 15.0)  # p50, p99
 
@@ -263,12 +263,12 @@ async def _kafka_records(url: str, topic: str) -> int:
         await reader.stop()
 
 
-# -- dispatcher processes ----------------------------------------------------------------------
+# -- relay processes ----------------------------------------------------------------------
 
 
 @dataclass
 class Group:
-    """Dispatcher processes draining the rows of one broker name."""
+    """Relay processes draining the rows of one broker name."""
 
     label: str
     kind: str  # library | baseline
@@ -403,7 +403,7 @@ async def drain(
                     "pending",
                 )
             # In the same transaction: ANALYZE sees our own uncommitted rows, and no
-            # dispatcher can start before the commit below.
+            # relay can start before the commit below.
             await conn.execute(f"ANALYZE {group.table}")
         t0 = await conn.fetchval("SELECT clock_timestamp()")
         relay0 = {p.pid: proc_cpu(p.pid) for p in group.procs}
@@ -662,8 +662,8 @@ async def latency_suite(
     out: list[Latency] = []
     kind = args.latency_broker
     broker_url = loopback(REDIS_URL if kind == "redis" else NATS_URL)
-    for mode in ("separate dispatcher process (LISTEN/NOTIFY)", "dispatcher in the producer"):
-        in_process = mode.startswith("dispatcher in")
+    for mode in ("separate relay process (LISTEN/NOTIFY)", "relay in the producer"):
+        in_process = mode.startswith("relay in")
         stream = unique("bench_lat")
         await brokers.prepare(kind, stream)
         await conn.execute(f"TRUNCATE {TABLE}")
@@ -768,7 +768,7 @@ def print_latency(results: list[Latency], args: argparse.Namespace) -> None:
     print(
         table(
             [
-                *("dispatcher", "sent", "received", "msg/s", "p50 ms", "p90 ms", "p99 ms"),
+                *("relay", "sent", "received", "msg/s", "p50 ms", "p90 ms", "p99 ms"),
                 *("max ms", "producer us/msg", "start->reader p50/p99 ms", "txn p50 ms"),
                 "producer CPU %",
             ],
@@ -970,7 +970,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         nargs="*",
         default=[],
         metavar="OUTBOX_X=V",
-        help="settings of the library's dispatcher processes (default: none, the defaults)",
+        help="settings of the library's relay processes (default: none, the defaults)",
     )
     p.add_argument("--backlog", type=int, help="drain backlog (default 100,000; quick 10,000)")
     p.add_argument("--rounds", type=int, help="drain rounds per relay (default 2; quick 1)")

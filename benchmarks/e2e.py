@@ -1,7 +1,7 @@
 """End to end at a steady rate: the library against txoutbox, in the same run.
 
 One producer process commits one message per transaction at ``--rate`` (default 500/s) for
-``--seconds``; a dispatcher in a process of its own publishes to Redis Streams; a reader
+``--seconds``; a relay in a process of its own publishes to Redis Streams; a reader
 process (XREAD BLOCK) notes when each message arrives. Latency is counted from the start of
 the producer's transaction to the reader's receipt (and from the commit, for reference);
 the producer's transaction time (start to commit) and its CPU over the run are printed too.

@@ -9,7 +9,7 @@ after, after, before, …), and prints medians, spreads and the ratio after/befo
 
 * **drain** — a backlog (20,000 rows; ``--quick`` 5,000) drained to Redis and NATS by one
   ``fastapi-outbox dispatch`` process at default settings (``benchmarks/dispatch.py`` (a));
-* **latency** — commit → XADD at 1,000 msg/s for 5 s (``--quick`` 2 s), dispatcher in a
+* **latency** — commit → XADD at 1,000 msg/s for 5 s (``--quick`` 2 s), relay in a
   separate process woken by LISTEN/NOTIFY (``benchmarks/dispatch.py`` (b));
 * **consume** — handled msg/s of a per-message handler and of a batch handler with one
   array insert on Redis and NATS, with the inbox (``benchmarks/consume.py``), 10,000
@@ -169,9 +169,9 @@ async def latency_rounds(conn: Any, db_url: str, args: argparse.Namespace, befor
         await brokers.close()
         shutil.rmtree(workdir, ignore_errors=True)
     return [
-        figure("latency p50 ms (dispatcher process)", p50),
-        figure("latency p99 ms (dispatcher process)", p99),
-        figure("latency p50 ms (dispatcher in the producer)", inproc50),
+        figure("latency p50 ms (relay process)", p50),
+        figure("latency p99 ms (relay process)", p99),
+        figure("latency p50 ms (relay in the producer)", inproc50),
     ]
 
 

@@ -6,7 +6,7 @@ in the same run (see each script):
 * ``producer.py --quick``: a one-event ``unit_of_work()`` and ``Depends(unit_of_work)``
   against a bare ``AsyncSession`` (wall and CPU per transaction; at most 1.1x);
 * ``dispatch.py --only drain``: drains of a 20,000-row backlog (``--backlog``) to Redis and
-  NATS by the library's dispatcher on default settings and by a hand-written batched
+  NATS by the library's relay on default settings and by a hand-written batched
   relay, 1 and 2 processes, 3 alternating rounds (at least 1.2x with 1 process, 1.0x with
   2);
 * ``consume.py``: 10,000 messages per round (``--messages``), 2 rounds, Redis, NATS and

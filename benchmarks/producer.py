@@ -10,7 +10,7 @@ time and this process's CPU), not the database's throughput:
 * ``uow, notify=False``: the same without wake-ups (for information: the NOTIFY's cost);
 * ``asgi-uow``: ``POST`` to a route taking ``Depends(unit_of_work)`` that publishes one
   event, through an in-process ASGI client (httpx ``ASGITransport``), app started with
-  ``outbox.lifespan`` (dispatchers off: only the write path);
+  ``outbox.lifespan`` (relays off: only the write path);
 * ``asgi-bare``: the same request to a route whose dependency opens a bare session and
   commits the same INSERT before the response (``scope="function"``, as ``unit_of_work``).
 

@@ -10,22 +10,22 @@ Printed, for both layouts:
   the plain table, by dropping the partition on the partitioned one — time, WAL written
   (``pg_current_wal_lsn()`` difference; the counter is cluster-wide, so concurrent activity
   on the same server is included), table size afterwards, and the dispatch rate (a
-  dispatcher with default settings draining a backlog to Redis) before and while the
+  relay with default settings draining a backlog to Redis) before and while the
   retention runs.
 
 With ``--dispatch`` (instead of the above): dispatch from a plain table and from a table
 partitioned by day (by id: see ``fastapi_outbox.storage.partitions``) holding ``--days``
 partitions (30 by default) of ``--rows`` done rows (3,000,000 by default, so a run takes ~10
 minutes on a loaded 2-core machine), in ``--rounds`` alternating rounds (the layout going
-first alternates): each round a default dispatcher drains ``--dispatch-backlog`` pending rows
+first alternates): each round a default relay drains ``--dispatch-backlog`` pending rows
 to Redis, msg/s from its first mark to its last. Then, per layout, the plans of a 500-row
-claim and of its mark as a dispatcher runs them once its prepared statements use a generic
+claim and of its mark as a relay runs them once its prepared statements use a generic
 plan (forced: the worst case for pruning), ``EXPLAIN (ANALYZE, BUFFERS)``, rolled back; scans
 of other partitions that never ran are counted, not printed. ``--statements DATA_DIR``: on a
 private server (``BENCH_PG_URL``) with ``pg_stat_statements`` preloaded (``track = all``,
 ``track_planning = on``), whose data directory this process can read: each round also prints
 the statements of its drain (calls, execution and planning ms, rows, buffers; reset before
-the drain), the dispatcher's and the whole server's CPU per message, and the autovacuum and
+the drain), the relay's and the whole server's CPU per message, and the autovacuum and
 autoanalyze runs on the table meanwhile.
 
 Fill method: one ``INSERT … SELECT … FROM generate_series`` statement per step and layout,
@@ -203,26 +203,26 @@ async def explained_purge(
 
 
 async def retention_under_load(
-    outbox: Any, dispatcher: Any, cutoff: dt.datetime, backlog: int
+    outbox: Any, relay: Any, cutoff: dt.datetime, backlog: int
 ) -> dict[str, Any]:
-    """Drain ``backlog`` rows with ``dispatcher`` (default settings, Redis); after a
+    """Drain ``backlog`` rows with ``relay`` (default settings, Redis); after a
     baseline window, run the retention of ``outbox`` and measure it."""
     name = outbox.table.name
     stream = f"bench_scale_{name}"
     await run_sql(outbox, fill_sql(name, "pending", 50_000_000, backlog, 1, stream=stream))
     out: dict[str, Any] = {}
-    async with dispatcher.relaying():
-        processor = dispatcher.relays.tables["default"]
+    async with relay.relaying():
+        table_relay = relay.relays.tables["default"]
         await asyncio.sleep(1.0)  # warm-up: claims grow to batch_size
-        n0, t0 = processor.published_total, time.perf_counter()
+        n0, t0 = table_relay.published_total, time.perf_counter()
         await asyncio.sleep(4.0)
-        out["rate_before"] = (processor.published_total - n0) / (time.perf_counter() - t0)
+        out["rate_before"] = (table_relay.published_total - n0) / (time.perf_counter() - t0)
         # Retention of the rows finished before ``cutoff``: exactly the oldest day (its
         # rows end 400 s before midnight; 2 s of margin for the clocks).
         retention_seconds = (dt.datetime.now(dt.UTC) - cutoff).total_seconds() + 2
         out["size_before"] = await size(outbox)
         lsn0 = await scalar(outbox, "SELECT pg_current_wal_lsn()::text")
-        n0, t0 = processor.published_total, time.perf_counter()
+        n0, t0 = table_relay.published_total, time.perf_counter()
         if outbox.partitions is None:
             deleted, out["own_wal"] = await explained_purge(
                 outbox, retention_seconds, outbox.settings.cleanup_batch_size
@@ -234,7 +234,7 @@ async def retention_under_load(
             deleted = await outbox.store.retention.purge_batch("published", retention_seconds, 5000)
             out["what"] = f"DROP of {', '.join(dropped) or 'nothing'} (+{deleted} rows deleted)"
         out["seconds"] = time.perf_counter() - t0
-        published = processor.published_total - n0
+        published = table_relay.published_total - n0
         out["wal"] = await scalar(
             outbox, f"SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '{lsn0}')::bigint"
         )
@@ -263,7 +263,7 @@ def _literal(value: Any) -> str:
 
 
 async def explain_generic(outbox: Any, sql: str, args: list[Any]) -> list[str]:
-    """``EXPLAIN (ANALYZE, BUFFERS)`` of ``sql`` as a dispatcher runs it once its prepared
+    """``EXPLAIN (ANALYZE, BUFFERS)`` of ``sql`` as a relay runs it once its prepared
     statement switched to a generic plan (forced here: the worst case for pruning),
     executed in a transaction that is rolled back. Plan nodes that never ran (the other
     partitions, pruned at run time) are counted, not printed."""
@@ -314,7 +314,7 @@ async def dispatch_plans(outbox: Any) -> dict[str, list[str]]:
     await run_sql(outbox, fill_sql(name, "pending", 90_000_000, CLAIM, 1, stream="plans"))
     out = {}
     stmt = store.claims.claim_statement("default", CLAIM, False)
-    # Partitioned: the floor a dispatcher's claims use during a drain (partition_map).
+    # Partitioned: the floor a relay's claims use during a drain (partition_map).
     pmap = store.claims.partition_map
     floor = NIL
     if pmap is not None:
@@ -334,26 +334,26 @@ async def dispatch_plans(outbox: Any) -> dict[str, list[str]]:
     return out
 
 
-async def drain_rate(dispatcher: Any, backlog: int, stream: str) -> float:
-    """Messages per second of a default dispatcher draining ``backlog`` rows to Redis,
+async def drain_rate(relay: Any, backlog: int, stream: str) -> float:
+    """Messages per second of a default relay draining ``backlog`` rows to Redis,
     from its first mark to its last."""
     import redis.asyncio as aioredis
 
-    async with dispatcher.relaying():
-        processor = dispatcher.relays.tables["default"]
+    async with relay.relaying():
+        table_relay = relay.relays.tables["default"]
         deadline = time.monotonic() + 600
 
         async def until(done: Any) -> None:
-            # A poll (the processor has no event to wait on), bounded by the deadline.
+            # A poll (the table_relay has no event to wait on), bounded by the deadline.
             for _ in range(10**7):
                 if done() or time.monotonic() > deadline:
                     return
                 await asyncio.sleep(0.005)
 
-        await until(lambda: processor.published_total > 0)
-        n0, t0 = processor.published_total, time.perf_counter()
-        await until(lambda: processor.published_total >= backlog)
-        rate = (processor.published_total - n0) / (time.perf_counter() - t0)
+        await until(lambda: table_relay.published_total > 0)
+        n0, t0 = table_relay.published_total, time.perf_counter()
+        await until(lambda: table_relay.published_total >= backlog)
+        rate = (table_relay.published_total - n0) / (time.perf_counter() - t0)
     client = aioredis.Redis.from_url(REDIS_URL)
     await client.delete(stream)
     await client.aclose()
@@ -433,12 +433,12 @@ async def dispatch_comparison(
                 abandoned_retention_seconds=None,
             )
             outbox = Outbox(url, settings=settings.model_copy(update={"run_relays": False}))
-            dispatcher = Outbox(
+            relay = Outbox(
                 url,
                 brokers={"default": RedisStreamsBroker(REDIS_URL, maxlen=10_000, dedup="off")},
                 settings=settings,
             )
-            outboxes[layout] = (outbox, dispatcher)
+            outboxes[layout] = (outbox, relay)
             if statements and partitioning is None:
                 await run_sql(outbox, "CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
             await outbox.create_tables()
@@ -460,7 +460,7 @@ async def dispatch_comparison(
         for n in range(rounds):
             names = list(layouts) if n % 2 == 0 else list(reversed(layouts))
             for layout in names:
-                outbox, dispatcher = outboxes[layout]
+                outbox, relay = outboxes[layout]
                 name = outbox.table.name
                 stream = f"bench_scale_dispatch_{name}"
                 first = 100_000_000 + n * backlog
@@ -473,7 +473,7 @@ async def dispatch_comparison(
                     vacuums0 = await scalar(outbox, VACUUMS.format(name=name))
                     await run_sql(outbox, "SELECT pg_stat_statements_reset()")
                     relay0, pg0 = proc_cpu(os.getpid()), server_cpu(statements)
-                rate = await drain_rate(dispatcher, backlog, stream)
+                rate = await drain_rate(relay, backlog, stream)
                 rates[layout].append(rate)
                 print(f"round {n + 1}: {layout}: {rate:,.0f} msg/s", flush=True)
                 if statements:
@@ -491,8 +491,8 @@ async def dispatch_comparison(
                 print(f"\n{what} plan (generic, EXPLAIN ANALYZE, BUFFERS), {layout}:")
                 print("\n".join(f"   {line}" for line in plan))
     finally:
-        for outbox, dispatcher in outboxes.values():
-            await dispatcher.aclose()
+        for outbox, relay in outboxes.values():
+            await relay.aclose()
             await outbox.aclose()
     print()
     medians = {layout: statistics.median(r) for layout, r in rates.items()}
@@ -545,7 +545,7 @@ async def main(rows: int, days: int, backlog: int, order: str) -> None:
                 abandoned_retention_seconds=None,
             )
             outbox = Outbox(url, settings=settings)
-            dispatcher = Outbox(
+            relay = Outbox(
                 url,
                 brokers={"default": RedisStreamsBroker(REDIS_URL, maxlen=10_000, dedup="off")},
                 settings=OutboxSettings(
@@ -607,11 +607,11 @@ async def main(rows: int, days: int, backlog: int, order: str) -> None:
                         f"sequential scans: {bad or 'none'} on partitions holding rows "
                         f"(on empty ones: {sorted(set(seq) & empty)})\n"
                     )
-                r = await retention_under_load(outbox, dispatcher, cutoff, backlog)
+                r = await retention_under_load(outbox, relay, cutoff, backlog)
                 retention_results[layout] = r
                 print(f"{layout}: retention {r}", flush=True)
             finally:
-                await dispatcher.aclose()
+                await relay.aclose()
                 await outbox.aclose()
 
     print()

@@ -9,7 +9,7 @@ before today, as a table keeping a week of messages has). One group of ``fastapi
 dispatch`` processes (``benchmarks.bench_app``, default settings) per table, both up for the
 whole run; each round inserts a backlog into one table (``dispatch.py``'s drain: one
 ``INSERT … SELECT``, rows due now, so in today's partition) and waits until it is published.
-Prints msg/s, the dispatcher's and the PostgreSQL backends' CPU µs per message (``/proc``).
+Prints msg/s, the relay's and the PostgreSQL backends' CPU µs per message (``/proc``).
 
     python benchmarks/tables.py                  # 30,000 rows x 4 rounds, Redis
     python benchmarks/tables.py --broker nats --days-back 30
@@ -164,7 +164,7 @@ def main() -> int:
         rows = asyncio.run(run(args, workdir))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    banner(f"drain to {args.broker}, one dispatcher process per table, medians")
+    banner(f"drain to {args.broker}, one relay process per table, medians")
     print(table(["table", "msg/s", "vs plain", "relay us/msg", "PostgreSQL us/msg"], rows))
     print(f"\nfinished in {time.monotonic() - started:.0f} s; {machine_note()}")
     return 0

@@ -13,7 +13,7 @@ alternate (table, wal, plain, table, …); the table prints medians of commits/s
 PostgreSQL CPU per commit (``/proc`` of the backends) and the ratios.
 
 (b) **Drain.** A backlog of ``--backlog`` messages (``--per-txn`` per transaction) is
-committed with no dispatcher running, then ``outbox.relaying()`` starts in this process
+committed with no relay running, then ``outbox.relaying()`` starts in this process
 (``batch_size=500``) and the time until the broker holds every message is measured (XLEN /
 JetStream stream state, polled every 20 ms; the count must be exact). table and wal
 alternate, on Redis and on NATS.
@@ -263,7 +263,7 @@ async def bench_drain(url: str, kinds: list[str], rounds: int, backlog: int, per
 
 async def latency_round(url: str, capture: str, rate: float, seconds: float) -> list[float]:
     """Commit → XREAD latencies (ms) at ``rate`` commits/s of one message each, the
-    dispatcher in this process (woken by the in-process signal after each commit)."""
+    relay in this process (woken by the in-process signal after each commit)."""
     import redis.asyncio as aioredis
 
     from benchmarks._common import REDIS_URL
@@ -323,7 +323,7 @@ async def latency_round(url: str, capture: str, rate: float, seconds: float) -> 
 async def bench_latency(url: str, rounds: int, rate: float, seconds: float) -> None:
     from benchmarks._common import percentile
 
-    banner(f"(c) commit → XREAD latency at {rate:g} commits/s, dispatcher in-process")
+    banner(f"(c) commit → XREAD latency at {rate:g} commits/s, relay in-process")
     got: dict[str, list[float]] = {"table": [], "wal": []}
     for r in range(rounds):
         for capture in ("table", "wal"):

@@ -2,13 +2,13 @@
 committing only the business row.
 
 One uvicorn process (1 worker, no access log) serves ``benchmarks.bench_app:app`` on a
-database of its own, with dispatchers off (``OUTBOX_RUN_RELAYS=false``) so only the
+database of its own, with relays off (``OUTBOX_RUN_RELAYS=false``) so only the
 write path is measured. ``wrk`` (or, without it, an httpx client in another process) loads
 ``POST /orders`` (outbox: INSERT order, INSERT outbox row, COMMIT) and ``POST /orders-plain``
 (INSERT order, COMMIT) in alternating rounds (A B A B …); the tables are truncated before
 every round. Medians and the outbox/plain ratio are printed; the goal is a ratio of at least
 0.85 (the outbox costs at most 15 % of throughput). Then one more outbox round runs with the
-dispatchers on (memory broker, in the API process), for information.
+relays on (memory broker, in the API process), for information.
 
 When the ratio is under 0.85 (or with ``--profile always``), the API process is profiled
 with py-spy during one more round of each endpoint and the hot spots are printed.
@@ -339,12 +339,12 @@ async def main(args: argparse.Namespace) -> int:
                         profiles[v.name] = (out, res)
                 for v in variants:
                     v.proc.stop()
-                # For information: the same endpoint with the dispatchers running in the API
+                # For information: the same endpoint with the relays running in the API
                 # process (memory broker): the write path now shares the CPU with the relay.
                 api_on, base_on = start_api(
                     procs, "api_on", db_url, workdir, {"OUTBOX_RUN_RELAYS": "true"}
                 )
-                on = Variant("outbox, dispatchers on", api_on, base_on + "/orders", True)
+                on = Variant("outbox, relays on", api_on, base_on + "/orders", True)
                 await one_round(conn, on, args.warmup, args, workdir, loader)
                 res = await one_round(conn, on, args.seconds, args, workdir, loader)
                 pending = await conn.fetchval(

@@ -485,7 +485,7 @@ def wal_pg_url(logical_pg: Any) -> Iterator[str]:
 async def slot_empty(slot: Any) -> bool:
     """The WAL slot holds none of our messages. False while a relay is reading the slot at
     that very moment (the peek then fails with SQLSTATE 55006, object in use): a condition
-    for ``wait_until`` while dispatchers run."""
+    for ``wait_until`` while relays run."""
     try:
         return bool(await slot.pending_messages() == 0)
     except Exception as exc:

@@ -570,15 +570,16 @@ class Processing:
 
     async def _hand_back(self, d: Delivery) -> None:
         """Back to the group, uncharged, for another process after
-        :data:`~fastapi_outbox.consume.versions.HAND_BACK_SECONDS`."""
+        :func:`~fastapi_outbox.consume.versions.hand_back_delay`."""
         self.stats.handed_back += 1
         consumer: Any = self.consumer
         defer = getattr(consumer, "defer", None)
+        delay = versions_mod.hand_back_delay()
         try:
             if defer is not None:
-                await defer(d, versions_mod.HAND_BACK_SECONDS)
+                await defer(d, delay)
             else:
-                await consumer.retry(d, versions_mod.HAND_BACK_SECONDS)
+                await consumer.retry(d, delay)
         except Exception as exc:  # redelivered after claim_idle anyway
             logger.warning(
                 "hand-back failed",

@@ -11,7 +11,7 @@ A delivery whose type this process's handler does not take
 (:meth:`fastapi_outbox.consume.processing.Processing.process`):
 
 * another live process of the group takes it → handed back to the group, uncharged, after
-  :data:`HAND_BACK_SECONDS` (so that process, not this one, gets it);
+  :func:`hand_back_delay` (so that process, not this one, gets it);
 * no live process takes it, and an ``Event`` class of this process declares the type → the
   group does not handle that type: acknowledged and skipped;
 * no live process takes it and no ``Event`` class here declares it (a type newer than this
@@ -29,13 +29,20 @@ redelivered message's attempt is the library's own count, not the broker's.
 from __future__ import annotations
 
 import logging
+import random
 import time
 
 import anyio
 
 from fastapi_outbox.storage.group_members import ANY_TYPE, Attempts, GroupMembers
 
-__all__ = ["HAND_BACK_SECONDS", "HEARTBEAT_SECONDS", "MEMBER_TTL_SECONDS", "Versions"]
+__all__ = [
+    "HAND_BACK_SECONDS",
+    "HEARTBEAT_SECONDS",
+    "MEMBER_TTL_SECONDS",
+    "Versions",
+    "hand_back_delay",
+]
 
 logger = logging.getLogger("fastapi_outbox.consume")
 
@@ -45,8 +52,18 @@ MEMBER_TTL_SECONDS = 15.0
 HEARTBEAT_SECONDS = MEMBER_TTL_SECONDS / 3
 #: How long the other live processes' types are believed before being read again.
 CACHE_SECONDS = 1.0
-#: Delay before a handed-back message goes to the group again.
+#: Delay before a handed-back message goes to the group again (on average: see
+#: :func:`hand_back_delay`).
 HAND_BACK_SECONDS = 1.0
+
+
+def hand_back_delay() -> float:
+    """:data:`HAND_BACK_SECONDS`, spread by ±50 %. Two versions that hand back each
+    other's messages at the same moment would otherwise have them redelivered at the same
+    moment, round after round, each to the process that just handed it back (a broker
+    serves its waiting fetches in order): seen on NATS for tens of seconds. Spread, each
+    redelivery is a fresh, independent turn."""
+    return HAND_BACK_SECONDS * random.uniform(0.5, 1.5)
 
 
 class Versions:

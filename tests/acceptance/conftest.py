@@ -1,4 +1,4 @@
-"""Helpers of the acceptance tests: private broker servers and dispatcher subprocesses.
+"""Helpers of the acceptance tests: private broker servers and relay subprocesses.
 
 Crash tests kill processes, so they never touch the shared services' processes: every
 broker killed here is a PRIVATE server started on a port of its own (Redis 6390-6399,
@@ -6,7 +6,7 @@ NATS 4230-4239) with its data in the test's temporary directory, and every proce
 started here is stopped in a fixture finalizer.
 
 * :class:`Server`: a broker server we own (start, SIGKILL, restart on the same data).
-* :class:`Dispatchers`: ``fastapi-outbox dispatch --app tests.acceptance.crash_app:outbox``
+* :class:`Relays`: ``fastapi-outbox dispatch --app tests.acceptance.crash_app:outbox``
   subprocesses (kill one, restart the dead, stop all).
 * :func:`produce`, :func:`wait_drained`, :func:`redis_ids`, :func:`nats_ids`: commit
   messages through ``outbox.unit_of_work()`` and read back what reached the broker.
@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[2]
 APP = "tests.acceptance.crash_app:outbox"
 REDIS_PORTS = range(6390, 6400)
 NATS_PORTS = range(4230, 4240)
-#: A dispatcher subprocess writes this (INFO log) once its processors run.
+#: A relay subprocess writes this (INFO log) once its table_relays run.
 READY_LINE = b"outbox relays started"
 
 
@@ -137,7 +137,7 @@ def private_nats(tmp_path: Path) -> Iterator[Server]:
         server.stop()
 
 
-# -- dispatcher subprocesses ---------------------------------------------------------------
+# -- relay subprocesses ---------------------------------------------------------------
 
 
 def _cli() -> list[str]:
@@ -147,8 +147,8 @@ def _cli() -> list[str]:
     return [sys.executable, "-m", "fastapi_outbox"]
 
 
-class Dispatchers:
-    """``count`` dispatcher processes running ``app`` (default :data:`APP`) with ``env``."""
+class Relays:
+    """``count`` relay processes running ``app`` (default :data:`APP`) with ``env``."""
 
     def __init__(self, count: int, env: dict[str, str], log_dir: Path, app: str = APP) -> None:
         self.env = env
@@ -182,7 +182,7 @@ class Dispatchers:
             self.start(index)
 
     def ready(self) -> list[int]:
-        """Indexes of running processes whose processors have started."""
+        """Indexes of running processes whose table_relays have started."""
         out = []
         for index, proc in enumerate(self.procs):
             log = self.logs[index]
@@ -196,7 +196,7 @@ class Dispatchers:
         deadline = time.monotonic() + timeout
         while len(self.ready()) < want:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"dispatchers not ready after {timeout}s: {self.tail()}")
+                raise TimeoutError(f"relays not ready after {timeout}s: {self.tail()}")
             time.sleep(0.05)
 
     def kill(self, index: int) -> None:
@@ -255,12 +255,12 @@ def dispatcher_env(
 
 
 @pytest.fixture
-def dispatchers(tmp_path: Path) -> Iterator[Callable[..., Dispatchers]]:
-    """``dispatchers(count, env, app=APP)`` → :class:`Dispatchers`, all stopped at teardown."""
-    made: list[Dispatchers] = []
+def relays(tmp_path: Path) -> Iterator[Callable[..., Relays]]:
+    """``relays(count, env, app=APP)`` → :class:`Relays`, all stopped at teardown."""
+    made: list[Relays] = []
 
-    def make(count: int, env: dict[str, str], app: str = APP) -> Dispatchers:
-        group = Dispatchers(count, env, tmp_path, app)
+    def make(count: int, env: dict[str, str], app: str = APP) -> Relays:
+        group = Relays(count, env, tmp_path, app)
         made.append(group)
         return group
 

@@ -3,7 +3,7 @@
 Configuration comes from the environment: ``DATABASE_URL``, ``BROKER_URL`` and the usual
 ``OUTBOX_*`` settings (table name, lease, ...). With ``CRASH_ON_POISON=1`` the broker ends
 the process with exit code :data:`POISON_EXIT_CODE` as soon as it is asked to publish a
-payload marked ``"poison": true``: a message that crashes its dispatcher on every attempt.
+payload marked ``"poison": true``: a message that crashes its relay on every attempt.
 """
 
 from __future__ import annotations

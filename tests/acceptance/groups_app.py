@@ -1,7 +1,7 @@
 """The simplest app, for the acceptance test of groups declared before the first publish:
 one process, one Outbox on a Redis or NATS broker, one ``@outbox.subscriber`` with default
 options (``start="new"``), run as ``fastapi-outbox dispatch --app
-tests.acceptance.groups_app:outbox``. Its own dispatcher publishes what the test commits
+tests.acceptance.groups_app:outbox``. Its own relay publishes what the test commits
 to the outbox table; each message's effect is one row of ``effects`` (no unique
 constraint: a double effect would show as two rows).
 

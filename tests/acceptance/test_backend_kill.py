@@ -1,6 +1,6 @@
-"""A PostgreSQL backend of the dispatcher terminated mid-batch, again and again.
+"""A PostgreSQL backend of the relay terminated mid-batch, again and again.
 
-``pg_terminate_backend`` hits the dispatcher's connections (those whose last statement is
+``pg_terminate_backend`` hits the relay's connections (those whose last statement is
 a claim or a mark: they name ``locked_by``), busy or idle in the pool, of this test's own
 database only, while producers commit. Claims and marks lost with their connection are
 recovered (leases expire; the pool drops a dead connection instead of handing it out
@@ -30,9 +30,9 @@ WHERE datname = current_database() AND pid <> pg_backend_pid() AND query LIKE '%
 """
 
 
-async def test_dispatcher_backends_terminated_mid_batch(pg_url: str, redis_url: str) -> None:
+async def test_relay_backends_terminated_mid_batch(pg_url: str, redis_url: str) -> None:
     stream = unique("orders")
-    # Producers on an engine of their own, as an API process beside a dispatcher process:
+    # Producers on an engine of their own, as an API process beside a relay process:
     # a pooled connection killed while idle would fail whichever session takes it next.
     producers_engine = create_async_engine(pg_url)
     outbox = Outbox(
@@ -53,7 +53,7 @@ async def test_dispatcher_backends_terminated_mid_batch(pg_url: str, redis_url: 
     killed = 0
     try:
         async with outbox.relaying():
-            processor = outbox.relays.tables["default"]
+            table_relay = outbox.relays.tables["default"]
             async with anyio.create_task_group() as tg:
                 committed: list[str] = []
 
@@ -62,7 +62,7 @@ async def test_dispatcher_backends_terminated_mid_batch(pg_url: str, redis_url: 
 
                 tg.start_soon(producers)
                 for _ in range(KILLS):
-                    # Wait until a dispatcher connection is there to be killed.
+                    # Wait until a relay connection is there to be killed.
                     async def terminated() -> bool:
                         nonlocal killed
                         n = int(await admin.fetchval(KILL_SQL))
@@ -84,7 +84,7 @@ async def test_dispatcher_backends_terminated_mid_batch(pg_url: str, redis_url: 
             try:
                 await wait_until(drained, timeout=40, interval=0.1)
             except TimeoutError:
-                pytest.fail(f"not drained; last error: {processor.last_error}")
+                pytest.fail(f"not drained; last error: {table_relay.last_error}")
         assert killed >= KILLS
         exactly_once(committed, await redis_ids(redis_url, stream))
     finally:

@@ -59,7 +59,7 @@ async def run_through_refusal(
     admin = aioredis.Redis.from_url(server.url)
     try:
         async with outbox.relaying():
-            processor = outbox.relays.tables["default"]
+            table_relay = outbox.relays.tables["default"]
             committed = await produce(outbox, stream, 60)
             await wait_drained(outbox, 20, lambda: "before the refusal")
 
@@ -70,10 +70,10 @@ async def run_through_refusal(
                     committed.extend(await produce(outbox, stream, 240, pause=0.01))
 
                 tg.start_soon(more)
-                await wait_until(lambda: processor.broker_refusing, timeout=15)
-                assert code in (processor.last_error or ""), processor.last_error
+                await wait_until(lambda: table_relay.broker_refusing, timeout=15)
+                assert code in (table_relay.last_error or ""), table_relay.last_error
             # Refused for a while, with everything committed: still nothing charged.
-            await wait_until(lambda: _down_for(processor) > 1.0, timeout=15)
+            await wait_until(lambda: _down_for(table_relay) > 1.0, timeout=15)
             assert await outbox.store.messages.count("abandoned") == 0
             assert await outbox.store.messages.count("failed") == 0
             left = await unfinished(outbox)
@@ -82,12 +82,12 @@ async def run_through_refusal(
                 length = await admin.xlen(stream)
                 pytest.fail(
                     f"all published while refusing: role={role}, xlen={length}, "
-                    f"committed={len(committed)}, last_error={processor.last_error}"
+                    f"committed={len(committed)}, last_error={table_relay.last_error}"
                 )
 
             await accept(admin)
-            await wait_drained(outbox, 30, lambda: f"after the refusal: {processor.last_error}")
-            assert processor.broker_ok and not processor.broker_refusing
+            await wait_drained(outbox, 30, lambda: f"after the refusal: {table_relay.last_error}")
+            assert table_relay.broker_ok and not table_relay.broker_refusing
         assert await outbox.store.messages.count("abandoned") == 0
         async with outbox.engine.connect() as conn:
             attempts = (
@@ -100,14 +100,14 @@ async def run_through_refusal(
         await outbox.aclose()
 
 
-def _down_for(processor: Any) -> float:
+def _down_for(table_relay: Any) -> float:
     import time
 
-    since = processor.broker_down_since
+    since = table_relay.broker_down_since
     return 0.0 if since is None else time.time() - since
 
 
-async def test_redis_at_maxmemory_pauses_the_processor_and_loses_nothing(
+async def test_redis_at_maxmemory_pauses_the_relay_and_loses_nothing(
     pg_url: str, private_redis: Server
 ) -> None:
     async def full(admin: Any) -> None:
@@ -157,7 +157,7 @@ async def test_jetstream_stream_gone_is_an_outage_that_heals(
     await outbox.create_tables()
     try:
         async with outbox.relaying():
-            processor = outbox.relays.tables["default"]
+            table_relay = outbox.relays.tables["default"]
             first = await produce(outbox, subject, 20)
             await wait_drained(outbox, 20, lambda: "before the deletion")
             exactly_once(first, await nats_ids(private_nats.url, subject))
@@ -168,8 +168,8 @@ async def test_jetstream_stream_gone_is_an_outage_that_heals(
             finally:
                 await nc.close()
             later = await produce(outbox, subject, 40)
-            await wait_drained(outbox, 20, lambda: f"after the deletion: {processor.last_error}")
-            assert processor.broker_ok
+            await wait_drained(outbox, 20, lambda: f"after the deletion: {table_relay.last_error}")
+            assert table_relay.broker_ok
         assert await outbox.store.messages.count("abandoned") == 0
         async with outbox.engine.connect() as conn:
             attempts = (

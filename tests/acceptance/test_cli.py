@@ -379,7 +379,7 @@ class Output:
 async def test_dispatch_publishes_and_exits_on_sigterm(
     outbox: Outbox, pg_url: str, redis_url: str, tmp_path: Path
 ) -> None:
-    """One dispatcher from ``--app`` (console script, JSON logs), one from ``--url`` and
+    """One relay from ``--app`` (console script, JSON logs), one from ``--url`` and
     ``--broker-url`` (``python -m``, its own table): each publishes its rows to Redis and
     exits 0 on SIGTERM."""
     import redis.asyncio as aioredis

@@ -8,7 +8,7 @@ AOF (fsync on every write) and a NATS with JetStream on a store directory of its
 loopback ports of their own. The shared services on 5432 / 6379 / 4222 are not touched.
 
 The producer is this test: it commits the messages through ``outbox.unit_of_work()`` into
-the private PostgreSQL and its own dispatcher (``outbox.relaying()``) publishes them. The
+the private PostgreSQL and its own relay (``outbox.relaying()``) publishes them. The
 consumers are three ``fastapi-outbox dispatch --app tests.acceptance.consumer_app:outbox``
 processes: one ``@outbox.subscriber`` (group ``effects``) adding one ``effects`` row per
 message in the handler's transaction (no unique constraint: a double effect shows as two
@@ -57,7 +57,7 @@ from fastapi_outbox.brokers import broker_from_url
 from fastapi_outbox.brokers.consumer import ConsumerConfig
 from tests.acceptance.conftest import (
     REPO,
-    Dispatchers,
+    Relays,
     Server,
     dispatcher_env,
     nats_ids,
@@ -78,7 +78,7 @@ CONSUMERS = 3
 #: consumer_app's subscriber.
 CONSUMER_APP = "tests.acceptance.consumer_app:outbox"
 GROUP = "effects"
-#: Outbox table of the consumer processes' own (empty) dispatchers.
+#: Outbox table of the consumer processes' own (empty) relays.
 CONSUMER_TABLE = "consumer_outbox"
 #: Waits on conditions: generous for a loaded 2-core machine, each cut to what is left of
 #: ``BUDGET_SECONDS`` (from the test's start), so that a stuck run still ends in the report
@@ -101,7 +101,7 @@ REDIS_PORTS = range(6500, 6510)
 NATS_PORTS = range(4260, 4270)
 PG_OPTIONS = "-c fsync=off -c full_page_writes=off -c max_connections=200"
 
-#: The in-test dispatcher (producer side): quick polls, short leases, short broker backoff.
+#: The in-test relay (producer side): quick polls, short leases, short broker backoff.
 DISPATCHER_SETTINGS: dict[str, Any] = {
     "lease_seconds": 3,
     "publish_timeout_seconds": 1,
@@ -174,9 +174,9 @@ def chaos_nats(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 # -- the consumer processes ----------------------------------------------------------------
 
 
-class Consumers(Dispatchers):
+class Consumers(Relays):
     """``fastapi-outbox dispatch --app tests.acceptance.consumer_app:outbox`` processes
-    (ready, kill, restart and stop as :class:`Dispatchers`)."""
+    (ready, kill, restart and stop as :class:`Relays`)."""
 
     def start(self, index: int) -> None:
         self.started += 1

@@ -1,10 +1,10 @@
-"""Crash recovery with real processes: dispatchers and brokers SIGKILLed mid-run.
+"""Crash recovery with real processes: relays and brokers SIGKILLed mid-run.
 
 Three ``fastapi-outbox dispatch --app tests.acceptance.crash_app:outbox`` subprocesses
 relay messages that this process commits through ``outbox.unit_of_work()``. Whatever is
 killed, once the outbox has no unfinished row every committed message id is in the
 broker's stream exactly once: leases (``OUTBOX_LEASE_SECONDS=1..2``) hand a dead
-dispatcher's batch to another one, and the brokers' de-duplication by message id absorbs
+relay's batch to another one, and the brokers' de-duplication by message id absorbs
 the republish of messages that were published but not yet marked.
 
 Every test is bounded (``fail_after``) well under a minute.
@@ -21,7 +21,7 @@ import pytest
 from fastapi_outbox import Outbox, OutboxSettings
 from fastapi_outbox.brokers import MemoryBroker
 from tests.acceptance.conftest import (
-    Dispatchers,
+    Relays,
     Server,
     chaos_rng,
     dispatcher_env,
@@ -53,7 +53,7 @@ FAST = {
 
 
 async def producing_outbox(pg_url: str, table: str) -> Outbox:
-    """This process only commits (API-only: no dispatcher here)."""
+    """This process only commits (API-only: no relay here)."""
     outbox = Outbox(
         pg_url,
         brokers={"default": MemoryBroker()},
@@ -63,12 +63,12 @@ async def producing_outbox(pg_url: str, table: str) -> Outbox:
     return outbox
 
 
-async def test_dispatchers_killed_repeatedly_lose_and_duplicate_nothing(
-    pg_url: str, redis_url: str, dispatchers: Callable[..., Dispatchers]
+async def test_relays_killed_repeatedly_lose_and_duplicate_nothing(
+    pg_url: str, redis_url: str, relays: Callable[..., Relays]
 ) -> None:
     stream, table = unique("crash"), new_table()
     outbox = await producing_outbox(pg_url, table)
-    group = dispatchers(3, dispatcher_env(pg_url, redis_url, table, **FAST))
+    group = relays(3, dispatcher_env(pg_url, redis_url, table, **FAST))
     rng = chaos_rng()
     try:
         with anyio.fail_after(55):
@@ -77,7 +77,7 @@ async def test_dispatchers_killed_repeatedly_lose_and_duplicate_nothing(
             stop = anyio.Event()
 
             async def chaos() -> None:
-                # A random running dispatcher is SIGKILLed every 0.3-0.5 s and restarted.
+                # A random running relay is SIGKILLed every 0.3-0.5 s and restarted.
                 while not stop.is_set():
                     with anyio.move_on_after(rng.uniform(0.3, 0.5)):
                         await stop.wait()
@@ -107,16 +107,14 @@ async def test_broker_killed_and_restarted_mid_run(
     kind: str,
     pg_url: str,
     request: pytest.FixtureRequest,
-    dispatchers: Callable[..., Dispatchers],
+    relays: Callable[..., Relays],
 ) -> None:
     """A PRIVATE broker (Redis with AOF fsync always; NATS with a JetStream file store)
     is SIGKILLed twice while producers commit, and restarted on the same data."""
     server: Server = request.getfixturevalue(f"private_{kind}")
     stream, table = unique("crash"), new_table()
     outbox = await producing_outbox(pg_url, table)
-    group = dispatchers(
-        3, dispatcher_env(pg_url, server.url, table, **{**FAST, "lease_seconds": 2})
-    )
+    group = relays(3, dispatcher_env(pg_url, server.url, table, **{**FAST, "lease_seconds": 2}))
     try:
         with anyio.fail_after(55):
             group.start_all()
@@ -149,9 +147,9 @@ async def test_broker_killed_and_restarted_mid_run(
 
 
 async def test_a_message_that_crashes_every_publish_is_abandoned_after_max_attempts(
-    pg_url: str, redis_url: str, dispatchers: Callable[..., Dispatchers]
+    pg_url: str, redis_url: str, relays: Callable[..., Relays]
 ) -> None:
-    """Attempts are counted at claim: the poison message kills the dispatcher that
+    """Attempts are counted at claim: the poison message kills the relay that
     publishes it, every time, yet it ends ``abandoned`` after ``max_attempts`` tries, and
     the messages that shared its batch are published (a row recovered from an expired
     lease is claimed on its own)."""
@@ -160,7 +158,7 @@ async def test_a_message_that_crashes_every_publish_is_abandoned_after_max_attem
     outbox = await producing_outbox(pg_url, table)
     env = dispatcher_env(pg_url, redis_url, table, **FAST, max_attempts=max_attempts)
     env["CRASH_ON_POISON"] = "1"
-    group = dispatchers(3, env)
+    group = relays(3, env)
     try:
         with anyio.fail_after(55):
             group.start_all()

@@ -1,5 +1,5 @@
 """The simplest app does not lose its first messages: its consumer group
-exists before its own dispatcher publishes, whatever ``start`` says.
+exists before its own relay publishes, whatever ``start`` says.
 
 ``tests.acceptance.groups_app`` (one Outbox, one subscriber with default options, run by
 ``fastapi-outbox dispatch``) is started as a subprocess on a fresh stream. Right after each

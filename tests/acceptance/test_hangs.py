@@ -1,13 +1,13 @@
 """Hangs end: a broker frozen with SIGSTOP, ten times in a row, while producers commit.
 
 Each cycle freezes a private Redis or NATS server (never the shared ones) for three times
-``publish_timeout_seconds``, then resumes it. After every resume the dispatcher is back
+``publish_timeout_seconds``, then resumes it. After every resume the relay is back
 within ``RECOVERY_BOUND_SECONDS`` (a message committed after the resume is published by
 then); nothing leaks across cycles (Redis client connections, NATS ack futures and
 publish slots, asyncio tasks); at the end every committed message is in the stream once.
 
 The bound: a publish in flight when the server froze ends at ``publish_timeout_seconds``
-(0.3 s here), the processor then pauses at most ``broker_backoff_max_seconds`` (0.4 s) per
+(0.3 s here), the table_relay then pauses at most ``broker_backoff_max_seconds`` (0.4 s) per
 try, and the next claim and publish take milliseconds: about 1 s; the assertion allows 5 s
 for a loaded 2-core machine.
 """
@@ -52,7 +52,7 @@ async def freeze_cycles(
     outbox: Outbox, server: Server, stream: str, delivered: Any, leaks: Any
 ) -> list[str]:
     committed: list[str] = []
-    processor = outbox.relays.tables["default"]
+    table_relay = outbox.relays.tables["default"]
     await commit(outbox, stream, 20, committed)
     await wait_drained(outbox, 20, lambda: "warm-up")
     baseline = await leaks()
@@ -62,8 +62,8 @@ async def freeze_cycles(
         try:
             # Producers keep committing while the broker hangs.
             await commit(outbox, stream, 10, committed)
-            await wait_until(lambda: not processor.broker_ok, timeout=10)
-            frozen_until = (processor.broker_down_since or time.time()) + 3 * PUBLISH_TIMEOUT
+            await wait_until(lambda: not table_relay.broker_ok, timeout=10)
+            frozen_until = (table_relay.broker_down_since or time.time()) + 3 * PUBLISH_TIMEOUT
             await wait_until(lambda: time.time() >= frozen_until, timeout=10)  # noqa: B023
             await commit(outbox, stream, 10, committed)
         finally:
@@ -79,7 +79,7 @@ async def freeze_cycles(
         except TimeoutError:
             pytest.fail(f"cycle {cycle}: not recovered {RECOVERY_BOUND_SECONDS}s after resume")
         recoveries.append(time.monotonic() - resumed)
-    await wait_drained(outbox, 30, lambda: f"after the cycles: {processor.last_error}")
+    await wait_drained(outbox, 30, lambda: f"after the cycles: {table_relay.last_error}")
     print(f"recovery after resume: max {max(recoveries):.2f}s, cycles {CYCLES}")
     after = await leaks()
     for name, before in baseline.items():

@@ -29,7 +29,7 @@ from fastapi_outbox import Outbox, OutboxSettings
 from fastapi_outbox.brokers import broker_from_url
 from fastapi_outbox.brokers.base import Broker
 from fastapi_outbox.brokers.consumer import ConsumerConfig
-from tests.acceptance.conftest import Dispatchers, dispatcher_env
+from tests.acceptance.conftest import Relays, dispatcher_env
 from tests.acceptance.test_consumer_kill import _cleanup, envelopes
 from tests.conftest import unique, wait_until
 
@@ -118,7 +118,7 @@ class Life:
     async def rows(self) -> int:
         return int(await self.pg.fetchval("SELECT count(*) FROM effects"))
 
-    async def progress(self, more: int, procs: Dispatchers, timeout: float = 20) -> None:
+    async def progress(self, more: int, procs: Relays, timeout: float = 20) -> None:
         """Until ``more`` effect rows were added, every process of ``procs`` alive."""
         target = await self.rows() + more
 
@@ -166,14 +166,14 @@ def env_of(pg_url: str, url: str, stream: str, **more: str) -> dict[str, str]:
     return {**env, "CONSUMER_STREAM": stream, **more}
 
 
-async def ready(procs: Dispatchers) -> None:
+async def ready(procs: Relays) -> None:
     await anyio.to_thread.run_sync(procs.wait_ready)
 
 
 async def test_deploy_restarts_and_kills_while_messages_flow(
     pg_url: str,
     life: Life,
-    dispatchers: Callable[..., Dispatchers],
+    relays: Callable[..., Relays],
 ) -> None:
     """Two v1 processes run; two v2 processes join and ``Tock`` is published (v1 hands
     it back to v2); v1 stopped; then each round SIGTERMs one v2 process and SIGKILLs the other, each
@@ -181,8 +181,8 @@ async def test_deploy_restarts_and_kills_while_messages_flow(
     ``Tock`` at once (a type it does not know), and on RabbitMQ each normal stop raised
     the delivery count of every prefetched message."""
     url, stream = life.url, life.stream
-    v1 = dispatchers(2, env_of(pg_url, url, stream), APP)
-    v2 = dispatchers(2, env_of(pg_url, url, stream, CONSUMER_TYPES="Tick,Tock"), APP)
+    v1 = relays(2, env_of(pg_url, url, stream), APP)
+    v2 = relays(2, env_of(pg_url, url, stream, CONSUMER_TYPES="Tick,Tock"), APP)
     flow = {"on": True, "tock": False, "tock_from": MAX_MESSAGES}
 
     async def produce() -> None:
@@ -245,7 +245,7 @@ async def test_deploy_restarts_and_kills_while_messages_flow(
 async def test_a_crash_charges_only_the_message_in_its_handler(
     pg_url: str,
     life: Life,
-    dispatchers: Callable[..., Dispatchers],
+    relays: Callable[..., Relays],
     tmp_path: Path,
 ) -> None:
     """One consumer process, one batch of 50 deliveries in flight (concurrency 1, batch
@@ -259,7 +259,7 @@ async def test_a_crash_charges_only_the_message_in_its_handler(
     hold = tmp_path / "hold"
     hold.mkdir()
     options = {"CONSUMER_CONCURRENCY": "1", "CONSUMER_BATCH_SIZE": str(PREFETCHED)}
-    holding = dispatchers(1, env_of(pg_url, url, stream, HOLD_DIR=str(hold), **options), APP)
+    holding = relays(1, env_of(pg_url, url, stream, HOLD_DIR=str(hold), **options), APP)
     with anyio.fail_after(BOUND_SECONDS):
         holding.start(0)
         await ready(holding)
@@ -280,7 +280,7 @@ async def test_a_crash_charges_only_the_message_in_its_handler(
             if kill < KILLS - 1:
                 holding.start(0)
                 await ready(holding)
-        free = dispatchers(1, env_of(pg_url, url, stream, **options), APP)
+        free = relays(1, env_of(pg_url, url, stream, **options), APP)
         free.start(0)
         charged_out = {m for m, kills in held.items() if kills >= MAX_ATTEMPTS}
 

@@ -134,8 +134,8 @@ async def test_node_killed_and_restarted_mid_run(
         await anyio.to_thread.run_sync(node.kill)
         # Committed while the node is down: they wait in the outbox.
         committed += await produce(outbox, stream, 60)
-        processor = outbox.relays.tables["default"]
-        await wait_until(lambda: not processor.broker_ok, timeout=20)
+        table_relay = outbox.relays.tables["default"]
+        await wait_until(lambda: not table_relay.broker_ok, timeout=20)
         assert await outbox.store.messages.count("abandoned") == 0
         await anyio.to_thread.run_sync(node.start)
         committed += await produce(outbox, stream, 30)
@@ -149,14 +149,14 @@ async def test_memory_alarm_raised_then_cleared(
     outbox, stream = app
     broker = outbox.brokers["default"]
     async with outbox.relaying():
-        processor = outbox.relays.tables["default"]
+        table_relay = outbox.relays.tables["default"]
         committed = await produce(outbox, stream, 30)
         await all_handled(outbox, committed)
         await anyio.to_thread.run_sync(node.ctl, "set_vm_memory_high_watermark", "0.0000001")
         try:
             committed += await produce(outbox, stream, 60)
-            await wait_until(lambda: processor.broker_refusing, timeout=20)
-            assert "alarm" in (processor.last_error or ""), processor.last_error
+            await wait_until(lambda: table_relay.broker_refusing, timeout=20)
+            assert "alarm" in (table_relay.last_error or ""), table_relay.last_error
             with pytest.raises(exceptions.BrokerRefusing):
                 await broker.ping()
             health = await compute_health(outbox)
@@ -166,7 +166,7 @@ async def test_memory_alarm_raised_then_cleared(
         finally:
             await anyio.to_thread.run_sync(node.ctl, "set_vm_memory_high_watermark", "0.4")
         await all_handled(outbox, committed)
-        assert processor.broker_ok and not processor.broker_refusing
+        assert table_relay.broker_ok and not table_relay.broker_refusing
         await exactly_once(outbox, committed)
     async with outbox.engine.connect() as conn:
         attempts = (
@@ -214,8 +214,8 @@ async def test_network_cut_through_a_proxy(pg_url: str, node: PrivateRabbitMQ) -
             await wait_until(lambda: outbox.subscribers[0].stats.handled >= 5, timeout=20)
             await proxy.stop()
             committed += await produce(outbox, stream, 30)
-            processor = outbox.relays.tables["default"]
-            await wait_until(lambda: not processor.broker_ok, timeout=20)
+            table_relay = outbox.relays.tables["default"]
+            await wait_until(lambda: not table_relay.broker_ok, timeout=20)
             await proxy.start()
             committed += await produce(outbox, stream, 30)
             await all_handled(outbox, committed)

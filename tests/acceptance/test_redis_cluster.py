@@ -275,7 +275,7 @@ async def test_a_master_killed_mid_run_every_message_once(
 
                 # A batch whose WAIT failed while the promoted master had no replica yet was
                 # handled (its entries reached the stream) but is marked only at its retry:
-                # wait for that while the dispatcher still runs.
+                # wait for that while the relay still runs.
                 await wait_until(all_published, timeout=20)  # none left failed
                 statuses = await operations.consumers(outbox)
                 assert [(c.dead_letters, c.pending) for c in statuses] == [(0, 0)] * 3

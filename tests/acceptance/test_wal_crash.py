@@ -17,7 +17,7 @@ import pytest
 from fastapi_outbox import Outbox, OutboxSettings
 from fastapi_outbox.brokers import MemoryBroker
 from tests.acceptance.conftest import (
-    Dispatchers,
+    Relays,
     chaos_rng,
     dispatcher_env,
     exactly_once,
@@ -83,8 +83,8 @@ async def wait_delivered(
         pytest.fail(f"{missing} committed messages not delivered\n{describe()}")
 
 
-def leaders(group: Dispatchers) -> list[int]:
-    """Running dispatchers whose newest log says they were elected."""
+def leaders(group: Relays) -> list[int]:
+    """Running relays whose newest log says they were elected."""
     out = []
     for index, proc in enumerate(group.procs):
         log = group.logs[index]
@@ -99,13 +99,13 @@ async def test_relays_killed_repeatedly_lose_and_duplicate_nothing(
     kind: str,
     wal_pg_url: str,
     request: pytest.FixtureRequest,
-    dispatchers: Callable[..., Dispatchers],
+    relays: Callable[..., Relays],
 ) -> None:
     broker_url: str = request.getfixturevalue(f"{kind}_url")
     read = redis_ids if kind == "redis" else nats_ids
     stream, table = unique("walcrash"), new_table()
     outbox = await producing_outbox(wal_pg_url, table)
-    group = dispatchers(2, dispatcher_env(wal_pg_url, broker_url, table, **FAST))
+    group = relays(2, dispatcher_env(wal_pg_url, broker_url, table, **FAST))
     rng = chaos_rng()
     try:
         with anyio.fail_after(75):
@@ -115,7 +115,7 @@ async def test_relays_killed_repeatedly_lose_and_duplicate_nothing(
 
             async def chaos() -> None:
                 # Every 0.3-0.6 s the relay holding the slot (or, when none holds it yet,
-                # any running dispatcher) is SIGKILLed and started again.
+                # any running relay) is SIGKILLed and started again.
                 while not stop.is_set():
                     with anyio.move_on_after(rng.uniform(0.3, 0.6)):
                         await stop.wait()
@@ -143,11 +143,11 @@ async def test_relays_killed_repeatedly_lose_and_duplicate_nothing(
 
 
 async def test_a_standby_takes_over_when_the_reader_dies(
-    wal_pg_url: str, redis_url: str, dispatchers: Callable[..., Dispatchers]
+    wal_pg_url: str, redis_url: str, relays: Callable[..., Relays]
 ) -> None:
     stream, table = unique("walfailover"), new_table()
     outbox = await producing_outbox(wal_pg_url, table)
-    group = dispatchers(2, dispatcher_env(wal_pg_url, redis_url, table, **FAST))
+    group = relays(2, dispatcher_env(wal_pg_url, redis_url, table, **FAST))
     try:
         with anyio.fail_after(50):
             group.start_all()

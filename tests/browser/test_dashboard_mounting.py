@@ -41,7 +41,7 @@ def second_pg_url(_pg_databases: Any) -> Iterator[str]:
 
 
 async def outbox_with_abandoned(url: str, stream: str) -> tuple[Outbox, uuid.UUID]:
-    """An outbox (no dispatchers: a replayed message stays pending) holding one abandoned
+    """An outbox (no relays: a replayed message stays pending) holding one abandoned
     message of ``stream``."""
     outbox = Outbox(
         url,

@@ -45,10 +45,12 @@ def test_nats_url_sets_replicas_and_envelope() -> None:
 def test_nats_url_sets_the_ping_policy() -> None:
     broker = broker_from_url(
         "nats://127.0.0.1:4222?ping_interval_seconds=0.5&max_outstanding_pings=4"
+        "&connect_timeout_seconds=7"
     )
     assert isinstance(broker, NatsJetStreamBroker)
     assert broker.connection.ping_interval_seconds == 0.5
     assert broker.connection.max_outstanding_pings == 4
+    assert broker.connection.connect_timeout_seconds == 7
     with pytest.raises(exceptions.ConfigurationError, match="ping_interval_seconds must be > 0"):
         broker_from_url("nats://127.0.0.1:4222?ping_interval_seconds=0")
     with pytest.raises(exceptions.ConfigurationError, match="'ping_interval_seconds' is for"):

@@ -33,7 +33,7 @@ def test_actions_say_what_they_take() -> None:
             False,
             IdOutcome(MID, Verdict.WRONG_STATUS, "published"),
         ),
-        # In a status it takes yet not changed: a dispatcher took it meanwhile.
+        # In a status it takes yet not changed: a relay took it meanwhile.
         (Action.REPLAY, ("failed", False), False, IdOutcome(MID, Verdict.HELD, "failed")),
         (Action.REPLAY, ("abandoned", False), True, IdOutcome(MID, Verdict.DONE)),
         # A replay takes failed messages whoever holds them; abandon and cancel do not.

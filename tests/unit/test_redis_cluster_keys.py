@@ -67,7 +67,7 @@ def test_single_node_names_are_unchanged() -> None:
 
 
 def test_cluster_names_of_a_plain_stream() -> None:
-    # The de-duplication key is the single-node one: a dispatcher moving to a cluster
+    # The de-duplication key is the single-node one: a relay moving to a cluster
     # with its data keeps de-duplicating.
     assert dedup_key("orders", "m1", cluster=True) == "outbox:dedup:{orders}:m1"
     assert dead_letter_key("orders.g.dlq", "orders", cluster=True) == "{orders}:orders.g.dlq"

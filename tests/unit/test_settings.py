@@ -108,7 +108,7 @@ def test_relays_are_switched_off_by_their_own_variable(monkeypatch: pytest.Monke
     assert OutboxSettings.from_env().run_relays is False
 
 
-def test_the_old_dispatchers_variable_is_refused_naming_the_new_one(
+def test_the_old_relays_variable_is_refused_naming_the_new_one(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Ignored silently, it would start relays in an API-only process that meant to run none.

@@ -69,7 +69,7 @@ class Harness:
     broker: Broker
     #: Everything on ``stream``, in stream order, read from the server.
     read: Callable[[str], Awaitable[list[Received]]]
-    #: A new broker object for the same server (a restarted dispatcher process).
+    #: A new broker object for the same server (a restarted relay process).
     fresh: Callable[[], Broker]
     #: An envelope this broker refuses on its own (the rest of its batch still goes out).
     poison: Callable[[], Awaitable[Envelope]]
@@ -437,7 +437,7 @@ async def test_republishing_an_envelope_adds_no_duplicate(harness: Harness) -> N
     await harness.broker.connect()
     assert await harness.broker.publish(batch) == [None] * 3
 
-    # The dispatcher crashed before marking: the same envelopes come again, from the same
+    # The relay crashed before marking: the same envelopes come again, from the same
     # broker object and from a new one (a restarted process), partly mixed with a new one.
     again = await harness.broker.publish(batch[1:])
     other = harness.fresh()
@@ -672,7 +672,7 @@ async def test_nats_a_reply_that_is_not_a_jetstream_ack_fails_the_message_at_onc
 
 
 async def test_nats_cancelled_publish_leaves_no_ack_awaited(nats_url: str) -> None:
-    """A publish cancelled while it waits for acks (the dispatcher's publish timeout)
+    """A publish cancelled while it waits for acks (the relay's publish timeout)
     leaves nothing registered; the broker publishes normally afterwards."""
     silent, subject = unique("silent"), unique("orders")
     nc = await nats.connect(nats_url)

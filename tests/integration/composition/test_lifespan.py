@@ -1,7 +1,7 @@
-"""The app's lifespan runs the dispatchers, and its shutdown gives claims back in time.
+"""The app's lifespan runs the relays, and its shutdown gives claims back in time.
 
 Both ways of wiring an app — ``FastAPI(lifespan=outbox.lifespan)`` and
-``app.include_router(outbox.router)`` — start one processor per broker with
+``app.include_router(outbox.router)`` — start one table_relay per broker with
 ``settings.workers`` workers, and an HTTP request that publishes an event ends up in the
 real Redis stream / JetStream. Shutdown stops claiming, lets in-flight batches finish
 within ``shutdown_timeout_seconds`` and otherwise gives them back (pending, unlocked,
@@ -60,7 +60,7 @@ def build_app(outbox: Outbox, wiring: str, stream: str) -> FastAPI:
 
 
 def count_claims(outbox: Outbox) -> dict[str, set[int]]:
-    """Wrap the store's claim: which worker indexes of which processor claimed."""
+    """Wrap the store's claim: which worker indexes of which table_relay claimed."""
     seen: dict[str, set[int]] = {}
     claim = outbox.store.claims.claim
 
@@ -122,7 +122,7 @@ async def real_broker(request: pytest.FixtureRequest) -> AsyncIterator[tuple[str
     [("lifespan", "redis"), ("router", "nats")],
     indirect=["real_broker"],
 )
-async def test_lifespan_runs_one_processor_per_broker_and_delivers_http_events(
+async def test_lifespan_runs_one_relay_per_broker_and_delivers_http_events(
     pg_url: str, wiring: str, real_broker: tuple[str, Broker, Any]
 ) -> None:
     _kind, broker, read = real_broker
@@ -281,7 +281,7 @@ async def test_shutdown_releases_a_claim_the_broker_never_answers(
         None,
         0,
     )
-    # Claimable at once by the next dispatcher, not after the 30 s lease.
+    # Claimable at once by the next relay, not after the 30 s lease.
     claimed = await outbox.store.claims.claim("default", 10, "next-process:0:1", 30)
     assert [r.id for r in claimed] == [message_id]
 

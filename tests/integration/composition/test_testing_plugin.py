@@ -13,7 +13,7 @@ async def test_plugin_fixtures_and_drain(
     async with sqlite_outbox.unit_of_work() as uow:
         for n in range(3):
             uow.publish(Message("orders", "OrderPlaced", {"n": n}), key=str(n))
-    assert memory_broker.messages == []  # no dispatcher runs: nothing moves by itself
+    assert memory_broker.messages == []  # no relay runs: nothing moves by itself
 
     assert await drain(sqlite_outbox) == 3
     assert [m.json() for m in memory_broker.messages] == [{"n": 0}, {"n": 1}, {"n": 2}]

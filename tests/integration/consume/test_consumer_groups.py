@@ -393,10 +393,10 @@ async def test_redis_a_failing_dead_letter_keeps_the_entry_pending(
 async def test_a_broker_down_at_start_gets_the_groups_before_the_first_publish(
     kind: str, sqlite_url: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The broker does not answer when the dispatchers start: the app starts, and nothing
+    """The broker does not answer when the relays start: the app starts, and nothing
     is published to that broker before the groups are declared. The subscriber does not
     consume here (its run is replaced), so the group seen afterwards is the one the
-    dispatcher's side declared before publishing: all 20 messages wait in it."""
+    relay's side declared before publishing: all 20 messages wait in it."""
     from tests.servers import private_nats_server, private_redis_server
 
     server = (

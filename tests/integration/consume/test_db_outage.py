@@ -308,18 +308,18 @@ async def test_the_relay_tells_an_unavailable_database_from_a_failing_statement(
     try:
         await outbox.create_tables()
         async with outbox.relaying():
-            processor = outbox.relays.tables["default"]
+            table_relay = outbox.relays.tables["default"]
             proxy.starting_up(600.0)
-            await wait_until(lambda: not processor.database_ok, timeout=15)
-            assert "database unavailable" in (processor.last_error or "")
+            await wait_until(lambda: not table_relay.database_ok, timeout=15)
+            assert "database unavailable" in (table_relay.last_error or "")
             proxy.starting_up(0.0)
-            await wait_until(lambda: processor.database_ok, timeout=15)
+            await wait_until(lambda: table_relay.database_ok, timeout=15)
             async with outbox.engine.begin() as conn:
                 await conn.exec_driver_sql(f"ALTER TABLE {outbox.table.name} RENAME TO gone")
             # The database answers; the claim's own table is gone: named, with its fix.
-            await wait_until(lambda: "table missing" in (processor.last_error or ""), timeout=15)
-            assert processor.database_ok
-            assert "db create" in (processor.last_error or "")
+            await wait_until(lambda: "table missing" in (table_relay.last_error or ""), timeout=15)
+            assert table_relay.database_ok
+            assert "db create" in (table_relay.last_error or "")
             async with outbox.engine.begin() as conn:
                 await conn.exec_driver_sql(f"ALTER TABLE gone RENAME TO {outbox.table.name}")
             async with outbox.unit_of_work() as uow:

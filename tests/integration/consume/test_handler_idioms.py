@@ -11,7 +11,7 @@ handlers (the default), one message per transaction (``batch=False``), and a bat
 PostgreSQL. Every message is delivered twice (a second
 stream entry with the same message id, after the first was handled), and the idioms that
 fail do so on the first call for each message. The test counts the effects in the database
-and the events in the outbox (and on the broker, from the running dispatcher): each exactly
+and the events in the outbox (and on the broker, from the running relay): each exactly
 once.
 """
 
@@ -178,7 +178,7 @@ MODES = ["batch", "one_by_one", "batch_handler"]
 
 class Feed:
     """The test's side of the broker: puts messages on ``JOBS`` and reads what the
-    dispatcher published to ``idiom_done``."""
+    relay published to ``idiom_done``."""
 
     def __init__(self, broker: Broker) -> None:
         self.broker = broker
@@ -423,7 +423,7 @@ async def test_effects_once_whatever_the_handler_does_with_its_session(
             await wait_until(lambda: sub.stats.duplicates == MESSAGES, timeout=30)
             effects, events = await committed(outbox)
             want_events = {(n, label) for n in range(MESSAGES) for label in expected[1]}
-            # The running dispatcher publishes exactly the committed events.
+            # The running relay publishes exactly the committed events.
 
             async def all_published() -> bool:
                 return len(await feed.published()) >= len(want_events)
@@ -455,10 +455,10 @@ async def test_effects_once_whatever_the_handler_does_with_its_session(
 
 
 @pytest.mark.parametrize("mode", ["one_by_one", "batch_handler"])
-async def test_dispatchers_are_woken_by_the_subscribers_commit_not_the_handlers(
+async def test_relays_are_woken_by_the_subscribers_commit_not_the_handlers(
     outbox: Outbox, mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A handler's own commit commits nothing, so it wakes no dispatcher: the wake-up (and a
+    """A handler's own commit commits nothing, so it wakes no relay: the wake-up (and a
     NOTIFY, when one is due) follows the subscriber's commit, once."""
     broker = outbox.brokers["default"]
     feed = feed_of(outbox)

@@ -30,7 +30,7 @@ async def test_consumers_command_health_and_dead_letter_replay(
         stream = h.stream()
         # RabbitMQ: the harness's exchange (the test's own).
         options = {"exchange": h.broker.exchange} if kind == "rabbitmq" else {}  # type: ignore[attr-defined]
-        # The view of a process that runs no dispatchers (never started, on purpose).
+        # The view of a process that runs no relays (never started, on purpose).
         outbox = Outbox(
             pg_url,
             brokers={"default": broker_from_url(url, **options)},

@@ -142,7 +142,7 @@ async def test_app_starts_and_serves_while_database_is_down() -> None:
         await outbox.aclose()
 
 
-async def test_dead_processor_is_503(sqlite_url: str) -> None:
+async def test_dead_relay_is_503(sqlite_url: str) -> None:
     outbox = Outbox(
         sqlite_url,
         brokers={"default": MemoryBroker()},

@@ -2,7 +2,7 @@
 
 - a broker outage (unreachable or refusing) is ``degraded`` (HTTP 200) with how long the
   broker has been down, however long it lasts — pending rows pile up on purpose;
-- a due row that waits for a processor of this process that could take it (its broker
+- a due row that waits for a table_relay of this process that could take it (its broker
   reachable) longer than ``health_max_pending_age_seconds`` is ``down`` (503);
 - the wait is counted from the commit, not from the producer's transaction start;
 - in ordered mode, rows held back behind a failing message of their key do not count.
@@ -37,7 +37,7 @@ class RefusingBroker(MemoryBroker):
 
 
 class StuckBroker(MemoryBroker):
-    """Its first publish never returns (within the test): a stuck dispatcher."""
+    """Its first publish never returns (within the test): a stuck relay."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -102,7 +102,7 @@ async def _status(client: Any, expected: str) -> bool:
     return bool((await client.get("/outbox/health")).json()["status"] == expected)
 
 
-async def test_a_stuck_dispatcher_with_a_reachable_broker_is_503(db_url: str) -> None:
+async def test_a_stuck_relay_with_a_reachable_broker_is_503(db_url: str) -> None:
     broker = StuckBroker()
     outbox = Outbox(
         db_url,
@@ -187,7 +187,7 @@ async def test_ordered_rows_behind_a_failing_message_do_not_count(db_url: str) -
                 await conn.execute(select(table.c.id).order_by(table.c.seq, table.c.id).limit(1))
             ).scalar_one()
             # The first message of the key fails (backing off); the two behind it have been
-            # due for an hour, but they wait for it, not for a dispatcher.
+            # due for an hour, but they wait for it, not for a relay.
             await conn.execute(update(table).values(next_attempt_at=an_hour_ago))
             await conn.execute(
                 update(table)

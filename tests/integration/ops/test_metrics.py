@@ -1,4 +1,4 @@
-"""Prometheus metrics: counters from the dispatcher, gauges from the table, GET /metrics."""
+"""Prometheus metrics: counters from the relay, gauges from the table, GET /metrics."""
 
 from __future__ import annotations
 
@@ -55,10 +55,10 @@ async def test_metrics_after_publishing(db_url: str) -> None:
             await publish(outbox, good, 3)
             await publish(outbox, bad, 1)
             await broker.wait_for(3)
-            processor = outbox.relays.tables["default"]
+            table_relay = outbox.relays.tables["default"]
             # Counted once marked, which follows the broker's answer: wait for the marks.
             await wait_until(
-                lambda: processor.abandoned_total == 1 and processor.published_total == 3
+                lambda: table_relay.abandoned_total == 1 and table_relay.published_total == 3
             )
 
             response = await client.get("/metrics")
@@ -88,7 +88,7 @@ async def test_metrics_after_publishing(db_url: str) -> None:
             # The broker goes away: messages wait, the gauges say so on the next scrape.
             broker.available = False
             await publish(outbox, good, 2)
-            await wait_until(lambda: not processor.broker_ok)
+            await wait_until(lambda: not table_relay.broker_ok)
 
             async def released() -> bool:  # the claim given back: pending again
                 stats = await outbox.store.messages.stats()
@@ -165,8 +165,8 @@ async def test_stream_label_values_are_bounded(pg_url: str) -> None:
             for stream in tenants:
                 await publish(outbox, stream, 2)
             await broker.wait_for(80)
-            processor = outbox.relays.tables["default"]
-            await wait_until(lambda: processor.published_total == 80)
+            table_relay = outbox.relays.tables["default"]
+            await wait_until(lambda: table_relay.published_total == 80)
             text = (await client.get("/metrics")).text
     finally:
         await outbox.aclose()

@@ -1,5 +1,5 @@
 """No credential, in any form a driver accepts, leaves the process through a log line, an
-error, a processor's ``last_error``, the health body (public or guarded), the metrics or
+error, a table_relay's ``last_error``, the health body (public or guarded), the metrics or
 a dashboard page; the public health body names no host, port or user either.
 
 The brokers point at closed loopback ports, so every error path runs for real: the
@@ -192,7 +192,7 @@ async def test_no_surface_shows_a_credential(pg_url: str, caplog: pytest.LogCapt
         assert not leaks(page.text), (str(page.url), leaks(page.text))
     assert "outbox_relay_up" in metrics.text and not leaks(metrics.text)
 
-    # Processors' and the consumer's errors; every log record as any formatter shows it.
+    # Relays' and the consumer's errors; every log record as any formatter shows it.
     last_errors = [p.last_error or "" for p in outbox.relays.tables.values()]
     last_errors.append(outbox.subscribers[0].stats.last_error or "")
     assert not leaks("\n".join(last_errors)), last_errors

@@ -43,7 +43,9 @@ async def _nats_with_a_password(tmp_path: Path) -> AsyncIterator[str]:
     server = PrivateServer([*argv, "--user", "app", "--pass", "right"], port, "")
     await server.start()
     try:
-        yield f"nats://app:wrong@127.0.0.1:{port}"
+        # A newly started server may answer slowly on a loaded machine: the refusal is what
+        # this test waits for, not the library's 2 s connect bound.
+        yield f"nats://app:wrong@127.0.0.1:{port}?connect_timeout_seconds=10"
     finally:
         await server.kill()
 
@@ -91,10 +93,10 @@ async def test_refused_broker_credentials_are_reported_as_authentication_failed(
         async with outbox.unit_of_work() as uow:
             uow.publish(Message(stream=unique("orders"), type="OrderPlaced", payload={}))
         async with outbox.relaying():
-            processor = outbox.relays.tables["default"]
-            await wait_until(lambda: not processor.broker_ok, timeout=15)
-            assert processor.broker_authentication_failed
-            assert "authentication failed" in (processor.last_error or "")
+            table_relay = outbox.relays.tables["default"]
+            await wait_until(lambda: not table_relay.broker_ok, timeout=15)
+            assert table_relay.broker_authentication_failed
+            assert "authentication failed" in (table_relay.last_error or "")
             health = await compute_health(outbox)
         assert health.status == "degraded"
         [reason] = [r for r in health.reasons if "broker 'default'" in r]
@@ -105,7 +107,9 @@ async def test_refused_broker_credentials_are_reported_as_authentication_failed(
     finally:
         await outbox.aclose()
 
-    env = {"CONSUMER_DATABASE_URL": sqlite_url, "CONSUMER_BROKER_URL": refused_broker_url}
+    # The CLI answers within its own 3 s bound: the library's connect timeout.
+    cli_url = refused_broker_url.removesuffix("?connect_timeout_seconds=10")
+    env = {"CONSUMER_DATABASE_URL": sqlite_url, "CONSUMER_BROKER_URL": cli_url}
     listed = await anyio.to_thread.run_sync(lambda: run_cli("consumers", "--app", APP, env=env))
     assert listed.returncode == 4, listed.stderr
     assert "authentication failed" in listed.stderr and "billing" in listed.stderr
@@ -139,9 +143,9 @@ async def test_a_missing_table_is_reported_with_its_fix_not_as_an_outage(
         assert MISSING in health.reasons, health.reasons
         assert not any("unreachable" in r for r in health.reasons)
         async with outbox.relaying():
-            processor = outbox.relays.tables["default"]
-            await wait_until(lambda: MISSING in (processor.last_error or ""), timeout=10)
-            assert processor.database_ok  # the database answers
+            table_relay = outbox.relays.tables["default"]
+            await wait_until(lambda: MISSING in (table_relay.last_error or ""), timeout=10)
+            assert table_relay.database_ok  # the database answers
     finally:
         await outbox.aclose()
     listed = await anyio.to_thread.run_sync(lambda: run_cli("list", "--url", url))
@@ -166,9 +170,9 @@ async def test_refused_database_credentials_are_reported_as_authentication_faile
         assert any(r.startswith("database authentication failed") for r in health.reasons)
         assert not any("unreachable" in r for r in health.reasons)
         async with outbox.relaying():
-            processor = outbox.relays.tables["default"]
-            await wait_until(lambda: not processor.database_ok, timeout=10)
-            assert "authentication failed" in (processor.last_error or "")
+            table_relay = outbox.relays.tables["default"]
+            await wait_until(lambda: not table_relay.database_ok, timeout=10)
+            assert "authentication failed" in (table_relay.last_error or "")
         created = await anyio.to_thread.run_sync(lambda: run_cli("db", "create", "--url", url))
         assert created.returncode == 4, created.stderr
         assert "authentication failed" in created.stderr

@@ -35,15 +35,15 @@ async def test_claims_grow_with_a_backlog_and_shrink_when_it_is_gone(db_url: str
 
     outbox.store.claims.claim = recording  # type: ignore[method-assign]
     try:
-        # A backlog committed before any dispatcher runs.
+        # A backlog committed before any relay runs.
         async with outbox.unit_of_work() as uow:
             for n in range(BACKLOG):
                 uow.publish(Message(stream, "Numbered", {"n": n}))
         async with outbox.relaying():
             await broker.wait_for(BACKLOG, timeout=30)
-            processor = outbox.relays.tables["default"]
+            table_relay = outbox.relays.tables["default"]
             # Idle again: claims that come back empty halve the size down to the floor.
-            await wait_until(lambda: processor.claim_size == 25, timeout=10)
+            await wait_until(lambda: table_relay.claim_size == 25, timeout=10)
             idle_from = len(asked)
 
             # A trickle: single commits are claimed by small claims.

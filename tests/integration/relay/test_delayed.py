@@ -158,7 +158,7 @@ async def test_cancel_before_the_claim_and_too_late_after_it(db_url: str) -> Non
         with pytest.raises(MessageNotFound, match=str(scheduled)):
             await outbox.cancel(scheduled)
 
-        # A dispatcher claims it first: the cancel is too late and changes nothing.
+        # A relay claims it first: the cancel is too late and changes nothing.
         (claimed,) = await outbox.store.claims.claim("default", 10, "worker:1", 30)
         assert claimed.id == due
         with pytest.raises(TooLate, match=f"too late: message {due} is processing"):

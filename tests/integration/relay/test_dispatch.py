@@ -1,8 +1,8 @@
 """The dispatch cycle: claim a batch, publish it in one broker call, mark it.
 
-Batches go to the broker whole; concurrent dispatchers on one table (two processes) take
+Batches go to the broker whole; concurrent relays on one table (two processes) take
 disjoint batches, so every message is published once; ``delete_on_publish`` removes rows;
-a broker that raises or hangs does not stop the processor.
+a broker that raises or hangs does not stop the table_relay.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ async def count_is(outbox: Outbox, status: str, n: int) -> bool:
     return await outbox.store.messages.count(status) == n
 
 
-async def test_two_dispatchers_on_one_table_publish_every_message_once(pg_url: str) -> None:
+async def test_two_relays_on_one_table_publish_every_message_once(pg_url: str) -> None:
     settings = OutboxSettings(batch_size=20, workers=3, poll_interval_seconds=0.05)
     first, second = MemoryBroker(), MemoryBroker()
     a = Outbox(pg_url, brokers={"default": first}, settings=settings)
@@ -128,7 +128,7 @@ class FlakyBroker(MemoryBroker):
         return await super().publish(batch)
 
 
-async def test_a_broker_that_raises_does_not_stop_the_processor(sqlite_url: str) -> None:
+async def test_a_broker_that_raises_does_not_stop_the_relay(sqlite_url: str) -> None:
     broker = FlakyBroker()
     outbox = Outbox(
         sqlite_url,
@@ -142,8 +142,8 @@ async def test_a_broker_that_raises_does_not_stop_the_processor(sqlite_url: str)
         ids = await publish(outbox, 3)
         async with outbox.relaying():
             await broker.wait_for(3, timeout=5)
-            processor = outbox.relays.tables["default"]
-            assert processor.running and processor.failed_total == 3
+            table_relay = outbox.relays.tables["default"]
+            assert table_relay.running and table_relay.failed_total == 3
         for i in ids:
             row = await outbox.store.messages.get(i)
             assert row is not None

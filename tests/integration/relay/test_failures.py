@@ -191,7 +191,7 @@ async def test_refused_message_backs_off_then_is_abandoned(db_url: str) -> None:
 # -- unreachable brokers ---------------------------------------------------------------------
 
 
-async def test_unavailable_broker_costs_no_attempts_and_pauses_the_processor(pg_url: str) -> None:
+async def test_unavailable_broker_costs_no_attempts_and_pauses_the_relay(pg_url: str) -> None:
     broker = RecordingBroker()
     broker.available = False
     outbox = Outbox(pg_url, brokers={"default": broker}, settings=OutboxSettings(**FAST))

@@ -3,7 +3,7 @@
 A claim token is new for every claim. A worker whose lease expired while another claim
 took its rows can no longer mark them published, failed, abandoned or released; attempts
 are counted when a row is claimed; processing rows whose lease expired are claimed again
-(stale-lock recovery) and published by a running dispatcher.
+(stale-lock recovery) and published by a running relay.
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ async def test_stale_processing_rows_are_reclaimed_and_published(outbox: Outbox)
     broker = outbox.brokers["default"]
     assert isinstance(broker, MemoryBroker)
     ids = await add(outbox, 3)
-    # A dispatcher claimed them and died: nobody will ever mark or release them.
+    # A relay claimed them and died: nobody will ever mark or release them.
     assert len(await outbox.store.claims.claim("default", 10, "dead:0:1", lease_seconds=0.3)) == 3
 
     async with outbox.relaying():

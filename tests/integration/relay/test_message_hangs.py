@@ -1,8 +1,8 @@
 """A message that makes the broker hang, while the broker answers everything else.
 
 Issue 23: a publish that outlasts ``publish_timeout_seconds`` was always taken for a broker
-outage (batch given back, attempts refunded, processor paused), so one message the broker
-never answers stalled its batch and its processor forever. Now a timed-out publish is
+outage (batch given back, attempts refunded, table_relay paused), so one message the broker
+never answers stalled its batch and its table_relay forever. Now a timed-out publish is
 followed by a ping: a broker that does not answer it is an outage as before (a whole
 broker frozen with SIGSTOP: ``tests/acceptance/test_hangs.py``); a broker that answers
 makes the batch go out message by message, and the message that times out alone is
@@ -116,7 +116,7 @@ async def test_one_hanging_message_is_charged_and_the_others_flow(
         broker.poison.add(str(poison))
         others = [i for i in ids if i != poison]
         async with outbox.relaying():
-            processor = outbox.relays.tables["default"]
+            table_relay = outbox.relays.tables["default"]
 
             async def others_in_stream() -> bool:
                 return len(set(await stream_ids(stream))) == len(others)
@@ -126,8 +126,8 @@ async def test_one_hanging_message_is_charged_and_the_others_flow(
 
             await wait_until(others_in_stream, timeout=20, interval=0.1)
             await wait_until(poison_abandoned, timeout=20, interval=0.1)
-            assert processor.broker_ok and processor.broker_down_since is None
-            assert processor.abandoned_total == 1
+            assert table_relay.broker_ok and table_relay.broker_down_since is None
+            assert table_relay.abandoned_total == 1
         assert sorted(await stream_ids(stream)) == sorted(str(i) for i in others)
         hung = await row(outbox, poison)
         assert hung["attempts"] == SETTINGS["max_attempts"]
@@ -299,7 +299,7 @@ async def test_ordered_a_hanging_message_holds_back_its_key_only(db_url: str) ->
 async def test_a_broker_whose_ping_hangs_too_is_an_outage_and_charges_nothing(
     sqlite_url: str,
 ) -> None:
-    """Every publish and every ping hang (a frozen broker): the processor pauses as a
+    """Every publish and every ping hang (a frozen broker): the table_relay pauses as a
     whole (``broker_ok`` false) and gives the batch back with its attempts refunded, as
     before; once the broker answers again everything goes out, charged once."""
     from fastapi_outbox.brokers import MemoryBroker
@@ -325,9 +325,9 @@ async def test_a_broker_whose_ping_hangs_too_is_an_outage_and_charges_nothing(
         async with outbox.unit_of_work() as uow:
             ids = [uow.publish(Message(unique("hang"), "Tick", {"n": n})) for n in range(3)]
         async with outbox.relaying():
-            processor = outbox.relays.tables["default"]
+            table_relay = outbox.relays.tables["default"]
             await wait_until(lambda: broker.publish_calls >= 3, timeout=20)
-            assert not processor.broker_ok
+            assert not table_relay.broker_ok
 
             async def given_back() -> bool:
                 found = [await row(outbox, i) for i in ids]

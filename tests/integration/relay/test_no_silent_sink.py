@@ -20,7 +20,7 @@ async def publish_one(outbox: Outbox) -> None:
         uow.publish(Message(stream="orders", type="OrderPlaced", payload={"n": 1}))
 
 
-async def test_outbox_without_brokers_refuses_to_start_dispatchers(pg_url: str) -> None:
+async def test_outbox_without_brokers_refuses_to_start_relays(pg_url: str) -> None:
     outbox = Outbox(pg_url, settings=OutboxSettings())
     try:
         await outbox.create_tables()

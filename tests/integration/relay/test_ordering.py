@@ -142,7 +142,7 @@ def per_key(messages: list[dict[str, Any]]) -> dict[str, list[tuple[int, int]]]:
 # -- per-key commit order under concurrency -----------------------------------------------
 
 
-@pytest.fixture(params=["two-workers", "two-dispatchers"])
+@pytest.fixture(params=["two-workers", "two-relays"])
 def topology(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
@@ -151,12 +151,12 @@ async def test_per_key_commit_order_with_concurrent_producers(
     db_url: str, redis_url: str, topology: str
 ) -> None:
     """Producers commit concurrently on the same keys (half of them write another row
-    before taking the aggregate's lock); two workers, or two dispatchers on the same
+    before taking the aggregate's lock); two workers, or two relays on the same
     database, publish to a real Redis stream: every key's stream order is its commit order."""
     stream = unique("ordering")
     postgres = db_url.startswith("postgresql")
     producers, steps = (6, 40) if postgres else (3, 25)
-    instances = 2 if topology == "two-dispatchers" else 1
+    instances = 2 if topology == "two-relays" else 1
     settings = ordered_settings(workers=2 if instances == 1 else 1)
     outboxes = [
         Outbox(db_url, brokers={"default": RedisStreamsBroker(redis_url)}, settings=settings)
@@ -174,7 +174,7 @@ async def test_per_key_commit_order_with_concurrent_producers(
                 rng = random.Random(seed)
                 for _ in range(steps):
                     key, parts = rng.choice(KEYS), rng.randint(1, 3)
-                    # Producers commit through both Outbox objects, so both dispatchers
+                    # Producers commit through both Outbox objects, so both relays
                     # are woken by commits (which one claims a row is left to the race).
                     version = await commit_step(
                         outboxes[seed % instances],
@@ -330,7 +330,7 @@ async def test_overlapping_transactions_dispatched_together_go_in_insert_order(
     pg_outbox: tuple[Outbox, MemoryBroker],
 ) -> None:
     """The limit of the guarantee: T1 inserted first but committed after T2, and both are
-    visible when the dispatcher claims: insert order (T1, T2), not commit order. The two
+    visible when the relay claims: insert order (T1, T2), not commit order. The two
     did not conflict on the key's aggregate, so both orders are valid histories."""
     outbox, broker = pg_outbox
     stream = unique("ordering")
@@ -466,8 +466,8 @@ async def test_a_key_deeper_than_one_publish_timeout_still_drains_in_order(db_ur
             ]
         async with outbox.relaying():
             await broker.wait_for(60, timeout=30)
-            processor = outbox.relays.tables["default"]
-            assert processor.broker_ok  # slow is not an outage
+            table_relay = outbox.relays.tables["default"]
+            assert table_relay.broker_ok  # slow is not an outage
         assert [m.id for m in broker.messages] == ids  # in order, each once
         assert broker.duplicates == 0
         t = outbox.table
@@ -523,7 +523,7 @@ async def test_an_abandoned_message_blocks_its_key_until_an_operator_replays_it(
         assert (stats.blocked_keys, stats.blocking_message) == (1, str(k1))
         health = await compute_health(outbox)
         assert any(str(k1) in reason and "blocked" in reason for reason in health.reasons)
-        # A key behind an abandoned message does not look like a stalled dispatcher.
+        # A key behind an abandoned message does not look like a stalled relay.
         assert stats.oldest_pending_age_seconds is None
 
         refusing = False

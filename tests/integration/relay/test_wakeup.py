@@ -4,7 +4,7 @@ Polling is set to 30 s in these tests, so anything that arrives within a couple 
 seconds was woken: in-process by the signal right after commit, across processes by the
 PostgreSQL NOTIFY that the producer's COMMIT carries (same round trip, run after the
 commit) when no idle worker of the committing process takes the rows.
-An idle dispatcher with LISTEN up backs its polling off to ``max_poll_interval_seconds``.
+An idle relay with LISTEN up backs its polling off to ``max_poll_interval_seconds``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ WAKE_WITHIN = 2.0
 
 
 def idle(outbox: Outbox) -> bool:
-    """Every worker of every processor is waiting for a wake-up (no claim in flight), and
+    """Every worker of every table_relay is waiting for a wake-up (no claim in flight), and
     LISTEN is up where there is one."""
     listening = outbox.relays.listener is None or outbox.relays.listener.listening
     return listening and all(
@@ -54,7 +54,7 @@ async def make_outbox() -> AsyncIterator[Any]:
         await outbox.aclose()
 
 
-async def test_a_commit_wakes_the_dispatcher_of_its_own_process(
+async def test_a_commit_wakes_the_relay_of_its_own_process(
     db_url: str, make_outbox: Any
 ) -> None:
     broker = MemoryBroker()
@@ -70,11 +70,11 @@ async def test_a_commit_wakes_the_dispatcher_of_its_own_process(
     assert [m.json() for m in broker.messages] == [{"n": 0}, {"n": 1}, {"n": 2}]
 
 
-async def test_notify_from_an_api_only_process_wakes_another_dispatcher(
+async def test_notify_from_an_api_only_process_wakes_another_relay(
     pg_url: str, make_outbox: Any
 ) -> None:
     api_broker, relay_broker = MemoryBroker(), MemoryBroker()
-    # The API process runs no dispatcher (run_relays=False, or simply never started).
+    # The API process runs no relay (run_relays=False, or simply never started).
     api = await make_outbox(pg_url, api_broker, run_relays=False)
     relay = await make_outbox(pg_url, relay_broker, **SLOW_POLL)
     stream = unique("orders")
@@ -91,7 +91,7 @@ async def test_notify_from_an_api_only_process_wakes_another_dispatcher(
     assert [m.json() for m in relay_broker.messages] == [{"n": 0}, {"n": 1}]
 
 
-async def test_a_running_dispatchers_commit_wakes_another_process(
+async def test_a_running_relays_commit_wakes_another_process(
     pg_url: str, make_outbox: Any
 ) -> None:
     relay_broker = MemoryBroker()
@@ -99,7 +99,7 @@ async def test_a_running_dispatchers_commit_wakes_another_process(
     relay = await make_outbox(pg_url, relay_broker, **SLOW_POLL)
     stream = unique("orders")
     async with writer.relaying(), relay.relaying():
-        # The writer's processor stops: no worker of its own takes the row, so it is the
+        # The writer's table_relay stops: no worker of its own takes the row, so it is the
         # NOTIFY its COMMIT carries that gets the row published (by the relay).
         writer.relays.tables["default"].stop()
         await wait_until(lambda: not writer.relays.tables["default"].running, timeout=5)
@@ -144,7 +144,7 @@ def count_claims(outbox: Outbox) -> list[float]:
     return times
 
 
-async def test_an_idle_dispatcher_backs_its_polling_off_while_listen_is_up(
+async def test_an_idle_relay_backs_its_polling_off_while_listen_is_up(
     pg_url: str, make_outbox: Any
 ) -> None:
     outbox = await make_outbox(
@@ -169,7 +169,7 @@ async def test_an_idle_dispatcher_backs_its_polling_off_while_listen_is_up(
     assert gaps[-1] >= 1.0  # already under one claim per second, and falling
 
 
-async def test_without_listen_an_idle_dispatcher_keeps_polling(
+async def test_without_listen_an_idle_relay_keeps_polling(
     pg_url: str, make_outbox: Any
 ) -> None:
     outbox = await make_outbox(

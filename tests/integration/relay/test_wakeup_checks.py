@@ -1,13 +1,13 @@
-"""Every commit wakes the dispatchers, and a LISTEN connection that dies silently is noticed
+"""Every commit wakes the relays, and a LISTEN connection that dies silently is noticed
 (issue 23 point 3).
 
-* A commit wakes other processes' dispatchers however it is made: the unit of work's own
+* A commit wakes other processes' relays however it is made: the unit of work's own
   session, a session joined by ``unit_of_work(session=…)`` and committed later by its owner
   (before: no NOTIFY at all), a script that never ran a lifespan. Polling is set to 30 s, so
   a message published within a few seconds was woken.
 * A LISTEN connection blackholed by a proxy (bytes dropped both ways, the connection left
   open: what a NAT or firewall that forgot it does) is declared lost by the listener's
-  self-check: the dispatchers poll every ``poll_interval_seconds`` at once, a message
+  self-check: the relays poll every ``poll_interval_seconds`` at once, a message
   committed by another process (an engine not through the proxy) reaches the real broker
   long before the backed-off poll would have claimed it, ``listening`` in health turns false,
   then true once the listener has reconnected.
@@ -46,11 +46,11 @@ ROOT = Path(__file__).resolve().parents[3]
 make_outbox = test_wakeup.make_outbox
 
 
-# -- every commit wakes the dispatchers -------------------------------------------------------
+# -- every commit wakes the relays -------------------------------------------------------
 
 
 @pytest.mark.parametrize("writer", ["api-only", "notifier-running"])
-async def test_a_joined_session_committed_by_its_owner_wakes_another_dispatcher(
+async def test_a_joined_session_committed_by_its_owner_wakes_another_relay(
     pg_url: str, make_outbox: Any, writer: str
 ) -> None:
     relay_broker = MemoryBroker()
@@ -80,7 +80,7 @@ from fastapi_outbox.relay import wakeups as notify
 from fastapi_outbox.events import Message
 
 async def main(url, stream, how):
-    outbox = Outbox(url, settings=OutboxSettings())  # no lifespan, no dispatcher, no broker
+    outbox = Outbox(url, settings=OutboxSettings())  # no lifespan, no relay, no broker
     message = Message(stream, "OrderPlaced", {"n": how})
     if how == "own":
         async with outbox.unit_of_work() as uow:
@@ -97,7 +97,7 @@ asyncio.run(main(*sys.argv[1:]))
 
 
 @pytest.mark.parametrize("how", ["own", "joined"])
-async def test_a_script_without_a_lifespan_wakes_the_dispatchers(
+async def test_a_script_without_a_lifespan_wakes_the_relays(
     pg_url: str, make_outbox: Any, how: str
 ) -> None:
     relay_broker = MemoryBroker()
@@ -151,7 +151,7 @@ async def test_a_silently_dead_listen_connection_is_noticed_and_replaced(
             health_cache_seconds=0,
         ),
     )
-    # Another process: its own engine, straight to PostgreSQL, no dispatcher.
+    # Another process: its own engine, straight to PostgreSQL, no relay.
     writer = Outbox(
         pg_url, brokers={"default": MemoryBroker()}, settings=OutboxSettings(run_relays=False)
     )
@@ -192,7 +192,7 @@ async def test_a_silently_dead_listen_connection_is_noticed_and_replaced(
             assert proxy.blackhole(b"LISTEN ") == 1
             async with writer.unit_of_work() as uow:
                 uow.publish(Message(stream, "OrderPlaced", {"n": 1}))
-            # The NOTIFY went into the black hole; the self-check notices, the dispatchers
+            # The NOTIFY went into the black hole; the self-check notices, the relays
             # poll at once, and the message reaches Redis.
             await wait_until(lambda: published(1), timeout=PUBLISHED_WITHIN)
             assert listener.silent_losses >= 1

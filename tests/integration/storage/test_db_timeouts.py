@@ -1,8 +1,8 @@
-"""Dispatcher statements are bounded, so a frozen peer cannot stall dispatch forever.
+"""Relay statements are bounded, so a frozen peer cannot stall dispatch forever.
 
-A dispatcher frozen (SIGSTOP, a debugger, a stuck event loop) while it holds the ordered
+A relay frozen (SIGSTOP, a debugger, a stuck event loop) while it holds the ordered
 claimers' lock would, without bounds, block every ordered claim of the table for good.
-The dispatcher's transactions set ``lock_timeout`` (a waiting claim gives up and retries)
+The relay's transactions set ``lock_timeout`` (a waiting claim gives up and retries)
 and ``idle_in_transaction_session_timeout`` (the server ends the frozen holder's session).
 """
 

@@ -3,7 +3,7 @@ process that writes, dispatches or observes, since hosts' clocks drift apart.
 
 Each test shifts the library's clock (``fastapi_outbox.storage.clock.wall``, the one seam through
 which the library reads its host's time) 120 s ahead or behind the database's and checks
-what the database stores and what the dispatcher does: nothing abandoned early, nothing
+what the database stores and what the relay does: nothing abandoned early, nothing
 due early or late, ages and retention cutoffs as the database counts them."""
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ async def test_retry_deadline_is_counted_by_the_database(db_url: str, skew: floa
             async def abandoned() -> bool:
                 return (await row(outbox, doomed))["status"] == "abandoned"
 
-            # DEADLINE s of the database's clock; the behind-clock dispatcher of the old
+            # DEADLINE s of the database's clock; the behind-clock relay of the old
             # code waited 120 s more.
             await wait_until(abandoned, timeout=60)
         assert (await row(outbox, fine))["status"] == "published"
@@ -129,7 +129,7 @@ async def test_deliver_at_and_delay_are_due_by_the_database_clock(db_url: str, s
 async def test_backoff_lease_age_and_retention_use_the_database_clock(
     db_url: str, skew: float
 ) -> None:
-    """Statements the dispatcher, health and retention run: a lease and a backoff due time
+    """Statements the relay, health and retention run: a lease and a backoff due time
     start at the database's now; the pending age is counted from it; retention's cutoff
     is the database's now minus the retention."""
     outbox = Outbox(db_url, brokers={"default": MemoryBroker()}, settings=OutboxSettings(**FAST))

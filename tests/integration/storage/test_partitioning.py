@@ -413,10 +413,10 @@ async def test_the_readme_procedure_moves_a_plain_table_to_partitions(pg_url: st
         await outbox.aclose()
 
 
-async def test_dispatcher_processes_maintaining_at_once_do_not_trip_over_each_other(
+async def test_relay_processes_maintaining_at_once_do_not_trip_over_each_other(
     pg_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Every dispatcher process runs the maintenance: each partition is created or dropped
+    """Every relay process runs the maintenance: each partition is created or dropped
     by one of them, the others skip it quietly."""
     import asyncio
 
@@ -446,11 +446,11 @@ async def test_dispatcher_processes_maintaining_at_once_do_not_trip_over_each_ot
         await two.aclose()
 
 
-async def test_dispatchers_on_a_partitioned_table_deliver_to_redis(
+async def test_relays_on_a_partitioned_table_deliver_to_redis(
     pg_url: str, redis_url: str
 ) -> None:
     """The whole path on a partitioned table: the lifespan's cleaner keeps the partitions,
-    the dispatcher claims across them, messages reach a real Redis stream."""
+    the relay claims across them, messages reach a real Redis stream."""
     import redis.asyncio as aioredis
 
     from fastapi_outbox.brokers import RedisStreamsBroker
@@ -494,7 +494,7 @@ def _literal(value: Any) -> str:
 
 
 async def explain_generic(driver: Any, sql: str, args: list[Any]) -> dict[str, Any]:
-    """EXPLAIN (ANALYZE, FORMAT JSON) of ``sql`` as the dispatcher runs it after five
+    """EXPLAIN (ANALYZE, FORMAT JSON) of ``sql`` as the relay runs it after five
     executions: a prepared statement's *generic* plan (forced here), executed and rolled
     back. The plan's root node."""
     name = f"p_{uuid.uuid4().hex}"

@@ -69,7 +69,7 @@ CREATE INDEX ix_outbox_messages_key ON outbox_messages (broker, key, txid, id)
 STATES = [
     ("pending", 12, "now() - interval '1 minute', NULL, NULL, NULL, NULL, 0, NULL"),
     ("failed", 3, "now() - interval '1 second', NULL, NULL, NULL, NULL, 2, 'refused'"),
-    # A crashed dispatcher's claim: the lease ran out.
+    # A crashed relay's claim: the lease ran out.
     (
         "processing",
         2,

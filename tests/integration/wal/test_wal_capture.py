@@ -80,7 +80,7 @@ def test_ordered_with_wal_is_refused() -> None:
 
 
 async def test_server_without_logical_wal_level_is_refused_at_startup(pg_url: str) -> None:
-    """The shared server runs wal_level=replica: create_tables, the dispatchers and an
+    """The shared server runs wal_level=replica: create_tables, the relays and an
     API-only lifespan all refuse, saying what to set."""
     outbox = Outbox(pg_url, brokers={"default": MemoryBroker()}, settings=wal_settings())
     try:
@@ -222,7 +222,7 @@ async def test_delayed_messages_go_to_the_table(wal_outbox: tuple[Outbox, Memory
             uow.publish(Counted(counter=1, value=2), delay=0.3)
         await broker.wait_for(2, timeout=10)
     assert sorted(values(broker)) == [1, 2]
-    # The delayed one went through the table (and its processor), the other did not.
+    # The delayed one went through the table (and its table_relay), the other did not.
     async with outbox.engine.connect() as conn:
         rows = (await conn.execute(select(outbox.table.c.payload, outbox.table.c.status))).all()
     assert [(_load(p)["value"], s) for p, s in rows] == [(2, "published")]

@@ -135,7 +135,7 @@ async def test_a_refused_message_becomes_a_failed_row_and_the_table_retries_it(
             # The slot moved past it: the relay does not publish it again.
             await wait_until(lambda: slot_empty(slot))
             refusing["on"] = False
-            # The table's processor retries it after its backoff.
+            # The table's table_relay retries it after its backoff.
             await broker.wait_for(5)
             await wait_until(lambda: _row_status(outbox, ids[2], "published"))
         assert sorted(m.id for m in broker.messages) == sorted(ids)

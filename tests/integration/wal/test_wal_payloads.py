@@ -240,7 +240,7 @@ async def test_a_refused_message_keeps_its_reference_and_ciphertext_in_the_table
             async def in_the_table() -> bool:
                 return "missing" not in await _statuses(outbox, big_id, small_id)
 
-            # Handed to the table (failed, retried by the table's processor while refused).
+            # Handed to the table (failed, retried by the table's table_relay while refused).
             await wait_until(in_the_table)
             t = outbox.table
             async with outbox.engine.connect() as conn:

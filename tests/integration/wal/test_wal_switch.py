@@ -2,7 +2,7 @@
 "Switching modes") loses and duplicates nothing.
 
 Processes are played by Outbox instances on one database and one table: producers (API
-only) and dispatchers of each mode, sharing one de-duplicating MemoryBroker (one id, one
+only) and relays of each mode, sharing one de-duplicating MemoryBroker (one id, one
 message), while producers keep committing."""
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class Producers:
 
 
 class Running:
-    """A dispatcher process: ``await start(tg)``, ``await stop()``."""
+    """A relay process: ``await start(tg)``, ``await stop()``."""
 
     def __init__(self, outbox: Outbox) -> None:
         self.outbox = outbox
@@ -102,7 +102,7 @@ async def test_switching_table_to_wal_and_back_loses_nothing(wal_pg_url: str) ->
                 await producers.commits(20)
                 # table -> wal. 1: `db create` with capture='wal' (the slot, the publication).
                 await wal_dispatcher.create_tables()
-                # 2: dispatchers restart with capture='wal' (they serve the table as well).
+                # 2: relays restart with capture='wal' (they serve the table as well).
                 wal_mode = await Running(wal_dispatcher).start(tg)
                 await producers.commits(10)
                 await table_mode.stop()
@@ -115,7 +115,7 @@ async def test_switching_table_to_wal_and_back_loses_nothing(wal_pg_url: str) ->
                 # 2: wait until the slot holds nothing any more: the relay confirmed past
                 # the last commit of a wal producer.
                 await wait_until(lambda: slot_empty(slot), timeout=15)
-                # 3: dispatchers restart with capture='table'.
+                # 3: relays restart with capture='table'.
                 table_mode = await Running(table_dispatcher_again).start(tg)
                 await wal_mode.stop()
                 # 4: `db drop-slot` (it holds nothing: refused otherwise).

@@ -68,7 +68,7 @@ async def test_a_unit_of_work_sends_the_insert_and_the_commit_nothing_else(
     pg_url: str, tap: tuple[WireTap, str]
 ) -> None:
     proxy, url = tap
-    # A script without a lifespan: no dispatcher here, so other processes must be woken.
+    # A script without a lifespan: no relay here, so other processes must be woken.
     outbox = Outbox(
         url, brokers={"default": MemoryBroker()}, settings=OutboxSettings(), engine_options=ONE
     )

@@ -3,7 +3,7 @@
 Through HTTP on SQLite and PostgreSQL, a matrix of handlers that commit themselves, roll back,
 use savepoints, raise events from ORM hooks and fail at different steps. Each case states
 which orders and which events must be committed; the test checks the business table, the
-outbox table, and what the (memory) broker received from the running dispatcher.
+outbox table, and what the (memory) broker received from the running relay.
 """
 
 from __future__ import annotations
@@ -288,13 +288,13 @@ async def test_events_follow_the_transaction(
 ) -> None:
     broker = outbox.brokers["default"]
     assert isinstance(broker, MemoryBroker)
-    async with asgi_client(build_app(outbox)) as client:  # runs the dispatcher
+    async with asgi_client(build_app(outbox)) as client:  # runs the relay
         response = await client.post(f"/run/{handler.__name__}")
         assert response.status_code == status, response.text
         got_orders, got_events = await committed(outbox)
         assert got_orders == orders
         assert sorted(got_events) == sorted(events)  # each exactly once
-        # The running dispatcher publishes exactly the committed events.
+        # The running relay publishes exactly the committed events.
         await wait_until(lambda: len(broker.messages) >= len(events))
         published = [json.loads(m.payload)["label"] for m in broker.messages]
         assert sorted(published) == sorted(events)
