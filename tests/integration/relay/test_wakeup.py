@@ -54,9 +54,7 @@ async def make_outbox() -> AsyncIterator[Any]:
         await outbox.aclose()
 
 
-async def test_a_commit_wakes_the_relay_of_its_own_process(
-    db_url: str, make_outbox: Any
-) -> None:
+async def test_a_commit_wakes_the_relay_of_its_own_process(db_url: str, make_outbox: Any) -> None:
     broker = MemoryBroker()
     outbox = await make_outbox(db_url, broker, **SLOW_POLL)
     stream = unique("orders")
@@ -91,9 +89,7 @@ async def test_notify_from_an_api_only_process_wakes_another_relay(
     assert [m.json() for m in relay_broker.messages] == [{"n": 0}, {"n": 1}]
 
 
-async def test_a_running_relays_commit_wakes_another_process(
-    pg_url: str, make_outbox: Any
-) -> None:
+async def test_a_running_relays_commit_wakes_another_process(pg_url: str, make_outbox: Any) -> None:
     relay_broker = MemoryBroker()
     writer = await make_outbox(pg_url, MemoryBroker(), **SLOW_POLL)
     relay = await make_outbox(pg_url, relay_broker, **SLOW_POLL)
@@ -169,9 +165,7 @@ async def test_an_idle_relay_backs_its_polling_off_while_listen_is_up(
     assert gaps[-1] >= 1.0  # already under one claim per second, and falling
 
 
-async def test_without_listen_an_idle_relay_keeps_polling(
-    pg_url: str, make_outbox: Any
-) -> None:
+async def test_without_listen_an_idle_relay_keeps_polling(pg_url: str, make_outbox: Any) -> None:
     outbox = await make_outbox(
         pg_url,
         MemoryBroker(),

@@ -446,9 +446,7 @@ async def test_relay_processes_maintaining_at_once_do_not_trip_over_each_other(
         await two.aclose()
 
 
-async def test_relays_on_a_partitioned_table_deliver_to_redis(
-    pg_url: str, redis_url: str
-) -> None:
+async def test_relays_on_a_partitioned_table_deliver_to_redis(pg_url: str, redis_url: str) -> None:
     """The whole path on a partitioned table: the lifespan's cleaner keeps the partitions,
     the relay claims across them, messages reach a real Redis stream."""
     import redis.asyncio as aioredis
