@@ -120,6 +120,8 @@ class KafkaConsumer:
         self._soon: list[Delivery] = []
         #: The acks of the last fetch's ``ack_soon`` batch, committing while it fetches.
         self._acking: asyncio.Future[Any] | None = None
+        #: The commit in flight (``_commit_dirty``).
+        self._committing: asyncio.Future[Any] | None = None
         self._settled = asyncio.Event()
         self._last_sweep = time.monotonic()
 
@@ -339,6 +341,7 @@ class KafkaConsumer:
             )
             return
         except Exception as exc:
+            self._dirty |= {tp for tp in offsets if tp in self._partitions}  # the next try
             raise self.connection.unavailable(exc) from exc
         for tp, offset in offsets.items():
             part = self._partitions.get(tp)
@@ -346,9 +349,18 @@ class KafkaConsumer:
                 part.committed = offset
 
     async def _commit_dirty(self) -> None:
-        if self._dirty:
+        """Commit what was settled: one commit in flight at a time, and the acks settled
+        while it flies share the next one (a handler per message with concurrency 8 makes
+        a commit per round trip, not one per message)."""
+        while self._dirty:
+            running = self._committing
+            if running is not None and not running.done():
+                await asyncio.wait([running])
+                continue
             dirty, self._dirty = self._dirty, set()
-            await self._commit(dirty)
+            self._committing = task = asyncio.ensure_future(self._commit(dirty))
+            await asyncio.shield(task)
+            return
 
     async def ack(self, deliveries: Sequence[Delivery]) -> None:
         self._settle(deliveries)
