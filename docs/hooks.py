@@ -145,3 +145,23 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
         return match.group(0)
 
     return MARKER.sub(generate, markdown)
+
+
+#: A Sphinx role left in a docstring: mkdocstrings renders it as the raw text
+#: ``:class:<code>Outbox</code>``. Docstrings cross-reference with autorefs instead:
+#: ``[`Outbox`][fastapi_outbox.Outbox]``, or plain backticks for an internal name.
+RAW_ROLE = re.compile(r":(?:mod|meth|class|func|attr|data|exc|obj):(?=<code>|`)")
+
+
+def on_page_content(html: str, page: Any, config: Any, files: Any) -> str:
+    """Fail the strict build when a page shows a raw Sphinx role."""
+    found = RAW_ROLE.findall(html)
+    if found:
+        log.warning(
+            "%s shows %d raw Sphinx role(s) (%s): write [`Name`][fastapi_outbox.Name] in the "
+            "docstring instead",
+            page.file.src_path,
+            len(found),
+            ", ".join(sorted(set(found))),
+        )
+    return html

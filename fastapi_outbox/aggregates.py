@@ -2,7 +2,7 @@
 
 Pending events live on the instance, never in a column; the unit of work harvests them
 from every aggregate the session tracks when it commits. An event goes where its aggregate
-goes (see :mod:`fastapi_outbox.write.session_events` for the session side):
+goes (see `fastapi_outbox.write.session_events` for the session side):
 
 * ``session.merge(detached)`` carries the detached instance's pending events to the copy
   the session returns (a mapper property of ours whose only job is its ``merge`` step:
@@ -29,14 +29,14 @@ PENDING_EVENTS = _PENDING
 #: could vanish, with its events, before the unit of work harvests them.
 RAISED_KEY = "fastapi_outbox.raised"
 #: ``session.info`` key: a callable ``publish(event, aggregate)`` publishing an event in the
-#: session's unit of work at once (set by :mod:`fastapi_outbox.write.session_events`); it returns
+#: session's unit of work at once (set by `fastapi_outbox.write.session_events`); it returns
 #: False when no unit of work is open on the session, and the event then waits on the
 #: instance.
 PUBLISH_KEY = "fastapi_outbox.publish"
 #: Key of the mapper property that carries pending events through ``Session.merge``.
 _CARRIER = "_outbox_events_carrier"
 #: The sessions of the units of work active in this context, innermost last (each with a
-#: ``note_stray(aggregate, event)``, set by :mod:`fastapi_outbox.write.session_events`): an
+#: ``note_stray(aggregate, event)``, set by `fastapi_outbox.write.session_events`): an
 #: event raised on an aggregate in no session is noted by the innermost, whose commit
 #: refuses to go on while the aggregate is still in no session (its event would be lost).
 ACTIVE_UNITS: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar(

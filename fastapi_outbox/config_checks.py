@@ -3,10 +3,10 @@ database it is given, its broker names, each broker's de-duplication window agai
 settings, and the settings that need a given database (``partitioning``, ``capture="wal"``).
 
 They look at plain values (a dialect name, a driver name, broker names, a broker's window)
-and raise :class:`~fastapi_outbox.exceptions.ConfigurationError` with a message that names
+and raise [`ConfigurationError`][fastapi_outbox.ConfigurationError] with a message that names
 the setting or the broker, so each is unit-tested without a database. The composition root
-(:mod:`fastapi_outbox.outbox`) calls them; ``OutboxSettings`` checks what a setting can
-decide on its own (:mod:`fastapi_outbox.settings`).
+(`fastapi_outbox.outbox`) calls them; ``OutboxSettings`` checks what a setting can
+decide on its own (`fastapi_outbox.settings`).
 """
 
 from __future__ import annotations
@@ -28,15 +28,15 @@ __all__ = [
 ]
 
 #: The databases an outbox runs on.
-SUPPORTED_DIALECTS = ("postgresql", "sqlite")
+SUPPORTED_DIALECTS = ("postgresql", "sqlite", "mysql")
 _BROKER_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
 
 def check_database(dialect: str) -> None:
-    """PostgreSQL or SQLite, nothing else."""
+    """PostgreSQL, SQLite or MariaDB/MySQL (``mysql``), nothing else."""
     if dialect not in SUPPORTED_DIALECTS:
         raise exceptions.ConfigurationError(
-            f"unsupported database {dialect!r}: use PostgreSQL or SQLite"
+            f"unsupported database {dialect!r}: use PostgreSQL, SQLite or MariaDB/MySQL"
         )
 
 

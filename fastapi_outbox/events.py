@@ -317,7 +317,8 @@ def payload_of(event: Event | Message) -> Any:
 
 
 def refuse_unstorable(payload: Any, stream: str, type_name: str) -> None:
-    """Raise :class:`UnstorableText` naming the first string of ``payload`` (keys included)
+    """Raise [`UnstorableText`][fastapi_outbox.exceptions.UnstorableText] naming the first string of
+    ``payload`` (keys included)
     that cannot be committed; return when there is none (the cheap check's false alarm, e.g.
     an escaped backslash before ``u0000``). Only runs once the cheap check has fired."""
     stack: list[tuple[str, Any]] = [("payload", payload)]
@@ -340,7 +341,7 @@ def refuse_unstorable(payload: Any, stream: str, type_name: str) -> None:
 
 
 def check_storable(event: Event | Message) -> None:
-    """Refuse (:class:`~fastapi_outbox.exceptions.UnstorableText`) an event whose stream,
+    """Refuse ([`UnstorableText`][fastapi_outbox.exceptions.UnstorableText]) an event whose stream,
     type, key, headers or payload hold a character no database can commit; for events
     that wait on an aggregate, so the mistake surfaces at ``raise_event``, not at commit.
     ``publish()`` makes the same checks on the text it encodes anyway."""

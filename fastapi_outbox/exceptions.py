@@ -73,7 +73,7 @@ __all__ = [
 
 class OutboxError(Exception):
     """An error in fastapi-outbox. Its message goes through
-    :func:`fastapi_outbox.redaction.redact`: an error quoting a driver's text or a URL
+    `fastapi_outbox.redaction.redact`: an error quoting a driver's text or a URL
     never carries a credential, wherever it is shown."""
 
     def __init__(self, message: str | None = None) -> None:

@@ -2,7 +2,7 @@
 
 ``Instrumentation`` is the default: outcome hooks that do nothing, and a publish hook that
 opens one OpenTelemetry span per message when a tracer provider is configured (a no-op
-otherwise, see :mod:`fastapi_outbox.tracing`). ``fastapi_outbox.ops.metrics`` subclasses it for
+otherwise, see `fastapi_outbox.tracing`). ``fastapi_outbox.ops.metrics`` subclasses it for
 Prometheus; any subclass can be passed as ``Outbox(..., instrumentation=...)``.
 
 Hooks run on the relay's event loop in the middle of a batch: they must be quick and

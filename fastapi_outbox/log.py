@@ -2,8 +2,8 @@
 
 Every log call of the library names an ``action`` and the ids involved in ``extra=``
 (``message_id``, ``broker``, ``count``) and never a payload or a credential. Error texts
-come from drivers and brokers we do not control, so they go through :func:`safe_error`
-first: credentials are masked (:mod:`fastapi_outbox.redaction`, also applied to every
+come from drivers and brokers we do not control, so they go through `safe_error`
+first: credentials are masked (`fastapi_outbox.redaction`, also applied to every
 line the formatters below write) and SQLAlchemy's ``[SQL: …]`` / ``[parameters: …]``
 tails (which can quote row values) are cut off.
 
@@ -98,7 +98,7 @@ def _jsonable(value: Any) -> Any:
 class JsonFormatter(logging.Formatter):
     """One JSON object per record: ``ts``, ``level``, ``logger``, ``message``, the
     ``extra=`` fields (``action``, ``broker``, ``message_id``…) and ``exc_type`` /
-    ``exc`` when an exception is attached (its text passed through :func:`safe_error`;
+    ``exc`` when an exception is attached (its text passed through `safe_error`;
     tracebacks are left out on purpose: frames can hold payloads)."""
 
     def format(self, record: logging.LogRecord) -> str:

@@ -1,13 +1,13 @@
 """``Outbox``: the composition root. It wires the engine and the storage
-(:mod:`fastapi_outbox.storage.setup`), the brokers (:mod:`fastapi_outbox.brokers.setup`),
-the write side (:class:`fastapi_outbox.write.producer.Producer`), the relays
-(:class:`fastapi_outbox.relay.relays.Relays`), the subscribers
-(:mod:`fastapi_outbox.consume.entry`), the process's lifecycle
-(:class:`fastapi_outbox.lifecycle.supervisor.Lifecycle`: supervision, consumer groups,
-retention), the lifespan and the routers (:mod:`fastapi_outbox.ops.routers`) — the only
+(`fastapi_outbox.storage.setup`), the brokers (`fastapi_outbox.brokers.setup`),
+the write side (`fastapi_outbox.write.producer.Producer`), the relays
+(`fastapi_outbox.relay.relays.Relays`), the subscribers
+(`fastapi_outbox.consume.entry`), the process's lifecycle
+(`fastapi_outbox.lifecycle.supervisor.Lifecycle`: supervision, consumer groups,
+retention), the lifespan and the routers (`fastapi_outbox.ops.routers`) — the only
 module that knows every part; the logic lives in those parts, each handed the concrete
 parts below it that it uses. The checks of its configuration are
-:mod:`fastapi_outbox.config_checks`."""
+`fastapi_outbox.config_checks`."""
 
 from __future__ import annotations
 
@@ -207,7 +207,7 @@ class Outbox:
         """``async with outbox.unit_of_work() as uow:`` — commits on exit, rolls back on error.
 
         The block may commit the session itself: events go with the transaction that commits
-        them (:mod:`fastapi_outbox.write.session_events`).
+        them (`fastapi_outbox.write.session_events`).
 
         ``session=``: join the caller's session instead. The block runs in a savepoint: when
         it raises, its business writes and its events are undone together and the caller's
@@ -231,8 +231,8 @@ class Outbox:
     async def cancel(self, message_id: uuid.UUID) -> None:
         """Cancel a pending message (a delayed one, typically) before a relay claims it.
 
-        Raises :class:`~fastapi_outbox.exceptions.MessageNotFound` for an unknown id and
-        :class:`~fastapi_outbox.exceptions.TooLate` when it was claimed or published first
+        Raises [`MessageNotFound`][fastapi_outbox.exceptions.MessageNotFound] for an unknown id and
+        [`TooLate`][fastapi_outbox.exceptions.TooLate] when it was claimed or published first
         (the cancel is fenced against a concurrent claim)."""
         from fastapi_outbox.ops import operations
 
@@ -259,7 +259,7 @@ class Outbox:
     ) -> Callable[[HandlerT], HandlerT]:
         """``@outbox.subscriber("orders", group="billing")`` on ``async def handler(event:
         OrderPlaced, uow: UnitOfWork)``: consume ``stream`` as consumer ``group`` with the
-        handler's effects applied once (:mod:`fastapi_outbox.consume.subscriber`). Started and
+        handler's effects applied once (`fastapi_outbox.consume.subscriber`). Started and
         stopped with the relays (``lifespan``, ``relaying()``, ``fastapi-outbox
         dispatch``). Options left None come from the ``consumer_*`` settings;
         ``dead_letter`` is a template (default ``{stream}.{group}.dlq``); ``batch``: handle
@@ -284,7 +284,7 @@ class Outbox:
 
     async def consumers_status(self) -> list[ConsumerStatus]:
         """Every subscriber's consumer group: lag, pending, dead letters, last handled
-        (:func:`fastapi_outbox.ops.operations.consumers`; the dashboard's consumers table)."""
+        (`fastapi_outbox.ops.operations.consumers`; the dashboard's consumers table)."""
         from fastapi_outbox.ops import operations
 
         return await operations.consumers(self)
@@ -311,7 +311,7 @@ class Outbox:
     @contextlib.asynccontextmanager
     async def relaying(self) -> AsyncIterator[Outbox]:
         """Run the relays (and wake-ups, subscribers, retention) while the block runs,
-        under one supervisor (:class:`fastapi_outbox.lifecycle.supervisor.Lifecycle`)."""
+        under one supervisor (`fastapi_outbox.lifecycle.supervisor.Lifecycle`)."""
         async with self.lifecycle.running(self.brokers, self.external_brokers):
             yield self
 
@@ -360,7 +360,7 @@ class Outbox:
     @property
     def dashboard_router(self) -> APIRouter:
         """The operator dashboard at ``/outbox/dashboard`` under wherever it is included or
-        mounted (:mod:`fastapi_outbox.ops.dashboard`),
+        mounted (`fastapi_outbox.ops.dashboard`),
         guarded by ``dashboard_dependencies``. Refused without a guard, so no deployment
         exposes replay and abandon by accident: pass ``dashboard_dependencies=[]`` to serve
         it unguarded on purpose (a trusted network)."""
@@ -372,8 +372,8 @@ class Outbox:
         return self._routers.combined
 
     def asyncapi(self, **options: Any) -> dict[str, Any]:
-        """The AsyncAPI 3.0 document of this outbox's streams, events and subscribers
-        (:func:`fastapi_outbox.ops.asyncapi.build_asyncapi`; ``title=``, ``version=``,
+        """The AsyncAPI 3.1 document of this outbox's streams, events and subscribers
+        (`fastapi_outbox.ops.asyncapi.build_asyncapi`; ``title=``, ``version=``,
         ``description=``, ``events=``)."""
         from fastapi_outbox.ops.asyncapi import build_asyncapi
 

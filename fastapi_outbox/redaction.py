@@ -1,7 +1,7 @@
 """The one redaction of credentials, for every URL form the drivers accept and for free text
 that may quote such a URL (driver errors, log lines).
 
-:func:`redact_url` takes a database or broker URL and returns it safe to show:
+`redact_url` takes a database or broker URL and returns it safe to show:
 
 * ``scheme://user:password@host`` → ``scheme://user:***@host`` (the user name is kept: it
   is not a secret, and operators need it to tell two accounts apart);
@@ -16,9 +16,9 @@ that may quote such a URL (driver errors, log lines).
   list;
 * a string without scheme (``user:pw@host``): everything before the last ``@`` is hidden.
 
-:func:`redact` does the same to every ``scheme://…`` URL found in a text, masks
+`redact` does the same to every ``scheme://…`` URL found in a text, masks
 ``password=…``/``token: …`` keywords of DSN-style strings, and replaces any secret of a URL
-this process has redacted or :func:`remember`-ed (an ``Outbox`` remembers its database and
+this process has redacted or `remember`-ed (an ``Outbox`` remembers its database and
 brokers' URLs), so a driver that quotes a password in a form of its own (a parsed URL's
 ``repr``, a keyword argument) is covered as well. Over-redaction (an ``@`` in a path or a
 query value hides what precedes it) is accepted: a URL shown with less detail is safe, a
@@ -127,7 +127,7 @@ def _remember(secret: str) -> None:
 
 def remember(url: str) -> None:
     """Remember the secrets of ``url`` (password, token, query credentials), so that
-    :func:`redact` masks them wherever a text quotes them."""
+    `redact` masks them wherever a text quotes them."""
     redact_url(url)
 
 

@@ -61,7 +61,7 @@ DEDUP_OUTAGE_SECONDS = 4 * 3600.0
 #: takes the rows while they are being published (a duplicate for the de-duplication to
 #: absorb at best).
 LEASE_PUBLISH_MARGIN = 1.5
-#: Consumers (``@outbox.subscriber``): see :mod:`fastapi_outbox.consume.subscriber`.
+#: Consumers (``@outbox.subscriber``): see `fastapi_outbox.consume.subscriber`.
 INBOX_TABLE_NAME = "outbox_inbox"
 INBOX_RETENTION_SECONDS = 14 * 24 * 3600.0
 CONSUMER_BATCH_SIZE = 100
@@ -148,14 +148,14 @@ SETTING_GROUPS: dict[str, tuple[str, str]] = {
 
 
 def _group(key: str) -> dict[str, Any]:
-    """The marker of a field of group ``key`` (one of :data:`SETTING_GROUPS`)."""
+    """The marker of a field of group ``key`` (one of `SETTING_GROUPS`)."""
     if key not in SETTING_GROUPS:
         raise KeyError(f"settings group {key!r} is not in SETTING_GROUPS")
     return {"group": key}
 
 
 def setting_group(field: str) -> str:
-    """The :data:`SETTING_GROUPS` key of ``OutboxSettings`` field ``field``."""
+    """The `SETTING_GROUPS` key of ``OutboxSettings`` field ``field``."""
     extra = OutboxSettings.model_fields[field].json_schema_extra
     if not isinstance(extra, dict) or not isinstance(extra.get("group"), str):
         raise KeyError(f"OutboxSettings.{field} names no group")
@@ -181,7 +181,8 @@ def _no_renamed_variables() -> None:
 
 
 class OutboxSettings(BaseSettings):
-    """Settings of an :class:`~fastapi_outbox.Outbox`; environment variables ``OUTBOX_<FIELD>``."""
+    """Settings of an [`Outbox`][fastapi_outbox.Outbox]; environment variables
+    ``OUTBOX_<FIELD>``."""
 
     # hide_input_in_errors: a rejected value may be a key or a URL with a password, and
     # validation errors end up in logs.
@@ -858,20 +859,31 @@ class OutboxSettings(BaseSettings):
 ASYNC_DRIVERS = {
     "postgresql": ("asyncpg", "psycopg", "psycopg_async"),
     "sqlite": ("aiosqlite",),
+    # MariaDB >= 10.6 and MySQL 8.
+    "mysql": ("asyncmy", "aiomysql"),
 }
 #: The form to use instead, per database (what the docs and the errors show).
-_RIGHT_SCHEME = {"postgresql": "postgresql+asyncpg", "sqlite": "sqlite+aiosqlite"}
+_RIGHT_SCHEME = {
+    "postgresql": "postgresql+asyncpg",
+    "sqlite": "sqlite+aiosqlite",
+    "mysql": "mysql+asyncmy",
+}
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9_]*(\+[A-Za-z0-9_]+)?$")
 #: Other spellings of a supported database (``postgres://`` of Heroku, Render, Fly...).
-_ALIASES = {"postgres": "postgresql", "pgsql": "postgresql", "sqlite3": "sqlite"}
+_ALIASES = {
+    "postgres": "postgresql",
+    "pgsql": "postgresql",
+    "sqlite3": "sqlite",
+    "mariadb": "mysql",
+}
 
 
 def check_database_url(url: str) -> None:
     """Refuse a database URL SQLAlchemy's asyncio engine cannot use, before any driver sees
     it: ``postgres://`` (no such dialect), a URL without a driver (``postgresql://`` means
-    psycopg2, ``sqlite://`` the blocking ``sqlite3``), a blocking driver, or a database the
-    outbox does not run on (``mysql://``). The
-    :class:`~fastapi_outbox.exceptions.ConfigurationError` names the URL (credentials
+    psycopg2, ``sqlite://`` the blocking ``sqlite3``, ``mysql://`` mysqlclient), a blocking
+    driver, or a database the outbox does not run on (``oracle://``). The
+    `ConfigurationError` names the URL (credentials
     masked) and the form to use."""
     from fastapi_outbox.redaction import redact_url, remember
 
@@ -889,8 +901,9 @@ def check_database_url(url: str) -> None:
     if known not in ASYNC_DRIVERS:
         raise exceptions.ConfigurationError(
             f"database URL {redact_url(url)!r}: {database!r} is not a database the outbox "
-            "runs on: use PostgreSQL (postgresql+asyncpg://host/database) or "
-            "SQLite (sqlite+aiosqlite:///file.db)"
+            "runs on: use PostgreSQL (postgresql+asyncpg://host/database), "
+            "SQLite (sqlite+aiosqlite:///file.db) or MariaDB/MySQL "
+            "(mysql+asyncmy://host/database)"
         )
     if known == database and driver in ASYNC_DRIVERS[known]:
         return

@@ -1,7 +1,9 @@
 """Test helpers for users' suites: a harness for their consumers, ``drain``, pytest fixtures.
 
 ``OutboxHarness(outbox)`` runs the app's subscribers in-process on memory brokers (no Redis,
-NATS or RabbitMQ), on the outbox's own database (SQLite or the user's PostgreSQL);
+NATS or RabbitMQ), on a database of its own: a fresh SQLite file next to nothing of the app's
+(SQLite), or a schema of its own on the app's PostgreSQL, dropped on exit — so a test passes
+whatever the app's database already holds;
 ``await harness.wait_idle()`` relays what units of work committed and waits until every
 subscriber has handled it, including what their handlers published in turn; then
 ``harness.published(OrderPlaced)``, ``harness.handled(OrderPlaced)`` and
@@ -24,7 +26,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
+import tempfile
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
@@ -55,6 +60,67 @@ IDLE_TIMEOUT_SECONDS = 10.0
 IDLE_POLL_SECONDS = 0.005
 #: Bound on stopping the subscribers when the harness closes.
 STOP_TIMEOUT_SECONDS = 5.0
+
+
+class _IsolatedDatabase:
+    """Points every new connection of an engine at a database of the harness's own while
+    installed: a fresh SQLite file in a temporary directory, or (PostgreSQL on asyncpg) a
+    new schema first on the ``search_path``. The engine's pool is emptied on entry and on
+    exit, so no connection to the other database is reused; on exit the file or the schema
+    is removed. Other databases (an in-memory SQLite, which no other process shares, or a
+    driver it does not know) are left as they are."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.kind: str | None = None
+        self._directory: str | None = None
+        self.schema: str | None = None
+
+    @staticmethod
+    def applies(engine: Any) -> bool:
+        url = engine.url
+        if url.get_backend_name() == "sqlite":
+            return url.database not in (None, "", ":memory:")
+        return bool(url.get_backend_name() == "postgresql" and url.get_driver_name() == "asyncpg")
+
+    def _do_connect(self, dialect: Any, record: Any, cargs: Any, cparams: Any) -> Any:
+        # A connection of its own, from copies: the engine's arguments stay as they are.
+        if self.kind == "sqlite":
+            assert self._directory is not None
+            return dialect.connect(f"{self._directory}/harness.db", *list(cargs)[1:], **cparams)
+        settings = {**cparams.get("server_settings", {}), "search_path": f'"{self.schema}"'}
+        return dialect.connect(*cargs, **{**cparams, "server_settings": settings})
+
+    async def install(self) -> None:
+        from sqlalchemy import event, text
+
+        if self.engine.url.get_backend_name() == "sqlite":
+            self.kind = "sqlite"
+            self._directory = tempfile.mkdtemp(prefix="outbox-harness-")
+        else:
+            self.kind = "postgresql"
+            self.schema = f"outbox_harness_{uuid.uuid4().hex[:12]}"
+            async with self.engine.connect() as conn:
+                await conn.execute(text(f'CREATE SCHEMA "{self.schema}"'))
+                await conn.commit()
+        await self.engine.dispose()
+        event.listen(self.engine.sync_engine, "do_connect", self._do_connect)
+
+    async def remove(self) -> None:
+        from sqlalchemy import event, text
+
+        if self.kind is None:
+            return
+        if event.contains(self.engine.sync_engine, "do_connect", self._do_connect):
+            event.remove(self.engine.sync_engine, "do_connect", self._do_connect)
+        await self.engine.dispose()
+        if self._directory is not None:
+            shutil.rmtree(self._directory, ignore_errors=True)
+        if self.schema is not None:
+            async with self.engine.connect() as conn:
+                await conn.execute(text(f'DROP SCHEMA IF EXISTS "{self.schema}" CASCADE'))
+                await conn.commit()
+        self.kind = None
 
 
 async def drain(outbox: Outbox, *, broker: str | None = None, max_batches: int = 1000) -> int:
@@ -131,16 +197,24 @@ class OutboxHarness:
     """Runs an outbox's subscribers in-process, on memory brokers, for tests.
 
     On entry every broker of ``outbox`` (internal and external) is replaced by a
-    :class:`MemoryBroker` (given back on exit), the outbox and inbox tables are created
-    (and the tables of ``metadata``, your models', when given), and every subscriber starts
-    consuming. Nothing is relayed by itself: :meth:`wait_idle` relays what was committed
-    (as :func:`drain`) and waits until the subscribers have handled all of it, over and over
-    until nothing is left — events that handlers publish are relayed and handled too.
+    [`MemoryBroker`][fastapi_outbox.brokers.MemoryBroker] (given back on exit), the outbox's
+    engine is pointed at a database of the harness's own (``isolated=True``, the default: a
+    fresh SQLite file, or a new schema on PostgreSQL, removed on exit; an in-memory SQLite
+    database, and an outbox with ``capture="wal"``, whose replication slot is the whole
+    database's, use their own), the outbox and inbox tables are created in it (and the tables
+    of ``metadata``, your models', when given), and every subscriber starts consuming.
+    ``isolated=False`` uses the app's own database as it is.
+
+    Nothing is relayed by itself: [`wait_idle`][fastapi_outbox.testing.OutboxHarness.wait_idle]
+    relays what was committed (as [`drain`][fastapi_outbox.testing.drain]) and waits until the
+    subscribers have handled all of it, over and over until nothing is left — events that
+    handlers publish are relayed and handled too.
 
     ``app``: a FastAPI app to serve with this outbox (``harness.client()``; its lifespan is
     not run). ``fast_retries``: a failing handler is retried without backoff, so a poison
     message reaches its dead letters within ``wait_idle`` (``consumer_max_attempts``
-    attempts). Dead letters are in :meth:`dead_letters`.
+    attempts). Dead letters are in
+    [`dead_letters`][fastapi_outbox.testing.OutboxHarness.dead_letters].
 
     As a pytest fixture::
 
@@ -157,8 +231,11 @@ class OutboxHarness:
         app: Any = None,
         metadata: MetaData | None = None,
         fast_retries: bool = True,
+        isolated: bool = True,
     ) -> None:
         self.outbox = outbox
+        self.isolated = isolated
+        self._database: _IsolatedDatabase | None = None
         self.app = app
         self.metadata = metadata
         self.fast_retries = fast_retries
@@ -188,6 +265,12 @@ class OutboxHarness:
         if self.app is not None:
             serve_app(self.app.state, outbox._producer)
         try:
+            # WAL capture reads a replication slot of the whole database: no schema of the
+            # harness's own can hold it, so the harness runs on the outbox's database then.
+            wal = outbox.settings.capture == "wal"
+            if self.isolated and not wal and _IsolatedDatabase.applies(outbox.engine):
+                self._database = _IsolatedDatabase(outbox.engine)
+                await self._database.install()
             if self.metadata is not None:
                 async with outbox.engine.begin() as conn:
                     await conn.run_sync(self.metadata.create_all)
@@ -241,6 +324,9 @@ class OutboxHarness:
         if self._saved_brokers is not None:
             self.outbox.brokers, self.outbox.external_brokers = self._saved_brokers
             self._saved_brokers = None
+        if self._database is not None:
+            database, self._database = self._database, None
+            await database.remove()
 
     def client(self, **options: Any) -> httpx.AsyncClient:
         """An ``httpx.AsyncClient`` calling ``app`` in-process (``base_url`` http://test)."""
@@ -296,7 +382,8 @@ class OutboxHarness:
 
     def handled(self, event_type: type[E], *, group: str | None = None) -> list[E]:
         """The events of ``event_type`` whose handling committed (an inbox row of a
-        subscriber's group, or of ``group``) as of the last :meth:`wait_idle`, in publish
+        subscriber's group, or of ``group``) as of the last
+        [`wait_idle`][fastapi_outbox.testing.OutboxHarness.wait_idle], in publish
         order."""
         groups = {
             s.group

@@ -1,12 +1,12 @@
 """W3C trace context for messages, through OpenTelemetry when it is installed and active.
 
 * At commit, the active span's context (or the request's ``traceparent``) is stored in the
-  message headers (:func:`current_trace_headers`, called by the unit of work).
+  message headers (`current_trace_headers`, called by the unit of work).
 * The stored ``traceparent`` travels unchanged in the broker message's headers: it is the
   message's *creation context* (OpenTelemetry messaging conventions), so a consumer that
   extracts it joins the trace of the request that raised the event.
 * The relay opens one ``PRODUCER`` span per message around the broker call
-  (:func:`start_publish_spans`), *linked* to that stored context. The publish happens
+  (`start_publish_spans`), *linked* to that stored context. The publish happens
   after the request has ended, often in another process, so the span starts a trace of
   its own instead of being parented to a finished request; the link ties the two.
 

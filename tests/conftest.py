@@ -1,6 +1,7 @@
 """Shared fixtures: real services on loopback, one schema / stream namespace per test.
 
 Services: PostgreSQL (``OUTBOX_TEST_PG_URL``, default ``postgresql+asyncpg://postgres@127.0.0.1:5432/test``),
+MariaDB (``OUTBOX_TEST_MYSQL_URL``, default ``mysql+asyncmy://root@127.0.0.1:3306/test``),
 Redis (``OUTBOX_TEST_REDIS_URL``, default ``redis://127.0.0.1:6379/0``), NATS with JetStream
 (``OUTBOX_TEST_NATS_URL``, default ``nats://127.0.0.1:4222``) and RabbitMQ
 (``OUTBOX_TEST_RABBITMQ_URL``, default ``amqp://guest:guest@127.0.0.1:5672/``), and a Kafka-protocol
@@ -29,13 +30,14 @@ import pytest
 PG_URL = os.environ.get("OUTBOX_TEST_PG_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("OUTBOX_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 NATS_URL = os.environ.get("OUTBOX_TEST_NATS_URL", "nats://127.0.0.1:4222")
+MYSQL_URL = os.environ.get("OUTBOX_TEST_MYSQL_URL", "mysql+asyncmy://root@127.0.0.1:3306/test")
 RABBITMQ_URL = os.environ.get("OUTBOX_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/")
 REQUIRE = os.environ.get("OUTBOX_REQUIRE_SERVICES") == "1"
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _answers(url: str, default_port: int) -> bool:
-    parsed = urlparse(url.replace("+asyncpg", ""))
+    parsed = urlparse(url.replace("+asyncpg", "").replace("+asyncmy", ""))
     try:
         with socket.create_connection(
             (parsed.hostname or "127.0.0.1", parsed.port or default_port), 1
@@ -230,12 +232,88 @@ def sqlite_url(tmp_path: Any) -> str:
     return f"sqlite+aiosqlite:///{tmp_path}/test.db"
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
+def _mysql_admin(statement: str) -> None:
+    """Run one statement on the MariaDB server (from sync code, on a thread of its own)."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    import asyncmy
+
+    parsed = urlparse(MYSQL_URL.replace("+asyncmy", ""))
+
+    async def run() -> None:
+        conn = await asyncmy.connect(
+            host=parsed.hostname or "127.0.0.1",
+            port=parsed.port or 3306,
+            user=parsed.username or "root",
+            password=parsed.password or "",
+        )
+        try:
+            async with conn.cursor() as cursor:
+                await cursor.execute(statement)
+        finally:
+            conn.close()
+
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, run()).result()
+
+
+@pytest.fixture
+def mysql_url() -> Iterator[str]:
+    """A MariaDB database of this test's own (created, dropped after)."""
+    need("MariaDB", MYSQL_URL, 3306)
+    name = unique("mdb")
+    _mysql_admin(f"CREATE DATABASE {name}")
+    base, _, _ = MYSQL_URL.rpartition("/")
+    yield f"{base}/{name}"
+    _mysql_admin(f"DROP DATABASE IF EXISTS {name}")
+
+
+#: The databases of ``db_url``. MariaDB's runs only for the tests marked ``mariadb`` (the
+#: contract suites; see ``pytest_collection_modifyitems``): the whole suite on a third
+#: database would cost more time than it finds.
+DATABASES = ["sqlite", "postgres", "mariadb"]
+
+
+@pytest.fixture(params=DATABASES)
 def db_url(request: pytest.FixtureRequest, tmp_path: Any) -> str:
-    """Each test using it runs on SQLite and on PostgreSQL."""
+    """Each test using it runs on SQLite and on PostgreSQL, and on MariaDB when marked
+    ``mariadb`` (a module's ``pytestmark``)."""
     if request.param == "sqlite":
         return f"sqlite+aiosqlite:///{tmp_path}/test.db"
+    if request.param == "mariadb":
+        return str(request.getfixturevalue("mysql_url"))
     return str(request.getfixturevalue("pg_url"))
+
+
+@pytest.fixture(params=["postgres", "mariadb"])
+def server_db_url(request: pytest.FixtureRequest) -> str:
+    """A database server's database of this test's own, on PostgreSQL and on MariaDB: for
+    the tests whose processes share it (dispatchers killed and restarted), which SQLite's
+    one file on one host does not model."""
+    return str(request.getfixturevalue("pg_url" if request.param == "postgres" else "mysql_url"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``db_url[mariadb]`` only for the tests marked ``mariadb``; a test marked ``postgres``
+    (PostgreSQL only) says why in the marker's ``reason``."""
+    keep, drop = [], []
+    for item in items:
+        for marker in item.iter_markers("postgres"):
+            if not marker.kwargs.get("reason"):
+                raise pytest.UsageError(
+                    f"{item.nodeid}: pytest.mark.postgres(reason=...) must say why the test "
+                    "runs on PostgreSQL only (not on MariaDB and SQLite too)"
+                )
+        callspec = getattr(item, "callspec", None)
+        on_mariadb = callspec is not None and callspec.params.get("db_url") == "mariadb"
+        if on_mariadb and item.get_closest_marker("mariadb") is None:
+            drop.append(item)
+        else:
+            keep.append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 @pytest.fixture

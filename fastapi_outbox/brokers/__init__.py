@@ -125,7 +125,7 @@ def broker_from_url(url: str, **options: Any) -> Broker:
     ``redis+cluster://host:port[,host:port…]`` / ``rediss+cluster://``, ``nats://`` /
     ``tls://``, ``amqp://`` / ``amqps://`` (RabbitMQ) or Kafka's
     ``kafka://host:9092[,host:9092…]``. Broker options may ride in the URL's query
-    (:func:`url_options`: ``?envelope=cloudevents``, ``?replicas=3`` for NATS); keyword
+    (`url_options`: ``?envelope=cloudevents``, ``?replicas=3`` for NATS); keyword
     ``options`` win over them."""
     url, from_query = url_options(url)
     options = {**from_query, **options}

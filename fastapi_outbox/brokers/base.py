@@ -3,7 +3,7 @@
 ``publish(batch)`` sends a batch and returns one result per envelope, in order: ``None``
 when the broker stored the message, or the exception that refused it (retried on its own
 with backoff). When the broker as a whole cannot be reached it raises
-:class:`~fastapi_outbox.exceptions.BrokerUnavailable` instead, and the relay gives
+[`BrokerUnavailable`][fastapi_outbox.BrokerUnavailable] instead, and the relay gives
 the whole batch back without burning attempts.
 """
 

@@ -1,13 +1,13 @@
 """The consumer side of a broker: the ``Consumer`` protocol every transport implements.
 
-A subscriber (:mod:`fastapi_outbox.consume.subscriber`) drives one consumer per (stream, group):
+A subscriber (`fastapi_outbox.consume.subscriber`) drives one consumer per (stream, group):
 
 * ``setup()`` creates the group / durable consumer (and the dead-letter stream where the
   broker needs one) when missing, or brings an existing one to the declared settings
   (ConfigurationError naming the setting when the broker refuses); ``Outbox`` calls it for
   every subscriber before its relays publish and in ``create_tables``, so a group
   exists before the first message meant for it, whatever ``start`` says;
-* ``fetch(n, timeout)`` returns up to n :class:`Delivery` objects — new messages, stale ones
+* ``fetch(n, timeout)`` returns up to n `Delivery` objects — new messages, stale ones
   of dead consumers reclaimed after ``claim_idle_seconds``, and this consumer's own retries
   that are due — each with its delivery count (attempt) from the broker;
 * ``ack``, after the handler's transaction committed; ``ack_soon`` (optional: a consumer
@@ -20,7 +20,7 @@ A subscriber (:mod:`fastapi_outbox.consume.subscriber`) drives one consumer per 
   delivery of a type this process does not take back to the group after ``delay``, for any
   consumer of it, uncharged where the broker can reset its count (Redis, memory); the
   subscriber counts a redelivered message's attempts itself
-  (:mod:`fastapi_outbox.storage.group_members`);
+  (`fastapi_outbox.storage.group_members`);
 * ``dead_letter(delivery, error)``: move it to the dead-letter stream with the error and
   the original headers, and acknowledge it, so it never blocks the others;
 * ``lag()``, ``dead_letters()`` and ``replay_dead_letters()`` for health and the CLI.
@@ -29,7 +29,7 @@ Messages are decoded from the format the publish side writes (each broker's ``wi
 module: ``redis/wire.py``, ``nats/wire.py``): message id, type, key, JSON headers and the
 JSON payload. A consumer receives its broker's connection object (``<name>/connection.py``),
 which it shares with the publisher; it never sees the publisher. Failures of the broker
-itself raise :class:`~fastapi_outbox.exceptions.BrokerUnavailable`: the subscriber
+itself raise [`BrokerUnavailable`][fastapi_outbox.BrokerUnavailable]: the subscriber
 pauses, and no handler attempt is charged.
 """
 

@@ -1,7 +1,7 @@
 """Which brokers an outbox has: the ones it was given, or the one ``OUTBOX_BROKER_URL``
 names; which one is the default; each checked (names, de-duplication window) and
-configured. The composition root (:class:`fastapi_outbox.outbox.Outbox`) calls
-:func:`setup_brokers` once and :func:`resolve_broker` per published event."""
+configured. The composition root ([`fastapi_outbox.outbox.Outbox`][fastapi_outbox.Outbox]) calls
+`setup_brokers` once and `resolve_broker` per published event."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Admin commands of the CLI: ``status``, ``list``, ``show``, ``replay``, ``abandon``,
 ``purge``, ``archive list``/``archive show`` — thin wrappers over
-:mod:`fastapi_outbox.ops.operations`, which the dashboard calls too.
+`fastapi_outbox.ops.operations`, which the dashboard calls too.
 
 Long operations (``purge``, ``replay --abandoned``) run in bounded batches and report
 ``done/total (pct%)`` on stderr: on a terminal by default, on demand with ``--progress``
@@ -12,7 +12,7 @@ and the redacted target, then need ``--yes`` (or a ``y`` typed on a terminal); t
 do more than the count they showed. ``--dry-run`` (on ``replay``, ``abandon``, ``cancel``
 and ``purge``) prints the count and what would happen and changes nothing. Id lists
 (arguments or ``--ids-from FILE``) are processed a page at a time, at most
-:data:`~fastapi_outbox.ops.operations.MAX_IDS` per command.
+`MAX_IDS` per command.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""``fastapi-outbox asyncapi --app module:outbox``: print the app's AsyncAPI 3.0 document.
+"""``fastapi-outbox asyncapi --app module:outbox``: print the app's AsyncAPI 3.1 document.
 
 The document is built from what the app declares (events, subscribers, brokers) by
-:func:`fastapi_outbox.ops.asyncapi.build_asyncapi`; nothing is connected to.
+`fastapi_outbox.ops.asyncapi.build_asyncapi`; nothing is connected to.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ __all__ = ["add_command", "run"]
 def add_command(sub: Any) -> None:
     """Add the ``asyncapi`` command to the ``fastapi-outbox`` sub-parsers."""
     command = sub.add_parser(
-        "asyncapi", help="print the AsyncAPI 3.0 document of the app's events (JSON)"
+        "asyncapi", help="print the AsyncAPI 3.1 document of the app's events (JSON)"
     )
     command.add_argument("--app", required=True, help="module:attribute naming an Outbox")
     command.add_argument("--title", default="fastapi-outbox events", help="info.title")

@@ -2,7 +2,7 @@
 pending, dead letters, inbox count and last handled; ``--dead-letters`` lists them) and
 ``replay --dead-letter STREAM --group G [--entry ID…]``. They need ``--app module:outbox``:
 the subscribers are declared in the consuming service's code. Thin wrappers over
-:mod:`fastapi_outbox.ops.operations`, which the dashboard and health call too."""
+`fastapi_outbox.ops.operations`, which the dashboard and health call too."""
 
 from __future__ import annotations
 
@@ -109,7 +109,7 @@ _FIRST = (EXIT_AUTHENTICATION, EXIT_UNREACHABLE)
 async def _cause_error(c: ConsumerStatus, cause: BaseException, outbox: Outbox) -> CliError:
     """The CliError that ``cause`` (why ``c``'s figures are unknown) means: a broker that
     refused the credentials (exit code 4) or cannot be reached (3), a database error as
-    :func:`~fastapi_outbox.cli.support.guard` judges it, anything else a failure (1)."""
+    `guard` judges it, anything else a failure (1)."""
     where = f"consumer group {c.group!r} on {c.stream!r}: "
     if isinstance(cause, exceptions.BrokerUnavailable):
         return broker_error(cause, f"{where}broker {c.broker!r}: ")

@@ -1,13 +1,14 @@
 """The ``fastapi-outbox`` command (also ``python -m fastapi_outbox``).
 
-The database comes from ``--url``, from ``--app module:outbox`` (an :class:`Outbox` in an
+The database comes from ``--url``, from ``--app module:outbox`` (an
+[`Outbox`][fastapi_outbox.Outbox] in an
 importable module, brokers included) or from ``OUTBOX_DATABASE_URL``. Exit codes: 0
 success, 1 failure of the operation (unknown message id, missing table), 2 usage or
 configuration error (bad duration, no database given), 3 database unreachable. Errors
 name what they are about and never print a password.
 
 Logs go to stderr, as text (``key=value`` extras) or, with ``--log-format json``, one
-JSON object per line (:class:`fastapi_outbox.log.JsonFormatter`).
+JSON object per line ([`fastapi_outbox.log.JsonFormatter`][fastapi_outbox.JsonFormatter]).
 """
 
 from __future__ import annotations
@@ -170,7 +171,9 @@ def _db_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     sql = db_sub.add_parser("sql", help="print the DDL")
     _common(sql)
     sql.add_argument(
-        "--dialect", choices=["postgresql", "sqlite"], help="dialect when no --url is given"
+        "--dialect",
+        choices=["postgresql", "sqlite", "mysql"],
+        help="dialect when no --url is given (mysql: MariaDB and MySQL)",
     )
     upgrade = db_sub.add_parser(
         "upgrade",
@@ -369,7 +372,7 @@ async def _drop_slot(outbox: Outbox, *, force: bool) -> int:
 
 
 def _print_ddl(args: argparse.Namespace) -> int:
-    from sqlalchemy.dialects import postgresql, sqlite
+    from sqlalchemy.dialects import mysql, postgresql, sqlite
 
     from fastapi_outbox.storage.claim_check import build_payload_table
     from fastapi_outbox.storage.group_members import build_group_tables
@@ -379,10 +382,10 @@ def _print_ddl(args: argparse.Namespace) -> int:
 
     try:
         settings = OutboxSettings.from_env()
-        if settings.partitioning is not None and args.dialect == "sqlite":
+        if settings.partitioning is not None and args.dialect in ("sqlite", "mysql"):
             raise CliError(
                 f"partitioning={settings.partitioning!r} (OUTBOX_PARTITIONING) needs "
-                "PostgreSQL: SQLite keeps one plain table"
+                f"PostgreSQL: {args.dialect} keeps one plain table"
             )
         table = build_table(
             args.table or settings.table_name,
@@ -398,7 +401,7 @@ def _print_ddl(args: argparse.Namespace) -> int:
         )
     except exceptions.ConfigurationError as exc:  # bad --table or OUTBOX_* variable
         raise CliError(str(exc)) from exc
-    module = sqlite if args.dialect == "sqlite" else postgresql
+    module = {"sqlite": sqlite, "mysql": mysql}.get(args.dialect, postgresql)
     dialect = module.dialect()
     print(ddl(table, dialect), end="")
     print("\n" + ddl(inbox, dialect), end="")

@@ -1,5 +1,5 @@
-"""What the CLI's command modules share (:mod:`fastapi_outbox.cli`, :mod:`fastapi_outbox.cli.admin`,
-:mod:`fastapi_outbox.cli.consumers`): exit codes, the usage error, the database guard that
+"""What the CLI's command modules share (`fastapi_outbox.cli`, `fastapi_outbox.cli.admin`,
+`fastapi_outbox.cli.consumers`): exit codes, the usage error, the database guard that
 turns an unreachable database or a missing table into an exit code with a clear message,
 and the plain-text table of listings.
 
@@ -44,7 +44,7 @@ def sqlstate(exc: BaseException) -> str:
 
 async def guard(coro: Awaitable[T], outbox: Outbox) -> T:
     """Await ``coro``; what the dialect's classifier
-    (:mod:`fastapi_outbox.storage.db_outage`) says of a failure becomes an exit code with a
+    (`fastapi_outbox.storage.db_outage`) says of a failure becomes an exit code with a
     message naming the (redacted) URL and the fix: a missing outbox table exit code 1,
     refused credentials 4, a database that cannot be reached 3 (an ambiguous error, an
     ``OSError``, counts as unreachable here: the CLI runs no handler code of its own)."""
@@ -73,7 +73,7 @@ async def guard(coro: Awaitable[T], outbox: Outbox) -> T:
 
 def broker_error(exc: exceptions.BrokerUnavailable, prefix: str = "") -> CliError:
     """The CLI's error for a broker outage: exit code 4 when the broker refused the
-    credentials (:class:`~fastapi_outbox.exceptions.AuthenticationFailed`), else 3."""
+    credentials ([`AuthenticationFailed`][fastapi_outbox.AuthenticationFailed]), else 3."""
     code = (
         EXIT_AUTHENTICATION
         if isinstance(exc, exceptions.AuthenticationFailed)

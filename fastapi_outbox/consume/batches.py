@@ -3,10 +3,10 @@
 A fetched batch (``batch=True``, the default) runs in one transaction: one multi-row inbox
 insert, the handlers one after the other, one commit, one ack. When anything fails the
 transaction rolls back and every message of the batch goes the per-message way
-(:mod:`fastapi_outbox.consume.processing`): one poison message costs its batch one extra
+(`fastapi_outbox.consume.processing`): one poison message costs its batch one extra
 pass, never an effect. A batch handler (first parameter ``list[SomeEvent]``) is called once
-per batch with a :class:`~fastapi_outbox.consume.handlers.BatchUnitOfWork` (in the
-transaction :meth:`~fastapi_outbox.consume.processing.Processing.run_batch` runs); its
+per batch with a [`BatchUnitOfWork`][fastapi_outbox.BatchUnitOfWork] (in the
+transaction `run_batch` runs); its
 failing batch is retried whole (``BATCH_HANDLER_TRIES``) before its messages go one by one.
 """
 

@@ -2,9 +2,9 @@
 
 A subscriber needs the database (engine, the session factory, the inbox), the settings,
 the payload stages, the brokers it may consume from, this process's instance id, and the
-outbox's write side (:class:`~fastapi_outbox.write.producer.Producer`), through which its
+outbox's write side (`Producer`), through which its
 handlers' units of work publish and whose relays their commits wake.
-:class:`ConsumeContext` holds exactly that; the composition root builds one per outbox.
+`ConsumeContext` holds exactly that; the composition root builds one per outbox.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class ConsumeContext:
         self.instance = instance
         self._brokers = brokers
         #: The subscribers registered so far (``register`` appends; ``Any``: the list holds
-        #: :class:`~fastapi_outbox.consume.subscriber.Subscriber`, which this module below
+        #: `Subscriber`, which this module below
         #: it cannot name).
         self.subscribers = subscribers
 

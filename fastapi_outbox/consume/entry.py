@@ -1,5 +1,5 @@
 """What the composition root calls into ``consume/``: the ``@outbox.subscriber``
-decorator (:func:`subscribe`)."""
+decorator (`subscribe`)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def subscribe(
     context: ConsumeContext, stream: str, group: str, **given: Any
 ) -> Callable[[HandlerT], HandlerT]:
     """The decorator of ``@outbox.subscriber(stream, group=…, **given)``: registers a
-    :class:`~fastapi_outbox.consume.subscriber.Subscriber` of the handler (options left
+    `Subscriber` of the handler (options left
     None from the settings) and gives the handler back unchanged."""
 
     def decorate(handler: HandlerT) -> HandlerT:

@@ -1,14 +1,15 @@
 """Handlers: what a subscriber's handler takes, and the message decoded for it.
 
-:func:`inspect_handler` reads the handler's signature once, at registration: the first
+`inspect_handler` reads the handler's signature once, at registration: the first
 parameter receives the message (an ``Event`` subclass, a union of them, or ``Message``; a
 ``list[...]`` of them makes a batch handler), the parameters annotated ``UnitOfWork`` (or
-``BatchUnitOfWork``) receive the unit of work. :class:`Decoder` turns a delivery into that
-message, or says why it cannot (:class:`Undeliverable`: dead-letter now) or need not
-(:class:`NotForHandler`: another type of the stream; :class:`UnknownType`: a type no
+``BatchUnitOfWork``) receive the unit of work. `Decoder` turns a delivery into that
+message, or says why it cannot (`Undeliverable`: dead-letter now) or need not
+(`NotForHandler`: another type of the stream; `UnknownType`: a type no
 ``Event`` class here declares — whether another version of the group takes either is
-:mod:`fastapi_outbox.consume.versions`' question). Also the unit of
-work a batch handler receives (:class:`BatchUnitOfWork`) and the context a delivery gives
+`fastapi_outbox.consume.versions`' question). Also the unit of
+work a batch handler receives ([`BatchUnitOfWork`][fastapi_outbox.BatchUnitOfWork]) and the context
+a delivery gives
 its unit of work (correlation id, causation id, traceparent). Pure: no I/O.
 """
 
@@ -138,7 +139,7 @@ class HandlerSignature:
 
 
 def inspect_handler(handler: Handler, where: str) -> HandlerSignature:
-    """The handler's :class:`HandlerSignature`; a ``ConfigurationError`` naming ``where``
+    """The handler's `HandlerSignature`; a ``ConfigurationError`` naming ``where``
     (the subscriber) and the parameter when the handler cannot receive messages."""
     try:
         hints = typing.get_type_hints(handler)
@@ -246,7 +247,7 @@ class Decoder:
         return self._types
 
     def decode(self, d: Delivery) -> Any:
-        """The handler's message of ``d``; :class:`Undeliverable` or :class:`NotForHandler`."""
+        """The handler's message of ``d``; `Undeliverable` or `NotForHandler`."""
         if self.accepts is None:
             return _as_message(d)
         cls = self._accepted.get(d.type)
@@ -265,7 +266,7 @@ class Decoder:
 
     def _not_accepted(self, d: Delivery, accepts: tuple[type[Event], ...]) -> Exception:
         """Why ``d``'s type is not handled: another ``Event`` of the stream declares it
-        (:class:`NotForHandler`) or none does (:class:`UnknownType`)."""
+        (`NotForHandler`) or none does (`UnknownType`)."""
         known = self._event_types()
         if d.type not in known:
             self._types = None  # classes may have been declared since: look again

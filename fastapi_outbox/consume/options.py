@@ -1,8 +1,8 @@
 """Subscriber options: the defaults the settings give and the checks of what a decorator asks.
 
 ``@outbox.subscriber(stream, group=…, …)`` options left None take the ``consumer_*``
-settings (:func:`subscriber_options`); :func:`check_options` refuses, before anything runs,
-what cannot work, with a :class:`~fastapi_outbox.exceptions.ConfigurationError` naming the
+settings (`subscriber_options`); `check_options` refuses, before anything runs,
+what cannot work, with a [`ConfigurationError`][fastapi_outbox.ConfigurationError] naming the
 handler and the option. Pure: no I/O, unit-tested on its own.
 """
 

@@ -2,13 +2,13 @@
 
 ``@outbox.subscriber(stream, group=…, ordered=True)`` on a broker whose consumer reads a
 stream from a position (``read_after``: Redis Streams, NATS JetStream) runs here instead of
-the fetch loop of :mod:`~fastapi_outbox.consume.subscriber`:
+the fetch loop of `subscriber`:
 
 * each message's key is hashed into one of ``consumer_ordered_partitions`` partitions
-  (:func:`partition_of`; CRC-32, the same in every process); a message without a key goes
+  (`partition_of`; CRC-32, the same in every process); a message without a key goes
   by its message id (no order between keyless messages);
 * each partition is owned by one process at a time through a lease in the inbox's database
-  (:mod:`fastapi_outbox.storage.leases`): a row with the owner, the lease's end (the
+  (`fastapi_outbox.storage.leases`): a row with the owner, the lease's end (the
   database's clock), a fencing token and the position of the partition's last settled
   message. A coordinator task heartbeats every third of the lease
   (``consumer_claim_idle_seconds``), renews its leases and rebalances: each process holds
@@ -22,7 +22,7 @@ the fetch loop of :mod:`~fastapi_outbox.consume.subscriber`:
   together in one transaction, the handler on each in turn, unless ``batch=False``; one by
   one when that fails) whose first statement is the fence: the partition's position moves
   to the (last) message if the token is still ours, else
-  :class:`~fastapi_outbox.storage.leases.LeaseLost` rolls everything back and the process
+  `LeaseLost` rolls everything back and the process
   drops the partition. A message settled without a handler transaction (skipped,
   dead-lettered) moves the position in a transaction of its own, fenced the same way.
 
@@ -35,7 +35,7 @@ it is handled or dead-lettered.
 Attempts survive the process (a handler that kills its process on every try must not hold
 its partition back forever): before a handler runs, the partition's row says what it starts
 on (``started``: the first message after the position; ``attempts``: the handler's starts
-on it alone, 0 for a batch beginning with it; :mod:`fastapi_outbox.storage.leases`). The
+on it alone, 0 for a batch beginning with it; `fastapi_outbox.storage.leases`). The
 fence writes it for the partition's next transaction, from the messages queued behind, so
 under load no statement is added; a transaction the last fence did not announce (an empty
 queue then, a retry in place) records it first in a statement of its own. A new owner that
@@ -180,7 +180,7 @@ class _Partition:
 
 
 class _Settling:
-    """The consumer :class:`Processing` sees for a partition's messages: an ack or a dead
+    """The consumer `Processing` sees for a partition's messages: an ack or a dead
     letter moves the partition's position (fenced), a release gives nothing back (the
     position did not move: the next owner reads the message again)."""
 
@@ -215,7 +215,7 @@ class PartitionedRun:
     """One run of an ordered subscriber on a broker read by position."""
 
     def __init__(self, subscriber: Any, consumer: Consumer, flight: InFlight) -> None:
-        """``subscriber``: the :class:`~fastapi_outbox.consume.subscriber.Subscriber` that
+        """``subscriber``: the `Subscriber` that
         runs (its options, stats and pause; not imported: it imports this module)."""
         self.sub = subscriber
         self.consumer = consumer
@@ -276,7 +276,7 @@ class PartitionedRun:
         self, part: _Partition, todo: list[Delivery], careful: int
     ) -> tuple[str | None, int]:
         """(started, attempts) of the transaction that follows one over ``todo`` (the
-        first messages of the partition's queue), as :meth:`_batch` and :meth:`_one` will
+        first messages of the partition's queue), as `_batch` and `_one` will
         run it: a batch beginning with the next queued message (no attempt counted), or
         that message's first attempt alone; (None, 0) when none is queued."""
         queue, n = part.queue, len(todo)

@@ -1,20 +1,20 @@
 """Processing: one delivery through its handler's transaction, its retries and its dead letter.
 
-:class:`Processing` is one run's handling of deliveries. The transaction a subscriber runs
-its handlers in (:meth:`Processing.run_batch`, for one message or a batch, a per-message or
+`Processing` is one run's handling of deliveries. The transaction a subscriber runs
+its handlers in (`Processing.run_batch`, for one message or a batch, a per-message or
 a batch handler) is the one place where an inbox row's life is decided: the subscriber
 begins it on a connection of its own, inserts the inbox row(s), binds the handler's session
 to that connection and commits the rows, the effects and the events together (see
-:mod:`fastapi_outbox.consume.subscriber` for the whole story). The session event listeners
+`fastapi_outbox.consume.subscriber` for the whole story). The session event listeners
 here watch the handler's session while it runs: a rollback that reaches the subscriber's
-transaction (:class:`Spoiled`), a second session on the outbox's database (refused).
+transaction (`Spoiled`), a second session on the outbox's database (refused).
 
-Around it, one delivery (:meth:`Processing.process`): dead-lettered when past
+Around it, one delivery (`Processing.process`): dead-lettered when past
 ``max_attempts`` or undecodable, acknowledged and skipped when not for this handler, else
 handled — a failure retried with backoff then dead-lettered, the database unreachable
 waited out in place (no attempt charged), the broker told (ack, retry, dead letter, release)
-after the commit. What it knows of its subscriber is a :class:`ProcessingOptions`; what it
-shares with the fetch loop is the run's :class:`InFlight`.
+after the commit. What it knows of its subscriber is a `ProcessingOptions`; what it
+shares with the fetch loop is the run's `InFlight`.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ Fence = typing.Callable[[AsyncConnection, list[Delivery]], typing.Awaitable[None
 #: (the delivery, the attempt number): its attempts recorded where a crash cannot lose
 #: them.
 BeforeAttempt = typing.Callable[[Delivery, int], typing.Awaitable[None]]
-#: ``session.info`` key of a handler session's :class:`HandlerRun`.
+#: ``session.info`` key of a handler session's `HandlerRun`.
 _RUN_KEY = "fastapi_outbox.handler_run"
 
 
@@ -140,7 +140,7 @@ class ReleasedAtStop(BaseException):
 class HandlerRun(HandlerTransaction):
     """The transaction a subscriber runs its handler(s) in: the handler's session, the
     unit of work and message of the handler running now (what ``outbox.unit_of_work()``
-    joins: :class:`~fastapi_outbox.write.unit_of_work.HandlerTransaction`), and what a
+    joins: `HandlerTransaction`), and what a
     rollback of the session undid."""
 
     __slots__ = ("before", "outer", "spoiled")
@@ -239,8 +239,8 @@ def stops_the_process(exc: BaseException) -> bool:
 
 def escaped(exc: BaseException, handler: str, message: str) -> BaseException:
     """What a handler's ``BaseException`` (not an ``Exception``) becomes: itself when it
-    stops the process or the task (:func:`stops_the_process`), else a
-    :class:`~fastapi_outbox.exceptions.HandlerEscaped` failure of the message (retried,
+    stops the process or the task (`stops_the_process`), else a
+    [`HandlerEscaped`][fastapi_outbox.exceptions.HandlerEscaped] failure of the message (retried,
     then dead-lettered) — never a dead worker."""
     if stops_the_process(exc):
         return exc
@@ -308,7 +308,7 @@ async def _discard(conn: AsyncConnection, session: AsyncSession | None) -> None:
 
 async def _is_database_outage(exc: BaseException, engine: Any) -> bool:
     """The database is unavailable (not a fault of the message), as the dialect's
-    classifier decides (:mod:`fastapi_outbox.storage.db_outage`): refusing connections, starting
+    classifier decides (`fastapi_outbox.storage.db_outage`): refusing connections, starting
     up, shutting down, too many clients, pool timeout; an ambiguous ``OSError`` while the
     database does not answer ``SELECT 1`` either. A handler's own SQL error, or its own
     ``OSError`` while the database answers, is the handler's failure."""
@@ -324,7 +324,7 @@ def pause_for(failures: int) -> float:
 @dataclasses.dataclass(frozen=True, slots=True)
 class ProcessingOptions:
     """What a subscriber's processing knows of it: its handler, names and retry options
-    (set once by :class:`~fastapi_outbox.consume.subscriber.Subscriber`)."""
+    (set once by `Subscriber`)."""
 
     handler: Handler
     #: module.function of the handler.
@@ -351,7 +351,7 @@ class ProcessingOptions:
 class InFlight:
     """One run of a subscriber: its deliveries not settled yet (acknowledged, retried,
     dead-lettered or released), its stop, and the event the fetch loop waits on for a free
-    slot. Shared by the fetch loop, :class:`Processing` and the batches."""
+    slot. Shared by the fetch loop, `Processing` and the batches."""
 
     __slots__ = ("_slot_freed", "deliveries", "stop")
 
@@ -379,10 +379,10 @@ class InFlight:
 
 
 class Processing:
-    """One run's handling of deliveries: one message (:meth:`process`) and the transaction
-    every handler runs in (:meth:`run_batch`, one message or a batch, a per-message or a
-    batch handler). Made by :class:`~fastapi_outbox.consume.subscriber.Subscriber` when it
-    runs, with the run's consumer and :class:`InFlight`."""
+    """One run's handling of deliveries: one message (`process`) and the transaction
+    every handler runs in (`run_batch`, one message or a batch, a per-message or a
+    batch handler). Made by `Subscriber` when it
+    runs, with the run's consumer and `InFlight`."""
 
     def __init__(
         self,
@@ -404,10 +404,10 @@ class Processing:
         self.versions = versions
         #: Ordered subscribers across processes: the first statement of every handler's
         #: transaction (the partition's lease still ours; see
-        #: :mod:`fastapi_outbox.consume.partitioned`). None: no fence.
+        #: `fastapi_outbox.consume.partitioned`). None: no fence.
         self.fence = fence
         #: Ordered subscribers across processes: run before each try of the handler on one
-        #: message (:meth:`process`), outside its transaction. None: nothing.
+        #: message (`process`), outside its transaction. None: nothing.
         self.before_attempt = before_attempt
         self.consumer = consumer
         self.options = options
@@ -529,7 +529,7 @@ class Processing:
             logger.debug("forgetting a message's attempts failed: %r", exc)
 
     async def _not_taken(self, d: Delivery, exc: Exception) -> None:
-        """``d``'s type is not this handler's (:mod:`fastapi_outbox.consume.versions`):
+        """``d``'s type is not this handler's (`fastapi_outbox.consume.versions`):
         handed back while another version of the group may take it, else skipped (a type
         an ``Event`` here declares) or, past the grace, dead-lettered (a type unknown here)."""
         versions = self.versions
@@ -570,7 +570,7 @@ class Processing:
 
     async def _hand_back(self, d: Delivery) -> None:
         """Back to the group, uncharged, for another process after
-        :func:`~fastapi_outbox.consume.versions.hand_back_delay`."""
+        `hand_back_delay`."""
         self.stats.handed_back += 1
         consumer: Any = self.consumer
         defer = getattr(consumer, "defer", None)
@@ -729,7 +729,7 @@ class Processing:
         """When ``exc`` is the database being unreachable: note it, wait the pause for the
         ``outages + 1``-th outage in a row, and return True (the caller retries in place, no
         attempt charged). When the subscriber stops (before or during the wait), raise
-        :class:`ReleasedAtStop`: the message goes back to the broker, uncharged."""
+        `ReleasedAtStop`: the message goes back to the broker, uncharged."""
         if not await _is_database_outage(exc, self.context.engine):
             return False
         self.stats.last_error = f"database unreachable: {type(exc).__name__}"
@@ -784,14 +784,14 @@ class Processing:
           handler's ``session.commit()`` flushes and writes its events' outbox rows, and
           commits nothing; ``begin_nested()`` savepoints work as usual. A rollback of the
           session itself would undo the inbox rows too: a new transaction is begun at
-          once (the handler's later work is discarded with it) and :class:`Spoiled` is
+          once (the handler's later work is discarded with it) and `Spoiled` is
           raised after the handler — the caller runs the message(s) again the careful way
           (one message) or message by message (a batch);
         * the careful way (``careful=True``, ``"create_savepoint"``): the session's
           transaction is a savepoint of the subscriber's (SAVEPOINT and RELEASE: two round
           trips), so ``session.rollback()`` goes back to it and the inbox rows stay. The
           per-message handlers of a batch share that savepoint: a rollback by one of them
-          that undoes earlier messages' work raises :class:`Spoiled`."""
+          that undoes earlier messages' work raises `Spoiled`."""
         ids = [d.message_id for d in todo]
         stream = todo[0].stream
         streams = stream if all(d.stream == stream for d in todo) else [d.stream for d in todo]
@@ -839,7 +839,7 @@ class Processing:
     ) -> None:
         """The handler(s) on the new messages (``fresh``) of ``todo`` with ``session``, then
         the session's commit (it flushes and writes the events' outbox rows; the careful
-        way: releases the savepoint). :class:`Spoiled` when the session rolled back."""
+        way: releases the savepoint). `Spoiled` when the session rolled back."""
         run = HandlerRun(self.context.engine, self.options.name, session, outer)
         session.info[_RUN_KEY] = run
         token = HANDLER_TRANSACTION.set(run)

@@ -9,21 +9,21 @@
 
 Each message is handled in a unit of work of its own (causation id = the incoming message
 id, the correlation id carried over) in a transaction that first records the message id in
-the inbox (:mod:`fastapi_outbox.storage.inbox`): a message the group handled before is skipped. The
+the inbox (`fastapi_outbox.storage.inbox`): a message the group handled before is skipped. The
 broker ack follows the commit. So a crash anywhere — before the commit (nothing happened:
 redelivered, handled), between commit and ack (redelivered, skipped) — leaves each effect
 applied exactly once, and events the handler publishes go to the outbox in that same
 transaction.
 
 One owner of that transaction
-(:meth:`fastapi_outbox.consume.processing.Processing.run_batch`): the subscriber begins it on a
+(`fastapi_outbox.consume.processing.Processing.run_batch`): the subscriber begins it on a
 connection of its own, inserts the inbox row(s) there, binds the handler's session to that
 connection, and commits (or rolls back) the inbox rows, the effects and the events together.
 Whatever the handler does with its session, its effects and its inbox row commit together or
 not at all:
 
 * ``session.commit()`` flushes and writes its events' outbox rows
-  (:mod:`fastapi_outbox.write.session_events`) but commits nothing: the effects commit with the
+  (`fastapi_outbox.write.session_events`) but commits nothing: the effects commit with the
   inbox row when the subscriber commits, and a failure after it still undoes them (the
   message is retried);
 * ``session.rollback()`` undoes the handler's work since its last commit, never the inbox
@@ -33,7 +33,7 @@ not at all:
 * ``outbox.unit_of_work()`` inside a handler joins the handler's session (a savepoint of its
   transaction); a session of the handler's own on the outbox's database
   (``outbox.session_factory()``, a sessionmaker) is refused when it begins, with a
-  :class:`~fastapi_outbox.exceptions.UnitOfWorkError` naming the handler — its commit would
+  [`UnitOfWorkError`][fastapi_outbox.UnitOfWorkError] naming the handler — its commit would
   not go with the inbox row.
 
 How, without a round trip per message: the session first joins the subscriber's
@@ -63,7 +63,7 @@ Failures:
 ``ordered=True``: messages of one key are handled one at a time in stream order, across
 every process of the group. On Redis and NATS the keys are hashed into partitions, each
 owned by one process at a time through a lease in the inbox's database, and each process
-reads the stream itself (:mod:`~fastapi_outbox.consume.partitioned`): a failing message is
+reads the stream itself (`partitioned`): a failing message is
 retried in place, holding back the later messages of its partition. On RabbitMQ the queue
 has a single active consumer; on the memory broker (one process) a failing message holds
 back the later messages of its key only.
@@ -74,15 +74,15 @@ their transactions roll back — and released to the broker, so another consumer
 at once (Redis: marked idle for ``XAUTOCLAIM``; NATS: ``nak``), also when ``run`` itself is
 cancelled.
 
-The parts, by job: :mod:`~fastapi_outbox.consume.options` (the options and their checks),
-:mod:`~fastapi_outbox.consume.handlers` (the handler's signature, decoding),
-:mod:`~fastapi_outbox.consume.processing` (one delivery, the handler's transaction for
-per-message and batch handlers), :mod:`~fastapi_outbox.consume.batches` (fetched batches, a
-batch handler's retries); this module holds the fetch loop and the :class:`Subscriber` that
+The parts, by job: `options` (the options and their checks),
+`handlers` (the handler's signature, decoding),
+`processing` (one delivery, the handler's transaction for
+per-message and batch handlers), `batches` (fetched batches, a
+batch handler's retries); this module holds the fetch loop and the `Subscriber` that
 composes them: each run it makes a ``Processing`` and a ``Batches`` holding exactly their
 collaborators (the run's consumer, the handler's options, the context, the counters, the
 deliveries in flight). A subscriber sees its outbox
-through its :class:`~fastapi_outbox.consume.context.ConsumeContext`.
+through its `ConsumeContext`.
 """
 
 from __future__ import annotations
@@ -215,10 +215,10 @@ class ConsumerStatus(BaseModel):
 
 class Subscriber:
     """One ``@outbox.subscriber``: a handler, its (stream, group) and its runtime — the
-    fetch loop. When it runs it makes the run's :class:`~fastapi_outbox.consume.processing.
-    Processing` (one delivery, the handler's transaction) and
-    :class:`~fastapi_outbox.consume.batches.Batches` (fetched batches), which share the
-    run's :class:`~fastapi_outbox.consume.processing.InFlight` with the loop."""
+    fetch loop. When it runs it makes the run's `Processing` (one delivery, the handler's
+    transaction) and
+    `Batches` (fetched batches), which share the
+    run's `InFlight` with the loop."""
 
     def __init__(
         self,
@@ -275,7 +275,7 @@ class Subscriber:
             handler, batch_handler=self.batch_handler, ordered=ordered, batch=batch
         )
         #: One transaction per fetched batch (not for ordered subscribers: their batches
-        #: are a partition's queued messages, :mod:`~fastapi_outbox.consume.partitioned`).
+        #: are a partition's queued messages, `partitioned`).
         self.batch = batch and not ordered
         self.batch_requested = batch
         self._options = self._processing_options()
@@ -309,7 +309,7 @@ class Subscriber:
         self._key_locks: dict[str, tuple[anyio.Lock, int]] = {}
         self._rng = random.Random()
         #: message id -> the error of a dead letter that could not be written (kept from
-        #: one run to the next; see :class:`~fastapi_outbox.consume.processing.Processing`).
+        #: one run to the next; see `Processing`).
         self._unwritten_dead_letters: dict[str, str] = {}
 
     def __repr__(self) -> str:
@@ -370,7 +370,7 @@ class Subscriber:
             flight.free_slot()  # a fetch loop waiting for a free slot sees the stop now
 
     async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
-        """Fetch and handle until :meth:`stop`. Reports started at once: a broker that is
+        """Fetch and handle until `stop`. Reports started at once: a broker that is
         down at start pauses the subscriber, it does not hold up the app's start."""
         self._flight = flight = InFlight()
         self.stopped = anyio.Event()
@@ -674,14 +674,14 @@ class Subscriber:
 
 def subscriber_options(context: ConsumeContext, **given: Any) -> dict[str, Any]:
     """Decorator options with the settings' defaults filled in
-    (:func:`fastapi_outbox.consume.options.subscriber_options`)."""
+    (`fastapi_outbox.consume.options.subscriber_options`)."""
     return options.subscriber_options(context.settings, **given)
 
 
 def register(
     outbox: ConsumeContext, handler: Handler, stream: str, group: str, given: dict[str, Any]
 ) -> Subscriber:
-    """A :class:`Subscriber` of ``handler`` added to ``outbox.subscribers``; refused when its
+    """A `Subscriber` of ``handler`` added to ``outbox.subscribers``; refused when its
     broker is unknown or its (stream, group, broker) already has a handler."""
     broker = given.pop("broker", None) or outbox.default_broker
     if outbox.brokers and broker not in outbox.brokers:

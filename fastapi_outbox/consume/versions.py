@@ -3,15 +3,15 @@
 During a rolling deploy two code versions of one group run side by side: one may take a
 type the other does not know, or no longer takes. A process therefore never settles a
 message that another live process of its group may handle. Each running subscriber
-writes what its handler takes to ``<inbox>_handlers`` (:mod:`fastapi_outbox.storage.
-group_members`) when it starts and every :data:`HEARTBEAT_SECONDS`, and removes its row at
-a normal stop (a killed process's row expires after :data:`MEMBER_TTL_SECONDS`).
+writes what its handler takes to ``<inbox>_handlers``
+(`fastapi_outbox.storage.group_members`) when it starts and every `HEARTBEAT_SECONDS`, and
+removes its row at a normal stop (a killed process's row expires after `MEMBER_TTL_SECONDS`).
 
 A delivery whose type this process's handler does not take
-(:meth:`fastapi_outbox.consume.processing.Processing.process`):
+(`fastapi_outbox.consume.processing.Processing.process`):
 
 * another live process of the group takes it → handed back to the group, uncharged, after
-  :func:`hand_back_delay` (so that process, not this one, gets it);
+  `hand_back_delay` (so that process, not this one, gets it);
 * no live process takes it, and an ``Event`` class of this process declares the type → the
   group does not handle that type: acknowledged and skipped;
 * no live process takes it and no ``Event`` class here declares it (a type newer than this
@@ -22,7 +22,7 @@ A delivery whose type this process's handler does not take
 Anything that fails while deciding (the database unreachable) hands the message back:
 never settled on a guess.
 
-It also holds the group's :class:`~fastapi_outbox.storage.group_members.Attempts`: a
+It also holds the group's `Attempts`: a
 redelivered message's attempt is the library's own count, not the broker's.
 """
 
@@ -53,12 +53,12 @@ HEARTBEAT_SECONDS = MEMBER_TTL_SECONDS / 3
 #: How long the other live processes' types are believed before being read again.
 CACHE_SECONDS = 1.0
 #: Delay before a handed-back message goes to the group again (on average: see
-#: :func:`hand_back_delay`).
+#: `hand_back_delay`).
 HAND_BACK_SECONDS = 1.0
 
 
 def hand_back_delay() -> float:
-    """:data:`HAND_BACK_SECONDS`, spread by ±50 %. Two versions that hand back each
+    """`HAND_BACK_SECONDS`, spread by ±50 %. Two versions that hand back each
     other's messages at the same moment would otherwise have them redelivered at the same
     moment, round after round, each to the process that just handed it back (a broker
     serves its waiting fetches in order): seen on NATS for tens of seconds. Spread, each
@@ -83,7 +83,7 @@ class Versions:
         self.types = types
         self.grace_seconds = grace_seconds
         #: Message ids whose counted handler run has not ended: a normal stop that
-        #: cancels them gives their attempt back (:meth:`uncharge`).
+        #: cancels them gives their attempt back (`uncharge`).
         self.running: set[str] = set()
         self._others: list[frozenset[str]] = []
         self._read_at = -1e9
@@ -122,7 +122,7 @@ class Versions:
 
     async def taken_elsewhere(self, type_: str, fetched_at: float) -> bool:
         """Whether another live process of the group takes ``type_``: read at most every
-        :data:`CACHE_SECONDS` while the answer is yes, and after ``fetched_at`` (when the
+        `CACHE_SECONDS` while the answer is yes, and after ``fetched_at`` (when the
         delivery was fetched) before a no, which settles the message: a process that joined
         before the fetch is seen. One read per fetched batch at most (its deliveries share
         ``fetched_at``)."""

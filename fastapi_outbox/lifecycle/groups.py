@@ -2,12 +2,12 @@
 starts past it (``start="new"``, the default) and a RabbitMQ exchange drops what no queue
 is bound to, so without this the simplest app would lose its first messages.
 
-The relays publish through :class:`GroupsFirst`, a broker wrapper whose ``connect``
+The relays publish through `GroupsFirst`, a broker wrapper whose ``connect``
 declares this process's consumer groups on the broker once before it lets anything be
 published, so the first message of a stream never reaches the broker before the groups of
-the subscribers declared here exist. :func:`gate_brokers` wraps the brokers that this
+the subscribers declared here exist. `gate_brokers` wraps the brokers that this
 process's subscribers consume from and declares their groups before any relay starts,
-bounded in time. :func:`declare_groups` is the declaration itself
+bounded in time. `declare_groups` is the declaration itself
 (``outbox.lifecycle.declare_groups()``).
 """
 

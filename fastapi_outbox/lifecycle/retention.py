@@ -5,7 +5,7 @@ through a partial index (``FOR UPDATE SKIP LOCKED`` on PostgreSQL), so a cleanup
 locks the table, never runs one table-wide DELETE, and never stalls dispatch.
 
 ``archive=True``: the same batches move the rows to the archive table instead
-(:class:`~fastapi_outbox.storage.archive.Archive`), a partitioned table's finished
+(`Archive`), a partitioned table's finished
 partitions are re-attached to the archive instead of dropped, and the archive's own
 retention (``archive_retention_seconds``) runs after.
 """
@@ -33,8 +33,8 @@ BATCH_PAUSE_SECONDS = 0.01
 
 
 class PurgesBatches(Protocol):
-    """What :func:`purge` runs batch by batch: the outbox table's delete
-    (:meth:`~fastapi_outbox.storage.retention.Retention.purge_batch`), or the archive's move
+    """What `purge` runs batch by batch: the outbox table's delete
+    (`purge_batch`), or the archive's move
     (``archive=True``)."""
 
     async def purge_batch(
@@ -86,7 +86,7 @@ async def purge_in_batches(
 
 
 class _Mover:
-    """An archive seen as :class:`PurgesBatches`: :func:`purge`'s batches move the rows."""
+    """An archive seen as `PurgesBatches`: `purge`'s batches move the rows."""
 
     def __init__(self, archive: Archive) -> None:
         self.archive = archive
@@ -138,16 +138,16 @@ class Cleaner:
         # Made by run(): the Outbox (and this cleaner) may be built outside an event loop,
         # and each relay run needs fresh ones.
         self._stop: anyio.Event | None = None
-        #: Set when :meth:`run` has returned (shutdown waits for it, see :meth:`stop`).
+        #: Set when `run` has returned (shutdown waits for it, see `stop`).
         self.stopped: anyio.Event | None = None
 
     @property
     def running(self) -> bool:
-        """Between the start of :meth:`run` and its return."""
+        """Between the start of `run` and its return."""
         return self.stopped is not None and not self.stopped.is_set()
 
     def stop(self) -> None:
-        """Return from :meth:`run` after the current batch. Shutdown stops the cleaner
+        """Return from `run` after the current batch. Shutdown stops the cleaner
         this way rather than cancelling it in the middle of a DELETE: a cancelled query
         leaves its connection to be torn down in the background (aiosqlite)."""
         if self._stop is not None:

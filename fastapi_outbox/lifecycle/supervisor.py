@@ -1,6 +1,6 @@
 """The process's lifecycle: how an outbox's long-running tasks start and stop.
 
-:class:`Supervisor` runs services — anything with ``run(*, task_status)`` — in one task
+`Supervisor` runs services — anything with ``run(*, task_status)`` — in one task
 group, each started only once it reports ready (anyio's ``await tg.start(...)``), in the
 order given. It stops them all the same way: every service that can stop gracefully
 (``stop()``, ``running``, ``stopped``: the table relays, the WAL relay, the subscribers,
@@ -8,13 +8,13 @@ retention) is told to stop at once, then awaited, all of them within one
 ``shutdown_timeout_seconds``; whatever is left (the LISTEN listener, the NOTIFY sender, a
 service past the bound) is cancelled. No service restarts another: a relay whose loop
 crashed ends alone and the health endpoint reports it (see
-:meth:`fastapi_outbox.relay.loop.RelayLoop._supervise`).
+`fastapi_outbox.relay.loop.RelayLoop._supervise`).
 
-:class:`Lifecycle` is what an outbox runs under that supervisor: its relays
-(:class:`fastapi_outbox.relay.relays.Relays`: the NOTIFY sender, a table relay per broker,
+`Lifecycle` is what an outbox runs under that supervisor: its relays
+(`fastapi_outbox.relay.relays.Relays`: the NOTIFY sender, a table relay per broker,
 the LISTEN listener, the WAL relay of ``capture="wal"``), with the consumer groups of its
-subscribers declared before the first publish (:mod:`fastapi_outbox.lifecycle.groups`),
-then the subscribers and the retention sweep (:mod:`fastapi_outbox.lifecycle.retention`);
+subscribers declared before the first publish (`fastapi_outbox.lifecycle.groups`),
+then the subscribers and the retention sweep (`fastapi_outbox.lifecycle.retention`);
 at the end, the brokers are closed.
 """
 
@@ -140,7 +140,7 @@ class Lifecycle:
         await declare_groups(self.subscribers, broker)
 
     async def declare_groups_or_warn(self) -> None:
-        """:meth:`declare_groups`, a broker that does not answer only logged: tables created
+        """`declare_groups`, a broker that does not answer only logged: tables created
         at an app's start must not fail it (the relays declare the groups before they
         publish anyway; ``db create`` declares them strictly)."""
         if self.subscribers:

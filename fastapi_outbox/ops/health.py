@@ -25,7 +25,7 @@ detail in the public body, for a deployment whose health port only the operators
 Under load: one computation at a time per process, shared by every concurrent caller
 (single flight) and kept for ``health_cache_seconds``, so a flood of anonymous requests
 costs one set of queries per period. The counts are read on health's own connection
-(:mod:`fastapi_outbox.storage.probe`), never queued behind the application's requests; a
+(`fastapi_outbox.storage.probe`), never queued behind the application's requests; a
 pool whose connections are all held is reported ``database: "busy"`` (degraded, with the
 wait), never ``down``.
 
@@ -243,8 +243,7 @@ async def compute_health(outbox: OutboxPort) -> OutboxHealth:
         database_ok = True
     except Exception as exc:
         # The cause in our words only: a driver's message can quote the URL.
-        dialect = "postgresql" if outbox.store.is_postgres else "sqlite"
-        found.is_down(describe_database_error(exc, dialect))
+        found.is_down(describe_database_error(exc, outbox.store.engine.dialect.name))
         database_ok = False
     pool = await _pool_health(probe, found) if database_ok else None
     relays = [

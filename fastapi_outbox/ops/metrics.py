@@ -21,11 +21,11 @@ Metrics (prefix ``outbox_``, change it with ``namespace=``):
   the broker's acknowledgement — the commit-to-publish latency;
 * ``pending_messages``, ``oldest_pending_age_seconds``, ``abandoned_messages`` by
   ``broker``, ``database_up`` and ``relay_up`` by ``broker``: gauges refreshed from
-  :meth:`Messages.stats` when ``/metrics`` is scraped (at most once per
+  `Messages.stats` when ``/metrics`` is scraped (at most once per
   ``refresh_interval_seconds``), so they describe the whole table, whichever process
   dispatches it.
 
-The hooks inherit :class:`Instrumentation`'s publish spans: metrics and traces together.
+The hooks inherit `Instrumentation`'s publish spans: metrics and traces together.
 """
 
 from __future__ import annotations

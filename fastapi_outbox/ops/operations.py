@@ -3,10 +3,10 @@
 ``list_messages``, ``show``, ``replay``, ``replay_abandoned``, ``abandon``, ``cancel``,
 ``purge``, ``overview``; for consumers ``consumers``, ``dead_letters``,
 ``replay_dead_letters``. It sees the outbox through its port
-(:class:`fastapi_outbox.ops.port.OutboxPort`), never ``Outbox``; the SQL stays in
-:mod:`fastapi_outbox.storage` (retention's batched delete in
-:mod:`fastapi_outbox.lifecycle.retention`). This module validates what an operator asked for,
-runs it, says per message id what it did (:class:`Outcome`: a :class:`Verdict` per id,
+(`fastapi_outbox.ops.port.OutboxPort`), never ``Outbox``; the SQL stays in
+`fastapi_outbox.storage` (retention's batched delete in
+`fastapi_outbox.lifecycle.retention`). This module validates what an operator asked for,
+runs it, says per message id what it did (`Outcome`: a `Verdict` per id,
 which callers branch on; the sentences of ``Outcome.problems`` are for people), and logs
 every change with the operator's identity (``operator=``: who asked, as the dashboard's
 guard or the CLI's user knows it).
@@ -28,7 +28,12 @@ import anyio
 from fastapi_outbox import exceptions
 from fastapi_outbox.brokers.consumer import DeadLetter
 from fastapi_outbox.consume.subscriber import ConsumerStatus, Subscriber
-from fastapi_outbox.events import HEADER_MESSAGE_ID, MessageStatus
+from fastapi_outbox.events import (
+    HEADER_CAUSATION_ID,
+    HEADER_CORRELATION_ID,
+    HEADER_MESSAGE_ID,
+    MessageStatus,
+)
 from fastapi_outbox.lifecycle import retention
 from fastapi_outbox.ops.port import OutboxPort, relay_here, wall_time
 from fastapi_outbox.payloads import Revealed, claim_check
@@ -227,6 +232,32 @@ async def show(
 #: preview of its first characters (``payload_preview``).
 SHOW_PAYLOAD_BYTES = 256 * 1024
 PAYLOAD_PREVIEW_CHARS = 20_000
+
+
+#: Headers whose value may be the id of another message: the message that caused this one,
+#: and the correlation id (a message's id when its flow began with that message).
+LINKED_HEADERS = (HEADER_CAUSATION_ID, HEADER_CORRELATION_ID)
+
+
+async def linked_messages(outbox: OutboxPort, headers: Mapping[str, Any]) -> dict[str, str]:
+    """Header name → message id, for each of `LINKED_HEADERS` in ``headers`` whose
+    value is the id of a message the outbox table or its archive holds (one lookup each)."""
+    found: dict[str, str] = {}
+    own = headers.get(HEADER_MESSAGE_ID)
+    for name in LINKED_HEADERS:
+        value = headers.get(name)
+        try:
+            message_id = uuid.UUID(str(value))
+        except ValueError:
+            continue
+        if str(value) == own:
+            continue
+        row = await outbox.store.messages.get(message_id)
+        if row is None and outbox.archive is not None:
+            row = await outbox.archive.get(message_id)
+        if row is not None:
+            found[name] = str(message_id)
+    return found
 
 
 async def list_archived(
@@ -667,7 +698,8 @@ async def replay_dead_letters(
     """Put dead letters of (``stream``, ``group``) back on the stream (all, or the entries
     ``entry_ids``); the group handles them again, other groups skip them through their
     inbox — as long as their inbox rows are kept: dead letters older than
-    ``inbox_retention_seconds`` raise :class:`~fastapi_outbox.exceptions.StaleDeadLetters`
+    ``inbox_retention_seconds`` raise
+    [`StaleDeadLetters`][fastapi_outbox.exceptions.StaleDeadLetters]
     unless ``force``. Returns how many were re-driven."""
     sub = find_subscriber(outbox, stream, group)
     consumer = sub.consumer or sub.make_consumer()

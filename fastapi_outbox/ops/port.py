@@ -1,8 +1,8 @@
 """The read/act port of ``ops/``: what operations, health, metrics and the dashboard read
 from an outbox and do to it, and nothing more.
 
-``ops/`` never sees :class:`~fastapi_outbox.outbox.Outbox`; it is typed against
-:class:`OutboxPort`, which ``Outbox`` satisfies structurally (no inheritance, no
+``ops/`` never sees [`Outbox`][fastapi_outbox.Outbox]; it is typed against
+`OutboxPort`, which ``Outbox`` satisfies structurally (no inheritance, no
 registration): ``ops/`` is below the composition root, so this names which of the outbox's
 attributes it reads, each by the concrete type of the part below ``ops/`` that holds it.
 Conformance is checked by ``mypy --strict`` wherever typed code hands an ``Outbox`` to
@@ -12,16 +12,16 @@ CLI).
 What the port holds, by what ``ops/`` does with it:
 
 * reads: the settings, the brokers' names, whether the relays run here
-  (:class:`~fastapi_outbox.lifecycle.supervisor.Lifecycle`), the relays' state and the
-  LISTEN connection (:class:`~fastapi_outbox.relay.relays.Relays`), the replication slot,
+  (`Lifecycle`), the relays' state and the
+  LISTEN connection (`Relays`), the replication slot,
   the subscribers, the instrumentation (metrics) and the dashboard's guard (health's
   detail) — the parts below ``ops/`` by their own types;
 * the storage itself, by its own types (each has one implementation, so no protocol
   restates it): the outbox table's operator reads and actions
-  (:class:`~fastapi_outbox.storage.messages.Messages`, as ``store.messages``) and retention
+  (`Messages`, as ``store.messages``) and retention
   (``store.retention``), the archive table of ``archive=True``
-  (:class:`~fastapi_outbox.storage.archive.Archive`) and the inbox's per-group figures
-  (:class:`~fastapi_outbox.storage.inbox.Inbox`).
+  (`Archive`) and the inbox's per-group figures
+  (`Inbox`).
 """
 
 from __future__ import annotations

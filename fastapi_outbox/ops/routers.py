@@ -1,6 +1,6 @@
 """An outbox's HTTP routers, each built once on first use: the health probes
-(:mod:`fastapi_outbox.ops.health`), the operator dashboard
-(:mod:`fastapi_outbox.ops.dashboard`, refused without a guard) and the one router that
+(`fastapi_outbox.ops.health`), the operator dashboard
+(`fastapi_outbox.ops.dashboard`, refused without a guard) and the one router that
 carries the outbox's lifespan with the health probes."""
 
 from __future__ import annotations

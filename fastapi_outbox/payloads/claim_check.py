@@ -1,20 +1,20 @@
 """Claim-check, the last payload stage: a payload over ``claim_check_bytes`` leaves the message.
 
-Write side (:meth:`ClaimCheckStage.seal`, inside ``publish``, after encryption: the store
-holds the ciphertext): the payload is swapped for :data:`STUB_PAYLOAD` and the reference
-headers, and handed to the message's first outbox row (:attr:`Parts.row`); the commit's
-write (:func:`put_claims`, called by the outbox's ``write_rows`` in the session's
+Write side (`ClaimCheckStage.seal`, inside ``publish``, after encryption: the store
+holds the ciphertext): the payload is swapped for `STUB_PAYLOAD` and the reference
+headers, and handed to the message's first outbox row (`Parts.row`); the commit's
+write (`put_claims`, called by the outbox's ``write_rows`` in the session's
 ``before_commit``, before the capture writes the rows) takes it off the row and stores it
 on the session's connection — in the producer's transaction for the database store, just
 before the commit for a file store. A savepoint or a transaction that rolls back drops the
 row, and the payload with it, before anything is stored.
 
-Consume side (:meth:`ClaimCheckStage.open`, first of the reversed stages): the payload is
+Consume side (`ClaimCheckStage.open`, first of the reversed stages): the payload is
 fetched back; gone (retention, never stored) raises ``PayloadUnreadable`` (dead-letter,
 naming the message id and the reference); a store that fails raises what it raised (the
 database unreachable: waited out in place; anything else: a failed attempt).
 
-Ops side (:meth:`ClaimCheckStage.reveal`): the payload when the store holds it, else a
+Ops side (`ClaimCheckStage.reveal`): the payload when the store holds it, else a
 note ``claim-check: <ref> (5.0 MiB): gone from the database store …``.
 """
 

@@ -1,5 +1,5 @@
-""":class:`Payloads`: the stages of an outbox, applied in order on write and in reverse on
-consume and in ops. :func:`build_payloads` is the one list of stages (encryption first, then
+"""`Payloads`: the stages of an outbox, applied in order on write and in reverse on
+consume and in ops. `build_payloads` is the one list of stages (encryption first, then
 claim-check: the claim stores the ciphertext)."""
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class Payloads:
         return any(stage.seals for stage in self.stages)
 
     def refuse_reserved(self, headers: Mapping[str, str], type_name: str) -> None:
-        """:class:`~fastapi_outbox.exceptions.PublishError` when a user header is one a
+        """[`PublishError`][fastapi_outbox.PublishError] when a user header is one a
         stage sets (a forged key id would make every consumer dead-letter the message)."""
         for name in headers:
             if name.lower().replace("_", "-") in self._reserved:
@@ -72,7 +72,7 @@ class Payloads:
     ) -> tuple[str, dict[str, str]]:
         """``(payload, headers)`` of a message as it is stored and sent: each stage in
         order. ``session``: the unit of work's synchronous ``Session``. ``row``: receives
-        the keys stages add to the message's first outbox row (:attr:`Parts.row`)."""
+        the keys stages add to the message's first outbox row (`Parts.row`)."""
         parts = Parts(message_id, stream, type_name, payload.encode(), headers)
         for stage in self.stages:
             parts = stage.seal(parts, session)
@@ -85,7 +85,7 @@ class Payloads:
     async def restore(self, d: Delivery) -> Delivery:
         """``d`` as its handler's decoder must see it: the stages undone in reverse order
         (``d`` itself when no stage sealed it — no header is parsed then). Raises
-        :class:`~fastapi_outbox.exceptions.PayloadUnreadable` (dead-letter ``d``)."""
+        [`PayloadUnreadable`][fastapi_outbox.testing.PayloadUnreadable] (dead-letter ``d``)."""
         markers = self._markers
         if not markers or not any(d.has_header(marker) for marker in markers):
             return d

@@ -1,5 +1,5 @@
 """The stage protocol: one transformation of a message's payload and headers, undone on the
-consume side. A stage is added to the list :func:`~fastapi_outbox.payloads.build_payloads`
+consume side. A stage is added to the list `build_payloads`
 makes; nothing else changes."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class Parts:
     headers: dict[str, str]
     #: Write side: keys a stage adds to the message's first outbox row, which the commit's
     #: write takes off it (claim-check: the payload for its store, written in the
-    #: producer's transaction, see :func:`fastapi_outbox.write.claim_check.put_claims`).
+    #: producer's transaction, see `fastapi_outbox.write.claim_check.put_claims`).
     row: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
@@ -39,7 +39,7 @@ class Revealed:
 
 
 class PayloadStage(Protocol):
-    """One transformation of payloads, in :class:`~fastapi_outbox.payloads.Payloads`' list.
+    """One transformation of payloads, in `Payloads`' list.
 
     ``marker``: the header whose presence on a delivery says this stage sealed it (checked
     before anything is parsed: a delivery without any stage's marker costs nothing).
@@ -50,7 +50,7 @@ class PayloadStage(Protocol):
 
     @property
     def seals(self) -> bool:
-        """Whether :meth:`seal` may change anything in this process (False: the write path
+        """Whether `seal` may change anything in this process (False: the write path
         skips the stages entirely when none does)."""
         ...
 
@@ -62,12 +62,13 @@ class PayloadStage(Protocol):
 
     async def open(self, parts: Parts) -> Parts:
         """Consume side: ``parts`` restored, the marker and the stage's headers removed.
-        Raise :class:`~fastapi_outbox.exceptions.PayloadUnreadable` (naming the message id)
+        Raise [`PayloadUnreadable`][fastapi_outbox.testing.PayloadUnreadable] (naming the message
+        id)
         when it cannot be: the message is dead-lettered, not retried. Any other exception
         counts as a failed attempt (retried, e.g. a store unreachable)."""
         ...
 
     async def reveal(self, parts: Parts) -> Parts | Revealed:
         """Ops side: restored ``parts`` when this process can (and may) read them, else
-        :class:`Revealed` with a note saying why not."""
+        `Revealed` with a note saying why not."""
         ...

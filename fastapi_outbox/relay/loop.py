@@ -1,19 +1,19 @@
 """What every loop that moves messages to a broker shares: the table's
-:class:`~fastapi_outbox.relay.table.TableRelay` and the :class:`~fastapi_outbox.relay.wal.WalRelay`.
+`TableRelay` and the `WalRelay`.
 
-- stopping: :meth:`RelayLoop.stop` wakes every wait, :meth:`RelayLoop._sleep` returns early;
-- the client-side bound of one database step (:attr:`RelayLoop._db_bound`);
+- stopping: `RelayLoop.stop` wakes every wait, `RelayLoop._sleep` returns early;
+- the client-side bound of one database step (`RelayLoop._db_bound`);
 - the broker outage state the health endpoint and the dashboard read (``broker_ok``,
   ``broker_down_since``, ``broker_refusing``, ``last_error``) with the loop's exponential
-  pause (:meth:`RelayLoop._outage` / :meth:`RelayLoop._recovered`): a broker that cannot
+  pause (`RelayLoop._outage` / `RelayLoop._recovered`): a broker that cannot
   be reached or refuses every message pauses the loop as a whole, never a message;
-- what a relay logs when a broker goes down or comes back (:meth:`RelayLoop._broker_down`,
-  :meth:`RelayLoop._broker_up`: the messages and actions are class attributes, so the table
+- what a relay logs when a broker goes down or comes back (`RelayLoop._broker_down`,
+  `RelayLoop._broker_up`: the messages and actions are class attributes, so the table
   relay and the WAL relay keep their own words);
-- instrumentation hooks that may fail without stopping the loop (:meth:`RelayLoop._hook`);
-- the envelope a claimed row or a WAL message is published as (:func:`envelope_of`);
-- what a failed database step means (:meth:`RelayLoop._database_failed`): the dialect's
-  outage classifier (:mod:`fastapi_outbox.storage.db_outage`) tells the database being unavailable
+- instrumentation hooks that may fail without stopping the loop (`RelayLoop._hook`);
+- the envelope a claimed row or a WAL message is published as (`envelope_of`);
+- what a failed database step means (`RelayLoop._database_failed`): the dialect's
+  outage classifier (`fastapi_outbox.storage.db_outage`) tells the database being unavailable
   (``database_ok`` false, warned once) from the statement's own error (a missing table, a
   bug: logged as an error each time, the database up). Either way the loop backs off.
 """
@@ -48,21 +48,21 @@ DB_BACKOFF_MAX_SECONDS = 10.0
 class RelayLoop:
     """Base of the loops that publish: stop, pause on broker outages, hooks."""
 
-    #: What :meth:`_broker_down` logs: the message for a broker that cannot be reached,
+    #: What `_broker_down` logs: the message for a broker that cannot be reached,
     #: the message for one refusing every message, and the action.
     BROKER_DOWN = (
         "broker unavailable; relay backing off",
         "broker refusing messages; relay backing off",
         "broker.unavailable",
     )
-    #: What :meth:`_broker_up` logs: the message and the action.
+    #: What `_broker_up` logs: the message and the action.
     BROKER_UP = ("broker available again", "broker.recovered")
 
     def __init__(
         self, settings: OutboxSettings, *, hook_extra: dict[str, Any] | None = None
     ) -> None:
         self.settings = settings
-        #: Log fields of a failed instrumentation hook (see :meth:`_hook`).
+        #: Log fields of a failed instrumentation hook (see `_hook`).
         self._hook_extra = hook_extra or {}
         self.wakeup = Wakeup()
         self._stopping = False
@@ -213,6 +213,11 @@ class RelayLoop:
                 "outbox table missing; retrying with backoff",
                 extra={**extra, "error": self.last_error},
             )
+            return
+        if verdict is db_outage.Verdict.CONTENTION:
+            # The database answers (MySQL: a deadlock, a lock wait timeout): retried, not down.
+            self.last_error = db_outage.describe(exc, dialect)
+            logger.warning(message, extra={**extra, "error": self.last_error})
             return
         if verdict is not db_outage.Verdict.FAILURE:
             if self.database_ok:

@@ -1,6 +1,6 @@
-"""Per-key order inside a claimed batch (``settings.ordered``): :func:`publish_ordered`
+"""Per-key order inside a claimed batch (``settings.ordered``): `publish_ordered`
 publishes in rounds, stops a key at its first failure and gives back what it did not send
-(:class:`~fastapi_outbox.relay.outcomes.NotAttempted`)."""
+(`NotAttempted`)."""
 
 from __future__ import annotations
 

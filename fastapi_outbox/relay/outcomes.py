@@ -1,9 +1,9 @@
 """What a table relay records after a claim and a publish, fenced by the claim token: the
-published rows marked, the refused ones retried after their backoff (:func:`retry_delay`) or
+published rows marked, the refused ones retried after their backoff (`retry_delay`) or
 abandoned after ``max_attempts``, the rows not attempted given back, and the rows abandoned
 at the claim (claimed too often, or past ``retry_deadline_seconds``); each told to the
-instrumentation and the logs, and counted for health. :class:`Outcomes` is one table
-relay's (:class:`fastapi_outbox.relay.table.TableRelay`)."""
+instrumentation and the logs, and counted for health. `Outcomes` is one table
+relay's (`fastapi_outbox.relay.table.TableRelay`)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """The relays of one outbox: their state in this process and the wake-ups that reach them.
 
-:class:`Relays` holds what runs here — the NOTIFY sender, a table relay per broker, the
+`Relays` holds what runs here — the NOTIFY sender, a table relay per broker, the
 LISTEN listener, the WAL relay of ``capture="wal"`` — and the after-commit wake-ups a
-producer's commit sends them (:func:`fastapi_outbox.relay.wakeups.wake_after_commit`).
+producer's commit sends them (`fastapi_outbox.relay.wakeups.wake_after_commit`).
 They are started by the process's lifecycle
-(:class:`fastapi_outbox.lifecycle.supervisor.Lifecycle`), which hands :meth:`Relays.start`
+(`fastapi_outbox.lifecycle.supervisor.Lifecycle`), which hands `Relays.start`
 its supervisor's ``start``.
 """
 
@@ -74,15 +74,15 @@ class Relays:
     def notify_with_commit(self, brokers: Mapping[str, float]) -> str | None:
         """Before a commit: the statements its COMMIT carries to wake other processes, or
         None when they need no NOTIFY (see
-        :func:`~fastapi_outbox.relay.wakeups.notify_with_commit`)."""
+        `notify_with_commit`)."""
         if not notify_with_commit(brokers, self.tables, self.wal, can_notify=self._notifies):
             return None
         return notify_sql.notify_with_commit(self.channel, self.instance)
 
     def committed(self, brokers: Mapping[str, float], *, notified: bool = False) -> bool:
         """Wake this process's relays after a commit (see
-        :func:`~fastapi_outbox.relay.wakeups.wake_after_commit`); True when a NOTIFY must
-        still be sent (:meth:`notify_after_commit`). ``notified``: the COMMIT carried it."""
+        `wake_after_commit`); True when a NOTIFY must
+        still be sent (`notify_after_commit`). ``notified``: the COMMIT carried it."""
         return wake_after_commit(
             brokers,
             self.tables,
@@ -94,7 +94,7 @@ class Relays:
 
     async def notify_after_commit(self) -> None:
         """One NOTIFY after the commit, outside the business transaction, bounded and only
-        logged when it fails (:func:`fastapi_outbox.relay.wakeups.notify_once`)."""
+        logged when it fails (`fastapi_outbox.relay.wakeups.notify_once`)."""
         await notify_once(self.store, self.channel, self.instance)
 
     def wake_all(self) -> None:
@@ -111,7 +111,7 @@ class Relays:
         """Start the NOTIFY sender, the listener, a table relay per broker and, with
         ``capture="wal"``, the WAL relay, each with ``start``. ``brokers`` gives the brokers
         to publish with, once the NOTIFY sender runs (it may declare consumer groups
-        first: :func:`~fastapi_outbox.lifecycle.groups.gate_brokers`)."""
+        first: `gate_brokers`)."""
         settings = self.settings
         if self._notifies:
             self.notifier = Notifier(

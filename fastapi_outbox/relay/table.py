@@ -1,6 +1,6 @@
 """Table relays and their workers: claim → publish → mark, with backoff and wake-ups.
 
-One :class:`TableRelay` per (database, broker) pair runs ``settings.workers`` workers in an
+One `TableRelay` per (database, broker) pair runs ``settings.workers`` workers in an
 anyio task group. A worker's cycle:
 
 1. **claim** a batch (one statement; attempts counted here, so a message that crashes the
@@ -13,7 +13,7 @@ Failure classes: a broker that cannot be reached makes the relay give the batch 
 (attempts refunded) and pause as a whole with exponential backoff; a message the broker
 refuses is retried on its own with exponential backoff and jitter; a publish that times out
 is an outage only when the broker then fails a ping too, otherwise the batch is tried message
-by message and the one that hangs is charged (:meth:`TableRelay._one_by_one`); a database that
+by message and the one that hangs is charged (`TableRelay._one_by_one`); a database that
 cannot be reached makes workers retry with backoff while the app keeps serving.
 """
 
@@ -119,7 +119,7 @@ class TableRelay(RelayLoop):
         return self.outcomes.abandoned_total
 
     async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
-        """Run the workers until :meth:`stop` (or cancellation)."""
+        """Run the workers until `stop` (or cancellation)."""
         workers = [functools.partial(self._worker, index) for index in range(self.settings.workers)]
         try:
             await self._supervise(
@@ -182,7 +182,7 @@ class TableRelay(RelayLoop):
 
     async def _worker(self, index: int, first: anyio.Event) -> None:
         """Claim, publish, mark until the relay stops. Worker 0 is the poller: when
-        a claim comes back empty it polls (:meth:`_poll`); the others wait for a wake-up."""
+        a claim comes back empty it polls (`_poll`); the others wait for a wake-up."""
         settings = self.settings
         poller = index == 0
         idle = settings.poll_interval_seconds
@@ -444,7 +444,7 @@ class TableRelay(RelayLoop):
         claimed again at once, without the charged message, which backs off. The broker
         failing to answer a ping meanwhile ends the pass as an outage (rest given back,
         relay paused). Ordered: a key stops at its first failure, as in
-        :func:`~fastapi_outbox.relay.ordered.publish_ordered`."""
+        `publish_ordered`."""
         settings = self.settings
         logger.warning(
             "publish timed out while the broker answered; trying the batch one by one",
@@ -483,7 +483,7 @@ class TableRelay(RelayLoop):
 
     async def _send_alone(self, envelope: Envelope) -> BaseException | None:
         """One message of the one-by-one pass, bounded by ``publish_timeout_seconds``:
-        None (published), its failure, or :class:`_BrokerDown` when the broker stopped
+        None (published), its failure, or `_BrokerDown` when the broker stopped
         answering (the pass ends)."""
         try:
             with anyio.fail_after(self.settings.publish_timeout_seconds):

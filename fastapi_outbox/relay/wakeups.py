@@ -1,11 +1,11 @@
 """Wake-ups: the in-process signal, the coalesced NOTIFY sender and the LISTEN listener.
 
-A commit wakes the relays of its own process at once (:class:`Wakeup`). Other
+A commit wakes the relays of its own process at once (`Wakeup`). Other
 processes learn about it through PostgreSQL ``NOTIFY``, sent after the commit and outside
 the business transaction (a transaction that has notified takes a database-wide lock at
-commit, which would serialise every commit). :class:`Notifier` coalesces: however many
+commit, which would serialise every commit). `Notifier` coalesces: however many
 commits arrive while a NOTIFY is in flight, one more NOTIFY follows, so the write path pays
-nothing per request. :class:`Listener` holds one connection that LISTENs and wakes the local
+nothing per request. `Listener` holds one connection that LISTENs and wakes the local
 relays; when it is down (no PostgreSQL, or PgBouncer in transaction mode) the
 relays fall back to polling every ``poll_interval_seconds``. The listener proves its
 connection alive with a NOTIFY to itself every ``listen_check_interval_seconds`` (and TCP
@@ -333,7 +333,7 @@ NOTIFY_TIMEOUT_SECONDS = 2.0
 
 class TableRelayWaking(Protocol):
     """What the wake-up policy needs of a table relay
-    (:class:`~fastapi_outbox.relay.table.TableRelay`)."""
+    (`TableRelay`)."""
 
     wakeup: Wakeup
 
@@ -345,7 +345,7 @@ class TableRelayWaking(Protocol):
 
 class WalRelayWaking(Protocol):
     """What the wake-up policy needs of the WAL relay
-    (:class:`~fastapi_outbox.relay.wal.WalRelay`)."""
+    (`WalRelay`)."""
 
     wakeup: Wakeup
     leader: bool
@@ -364,7 +364,7 @@ def notify_with_commit(
     """Before a commit that wrote rows for ``brokers``: whether other processes must be
     told, so the COMMIT carries the NOTIFY (one round trip for both: the producer's
     transaction sends its INSERTs and its COMMIT, nothing else). The same policy as
-    :func:`wake_after_commit`, read ahead of the commit: rows due now that an idle
+    `wake_after_commit`, read ahead of the commit: rows due now that an idle
     worker of this process will take (or the WAL relay's leader here) need no NOTIFY;
     delayed rows, rows of a relay this process does not run, and rows no idle worker
     here waits for do. Reading ahead can be wrong only one way — the worker found idle
@@ -401,10 +401,10 @@ def wake_after_commit(
 
     Rows due now wake an idle worker of this process; delayed rows only tell its poller
     when to look (no claim before they are due). Returns True when other processes still
-    have to be told: this process runs no :class:`Notifier` (an API-only process,
+    have to be told: this process runs no `Notifier` (an API-only process,
     ``run_relays=False``) but ``can_notify`` (PostgreSQL with ``notify`` on) — the
-    caller then sends the NOTIFY itself (:func:`notify_once`). ``notified``: the COMMIT
-    carried the NOTIFY (:func:`notify_with_commit`); only this process's relays are left
+    caller then sends the NOTIFY itself (`notify_once`). ``notified``: the COMMIT
+    carried the NOTIFY (`notify_with_commit`); only this process's relays are left
     to wake."""
     if not brokers:
         return False

@@ -38,7 +38,7 @@ A crash anywhere before 3 makes the next reader publish the batch again; the bro
 de-duplication by message id (Redis script / IDMP, JetStream ``Nats-Msg-Id``) absorbs the
 republish, so the stream holds every message once.
 
-Failure classes, as in the table's relay (:mod:`fastapi_outbox.relay.table`): a broker
+Failure classes, as in the table's relay (`fastapi_outbox.relay.table`): a broker
 that cannot be reached or refuses every message (``BrokerUnavailable``, ``BrokerRefusing``,
 a publish timeout) pauses the reader with exponential backoff, its batch held and the slot
 unmoved; a message the broker refuses for itself is inserted into the outbox table as a
@@ -200,7 +200,7 @@ class WalRelay(RelayLoop):
         return self._window
 
     async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
-        """Stand for election and, once elected, relay until :meth:`stop`. Ready once the
+        """Stand for election and, once elected, relay until `stop`. Ready once the
         first election was attempted (elected or not, database up or not)."""
         try:
             await self._supervise(
@@ -399,7 +399,7 @@ class WalRelay(RelayLoop):
 
     async def _bounded(self, call: Any, timeout: float) -> Any:
         """Await a read or a confirm bounded (server side) by ``timeout``: raises
-        :class:`_TimedOut` when the server cancelled it; a server that does not even
+        `_TimedOut` when the server cancelled it; a server that does not even
         answer the cancel within the margin fails the session (the connection is lost)."""
         with anyio.fail_after(timeout + TIMEOUT_MARGIN_SECONDS):
             try:
@@ -457,10 +457,10 @@ class WalRelay(RelayLoop):
     async def drain(self) -> int:
         """Relay everything the slot holds now, in the calling task, and return how many
         messages were read (``fastapi_outbox.testing.drain``). Raises
-        :class:`~fastapi_outbox.exceptions.BrokerUnavailable` on a broker outage (the slot
-        stays where it was), :class:`~fastapi_outbox.exceptions.UnitOfWorkError` when a
+        [`BrokerUnavailable`][fastapi_outbox.BrokerUnavailable] on a broker outage (the slot
+        stays where it was), [`UnitOfWorkError`][fastapi_outbox.UnitOfWorkError] when a
         running relay holds the slot,
-        :class:`~fastapi_outbox.storage.wal_slot.UndecodableWalMessage` at content it cannot
+        [`UndecodableWalMessage`][fastapi_outbox.testing.UndecodableWalMessage] at content it cannot
         decode (what precedes it is relayed) and ``TimeoutError`` when a read exceeds
         ``wal_read_timeout_seconds``."""
         self._fail_on_outage = True
@@ -479,7 +479,7 @@ class WalRelay(RelayLoop):
 
     async def _relay(self, items: list[_Item]) -> None:
         """Publish every item (or hand it to the table); returns when all are settled.
-        Raises :class:`_Stopped` when the relay stops first (the slot does not move)."""
+        Raises `_Stopped` when the relay stops first (the slot does not move)."""
         by_broker: dict[str, list[_Item]] = {}
         for item in items:
             by_broker.setdefault(item[1].broker, []).append(item)

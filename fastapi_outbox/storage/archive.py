@@ -8,7 +8,7 @@ abandoned rows past their retention instead of deleting them.
   retention's DELETE is (``LIMIT``, ``FOR UPDATE SKIP LOCKED``).
 * A partitioned outbox table (PostgreSQL): the archive is partitioned the same way; a
   finished partition is detached from the outbox and attached to the archive, no row copied
-  (:func:`fastapi_outbox.storage.partitions.archive_partition_sync`). Only the rows of the
+  (`fastapi_outbox.storage.partitions.archive_partition_sync`). Only the rows of the
   outbox's DEFAULT partition are moved in batches (into the archive's DEFAULT partition):
   the rows of a range partition wait for their whole partition, so that its range never
   has rows in both tables.
@@ -26,7 +26,7 @@ from sqlalchemy import MetaData, Table
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from fastapi_outbox.storage import partitions, schema
-from fastapi_outbox.storage.dialects import is_postgres
+from fastapi_outbox.storage.dialects import is_mysql, is_postgres
 from fastapi_outbox.storage.filters import MessageFilter
 from fastapi_outbox.storage.statements import archive as archive_sql
 from fastapi_outbox.storage.statements import messages as messages_sql
@@ -77,6 +77,20 @@ class Archive:
             if is_postgres(self.dialect):
                 statement = archive_sql.move(*args, keep_blocking=keep_blocking, whole=self.outbox)
                 return int((await conn.execute(statement)).rowcount)
+            if is_mysql(self.dialect):
+                # No DELETE … RETURNING in a WITH: the batch's ids locked (SKIP LOCKED),
+                # then copied and deleted by id in the same transaction.
+                chosen = archive_sql.move_ids(*args, keep_blocking=keep_blocking)
+                ids = list((await conn.execute(chosen)).scalars())
+                if not ids:
+                    return 0
+                await conn.execute(
+                    archive_sql.copy_ids(self.source, self.table, self.dialect), {"ids": ids}
+                )
+                removed = await conn.execute(
+                    archive_sql.delete_ids(self.source, self.dialect), {"ids": ids}
+                )
+                return int(removed.rowcount)
             copied = (
                 await conn.execute(archive_sql.move_insert(*args, keep_blocking=keep_blocking))
             ).rowcount

@@ -1,16 +1,16 @@
 """Claim-check stores: where payloads over ``claim_check_bytes`` go instead of the message.
 
 A claim-checked message carries a small stub payload and two headers, the reference
-(:data:`HEADER_CLAIM_CHECK`, the message id) and the payload's size
-(:data:`HEADER_CLAIM_CHECK_SIZE`); the payload itself is in a :class:`PayloadStore`, one
+(`HEADER_CLAIM_CHECK`, the message id) and the payload's size
+(`HEADER_CLAIM_CHECK_SIZE`); the payload itself is in a `PayloadStore`, one
 small protocol with two implementations:
 
-:class:`DatabasePayloadStore` (``claim_check_store="database"``)
+`DatabasePayloadStore` (``claim_check_store="database"``)
     a table next to the outbox's (``<table_name>_payloads``), written on the session's
     connection in the producer's transaction (the session's ``before_commit``, with the
     outbox rows): a rollback stores nothing, a commit stores both. Consumers read it from
     that database, so it serves producers and consumers that share it.
-:class:`FilePayloadStore` (``claim_check_store="file:///directory"``)
+`FilePayloadStore` (``claim_check_store="file:///directory"``)
     one file per payload in a directory every producer and consumer mounts (a network
     file system, or an object store mounted as one); the shape of an S3-style store. It
     cannot take part in the transaction: the file is written (and synced) in
@@ -30,7 +30,6 @@ dead-letters its message, naming the message and the reference.
 
 from __future__ import annotations
 
-import datetime as dt
 import os
 import time
 import uuid
@@ -40,6 +39,7 @@ from typing import Any, Protocol
 
 import anyio
 from sqlalchemy import BigInteger, Column, Index, LargeBinary, MetaData, String, Table
+from sqlalchemy.dialects import mysql
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.util.concurrency import await_, in_greenlet
@@ -47,7 +47,8 @@ from sqlalchemy.util.concurrency import await_, in_greenlet
 from fastapi_outbox import exceptions
 from fastapi_outbox.settings import OutboxSettings, check_table_name
 from fastapi_outbox.storage import schema
-from fastapi_outbox.storage.clock import seconds_modifier
+from fastapi_outbox.storage.clock import offset_value
+from fastapi_outbox.storage.dialects import flavor
 from fastapi_outbox.storage.statements import payloads as payloads_sql
 
 __all__ = [
@@ -126,7 +127,13 @@ def build_payload_table(name: str, metadata_: MetaData | None = None) -> Table:
         name,
         md,
         Column("ref", String(64), primary_key=True, comment="message id"),
-        Column("data", LargeBinary(), nullable=False, comment="the payload as published"),
+        Column(
+            "data",
+            # MySQL: LONGBLOB (its BLOB stops at 64 KiB, below most claim-checked payloads).
+            LargeBinary().with_variant(mysql.LONGBLOB(), "mysql", "mariadb"),
+            nullable=False,
+            comment="the payload as published",
+        ),
         Column("size", BigInteger, nullable=False),
         Column("created_at", schema.UtcDateTime(), nullable=False),
     )
@@ -147,11 +154,12 @@ class DatabasePayloadStore:
         #: The messages that name the payloads: one still in need keeps its payload.
         self.outbox_table = outbox_table
         self.is_postgres = engine.dialect.name == "postgresql"
-        self._insert = payloads_sql.insert_payload(table, self.is_postgres)
+        self._flavor = flavor(engine)
+        self._insert = payloads_sql.insert_payload(table, self._flavor)
         self._fetch = payloads_sql.fetch(table)
 
     def put(self, connection: Connection, ref: str, data: bytes, due_in: float = 0.0) -> None:
-        due: Any = dt.timedelta(seconds=due_in) if self.is_postgres else seconds_modifier(due_in)
+        due: Any = offset_value(self._flavor, due_in)
         connection.execute(self._insert, {"ref": ref, "data": data, "size": len(data), "due": due})
 
     async def get(self, ref: str) -> bytes | None:
@@ -161,7 +169,7 @@ class DatabasePayloadStore:
 
     async def purge_batch(self, older_than_seconds: float, limit: int) -> int:
         stmt = payloads_sql.purge(
-            self.table, self.is_postgres, older_than_seconds, limit, self.outbox_table
+            self.table, self._flavor, older_than_seconds, limit, self.outbox_table
         )
         async with self.engine.begin() as conn:
             result: Any = await conn.execute(stmt)
@@ -184,7 +192,7 @@ class FilePayloadStore:
     the producer's commit; orphans (a rollback, a crash before the commit) removed by
     retention after ``orphan_grace_seconds``. The files' modification times (the file
     system's clock) date them, set to when their message is due; ``live`` (which of some
-    references name a message that still needs its payload, see :func:`live_in`) keeps a
+    references name a message that still needs its payload, see `live_in`) keeps a
     file past the retention."""
 
     kind = "file"
@@ -317,7 +325,7 @@ class FilePayloadStore:
 def known_in(
     engine: AsyncEngine, outbox_table: Table
 ) -> Callable[[list[str]], Awaitable[set[str]]]:
-    """The ``known`` of :meth:`PayloadStore.purge_orphans`: which references are message
+    """The ``known`` of `PayloadStore.purge_orphans`: which references are message
     ids of ``outbox_table``."""
     stmt = payloads_sql.known_messages(outbox_table)
 
@@ -339,10 +347,10 @@ def known_in(
 def live_in(
     engine: AsyncEngine, outbox_table: Table
 ) -> Callable[[list[str], float], Awaitable[set[str]]]:
-    """The ``live`` of :class:`FilePayloadStore`: which references name a message of
+    """The ``live`` of `FilePayloadStore`: which references name a message of
     ``outbox_table`` that still needs its payload (a row not finished, or published less
     than the given number of seconds ago)."""
-    is_postgres = engine.dialect.name == "postgresql"
+    is_postgres = flavor(engine)
 
     async def live(refs: list[str], older_than_seconds: float) -> set[str]:
         ids = []

@@ -1,14 +1,14 @@
 """Claims and marks: the relay's statements on the outbox table, each run in as few round
 trips as the driver allows.
 
-A relay's cycle is three statements per batch: :meth:`Claims.claim` (one UPDATE …
-RETURNING), :meth:`Claims.mark_published` (one UPDATE or DELETE over an id array) and, for
-the few rows the broker refused, :meth:`Claims.mark_failed`. Every change after the claim is
+A relay's cycle is three statements per batch: `Claims.claim` (one UPDATE …
+RETURNING), `Claims.mark_published` (one UPDATE or DELETE over an id array) and, for
+the few rows the broker refused, `Claims.mark_failed`. Every change after the claim is
 *fenced* by the claim token. On asyncpg the claim and the marks run as prepared statements
-on the driver connection (:class:`~fastapi_outbox.storage.connector.Connector`), in
+on the driver connection (`Connector`), in
 autocommit; on a table partitioned by id, the batch's own partition
-(:class:`~fastapi_outbox.storage.partition_map.PartitionMap`). The SQL is in
-:mod:`fastapi_outbox.storage.statements.claims`.
+(`PartitionMap`). The SQL is in
+`fastapi_outbox.storage.statements.claims`.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from typing import Any
 from sqlalchemy import Table
 
 from fastapi_outbox.storage.connector import Connector
+from fastapi_outbox.storage.dialects import is_mysql
+from fastapi_outbox.storage.mysql_claim import MysqlClaim
 from fastapi_outbox.storage.partition_map import NIL, PartitionMap
 from fastapi_outbox.storage.read_models import aware
 from fastapi_outbox.storage.statements import claims as claims_sql
@@ -81,19 +83,21 @@ class Claims:
         self._claims: dict[tuple[str, int, bool], Any] = {}
         self._statements: dict[str, Any] = {}
         #: A table partitioned by id, on asyncpg: the claim's floor and each batch's
-        #: partition (see :mod:`fastapi_outbox.storage.partition_map`).
+        #: partition (see `fastapi_outbox.storage.partition_map`).
         self.partition_map = (
             PartitionMap(self.engine, table) if self._by_id and connector.asyncpg else None
         )
+        #: MariaDB/MySQL: the claim in two steps (no UPDATE … RETURNING there).
+        self._mysql = MysqlClaim(self.engine, table) if is_mysql(self.engine) else None
 
     @property
     def statement_timeout(self) -> float | None:
-        """The relay's statement bound (seconds; see :meth:`set_timeouts`)."""
+        """The relay's statement bound (seconds; see `set_timeouts`)."""
         return self.connector.statement_timeout
 
     @property
     def lock_timeout(self) -> float | None:
-        """The relay's lock-wait bound (seconds; see :meth:`set_timeouts`)."""
+        """The relay's lock-wait bound (seconds; see `set_timeouts`)."""
         return self.connector.lock_timeout
 
     def set_timeouts(self, statement_seconds: float, lock_seconds: float) -> None:
@@ -107,8 +111,8 @@ class Claims:
         self.connector.lock_timeout = lock_seconds
 
     def local_timeouts(self) -> list[Any]:
-        """The ``set_config`` calls of :meth:`set_timeouts` for the current transaction
-        (see :func:`~fastapi_outbox.storage.statements.claims.local_timeouts`)."""
+        """The ``set_config`` calls of `set_timeouts` for the current transaction
+        (see `local_timeouts`)."""
         return claims_sql.local_timeouts(*self.connector.bounds_ms())
 
     def _cached(self, name: str, build: Any) -> Any:
@@ -119,8 +123,8 @@ class Claims:
 
     def claim_statement(self, broker: str, limit: int, ordered: bool) -> Any:
         """The claim of ``broker``'s rows, built once per (broker, limit, ordered) (see
-        :func:`~fastapi_outbox.storage.statements.claims.claim`); bound per execution:
-        ``token`` and ``lease`` (:meth:`claim_params`)."""
+        `claim`); bound per execution:
+        ``token`` and ``lease`` (`claim_params`)."""
         key = (broker, limit, ordered)
         stmt = self._claims.get(key)
         if stmt is None:
@@ -132,8 +136,8 @@ class Claims:
     def claim_params(
         self, token: str, lease_seconds: float, floor: uuid.UUID = NIL
     ) -> dict[str, Any]:
-        """The per-execution parameters of :meth:`claim_statement` (``floor``: see
-        :func:`~fastapi_outbox.storage.statements.claims.has_floor`; the nil UUID prunes
+        """The per-execution parameters of `claim_statement` (``floor``: see
+        `has_floor`; the nil UUID prunes
         nothing)."""
         return {"token": token, "lease": offset(self.dialect, lease_seconds), "floor": floor}
 
@@ -142,6 +146,10 @@ class Claims:
     ) -> list[ClaimedRow]:
         """Claim up to ``limit`` due rows of ``broker`` for ``token``, oldest first (ordered:
         in insert order). A row whose batch died twice comes alone (see the statement)."""
+        if self._mysql is not None:
+            lease = offset(self.dialect, lease_seconds)
+            rows = await self._mysql.claim(broker, limit, token, lease, ordered=ordered)
+            return [ClaimedRow(*row[: claims_sql.CLAIM_COLUMNS]) for row in rows]
         stmt = self.claim_statement(broker, limit, ordered)
         pmap = None if ordered else self.partition_map
         floor = NIL if pmap is None else await pmap.next_floor(broker)
@@ -223,7 +231,7 @@ class Claims:
         params: dict[str, Any],
     ) -> int:
         """Run a batch's statement (cached under ``name``) and return its row count: on the
-        batch's own partition when a :attr:`partition_map` knows it (a plain table's
+        batch's own partition when a `partition_map` knows it (a plain table's
         statement), else on the table."""
         pmap = self.partition_map
         if pmap is not None and (part := pmap.partition_of(ids)) is not None:

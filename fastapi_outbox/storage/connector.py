@@ -1,7 +1,7 @@
 """Driver plumbing: running the relay's hot statements on the asyncpg connection itself.
 
 The claim and the marks run once per batch and per worker; the unit of work's INSERT once
-per commit. SQLAlchemy Core builds and compiles each once (:meth:`Connector.compile`
+per commit. SQLAlchemy Core builds and compiles each once (`Connector.compile`
 caches the SQL text and the order of its parameters); they then run on the asyncpg
 connection under a pooled SQLAlchemy connection, in autocommit: one round trip each and
 no per-execution SQLAlchemy work (statement caching, parameter processing, result
@@ -11,7 +11,7 @@ the SQLAlchemy path. Nothing outside ``storage/`` touches the driver for these s
 
 The long sessions — the wake-ups' NOTIFY and LISTEN connections, the WAL relay's elected
 reader — hold one pooled connection each for as long as they run and talk to its driver
-connection directly: :meth:`Connector.held` hands them both, so no caller reaches into
+connection directly: `Connector.held` hands them both, so no caller reaches into
 SQLAlchemy's pool for the driver itself.
 """
 
@@ -32,7 +32,7 @@ from fastapi_outbox.storage.engine import is_postgres, uses_asyncpg
 
 __all__ = ["Connector", "Held", "commit_with", "row_count"]
 
-#: Bound on dropping a discarded connection (:meth:`Connector.held` with ``discard``): a
+#: Bound on dropping a discarded connection (`Connector.held` with ``discard``): a
 #: connection to a server that went away must not hold up the caller's shutdown.
 DISCARD_TIMEOUT_SECONDS = 2.0
 
@@ -109,7 +109,7 @@ def _begin(conn: Connection) -> bool:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Held:
-    """A pooled connection held for a long session (:meth:`Connector.held`): ``driver`` is
+    """A pooled connection held for a long session (`Connector.held`): ``driver`` is
     the driver's own connection under it (asyncpg's: LISTEN, termination listeners,
     session-level locks)."""
 
@@ -131,7 +131,9 @@ class Connector:
         self.is_postgres = is_postgres(engine)
         self.asyncpg = uses_asyncpg(engine)
         # Single statements on PostgreSQL run in autocommit: one round trip each instead
-        # of BEGIN, statement, COMMIT. SQLite keeps its BEGIN IMMEDIATE transactions.
+        # of BEGIN, statement, COMMIT. SQLite keeps its BEGIN IMMEDIATE transactions. MySQL
+        # too: its BEGIN is implicit (no round trip), while switching a pooled connection
+        # to autocommit and back costs two (``SET autocommit``), more than the COMMIT.
         self.autocommit_engine = (
             engine.execution_options(isolation_level="AUTOCOMMIT") if self.is_postgres else engine
         )
@@ -235,10 +237,10 @@ class Connector:
         statements (NOTIFY; the WAL relay's slot functions and advisory lock); False: from
         the engine itself (the LISTEN connection, as it always was). ``discard``: the
         connection is invalidated when the session ends however it ends (shielded from
-        cancellation, bounded by :data:`DISCARD_TIMEOUT_SECONDS`), never given back to the
+        cancellation, bounded by `DISCARD_TIMEOUT_SECONDS`), never given back to the
         pool — the WAL relay's session lock and slot state go with it. Without it, the
         caller decides: the connection goes back to the pool on exit unless the caller
-        called :meth:`Held.invalidate`."""
+        called `Held.invalidate`."""
         engine = self.autocommit_engine if autocommit else self.engine
         async with engine.connect() as conn:
             try:

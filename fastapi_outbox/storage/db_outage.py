@@ -8,10 +8,10 @@ code 3. Everything else — a handler's own SQL error (no
 such table, syntax, constraint, deadlock, statement timeout) — is a failure: charged to the
 message, retried with backoff, dead-lettered after ``max_attempts``.
 
-Three verdicts (:class:`Verdict`): ``OUTAGE`` and ``FAILURE`` are certain from the exception
+Three verdicts (`Verdict`): ``OUTAGE`` and ``FAILURE`` are certain from the exception
 alone; ``UNKNOWN`` is an error that may be the database's or the handler's own — an
 ``OSError`` (the driver's socket refused at connect, or a partner API's), a driver error
-without SQLSTATE — and :func:`is_outage` asks the database (``SELECT 1``, bounded) to decide:
+without SQLSTATE — and `is_outage` asks the database (``SELECT 1``, bounded) to decide:
 no answer, an outage; an answer, the handler's failure. Two more name a cause an operator
 must fix, so that nobody is told "unreachable" about a database that answers:
 ``AUTHENTICATION`` (an outage: nothing is charged, the loops keep trying since a rotated
@@ -29,7 +29,7 @@ the CLI say "table missing" and how to create it).
   raises the socket's own at connect, unwrapped): unknown, the ping decides;
 * an ``ExceptionGroup``: an outage if every member is one, a failure if any member is one.
 
-**PostgreSQL** (:func:`classify_postgresql`), by SQLSTATE (asyncpg's exception classes carry
+**PostgreSQL** (`classify_postgresql`), by SQLSTATE (asyncpg's exception classes carry
 theirs: ``CannotConnectNowError`` 57P03, ``TooManyConnectionsError`` 53300,
 ``ConnectionDoesNotExistError`` 08003, ``PostgresConnectionError`` 08000…):
 
@@ -60,7 +60,7 @@ theirs: ``CannotConnectNowError`` 57P03, ``TooManyConnectionsError`` 53300,
 * unknown — a driver error without SQLSTATE (asyncpg's ``InterfaceError`` with the
   connection still open, psycopg's ``OperationalError`` at connect).
 
-**SQLite** (:func:`classify_sqlite`), by the primary result code Python's ``sqlite3`` puts on
+**SQLite** (`classify_sqlite`), by the primary result code Python's ``sqlite3`` puts on
 its exceptions (``sqlite_errorcode``; never the message text):
 
 * outage — ``SQLITE_CANTOPEN`` "unable to open database file" (the file or its directory
@@ -79,6 +79,28 @@ its exceptions (``sqlite_errorcode``; never the message text):
   ``SQLITE_CORRUPT`` / ``SQLITE_NOTADB`` (a damaged file: visible and replayable dead
   letters rather than a wait that would never end), and any other code;
 * unknown — an ``sqlite3`` error without a result code.
+
+**MariaDB and MySQL** (`classify_mysql`), by the server's error number (asyncmy
+and aiomysql put it first in the exception's ``args``; never the message text):
+
+* outage — ``2002`` / ``2003`` cannot connect (socket, TCP), ``2006`` server has gone away,
+  ``2013`` lost connection during a query, ``1053`` server shutdown in progress, ``1927``
+  connection killed (MariaDB), ``4031`` disconnected by the server for inactivity (MySQL),
+  ``1040`` too many connections, ``1049`` unknown database (at connect), ``1021`` disk
+  full, ``1290`` / ``1836`` / ``1792`` read-only (``--read-only``, a replica after a
+  failover: the database's state, not the message's);
+* contention — ``1213`` deadlock and ``1205`` lock wait timeout: InnoDB rolled the
+  statement (or the transaction) back in favour of another; a retry cures it. Unlike
+  PostgreSQL's ``40P01`` (charged), retried without spending an attempt: InnoDB picks its
+  victims by the size of their transactions, and row locks on secondary indexes make
+  deadlocks between unrelated messages common enough that charging them would dead-letter
+  innocent messages;
+* authentication — ``1045`` access denied (wrong password), ``1044`` (no access to the
+  database), ``1698`` (a user the server does not let in with a password);
+* table missing — ``1146`` table does not exist;
+* failure — every other error number (syntax ``1064``, duplicate key ``1062``, data too long
+  ``1406``…);
+* unknown — a driver error without a number (an ``InterfaceError``).
 
 Limit: a handler that talks to a *second* PostgreSQL through SQLAlchemy and gets one of the
 outage SQLSTATEs from it is taken for an outage of the outbox's database too: its message
@@ -100,6 +122,7 @@ __all__ = [
     "TABLE_MISSING_FIX",
     "Verdict",
     "classify",
+    "classify_mysql",
     "classify_postgresql",
     "classify_sqlite",
     "database_answers",
@@ -119,12 +142,15 @@ class Verdict(enum.Enum):
     OUTAGE = "outage"
     #: The statement's (the handler's) own error: charged, retried, dead-lettered.
     FAILURE = "failure"
-    #: Either: the database's answer to a ping decides (:func:`is_outage`).
+    #: Either: the database's answer to a ping decides (`is_outage`).
     UNKNOWN = "unknown"
     #: The database refuses the credentials: an outage (nothing charged) with its cause.
     AUTHENTICATION = "authentication"
     #: The statement's table does not exist: a failure with its cause.
     TABLE_MISSING = "table_missing"
+    #: A deadlock or lock wait timeout (MySQL): retried, nothing charged; the database is
+    #: up (`is_outage` counts it so that the message waits uncharged).
+    CONTENTION = "contention"
 
 
 #: What an operator is told, per verdict that names a cause.
@@ -141,6 +167,8 @@ def describe(exc: BaseException, dialect: str) -> str:
         return f"database authentication failed ({type(exc).__name__}): {AUTHENTICATION_FIX}"
     if verdict is Verdict.TABLE_MISSING:
         return f"table missing: {TABLE_MISSING_FIX}"
+    if verdict is Verdict.CONTENTION:
+        return f"database busy: deadlock or lock wait timeout ({type(exc).__name__}); retried"
     if verdict is Verdict.FAILURE:
         return f"database statement failed ({type(exc).__name__})"
     return f"database unreachable ({type(exc).__name__})"
@@ -186,6 +214,28 @@ _SQLITE_OUTAGE_CODES = frozenset(
 )
 
 
+#: MySQL error numbers of an unavailable server (see the module docstring for why each).
+_MYSQL_OUTAGE_CODES = frozenset(
+    {2002, 2003, 2006, 2013, 1053, 1927, 4031, 1040, 1049, 1021, 1290, 1836, 1792}
+)
+#: MySQL: deadlock, lock wait timeout.
+_MYSQL_CONTENTION_CODES = frozenset({1213, 1205})
+_MYSQL_AUTHENTICATION_CODES = frozenset({1045, 1044, 1698})
+_MYSQL_NO_SUCH_TABLE = 1146
+
+
+def mysql_code(exc: BaseException) -> int | None:
+    """The MySQL error number an exception carries (asyncmy / aiomysql / PyMySQL: the first
+    of its ``args``), directly or on ``exc.orig``; None without one."""
+    for candidate in (exc, getattr(exc, "orig", None)):
+        if candidate is None or isinstance(candidate, OSError):
+            continue
+        args = getattr(candidate, "args", ())
+        if args and isinstance(args[0], int) and not isinstance(args[0], bool):
+            return args[0]
+    return None
+
+
 def sqlstate_of(exc: BaseException) -> str | None:
     """The PostgreSQL SQLSTATE an exception carries: asyncpg's own exceptions (raw, as the
     WAL relay sees them), SQLAlchemy's adapted asyncpg errors, psycopg (``sqlstate``) and
@@ -228,6 +278,8 @@ def _common(exc: BaseException) -> Verdict | None:
 
 def _group(exc: BaseExceptionGroup[Any], one: Any) -> Verdict:
     verdicts: set[Verdict] = {one(e) for e in exc.exceptions}
+    if len(verdicts) > 1:
+        verdicts.discard(Verdict.CONTENTION)  # retried either way: the others decide
     if len(verdicts) == 1 and Verdict.UNKNOWN not in verdicts:
         return verdicts.pop()
     for failure in (Verdict.TABLE_MISSING, Verdict.FAILURE):
@@ -274,6 +326,25 @@ def classify_sqlite(exc: BaseException) -> Verdict:
     return _without_code(exc)
 
 
+def classify_mysql(exc: BaseException) -> Verdict:
+    """The verdict on ``exc`` raised by a MariaDB or MySQL connection."""
+    if isinstance(exc, BaseExceptionGroup):
+        return _group(exc, classify_mysql)
+    code = mysql_code(exc)
+    if code in _MYSQL_CONTENTION_CODES:
+        return Verdict.CONTENTION
+    common = _common(exc)
+    if common is not None:
+        return common
+    if code is not None:
+        if code in _MYSQL_AUTHENTICATION_CODES:
+            return Verdict.AUTHENTICATION
+        if code == _MYSQL_NO_SUCH_TABLE:
+            return Verdict.TABLE_MISSING
+        return Verdict.OUTAGE if code in _MYSQL_OUTAGE_CODES else Verdict.FAILURE
+    return _without_code(exc)
+
+
 def _without_code(exc: BaseException) -> Verdict:
     """An error without SQLSTATE / result code: a socket error or a driver error with no
     server answer behind it is ambiguous; anything else (the handler's own exception, an
@@ -305,6 +376,8 @@ def classify(exc: BaseException, dialect: str) -> Verdict:
     """The verdict on ``exc`` for a database of ``dialect`` (SQLAlchemy's dialect name)."""
     if dialect == "sqlite":
         return classify_sqlite(exc)
+    if dialect in ("mysql", "mariadb"):
+        return classify_mysql(exc)
     return classify_postgresql(exc)
 
 
@@ -325,4 +398,4 @@ async def is_outage(exc: BaseException, engine: Any, *, ping_seconds: float = PI
     verdict = classify(exc, engine.dialect.name)
     if verdict is Verdict.UNKNOWN:
         return not await database_answers(engine, ping_seconds)
-    return verdict in (Verdict.OUTAGE, Verdict.AUTHENTICATION)
+    return verdict in (Verdict.OUTAGE, Verdict.AUTHENTICATION, Verdict.CONTENTION)

@@ -1,19 +1,19 @@
 """``fastapi-outbox doctor`` and ``fastapi-outbox db upgrade``: the live table against the
 layout this version of the library expects.
 
-:func:`examine` lists the differences as :class:`Finding` s, each with the SQL that fixes
+`examine` lists the differences as `Finding` s, each with the SQL that fixes
 it. On PostgreSQL the expected layout is not compared as text with what the catalogue
 says: it is created as a temporary table (with its indexes) in a transaction that is rolled
 back, so PostgreSQL itself normalises both sides (types, index predicates) and the
 comparison is exact. Nothing is written.
 
-:func:`upgrade` applies the fixes marked ``automatic`` — the ones that add what a table
+`upgrade` applies the fixes marked ``automatic`` — the ones that add what a table
 created by an earlier release lacks (columns, indexes, storage parameters, partitions ahead)
 or drop what it no longer uses (the pre-release ``txid`` column) — and is idempotent: a
 second run finds nothing to do. A changed column type or a plain table that should be
 partitioned is only reported, with the SQL or the README procedure: those rewrite data.
 
-Both also look at the outbox's side tables (:class:`SideTable`: the inbox and the partition
+Both also look at the outbox's side tables (`SideTable`: the inbox and the partition
 leases of ordered subscribers, the archive of ``archive=True``, the claim-check payloads of
 ``claim_check_store="database"``): a missing one is a finding whose fix is its DDL, and
 ``db upgrade`` creates it with the code ``create_tables()`` / ``db create`` run (a
@@ -32,6 +32,7 @@ from typing import Any
 
 import anyio
 from sqlalchemy import Table, text
+from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -40,6 +41,8 @@ from sqlalchemy.schema import CreateColumn, CreateIndex, CreateTable
 from fastapi_outbox.exceptions import OutboxError
 from fastapi_outbox.log import safe_error
 from fastapi_outbox.storage import partitions, schema
+from fastapi_outbox.storage.db_outage import mysql_code
+from fastapi_outbox.storage.dialects import is_mysql
 from fastapi_outbox.storage.statements import partitions as partition_sql
 from fastapi_outbox.storage.statements import schema_check as sql
 
@@ -63,6 +66,8 @@ UPGRADE_LOCK_ATTEMPTS = 10
 UPGRADE_RETRY_PAUSE_SECONDS = 1.0
 #: SQLSTATE lock_not_available: ``lock_timeout`` ran out.
 LOCK_NOT_AVAILABLE = "55P03"
+#: MySQL: the metadata lock of a DDL statement not taken within ``lock_wait_timeout``.
+MYSQL_LOCK_WAIT_TIMEOUT = 1205
 
 
 class UpgradeLockTimeout(OutboxError, RuntimeError):
@@ -92,7 +97,7 @@ class Finding:
 @dataclasses.dataclass(frozen=True, slots=True)
 class SideTable:
     """A table beside the outbox table that ``create_tables()`` / ``db create`` make
-    (:meth:`fastapi_outbox.storage.setup.Storage.side_tables`): the doctor reports it
+    (`fastapi_outbox.storage.setup.Storage.side_tables`): the doctor reports it
     missing, ``db upgrade`` creates it."""
 
     table: Table
@@ -139,7 +144,7 @@ def _expected_pg(conn: Connection, table: Table) -> tuple[dict[str, Any], dict[s
     with conn.begin_nested() as savepoint:
         conn.execute(text(create))
         for index in table.indexes:
-            if index._ddl_if is not None and index._ddl_if.dialect not in (None, "postgresql"):
+            if not schema.builds_on(index, "postgresql"):
                 continue
             ddl = sql.probe_index(str(CreateIndex(index).compile(dialect=conn.dialect)), _PROBE)
             conn.execute(text(ddl))
@@ -156,6 +161,8 @@ def _pg_partitioned(conn: Connection, table: str) -> bool | None:
 
 def examine_sync(conn: Connection, table: Table) -> list[Finding]:
     """The differences between ``table`` (the expected layout) and the live table."""
+    if is_mysql(conn):
+        return _examine_mysql(conn, table)
     if table.info.get("doctor") == "columns":
         return _examine_columns(conn, table)
     if conn.dialect.name != "postgresql":
@@ -295,7 +302,7 @@ def _key_and_index_findings(
 ) -> list[Finding]:
     """PostgreSQL: a primary key other than the layout's, and missing or different indexes
     (a table partitioned by ``created_at`` has its own primary key: reported once, by
-    :func:`_legacy_key_finding`)."""
+    `_legacy_key_finding`)."""
     findings: list[Finding] = []
     want_pk = next(body for body, _, primary in expected_indexes.values() if primary)
     have_pk = next((body for body, _, primary in live_indexes.values() if primary), None)
@@ -486,7 +493,7 @@ def _examine_sqlite(conn: Connection, table: Table) -> list[Finding]:
         if row[1] is not None
     }
     for index in sorted(table.indexes, key=lambda i: i.name or ""):
-        if index._ddl_if is not None and index._ddl_if.dialect not in (None, "sqlite"):
+        if not schema.builds_on(index, "sqlite"):
             continue
         index_name = str(index.name)
         ddl = " ".join(str(CreateIndex(index).compile(dialect=conn.dialect)).split())
@@ -510,10 +517,57 @@ def _examine_sqlite(conn: Connection, table: Table) -> list[Finding]:
     return findings
 
 
+def _examine_mysql(conn: Connection, table: Table) -> list[Finding]:
+    """MariaDB/MySQL, through SQLAlchemy's inspector: a missing table (the outbox's only:
+    a side table compared by columns is skipped, as elsewhere), missing columns and
+    indexes (each with its fix), obsolete columns. No partial indexes there to compare:
+    an index is found by its name."""
+    name = table.name
+    inspector = sa_inspect(conn)
+    if not inspector.has_table(name):
+        if table.info.get("doctor") == "columns":
+            return []
+        return [
+            Finding(
+                f"table {name} does not exist", ["-- fastapi-outbox db create"], automatic=False
+            )
+        ]
+    quoted = conn.dialect.identifier_preparer.quote(name)
+    columns = {c["name"] for c in inspector.get_columns(name)}
+    findings: list[Finding] = []
+    for column in table.columns:
+        if column.name not in columns:
+            add = str(CreateColumn(column).compile(dialect=conn.dialect)).strip()
+            what = f"column {column.name} is missing"
+            if table.info.get("doctor") == "columns":
+                what = f"table {name}: {what}"
+            findings.append(Finding(what, [f"ALTER TABLE {quoted} ADD COLUMN {add}"]))
+    if table.info.get("doctor") == "columns":
+        return findings
+    live = {i["name"] for i in inspector.get_indexes(name)}
+    for index in sorted(table.indexes, key=lambda i: i.name or ""):
+        if not schema.builds_on(index, conn.dialect.name):
+            continue
+        if str(index.name) not in live:
+            ddl = str(CreateIndex(index).compile(dialect=conn.dialect)).strip()
+            findings.append(Finding(f"index {index.name} is missing", [ddl]))
+    for column_name, why in OBSOLETE_COLUMNS.items():
+        if column_name in columns and column_name not in table.c:
+            findings.append(
+                Finding(
+                    f"obsolete column {column_name} ({why})",
+                    [f"ALTER TABLE {quoted} DROP COLUMN {column_name}"],
+                )
+            )
+    return findings
+
+
 # -- side tables ------------------------------------------------------------------------------
 
 
 def _exists(conn: Connection, name: str) -> bool:
+    if is_mysql(conn):
+        return bool(sa_inspect(conn).has_table(name))
     if conn.dialect.name == "postgresql":
         return _pg_partitioned(conn, name) is not None
     return conn.execute(sql.sqlite_columns(name)).first() is not None
@@ -539,7 +593,7 @@ def _side_findings(conn: Connection, side: SideTable) -> list[Finding]:
 def examine_all_sync(
     conn: Connection, table: Table, side_tables: Sequence[SideTable] = ()
 ) -> list[Finding]:
-    """:func:`examine_sync` of the outbox table, then its side tables (not when the outbox
+    """`examine_sync` of the outbox table, then its side tables (not when the outbox
     table itself is missing: ``db create`` makes them all)."""
     findings = examine_sync(conn, table)
     if not _exists(conn, table.name):
@@ -583,12 +637,13 @@ async def upgrade(
     the table behind it for as long. A statement that times out is retried, after
     ``pause_seconds``, from a new look at the table (an interrupted ``CONCURRENTLY`` build
     leaves an invalid index, which the next look rebuilds), ``attempts`` times in all;
-    then :class:`UpgradeLockTimeout` names the table.
+    then `UpgradeLockTimeout` names the table.
 
-    A missing side table of ``side_tables`` is created by its :attr:`SideTable.create`
+    A missing side table of ``side_tables`` is created by its `SideTable.create`
     (advice or not: ``db upgrade`` leaves what ``db create`` would have made)."""
     applied: list[Finding] = []
-    limit = lock_timeout_seconds if engine.dialect.name == "postgresql" else None
+    bounded = engine.dialect.name == "postgresql" or is_mysql(engine)
+    limit = lock_timeout_seconds if bounded else None
     waited_for = "a change"
     for attempt in range(1, attempts + 1):
         done, left, blocked = await _upgrade_once(engine, table, side_tables, limit)
@@ -621,7 +676,7 @@ async def _upgrade_once(
     side_tables: Sequence[SideTable],
     lock_timeout_seconds: float | None,
 ) -> tuple[list[Finding], list[Finding], Finding | None]:
-    """One pass of :func:`upgrade`: (applied, left, the fix whose lock timed out)."""
+    """One pass of `upgrade`: (applied, left, the fix whose lock timed out)."""
     findings = await examine(engine, table, side_tables=side_tables)
     applied: list[Finding] = []
     left: list[Finding] = []
@@ -637,19 +692,23 @@ async def _upgrade_once(
                 applied.append(finding)
                 continue
             async with autocommit.connect() as conn:
+                mysql = is_mysql(engine)
                 if lock_timeout_seconds is not None:
                     ms = max(1, int(lock_timeout_seconds * 1000))
-                    await conn.execute(sql.lock_timeout(ms))
+                    await conn.execute(sql.lock_timeout(ms, mysql=mysql))
                 try:
                     for statement in finding.fix:
+                        # MySQL: each DDL statement commits on its own (no transactional
+                        # DDL); every fix is one statement, applied or not, and the next
+                        # look at the table finds what is left.
                         if not statement.startswith("--"):
                             await conn.execute(text(statement))
                 finally:
                     if lock_timeout_seconds is not None and not conn.invalidated:
                         with contextlib.suppress(DBAPIError):
-                            await conn.execute(sql.RESET_LOCK_TIMEOUT)
+                            await conn.execute(sql.reset_lock_timeout(mysql=mysql))
         except DBAPIError as exc:  # e.g. a partition whose range has rows in DEFAULT
-            if _sqlstate(exc) == LOCK_NOT_AVAILABLE:
+            if _sqlstate(exc) == LOCK_NOT_AVAILABLE or mysql_code(exc) == MYSQL_LOCK_WAIT_TIMEOUT:
                 return applied, left, finding
             finding.what += f" (fix failed: {safe_error(exc, 200)})"
             left.append(finding)

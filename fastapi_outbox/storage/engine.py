@@ -1,11 +1,12 @@
 """The engine factory and the dialect checks every statement builder asks.
 
-:func:`create_engine` turns the database URL given to ``Outbox(...)`` into an
-:class:`~sqlalchemy.ext.asyncio.AsyncEngine` with the project's defaults (SQLite: WAL, a busy
+`create_engine` turns the database URL given to ``Outbox(...)`` into an
+`AsyncEngine` with the project's defaults (SQLite: WAL, a busy
 timeout and ``BEGIN IMMEDIATE``, so the embedded default copes with a relay and
-requests writing at once; PostgreSQL: a pool sized for the relays and the requests).
-:func:`is_postgres` and :func:`uses_asyncpg` (re-exported from
-:mod:`~fastapi_outbox.storage.dialects`) are the two questions the statements and the
+requests writing at once; PostgreSQL: a pool sized for the relays and the requests;
+MariaDB/MySQL: the same pool, READ COMMITTED as PostgreSQL's default, a connect timeout).
+`is_postgres` and `uses_asyncpg` (re-exported from
+`dialects`) are the two questions the statements and the
 connector ask of an engine or a connection.
 """
 
@@ -25,6 +26,8 @@ from fastapi_outbox.storage.dialects import uses_asyncpg as uses_asyncpg
 from fastapi_outbox.storage.statements import session as session_sql
 
 __all__ = [
+    "MYSQL_ISOLATION",
+    "MYSQL_POOL_RECYCLE_SECONDS",
     "PG_CONNECT_TIMEOUT_SECONDS",
     "PG_KEEPALIVE_IDLE_SECONDS",
     "PG_KEEPALIVE_INTERVAL_SECONDS",
@@ -58,6 +61,14 @@ PG_CONNECT_TIMEOUT_SECONDS = 10.0
 #: process is not (its kernel answers the probes): the statements' client-side timeout
 #: (``db_statement_timeout_seconds``) bounds those.
 PG_KEEPALIVE_IDLE_SECONDS, PG_KEEPALIVE_INTERVAL_SECONDS, PG_KEEPALIVE_PROBES = 5, 2, 3
+#: MariaDB/MySQL: the engine's isolation level. InnoDB's default, REPEATABLE READ, takes
+#: gap locks in locking reads: a claim's ``FOR UPDATE SKIP LOCKED`` range would then block
+#: producers inserting new due rows into it. READ COMMITTED (PostgreSQL's default) locks
+#: the rows read only. ``engine_options={"isolation_level": …}`` overrides it.
+MYSQL_ISOLATION = "READ COMMITTED"
+#: MariaDB/MySQL: a pooled connection is replaced after this long (the server closes idle
+#: ones after ``wait_timeout``, 8 h by default, and the next statement would fail).
+MYSQL_POOL_RECYCLE_SECONDS = 3600
 
 
 def create_engine(url: str, options: dict[str, Any]) -> AsyncEngine:
@@ -156,7 +167,14 @@ def engine_defaults(url: str, options: dict[str, Any]) -> dict[str, Any]:
         opts.setdefault("pool_size", POOL_SIZE)
         opts.setdefault("max_overflow", POOL_MAX_OVERFLOW)
         driver = url.split("://", 1)[0].partition("+")[2]
-        if driver == "asyncpg":
+        if url.startswith(("mysql", "mariadb")):
+            opts.setdefault("isolation_level", MYSQL_ISOLATION)
+            opts.setdefault("pool_recycle", MYSQL_POOL_RECYCLE_SECONDS)
+            opts["connect_args"] = {
+                "connect_timeout": int(PG_CONNECT_TIMEOUT_SECONDS),
+                **opts.get("connect_args", {}),
+            }
+        elif driver == "asyncpg":
             opts["connect_args"] = {
                 "timeout": PG_CONNECT_TIMEOUT_SECONDS,
                 **opts.get("connect_args", {}),

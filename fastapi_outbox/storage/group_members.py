@@ -13,7 +13,7 @@ Two tables beside the inbox (on its ``MetaData``: ``create_tables()``, ``db crea
 During a rolling deploy two versions of one group run side by side. A process that gets a
 message of a type its handler does not take asks this table whether another live process
 of its group takes it: then the message is handed back to the group, uncharged, for that
-process (see :mod:`fastapi_outbox.consume.processing`).
+process (see `fastapi_outbox.consume.processing`).
 
 ``<inbox>_attempts``, one row per (group, message id) that was redelivered or failed::
 
@@ -44,14 +44,16 @@ from sqlalchemy import (
     Table,
     Text,
     delete,
+    func,
     select,
     tuple_,
     update,
 )
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from fastapi_outbox.storage import clock, schema
+from fastapi_outbox.storage.dialects import flavor, is_mysql
 
 __all__ = ["ANY_TYPE", "Attempts", "GroupMembers", "build_group_tables"]
 
@@ -90,6 +92,26 @@ def _insert(is_postgres: bool, table: Table) -> Any:
     return (postgresql.insert if is_postgres else sqlite.insert)(table)
 
 
+def _upsert(
+    engine: AsyncEngine,
+    table: Table,
+    keys: list[Any],
+    values: dict[str, Any],
+    set_: dict[str, Any],
+    where: Any = None,
+) -> Any:
+    """INSERT ``values``; on a conflict on ``keys``, UPDATE ``set_`` (where ``where``, or
+    leave the row: then ``set_`` on MySQL must keep its value itself). MySQL's form is
+    ``ON DUPLICATE KEY UPDATE`` (it has no ON CONFLICT)."""
+    if is_mysql(engine):
+        return mysql.insert(table).values(**values).on_duplicate_key_update(**set_)
+    return (
+        _insert(engine.dialect.name == "postgresql", table)
+        .values(**values)
+        .on_conflict_do_update(index_elements=keys, set_=set_, where=where)
+    )
+
+
 class GroupMembers:
     """The ``<inbox>_handlers`` rows of one (group, stream)."""
 
@@ -99,23 +121,27 @@ class GroupMembers:
         self.group = group
         self.stream = stream
         self.is_postgres = engine.dialect.name == "postgresql"
+        self._flavor = flavor(engine)
 
     async def heartbeat(self, member: str, types: str, ttl_seconds: float) -> None:
         """``member`` alive, taking ``types``, for ``ttl_seconds`` more; rows gone for ten
         times that are forgotten."""
         t = self.table
-        later = clock.db_later(self.is_postgres, seconds=ttl_seconds)
-        upsert = (
-            _insert(self.is_postgres, t)
-            .values(
-                group=self.group, stream=self.stream, member=member, types=types, expires_at=later
-            )
-            .on_conflict_do_update(
-                index_elements=[t.c.group, t.c.stream, t.c.member],
-                set_={"types": types, "expires_at": later},
-            )
+        later = clock.db_later(self._flavor, seconds=ttl_seconds)
+        upsert = _upsert(
+            self.engine,
+            t,
+            [t.c.group, t.c.stream, t.c.member],
+            {
+                "group": self.group,
+                "stream": self.stream,
+                "member": member,
+                "types": types,
+                "expires_at": later,
+            },
+            {"types": types, "expires_at": later},
         )
-        old = clock.db_later(self.is_postgres, seconds=-10 * ttl_seconds)
+        old = clock.db_later(self._flavor, seconds=-10 * ttl_seconds)
         async with self.engine.begin() as conn:
             await conn.execute(upsert)
             await conn.execute(
@@ -140,7 +166,7 @@ class GroupMembers:
             t.c.group == self.group,
             t.c.stream == self.stream,
             t.c.member != but,
-            t.c.expires_at > clock.db_now(self.is_postgres),
+            t.c.expires_at > clock.db_now(self._flavor),
         )
         async with self.engine.connect() as conn:
             rows = (await conn.execute(stmt)).scalars().all()
@@ -155,29 +181,50 @@ class Attempts:
         self.table = table
         self.group = group
         self.is_postgres = engine.dialect.name == "postgresql"
+        self.is_mysql = is_mysql(engine)
+        self._flavor = flavor(engine)
         t = table
-        now = clock.db_now(self.is_postgres)
-        ins = _insert(self.is_postgres, t)
-        # One statement: the row's count raised by one (1 when new), the new count back.
-        self._start = (
-            ins.values(attempts=1, updated_at=now)
-            .on_conflict_do_update(
-                index_elements=[t.c.group, t.c.message_id],
-                set_={"attempts": t.c.attempts + 1, "updated_at": now},
+        now = clock.db_now(self._flavor)
+        # One statement: the row's count raised by one (1 when new), the new count back
+        # (MySQL, no RETURNING: read back in the same transaction, the row locked).
+        self._start = _upsert(
+            engine,
+            t,
+            [t.c.group, t.c.message_id],
+            {"attempts": 1, "updated_at": now},
+            {"attempts": t.c.attempts + 1, "updated_at": now},
+        )
+        if not self.is_mysql:
+            self._start = self._start.returning(t.c.attempts)
+            ins = _insert(self.is_postgres, t)
+            self._failed = ins.values(updated_at=now).on_conflict_do_nothing(
+                index_elements=[t.c.group, t.c.message_id]
             )
-            .returning(t.c.attempts)
+        else:
+            self._failed = mysql.insert(t).prefix_with("IGNORE").values(updated_at=now)
+        # The first time only: a row of an earlier attempt gets the time, one that has
+        # it keeps it.
+        self._unhandled = _upsert(
+            engine,
+            t,
+            [t.c.group, t.c.message_id],
+            {"attempts": 0, "unhandled_since": now, "updated_at": now},
+            {"unhandled_since": func.coalesce(t.c.unhandled_since, now) if self.is_mysql else now},
+            where=t.c.unhandled_since.is_(None),
         )
-        self._failed = ins.values(updated_at=now).on_conflict_do_nothing(
-            index_elements=[t.c.group, t.c.message_id]
-        )
-        self._unhandled = ins.values(attempts=0, unhandled_since=now, updated_at=now)
 
     async def start(self, message_id: str) -> int:
         """A handler run starts on a redelivered ``message_id``: its attempt number."""
         async with self.engine.begin() as conn:
-            result = await conn.execute(
-                self._start, {"group": self.group, "message_id": message_id}
-            )
+            key = {"group": self.group, "message_id": message_id}
+            result = await conn.execute(self._start, key)
+            if self.is_mysql:
+                t = self.table
+                result = await conn.execute(
+                    select(t.c.attempts).where(
+                        t.c.group == self.group, t.c.message_id == message_id
+                    )
+                )
             return int(result.scalar_one())
 
     async def failed(self, message_id: str, attempt: int) -> None:
@@ -192,18 +239,11 @@ class Attempts:
         no live process (0 now, the first time)."""
         t = self.table
         key = {"group": self.group, "message_id": message_id}
-        # The first time only: a row of an earlier attempt gets the time, one that has
-        # it keeps it.
-        unhandled = self._unhandled.on_conflict_do_update(
-            index_elements=[t.c.group, t.c.message_id],
-            set_={"unhandled_since": clock.db_now(self.is_postgres)},
-            where=t.c.unhandled_since.is_(None),
-        )
         async with self.engine.begin() as conn:
-            await conn.execute(unhandled, key)
+            await conn.execute(self._unhandled, key)
             row = (
                 await conn.execute(
-                    select(t.c.unhandled_since, clock.db_now(self.is_postgres)).where(
+                    select(t.c.unhandled_since, clock.db_now(self._flavor)).where(
                         t.c.group == self.group, t.c.message_id == message_id
                     )
                 )

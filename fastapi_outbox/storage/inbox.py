@@ -11,7 +11,7 @@ with the row. The subscriber owns that transaction: it inserts the row on a conn
 its own and binds the handler's session to it so that whatever the handler does with its
 session (commit, rollback, savepoints) cannot commit or undo the row — only the
 subscriber's final commit or rollback does, for the row and the effects together (see
-:mod:`fastapi_outbox.consume.subscriber`).
+`fastapi_outbox.consume.subscriber`).
 
 No row inserted: the group handled this message before (a redelivery after a crash between
 commit and ack, a duplicate entry in the stream, a replay), the handler is skipped and the
@@ -33,14 +33,16 @@ import datetime as dt
 from typing import Any
 
 from sqlalchemy import Column, Index, MetaData, String, Table, delete, func, select, tuple_
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.settings import INBOX_TABLE_NAME, check_table_name
 from fastapi_outbox.storage import clock, schema
+from fastapi_outbox.storage.dialects import flavor, is_mysql
 from fastapi_outbox.storage.group_members import Attempts, GroupMembers, build_group_tables
 from fastapi_outbox.storage.leases import Leases, build_lease_tables
+from fastapi_outbox.storage.statements.parts import derived
 
 __all__ = ["Inbox", "build_inbox_table", "inbox_table"]
 
@@ -93,12 +95,14 @@ class Inbox:
     def __init__(self, engine: AsyncEngine, table: Table) -> None:
         self.engine = engine
         self.table = table
-        #: The partition leases of ordered subscribers (:mod:`fastapi_outbox.storage.leases`),
+        #: The partition leases of ordered subscribers (`fastapi_outbox.storage.leases`),
         #: beside the inbox on its MetaData.
         self.lease_tables = build_lease_tables(table.name, table.metadata)
-        #: The handlers and attempts tables (:mod:`fastapi_outbox.storage.group_members`).
+        #: The handlers and attempts tables (`fastapi_outbox.storage.group_members`).
         self.group_tables = build_group_tables(table.name, table.metadata)
         self.is_postgres = engine.dialect.name == "postgresql"
+        self.is_mysql = is_mysql(engine)
+        self._flavor = flavor(engine)
         dialect_insert: Any = postgresql.insert if self.is_postgres else sqlite.insert
         # record / record_many (SQLAlchemy path). Caller: the subscriber's transaction
         # (fastapi_outbox.consume.processing.Processing.run_batch), before its handlers run.
@@ -107,11 +111,20 @@ class Inbox:
         #   of the same id waits on the key and then inserts nothing (effects once);
         # - handled_at: the database's clock, as is retention's cutoff compared with it.
         # Built once; the values are bound per message.
-        self._record = (
-            dialect_insert(table)
-            .values(handled_at=clock.db_now(self.is_postgres))
-            .on_conflict_do_nothing(index_elements=[table.c.group, table.c.message_id])
-        )
+        if self.is_mysql:
+            # MySQL: INSERT IGNORE (no ON CONFLICT); a duplicate key counts 0 rows, as
+            # ON CONFLICT DO NOTHING does (ON DUPLICATE KEY UPDATE would count it found).
+            self._record = (
+                mysql.insert(table)
+                .prefix_with("IGNORE")
+                .values(handled_at=clock.db_now(self._flavor))
+            )
+        else:
+            self._record = (
+                dialect_insert(table)
+                .values(handled_at=clock.db_now(self.is_postgres))
+                .on_conflict_do_nothing(index_elements=[table.c.group, table.c.message_id])
+            )
         # record_many on asyncpg, a batch from several streams. Caller: the same.
         # - unnest($2, $3): one row per (message id, stream) pair from two arrays: one
         #   statement for the batch, no VALUES row per message nor SQLAlchemy work per row;
@@ -201,6 +214,14 @@ class Inbox:
             return set(result.scalar() or ())
         per_id = [streams] * len(message_ids) if isinstance(streams, str) else streams
         rows = dict(zip(message_ids, per_id, strict=True))  # an id once: ON CONFLICT
+        if self.is_mysql:
+            # No INSERT … RETURNING on MySQL 8: one INSERT IGNORE per id, its row count
+            # telling a new id (a batch is a subscriber's fetch: tens of ids).
+            new: set[str] = set()
+            for message_id, stream in rows.items():
+                if await self.record(on, group, message_id, stream):
+                    new.add(message_id)
+            return new
         result = await on.execute(  # cannot affect a row twice in one statement
             self._record.returning(self.table.c.message_id),
             [{"group": group, "message_id": m, "stream": s} for m, s in rows.items()],
@@ -221,9 +242,9 @@ class Inbox:
         """Delete up to ``limit`` rows handled more than ``older_than_seconds`` ago: one
         short transaction through the ``handled_at`` index (SKIP LOCKED on PostgreSQL: two
         cleaners never wait on each other's rows). Caller: retention
-        (:class:`fastapi_outbox.lifecycle.retention.Cleaner`)."""
+        (`fastapi_outbox.lifecycle.retention.Cleaner`)."""
         t = self.table
-        cutoff = clock.db_later(self.is_postgres, seconds=-older_than_seconds)
+        cutoff = clock.db_later(self._flavor, seconds=-older_than_seconds)
         victims = (
             select(t.c.group, t.c.message_id)
             .where(t.c.handled_at < cutoff)
@@ -232,6 +253,7 @@ class Inbox:
         )
         if self.is_postgres:
             victims = victims.with_for_update(skip_locked=True)
+        victims = derived(victims, self.engine.dialect)  # MySQL: see parts.derived
         stmt = delete(t).where(tuple_(t.c.group, t.c.message_id).in_(victims))
         async with self.engine.begin() as conn:
             result: Any = await conn.execute(stmt)
@@ -246,7 +268,7 @@ class Inbox:
         transaction (SKIP LOCKED on PostgreSQL). Caller: retention, with the inbox's."""
         inbox = self.table
         handlers, attempts = self.group_tables
-        cutoff = clock.db_later(self.is_postgres, seconds=-older_than_seconds)
+        cutoff = clock.db_later(self._flavor, seconds=-older_than_seconds)
         handled = (
             select(inbox.c.message_id)
             .where(inbox.c.group == attempts.c.group, inbox.c.message_id == attempts.c.message_id)
@@ -265,6 +287,7 @@ class Inbox:
         if self.is_postgres:
             stale = stale.with_for_update(skip_locked=True)
             expired = expired.with_for_update(skip_locked=True)
+        stale, expired = derived(stale, self.engine.dialect), derived(expired, self.engine.dialect)
         async with self.engine.begin() as conn:
             a: Any = await conn.execute(
                 delete(attempts).where(tuple_(attempts.c.group, attempts.c.message_id).in_(stale))
@@ -283,7 +306,7 @@ class Inbox:
         how many rows each has. Counting reads every row of the groups (an operator's
         command); without it, each group costs one backward walk of the ``handled_at``
         index that stops at the group's newest row (cheap for a group that is active:
-        health and the dashboard). Caller: :func:`fastapi_outbox.ops.operations.consumers`."""
+        health and the dashboard). Caller: `fastapi_outbox.ops.operations.consumers`."""
         t = self.table
         rows: list[Any]
         async with self.engine.connect() as conn:

@@ -1,6 +1,6 @@
 """Inserts into the outbox table: the unit of work's rows, in the producing transaction,
 and the WAL relay's hand-over of the messages a broker refused (the SQL:
-:mod:`fastapi_outbox.storage.statements.inserts` and ``claims.insert_failed``)."""
+`fastapi_outbox.storage.statements.inserts` and ``claims.insert_failed``)."""
 
 from __future__ import annotations
 
@@ -31,24 +31,24 @@ class Inserts:
 
     def insert_statement(self) -> Any:
         """The unit of work's INSERT (built once; see
-        :func:`~fastapi_outbox.storage.statements.inserts.insert_rows`)."""
+        `insert_rows`)."""
         if self._insert is None:
             self._insert = inserts_sql.insert_rows(self.table, self.dialect)
         return self._insert
 
     def row_params(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """The unit of work's row dicts completed for :meth:`insert_statement`."""
+        """The unit of work's row dicts completed for `insert_statement`."""
         return inserts_sql.row_params(rows, self.dialect)
 
     async def insert_rows(self, conn: AsyncConnection, rows: list[dict[str, Any]]) -> None:
-        """Insert outbox rows in ``conn``'s transaction (see :meth:`insert_rows_sync`)."""
+        """Insert outbox rows in ``conn``'s transaction (see `insert_rows_sync`)."""
         await conn.run_sync(self.insert_rows_sync, rows)
 
     def insert_rows_sync(self, conn: Connection, rows: list[dict[str, Any]]) -> None:
         """Insert outbox rows in ``conn``'s transaction, from SQLAlchemy's sync API (the
         session's ``before_commit`` event, run inside the async engine's greenlet). On
         asyncpg, once the transaction has begun, the INSERT runs on the driver connection
-        itself (see :meth:`Connector.insert_sync`)."""
+        itself (see `Connector.insert_sync`)."""
         params = self.row_params(rows)
         stmt = self.insert_statement()
         keys = [*INSERT_KEYS, "delay", "deliver_at"]
@@ -59,7 +59,7 @@ class Inserts:
         """Insert messages the WAL relay (``capture="wal"``) could not publish because the
         broker refused them, as ``failed`` rows due again after ``retry_in`` (or
         ``abandoned`` ones, ``abandon_now``); a row already there is left as it is (see
-        :func:`~fastapi_outbox.storage.statements.claims.insert_failed`). Returns how many
+        `insert_failed`). Returns how many
         rows were inserted."""
         if not rows:
             return 0

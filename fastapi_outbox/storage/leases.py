@@ -23,7 +23,7 @@ records what comes next in the partition's queue: no statement added), in a stat
 its own otherwise (an empty queue, a retry). A new owner that finds ``started`` past
 ``position`` knows its predecessor died (or stopped) inside that transaction: it handles a
 batch's messages one by one, and dead-letters a message whose ``attempts`` reached
-``consumer_max_attempts`` (see :mod:`fastapi_outbox.consume.partitioned`).
+``consumer_max_attempts`` (see `fastapi_outbox.consume.partitioned`).
 
 and one row per live process in ``<inbox>_members`` (group, stream, member, expires_at):
 its heartbeat, from which each process computes its fair share (``ceil(partitions /
@@ -31,7 +31,7 @@ live members)``).
 
 The fence: the handler's transaction begins with ``UPDATE … SET position = <entry> WHERE
 … AND token = <the owner's token>``: no row, the lease was taken over (the owner was
-frozen, its lease expired): :class:`LeaseLost`, the transaction rolls back, nothing of the
+frozen, its lease expired): `LeaseLost`, the transaction rolls back, nothing of the
 stale owner commits. The row lock it takes also makes a take-over wait for (or, with
 ``SKIP LOCKED``, skip) a partition whose owner is committing: the new owner reads the
 position after the last commit.
@@ -61,11 +61,12 @@ from sqlalchemy import (
     select,
     update,
 )
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.storage import clock, schema
+from fastapi_outbox.storage.dialects import flavor, is_mysql
 
 __all__ = [
     "LeaseLost",
@@ -161,6 +162,10 @@ class Leases:
         self.table, self.members = tables
         self.group, self.stream = group, stream
         self.is_postgres = engine.dialect.name == "postgresql"
+        #: MariaDB/MySQL: no UPDATE … RETURNING (a fence counts its rows; acquire and
+        #: renew read the rows back in their transaction) and no ON CONFLICT.
+        self.is_mysql = is_mysql(engine)
+        self._flavor = flavor(engine)
         self._insert: Any = postgresql.insert if self.is_postgres else sqlite.insert
         t = self.table
         self._mine = and_(t.c.group == group, t.c.stream == stream)
@@ -186,7 +191,6 @@ class Leases:
                 started=bindparam("b_started"),
                 attempts=bindparam("b_attempts"),
             )
-            .returning(t.c.partition)
         )
         # start. Caller: an ordered subscriber, in a transaction of its own right before a
         # handler's transaction that the last fence did not announce (the queue was
@@ -198,8 +202,10 @@ class Leases:
             update(t)
             .where(token_holds)
             .values(started=bindparam("b_started"), attempts=bindparam("b_attempts"))
-            .returning(t.c.partition)
         )
+        if not self.is_mysql:
+            self._fence = self._fence.returning(t.c.partition)
+            self._start = self._start.returning(t.c.partition)
 
     async def create(self) -> None:
         for table in (self.table, self.members):
@@ -219,7 +225,7 @@ class Leases:
                 "owner": None,
                 "token": 0,
                 "position": position,
-                "expires_at": clock.db_now(self.is_postgres),
+                "expires_at": clock.db_now(self._flavor),
                 "started": None,
                 "attempts": 0,
             }
@@ -232,8 +238,12 @@ class Leases:
                 )
             ).all()
             if not existing:
-                stmt = self._insert(t).on_conflict_do_nothing(
-                    index_elements=[t.c.group, t.c.stream, t.c.partition]
+                stmt = (
+                    mysql.insert(t).prefix_with("IGNORE")
+                    if self.is_mysql
+                    else self._insert(t).on_conflict_do_nothing(
+                        index_elements=[t.c.group, t.c.stream, t.c.partition]
+                    )
                 )
                 for row in rows:  # the database's clock per row
                     await conn.execute(stmt.values(**row))
@@ -268,22 +278,26 @@ class Leases:
         (itself included). Caller: the ordered subscriber's coordinator, every third of a
         lease."""
         m = self.members
-        later = clock.db_later(self.is_postgres, seconds=lease_seconds)
-        now = clock.db_now(self.is_postgres)
+        later = clock.db_later(self._flavor, seconds=lease_seconds)
+        now = clock.db_now(self._flavor)
         mine = and_(m.c.group == self.group, m.c.stream == self.stream)
-        upsert = self._insert(m).values(
-            group=self.group, stream=self.stream, member=member, expires_at=later
-        )
-        upsert = upsert.on_conflict_do_update(
-            index_elements=[m.c.group, m.c.stream, m.c.member], set_={"expires_at": later}
-        )
+        values = {"group": self.group, "stream": self.stream, "member": member}
+        if self.is_mysql:
+            upsert = (mysql.insert(m).values(**values, expires_at=later)).on_duplicate_key_update(
+                expires_at=later
+            )
+        else:
+            upsert = self._insert(m).values(**values, expires_at=later)
+            upsert = upsert.on_conflict_do_update(
+                index_elements=[m.c.group, m.c.stream, m.c.member], set_={"expires_at": later}
+            )
         async with self.engine.begin() as conn:
             await conn.execute(upsert)
             # Members gone for ten leases: forgotten.
             await conn.execute(
                 delete(m).where(
                     mine,
-                    m.c.expires_at < clock.db_later(self.is_postgres, seconds=-10 * lease_seconds),
+                    m.c.expires_at < clock.db_later(self._flavor, seconds=-10 * lease_seconds),
                 )
             )
             live = await conn.execute(select(func.count()).where(mine, m.c.expires_at > now))
@@ -296,10 +310,15 @@ class Leases:
         stmt = (
             update(t)
             .where(self._mine, t.c.owner == member)
-            .values(expires_at=clock.db_later(self.is_postgres, seconds=lease_seconds))
-            .returning(t.c.partition, t.c.token)
+            .values(expires_at=clock.db_later(self._flavor, seconds=lease_seconds))
         )
         async with self.engine.begin() as conn:
+            if self.is_mysql:
+                # The rows it updated, read back under the locks the update took.
+                await conn.execute(stmt)
+                held = select(t.c.partition, t.c.token).where(self._mine, t.c.owner == member)
+                return {int(p): int(tok) for p, tok in (await conn.execute(held)).all()}
+            stmt = stmt.returning(t.c.partition, t.c.token)
             return {int(p): int(tok) for p, tok in (await conn.execute(stmt)).all()}
 
     async def acquire(self, member: str, count: int, lease_seconds: float) -> list[OwnedPartition]:
@@ -311,12 +330,13 @@ class Leases:
         if count <= 0:
             return []
         t = self.table
-        now = clock.db_now(self.is_postgres)
+        now = clock.db_now(self._flavor)
         expired = or_(t.c.owner.is_(None), t.c.expires_at <= now)
         free = select(t.c.partition).where(self._mine, expired).order_by(t.c.partition)
         free = free.limit(count)
-        if self.is_postgres:
+        if self.is_postgres or self.is_mysql:
             free = free.with_for_update(skip_locked=True)
+        columns = (t.c.partition, t.c.token, t.c.position, t.c.started, t.c.attempts)
         async with self.engine.begin() as conn:
             numbers = list((await conn.execute(free)).scalars())
             if not numbers:
@@ -327,11 +347,16 @@ class Leases:
                 .values(
                     owner=member,
                     token=t.c.token + 1,
-                    expires_at=clock.db_later(self.is_postgres, seconds=lease_seconds),
+                    expires_at=clock.db_later(self._flavor, seconds=lease_seconds),
                 )
-                .returning(t.c.partition, t.c.token, t.c.position, t.c.started, t.c.attempts)
             )
-            rows = (await conn.execute(stmt)).all()
+            if self.is_mysql:
+                # Locked by the SELECT above: every one of them is updated, then read back.
+                await conn.execute(stmt)
+                taken = select(*columns).where(self._mine, t.c.partition.in_(numbers))
+                rows = (await conn.execute(taken)).all()
+            else:
+                rows = (await conn.execute(stmt.returning(*columns))).all()
         return sorted(
             (
                 OwnedPartition(
@@ -347,7 +372,7 @@ class Leases:
     ) -> None:
         """Give ``partitions`` up at once (a rebalance, a stop): free for the others now,
         not after the lease. ``unstarted``: those whose announced next message (see
-        :meth:`fence`) never started: its count goes, the next owner starts it at attempt
+        `fence`) never started: its count goes, the next owner starts it at attempt
         1. Caller: the coordinator."""
         wanted = list(partitions)
         if not wanted:
@@ -356,7 +381,7 @@ class Leases:
         stmt = (
             update(t)
             .where(self._mine, t.c.owner == member, t.c.partition.in_(wanted))
-            .values(owner=None, expires_at=clock.db_now(self.is_postgres))
+            .values(owner=None, expires_at=clock.db_now(self._flavor))
         )
         async with self.engine.begin() as conn:
             await self._forget_unstarted(conn, member, unstarted)
@@ -376,14 +401,14 @@ class Leases:
 
     async def leave(self, member: str, *, unstarted: Iterable[int] = ()) -> None:
         """``member`` stops: its member row goes, its partitions are freed (``unstarted``:
-        as in :meth:`release`). Caller: the coordinator at a stop."""
+        as in `release`). Caller: the coordinator at a stop."""
         t, m = self.table, self.members
         async with self.engine.begin() as conn:
             await self._forget_unstarted(conn, member, unstarted)
             await conn.execute(
                 update(t)
                 .where(self._mine, t.c.owner == member)
-                .values(owner=None, expires_at=clock.db_now(self.is_postgres))
+                .values(owner=None, expires_at=clock.db_now(self._flavor))
             )
             await conn.execute(
                 delete(m).where(
@@ -400,8 +425,8 @@ class Leases:
         next_start: tuple[str | None, int] = (None, 0),
     ) -> None:
         """In ``conn``'s transaction: the partition's position moves to ``position`` if
-        ``token`` still holds it, else :class:`LeaseLost`. ``next_start``: (``started``,
-        ``attempts``) announced for the partition's next transaction (see :meth:`start`),
+        ``token`` still holds it, else `LeaseLost`. ``next_start``: (``started``,
+        ``attempts``) announced for the partition's next transaction (see `start`),
         in the same statement."""
         started, attempts = next_start
         result = await conn.execute(
@@ -414,8 +439,14 @@ class Leases:
                 "b_attempts": attempts,
             },
         )
-        if result.first() is None:
+        if not self._held(result):
             raise LeaseLost(self.group, self.stream, partition)
+
+    def _held(self, result: Any) -> bool:
+        """Whether a fenced update found its row (MySQL: its row count, the rows matched)."""
+        if self.is_mysql:
+            return int(result.rowcount) == 1
+        return result.first() is not None
 
     async def settle(
         self,
@@ -424,7 +455,7 @@ class Leases:
         position: str,
         next_start: tuple[str | None, int] = (None, 0),
     ) -> None:
-        """:meth:`fence` in a transaction of its own: a message settled without a handler's
+        """`fence` in a transaction of its own: a message settled without a handler's
         transaction (skipped, dead-lettered)."""
         async with self.engine.begin() as conn:
             await self.fence(conn, partition, token, position, next_start)
@@ -434,7 +465,7 @@ class Leases:
         ``started`` (the partition's first unsettled message); ``attempts``: its starts on
         it alone so far, this one included, or 0 for a batch beginning with it (a crashed
         batch costs its messages no attempt: they go one by one after it).
-        :class:`LeaseLost` when ``token`` no longer holds the partition."""
+        `LeaseLost` when ``token`` no longer holds the partition."""
         async with self.engine.begin() as conn:
             result = await conn.execute(
                 self._start,
@@ -445,5 +476,5 @@ class Leases:
                     "b_attempts": attempts,
                 },
             )
-            if result.first() is None:
+            if not self._held(result):
                 raise LeaseLost(self.group, self.stream, partition)

@@ -2,8 +2,8 @@
 dashboard and ``status`` show, one message and pages of them, and the row changes an
 operator asks for (replay, abandon, cancel).
 
-The SQL is in :mod:`fastapi_outbox.storage.statements.messages`; the counts' rows are
-folded by :mod:`fastapi_outbox.storage.read_models`. The counts read the partial indexes,
+The SQL is in `fastapi_outbox.storage.statements.messages`; the counts' rows are
+folded by `fastapi_outbox.storage.read_models`. The counts read the partial indexes,
 so they cost what the rows that still need work cost, not the table's history.
 """
 
@@ -14,11 +14,12 @@ import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from sqlalchemy import Table
+from sqlalchemy import Table, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from fastapi_outbox.storage import read_models
 from fastapi_outbox.storage.connector import Connector
+from fastapi_outbox.storage.dialects import is_mysql
 from fastapi_outbox.storage.filters import MessageFilter
 from fastapi_outbox.storage.read_models import BrokerStats, aware
 from fastapi_outbox.storage.statements import messages as messages_sql
@@ -48,8 +49,8 @@ class Messages:
             return await self._db_now(conn)
 
     def stats_statements(self) -> dict[str, Any]:
-        """The statements behind :meth:`stats` (see
-        :func:`~fastapi_outbox.storage.statements.messages.stats`)."""
+        """The statements behind `stats` (see
+        `stats`)."""
         return messages_sql.stats(self.table, self.dialect)
 
     async def stats(
@@ -163,9 +164,9 @@ class Messages:
             return int((await conn.execute(messages_sql.count(self.table, status))).scalar_one())
 
     async def clock(self) -> dt.datetime:
-        """The time every age is measured with: the database's on PostgreSQL, the
+        """The time every age is measured with: the database's on PostgreSQL and MySQL, the
         process's on SQLite."""
-        if not self.is_postgres:
+        if not self.is_postgres and not is_mysql(self.dialect):
             return dt.datetime.now(dt.UTC)
         async with self.engine.connect() as conn:
             return await self._db_now(conn)
@@ -181,6 +182,18 @@ class Messages:
         """Move rows (abandoned by default) back to pending with attempts reset; returns
         the ids moved. With ``ids=None``, every row in ``statuses`` (and ``stream``), in
         batches of ``limit``."""
+        if is_mysql(self.dialect):
+            # No UPDATE … RETURNING: the rows locked first (SKIP LOCKED), then moved by id.
+            target = messages_sql.replay_target(
+                self.table, self.dialect, ids, stream=stream, statuses=statuses, limit=limit
+            )
+            async with self.engine.begin() as conn:
+                moved = list((await conn.execute(target)).scalars().all())
+                if moved:
+                    t = self.table
+                    values = messages_sql.replay_values(self.dialect)
+                    await conn.execute(update(t).where(t.c.id.in_(moved)).values(**values))
+                return moved
         stmt = messages_sql.replay(
             self.table, self.dialect, ids, stream=stream, statuses=statuses, limit=limit
         )
@@ -190,6 +203,9 @@ class Messages:
     async def cancel_unclaimed(self, ids: Sequence[uuid.UUID]) -> list[uuid.UUID]:
         """Delete pending rows no relay holds (fenced against a concurrent claim).
         Returns the ids cancelled."""
+        if is_mysql(self.dialect):
+            stmt = messages_sql.cancel_unclaimed(self.table, ids, returning=False)
+            return await self._changed_ids(stmt)
         async with self.engine.begin() as conn:
             stmt = messages_sql.cancel_unclaimed(self.table, ids)
             return list((await conn.execute(stmt)).scalars().all())
@@ -197,6 +213,22 @@ class Messages:
     async def abandon_unclaimed(self, ids: Sequence[uuid.UUID], error: str) -> list[uuid.UUID]:
         """An operator's abandon: stop retrying pending or failed rows that no relay
         holds (a row claimed meanwhile is left to its claim). Returns the ids abandoned."""
+        if is_mysql(self.dialect):
+            stmt = messages_sql.abandon_unclaimed(
+                self.table, ids, error, self.dialect, returning=False
+            )
+            return await self._changed_ids(stmt)
         async with self.engine.begin() as conn:
             stmt = messages_sql.abandon_unclaimed(self.table, ids, error, self.dialect)
             return list((await conn.execute(stmt)).scalars().all())
+
+    async def _changed_ids(self, stmt: Any) -> list[uuid.UUID]:
+        """MySQL's ``… RETURNING id`` of an UPDATE or DELETE on the outbox table (none there):
+        the rows its WHERE picks, locked, then the statement on exactly those."""
+        t = self.table
+        async with self.engine.begin() as conn:
+            found = select(t.c.id).where(stmt.whereclause).with_for_update()
+            ids = list((await conn.execute(found)).scalars().all())
+            if ids:
+                await conn.execute(stmt.where(t.c.id.in_(ids)))
+            return ids

@@ -5,22 +5,22 @@ execution, and initialises a scan of each partition before it prunes on a value 
 computes itself (an init plan): pruned scans are "never executed" but cost their set-up,
 34 times per claim and per mark on a month of daily partitions. A value passed as the
 statement's own parameter is pruned *before* the scans are set up. Two uses of that, both
-by :class:`~fastapi_outbox.storage.claims.Claims` on asyncpg:
+by `Claims` on asyncpg:
 
 * **The claim's floor.** The unordered claim takes ``id >= $floor`` (its candidate scan
   and its update), the start of the oldest range partition that holds a row of the
   broker still needing work, read by one probe of each partition's partial due index
-  (:meth:`PartitionMap.refresh`). Only the partitions from the floor up (and DEFAULT) are
+  (`PartitionMap.refresh`). Only the partitions from the floor up (and DEFAULT) are
   set up. A row can only become active below the floor later by a ``replay`` or a
   producer whose clock runs a partition late: the floor is used only while the claims
-  come back full (a drain) and at most :data:`FLOOR_SECONDS` after it was read; the claim
+  come back full (a drain) and at most `FLOOR_SECONDS` after it was read; the claim
   after a short one, or after that time, has no floor (the nil UUID: nothing pruned). So
-  such a row waits for the end of the drain, or :data:`FLOOR_SECONDS` at most.
+  such a row waits for the end of the drain, or `FLOOR_SECONDS` at most.
 * **A batch's partition.** The marks after a publish (and the release, the lease
   extension) of a batch whose ids all lie in one range partition run on that partition
   itself: a plain table's statement. A batch across a boundary, or in ids no known range
   covers, takes the partitioned table. A partition is dropped or detached only when none
-  of its rows needs work (:mod:`fastapi_outbox.storage.partitions`), so a batch in flight
+  of its rows needs work (`fastapi_outbox.storage.partitions`), so a batch in flight
   never loses its partition; should the statement find the partition gone anyway, the
   store forgets the ranges and runs it on the partitioned table.
 
@@ -83,16 +83,16 @@ class PartitionMap:
     # -- the claim's floor ---------------------------------------------------------------
 
     def floor(self, broker: str) -> uuid.UUID:
-        """The floor of ``broker``'s next claim: :data:`NIL` unless one was read less
-        than :data:`FLOOR_SECONDS` ago and the claims since came back full."""
+        """The floor of ``broker``'s next claim: `NIL` unless one was read less
+        than `FLOOR_SECONDS` ago and the claims since came back full."""
         floor = self._floors.get(broker)
         if floor is None or time.monotonic() - floor.read_at > FLOOR_SECONDS:
             return NIL
         return floor.value
 
     async def next_floor(self, broker: str) -> uuid.UUID:
-        """The floor of ``broker``'s next claim (:meth:`floor`), read first when the last
-        claim asked for it (:meth:`claimed`)."""
+        """The floor of ``broker``'s next claim (`floor`), read first when the last
+        claim asked for it (`claimed`)."""
         if broker in self._wanted:
             self._wanted.discard(broker)
             await self.refresh(broker)
@@ -141,7 +141,7 @@ class PartitionMap:
 
     def _floor_of(self, active: set[int]) -> uuid.UUID:
         """The start of the oldest range partition in ``active`` (positions in
-        ``self._ranges``, DEFAULT last); :data:`NIL` when DEFAULT holds such a row (its
+        ``self._ranges``, DEFAULT last); `NIL` when DEFAULT holds such a row (its
         ids may lie anywhere) or none does."""
         if not active or len(self._ranges) in active:
             return NIL

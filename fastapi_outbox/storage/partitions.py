@@ -10,28 +10,28 @@ catalogue change. The layout and its maintenance, all here:
   every lookup by id prunes to one partition: ``id = $1`` when planned or at executor
   start; a batch's claim and marks on the range of its ids, computed in init plans, when
   the plan runs (``statements.claims._chosen_rows``, ``statements.parts.ids_in``).
-  :class:`Partition` bounds are times whatever the key, so the maintenance below reads the
+  `Partition` bounds are times whatever the key, so the maintenance below reads the
   same for a table an earlier release partitioned by ``created_at``
-  (:func:`partition_key`): it keeps working, with timestamp bounds, without the pruning.
+  (`partition_key`): it keeps working, with timestamp bounds, without the pruning.
 * Every index of the layout is declared on the partitioned table, so each partition gets
   the same partial indexes: a claim is a Merge Append of per-partition partial-index scans
   in due order, whose cost follows the rows that still need work.
 * A ``DEFAULT`` partition takes rows no partition covers, so a maintenance job that did not
   run never fails a producer's transaction. Rows in it are cleaned by the batched DELETE.
-* :func:`ensure_ahead` (run by ``create_tables()``/``db create`` and by the cleaner)
-  creates the partitions of the coming :data:`AHEAD_SECONDS` with ``CREATE TABLE … (LIKE
+* `ensure_ahead` (run by ``create_tables()``/``db create`` and by the cleaner)
+  creates the partitions of the coming `AHEAD_SECONDS` with ``CREATE TABLE … (LIKE
   …)`` then ``ATTACH PARTITION``, which takes only a SHARE UPDATE EXCLUSIVE lock on the
   parent (no conflict with inserts, claims or marks) and a short ACCESS EXCLUSIVE lock on
   the DEFAULT partition while it checks that none of its rows fall in the new range. A range
   for which the DEFAULT partition already holds rows is left to it (logged).
-* :func:`drop_expired` drops a partition whose range is over and whose rows are all
-  published or abandoned and past their retention (:func:`partition_finished`, through
-  the partial indexes: no scan of the partition). :func:`list_partitions`,
-  :func:`partition_finished` and :func:`detach_partition_sync` are the pieces other
+* `drop_expired` drops a partition whose range is over and whose rows are all
+  published or abandoned and past their retention (`partition_finished`, through
+  the partial indexes: no scan of the partition). `list_partitions`,
+  `partition_finished` and `detach_partition_sync` are the pieces other
   upkeep (an archive of finished partitions) builds on. ``DETACH PARTITION CONCURRENTLY``
   is refused by PostgreSQL when a DEFAULT partition exists, so the detach is a plain one:
   a brief ACCESS EXCLUSIVE lock on the parent, requested with a short ``lock_timeout``
-  (:data:`LOCK_TIMEOUT_SECONDS`) so that it never queues producers behind a long
+  (`LOCK_TIMEOUT_SECONDS`) so that it never queues producers behind a long
   transaction; when the lock is not granted in time, the next cleanup tries again.
   Detach, re-check that no row is active (a ``replay`` may have run meanwhile) and ``DROP``
   happen in one transaction: either the partition is gone with only finished rows, or
@@ -312,13 +312,13 @@ class Reactivated(Exception):
 
 def detach_partition_sync(conn: Connection, table: str, name: str) -> None:
     """Detach partition ``name`` from ``table`` (a plain DETACH: see ``sql.detach``; run
-    under :func:`_lock_timeout` by the maintainer). The partition stays as a table."""
+    under `_lock_timeout` by the maintainer). The partition stays as a table."""
     conn.execute(sql.detach(table, name))
 
 
 def drop_partition_sync(conn: Connection, table: str, name: str) -> None:
     """Detach ``name``, check under the detach's lock that no row of it became active (a
-    ``replay`` since the candidates were chosen) and drop it; :class:`Reactivated` when a
+    ``replay`` since the candidates were chosen) and drop it; `Reactivated` when a
     row is active again (the transaction must roll back: the partition stays attached).
     Only finished rows can change meanwhile, and only through replay (or a row whose id a
     producer with a late clock made: it counts as active, the drop rolls back)."""
@@ -354,7 +354,7 @@ def install_archive(table: Table) -> None:
 
 def archive_default_statements(archive: str) -> list[str]:
     """The DEFAULT partition of a partitioned archive and its ``archived_at`` index
-    (``db sql``, :func:`create_archive_default_sync`)."""
+    (``db sql``, `create_archive_default_sync`)."""
     default = default_name(archive)
     return [
         sql.create_default(archive, default),
@@ -371,12 +371,12 @@ def archive_partition_sync(
     conn: Connection, table: str, archive: str, name: str, columns: list[str]
 ) -> bool:
     """Move the finished partition ``name`` of ``table`` into the archive with no row
-    copied: detach it (as :func:`drop_partition_sync` does, with the same re-check that no
+    copied: detach it (as `drop_partition_sync` does, with the same re-check that no
     row became active), add the archive's ``archived_at`` column (a catalogue change) and
     attach it to the archive with the bound it had. When the archive refuses the attach
     (its DEFAULT partition holds rows of that range), the rows are copied and the partition
     dropped instead, in a savepoint of the same transaction; returns whether the partition
-    was attached (False: copied). :class:`Reactivated` as for a drop."""
+    was attached (False: copied). `Reactivated` as for a drop."""
     ours = (
         _try_lock(conn, table)
         and conn.execute(
@@ -530,7 +530,7 @@ class Maintainer:
         published_retention_seconds: float | None,
         abandoned_retention_seconds: float | None,
     ) -> list[str]:
-        """``archive=True``: the partitions :meth:`drop_expired` would drop are re-attached
+        """``archive=True``: the partitions `drop_expired` would drop are re-attached
         to ``archive`` instead, each in a transaction of its own; the names moved."""
         name = self.table.name
         columns = [c.name for c in self.table.c]

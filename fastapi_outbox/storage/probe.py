@@ -59,7 +59,7 @@ class PoolUsage:
 
 class DatabaseProbe:
     """The store health reads its counts from (one connection of its own), and the
-    application pool's usage. Built on first use; :meth:`aclose` disposes of its engine."""
+    application pool's usage. Built on first use; `aclose` disposes of its engine."""
 
     def __init__(self, engine: AsyncEngine, table: Table, app_messages: Messages) -> None:
         self._engine = engine
@@ -79,7 +79,7 @@ class DatabaseProbe:
         return self._messages
 
     async def stats(self, brokers: Iterable[str], *, ordered: bool) -> dict[str, BrokerStats]:
-        """:meth:`Messages.stats` on health's own connection. Its kept connection may have died
+        """`Messages.stats` on health's own connection. Its kept connection may have died
         while idle (the database restarted since the last check): on an error it is tried
         once more, on a new connection, so the first check after an outage does not report
         the database down when it is back. (No pre-ping: it would cost round trips on every

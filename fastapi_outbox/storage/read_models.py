@@ -1,9 +1,9 @@
 """The read side of the dashboard, health and ``status``: the rows of the counting
-statements (:func:`fastapi_outbox.storage.statements.messages.stats` and
+statements (`fastapi_outbox.storage.statements.messages.stats` and
 ``stream_stats``, ``published_per_minute``) folded into what those callers show.
 
 Pure functions of the rows and the database's clock, so ``tests/unit`` checks them without
-a database; :class:`~fastapi_outbox.storage.messages.Messages` runs the statements and hands the
+a database; `Messages` runs the statements and hands the
 rows here.
 """
 
@@ -64,7 +64,7 @@ def broker_stats(
     ordered: bool = False,
     published_totals: bool = False,
 ) -> dict[str, BrokerStats]:
-    """:meth:`Messages.stats <fastapi_outbox.storage.messages.Messages.stats>`: ``rows`` holds the
+    """For `Messages.stats`: ``rows`` holds the
     rows of each statement of ``operations.stats`` by name (``active``, ``abandoned``,
     ``scheduled``, ``recent``; ``waiting_ordered`` and ``blocking_ordered`` with
     ``ordered``; ``published`` with ``published_totals``). Every broker of ``brokers``
@@ -102,7 +102,7 @@ def broker_stats(
 
 
 def stream_stats(db_now: dt.datetime, rows: Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
-    """:meth:`Messages.stream_stats <fastapi_outbox.storage.messages.Messages.stream_stats>`: the
+    """For `Messages.stream_stats`: the
     rows of ``operations.stream_stats`` by name (``active``, ``abandoned``, ``scheduled``)
     as one zero-filled entry per (broker, stream), sorted by broker then stream."""
     out: dict[tuple[str, str], dict[str, Any]] = {}
@@ -125,8 +125,7 @@ def stream_stats(db_now: dt.datetime, rows: Mapping[str, Sequence[Any]]) -> list
 def per_minute(
     db_now: dt.datetime, rows: Iterable[Any], minutes: int
 ) -> list[tuple[dt.datetime, int]]:
-    """:meth:`Messages.published_per_minute
-    <fastapi_outbox.storage.messages.Messages.published_per_minute>`: the (minute, count) rows of
+    """For `Messages.published_per_minute`: the (minute, count) rows of
     ``operations.published_per_minute`` as one entry per minute of the last ``minutes``
     ending with ``db_now``'s, oldest first, minutes without any row as 0."""
     counts: dict[dt.datetime, int] = {}
@@ -141,7 +140,7 @@ def per_minute(
 
 
 def _stream_entry(broker: str, stream: str) -> dict[str, Any]:
-    """A zeroed entry of :func:`stream_stats`."""
+    """A zeroed entry of `stream_stats`."""
     return {
         "broker": broker,
         "stream": stream,

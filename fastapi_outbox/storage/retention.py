@@ -1,6 +1,6 @@
 """Retention's delete on the outbox table: bounded batches of finished rows, each one short
-transaction (the SQL: :mod:`fastapi_outbox.storage.statements.purge`). The archive's move
-and its own retention are :class:`~fastapi_outbox.storage.archive.Archive`'s."""
+transaction (the SQL: `fastapi_outbox.storage.statements.purge`). The archive's move
+and its own retention are `Archive`'s."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ class Retention:
     def purge_statement(
         self, status: str, older_than_seconds: float, limit: int, *, keep_blocking: bool = False
     ) -> Any:
-        """The DELETE of :meth:`purge_batch` (``benchmarks/scale.py`` measures its WAL)."""
+        """The DELETE of `purge_batch` (``benchmarks/scale.py`` measures its WAL)."""
         return purge_sql.purge(
             self.table, status, older_than_seconds, limit, self.dialect, keep_blocking=keep_blocking
         )

@@ -1,7 +1,7 @@
 """The outbox table: columns, indexes, DDL.
 
 ``metadata`` holds the default table (``outbox_messages``) so an Alembic ``env.py`` can
-include it in ``target_metadata``; :func:`build_table` builds a table of another name on
+include it in ``target_metadata``; `build_table` builds a table of another name on
 another ``MetaData``.
 
 Three choices worth knowing:
@@ -18,7 +18,11 @@ Three choices worth knowing:
   sorts a key's rows by it. A row is inserted at the end of its unit of work, after the
   business writes that lock the key's aggregate, so for producers of one aggregate insert
   order is commit order. SQLite orders by the rowid instead (one writer at a time) and
-  stores 0 here.
+  stores 0 here; MySQL makes it an ``AUTO_INCREMENT`` (with the unique key MySQL requires
+  of one).
+* MySQL (MariaDB) has no partial index: its claim index leads with ``status``
+  (``broker, status, next_attempt_at, id``), so a claim reads each active status's due
+  rows in order without walking the finished rows the table keeps.
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.engine.interfaces import Dialect as DialectT
 from sqlalchemy.ext.asyncio import AsyncEngine
-from sqlalchemy.schema import CreateIndex, CreateTable
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.schema import CreateColumn, CreateIndex, CreateTable
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.events import MessageStatus
@@ -53,13 +58,40 @@ from fastapi_outbox.storage.types import JsonText as JsonText
 from fastapi_outbox.storage.types import UtcDateTime as UtcDateTime
 
 __all__ = [
+    "MYSQL_DIALECTS",
     "build_archive_table",
     "build_table",
+    "builds_on",
     "ddl",
     "ddl_statements",
     "metadata",
     "outbox_table",
 ]
+
+
+#: The dialect names of MariaDB and MySQL (``mysql+asyncmy://`` is ``mysql``).
+MYSQL_DIALECTS = ("mysql", "mariadb")
+#: The dialects with partial indexes, which the indexes of PostgreSQL and SQLite assume.
+_PARTIAL = ("postgresql", "sqlite")
+
+
+def builds_on(index: Index, dialect_name: str) -> bool:
+    """Whether ``index`` is created on ``dialect_name`` (its ``ddl_if``, one name or many)."""
+    wanted = index._ddl_if.dialect if index._ddl_if is not None else None
+    if wanted is None:
+        return True
+    return dialect_name == wanted if isinstance(wanted, str) else dialect_name in wanted
+
+
+@compiles(CreateColumn, "mysql")
+@compiles(CreateColumn, "mariadb")
+def _mysql_insert_order(element: Any, compiler: Any, **kw: Any) -> str:
+    """MySQL: ``seq`` numbers rows in insert order by ``AUTO_INCREMENT`` (an identity
+    column is PostgreSQL's); MySQL wants such a column to lead a key: ``UNIQUE``."""
+    text_ = str(compiler.visit_create_column(element, **kw))
+    if element.element.info.get("insert_order"):
+        text_ += " AUTO_INCREMENT UNIQUE"
+    return text_
 
 
 def build_table(
@@ -76,9 +108,9 @@ def build_table(
     serves the ordered claim (``OutboxSettings(ordered=True)``); unordered outboxes do
     without it, which spares every insert one index entry. ``partitioning`` (``"daily"``,
     ``"6h"``…; PostgreSQL only) makes it range-partitioned by the UUIDv7 ``id`` (its time
-    range: see :mod:`fastapi_outbox.storage.partitions`), primary key ``(id)``, so every
+    range: see `fastapi_outbox.storage.partitions`), primary key ``(id)``, so every
     lookup by id reads one partition; ``table.create()`` then also creates the DEFAULT
-    partition and the partitions ahead (see :mod:`fastapi_outbox.storage.partitions`)."""
+    partition and the partitions ahead (see `fastapi_outbox.storage.partitions`)."""
     interval = None
     try:
         check_table_name(name)
@@ -142,6 +174,7 @@ def _columns() -> list[Column[Any]]:
             Identity(),  # PostgreSQL; SQLite has no identity: the store writes 0 (rowid orders)
             nullable=False,
             comment="insert order, for ordered dispatch",
+            info={"insert_order": True},  # MySQL: AUTO_INCREMENT (see _mysql_insert_order)
         ),
     ]
 
@@ -157,7 +190,16 @@ def _add_indexes(table: Table) -> None:
         table.c.id,
         postgresql_where=text(_ACTIVE_SQL),
         sqlite_where=text(_ACTIVE_SQL),
-    )
+    ).ddl_if(dialect=_PARTIAL)  # type: ignore[arg-type]
+    # MySQL (no partial index): per status, so the claim of each active status is a range
+    # scan in due order that never meets a finished row.
+    Index(
+        f"ix_{name}_due_status",
+        table.c.broker,
+        table.c.status,
+        table.c.next_attempt_at,
+        table.c.id,
+    ).ddl_if(dialect=MYSQL_DIALECTS)  # type: ignore[arg-type]
     # Ordered dispatch: the earlier unfinished rows of a key.
     Index(
         f"ix_{name}_key",
@@ -205,6 +247,13 @@ def _add_ordered_index(table: Table) -> None:
         table.c.broker,
         sqlite_where=text(_ACTIVE_SQL),
     ).ddl_if(dialect="sqlite")
+    # MySQL: each active status of a broker in insert order (no partial index there).
+    Index(
+        f"{name}_mysql",
+        table.c.broker,
+        table.c.status,
+        table.c.seq,
+    ).ddl_if(dialect=MYSQL_DIALECTS)  # type: ignore[arg-type]
     # An abandoned row keeps blocking the later rows of its key: the ordered claim asks,
     # for each candidate, whether its key has an earlier abandoned row.
     Index(
@@ -214,7 +263,7 @@ def _add_ordered_index(table: Table) -> None:
         table.c.seq,
         postgresql_where=text("status = 'abandoned' AND key IS NOT NULL"),
         sqlite_where=text("status = 'abandoned' AND key IS NOT NULL"),
-    )
+    ).ddl_if(dialect=_PARTIAL)  # type: ignore[arg-type]  # MySQL (no partial index): ix_<table>_key is the same
 
 
 def build_archive_table(outbox: Table, name: str, metadata_: MetaData | None = None) -> Table:
@@ -285,13 +334,13 @@ def ddl(table: Table, dialect: DialectT) -> str:
 
 
 def ddl_statements(table: Table, dialect: DialectT) -> list[str]:
-    """The statements of :func:`ddl`, one by one (the fix the doctor prints for a missing
-    table: ``db upgrade`` creates it with :func:`create_table` and its owner's extras)."""
+    """The statements of `ddl`, one by one (the fix the doctor prints for a missing
+    table: ``db upgrade`` creates it with `create_table` and its owner's extras)."""
     statements = [str(CreateTable(table).compile(dialect=dialect)).strip()]
     statements += [
         str(CreateIndex(index).compile(dialect=dialect)).strip()
         for index in sorted(table.indexes, key=lambda i: i.name or "")
-        if index._ddl_if is None or index._ddl_if.dialect in (None, dialect.name)
+        if builds_on(index, dialect.name)
     ]
     interval = table.info.get("partitioning")
     if interval is not None and dialect.name == "postgresql" and "archive_of" in table.info:

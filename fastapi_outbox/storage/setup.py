@@ -1,9 +1,9 @@
 """An outbox's storage, composed from its settings: the outbox table (its layout chosen
 by ``table_name``, ``ordered`` and ``partitioning``) and its
-:class:`~fastapi_outbox.storage.store.Store`, the WAL slot of ``capture="wal"``, the
+`Store`, the WAL slot of ``capture="wal"``, the
 consumers' inbox and the upkeep of a partitioned table; and their creation and removal
 (``create_tables``, ``drop_tables``). The composition root
-(:class:`fastapi_outbox.outbox.Outbox`) calls :func:`open_engine` and :func:`setup_storage`
+([`fastapi_outbox.outbox.Outbox`][fastapi_outbox.Outbox]) calls `open_engine` and `setup_storage`
 once."""
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class Storage:
     def side_tables(
         self, settings: OutboxSettings, *, consumers: bool, ordered: bool
     ) -> list[SideTable]:
-        """The tables :meth:`create` makes beside the outbox table, each with the code that
+        """The tables `create` makes beside the outbox table, each with the code that
         creates it there (``fastapi-outbox doctor`` reports a missing one, ``db upgrade``
         creates it): the inbox (used by ``consumers`` and by the cleaner while
         ``inbox_retention_seconds`` is set), the partition leases (used by ``ordered``
@@ -140,7 +140,7 @@ def open_engine(
 ) -> tuple[AsyncEngine, bool]:
     """The engine of ``Outbox(database)`` and whether the outbox owns it (created it from a
     URL, so disposes of it on close); its secrets are remembered for masking wherever a
-    driver's text quotes them (:mod:`fastapi_outbox.redaction`), and its database checked."""
+    driver's text quotes them (`fastapi_outbox.redaction`), and its database checked."""
     if isinstance(database, AsyncEngine):
         engine, owned = database, False
     elif isinstance(database, str):

@@ -1,22 +1,22 @@
 """The outbox table on one engine, its storage split by job.
 
-``Store`` holds one :class:`~fastapi_outbox.storage.connector.Connector` (the asyncpg path
+``Store`` holds one `Connector` (the asyncpg path
 of the hot statements) and hands each job its own object, so a caller takes only the part
 it uses:
 
-* :attr:`Store.claims` (:class:`~fastapi_outbox.storage.claims.Claims`): the relay's claims
+* `Store.claims` (`Claims`): the relay's claims
   and marks;
-* :attr:`Store.inserts` (:class:`~fastapi_outbox.storage.inserts.Inserts`): the unit of
+* `Store.inserts` (`Inserts`): the unit of
   work's rows, the WAL relay's refused messages;
-* :attr:`Store.messages` (:class:`~fastapi_outbox.storage.messages.Messages`): operator reads
+* `Store.messages` (`Messages`): operator reads
   and actions (counts, listings, one message, replay, abandon, cancel);
-* :attr:`Store.retention` (:class:`~fastapi_outbox.storage.retention.Retention`): retention's
-  batched delete (the archive's move is :class:`~fastapi_outbox.storage.archive.Archive`'s);
-* the schema: :meth:`Store.create_table`, :meth:`Store.drop_table`.
+* `Store.retention` (`Retention`): retention's
+  batched delete (the archive's move is `Archive`'s);
+* the schema: `Store.create_table`, `Store.drop_table`.
 
-Each job's SQL is in the module of :mod:`fastapi_outbox.storage.statements` named like it.
+Each job's SQL is in the module of `fastapi_outbox.storage.statements` named like it.
 PostgreSQL and SQLite run the same statements; the differences are confined to
-:mod:`fastapi_outbox.storage.clock` and :mod:`fastapi_outbox.storage.statements.parts`.
+`fastapi_outbox.storage.clock` and `fastapi_outbox.storage.statements.parts`.
 """
 
 from __future__ import annotations

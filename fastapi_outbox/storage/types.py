@@ -1,6 +1,6 @@
 """The column types of the outbox tables and the statuses their partial indexes cover.
 
-Below :mod:`~fastapi_outbox.storage.schema` (which builds the tables with them) and the
+Below `schema` (which builds the tables with them) and the
 statements (which bind values with them), so that neither imports the other's module.
 """
 
@@ -10,7 +10,7 @@ import datetime as dt
 from typing import Any
 
 from sqlalchemy import Dialect, Text
-from sqlalchemy.dialects import postgresql
+from sqlalchemy.dialects import mysql, postgresql
 from sqlalchemy.types import DateTime, TypeDecorator, TypeEngine
 
 from fastapi_outbox.events import MessageStatus
@@ -22,10 +22,16 @@ ACTIVE_STATUSES = (MessageStatus.PENDING, MessageStatus.PROCESSING, MessageStatu
 
 
 class UtcDateTime(TypeDecorator[dt.datetime]):
-    """``timestamptz`` on PostgreSQL; on SQLite an ISO string in UTC that sorts as text."""
+    """``timestamptz`` on PostgreSQL; on SQLite an ISO string in UTC that sorts as text; on
+    MySQL a ``DATETIME(6)`` in UTC (microseconds, as the clock's ``UTC_TIMESTAMP(6)``)."""
 
     impl = DateTime(timezone=True)
     cache_ok = True
+
+    def load_dialect_impl(self, dialect: Dialect) -> TypeEngine[Any]:
+        if dialect.name in ("mysql", "mariadb"):
+            return dialect.type_descriptor(mysql.DATETIME(fsp=6))
+        return dialect.type_descriptor(self.impl)
 
     def process_bind_param(self, value: Any, dialect: Dialect) -> Any:
         if value is not None and dialect.name != "postgresql":
@@ -41,7 +47,8 @@ class UtcDateTime(TypeDecorator[dt.datetime]):
 
 
 class JsonText(TypeDecorator[str]):
-    """JSON stored and returned as already-encoded text (JSONB on PostgreSQL).
+    """JSON stored and returned as already-encoded text (JSONB on PostgreSQL, ``LONGTEXT``
+    on MySQL: its JSON type is text too, and ``TEXT`` stops at 64 KiB).
 
     No json.dumps/json.loads happens in SQLAlchemy: the unit of work encodes each payload
     once (it needs the size anyway) and the relay publishes the text it reads back.
@@ -53,6 +60,8 @@ class JsonText(TypeDecorator[str]):
     def load_dialect_impl(self, dialect: Dialect) -> TypeEngine[Any]:
         if dialect.name == "postgresql":
             return dialect.type_descriptor(postgresql.JSONB())
+        if dialect.name in ("mysql", "mariadb"):
+            return dialect.type_descriptor(mysql.LONGTEXT())
         return dialect.type_descriptor(Text())
 
     def bind_processor(self, dialect: Dialect) -> Any:

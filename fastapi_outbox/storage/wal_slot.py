@@ -1,8 +1,8 @@
 """The logical replication slot of ``capture="wal"``: its life cycle and its format.
 
 The unit of work writes each transaction's messages with ``pg_logical_emit_message(true,
-<prefix>, <json>)`` (:mod:`fastapi_outbox.write.wal_capture`); the relay
-(:mod:`fastapi_outbox.relay.wal`) reads them back from a logical replication slot of the
+<prefix>, <json>)`` (`fastapi_outbox.write.wal_capture`); the relay
+(`fastapi_outbox.relay.wal`) reads them back from a logical replication slot of the
 built-in ``pgoutput`` plugin with ``messages 'true'``, through the SQL slot functions:
 
 ``pg_logical_slot_peek_binary_changes``
@@ -10,7 +10,7 @@ built-in ``pgoutput`` plugin with ``messages 'true'``, through the SQL slot func
     transactions, in commit order, *without* moving the slot: what the relay then fails to
     publish is read again by the next peek (or by the next reader after a crash). Each read
     is bounded by an ``upto_lsn`` a window ahead of the slot's confirmed position
-    (:meth:`WalSlot.peek`), so a backlog of WAL is read, and confirmed, a window at a time.
+    (`WalSlot.peek`), so a backlog of WAL is read, and confirmed, a window at a time.
 ``pg_replication_slot_advance``
     moves the slot's ``confirmed_flush_lsn`` once the broker acknowledged: the commit LSN
     of the last transaction published, or the end of the window read when nothing of ours
@@ -22,12 +22,12 @@ message produce no row at all (PostgreSQL 15 skips empty transactions).
 
 Each row of a peek is one pgoutput protocol message (``data``): ``B`` (begin: final LSN,
 commit time, xid), ``M`` (flags, LSN, prefix, length, content) and ``C`` (flags, commit
-LSN, end LSN, commit time). :func:`decode` keeps the ``M`` records of our prefix, grouped
+LSN, end LSN, commit time). `decode` keeps the ``M`` records of our prefix, grouped
 by transaction. Content of our prefix it cannot decode stops the decoding there
-(:class:`Undecodable`): the relay never confirms past a message it could not read.
+(`Undecodable`): the relay never confirms past a message it could not read.
 
 The statements themselves, each with its caller and the why of its parts, are in
-:mod:`fastapi_outbox.storage.statements.wal`.
+`fastapi_outbox.storage.statements.wal`.
 """
 
 from __future__ import annotations
@@ -199,7 +199,7 @@ class UndecodableWalMessage(exceptions.OutboxError):
 
 @dataclasses.dataclass(slots=True)
 class Read:
-    """One bounded read of the slot (:meth:`WalSlot.peek`)."""
+    """One bounded read of the slot (`WalSlot.peek`)."""
 
     #: The slot's confirmed position before the read.
     confirmed: int
@@ -231,7 +231,7 @@ def decode(datas: Iterable[bytes], prefix: str) -> tuple[list[Transaction], Unde
 def _scan(
     datas: Iterable[bytes], prefix: str, *, stop: bool
 ) -> tuple[list[Transaction], list[Undecodable]]:
-    """:func:`decode`; without ``stop``, every transaction, and every undecodable message
+    """`decode`; without ``stop``, every transaction, and every undecodable message
     (an operator's count of what the slot holds)."""
     wanted = prefix.encode()
     out: list[Transaction] = []

@@ -6,7 +6,7 @@ into PostgreSQL's write-ahead log and relayed from a logical replication slot, i
 the same interface.)
 
 A capture is called from the session's ``before_commit`` event (see
-:mod:`fastapi_outbox.write.session_events`), inside SQLAlchemy's greenlet: it uses the sync
+`fastapi_outbox.write.session_events`), inside SQLAlchemy's greenlet: it uses the sync
 ``Connection`` API, and ``await_only`` for driver-level calls.
 """
 
@@ -41,8 +41,8 @@ class TableCapture:
 
 
 def capture_for(store: Store, wal_slot: WalSlot | None) -> Capture:
-    """The capture of an outbox: :class:`TableCapture`, or with a WAL slot
-    (``capture="wal"``) :class:`~fastapi_outbox.write.wal_capture.WalCapture`."""
+    """The capture of an outbox: `TableCapture`, or with a WAL slot
+    (``capture="wal"``) `WalCapture`."""
     if wal_slot is None:
         return TableCapture(store)
     from fastapi_outbox.write.wal_capture import WalCapture

@@ -11,8 +11,9 @@ Two moments make a commit's outcome easy to misreport:
   outcome (the COMMIT takes a round trip), then its cancellation is raised, and
   ``uow.committed`` says whether the transaction was saved;
 * the connection dies after the COMMIT was sent: the database may have committed or not,
-  and nothing came back to tell. That is :class:`~fastapi_outbox.exceptions.
-  CommitOutcomeUnknown`, never an ordinary failure a caller would simply retry. The outbox
+  and nothing came back to tell. That is
+  [`CommitOutcomeUnknown`][fastapi_outbox.exceptions.CommitOutcomeUnknown], never an ordinary
+  failure a caller would simply retry. The outbox
   rows are in that same transaction, so the events are exactly what the database holds.
 """
 
@@ -59,7 +60,7 @@ async def commit(session: AsyncSession, committed: Callable[[], None]) -> None:
     """Commit ``session``'s transaction (module docstring), calling ``committed`` once it
     is: a cancellation of the caller waits for the commit's outcome and is raised after
     it; a connection lost once COMMIT was sent raises
-    :class:`~fastapi_outbox.exceptions.CommitOutcomeUnknown`."""
+    [`CommitOutcomeUnknown`][fastapi_outbox.exceptions.CommitOutcomeUnknown]."""
     sent = [False]
     task = asyncio.get_running_loop().create_task(_commit(session, sent, committed))
     try:
@@ -89,13 +90,15 @@ async def _outcome_of(task: asyncio.Task[Any]) -> None:
 
 def _told(exc: Exception, sent: bool, session: AsyncSession) -> Exception:
     """The error to raise for a commit that failed with ``exc``: itself when the database
-    answered (or the COMMIT was never sent), else :class:`CommitOutcomeUnknown`."""
+    answered (or the COMMIT was never sent), else
+    [`CommitOutcomeUnknown`][fastapi_outbox.exceptions.CommitOutcomeUnknown]."""
     if not sent:
         return exc
     bind = session.bind
     dialect = bind.dialect.name if bind is not None else "postgresql"
-    if db_outage.classify(exc, dialect) is db_outage.Verdict.FAILURE:
-        return exc  # the database answered: not committed
+    answered = (db_outage.Verdict.FAILURE, db_outage.Verdict.CONTENTION)
+    if db_outage.classify(exc, dialect) in answered:
+        return exc  # the database answered (a deadlock too): not committed
     return exceptions.CommitOutcomeUnknown(
         f"the connection was lost while COMMIT was on its way ({type(exc).__name__}: "
         f"{exc}): the transaction may have committed or not, and the database alone knows. "

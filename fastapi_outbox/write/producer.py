@@ -1,10 +1,11 @@
 """The write side of one outbox: what its units of work publish through.
 
-A :class:`Producer` holds what the write path needs and nothing more — the settings, the
+A `Producer` holds what the write path needs and nothing more — the settings, the
 payload stages, the session factory, the broker names an event may go to, the capture
 that writes rows (with the claim-checked payloads) and the relays its commits wake — so
 a request's unit of work goes down only: route → ``write/`` → ``storage``/``relay``. The
-composition root (:class:`fastapi_outbox.outbox.Outbox`) builds one and hands it to the
+composition root ([`fastapi_outbox.outbox.Outbox`][fastapi_outbox.Outbox]) builds one and hands it
+to the
 request dependency and to the subscribers' handlers.
 """
 
@@ -76,7 +77,7 @@ class Producer:
 
     def resolve_broker(self, name: str | None) -> str:
         """The internal broker a message goes to (``None``: the default one);
-        :class:`~fastapi_outbox.exceptions.UnknownBroker` for a name it does not know."""
+        [`UnknownBroker`][fastapi_outbox.UnknownBroker] for a name it does not know."""
         brokers = self._brokers
         return resolve_broker(
             name, brokers.brokers, brokers.external_brokers, brokers.default_broker
@@ -89,7 +90,7 @@ class Producer:
 
     def write_rows(self, connection: Connection, rows: list[dict[str, Any]]) -> None:
         """Record outbox rows on a session's connection, through the capture (called by the
-        session's ``before_commit``: :mod:`fastapi_outbox.write.session_events`; sync API,
+        session's ``before_commit``: `fastapi_outbox.write.session_events`; sync API,
         inside SQLAlchemy's greenlet)."""
         put_claims(self.claim_check_store, connection, rows)
         self.capture.write(connection, rows)

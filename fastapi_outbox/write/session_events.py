@@ -16,7 +16,7 @@ events rather than by a transaction tracker of ours:
 the connection's ``commit``
     carries the NOTIFY other processes need, decided when the rows were written: the
     COMMIT's round trip sends it too (after the commit, outside the business transaction;
-    see :func:`fastapi_outbox.storage.connector.commit_with`), whoever commits the
+    see `fastapi_outbox.storage.connector.commit_with`), whoever commits the
     connection (an own or a joined session's owner, a script without a lifespan). A
     producer's transaction sends its INSERTs and its COMMIT, nothing else.
 ``after_commit``
@@ -27,7 +27,7 @@ the connection's ``commit``
     follow aggregates: an object that leaves the session before the commit (``expunge``,
     ``expunge_all``, a rollback undoing its insert) takes back the events it raised since its
     last flush; ``session.merge`` carries pending events (see
-    :mod:`fastapi_outbox.aggregates`).
+    `fastapi_outbox.aggregates`).
 ``after_transaction_end``
     (root only) drops whatever is still queued: a transaction that ended without a commit
     writes nothing.
@@ -41,11 +41,11 @@ subscriber's handler session, bound to the subscriber's connection with
 ``join_transaction_mode="rollback_only"`` or ``"create_savepoint"``) writes its rows the same
 way, but its own ``commit()`` commits nothing or only releases a savepoint: ``after_commit``
 is left to the owner, who calls
-:meth:`SessionState.after_commit` after the real commit, and what was written is remembered
+`SessionState.after_commit` after the real commit, and what was written is remembered
 until then (a rollback of the session undoes its rows in the database; waking a relay
 for nothing costs one empty claim).
 
-A sink (an outbox's :class:`~fastapi_outbox.write.producer.Producer`) writes its rows and wakes
+A sink (an outbox's `Producer`) writes its rows and wakes
 its relays after a commit; a session may carry rows for several outboxes (several tables).
 """
 
@@ -80,13 +80,13 @@ from fastapi_outbox.write.producer import Producer
 
 __all__ = ["JOINED_KEY", "STATE_KEY", "SessionState", "state_of"]
 
-#: ``session.info`` key of the :class:`SessionState`.
+#: ``session.info`` key of the `SessionState`.
 STATE_KEY = "fastapi_outbox.state"
 #: ``session.info`` key set on a session joined to a transaction its owner commits: the
 #: session's own commit is not the real one (see the module docstring).
 JOINED_KEY = "fastapi_outbox.joined"
 #: ``Connection.info`` key of the NOTIFYs the connection's next COMMIT carries
-#: (:class:`_Carried`), set when the rows are written, cleared at the transaction's end.
+#: (`_Carried`), set when the rows are written, cleared at the transaction's end.
 _CARRY_KEY = "fastapi_outbox.carry"
 
 
@@ -407,7 +407,7 @@ class SessionState:
 
 
 def state_of(session: Session) -> SessionState:
-    """The session's :class:`SessionState`, created on first use; aggregates of this session
+    """The session's `SessionState`, created on first use; aggregates of this session
     publish through it from then on."""
     state: SessionState | None = session.info.get(STATE_KEY)
     if state is None:

@@ -2,9 +2,9 @@
 with ``Retry-After`` and a short body, instead of a bare 500 or a reset connection.
 
 The request dependency (``Depends(unit_of_work)``) maps an error that means the database is
-unavailable (:func:`fastapi_outbox.storage.db_outage.is_outage`: refused, starting or
+unavailable (`fastapi_outbox.storage.db_outage.is_outage`: refused, starting or
 shutting down, too many clients, no pooled connection within ``pool_timeout``…) or that a
-broker is (:class:`~fastapi_outbox.exceptions.BrokerUnavailable`) to that answer. The
+broker is ([`BrokerUnavailable`][fastapi_outbox.BrokerUnavailable]) to that answer. The
 outcome is the unit of work's, unchanged: nothing of the request was committed — except when
 the database went away during the COMMIT itself, when nobody can know, and the body says so.
 Every other error goes on as it was raised (the app's own 500s, its HTTPExceptions).

@@ -2,7 +2,7 @@
 
 A unit of work is one ``AsyncSession``: events published on it, or raised on aggregates the
 session tracks, become outbox rows written in the transaction that commits them — however the
-code commits (see :mod:`fastapi_outbox.write.session_events`). The request's unit of work commits
+code commits (see `fastapi_outbox.write.session_events`). The request's unit of work commits
 when the handler returns, **before** the response is sent. If the handler raises or the
 commit fails, everything not yet committed rolls back and the client gets an error.
 
@@ -135,7 +135,7 @@ class UnitOfWork:
     @property
     def pending(self) -> int:
         """Outbox rows queued on the session, not yet written (they are written by the
-        next commit, or by :meth:`flush`)."""
+        next commit, or by [`flush`][fastapi_outbox.UnitOfWork.flush])."""
         return self._state.count(self._producer)
 
     @property
@@ -157,7 +157,7 @@ class UnitOfWork:
 
         ``delay`` (seconds or a timedelta, counted from the commit) or ``deliver_at`` (a
         timezone-aware datetime): the message is not published before then; at most
-        ``max_delay_seconds`` ahead. Raises :class:`~fastapi_outbox.exceptions.PublishError`
+        ``max_delay_seconds`` ahead. Raises [`PublishError`][fastapi_outbox.PublishError]
         here, where the mistake is made (unknown broker, payload not serialisable or too
         large, bad headers, a bad delay)."""
         if self._closed:
@@ -258,7 +258,7 @@ class UnitOfWork:
 
     def _close(self) -> None:
         """The block or the handler ended: raised events go to the unit of work active
-        before this one, and :meth:`publish` refuses from now on."""
+        before this one, and [`publish`][fastapi_outbox.UnitOfWork.publish] refuses from now on."""
         self._closed = True
         self._state.pop_publisher(self._publish_raised)
 
@@ -285,9 +285,9 @@ def close(uow: UnitOfWork) -> None:
 
 class HandlerTransaction:
     """The transaction of a subscriber's handler running in this context (set by
-    :mod:`fastapi_outbox.consume.processing`): the handler's session and the unit of work and
+    `fastapi_outbox.consume.processing`): the handler's session and the unit of work and
     message of the handler running now. ``outbox.unit_of_work()`` inside the handler joins
-    it (:func:`transaction`)."""
+    it (`transaction`)."""
 
     __slots__ = ("ended", "engine", "message", "name", "session", "task", "uow")
 
@@ -568,7 +568,8 @@ def register(producer: Producer) -> None:
 
 
 def only_producer() -> Producer:
-    """The write side of the only Outbox of this process; :class:`UnitOfWorkError` when
+    """The write side of the only Outbox of this process;
+    [`UnitOfWorkError`][fastapi_outbox.UnitOfWorkError] when
     there is none or several."""
     instances = list(_producers)
     if len(instances) == 1:
@@ -625,7 +626,8 @@ async def _serve(producer: Producer, request: Request) -> AsyncIterator[UnitOfWo
 async def unit_of_work(
     uow: Annotated[UnitOfWork, Depends(_request_unit_of_work, scope="function")],
 ) -> UnitOfWork:
-    """FastAPI dependency: a :class:`UnitOfWork` that commits before the response is sent.
+    """FastAPI dependency: a [`UnitOfWork`][fastapi_outbox.UnitOfWork] that commits before the
+    response is sent.
 
     ``uow: UnitOfWork = Depends(unit_of_work)`` or ``uow: UnitOfWorkDep``."""
     return uow

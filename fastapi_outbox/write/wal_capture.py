@@ -1,7 +1,7 @@
 """``capture="wal"``: messages written into PostgreSQL's write-ahead log, not into a table.
 
-The unit of work calls :meth:`WalCapture.write` from the session's ``before_commit`` (see
-:mod:`fastapi_outbox.write.capture`), like :class:`~fastapi_outbox.write.capture.TableCapture`. The
+The unit of work calls `WalCapture.write` from the session's ``before_commit`` (see
+`fastapi_outbox.write.capture`), like `TableCapture`. The
 messages due now go into ONE ``SELECT pg_logical_emit_message(true, <prefix>, <json>)``
 on the session's connection: one round trip per commit, whatever the number of messages,
 and no table row, index entry or vacuum work. ``transactional = true``: PostgreSQL's

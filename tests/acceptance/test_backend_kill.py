@@ -20,7 +20,11 @@ from fastapi_outbox.brokers import RedisStreamsBroker
 from tests.acceptance.conftest import exactly_once, produce, redis_ids
 from tests.conftest import unique, wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.redis]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.postgres(reason="kills the relay's own backends with pg_terminate_backend"),
+    pytest.mark.redis,
+]
 
 KILLS = 15
 

@@ -29,7 +29,13 @@ from tests.acceptance.conftest import (
 )
 from tests.conftest import unique, wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.postgres]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.redis,
+    pytest.mark.postgres(
+        reason="broker refusals, not the database's: one server database suffices"
+    ),
+]
 
 #: Fast retries: a refusal charged per message would abandon everything quickly.
 SETTINGS = {

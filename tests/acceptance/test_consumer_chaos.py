@@ -66,7 +66,12 @@ from tests.acceptance.conftest import (
 from tests.conftest import unique, wait_until
 from tests.servers import PrivatePostgres, free_port, nats_argv, redis_argv
 
-pytestmark = [pytest.mark.slow, pytest.mark.postgres]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.postgres(
+        reason="a private PostgreSQL server stopped and started under the consumers"
+    ),
+]
 
 MESSAGES = 3000
 ROUNDS = 6

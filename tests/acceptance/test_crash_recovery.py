@@ -52,10 +52,10 @@ FAST = {
 }
 
 
-async def producing_outbox(pg_url: str, table: str) -> Outbox:
+async def producing_outbox(url: str, table: str) -> Outbox:
     """This process only commits (API-only: no relay here)."""
     outbox = Outbox(
-        pg_url,
+        url,
         brokers={"default": MemoryBroker()},
         settings=OutboxSettings(table_name=table, run_relays=False),
     )
@@ -64,11 +64,12 @@ async def producing_outbox(pg_url: str, table: str) -> Outbox:
 
 
 async def test_relays_killed_repeatedly_lose_and_duplicate_nothing(
-    pg_url: str, redis_url: str, relays: Callable[..., Relays]
+    server_db_url: str, redis_url: str, relays: Callable[..., Relays]
 ) -> None:
+    # On PostgreSQL and on MariaDB: leases, SKIP LOCKED and fencing are each database's own.
     stream, table = unique("crash"), new_table()
-    outbox = await producing_outbox(pg_url, table)
-    group = relays(3, dispatcher_env(pg_url, redis_url, table, **FAST))
+    outbox = await producing_outbox(server_db_url, table)
+    group = relays(3, dispatcher_env(server_db_url, redis_url, table, **FAST))
     rng = chaos_rng()
     try:
         with anyio.fail_after(55):

@@ -33,7 +33,15 @@ from tests.acceptance.conftest import Relays, dispatcher_env
 from tests.acceptance.test_consumer_kill import _cleanup, envelopes
 from tests.conftest import unique, wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.postgres]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.postgres(
+        reason=(
+            "the subscribers' deploys, restarts and kills (the broker's side), effects read "
+            "with asyncpg; relays killed on MariaDB: test_crash_recovery.py"
+        )
+    ),
+]
 
 APP = "tests.acceptance.consumer_app:outbox"
 GROUP = "effects"

@@ -23,7 +23,16 @@ from tests.acceptance.conftest import produce, wait_drained
 from tests.conftest import unique, wait_until
 from tests.servers import PrivateRabbitMQ, TcpProxy
 
-pytestmark = [pytest.mark.slow, pytest.mark.rabbitmq, pytest.mark.postgres]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.rabbitmq,
+    pytest.mark.postgres(
+        reason=(
+            "RabbitMQ's faults, not the database's: one "
+            "server database shared by the processes suffices"
+        )
+    ),
+]
 
 SETTINGS = {
     "poll_interval_seconds": 0.05,

@@ -67,8 +67,11 @@ async def live_server(app: Any, *, root_path: str = "") -> AsyncIterator[str]:
 
 
 @contextlib.asynccontextmanager
-async def browser_page(executable: str) -> AsyncIterator[Any]:
-    """A Chromium page that accepts every confirm() dialog."""
+async def browser_page(
+    executable: str, *, width: int = 1280, height: int = 900
+) -> AsyncIterator[Any]:
+    """A Chromium page of ``width`` by ``height`` CSS pixels that accepts every confirm()
+    dialog."""
     from playwright.async_api import async_playwright
 
     async with async_playwright() as pw:
@@ -76,7 +79,7 @@ async def browser_page(executable: str) -> AsyncIterator[Any]:
             executable_path=executable, args=["--no-sandbox", "--disable-dev-shm-usage"]
         )
         try:
-            page = await browser.new_page(viewport={"width": 1280, "height": 900})
+            page = await browser.new_page(viewport={"width": width, "height": height})
             page.on("dialog", lambda dialog: asyncio.ensure_future(dialog.accept()))
             yield page
         finally:

@@ -18,7 +18,12 @@ from fastapi_outbox.brokers import MemoryBroker
 from tests.browser.conftest import browser_page, live_server
 from tests.conftest import unique, wait_until
 
-pytestmark = pytest.mark.postgres
+pytestmark = pytest.mark.postgres(
+    reason=(
+        "a browser drives the page; the dashboard's "
+        "queries run per database in ops/test_dashboard.py"
+    )
+)
 
 EVIL = '<script>window.__pwned = 1</script><img src=x onerror="window.__pwned = 2">'
 #: Stream names take no whitespace.

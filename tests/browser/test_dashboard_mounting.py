@@ -23,7 +23,12 @@ from fastapi_outbox.brokers import MemoryBroker
 from tests.browser.conftest import browser_page, live_server
 from tests.conftest import unique, wait_until
 
-pytestmark = pytest.mark.postgres
+pytestmark = pytest.mark.postgres(
+    reason=(
+        "a browser drives the page; the dashboard's "
+        "queries run per database in ops/test_dashboard.py"
+    )
+)
 
 #: Screenshots of each shape, for a person to look at (not compared): set
 #: OUTBOX_TEST_SHOTS=/some/dir to have them written there.

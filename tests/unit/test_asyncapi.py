@@ -1,6 +1,9 @@
-"""``outbox.asyncapi()``: an AsyncAPI 3.0 document valid against the official JSON Schema
-(``data/asyncapi-3.0.0.schema.json``, the AsyncAPI Initiative's ``3.0.0-without-$id.json``,
-Apache-2.0), whose references all resolve; served guarded and printed by the CLI."""
+"""``outbox.asyncapi()``: an AsyncAPI 3.1 document valid against the official JSON Schema
+(``data/asyncapi-3.1.0.schema.json``, the AsyncAPI Initiative's ``3.1.0-without-$id.json``
+from the npm package ``@asyncapi/specs``, Apache-2.0), whose references all resolve; served
+guarded and printed by the CLI; each broker's wire (headers, envelope, sealed and
+claim-checked payloads) and bindings. The official parser runs in
+``tests/acceptance/test_asyncapi_parser.py``."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from fastapi_outbox.brokers import MemoryBroker, RedisStreamsBroker
 from fastapi_outbox.cli import main
 from fastapi_outbox.ops.asyncapi import build_asyncapi
 
-SCHEMA = json.loads((Path(__file__).parent / "data" / "asyncapi-3.0.0.schema.json").read_text())
+SCHEMA = json.loads((Path(__file__).parent / "data" / "asyncapi-3.1.0.schema.json").read_text())
 VALIDATOR = jsonschema.Draft7Validator(
     SCHEMA, format_checker=jsonschema.Draft7Validator.FORMAT_CHECKER
 )
@@ -72,6 +75,8 @@ def assert_valid(document: dict[str, Any]) -> None:
     assert errors == []
     for ref in _refs(document):
         _resolve(document, ref)  # KeyError: a reference that points nowhere
+    for name, schema in document.get("components", {}).get("schemas", {}).items():
+        assert schema != {"$ref": f"#/components/schemas/{name}"}, f"{name} refers to itself"
 
 
 def _outbox() -> Outbox:
@@ -98,7 +103,7 @@ def _outbox() -> Outbox:
 def test_the_document_is_valid_asyncapi_3_and_every_reference_resolves() -> None:
     document = _outbox().asyncapi(title="parcels", version="2.1.0")
     assert_valid(document)
-    assert document["asyncapi"] == "3.0.0"
+    assert document["asyncapi"] == "3.1.0"
     assert document["info"] == {"title": "parcels", "version": "2.1.0"}
 
 
@@ -115,7 +120,14 @@ def test_streams_events_keys_headers_and_groups_are_described() -> None:
     channels = document["channels"]
     assert {c["address"] for c in channels.values()} == {"parcels.shipped", "returns"}
     shipped = channels["parcels.shipped"]
-    assert set(shipped["messages"]) == {"ParcelShipped", "parcel-lost_v2", "RawMessage"}
+    # The external event goes to the external broker too, as a message of its own there
+    # (no internal headers, the memory broker's wire).
+    assert set(shipped["messages"]) == {
+        "ParcelShipped",
+        "ParcelShipped.partner",
+        "parcel-lost_v2",
+        "RawMessage",
+    }
     # An external event's channel names the external broker's server too.
     assert shipped["servers"] == [{"$ref": "#/servers/default"}, {"$ref": "#/servers/partner"}]
 
@@ -125,10 +137,14 @@ def test_streams_events_keys_headers_and_groups_are_described() -> None:
     assert placed["x-external"] is True and placed["summary"] == "A parcel left the warehouse."
     assert messages["parcel-lost_v2"]["name"] == "parcel-lost/v2"
     headers = placed["headers"]
-    assert headers["required"] == ["message-id", "type", "occurred-at"]
+    assert headers["required"] == ["message-id", "type", "occurred-at", "correlation-id"]
     assert headers["properties"]["type"]["const"] == "ParcelShipped"
     assert {"correlation-id", "causation-id", "traceparent"} <= set(headers["properties"])
     assert placed["correlationId"]["location"] == "$message.header#/correlation-id"
+    partner = messages["ParcelShipped.partner"]
+    assert partner["payload"] == placed["payload"]
+    assert "correlation-id" not in partner["headers"]["properties"]
+    assert "correlationId" not in partner
 
     # The payload schema is pydantic's, nested models hoisted into components.schemas.
     schemas = document["components"]["schemas"]
@@ -215,3 +231,133 @@ def test_a_rabbitmq_server_is_amqp_without_its_password() -> None:
     assert document["servers"] == {"default": {"host": "rabbit.internal:5672", "protocol": "amqp"}}
     assert "pa55" not in json.dumps(document)
     assert_valid(document)
+
+
+# -- the wire, per broker ------------------------------------------------------------------
+
+
+def _zoo(name: str) -> dict[str, Any]:
+    from tests.asyncapi_documents import DOCUMENTS
+
+    document = DOCUMENTS[name]()
+    assert_valid(document)
+    return document
+
+
+def _message(document: dict[str, Any], name: str = "Everything") -> dict[str, Any]:
+    return dict(document["components"]["messages"][name])
+
+
+def test_cloudevents_binary_headers_are_described_as_sent() -> None:
+    message = _message(_zoo("nats-binary"))
+    headers = message["headers"]
+    properties = headers["properties"]
+    assert properties["ce-specversion"]["const"] == "1.0"
+    assert properties["ce-type"]["const"] == "Everything"
+    assert properties["ce-subject"]["const"] == "zoo.everything"
+    assert properties["ce-id"]["format"] == "uuid"
+    assert properties["content-type"]["const"] == "application/json"
+    # NATS's own headers: the ordering key and JetStream's de-duplication id.
+    assert {"key", "Nats-Msg-Id", "ce-partitionkey", "ce-time"} <= set(headers["required"])
+    assert "message-id" not in properties  # carried as ce-id, not twice
+    assert message["correlationId"]["location"] == "$message.header#/ce-correlationid"
+    assert message["payload"] == {"$ref": "#/components/schemas/Everything"}
+
+
+def test_cloudevents_structured_puts_the_envelope_in_the_payload() -> None:
+    message = _message(_zoo("amqp-structured"))
+    assert message["contentType"] == "application/cloudevents+json"
+    envelope = message["payload"]
+    assert envelope["properties"]["data"] == {"$ref": "#/components/schemas/Everything"}
+    assert envelope["properties"]["specversion"]["const"] == "1.0"
+    assert envelope["properties"]["datacontenttype"]["const"] == "application/json"
+    assert {"specversion", "id", "source", "type", "data"} <= set(envelope["required"])
+    assert message["correlationId"]["location"] == "$message.payload#/correlationid"
+    assert message["headers"]["properties"]["content_type"]["const"] == (
+        "application/cloudevents+json"
+    )
+    assert message["bindings"]["amqp"]["messageType"] == "Everything"
+
+
+def test_an_encrypted_and_claim_checked_payload_is_described_sealed_or_as_a_stub() -> None:
+    message = _message(_zoo("amqp-sealed"))
+    sealed, stub = message["payload"]["oneOf"]
+    assert sealed["type"] == "string" and sealed["contentEncoding"] == "base64"
+    assert sealed["x-plaintext"] == {"$ref": "#/components/schemas/Everything"}
+    assert stub["maxProperties"] == 0 and stub["x-over-bytes"] == 1024
+    headers = message["headers"]
+    assert "encryption-key-id" in headers["required"]
+    assert {"encrypted-headers", "outbox-claim-check", "outbox-claim-check-size"} <= set(
+        headers["properties"]
+    )
+    assert "outbox-claim-check" not in headers["required"]
+    # As CloudEvents extensions on Redis, in the headers field's JSON object.
+    redis = _message(_zoo("redis-sealed"))
+    assert "ce-encryptionkeyid" in redis["headers"]["required"]
+    assert "ce-outboxclaimcheck" in redis["headers"]["properties"]
+    # CloudEvents structured: the sealed string is the data.
+    structured = _message(_zoo("nats-structured-sealed"))
+    data = structured["payload"]["properties"]["data"]
+    assert data["oneOf"][0]["type"] == "string"
+
+
+def test_each_broker_s_bindings() -> None:
+    redis = _zoo("redis-native")
+    channel = redis["channels"]["zoo.everything"]
+    assert channel["bindings"]["redis"]["x-stream-key"] == "app:zoo.everything"
+    receive = redis["operations"]["consume.zoo.everything.auditors"]["bindings"]["redis"]
+    assert receive["x-consumer-group"] == "auditors"
+    assert _message(redis)["bindings"]["redis"]["x-fields"] == [
+        "id",
+        "type",
+        "key",
+        "headers",
+        "payload",
+    ]
+
+    nats = _zoo("nats-binary")
+    assert nats["channels"]["zoo.everything"]["bindings"]["nats"]["x-jetstream-stream"] == (
+        "zoo_everything"
+    )
+    durable = nats["operations"]["consume.zoo.threads.archive"]["bindings"]["nats"]
+    assert durable["x-durable"].startswith("archive_") and durable["x-ack-policy"] == "explicit"
+
+    amqp = _zoo("amqp-structured")
+    exchange = amqp["channels"]["zoo.threads"]["bindings"]["amqp"]
+    assert exchange["is"] == "routingKey"
+    assert exchange["exchange"]["type"] == "topic" and exchange["exchange"]["vhost"] == "shop"
+    queue = amqp["operations"]["consume.zoo.threads.archive"]["bindings"]["amqp"]
+    assert queue["ack"] is True and queue["x-queue"]["name"] == "zoo.threads.archive"
+    assert amqp["operations"]["publish.zoo.threads"]["bindings"]["amqp"]["deliveryMode"] == 2
+
+
+def test_every_schema_pydantic_makes_is_an_asyncapi_schema() -> None:
+    schemas = _zoo("redis-native")["components"]["schemas"]
+    pet = schemas["Everything"]["properties"]["pet"]
+    assert pet["discriminator"] == "kind"  # pydantic's object, as AsyncAPI's string
+    assert schemas["Node"]["properties"]["children"]["items"] == {
+        "$ref": "#/components/schemas/Node"
+    }
+    assert schemas["Thread"]["properties"]["replies"]["items"] == {
+        "$ref": "#/components/schemas/Thread"
+    }
+    assert schemas["Everything"]["properties"]["blob"]["format"] == "base64url" or (
+        schemas["Everything"]["properties"]["blob"]["format"] == "binary"
+    )
+
+
+def test_a_kafka_url_gets_topic_group_and_key_bindings_and_ce_underscore_headers() -> None:
+    document = _zoo("kafka-binary")
+    assert document["servers"]["default"] == {"host": "k1:9092", "protocol": "kafka"}
+    assert "pw" not in json.dumps(document)
+    channel = document["channels"]["zoo.everything"]
+    # The broker's own topic and group templates (topic_name, group_id).
+    assert channel["bindings"]["kafka"] == {
+        "topic": "app.zoo.everything",
+        "bindingVersion": "0.5.0",
+    }
+    receive = document["operations"]["consume.zoo.everything.auditors"]["bindings"]["kafka"]
+    assert receive["groupId"] == {"type": "string", "enum": ["app.zoo.everything.auditors"]}
+    message = _message(document)
+    assert message["bindings"]["kafka"]["key"]["type"] == "string"
+    assert {"ce_id", "ce_type", "ce_partitionkey"} <= set(message["headers"]["required"])

@@ -30,6 +30,8 @@ IMAGE_TOOLS: dict[tuple[str, str], set[str]] = {
     ("postgres", "alpine"): _BUSYBOX | {"postgres", "pg_isready", "psql"},
     ("redis", "debian"): _DEBIAN | {"redis-server", "redis-cli"},
     ("redis", "alpine"): _BUSYBOX | {"redis-server", "redis-cli"},
+    # The official image's own check script (docs: "healthcheck.sh --connect").
+    ("mariadb", "debian"): _DEBIAN | {"mariadbd", "mariadb", "healthcheck.sh"},
     ("nats", "scratch"): {"nats-server"},
     ("nats", "alpine"): _BUSYBOX | {"nats-server"},
     ("rabbitmq", "debian"): _DEBIAN | {"rabbitmq-server", "rabbitmqctl", "rabbitmq-diagnostics"},
@@ -65,7 +67,7 @@ def services() -> dict[str, Any]:
 
 
 def test_every_service_has_a_health_check_so_up_wait_can_wait() -> None:
-    assert set(services()) == {"postgres", "redis", "nats", "rabbitmq"}
+    assert set(services()) == {"postgres", "mariadb", "redis", "nats", "rabbitmq"}
     for name, service in services().items():
         check = service.get("healthcheck")
         assert check and check.get("test"), f"{name}: no health check"

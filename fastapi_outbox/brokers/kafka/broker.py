@@ -26,6 +26,7 @@ from fastapi_outbox.brokers.kafka.connection import (
 from fastapi_outbox.brokers.kafka.consumer import KafkaConsumer
 from fastapi_outbox.brokers.kafka.publisher import KafkaPublisher
 from fastapi_outbox.brokers.kafka.wire import GROUP_TEMPLATE, TOPIC_TEMPLATE
+from fastapi_outbox.brokers.wire_description import KafkaWire
 
 __all__ = ["DEFAULT_URL", "KafkaBroker"]
 
@@ -126,3 +127,12 @@ class KafkaBroker(KafkaPublisher):
         """The consumer side of ``@outbox.subscriber`` (``consumer.py``), on this broker's
         connection."""
         return KafkaConsumer(self.connection, config, group_id=self.group_id)
+
+    def asyncapi_wire(self) -> KafkaWire:
+        """This broker's wire in the AsyncAPI document (``outbox.asyncapi()``): its topic
+        and consumer-group templates, the record key, ``ce_`` CloudEvents headers."""
+        return KafkaWire(
+            self.envelope_format,
+            topic_template=self.connection.topic_name,
+            group_template=self.group_id,
+        )

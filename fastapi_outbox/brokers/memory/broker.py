@@ -23,7 +23,8 @@ __all__ = ["MemoryBroker"]
 
 class MemoryBroker(MemoryPublisher):
     """An in-process broker for tests and the embedded default; its consumers
-    (:meth:`consumer`) read what it holds (:attr:`connection`)."""
+    ([`consumer`][fastapi_outbox.brokers.MemoryBroker.consumer]) read what it holds
+    (`connection`)."""
 
     def __init__(
         self,

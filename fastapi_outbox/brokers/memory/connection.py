@@ -57,7 +57,7 @@ class MemoryConnection:
         return [m for m in self.messages if m.stream == stream]
 
     def changed(self) -> None:
-        """Wake everything waiting in :meth:`wait_changed`."""
+        """Wake everything waiting in `wait_changed`."""
         self._changed.set()
         self._changed = anyio.Event()
 

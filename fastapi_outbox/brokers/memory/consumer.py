@@ -1,4 +1,4 @@
-"""``MemoryConsumer``: the consumer side of :class:`~fastapi_outbox.brokers.MemoryBroker`.
+"""``MemoryConsumer``: the consumer side of [`MemoryBroker`][fastapi_outbox.brokers.MemoryBroker].
 
 Consumer groups over the broker's message log, with the semantics of the real brokers
 that fit in one process: a cursor per group, pending deliveries with a delivery count,

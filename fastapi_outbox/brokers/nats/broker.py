@@ -22,15 +22,19 @@ from fastapi_outbox.brokers.nats.connection import (
     STREAM_MAX_BYTES,
     NatsConnection,
 )
-from fastapi_outbox.brokers.nats.consumer import NatsJetStreamConsumer
+from fastapi_outbox.brokers.nats.consumer import NatsJetStreamConsumer, durable_name
 from fastapi_outbox.brokers.nats.publisher import NatsJetStreamPublisher
+from fastapi_outbox.brokers.nats.wire import publish_headers, stream_name_for
+from fastapi_outbox.brokers.wire_description import Bindings, WireDescription
+from fastapi_outbox.events import Envelope
 
-__all__ = ["NatsJetStreamBroker"]
+__all__ = ["NatsJetStreamBroker", "NatsJetStreamWire"]
 
 
 class NatsJetStreamBroker(NatsJetStreamPublisher):
     """Publishes to JetStream with ``Nats-Msg-Id`` de-duplication, and consumes with
-    durable pull consumers (:meth:`consumer`), on one connection (:attr:`connection`)."""
+    durable pull consumers ([`consumer`][fastapi_outbox.brokers.NatsJetStreamBroker.consumer]), on
+    one connection (`connection`)."""
 
     def __init__(
         self,
@@ -91,3 +95,39 @@ class NatsJetStreamBroker(NatsJetStreamPublisher):
         """The consumer side of ``@outbox.subscriber`` (``consumer.py``), on this broker's
         connection."""
         return NatsJetStreamConsumer(self.connection, config)
+
+    def asyncapi_wire(self) -> NatsJetStreamWire:
+        """This broker's wire in the AsyncAPI document (``outbox.asyncapi()``)."""
+        return NatsJetStreamWire(self.envelope_format)
+
+
+class NatsJetStreamWire(WireDescription):
+    """A JetStream message: the stream is the subject (captured by the JetStream stream of
+    the same name made valid), the headers are NATS headers with the ordering key in
+    ``key`` and the row id in ``Nats-Msg-Id`` (JetStream's de-duplication); a group is a
+    durable pull consumer with explicit acks. The AsyncAPI NATS bindings know core NATS
+    only: JetStream's names travel as ``x-`` extensions."""
+
+    protocol = "nats"
+    binding_version = "0.1.0"
+
+    def encode(self, envelope: Envelope) -> tuple[dict[str, str], bytes]:
+        headers, body = super().encode(envelope)
+        sent = Envelope(envelope.id, envelope.stream, envelope.type, envelope.key, body, headers)
+        return publish_headers(sent), body
+
+    def layout(self) -> str:
+        return (
+            "A NATS JetStream message on the subject of the channel's address: the headers "
+            "below are NATS headers, the payload is the body."
+        )
+
+    def channel_bindings(self, stream: str) -> Bindings:
+        return {"x-subject": stream, "x-jetstream-stream": stream_name_for(stream)}
+
+    def receive_bindings(self, stream: str, group: str) -> Bindings:
+        return {
+            "x-consumer-group": group,
+            "x-durable": durable_name(group, stream),
+            "x-ack-policy": "explicit",
+        }

@@ -6,7 +6,7 @@ caller's, which it never closes), the JetStream context, nats-py's command buffe
 the publisher's ``HPUB`` batches and the consumer's acks), the JetStream streams found or
 created (``ensure_stream``, with the limits and replicas of the broker's options; a warning
 when a cluster gets single-replica streams) and the translation
-of a client failure into :class:`~fastapi_outbox.exceptions.BrokerUnavailable` /
+of a client failure into [`BrokerUnavailable`][fastapi_outbox.BrokerUnavailable] /
 ``BrokerRefusing``. The publisher and the consumer each receive this object and never
 read each other (faststream's ``redis/configs/state.py`` is the example).
 """

@@ -2,7 +2,7 @@
 
 * ``setup``: the stream capturing the subject is found (or created, like the publish side
   does), and the dead-letter stream (without age or size limits). The durable pull
-  consumer is named from the group and the subject (:func:`durable_name`: the group, ``_``
+  consumer is named from the group and the subject (`durable_name`: the group, ``_``
   and a hash of the filter subject), so two subscriptions of one group never share one:
   explicit acks, ``ack_wait`` = ``claim_idle_seconds``, ``max_deliver`` = -1 (unlimited:
   the subscriber counts the attempts and dead-letters after ``max_attempts``, so a message

@@ -49,7 +49,7 @@ def refusal_reason(error: BaseException, *, stream_known: bool) -> str | None:
     """Why ``error`` (a JetStream publish or API failure) is a broker-wide refusal, else
     None: the one place where JetStream errors are told apart.
 
-    A 503 or one of :data:`REFUSAL_ERR_CODES` is one. So is "no responders" for a subject
+    A 503 or one of `REFUSAL_ERR_CODES` is one. So is "no responders" for a subject
     a stream was known to capture (``stream_known``): the stream or its leader is not
     there right now. For a subject no stream was ever found for, "no responders" means no
     stream captures it: a failure of that message (never a silent drop)."""
@@ -98,7 +98,7 @@ def is_unreachable(error: BaseException, *, request: bool = True) -> bool:
     the consumer's calls): a closed or reconnecting connection, a timeout, or no responders
     (JetStream is not answering). Otherwise from writing a published message: a closed
     connection or the client's outbound buffer full ("no responders" to a publish is
-    :func:`refusal_reason`'s to tell)."""
+    `refusal_reason`'s to tell)."""
     import nats.errors
 
     if request:
@@ -182,7 +182,7 @@ def header_block(headers: dict[str, str]) -> bytes:
 
 def hpub_command(subject: str, reply: str, headers: dict[str, str], payload: bytes) -> bytes:
     """The ``HPUB`` protocol command publishing ``payload`` with ``headers`` (see
-    :func:`header_block`) on ``subject``, its JetStream ack asked on ``reply``."""
+    `header_block`) on ``subject``, its JetStream ack asked on ``reply``."""
     block = header_block(headers)
     return b"HPUB %b %b %d %d\r\n%b%b\r\n" % (
         subject.encode(),

@@ -7,6 +7,7 @@ or disk alarm, and the consumers must still acknowledge then."""
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 from fastapi_outbox import exceptions
 from fastapi_outbox.brokers.cloudevents import (
@@ -28,15 +29,22 @@ from fastapi_outbox.brokers.rabbitmq.publisher import (
     DEFAULT_URL,
     RabbitMQPublisher,
 )
-from fastapi_outbox.brokers.rabbitmq.wire import QUEUE_TEMPLATE
+from fastapi_outbox.brokers.rabbitmq.wire import (
+    QUEUE_TEMPLATE,
+    cloudevent_message,
+    message_headers,
+    queue_name,
+)
+from fastapi_outbox.brokers.wire_description import Bindings, WireDescription
+from fastapi_outbox.events import Envelope
 
-__all__ = ["RabbitMQBroker"]
+__all__ = ["RabbitMQBroker", "RabbitMQWire"]
 
 
 class RabbitMQBroker(RabbitMQPublisher):
     """Publishes to a durable topic exchange with publisher confirms (the stream is the
     routing key), and consumes with a durable quorum queue per subscriber group
-    (:meth:`consumer`)."""
+    ([`consumer`][fastapi_outbox.brokers.RabbitMQBroker.consumer])."""
 
     def __init__(
         self,
@@ -119,3 +127,67 @@ class RabbitMQBroker(RabbitMQPublisher):
     async def aclose(self) -> None:
         await super().aclose()
         await self.consumer_connection.aclose()
+
+    def asyncapi_wire(self) -> RabbitMQWire:
+        """This broker's wire in the AsyncAPI document (``outbox.asyncapi()``)."""
+        return RabbitMQWire(
+            self.connection.exchange,
+            self.queue_prefix + self.queue_name,
+            _vhost(self.connection.url),
+            self.envelope_format,
+        )
+
+
+def _vhost(url: str) -> str:
+    path = urlsplit(url.split(",")[0]).path
+    return unquote(path[1:]) if len(path) > 1 else "/"
+
+
+class RabbitMQWire(WireDescription):
+    """An AMQP 0-9-1 message published to the durable topic exchange with the stream as
+    routing key, persistent (``delivery_mode`` 2), with the properties ``message_id``,
+    ``type``, ``timestamp`` and ``correlation_id``; a group reads its own durable quorum
+    queue bound to the routing key and acknowledges each message."""
+
+    protocol = "amqp"
+    binding_version = "0.3.0"
+
+    def __init__(
+        self, exchange: str, queue_template: str, vhost: str, envelope_format: CloudEventsOptions
+    ) -> None:
+        super().__init__(envelope_format)
+        self.exchange, self.queue_template, self.vhost = exchange, queue_template, vhost
+
+    def encode(self, envelope: Envelope) -> tuple[dict[str, str], bytes]:
+        if self.envelope_format.enabled:
+            headers, content_type, body = cloudevent_message(envelope, self.envelope_format)
+            return {**headers, "content_type": content_type}, body
+        headers, _ = message_headers(envelope)
+        return {**headers, "content_type": "application/json"}, envelope.payload
+
+    def layout(self) -> str:
+        return (
+            "An AMQP 0-9-1 message: the headers below are its headers table (content_type "
+            "is the property of that name), the payload is the body."
+        )
+
+    def channel_bindings(self, stream: str) -> Bindings:
+        exchange = {"name": self.exchange, "type": "topic", "durable": True}
+        return {
+            "is": "routingKey",
+            "exchange": {**exchange, "autoDelete": False, "vhost": self.vhost},
+        }
+
+    def send_bindings(self, stream: str) -> Bindings:
+        return {"deliveryMode": 2, "timestamp": True, "mandatory": True}
+
+    def receive_bindings(self, stream: str, group: str) -> Bindings:
+        queue = queue_name(self.queue_template, stream, group)
+        return {"ack": True, "x-queue": {"name": queue, "type": "quorum", "durable": True}}
+
+    def message_bindings(self, envelope: Envelope) -> Bindings:
+        _, properties = message_headers(envelope)
+        return {
+            "messageType": envelope.type,
+            "x-properties": sorted(k for k, v in properties.items() if v is not None),
+        }

@@ -8,7 +8,7 @@ still be able to acknowledge then); both are this class, so neither imports the 
 
 A connection the server closed (a node restart, a network cut) is noticed at the next
 call, which opens a new one: no reconnect loop runs in the background, and a call made
-while the node is down raises :class:`~fastapi_outbox.exceptions.BrokerUnavailable` at
+while the node is down raises [`BrokerUnavailable`][fastapi_outbox.BrokerUnavailable] at
 once, so the relay or the subscriber pauses with backoff and charges no attempt.
 """
 
@@ -103,7 +103,7 @@ class RabbitMQConnection:
 
     def unavailable(self, error: BaseException | None) -> Exception:
         """The outage ``error`` is (BrokerRefusing while blocked), or BrokerUnavailable
-        wrapping it when :func:`~.wire.outage` does not know it."""
+        wrapping it when `outage` does not know it."""
         blocked = self.blocked
         if error is None:
             error = exceptions.BrokerUnavailable(f"RabbitMQ at {redact_url(self.url)}")
@@ -269,7 +269,7 @@ class RabbitMQConnection:
         exchange: str | None = None,
     ) -> None:
         """One message, mandatory, confirmed: MessageRejected when nothing routes it (or
-        RabbitMQ nacks it), an outage as :meth:`unavailable` says."""
+        RabbitMQ nacks it), an outage as `unavailable` says."""
         import aiormq.exceptions
 
         if self.blocked is not None:

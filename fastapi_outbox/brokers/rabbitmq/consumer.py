@@ -17,7 +17,7 @@
   requeue after ``delay`` (the count goes up); ``release``: ``basic.cancel`` (no more
   deliveries to this consumer), then ``basic.nack`` with requeue. The queue's count rises
   for a message requeued unhandled too: the subscriber counts a redelivered message's
-  attempts itself (:mod:`fastapi_outbox.storage.group_members`).
+  attempts itself (`fastapi_outbox.storage.group_members`).
 * ``touch``: RabbitMQ keeps an unacknowledged delivery with its channel until the channel
   closes, so a lost consumer's deliveries come back at once; a delivery this consumer holds
   that nobody touched, acknowledged or retried for ``claim_idle_seconds`` (an ack that was
@@ -32,8 +32,8 @@
   kept); a replayed letter goes to this group's queue only (the default exchange), so other
   groups of the stream never see it again.
 
-Failures of RabbitMQ itself raise :class:`~fastapi_outbox.exceptions.BrokerUnavailable`
-(:func:`~.wire.outage`): the subscriber pauses, no attempt is charged.
+Failures of RabbitMQ itself raise [`BrokerUnavailable`][fastapi_outbox.BrokerUnavailable]
+(`outage`): the subscriber pauses, no attempt is charged.
 """
 
 from __future__ import annotations

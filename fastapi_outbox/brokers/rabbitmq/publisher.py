@@ -17,7 +17,7 @@ marks nothing RabbitMQ has not taken responsibility for). Per message:
 The connection blocked by a memory or disk alarm is a refusal of the whole broker
 (``BrokerRefusing``); a lost connection, a closed channel, a node down are outages
 (``BrokerUnavailable``); no confirm at all within ``confirm_timeout_seconds`` is a
-``BrokerTimeout`` (the relay pings to tell which). See :func:`~.wire.outage`.
+``BrokerTimeout`` (the relay pings to tell which). See `outage`.
 
 RabbitMQ has no de-duplication of its own: a batch published again after a crash between
 the confirm and the mark arrives twice, with the same ``message_id``; the consumers' inbox
@@ -65,7 +65,7 @@ class RabbitMQPublisher:
         self.url = connection.url
         self.exchange = connection.exchange
         self.confirm_timeout_seconds = connection.confirm_timeout_seconds
-        #: Write a batch's frames as one buffer (:func:`_write_batch`); False, or an aiormq
+        #: Write a batch's frames as one buffer (`_write_batch`); False, or an aiormq
         #: whose channel lacks what that needs: ``basic_publish`` per message.
         self.batch_frames = True
 
@@ -249,7 +249,7 @@ async def _cancel(tasks: Any) -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-#: What :func:`_write_batch` uses of an aiormq channel; a channel without any of them is
+#: What `_write_batch` uses of an aiormq channel; a channel without any of them is
 #: published to message by message with ``basic_publish``.
 _CHANNEL_PARTS = (
     "lock",

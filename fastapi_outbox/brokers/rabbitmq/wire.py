@@ -1,7 +1,7 @@
 """What the RabbitMQ publisher and consumer agree on about AMQP: how an envelope becomes an
 AMQP message (properties, headers, body), how a delivery is read back, the names of the
 queues a group uses, and which errors are outages of the broker rather than faults of a
-message (:func:`outage`, the one place where RabbitMQ errors are told apart).
+message (`outage`, the one place where RabbitMQ errors are told apart).
 
 A message carries:
 
@@ -124,7 +124,7 @@ def cloudevent_message(
     (AMQP 0-9-1) protocol binding: binary mode puts the attributes in ``ce-*`` headers and
     ``datacontenttype`` in ``content_type``; structured mode sends the whole event as an
     ``application/cloudevents+json`` body. The properties stay those of
-    :func:`message_headers` (``message_id``, ``type``, ``timestamp``…)."""
+    `message_headers` (``message_id``, ``type``, ``timestamp``…)."""
     headers, body = cloudevents.encode(e, options.source, options.mode)
     content_type = headers.pop("content-type")
     return dict(headers), content_type, body
@@ -178,12 +178,15 @@ def outage(error: BaseException, url: str, *, blocked: str | None = None) -> Exc
     of the message: the caller fails that message alone).
 
     * the connection blocked by a memory or disk alarm (``blocked``: the reason RabbitMQ
-      gave) → :class:`~fastapi_outbox.exceptions.BrokerRefusing`;
+      gave) → [`BrokerRefusing`][fastapi_outbox.BrokerRefusing];
     * a connection that is lost, refused or closed by the server, a closed channel, a
-      channel in an invalid state, a socket error → :class:`BrokerUnavailable`;
-    * a timeout → :class:`BrokerTimeout` (the relay pings to tell an outage from a
+      channel in an invalid state, a socket error →
+      [`BrokerUnavailable`][fastapi_outbox.BrokerUnavailable];
+    * a timeout → [`BrokerTimeout`][fastapi_outbox.exceptions.BrokerTimeout] (the relay pings to
+    tell an outage from a
       message that hangs);
-    * the login refused (``ACCESS_REFUSED``) → :class:`AuthenticationFailed`.
+    * the login refused (``ACCESS_REFUSED``) →
+    [`AuthenticationFailed`][fastapi_outbox.AuthenticationFailed].
     """
     import aiormq.exceptions as amqp
 

@@ -4,6 +4,7 @@ receive the connection and never import each other."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from fastapi_outbox import exceptions
@@ -21,14 +22,18 @@ from fastapi_outbox.brokers.redis.publisher import (
     DedupMode,
     RedisStreamsPublisher,
 )
+from fastapi_outbox.brokers.redis.wire import PUBLISHED_FIELDS, entry_values
+from fastapi_outbox.brokers.wire_description import Bindings, WireDescription
+from fastapi_outbox.events import Envelope
 
-__all__ = ["RedisStreamsBroker"]
+__all__ = ["RedisStreamsBroker", "RedisStreamsWire"]
 
 
 class RedisStreamsBroker(RedisStreamsPublisher):
     """Publishes to Redis Streams (``redis.asyncio``), pipelined and de-duplicated, and
-    consumes them with consumer groups (:meth:`consumer`), on one connection
-    (:attr:`connection`): a single Redis or a Redis Cluster."""
+    consumes them with consumer groups
+    ([`consumer`][fastapi_outbox.brokers.RedisStreamsBroker.consumer]), on one connection
+    (`connection`): a single Redis or a Redis Cluster."""
 
     def __init__(
         self,
@@ -86,3 +91,50 @@ class RedisStreamsBroker(RedisStreamsPublisher):
         return RedisStreamsConsumer(
             self.connection, config, dead_letter_maxlen=self.dead_letter_maxlen
         )
+
+    def asyncapi_wire(self) -> RedisStreamsWire:
+        """This broker's wire in the AsyncAPI document (``outbox.asyncapi()``)."""
+        return RedisStreamsWire(self.connection.stream_prefix, self.envelope_format)
+
+
+class RedisStreamsWire(WireDescription):
+    """A Redis Streams entry: the fields ``id``, ``type``, ``key``, ``headers`` (the headers
+    as one JSON object) and ``payload``; a consumer group reads it with ``XREADGROUP``. The
+    AsyncAPI Redis bindings define no fields yet: the stream key and the group travel as
+    ``x-`` extensions."""
+
+    protocol = "redis"
+    binding_version = "0.1.0"
+
+    def __init__(self, stream_prefix: str, envelope_format: CloudEventsOptions) -> None:
+        super().__init__(envelope_format)
+        self.stream_prefix = stream_prefix
+
+    def encode(self, envelope: Envelope) -> tuple[dict[str, str], bytes]:
+        values = dict(
+            zip(PUBLISHED_FIELDS, entry_values(envelope, self.envelope_format), strict=True)
+        )
+        headers = json.loads(values[b"headers"])
+        return headers, values[b"payload"]
+
+    def layout(self) -> str:
+        fields = ", ".join(f.decode() for f in PUBLISHED_FIELDS)
+        return (
+            f"A Redis Streams entry (XADD) of the fields {fields}: the headers below travel "
+            "as one JSON object in the field headers, the payload in the field payload."
+        )
+
+    def channel_bindings(self, stream: str) -> Bindings:
+        return {"x-stream-key": self.stream_prefix + stream}
+
+    def send_bindings(self, stream: str) -> Bindings:
+        return {"x-command": "XADD"}
+
+    def receive_bindings(self, stream: str, group: str) -> Bindings:
+        return {
+            "x-consumer-group": group,
+            "x-commands": ["XREADGROUP", "XACK", "XAUTOCLAIM"],
+        }
+
+    def message_bindings(self, envelope: Envelope) -> Bindings:
+        return {"x-fields": [f.decode() for f in PUBLISHED_FIELDS]}

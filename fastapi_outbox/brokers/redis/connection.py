@@ -4,7 +4,7 @@ share, and what both need to know of the server.
 It owns the client (made from the URL on ``connect``, or the caller's, which it never
 closes), the server's version (read once per connection), the stream key prefix and the
 translation of a client failure into
-:class:`~fastapi_outbox.exceptions.BrokerUnavailable` / ``BrokerTimeout``. The publisher
+[`BrokerUnavailable`][fastapi_outbox.BrokerUnavailable] / ``BrokerTimeout``. The publisher
 and the consumer each receive this object and never read each other (faststream's
 ``redis/configs/state.py`` is the example). redis-py reconnects a dropped connection by
 itself on the next command; ``connect`` after ``aclose`` opens a new client.
@@ -12,7 +12,7 @@ itself on the next command; ``connect`` after ``aclose`` opens a new client.
 A Redis Cluster (``redis+cluster://host:port[,host:port…]``, ``rediss+cluster://`` with
 TLS, or a caller's ``redis.asyncio.cluster.RedisCluster``) gets redis-py's cluster client,
 which follows ``MOVED`` / ``ASK`` and refreshes its slot map after a failover;
-:attr:`RedisConnection.cluster` then tells the publisher and the consumer to keep every
+`RedisConnection.cluster` then tells the publisher and the consumer to keep every
 multi-key command in one slot (``wire.dedup_key``, ``wire.dead_letter_key``).
 """
 

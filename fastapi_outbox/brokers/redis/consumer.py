@@ -578,7 +578,7 @@ class RedisStreamsConsumer:
 
     async def lag(self) -> ConsumerLag:
         """The group's lag and pending count, and the entries ``MAXLEN`` trimmed before the
-        group read them (see :func:`trimmed_unread`)."""
+        group read them (see `trimmed_unread`)."""
         if self.config.ordered:
             # An ordered subscriber reads the stream by position, not through the group
             # (fastapi_outbox.consume.partitioned): the group's figures are not its own.

@@ -447,8 +447,10 @@ class RedisStreamsPublisher:
                 )
 
     def _rejected(self, envelope: Envelope, error: BaseException | str) -> BaseException:
-        """The result for a message Redis refused: :class:`MessageRejected`, or
-        :class:`BrokerRefusing` when the error's code says Redis refuses every write
+        """The result for a message Redis refused:
+        [`MessageRejected`][fastapi_outbox.MessageRejected], or
+        [`BrokerRefusing`][fastapi_outbox.BrokerRefusing] when the error's code says Redis refuses
+        every write
         (``publish`` then raises it for the whole batch)."""
         code = refusal_code(error)
         if code is not None:

@@ -189,7 +189,7 @@ def dead_letter_key(name_key: str, stream_key: str, *, cluster: bool) -> str:
 
 
 def entry_values(e: Envelope, envelope_format: CloudEventsOptions | None = None) -> list[Any]:
-    """The values of ``e``'s entry, in the order of :data:`PUBLISHED_FIELDS`: message id,
+    """The values of ``e``'s entry, in the order of `PUBLISHED_FIELDS`: message id,
     type, ordering key ("" for none), headers as JSON text (as stored, not re-encoded),
     payload. With CloudEvents (``envelope_format``) the headers are the CloudEvent's
     (binary: ``ce-*`` and ``content-type``; structured: ``content-type``) and the payload
@@ -224,7 +224,7 @@ def reply_entries(reply: Any) -> list[Any]:
 
 def _maybe_cloudevent(raw_headers: Any) -> bool:
     """Whether an entry's ``headers`` text may hold a CloudEvent's headers: a cheap
-    substring test on the fast path, confirmed by :func:`_cloudevent`."""
+    substring test on the fast path, confirmed by `_cloudevent`."""
     if not raw_headers:
         return False
     raw = raw_headers if isinstance(raw_headers, bytes) else str(raw_headers).encode()

@@ -6,7 +6,7 @@ pages find where they are served (a router prefix, ``app.mount``, a proxy's ``ro
 so two outboxes' dashboards live side by side in one app.
 Every page and action runs the guard given as ``Outbox(dashboard_dependencies=[...])``;
 building the router with no guard at all is refused unless ``dashboard_dependencies=[]``
-says so on purpose. Actions go through :mod:`fastapi_outbox.ops.operations`, the same code the
+says so on purpose. Actions go through `fastapi_outbox.ops.operations`, the same code the
 CLI runs.
 """
 

@@ -1,4 +1,4 @@
-"""Routes of the operator dashboard (see :mod:`fastapi_outbox.ops.dashboard`).
+"""Routes of the operator dashboard (see `fastapi_outbox.ops.dashboard`).
 
 Pages (GET, HTML): ``/outbox/dashboard`` (overview, refreshing itself every few seconds
 from ``/outbox/dashboard/fragments/overview``), ``/outbox/dashboard/messages`` (filtered
@@ -51,7 +51,7 @@ from fastapi_outbox.redaction import redact
 
 logger = logging.getLogger("fastapi_outbox.ops")
 
-#: The router's own prefix; pages find where they are served with :func:`served_at`.
+#: The router's own prefix; pages find where they are served with `served_at`.
 PREFIX = "/outbox/dashboard"
 CSRF_COOKIE = "outbox_dashboard_csrf"
 CSRF_HEADER = "X-Outbox-CSRF"
@@ -378,9 +378,9 @@ def _message_routes(router: APIRouter, outbox: OutboxPort, pages: _Pages) -> Non
             message = await operations.show(outbox, mid, reveal=pages.show_payloads)
         except exceptions.MessageNotFound as exc:
             raise HTTPException(404, str(exc)) from exc
-        return pages.render(
-            request, f"/messages/{message_id}", "message.html", **_message_context(message, pages)
-        )
+        context = _message_context(message, pages)
+        context["links"] = await operations.linked_messages(outbox, message["headers"])
+        return pages.render(request, f"/messages/{message_id}", "message.html", **context)
 
 
 def _message_context(message: dict[str, Any], pages: _Pages) -> dict[str, Any]:

@@ -9,8 +9,8 @@ the archive table), ``wal`` (the WAL slot and capture), ``partitions`` (partitio
 ``schema_check`` (the catalogue reads of ``doctor`` and the fixes of ``db upgrade``) and
 ``session`` (SQLite's session settings, the outage ping); ``parts`` holds the pieces they
 share. The storage job objects
-(:mod:`fastapi_outbox.storage.claims`, ``inserts``, ``messages``, ``retention``,
+(`fastapi_outbox.storage.claims`, ``inserts``, ``messages``, ``retention``,
 ``archive``), the partition maintainer, the doctor, the WAL slot and the engine run them;
-the inbox table (:mod:`fastapi_outbox.storage.inbox`) keeps its own few statements beside
+the inbox table (`fastapi_outbox.storage.inbox`) keeps its own few statements beside
 its layout; nothing outside ``storage/`` writes SQL.
 """

@@ -2,11 +2,11 @@
 rows from the outbox table to the archive table, the archive's own retention, and the
 catalogue changes that re-attach a finished partition to a partitioned archive.
 
-Caller: :class:`fastapi_outbox.storage.archive.Archive` (``move_batch``, ``purge_batch``),
-run by the relay's cleaner (:mod:`fastapi_outbox.lifecycle.retention`),
-:mod:`fastapi_outbox.storage.partitions` (``archive_partition_sync``,
+Caller: `fastapi_outbox.storage.archive.Archive` (``move_batch``, ``purge_batch``),
+run by the relay's cleaner (`fastapi_outbox.lifecycle.retention`),
+`fastapi_outbox.storage.partitions` (``archive_partition_sync``,
 ``expired_archive_partitions``, ``archive_default_statements``) and
-:mod:`fastapi_outbox.storage.doctor` (the fix for a missing DEFAULT partition of the
+`fastapi_outbox.storage.doctor` (the fix for a missing DEFAULT partition of the
 archive). Every builder is pure.
 """
 
@@ -19,7 +19,7 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.sql.elements import TextClause
 
 from fastapi_outbox.storage.statements.partitions import quote
-from fastapi_outbox.storage.statements.parts import later, now
+from fastapi_outbox.storage.statements.parts import derived, ids_in, later, now
 from fastapi_outbox.storage.statements.purge import victims
 
 __all__ = [
@@ -29,9 +29,12 @@ __all__ = [
     "archive_busy",
     "archived_at_index",
     "attach_as",
+    "copy_ids",
     "copy_rows",
+    "delete_ids",
     "move",
     "move_delete",
+    "move_ids",
     "move_insert",
     "purge",
 ]
@@ -90,7 +93,7 @@ def move_insert(
 ) -> Any:
     """SQLite (no DELETE in a WITH), first of the two statements of one transaction: copy
     one batch into the archive. It takes the database's write lock, so nobody changes the
-    outbox before :func:`move_delete` picks the same rows (``ordered``: by finish time and
+    outbox before `move_delete` picks the same rows (``ordered``: by finish time and
     id, and rows that qualify later finished later)."""
     chosen = victims(
         source,
@@ -121,7 +124,7 @@ def move_delete(
     keep_blocking: bool = False,
 ) -> Any:
     """SQLite, second statement of the move's transaction: delete the rows
-    :func:`move_insert` copied — the same choice, and only rows the archive now holds
+    `move_insert` copied — the same choice, and only rows the archive now holds
     (never a row that was not archived)."""
     chosen = victims(
         source,
@@ -139,13 +142,47 @@ def move_delete(
     )
 
 
+def move_ids(
+    source: Table,
+    archive: Table,
+    status: str,
+    older_than_seconds: float,
+    limit: int,
+    dialect: Dialect,
+    *,
+    keep_blocking: bool = False,
+) -> Any:
+    """MySQL, first of the move's three statements (one transaction): the ids of one batch,
+    chosen as retention's DELETE chooses them, locked ``FOR UPDATE SKIP LOCKED`` (a row an
+    operator holds is left to them); `copy_ids` and `delete_ids` then move
+    exactly these."""
+    chosen = victims(
+        source, status, older_than_seconds, limit, dialect, keep_blocking=keep_blocking
+    )
+    return chosen.with_for_update(skip_locked=True)
+
+
+def copy_ids(source: Table, archive: Table, dialect: Dialect) -> Any:
+    """MySQL: copy the rows ``ids`` (locked by `move_ids`) into the archive."""
+    names = _columns(source)
+    return insert(archive).from_select(
+        [*names, "archived_at"],
+        select(*[source.c[n] for n in names], now(dialect)).where(ids_in(source, dialect)),
+    )
+
+
+def delete_ids(source: Table, dialect: Dialect) -> Any:
+    """MySQL: delete the rows ``ids`` that `copy_ids` copied."""
+    return delete(source).where(ids_in(source, dialect))
+
+
 def purge(table: Table, older_than_seconds: float, limit: int, dialect: Dialect) -> Any:
     """The archive's retention: delete up to ``limit`` rows archived more than
     ``older_than_seconds`` ago (ix_<archive>_archived_at; on a partitioned archive, its
     DEFAULT partition, whose partitions are dropped whole)."""
     t = table
     chosen = select(t.c.id).where(t.c.archived_at < later(dialect, -older_than_seconds))
-    return delete(t).where(t.c.id.in_(chosen.limit(limit).scalar_subquery()))
+    return delete(t).where(t.c.id.in_(derived(chosen.limit(limit), dialect).scalar_subquery()))
 
 
 # -- a partitioned archive (PostgreSQL) --------------------------------------------------------

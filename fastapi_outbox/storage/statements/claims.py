@@ -1,10 +1,14 @@
 """The table relay's statements: the claim, the marks after a publish, the release, the
 lease extension, the idle poller's next due time, and the WAL relay's refused rows.
 
-Caller: :class:`fastapi_outbox.relay.table.TableRelay` through
-:class:`~fastapi_outbox.storage.store.Store` (``claim``, ``mark_published``, ``mark_failed``,
+Caller: `fastapi_outbox.relay.table.TableRelay` through
+`Store` (``claim``, ``mark_published``, ``mark_failed``,
 ``release``, ``extend_lease``, ``abandon``, ``next_due_in``) and
-:class:`fastapi_outbox.relay.wal.WalRelay` (``insert_failed``).
+`fastapi_outbox.relay.wal.WalRelay` (``insert_failed``).
+
+MariaDB and MySQL have no ``UPDATE … RETURNING``: their claim is `claim_candidates`
+(a locking read per active status, one ``UNION ALL``), `earliest_active` (ordered)
+and `claim_rows`, in one transaction (`fastapi_outbox.storage.mysql_claim`).
 
 Every change after the claim is *fenced*: it only touches rows whose ``locked_by`` still
 equals the claim token, so a worker whose lease expired can never overwrite a newer claim
@@ -42,7 +46,7 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.sql.elements import ColumnElement
 
 from fastapi_outbox.storage import clock
-from fastapi_outbox.storage.dialects import is_postgres
+from fastapi_outbox.storage.dialects import flavor, is_mysql, is_postgres
 from fastapi_outbox.storage.statements.parts import (
     ABANDONED,
     ACTIVE,
@@ -59,6 +63,10 @@ from fastapi_outbox.storage.statements.parts import (
 __all__ = [
     "CLAIM_COLUMNS",
     "claim",
+    "claim_candidates",
+    "claim_rows",
+    "claim_turn",
+    "earliest_active",
     "extend_lease",
     "generic_plan",
     "has_floor",
@@ -72,7 +80,7 @@ __all__ = [
     "transaction_bounds",
 ]
 
-#: The claim returns these columns first (a :class:`~fastapi_outbox.storage.store.ClaimedRow`
+#: The claim returns these columns first (a `ClaimedRow`
 #: each), then the insert-order columns that sort an ordered batch.
 CLAIM_COLUMNS = 9
 
@@ -91,17 +99,17 @@ def claim(table: Table, broker: str, limit: int, ordered: bool, dialect: Dialect
     message that kills the process on every publish burns the attempts of its batch-mates
     twice at most, and then only its own.
 
-    Ordered (``ordered=True``): rows go in insert order (:func:`order_columns`), and a keyed
+    Ordered (``ordered=True``): rows go in insert order (`order_columns`), and a keyed
     row is taken only when no earlier row of its key is in flight, backing off after a
     failure, or abandoned (until replayed or purged); ``Store.claim`` serialises ordered
-    claimers (:func:`ordered_turn`) so that every batch is a prefix of each key's queue.
+    claimers (`ordered_turn`) so that every batch is a prefix of each key's queue.
     On PostgreSQL a row is also dropped when an earlier row of its key is due but was
     skipped as locked (a slow holder whose lease ran out is recording its outcome right
     now): it may be about to back off.
 
     Bound per execution: ``token`` (the claim token) and ``lease`` (see
-    :func:`~fastapi_outbox.storage.statements.parts.offset`); unordered, on a table
-    partitioned by id, ``floor`` too (:func:`has_floor`).
+    `offset`); unordered, on a table
+    partitioned by id, ``floor`` too (`has_floor`).
     """
     t = table
     pg = is_postgres(dialect)
@@ -145,7 +153,7 @@ def has_floor(table: Table, ordered: bool, dialect: Dialect) -> bool:
     """Whether the claim takes ``id >= $floor`` (its candidates and its update): unordered
     on a PostgreSQL table partitioned by id. A parameter of the statement itself, so a
     generic plan prunes the partitions below it before setting up their scans (see
-    :mod:`fastapi_outbox.storage.partition_map`; the nil UUID prunes nothing). Never the
+    `fastapi_outbox.storage.partition_map`; the nil UUID prunes nothing). Never the
     ordered claim: a row below the floor would let the later rows of its key overtake it."""
     return is_postgres(dialect) and not ordered and table.info.get("partitioning") is not None
 
@@ -189,7 +197,7 @@ def _labels(table: Table, ordered: bool, dialect: Dialect) -> list[str]:
 
 
 def _locked(table: Table, broker: str, limit: int, ordered: bool, dialect: Dialect) -> Any:
-    """The ``locked`` CTE of :func:`claim`: the candidates, locked."""
+    """The ``locked`` CTE of `claim`: the candidates, locked."""
     o = table.alias("o")
     order = _claim_order(o, ordered, dialect)
     labels = _labels(table, ordered, dialect)
@@ -214,11 +222,99 @@ def _locked(table: Table, broker: str, limit: int, ordered: bool, dialect: Diale
         candidates = candidates.where(_floor(o))
     # Oldest first (the index order, so the LIMIT stops early), a batch at most.
     candidates = candidates.order_by(*order).limit(limit)
-    if is_postgres(dialect):
+    if is_postgres(dialect) or is_mysql(dialect):
         # Concurrent claimers skip each other's rows instead of waiting: disjoint batches.
         # SQLite needs none: its one writer holds the write lock (BEGIN IMMEDIATE).
         candidates = candidates.with_for_update(skip_locked=True)
     return candidates
+
+
+def claim_candidates(
+    table: Table, broker: str, limit: int, ordered: bool, status: str, dialect: Dialect
+) -> Select[Any]:
+    """MySQL's claim, first statement (caller: ``Claims.claim``, once per active status, in
+    one READ COMMITTED transaction): up to ``limit`` due rows of ``broker`` in ``status``,
+    in claim order, locked ``FOR UPDATE SKIP LOCKED`` (concurrent claimers take disjoint
+    rows, as on PostgreSQL), with what the relay publishes.
+
+    One status per statement: MySQL has no partial index, and its claim index
+    ``(broker, status, next_attempt_at, id)`` serves ``ORDER BY … LIMIT`` for one status
+    only (an ``IN`` of three would sort every due row first). The caller merges the three
+    in claim order, keeps ``limit``, applies the suspect rule of `claim` and marks
+    them with `claim_rows` (MySQL has no ``UPDATE … RETURNING``).
+
+    Columns: `CLAIM_COLUMNS` of a claimed row (``attempts`` as stored: the caller adds
+    the one the update counts), ``suspect``, then the claim order's columns."""
+    o = table.alias("o")
+    order = _claim_order(o, ordered, dialect)
+    due_now = now(dialect)
+    candidates: Select[Any] = select(
+        o.c.id,
+        o.c.stream,
+        o.c.type,
+        o.c.key,
+        o.c.payload,
+        o.c.headers,
+        o.c.attempts,
+        o.c.created_at,
+        # The retry deadline is judged by the database's clock, not the relay's.
+        clock.age_seconds(flavor(dialect), o.c.created_at),
+        and_(o.c.status == PROCESSING, o.c.attempts >= 2).label("suspect"),
+        *order,
+    ).where(
+        o.c.broker == broker,
+        o.c.status.in_([literal_column(f"'{status}'")]),
+        o.c.next_attempt_at <= due_now,
+    )
+    if ordered:
+        candidates = candidates.where(_key_may_go(table, o, order, due_now, dialect))
+    return candidates.order_by(*order).limit(limit).with_for_update(skip_locked=True)
+
+
+def claim_rows(table: Table, dialect: Dialect) -> Any:
+    """MySQL's claim, second statement (after `claim_candidates`, in its transaction):
+    the chosen rows (``ids``, locked by the first) become ``processing`` for ``token``
+    until ``lease`` from the database's now, with one more attempt, as `claim` does."""
+    t = table
+    until = clock.db_later(flavor(dialect), "lease")
+    return (
+        update(t)
+        .where(ids_in(t, dialect))
+        .values(
+            status=PROCESSING,
+            locked_by=bindparam("token"),
+            locked_until=until,
+            next_attempt_at=until,
+            attempts=t.c.attempts + 1,
+        )
+    )
+
+
+def earliest_active(table: Table, broker: str) -> Select[Any]:
+    """MySQL, ordered claim, in the claim's transaction after `claim_candidates`: the
+    insert position (``seq``) of the earliest active row of each key in ``keys`` (bound,
+    expanding). A candidate whose key has an active row before it that is not among the
+    candidates was passed by ``SKIP LOCKED`` (its writer was committing it, or its holder
+    is recording an outcome): the candidate waits, as PostgreSQL's claim makes it (the
+    ``ranked`` step of `claim`). A plain read, at the database's latest commit."""
+    t = table
+    return (
+        select(t.c.key, func.min(t.c.seq))
+        .where(t.c.broker == broker, t.c.key.in_(bindparam("keys", expanding=True)), active(t))
+        .group_by(t.c.key)
+    )
+
+
+def claim_turn(lock_name: str, wait_seconds: int) -> tuple[Select[Any], Select[Any]]:
+    """MySQL, ordered claim: ``GET_LOCK`` and ``RELEASE_LOCK`` of ``lock_name`` (at most
+    64 characters), the turn ordered claimers of one table and broker take, as
+    `ordered_turn` on PostgreSQL. A named lock belongs to the session, not to the
+    transaction: the caller releases it after the commit (or drops the connection)."""
+    name: ColumnElement[str] = literal_column(f"'{lock_name}'")
+    return (
+        select(func.get_lock(name, literal_column(str(int(wait_seconds))))),
+        select(func.release_lock(name)),
+    )
 
 
 def _key_may_go(
@@ -255,7 +351,7 @@ def _active_and_waiting(e: Any, due_now: Any) -> ColumnElement[bool]:
 def _ranked(
     table: Table, broker: str, locked: Any, labels: list[str], ordered: bool, dialect: Dialect
 ) -> Any:
-    """The ``ranked`` CTE of :func:`claim`: the locked rows numbered in claim order."""
+    """The ``ranked`` CTE of `claim`: the locked rows numbered in claim order."""
     position = func.row_number().over(order_by=[locked.c[label] for label in labels])
     ranked: Select[Any] = select(locked.c.id, locked.c.suspect, position.label("rn"))
     if ordered and is_postgres(dialect):
@@ -274,7 +370,7 @@ def _ranked(
 
 
 def _chosen(ranked: Any, limit: int) -> Any:
-    """The ``chosen`` CTE of :func:`claim`: the rows before the first suspect, or the
+    """The ``chosen`` CTE of `claim`: the rows before the first suspect, or the
     first row alone (a suspect first in line is claimed on its own)."""
     first_suspect = select(func.min(ranked.c.rn)).where(ranked.c.suspect)
     return (
@@ -298,7 +394,7 @@ def generic_plan() -> Select[Any]:
     ``locked`` scan over every partition, ~4 ms per claim on 34 partitions
     (pg_stat_statements: total_plan_time about 4 ms per call), more than the statement itself
     costs over the plain table's. The generic plan prunes the update to the batch's
-    partition when it runs (init plans: see :func:`_chosen_rows`), so it loses nothing."""
+    partition when it runs (init plans: see `_chosen_rows`), so it loses nothing."""
     return select(func.set_config("plan_cache_mode", "force_generic_plan", True))
 
 
@@ -314,8 +410,8 @@ def ordered_turn(
     broker take turns on a transaction-scoped advisory lock, so the claim that follows
     sees the rows the previous claim took as in flight (each batch a prefix of every key's
     queue). The lock key is the hash of ``<lock_key>:<broker>``; the local timeouts (see
-    :func:`local_timeouts`) come first, so a frozen holder cannot stall the turn forever;
-    ``generic``: :func:`generic_plan` too (a table partitioned by id)."""
+    `local_timeouts`) come first, so a frozen holder cannot stall the turn forever;
+    ``generic``: `generic_plan` too (a table partitioned by id)."""
     return select(
         *local_timeouts(statement_ms, lock_ms),
         *(generic_plan().selected_columns if generic else []),
@@ -338,7 +434,7 @@ def local_timeouts(statement_ms: int | None, lock_ms: int | None) -> list[Any]:
 
 
 def transaction_bounds(statement_ms: int | None, lock_ms: int | None) -> Select[Any] | None:
-    """``SELECT set_config(…)`` of :func:`local_timeouts`, the first statement of a bounded
+    """``SELECT set_config(…)`` of `local_timeouts`, the first statement of a bounded
     transaction (caller: ``Store.mark_failed``); None when unbounded."""
     timeouts = local_timeouts(statement_ms, lock_ms)
     return select(*timeouts) if timeouts else None
@@ -381,7 +477,7 @@ def mark_failed(table: Table, dialect: Dialect) -> Any:
         .where(t.c.id == bindparam("row_id"), t.c.locked_by == bindparam("token"))
         .values(
             status=status,
-            next_attempt_at=clock.db_later(is_postgres(dialect), "delay"),
+            next_attempt_at=clock.db_later(flavor(dialect), "delay"),
             last_error=bindparam("error"),
             locked_by=None,
             locked_until=None,
@@ -417,7 +513,7 @@ def extend_lease(table: Table, dialect: Dialect) -> Any:
     Fenced by the token; ``next_attempt_at`` moves with ``locked_until`` because it is the
     due time an expired lease is recognised by."""
     t = table
-    until = clock.db_later(is_postgres(dialect), "lease")
+    until = clock.db_later(flavor(dialect), "lease")
     return (
         update(t)
         .where(ids_in(t, dialect), t.c.locked_by == bindparam("token"))

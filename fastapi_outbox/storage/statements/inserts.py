@@ -1,8 +1,8 @@
 """The unit of work's statements: the INSERT of the outbox rows, and the WAL capture's
 ``pg_logical_emit_message``.
 
-Callers: :class:`fastapi_outbox.write.capture.TableCapture` and
-:class:`fastapi_outbox.write.wal_capture.WalCapture`, from the session's ``before_commit``
+Callers: `fastapi_outbox.write.capture.TableCapture` and
+`fastapi_outbox.write.wal_capture.WalCapture`, from the session's ``before_commit``
 (through ``Inserts.insert_rows_sync`` for the table). The builders are pure: a table and a
 dialect in, a statement out.
 """
@@ -17,7 +17,7 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.sql.elements import TextClause
 
 from fastapi_outbox.storage import clock
-from fastapi_outbox.storage.dialects import is_postgres
+from fastapi_outbox.storage.dialects import MYSQL, is_mysql, is_postgres
 from fastapi_outbox.storage.types import UtcDateTime
 
 __all__ = [
@@ -40,7 +40,7 @@ EMIT_SQL = "SELECT pg_logical_emit_message(true, $1, $2::text)"
 
 
 def emit_message() -> TextClause:
-    """:data:`EMIT_SQL` with named parameters (``prefix``, ``content``), for a connection
+    """`EMIT_SQL` with named parameters (``prefix``, ``content``), for a connection
     that is not asyncpg's."""
     return text("SELECT pg_logical_emit_message(true, :prefix, CAST(:content AS text))")
 
@@ -56,12 +56,19 @@ def insert_rows(table: Table, dialect: Dialect) -> Any:
     how long a row waits for a relay is counted from then, not from the start of a
     long producer transaction; a delayed message is due ``delay`` after that, a
     ``deliver_at`` one at that time. ``greatest``/``max`` of now and that: a past
-    ``deliver_at`` is due now, never "overdue" since then in the health's pending age."""
-    if is_postgres(dialect):
-        created: Any = func.now()
-        statement_now: Any = func.statement_timestamp()
-        after_delay = statement_now + bindparam("delay", type_=Interval())
+    ``deliver_at`` is due now, never "overdue" since then in the health's pending age.
+    MySQL has no transaction start time: both are the INSERT's own ``UTC_TIMESTAMP(6)``."""
+    created: Any
+    statement_now: Any
+    if is_mysql(dialect):
+        created = statement_now = clock.db_now(MYSQL)
+        after_delay = clock.db_later(MYSQL, "delay")
         latest: Any = func.greatest
+    elif is_postgres(dialect):
+        created = func.now()
+        statement_now = func.statement_timestamp()
+        after_delay = statement_now + bindparam("delay", type_=Interval())
+        latest = func.greatest
     else:
         created = statement_now = clock.db_now(False)
         after_delay = clock.db_later(False, "delay")
@@ -74,11 +81,15 @@ def insert_rows(table: Table, dialect: Dialect) -> Any:
 
 
 def row_params(rows: list[dict[str, Any]], dialect: Dialect) -> list[dict[str, Any]]:
-    """The unit of work's row dicts completed for :func:`insert_rows`: ``delay`` (a timedelta
+    """The unit of work's row dicts completed for `insert_rows`: ``delay`` (a timedelta
     from the commit) and ``deliver_at`` (an aware datetime or None) become parameters of
     the due time the database computes."""
     params = [{"deliver_at": None, **row} for row in rows]
-    if not is_postgres(dialect):
+    if is_mysql(dialect):
+        # Microseconds for TIMESTAMPADD; no seq: AUTO_INCREMENT numbers the rows.
+        for row in params:
+            row["delay"] = clock.microseconds(row["delay"].total_seconds())
+    elif not is_postgres(dialect):
         for row in params:
             delay: dt.timedelta = row["delay"]
             row["delay"] = clock.seconds_modifier(delay.total_seconds())

@@ -1,13 +1,13 @@
 """The statements behind what operators see and do: counts for health, metrics, the
 dashboard and ``status``; listing and showing messages; replay, cancel, abandon.
 
-Run by :class:`~fastapi_outbox.storage.messages.Messages` (the methods of the same names:
+Run by `Messages` (the methods of the same names:
 ``stats``, ``stream_stats``,
 ``published_per_minute``, ``count_matching``, ``get``, ``list_messages``, ``states``,
 ``replay``, ``cancel_unclaimed``, ``abandon_unclaimed``, ``count``). The counts read the
 partial indexes (ix_<table>_due, _abandoned, _published, _key), so they cost what the rows
 that still need work cost, not the table's history of published rows; statuses are SQL
-literals (:func:`~fastapi_outbox.storage.statements.parts.status_in`) so those indexes serve
+literals (`status_in`) so those indexes serve
 prepared statements too.
 """
 
@@ -37,7 +37,7 @@ from sqlalchemy import (
 from sqlalchemy.engine import Dialect
 from sqlalchemy.sql.elements import ColumnElement
 
-from fastapi_outbox.storage.dialects import is_postgres
+from fastapi_outbox.storage.dialects import is_mysql, is_postgres
 from fastapi_outbox.storage.filters import SCHEDULED, MessageFilter
 from fastapi_outbox.storage.statements.parts import (
     ABANDONED,
@@ -65,6 +65,8 @@ __all__ = [
     "ping",
     "published_per_minute",
     "replay",
+    "replay_target",
+    "replay_values",
     "states",
     "stats",
     "stream_stats",
@@ -203,6 +205,8 @@ def published_per_minute(table: Table, minutes: int, dialect: Dialect) -> Select
     t = table
     if is_postgres(dialect):
         bucket: Any = func.date_trunc("minute", t.c.published_at)
+    elif is_mysql(dialect):
+        bucket = func.date_format(t.c.published_at, "%Y-%m-%dT%H:%i")
     else:
         bucket = func.strftime("%Y-%m-%dT%H:%M", t.c.published_at)
     return (
@@ -291,6 +295,46 @@ def states(table: Table, ids: Sequence[uuid.UUID]) -> Select[Any]:
     return select(t.c.id, t.c.status, t.c.locked_by).where(t.c.id.in_(list(ids)))
 
 
+def replay_target(
+    table: Table,
+    dialect: Dialect,
+    ids: Sequence[uuid.UUID] | None = None,
+    *,
+    stream: str | None = None,
+    statuses: Sequence[str] = (ABANDONED,),
+    limit: int | None = None,
+) -> Select[Any]:
+    """The ids `replay` moves: rows in ``statuses`` (among ``ids``, in ``stream``);
+    ``ORDER BY id LIMIT`` makes a bulk replay go in batches, oldest first; ``FOR UPDATE
+    SKIP LOCKED`` (PostgreSQL, MySQL): a row another operator or a purge holds is left to
+    it. MySQL runs it on its own first (see `replay`)."""
+    t = table
+    target = select(t.c.id).where(t.c.status.in_(list(statuses)))
+    if ids is not None:
+        target = target.where(t.c.id.in_(list(ids)))
+    if stream is not None:
+        target = target.where(t.c.stream == stream)
+    if limit is not None:
+        target = target.order_by(t.c.id).limit(limit)
+    if is_postgres(dialect) or is_mysql(dialect):
+        target = target.with_for_update(skip_locked=True)
+    return target
+
+
+def replay_values(dialect: Dialect) -> dict[str, Any]:
+    """What `replay` sets: pending, attempts reset, due now; lease, finish times and
+    the error cleared."""
+    return {
+        "status": PENDING,
+        "attempts": 0,
+        "next_attempt_at": now(dialect),
+        "locked_by": None,
+        "locked_until": None,
+        "abandoned_at": None,
+        "published_at": None,
+    }
+
+
 def replay(
     table: Table,
     dialect: Dialect,
@@ -301,60 +345,45 @@ def replay(
     limit: int | None = None,
 ) -> Any:
     """Move rows (abandoned by default) back to pending with attempts reset, due now
-    (``replay``), returning the ids moved. The target subquery: rows in ``statuses``
-    (among ``ids``, in ``stream``); ``ORDER BY id LIMIT`` makes a bulk replay go in
-    batches, oldest first; ``FOR UPDATE SKIP LOCKED`` (PostgreSQL): a row another operator
-    or a purge holds is left to it. Lease, finish times and the error are cleared."""
+    (``replay``), returning the ids moved. The target subquery: `replay_target`.
+    Lease, finish times and the error are cleared. MySQL (no ``UPDATE … RETURNING``, no
+    subquery on the updated table): ``Messages.replay`` locks `replay_target`'s
+    rows first, then updates them by id with `replay_values`."""
     t = table
-    target = select(t.c.id).where(t.c.status.in_(list(statuses)))
-    if ids is not None:
-        target = target.where(t.c.id.in_(list(ids)))
-    if stream is not None:
-        target = target.where(t.c.stream == stream)
-    if limit is not None:
-        target = target.order_by(t.c.id).limit(limit)
-    if is_postgres(dialect):
-        target = target.with_for_update(skip_locked=True)
+    target = replay_target(t, dialect, ids, stream=stream, statuses=statuses, limit=limit)
     chosen: ColumnElement[bool] = t.c.id.in_(target.scalar_subquery())
     if ids is not None:
         # Also on the update itself: a table partitioned by id then reads the partitions
         # of these ids only (pruned on the list), not every partition for the semi-join.
         chosen = and_(chosen, t.c.id.in_(list(ids)))
-    return (
-        update(t)
-        .where(chosen)
-        .values(
-            status=PENDING,
-            attempts=0,
-            next_attempt_at=now(dialect),
-            locked_by=None,
-            locked_until=None,
-            abandoned_at=None,
-            published_at=None,
-        )
-        .returning(t.c.id)
-    )
+    return update(t).where(chosen).values(**replay_values(dialect)).returning(t.c.id)
 
 
-def cancel_unclaimed(table: Table, ids: Sequence[uuid.UUID]) -> Any:
+def cancel_unclaimed(table: Table, ids: Sequence[uuid.UUID], *, returning: bool = True) -> Any:
     """Delete pending rows no relay holds (``cancel``), returning the ids deleted.
     ``status = pending`` and ``locked_by IS NULL`` are the fence against a concurrent
     claim: the DELETE waits for the claim's row lock, then checks them again."""
     t = table
-    return (
-        delete(t)
-        .where(t.c.id.in_(list(ids)), t.c.status.in_([PENDING]), t.c.locked_by.is_(None))
-        .returning(t.c.id)
+    stmt = delete(t).where(
+        t.c.id.in_(list(ids)), t.c.status.in_([PENDING]), t.c.locked_by.is_(None)
     )
+    return stmt.returning(t.c.id) if returning else stmt
 
 
-def abandon_unclaimed(table: Table, ids: Sequence[uuid.UUID], error: str, dialect: Dialect) -> Any:
+def abandon_unclaimed(
+    table: Table,
+    ids: Sequence[uuid.UUID],
+    error: str,
+    dialect: Dialect,
+    *,
+    returning: bool = True,
+) -> Any:
     """An operator's abandon (``abandon``): stop retrying pending or failed rows that no
     relay holds (``locked_by IS NULL``: a row claimed meanwhile is left to its claim),
     returning the ids abandoned. ``abandoned_at`` by the database's clock starts the
     abandoned retention; the error says who abandoned it."""
     t = table
-    return (
+    stmt = (
         update(t)
         .where(t.c.id.in_(list(ids)), t.c.status.in_([PENDING, FAILED]), t.c.locked_by.is_(None))
         .values(
@@ -363,5 +392,5 @@ def abandon_unclaimed(table: Table, ids: Sequence[uuid.UUID], error: str, dialec
             last_error=error[:ERROR_MAX_CHARS],
             next_attempt_at=now(dialect),
         )
-        .returning(t.c.id)
     )
+    return stmt.returning(t.c.id) if returning else stmt

@@ -1,7 +1,7 @@
 """The wake-ups' statement: ``pg_notify``.
 
-Callers: :class:`fastapi_outbox.relay.wakeups.Notifier` (after a commit, coalesced),
-:class:`~fastapi_outbox.relay.wakeups.Listener` (its self-checks) on the asyncpg
+Callers: `fastapi_outbox.relay.wakeups.Notifier` (after a commit, coalesced),
+`Listener` (its self-checks) on the asyncpg
 connection, and ``Store.notify`` (``Outbox``'s after-commit signal without a notifier).
 """
 
@@ -22,13 +22,13 @@ NOTIFY_SQL = "SELECT pg_notify($1, $2)"
 
 
 def notify(channel: str, payload: str) -> Select[Any]:
-    """:data:`NOTIFY_SQL` for a SQLAlchemy connection."""
+    """`NOTIFY_SQL` for a SQLAlchemy connection."""
     return select(func.pg_notify(channel, payload))
 
 
 def notify_with_commit(channel: str, payload: str) -> str:
     """What a producer's COMMIT carries to wake other processes (caller:
-    :func:`fastapi_outbox.storage.connector.commit_with`): statements sent after ``COMMIT;``
+    `fastapi_outbox.storage.connector.commit_with`): statements sent after ``COMMIT;``
     in the same simple query, so they run after the commit, in an implicit transaction of
     their own — outside the business transaction, whose commit would otherwise take the
     database-wide NOTIFY lock and hold it across its WAL flush, serialising concurrent

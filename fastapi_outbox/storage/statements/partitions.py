@@ -2,10 +2,10 @@
 the catalogue reads, the maintenance lock, creating, attaching, detaching and dropping a
 partition, and the DDL of ``db sql``.
 
-Caller: :mod:`fastapi_outbox.storage.partitions` (``list_partitions``, ``ranges_to_create``,
+Caller: `fastapi_outbox.storage.partitions` (``list_partitions``, ``ranges_to_create``,
 ``create_partition_sync``, ``expired_candidates``, ``drop_partition_sync``,
 ``statements``: run by ``create_tables()``/``db create``, the relay's cleaner through
-``Maintainer``, and ``db sql``) and :mod:`fastapi_outbox.storage.doctor` (the fixes it
+``Maintainer``, and ``db sql``) and `fastapi_outbox.storage.doctor` (the fixes it
 suggests for a missing DEFAULT partition or partitions ahead). Names come in plain (the
 table name is checked by the settings) and are double-quoted here, for keywords. DDL takes
 no bound parameters, so bounds and storage parameters are literals; every builder is pure.
@@ -70,7 +70,7 @@ def quote(name: str) -> str:
 
 
 def storage_sql() -> str:
-    """:data:`AUTOVACUUM` as the body of a ``WITH (…)`` clause."""
+    """`AUTOVACUUM` as the body of a ``WITH (…)`` clause."""
     return ", ".join(f"{k} = {v}" for k, v in AUTOVACUUM.items())
 
 
@@ -132,7 +132,7 @@ TRY_LOCK = text("SELECT pg_try_advisory_xact_lock(hashtext(:key))")
 
 
 def list_partitions() -> TextClause:
-    """:data:`LIST_PARTITIONS_SQL` (bound: ``:name``, the quoted table name)."""
+    """`LIST_PARTITIONS_SQL` (bound: ``:name``, the quoted table name)."""
     return text(LIST_PARTITIONS_SQL)
 
 
@@ -166,8 +166,8 @@ def partition_of(
 ) -> str:
     """``db sql`` (``IF NOT EXISTS``) and the doctor's fix: the partition ``name`` of
     ``[lo, hi)`` created directly as a partition — on a new table, where the ACCESS
-    EXCLUSIVE lock on the parent costs nothing; the cleaner uses :func:`create_like` and
-    :func:`attach` instead."""
+    EXCLUSIVE lock on the parent costs nothing; the cleaner uses `create_like` and
+    `attach` instead."""
     exists = "IF NOT EXISTS " if if_not_exists else ""
     return (
         f"CREATE TABLE {exists}{quote(name)} PARTITION OF {quote(table)} "
@@ -178,7 +178,7 @@ def partition_of(
 
 def default_has_rows(default: str, key: str = KEY_ID) -> TextClause:
     """``create_partition_sync``: does the DEFAULT partition hold rows of ``[:lo, :hi)``
-    (bounds in the type of the partition ``key``: see :func:`bound_value`; the job did not
+    (bounds in the type of the partition ``key``: see `bound_value`; the job did not
     run in time)? ATTACH would fail on them, so the range is left to the DEFAULT
     partition. ``EXISTS``: stops at the first row (the primary key serves the id range)."""
     column = quote(key)
@@ -202,7 +202,7 @@ def attach(
     table: str, name: str, lo: dt.datetime, hi: dt.datetime, key: str = KEY_ID
 ) -> TextClause:
     """``create_partition_sync``: attach ``name`` for ``[lo, hi)`` (bounds of the partition
-    ``key``: see :func:`bound_literal`; checks the empty table, and the DEFAULT partition
+    ``key``: see `bound_literal`; checks the empty table, and the DEFAULT partition
     under a short lock)."""
     return text(
         f"ALTER TABLE {quote(table)} ATTACH PARTITION {quote(name)} "
@@ -234,7 +234,7 @@ def busy(name: str, *, published: bool, abandoned: bool) -> TextClause:
 def detach(table: str, name: str) -> TextClause:
     """``detach_partition_sync`` (run by ``drop_partition_sync``): a plain DETACH
     (PostgreSQL refuses ``CONCURRENTLY`` when a DEFAULT partition exists): a brief ACCESS
-    EXCLUSIVE lock on the parent, bounded by :func:`lock_timeout`."""
+    EXCLUSIVE lock on the parent, bounded by `lock_timeout`."""
     return text(f"ALTER TABLE {quote(table)} DETACH PARTITION {quote(name)}")
 
 

@@ -1,8 +1,8 @@
 """The pieces the statements of every caller share: status predicates, the id set of a
 batch, the insert-order columns and the database's clock, each for both dialects.
 
-Every function takes the SQLAlchemy :class:`~sqlalchemy.engine.Dialect` the statement is for
-(or asks :func:`~fastapi_outbox.storage.engine.is_postgres` of it), never an engine: the
+Every function takes the SQLAlchemy `Dialect` the statement is for
+(or asks `is_postgres` of it), never an engine: the
 builders stay pure, so ``tests/unit`` compiles them without a database.
 """
 
@@ -13,13 +13,24 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import ARRAY, Table, Uuid, and_, any_, bindparam, cast, literal_column, select
+from sqlalchemy import (
+    ARRAY,
+    Select,
+    Table,
+    Uuid,
+    and_,
+    any_,
+    bindparam,
+    cast,
+    literal_column,
+    select,
+)
 from sqlalchemy.engine import Dialect
 from sqlalchemy.sql.elements import ColumnElement
 
 from fastapi_outbox.events import MessageStatus
 from fastapi_outbox.storage import clock
-from fastapi_outbox.storage.dialects import is_postgres
+from fastapi_outbox.storage.dialects import flavor, is_mysql, is_postgres
 from fastapi_outbox.storage.types import ACTIVE_STATUSES
 
 __all__ = [
@@ -32,6 +43,7 @@ __all__ = [
     "PUBLISHED",
     "active",
     "batch_params",
+    "derived",
     "ids_in",
     "later",
     "now",
@@ -61,7 +73,7 @@ def status_in(alias: Any, *statuses: str) -> ColumnElement[bool]:
 
 def active(alias: Any) -> ColumnElement[bool]:
     """``status IN ('pending', 'processing', 'failed')``: exactly the partial due index's
-    predicate (see :func:`status_in` for why the values are literals)."""
+    predicate (see `status_in` for why the values are literals)."""
     return status_in(alias, *ACTIVE)
 
 
@@ -70,7 +82,7 @@ def ids_in(table: Table, dialect: Dialect, name: str = "ids") -> ColumnElement[b
     cached statement serves every batch size), an expanding ``IN`` on SQLite.
 
     On a table partitioned by id also ``id >= $ids_lo AND id <= $ids_hi``, the batch's
-    smallest and largest id (:func:`batch_params`): PostgreSQL prunes the partitions of a
+    smallest and largest id (`batch_params`): PostgreSQL prunes the partitions of a
     generic (prepared) plan on a range of parameters when the executor starts (not on an
     array parameter); a batch claimed in due order spans one partition, two around a
     boundary. The three values go in as ``(SELECT $n)``: init plans, so no plan prunes at
@@ -92,7 +104,7 @@ def ids_in(table: Table, dialect: Dialect, name: str = "ids") -> ColumnElement[b
 def batch_params(
     ids: Sequence[uuid.UUID], name: str = "ids", *, ranged: bool = True
 ) -> dict[str, Any]:
-    """The parameters of :func:`ids_in`: the ids, and their range when ``ranged`` (only a
+    """The parameters of `ids_in`: the ids, and their range when ``ranged`` (only a
     table partitioned by id uses it; ``min`` and ``max`` of 500 UUIDs cost about 0.4 µs
     per message, compared in Python)."""
     listed = list(ids)
@@ -111,27 +123,36 @@ def order_columns(alias: Any, dialect: Dialect) -> tuple[Any, ...]:
     of one aggregate can hold ids in the opposite order of their commits. The unit of work
     inserts outbox rows at the end, after the business writes: a producer that waited for
     another one's lock inserts after that one committed."""
-    if is_postgres(dialect):
-        return (alias.c.seq,)
+    if is_postgres(dialect) or is_mysql(dialect):
+        return (alias.c.seq,)  # MySQL: AUTO_INCREMENT, in insert order as PostgreSQL's
     # Quoted: the table may carry an SQL keyword's name (``order``).
     quoted = dialect.identifier_preparer.quote(alias.name)
     return (literal_column(f"{quoted}.rowid"),)
 
 
 def now(dialect: Dialect) -> ColumnElement[dt.datetime]:
-    """The clock every due time is compared with: the database's (see :mod:`clock`), one
+    """The clock every due time is compared with: the database's (see `clock`), one
     clock for every process whatever its host's clock says."""
-    return clock.db_now(is_postgres(dialect))
+    return clock.db_now(flavor(dialect))
 
 
 def later(dialect: Dialect, seconds: float) -> ColumnElement[dt.datetime]:
     """The database's now plus ``seconds`` (negative: earlier), the value bound in place."""
-    return clock.db_later(is_postgres(dialect), seconds=seconds)  # type: ignore[no-any-return]
+    return clock.db_later(flavor(dialect), seconds=seconds)  # type: ignore[no-any-return]
 
 
 def offset(dialect: Dialect, seconds: float) -> Any:
-    """The value of a named :func:`clock.db_later` parameter: an interval on PostgreSQL, a
-    date modifier on SQLite."""
-    if is_postgres(dialect):
-        return dt.timedelta(seconds=seconds)
-    return clock.seconds_modifier(seconds)
+    """The value of a named `clock.db_later` parameter: an interval on PostgreSQL, a
+    date modifier on SQLite, microseconds on MySQL."""
+    return clock.offset_value(flavor(dialect), seconds)
+
+
+def derived(chosen: Select[Any], dialect: Dialect) -> Select[Any]:
+    """``chosen`` (rows of a table picked for a change of that same table) as MySQL accepts
+    it in the change's ``IN (…)``: read from a derived table, which MySQL materialises
+    first. Asked directly it refuses both a subquery on the table being changed (error
+    1093) and a ``LIMIT`` in an ``IN`` subquery (1235). Other dialects: as it is."""
+    if not is_mysql(dialect):
+        return chosen
+    inner = chosen.subquery("chosen")
+    return select(*inner.c)

@@ -1,9 +1,9 @@
 """Retention's statement: the bounded DELETE of finished rows.
 
-Caller: :func:`fastapi_outbox.lifecycle.retention.purge` through ``Retention.purge_batch`` (and the
+Caller: `fastapi_outbox.lifecycle.retention.purge` through ``Retention.purge_batch`` (and the
 CLI's ``purge``, which runs the same loop); ``benchmarks/scale.py`` measures its WAL. The
-archive's move (:mod:`fastapi_outbox.storage.statements.archive`) picks its rows with
-:func:`victims`.
+archive's move (`fastapi_outbox.storage.statements.archive`) picks its rows with
+`victims`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,13 @@ from sqlalchemy import Table, delete, exists, or_, select, tuple_
 from sqlalchemy.engine import Dialect
 
 from fastapi_outbox.storage.dialects import is_postgres
-from fastapi_outbox.storage.statements.parts import PUBLISHED, active, later, order_columns
+from fastapi_outbox.storage.statements.parts import (
+    PUBLISHED,
+    active,
+    derived,
+    later,
+    order_columns,
+)
 
 __all__ = ["purge", "victims"]
 
@@ -39,7 +45,8 @@ def purge(
     waits for is kept — deleting it would let the key go on with a gap."""
     t = table
     chosen = victims(t, status, older_than_seconds, limit, dialect, keep_blocking=keep_blocking)
-    return delete(t).where(t.c.id.in_(chosen.scalar_subquery()))
+    # MySQL: the victims from a derived table (see ``derived``), and no SKIP LOCKED there.
+    return delete(t).where(t.c.id.in_(derived(chosen, dialect).scalar_subquery()))
 
 
 def victims(
@@ -53,8 +60,8 @@ def victims(
     whole: Table | None = None,
     ordered: bool = False,
 ) -> Any:
-    """The ids of one batch of :func:`purge` (and of the archive's move,
-    :func:`fastapi_outbox.storage.statements.archive.move`): ``table`` is where the rows are
+    """The ids of one batch of `purge` (and of the archive's move,
+    `fastapi_outbox.storage.statements.archive.move`): ``table`` is where the rows are
     taken from, ``whole`` the outbox table the ``keep_blocking`` check looks in (the same
     table unless the rows are taken from one partition). ``ordered``: by finish time then
     id, so that two evaluations in one transaction pick the same rows (SQLite's move)."""

@@ -2,7 +2,7 @@
 describe the live table, the probe that lets PostgreSQL describe the expected one, and the
 fixes a finding carries.
 
-Caller: :mod:`fastapi_outbox.storage.doctor` (``examine_sync`` and its helpers for the
+Caller: `fastapi_outbox.storage.doctor` (``examine_sync`` and its helpers for the
 reads, the findings for the fixes, ``_upgrade_once`` for the lock timeout), run by the CLI's
 ``doctor`` and ``db upgrade``. Names come in
 plain and are double-quoted here; catalogue reads take a *quoted* relation name as
@@ -36,6 +36,7 @@ __all__ = [
     "probe_table",
     "rename_in_create",
     "rename_index",
+    "reset_lock_timeout",
     "set_not_null",
     "set_storage",
     "sqlite_columns",
@@ -92,11 +93,22 @@ def probe_index(ddl: str, probe: str) -> str:
     return re.sub(r" ON \S+ ", f" ON {probe} ", ddl, count=1)
 
 
-def lock_timeout(ms: int) -> TextClause:
+def lock_timeout(ms: int, *, mysql: bool = False) -> TextClause:
     """``_upgrade_once``, before each fix on PostgreSQL: its lock is waited for ``ms`` at
     most, so an ``ALTER TABLE`` queued behind a long transaction never holds every write
-    to the table behind it (session-level: the fix runs in autocommit)."""
+    to the table behind it (session-level: the fix runs in autocommit). MySQL: the same
+    for its metadata lock (``lock_wait_timeout``, whole seconds)."""
+    if mysql:
+        return text(f"SET SESSION lock_wait_timeout = {max(1, round(ms / 1000))}")
     return text(f"SET lock_timeout = {ms}")
+
+
+def reset_lock_timeout(*, mysql: bool = False) -> TextClause:
+    """``_upgrade_once``, after each fix: the pooled connection goes back with the
+    server's default lock timeout."""
+    if mysql:
+        return text("SET SESSION lock_wait_timeout = DEFAULT")
+    return RESET_LOCK_TIMEOUT
 
 
 def add_column(table: str, column_ddl: str) -> str:
@@ -139,7 +151,7 @@ def create_index(ddl: str, *, concurrently: bool) -> str:
 
 
 def rename_in_create(create: str, name: str, new: str) -> str:
-    """A :func:`create_index` statement that builds the index under the name ``new``."""
+    """A `create_index` statement that builds the index under the name ``new``."""
     return create.replace(f"EXISTS {name} ", f"EXISTS {new} ", 1)
 
 

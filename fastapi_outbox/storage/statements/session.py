@@ -1,9 +1,9 @@
 """The statements of the driver plumbing: the session settings of every SQLite
 connection, SQLite's ``BEGIN``, and the liveness probe of an outage.
 
-Callers: :func:`fastapi_outbox.storage.engine.create_engine` (its ``connect`` and
+Callers: `fastapi_outbox.storage.engine.create_engine` (its ``connect`` and
 ``begin`` listeners on a SQLite engine) and
-:func:`fastapi_outbox.storage.db_outage.database_answers` (the relays and subscribers,
+`fastapi_outbox.storage.db_outage.database_answers` (the relays and subscribers,
 while the database is down: is it back?). Plain strings run on the DBAPI cursor or with
 ``exec_driver_sql``: no SQLAlchemy statement work where none is needed.
 """

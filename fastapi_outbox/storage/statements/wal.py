@@ -1,10 +1,10 @@
 """The statements of ``capture="wal"``: the slot's life cycle, the relay's reads and
 confirms, the readiness check of the capture.
 
-Callers: :class:`fastapi_outbox.storage.wal_slot.WalSlot` (``create``, ``drop``, ``stats``,
+Callers: `fastapi_outbox.storage.wal_slot.WalSlot` (``create``, ``drop``, ``stats``,
 ``prepare_session``, ``try_lock``, ``peek``, ``advance``: for ``db create``, the doctor,
-health and :class:`fastapi_outbox.relay.wal.WalRelay` on its dedicated asyncpg connection)
-and :class:`fastapi_outbox.write.wal_capture.WalCapture` (:data:`CHECK_SQL` at its first
+health and `fastapi_outbox.relay.wal.WalRelay` on its dedicated asyncpg connection)
+and `fastapi_outbox.write.wal_capture.WalCapture` (`CHECK_SQL` at its first
 write). All run on asyncpg with positional parameters; every slot lookup also matches
 ``database = current_database()``, because slot names are cluster-wide and another
 database's slot of the same name is not ours.
@@ -105,6 +105,6 @@ TRY_LOCK_SQL = "SELECT pg_try_advisory_lock(hashtextextended($1, 0))"
 
 
 def check_ready() -> TextClause:
-    """:data:`CHECK_SQL` with a named parameter (``:slot``), for ``WalCapture`` on a
+    """`CHECK_SQL` with a named parameter (``:slot``), for ``WalCapture`` on a
     connection that is not asyncpg's."""
     return text(CHECK_SQL.replace("$1", ":slot"))

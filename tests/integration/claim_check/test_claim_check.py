@@ -31,6 +31,8 @@ from fastapi_outbox.storage.claim_check import (
 )
 from tests.conftest import unique, wait_until
 
+pytestmark = pytest.mark.mariadb
+
 MB5 = 5 * 1024 * 1024
 SETTINGS: dict[str, Any] = {
     "claim_check_bytes": 64 * 1024,

@@ -7,6 +7,8 @@ The convention, for whoever writes a page:
   what an earlier one defined), in a temporary working directory. Top-level ``await`` works.
   After the last block, every ``async def test_*`` the page defined is awaited: a page shows
   its own test (the README tests its example with ``OutboxHarness``).
+- A page's module is importable as ``app`` while it runs: a test the README tells you to
+  save next to its ``app.py`` imports from there (``from app import outbox``).
 - A block right after the line ``<!-- sample: compile -->`` is only compiled: a fragment that
   needs names the page does not show, a server, or a file of another project (``env.py``).
 - Other languages (``bash``, ``json``, ``sql``, ``text``) are not run.
@@ -65,6 +67,7 @@ async def test_samples_run(page: Path, tmp_path: Path, monkeypatch: pytest.Monke
     module = types.ModuleType(name)
     module.__file__ = str(tmp_path / f"{name}.py")
     monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setitem(sys.modules, "app", module)
     where = page.relative_to(ROOT).as_posix()
     try:
         await _run_page(page, where, module)

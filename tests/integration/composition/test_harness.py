@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from fastapi import FastAPI
 from pydantic import BaseModel
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from fastapi_outbox import AggregateRoot, Event, Outbox, UnitOfWork, UnitOfWorkDep
@@ -128,6 +128,42 @@ async def test_a_poison_message_is_dead_lettered_and_the_others_go_on(sqlite_url
         assert [(d.type, d.attempts) for d in dead] == [("ParcelBooked", 3)]
         assert f"parcel {heavy} is too heavy" in dead[0].error
         assert [e.parcel_id for e in harness.published(LabelPrinted)] == [light]
+    await outbox.aclose()
+
+
+async def test_the_harness_runs_on_a_database_of_its_own(db_url: str) -> None:
+    # The app's database after its server ran: its tables, a parcel, an event never relayed.
+    outbox, app = build(db_url)
+    async with outbox.engine.begin() as conn:
+        await conn.run_sync(Base.metadata.create_all)
+    await outbox.create_tables()
+    async with outbox.unit_of_work() as uow:
+        uow.session.add(Parcel(id=1, weight=9.0))
+        uow.publish(ParcelBooked(parcel_id=1, weight=9.0))
+
+    async with OutboxHarness(outbox, app=app, metadata=Base.metadata) as harness:
+        async with harness.client() as client:
+            booked = (await client.post("/parcels", json={"weight": 1.5})).json()["id"]
+        await harness.wait_idle()
+        assert booked == 1  # a fresh table: the app's parcel 1 is not in it
+        assert harness.published(ParcelBooked) == [ParcelBooked(parcel_id=1, weight=1.5)]
+        async with outbox.session_factory() as session:
+            assert await session.scalar(select(func.count()).select_from(Parcel)) == 1
+
+    # The app's database is as it was: one parcel, its one message, no label.
+    async with outbox.session_factory() as session:
+        assert await session.scalar(select(func.count()).select_from(Parcel)) == 1
+        assert await session.scalar(select(Parcel.weight)) == 9.0
+        assert await session.scalar(select(func.count()).select_from(Label)) == 0
+        assert await session.scalar(select(func.count()).select_from(outbox.table)) == 1
+    if outbox.engine.dialect.name == "postgresql":
+        async with outbox.engine.connect() as conn:
+            schemas = await conn.scalars(
+                text("SELECT nspname FROM pg_namespace WHERE nspname LIKE 'outbox_harness_%'")
+            )
+            assert list(schemas) == []  # dropped on exit
+    async with outbox.engine.begin() as conn:
+        await conn.run_sync(Base.metadata.drop_all)
     await outbox.aclose()
 
 

@@ -31,7 +31,7 @@ from fastapi_outbox.consume.subscriber import BatchUnitOfWork
 from fastapi_outbox.events import Envelope
 from tests.conftest import unique, wait_until
 
-pytestmark = pytest.mark.usefixtures("quick_fetch")
+pytestmark = [pytest.mark.mariadb, pytest.mark.usefixtures("quick_fetch")]
 
 FAST = {
     "consumer_claim_idle_seconds": 1.0,

@@ -130,7 +130,7 @@ async def backlog_through_an_outage(
         await outbox.aclose()
 
 
-@pytest.mark.postgres
+@pytest.mark.postgres(reason="a private PostgreSQL proxied to answer 'starting up' (57P03)")
 @pytest.mark.redis
 async def test_a_database_starting_up_for_10s_makes_a_backlog_wait_in_place(
     pg_url: str, redis_url: str
@@ -215,7 +215,7 @@ async def starting_up_proxy() -> AsyncIterator[StartingUpProxy]:
         await proxy.stop()
 
 
-@pytest.mark.postgres
+@pytest.mark.postgres(reason="a private PostgreSQL proxied to cut connections mid-flow")
 @pytest.mark.parametrize(
     ("broker_name", "batch_handler"),
     [
@@ -291,7 +291,7 @@ async def test_a_shutdown_during_an_outage_releases_the_message_uncharged(
                 await client.delete(stream, f"{stream}.g.dlq")
 
 
-@pytest.mark.postgres
+@pytest.mark.postgres(reason="a private PostgreSQL proxied to answer 'starting up' (57P03)")
 async def test_the_relay_tells_an_unavailable_database_from_a_failing_statement(
     pg_url: str, starting_up_proxy: StartingUpProxy
 ) -> None:
@@ -329,7 +329,7 @@ async def test_the_relay_tells_an_unavailable_database_from_a_failing_statement(
         await outbox.aclose()
 
 
-@pytest.mark.postgres
+@pytest.mark.postgres(reason="a private PostgreSQL proxied to answer 'too many clients' (53300)")
 async def test_too_many_clients_is_waited_out(
     pg_url: str, starting_up_proxy: StartingUpProxy
 ) -> None:
@@ -366,7 +366,7 @@ async def test_too_many_clients_is_waited_out(
         await outbox.aclose()
 
 
-@pytest.mark.postgres
+@pytest.mark.postgres(reason="the pool's timeout, the same on every database: one server suffices")
 async def test_a_pool_timeout_is_waited_out(pg_url: str) -> None:
     """Every pooled connection held elsewhere (``pool_size=2``, no overflow): the
     subscriber's checkout times out (``sqlalchemy.exc.TimeoutError``), the messages wait

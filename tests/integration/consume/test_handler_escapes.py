@@ -95,7 +95,9 @@ def kind(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-@pytest.mark.postgres
+@pytest.mark.postgres(
+    reason="handler escapes are the subscriber's, not the database's: one server suffices"
+)
 @pytest.mark.parametrize("batch", [True, False], ids=["batch", "one_by_one"])
 async def test_a_foreign_cancellation_is_a_failure_retried(
     kind: str, batch: bool, request: pytest.FixtureRequest
@@ -129,7 +131,9 @@ async def test_a_foreign_cancellation_is_a_failure_retried(
         assert sorted(calls) == list(range(COUNT))
 
 
-@pytest.mark.postgres
+@pytest.mark.postgres(
+    reason="handler escapes are the subscriber's, not the database's: one server suffices"
+)
 async def test_a_base_exception_dead_letters_its_message_and_the_rest_goes_on(
     kind: str, request: pytest.FixtureRequest
 ) -> None:
@@ -206,7 +210,9 @@ asyncio.run(main())
 """
 
 
-@pytest.mark.postgres
+@pytest.mark.postgres(
+    reason="handler escapes are the subscriber's, not the database's: one server suffices"
+)
 @pytest.mark.redis
 async def test_keyboard_interrupt_stops_the_process_releasing_in_flight(
     request: pytest.FixtureRequest, tmp_path: Any
@@ -283,7 +289,9 @@ class DyingAck(MemoryBroker):
         return Consumer()
 
 
-@pytest.mark.postgres
+@pytest.mark.postgres(
+    reason="handler escapes are the subscriber's, not the database's: one server suffices"
+)
 async def test_a_dying_worker_is_logged_replaced_and_shown_by_health(
     request: pytest.FixtureRequest, caplog: pytest.LogCaptureFixture
 ) -> None:

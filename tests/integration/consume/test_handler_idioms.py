@@ -33,7 +33,7 @@ from fastapi_outbox.brokers import Broker, MemoryBroker
 from fastapi_outbox.events import Envelope
 from tests.conftest import unique, wait_until
 
-pytestmark = pytest.mark.usefixtures("quick_fetch")
+pytestmark = [pytest.mark.mariadb, pytest.mark.usefixtures("quick_fetch")]
 
 MESSAGES = 6
 JOBS = "idiom_jobs"

@@ -25,7 +25,15 @@ from fastapi_outbox.brokers import MemoryBroker
 from fastapi_outbox.exceptions import UnitOfWorkError
 from tests.conftest import unique, wait_until
 
-pytestmark = [pytest.mark.usefixtures("quick_fetch"), pytest.mark.postgres]
+pytestmark = [
+    pytest.mark.usefixtures("quick_fetch"),
+    pytest.mark.postgres(
+        reason=(
+            "one session per handler is the subscriber's rule, not the database's: "
+            "one server suffices"
+        )
+    ),
+]
 
 COUNT = 4
 

@@ -421,7 +421,7 @@ async def test_a_handlers_own_connection_error_is_retried_then_dead_lettered(
     await outbox.aclose()
 
 
-@pytest.mark.postgres
+@pytest.mark.postgres(reason="a private PostgreSQL proxied to cut connections")
 async def test_a_database_outage_costs_no_attempt(pg_url: str) -> None:
     """The database goes away (a proxy cut) under a subscriber with ``max_attempts=1``: the
     message waits in place — a charged attempt would dead-letter it at once — and is

@@ -22,6 +22,8 @@ from fastapi_outbox.brokers import MemoryBroker
 from fastapi_outbox.ops.dashboard import CSRF_COOKIE, CSRF_HEADER
 from tests.conftest import asgi_client, unique
 
+pytestmark = pytest.mark.mariadb
+
 MARKER = "PAYLOAD-MARKER-5c1a"
 basic = HTTPBasic()
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import anyio
 import httpx
+import pytest
 from fastapi import FastAPI
 from sqlalchemy import update
 from sqlalchemy.engine import make_url
@@ -17,6 +18,8 @@ from sqlalchemy.engine import make_url
 from fastapi_outbox import BrokerUnavailable, Message, MessageRejected, Outbox, OutboxSettings
 from fastapi_outbox.brokers import MemoryBroker
 from tests.conftest import unique, wait_until
+
+pytestmark = pytest.mark.mariadb
 
 PASSWORD = "Pw-health-4f2a9c"
 MARKER = "PAYLOAD-MARKER-7d1e"

@@ -131,7 +131,16 @@ async def test_consumers_command_prints_an_unreachable_brokers_cause_and_exits_3
 
 
 @pytest.mark.parametrize(
-    "database", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+    "database",
+    [
+        "sqlite",
+        pytest.param(
+            "postgres",
+            marks=pytest.mark.postgres(
+                reason="PostgreSQL's refused-credentials SQLSTATE from a private server"
+            ),
+        ),
+    ],
 )
 async def test_a_missing_table_is_reported_with_its_fix_not_as_an_outage(
     database: str, request: pytest.FixtureRequest
@@ -153,7 +162,7 @@ async def test_a_missing_table_is_reported_with_its_fix_not_as_an_outage(
     assert "table missing" in listed.stderr and "fastapi-outbox db create" in listed.stderr
 
 
-@pytest.mark.postgres
+@pytest.mark.postgres(reason="PostgreSQL's refused-credentials SQLSTATE from a private server")
 async def test_refused_database_credentials_are_reported_as_authentication_failed(
     pg_url: str,
 ) -> None:

@@ -18,6 +18,8 @@ from fastapi_outbox.brokers import MemoryBroker
 from fastapi_outbox.storage import doctor, partitions
 from tests.conftest import unique
 
+pytestmark = pytest.mark.mariadb
+
 HOUR = 3600.0
 DAY = dt.timedelta(days=1)
 
@@ -225,7 +227,7 @@ async def age(outbox: Outbox, ids: list[uuid.UUID], at: dt.datetime, **values: A
     return new
 
 
-@pytest.mark.postgres
+@pytest.mark.postgres(reason="partitions (re-attached to the archive) are PostgreSQL's alone")
 async def test_a_finished_partition_is_reattached_to_the_archive(pg_url: str) -> None:
     outbox = archiving(
         pg_url,

@@ -19,6 +19,8 @@ from fastapi_outbox.exceptions import MessageNotFound, TooLate
 from fastapi_outbox.storage.filters import MessageFilter
 from tests.conftest import unique, wait_until
 
+pytestmark = pytest.mark.mariadb
+
 DELAY = 1.2
 
 

@@ -12,11 +12,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import anyio
+import pytest
 
 from fastapi_outbox import Outbox, OutboxSettings
 from fastapi_outbox.brokers import MemoryBroker, PublishResults
 from fastapi_outbox.events import Envelope, Message
 from tests.conftest import unique, wait_until
+
+pytestmark = pytest.mark.mariadb
 
 
 async def publish(outbox: Outbox, n: int, *, per_transaction: int = 100) -> list[uuid.UUID]:

@@ -40,6 +40,8 @@ from fastapi_outbox.storage.store import Failure
 from tests.conftest import unique, wait_until
 from tests.servers import PrivateServer, TcpProxy, private_redis_server
 
+pytestmark = pytest.mark.mariadb
+
 PRIVATE_REDIS_PORTS = range(6380, 6390)
 
 FAST = {

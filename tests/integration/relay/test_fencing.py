@@ -19,6 +19,8 @@ from fastapi_outbox.events import Message
 from fastapi_outbox.storage.store import Failure
 from tests.conftest import unique, wait_until
 
+pytestmark = pytest.mark.mariadb
+
 
 @pytest.fixture
 async def outbox(db_url: str) -> AsyncIterator[Outbox]:

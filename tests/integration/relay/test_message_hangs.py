@@ -34,6 +34,8 @@ from tests.acceptance.conftest import nats_ids
 from tests.conftest import unique, wait_until
 from tests.servers import TcpProxy
 
+pytestmark = pytest.mark.mariadb
+
 SETTINGS: dict[str, Any] = {
     "publish_timeout_seconds": 0.5,
     "lease_seconds": 3,

@@ -49,6 +49,8 @@ from fastapi_outbox.events import Envelope
 from fastapi_outbox.testing import drain
 from tests.conftest import unique, wait_until
 
+pytestmark = pytest.mark.mariadb
+
 KEYS = [f"acct-{i}" for i in range(8)]
 
 

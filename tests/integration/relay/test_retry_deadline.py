@@ -11,6 +11,8 @@ from fastapi_outbox import Message, MessageRejected, Outbox, OutboxSettings
 from fastapi_outbox.brokers import MemoryBroker
 from tests.conftest import unique, wait_until
 
+pytestmark = pytest.mark.mariadb
+
 FAST = {
     "poll_interval_seconds": 0.05,
     "max_poll_interval_seconds": 0.2,

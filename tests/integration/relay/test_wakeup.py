@@ -21,6 +21,8 @@ from fastapi_outbox.brokers import MemoryBroker
 from fastapi_outbox.events import Message
 from tests.conftest import unique, wait_until
 
+pytestmark = pytest.mark.mariadb
+
 SLOW_POLL = {"poll_interval_seconds": 30.0, "max_poll_interval_seconds": 30.0}
 WAKE_WITHIN = 2.0
 

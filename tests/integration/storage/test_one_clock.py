@@ -20,6 +20,8 @@ from fastapi_outbox.brokers import MemoryBroker
 from fastapi_outbox.storage import clock
 from tests.conftest import unique, wait_until
 
+pytestmark = pytest.mark.mariadb
+
 SKEW = 120.0
 #: The retry deadline: far below SKEW, so either clock error would show (abandoned at the
 #: first claim, or 120 s late), and long enough for the first claim to come before it.
@@ -181,7 +183,7 @@ async def test_backoff_lease_age_and_retention_use_the_database_clock(
             await conn.execute(
                 update(t)
                 .where(t.c.id == others[0])
-                .values(published_at=clock.db_later(store.is_postgres, seconds=-90.0))
+                .values(published_at=clock.db_later(store.engine.dialect.name, seconds=-90.0))
             )
         assert await store.retention.purge_batch("published", 60.0, 100) == 1
     finally:
@@ -211,7 +213,7 @@ async def test_inbox_retention_uses_the_database_clock(db_url: str, skew: float)
             await conn.execute(
                 update(t)
                 .where(t.c.message_id == "m-1")
-                .values(handled_at=clock.db_later(outbox.store.is_postgres, seconds=-90.0))
+                .values(handled_at=clock.db_later(outbox.engine.dialect.name, seconds=-90.0))
             )
         assert await inbox.purge_batch(60.0, 100) == 1
     finally:

@@ -16,7 +16,9 @@ from sqlalchemy import text
 from fastapi_outbox.storage import engine as engine_module
 from fastapi_outbox.storage.engine import create_engine
 
-pytestmark = pytest.mark.postgres
+pytestmark = pytest.mark.postgres(
+    reason="asyncpg's client policy: connect timeout and TCP keep-alive of its sockets"
+)
 
 
 @pytest.fixture

@@ -25,6 +25,8 @@ from fastapi_outbox import (
 )
 from fastapi_outbox.brokers import MemoryBroker
 
+pytestmark = pytest.mark.mariadb
+
 
 class Base(DeclarativeBase):
     pass

@@ -232,7 +232,9 @@ def test_bad_database_url_is_a_configuration_error_without_the_password(url: str
         (f"postgresql+psycopg2://app:{SECRET}@h/x", "not an asyncio driver", "postgresql+asyncpg"),
         ("sqlite:///shop.db", "names no driver", "sqlite+aiosqlite:///shop.db"),
         ("sqlite://", "names no driver", "sqlite+aiosqlite://"),
-        (f"mysql://app:{SECRET}@h/x", "'mysql' is not a database", "postgresql+asyncpg://"),
+        (f"mysql://app:{SECRET}@h/x", "names no driver", "mysql+asyncmy://app:***@h/x"),
+        (f"mariadb+asyncmy://app:{SECRET}@h/x", "mariadb:// is not", "mysql+asyncmy://app:***@h/x"),
+        (f"oracle://app:{SECRET}@h/x", "'oracle' is not a database", "mysql+asyncmy://"),
     ],
 )
 def test_a_url_without_an_async_driver_names_the_url_and_the_right_form(

@@ -30,7 +30,9 @@ from fastapi_outbox.storage.statements.inserts import insert_rows
 from tests.conftest import wait_until
 from tests.servers import WireTap
 
-pytestmark = pytest.mark.postgres
+pytestmark = pytest.mark.postgres(
+    reason="counts round trips of asyncpg's fast path (hot statements on the driver) and the NOTIFY"
+)
 
 #: One pooled connection, used over and over: warmed once, its prepared statements cached
 #: (one more may overflow when something else holds it; it is not kept).

@@ -16,7 +16,9 @@ from fastapi_outbox import Outbox, OutboxSettings
 from fastapi_outbox.brokers import MemoryBroker
 from tests.servers import TcpProxy
 
-pytestmark = pytest.mark.postgres
+pytestmark = pytest.mark.postgres(
+    reason="a private PostgreSQL proxied to drop the connection during ROLLBACK"
+)
 
 
 class OrderRefused(Exception):

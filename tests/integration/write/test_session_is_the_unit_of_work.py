@@ -22,6 +22,8 @@ from fastapi_outbox import AggregateRoot, Event, Outbox, OutboxSettings, UnitOfW
 from fastapi_outbox.brokers import MemoryBroker
 from tests.conftest import asgi_client, wait_until
 
+pytestmark = pytest.mark.mariadb
+
 
 class Base(DeclarativeBase):
     pass

@@ -31,6 +31,8 @@ from fastapi_outbox.brokers import MemoryBroker
 from fastapi_outbox.testing import drain
 from tests.conftest import asgi_client
 
+pytestmark = pytest.mark.mariadb
+
 
 class Base(DeclarativeBase):
     pass
