@@ -36,7 +36,7 @@ DEFAULT_URL = "kafka://localhost:9092"
 class KafkaBroker(KafkaPublisher):
     """Publishes to Kafka topics with ``acks="all"`` (the stream is the topic, the key the
     record key) and consumes with one Kafka consumer group per subscriber group
-    (:meth:`consumer`), through aiokafka."""
+    (``consumer``), through aiokafka."""
 
     def __init__(
         self,

@@ -2,7 +2,7 @@
 servers and every client policy (timeouts, retries, keep-alive, group liveness), one
 producer (``acks="all"``, idempotent where the cluster grants a producer id), one admin
 client that creates the topics a stream and its dead letters need, and the translation of
-a client failure into :class:`~fastapi_outbox.exceptions.BrokerUnavailable`.
+a client failure into ``BrokerUnavailable``.
 
 The publisher and the consumers each receive this object and never read each other
 (faststream's ``redis/configs/state.py`` is the example). Every client's policy is set

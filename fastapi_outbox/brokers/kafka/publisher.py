@@ -5,13 +5,13 @@ requests) and its results are read only once every record of it has its answer: 
 ``acks="all"`` a record is acknowledged when every in-sync replica has it, so the relay
 marks a batch published only after the cluster acknowledged every message of it.
 
-* a message's own fault fails that message alone (a :class:`MessageRejected` result): a
+* a message's own fault fails that message alone (a ``MessageRejected`` result): a
   record over ``max_request_bytes`` or the broker's ``message.max.bytes`` (the error names
   the claim check, ``OutboxSettings(claim_check=…)``, as the remedy), a stream whose topic
   name Kafka refuses;
-* the cluster's fault raises :class:`BrokerUnavailable` for the whole batch (no attempt is
+* the cluster's fault raises ``BrokerUnavailable`` for the whole batch (no attempt is
   spent): no server answering, "leader not available", too few in-sync replicas, a request
-  timeout (:func:`~.wire.outage`).
+  timeout (``outage``).
 
 De-duplication: the producer is idempotent where the cluster grants a producer id, so a
 record aiokafka retries inside one send is stored once. A batch the relay sends again

@@ -1,7 +1,7 @@
 """What the Kafka publisher and consumer agree on about the Kafka protocol: how an
 envelope becomes a record (topic, key, headers, value), how a record is read back, the
 names of the topics and groups a stream uses, and which client errors are outages of the
-broker rather than faults of one message (:func:`outage`, the one place where Kafka errors
+broker rather than faults of one message (``outage``, the one place where Kafka errors
 are told apart).
 
 A record carries:
@@ -208,9 +208,9 @@ def outage(error: BaseException, url: str) -> Exception | None:
 
     * no connection, no broker, no leader for a partition ("leader not available"), too
       few in-sync replicas for ``acks=all``, the coordinator moving, the topic not known
-      (yet: it is created, or metadata lags) → :class:`BrokerUnavailable`;
-    * a request or metadata timeout → :class:`BrokerTimeout`;
-    * SASL refused → :class:`AuthenticationFailed`.
+      (yet: it is created, or metadata lags) → ``BrokerUnavailable``;
+    * a request or metadata timeout → ``BrokerTimeout``;
+    * SASL refused → ``AuthenticationFailed``.
     """
     from aiokafka import errors
 
