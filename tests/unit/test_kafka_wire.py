@@ -9,8 +9,8 @@ from typing import NamedTuple
 import pytest
 from aiokafka import errors
 
-from fastapi_outbox import exceptions
-from fastapi_outbox.brokers import url_options
+from fastapi_outbox import Message, Outbox, exceptions
+from fastapi_outbox.brokers import KafkaBroker, url_options
 from fastapi_outbox.brokers.kafka.wire import (
     bootstrap_servers,
     decode_record,
@@ -139,3 +139,18 @@ def test_size_limit_errors() -> None:
     assert too_large(errors.MessageSizeTooLargeError())
     assert too_large(errors.RecordListTooLargeError())
     assert not too_large(errors.KafkaConnectionError())
+
+
+def test_the_asyncapi_document_describes_the_brokers_own_topics_and_groups() -> None:
+    broker = KafkaBroker("kafka://u:pw@k1:9092", topic_name="app.{stream}")
+    outbox = Outbox("sqlite+aiosqlite:///:memory:", brokers={"default": broker})
+
+    @outbox.subscriber("orders", group="billing")
+    async def bill(message: Message) -> None:
+        pass
+
+    document = outbox.asyncapi()
+    assert document["channels"]["orders"]["bindings"]["kafka"]["topic"] == "app.orders"
+    [receive] = [op for op in document["operations"].values() if op["action"] == "receive"]
+    assert receive["bindings"]["kafka"]["groupId"]["enum"] == ["app.orders.billing"]
+    assert "pw" not in json.dumps(document, default=str)
