@@ -23,6 +23,7 @@ from fastapi_outbox.exceptions import (
     SerializationError,
     UnitOfWorkError,
     UnknownBroker,
+    UnknownTenant,
 )
 from fastapi_outbox.log import JsonFormatter, TextFormatter
 from fastapi_outbox.ops.metrics import PrometheusInstrumentation, metrics_router, mount_metrics
@@ -59,6 +60,7 @@ __all__ = [
     "UnitOfWorkDep",
     "UnitOfWorkError",
     "UnknownBroker",
+    "UnknownTenant",
     "__version__",
     "build_archive_table",
     "build_table",

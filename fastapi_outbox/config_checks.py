@@ -89,3 +89,17 @@ def check_wal_capture(dialect: str, driver: str) -> None:
             f"capture='wal' (OUTBOX_CAPTURE) needs PostgreSQL through asyncpg "
             f"(postgresql+asyncpg://…), not {dialect}+{driver}: use capture='table'"
         )
+
+
+def check_tenants(settings: Any) -> None:
+    """A multi-tenant outbox keeps its messages in the outbox table of each tenant: the
+    table capture only, and claim-checked payloads are not supported there yet."""
+    if settings.capture != "table":
+        raise exceptions.ConfigurationError(
+            f'tenants=: capture="{settings.capture}" is not supported; tenants need capture="table"'
+        )
+    if settings.claim_check_bytes is not None:
+        raise exceptions.ConfigurationError(
+            "tenants=: claim_check_bytes is not supported with tenants (payloads stay in "
+            "each tenant's outbox rows)"
+        )

@@ -48,6 +48,8 @@ HEADER_CORRELATION_ID = "correlation-id"
 HEADER_CAUSATION_ID = "causation-id"
 HEADER_TRACEPARENT = "traceparent"
 HEADER_TRACESTATE = "tracestate"
+#: The tenant a message belongs to (multi-tenant outboxes: ``Outbox(tenants=...)``).
+HEADER_TENANT = "tenant"
 #: The key id an encrypted payload was sealed with (fastapi_outbox.payloads.encryption).
 HEADER_ENCRYPTION_KEY_ID = "encryption-key-id"
 #: The sealed ``encrypted_headers`` of an encrypted message.

@@ -67,6 +67,7 @@ __all__ = [
     "UnitOfWorkError",
     "UnknownBroker",
     "UnknownEncryptionKey",
+    "UnknownTenant",
     "UnstorableText",
 ]
 
@@ -94,6 +95,11 @@ class PublishError(OutboxError, ValueError):
 
 class UnknownBroker(PublishError):
     """No broker of that name is configured."""
+
+
+class UnknownTenant(OutboxError):
+    """A multi-tenant outbox was asked for a tenant it does not serve (or for none):
+    refused before anything is written."""
 
 
 class SerializationError(PublishError):

@@ -11,38 +11,45 @@ parts below it that it uses. The checks of its configuration are
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
+import anyio
 from fastapi import APIRouter
+from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
-from fastapi_outbox import config_checks
+from fastapi_outbox import config_checks, exceptions
 from fastapi_outbox.brokers.base import Broker
 from fastapi_outbox.brokers.setup import DEFAULT_BROKER as DEFAULT_BROKER
 from fastapi_outbox.brokers.setup import NO_BROKER as NO_BROKER
-from fastapi_outbox.brokers.setup import setup_brokers
+from fastapi_outbox.brokers.setup import BrokerSetup, setup_brokers
 from fastapi_outbox.consume import entry
-from fastapi_outbox.consume.context import ConsumeContext
+from fastapi_outbox.consume.context import ConsumeContext, TenantConsumeContext, current_tenant
 from fastapi_outbox.consume.handlers import Handler
 from fastapi_outbox.consume.subscriber import ConsumerStatus, Subscriber
+from fastapi_outbox.exceptions import UnknownTenant
 from fastapi_outbox.instrumentation import Instrumentation
 from fastapi_outbox.lifecycle.retention import Cleaner
 from fastapi_outbox.lifecycle.supervisor import Lifecycle, close_brokers
+from fastapi_outbox.lifecycle.tenants import TenantCleaner, TenantRelays, Tenants, TenantSource
 from fastapi_outbox.ops.routers import Routers
 from fastapi_outbox.payloads import build_payloads
 from fastapi_outbox.redaction import redact_url
 from fastapi_outbox.relay.relays import Relays
 from fastapi_outbox.relay.table import instance_id
+from fastapi_outbox.relay.tenants import TenantRelay
 from fastapi_outbox.relay.wakeups import channel_name
 from fastapi_outbox.settings import OutboxSettings
 from fastapi_outbox.storage.claim_check import known_in
 from fastapi_outbox.storage.doctor import SideTable
 from fastapi_outbox.storage.probe import DatabaseProbe
 from fastapi_outbox.storage.setup import open_engine, setup_storage
+from fastapi_outbox.storage.tenant_schema import create_schema, is_schema, tenant_engine
 from fastapi_outbox.write.capture import capture_for
 from fastapi_outbox.write.producer import Producer
 from fastapi_outbox.write.unit_of_work import (
@@ -51,6 +58,9 @@ from fastapi_outbox.write.unit_of_work import (
     dependency_for,
     register,
     serve_app,
+    serve_tenants,
+    tenant_dependency_bound,
+    tenant_dependency_for,
     transaction,
 )
 
@@ -71,7 +81,7 @@ class Outbox:
 
     def __init__(
         self,
-        database: str | AsyncEngine,
+        database: str | AsyncEngine | None = None,
         *,
         brokers: Mapping[str, Broker] | None = None,
         external_brokers: Mapping[str, Broker] | None = None,
@@ -80,10 +90,54 @@ class Outbox:
         instrumentation: Instrumentation | None = None,
         engine_options: Mapping[str, Any] | None = None,
         dashboard_dependencies: Sequence[Any] | None = None,
+        tenants: TenantSource | None = None,
+        tenant_dependency: Callable[..., Any] | None = None,
     ) -> None:
-        self.settings = settings if settings is not None else OutboxSettings.from_env()
-        self.engine, self._owns_engine = open_engine(database, engine_options)
-        self._brokers = setup_brokers(brokers, external_brokers, self.settings)
+        """``tenants``: a multi-tenant outbox (docs/how-to/multi-tenancy.md): tenant id →
+        database URL or schema of ``database``, or a callable (sync or async) returning
+        that mapping, read again every ``tenant_refresh_seconds``. ``tenant_dependency``:
+        the FastAPI dependency giving a request's tenant id (a header, a path parameter,
+        a token's claim)."""
+        settings = settings if settings is not None else OutboxSettings.from_env()
+        if database is None:
+            if tenants is None:
+                raise exceptions.ConfigurationError(
+                    "Outbox() needs a database URL or engine (or tenants=...)"
+                )
+            database = "sqlite+aiosqlite://"  # the tenants' databases hold everything
+        engine, owns = open_engine(database, engine_options)
+        self._compose(
+            engine,
+            owns,
+            setup_brokers(brokers, external_brokers, settings),
+            settings,
+            session_factory,
+            instrumentation or Instrumentation(),
+        )
+        self.dashboard_dependencies = (
+            None if dashboard_dependencies is None else list(dashboard_dependencies)
+        )
+        #: A multi-tenant outbox's tenants (``tenants=``), else None.
+        self.tenants: Tenants | None = None
+        self._tenant_dependency = tenant_dependency
+        if tenants is None:
+            register(self._producer)
+            return
+        self._serve_tenants(tenants, dict(engine_options or {}), database)
+
+    def _compose(
+        self,
+        engine: AsyncEngine,
+        owns: bool,
+        broker_setup: BrokerSetup,
+        settings: OutboxSettings,
+        session_factory: async_sessionmaker[AsyncSession] | None,
+        instrumentation: Instrumentation,
+        tenant: str | None = None,
+    ) -> None:
+        self.settings = settings
+        self.engine, self._owns_engine = engine, owns
+        self._brokers = broker_setup
         config_checks.check_partitioning(self.settings.partitioning, self.engine.dialect.name)
         self._storage = storage = setup_storage(self.engine, self.settings)
         self.table, self.store = storage.table, storage.store
@@ -96,7 +150,7 @@ class Outbox:
         self.claim_check_store = storage.payloads
         #: The payload stages (encryption, claim-check): publish seals, subscribers restore.
         self.payloads = build_payloads(self.settings, self.claim_check_store)
-        self.instrumentation = instrumentation or Instrumentation()
+        self.instrumentation = instrumentation
         self.instance = instance_id()
         self.channel = channel_name(self.settings.table_name)
         #: The relays of this outbox in this process, and the wake-ups a commit sends them.
@@ -118,7 +172,10 @@ class Outbox:
             capture=capture_for(self.store, self.wal_slot),
             claim_check_store=self.claim_check_store,
             relays=self.relays,
+            tenant=tenant,
         )
+        #: The tenant this outbox is the part of a multi-tenant outbox of (else None).
+        self.tenant = tenant
         self.subscribers: list[Subscriber] = []
         self._consume = ConsumeContext(
             producer=self._producer,
@@ -149,10 +206,92 @@ class Outbox:
         self.database_probe = DatabaseProbe(self.engine, self.table, self.store.messages)
         self._routers = Routers(self, self.lifespan)
         self._dependency: Dependency | None = None
-        self.dashboard_dependencies = (
-            None if dashboard_dependencies is None else list(dashboard_dependencies)
+        #: A tenant's part whose tables are in a schema of its own: that schema.
+        self._schema: str | None = None
+
+    # -- tenants ----------------------------------------------------------------------------
+
+    def _serve_tenants(
+        self, source: TenantSource, engine_options: dict[str, Any], database: str | AsyncEngine
+    ) -> None:
+        """Make this outbox a multi-tenant one: its tenants, their relay, its subscribers
+        handling each message in its tenant's database."""
+        config_checks.check_tenants(self.settings)
+        base = make_url(database) if isinstance(database, str) else database.url
+
+        def build(name: str, target: str) -> Outbox:
+            child = Outbox.__new__(Outbox)
+            child._compose(
+                tenant_engine(target, base, engine_options),
+                True,
+                self._brokers,
+                self.settings,
+                None,
+                self.instrumentation,
+                tenant=name,
+            )
+            child.dashboard_dependencies = self.dashboard_dependencies
+            # The subscribers are the multi-tenant outbox's: a tenant's retention prunes
+            # their tables, its doctor expects their inbox.
+            child.subscribers = child.cleaner.subscribers = self.subscribers
+            child.lifecycle.subscribers = self.subscribers
+            child.tenants = None
+            child._tenant_dependency = None
+            child._schema = target if is_schema(target) else None
+            return child
+
+        relay = TenantRelay(
+            settings=self.settings, instance=self.instance, instrumentation=self.instrumentation
         )
-        register(self._producer)
+        self.tenants = tenants = Tenants(
+            source, build=build, relay=relay, refresh_seconds=self.settings.tenant_refresh_seconds
+        )
+        self.lifecycle.relays = TenantRelays(
+            tenants,
+            store=self.store,
+            settings=self.settings,
+            instance=self.instance,
+            channel=self.channel,
+            instrumentation=self.instrumentation,
+            wal_slot=None,
+        )
+
+        self.cleaner = self.lifecycle.cleaner = TenantCleaner(tenants, self.cleaner)
+
+        def resolve(name: str | None) -> ConsumeContext:
+            outbox: Outbox = tenants.get(name)
+            return outbox._consume
+
+        self._consume = TenantConsumeContext(
+            resolve=resolve,
+            producer=self._producer,
+            inbox=self.inbox,
+            instance=self.instance,
+            brokers=self._brokers,
+            subscribers=self.subscribers,
+        )
+
+    def tenant_outbox(self, tenant: str | None) -> Outbox:
+        """The outbox of one tenant of this multi-tenant outbox: its tables, its unit of
+        work, its operations (``await outbox.tenant_outbox("acme").create_tables()``);
+        `UnknownTenant` for a tenant it does not serve.
+        Read the tenants first when they come from an async callable
+        (`load_tenants`)."""
+        if self.tenants is None:
+            raise exceptions.ConfigurationError("this outbox serves no tenants")
+        outbox: Outbox = self.tenants.get(tenant)
+        return outbox
+
+    async def load_tenants(self) -> list[str]:
+        """Read the tenants (an async callable: the first time; a callable: again) and
+        return their ids."""
+        if self.tenants is None:
+            return []
+        if self.tenants.loaded:
+            await self.tenants.refresh()
+        else:
+            await self.tenants.ensure_loaded()
+        return self.tenants.names
 
     def __repr__(self) -> str:
         return f"Outbox({redact_url(str(self.engine.url))!r}, brokers={list(self.all_brokers)})"
@@ -203,8 +342,14 @@ class Outbox:
         causation_id: str | None = None,
         traceparent: str | None = None,
         session: AsyncSession | None = None,
+        tenant: str | None = None,
     ) -> AsyncIterator[UnitOfWork]:
         """``async with outbox.unit_of_work() as uow:`` — commits on exit, rolls back on error.
+
+        ``tenant``: a multi-tenant outbox's unit of work works in that tenant's database
+        (inside a subscriber's handler it defaults to the message's tenant); an unknown
+        tenant raises `UnknownTenant` before anything
+        is written.
 
         The block may commit the session itself: events go with the transaction that commits
         them (`fastapi_outbox.write.session_events`).
@@ -219,8 +364,14 @@ class Outbox:
         that way (a savepoint of the handler's transaction, the handler's correlation and
         causation ids unless given): its work commits with the message's inbox row or not
         at all, never on its own."""
+        producer = self._producer
+        if self.tenants is not None:
+            await self.tenants.ensure_loaded()
+            producer = self.tenants.get(tenant or current_tenant())._producer
+        elif tenant is not None:
+            raise UnknownTenant(f"unknown tenant {tenant!r}: this outbox serves no tenants")
         async with transaction(
-            self._producer,
+            producer,
             session,
             correlation_id=correlation_id,
             causation_id=causation_id,
@@ -299,11 +450,25 @@ class Outbox:
         (``outbox.lifecycle.declare_groups()``), so messages published before the first
         deploy of a subscriber wait for it whatever its ``start`` (a broker that does not
         answer is logged, not raised: ``db create`` and ``declare_groups()`` raise)."""
-        await self._storage.create()
+        if self.tenants is not None:
+            await self.tenants.ensure_loaded()
+            for name in self.tenants.names:
+                await self.tenant_outbox(name).create_tables(groups=False)
+                await self.tenants.rest(name)
+        else:
+            if self.tenant is not None and self._schema is not None:
+                await create_schema(self.engine, self._schema)
+            await self._storage.create()
         if groups:
             await self.lifecycle.declare_groups_or_warn()
 
     async def drop_tables(self) -> None:
+        if self.tenants is not None:
+            await self.tenants.ensure_loaded()
+            for name in self.tenants.names:
+                await self.tenant_outbox(name).drop_tables()
+                await self.tenants.rest(name)
+            return
         await self._storage.drop()
 
     # -- running -------------------------------------------------------------------------------
@@ -319,6 +484,14 @@ class Outbox:
     async def lifespan(self, app: Any) -> AsyncIterator[None]:
         """FastAPI lifespan: ``FastAPI(lifespan=outbox.lifespan)``."""
         serve_app(app.state, self._producer)
+        if self.tenants is not None:
+            await self.tenants.ensure_loaded()
+            if self._tenant_dependency is not None:
+                serve_tenants(app, self._tenant_scoped())
+            if not self.settings.run_relays:
+                async with self._refreshing():
+                    yield
+                return
         if not self.settings.run_relays:
             if self.wal_slot is not None:
                 await self.wal_slot.check_server(slot=True)
@@ -328,9 +501,44 @@ class Outbox:
         async with self.relaying():
             yield
 
+    @contextlib.asynccontextmanager
+    async def _refreshing(self) -> AsyncIterator[None]:
+        """An API-only process of a multi-tenant outbox: the tenants are read again every
+        ``tenant_refresh_seconds`` while the block runs (a task of its own, as
+        `notifying`)."""
+        assert self.tenants is not None
+        task = asyncio.get_running_loop().create_task(self.tenants.run(), name="outbox-tenants")
+        try:
+            yield
+        finally:
+            task.cancel()
+            with anyio.CancelScope(shield=True), contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def _tenant_scoped(self) -> Any:
+        if self._tenant_dependency is None:
+            raise exceptions.ConfigurationError(
+                "a multi-tenant outbox's request dependency needs Outbox(tenant_dependency=...):"
+                " the FastAPI dependency that gives the request's tenant id"
+            )
+        tenants = self.tenants
+        assert tenants is not None
+
+        def producer_of(tenant: str) -> Producer:
+            outbox: Outbox = tenants.get(tenant)
+            return outbox._producer
+
+        return tenant_dependency_for(producer_of, self._tenant_dependency)
+
     async def aclose(self) -> None:
         """Close brokers and the engine (when the Outbox created it)."""
+        if self.tenant is not None:  # a tenant's part: its engine only
+            await self.database_probe.aclose()
+            await self.engine.dispose()
+            return
         await close_brokers(self.all_brokers, self.settings.shutdown_timeout_seconds)
+        if self.tenants is not None:
+            await self.tenants.aclose()
         await self.database_probe.aclose()
         if self._owns_engine:
             await self.engine.dispose()
@@ -349,7 +557,10 @@ class Outbox:
         ``unit_of_work`` serves the outbox the app was started with):
         ``uow: UnitOfWork = Depends(billing_outbox.dependency)``."""
         if self._dependency is None:
-            self._dependency = dependency_for(self._producer)
+            if self.tenants is not None:
+                self._dependency = tenant_dependency_bound(self._tenant_scoped())
+            else:
+                self._dependency = dependency_for(self._producer)
         return self._dependency
 
     @property

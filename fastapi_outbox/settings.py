@@ -294,6 +294,22 @@ class OutboxSettings(BaseSettings):
         json_schema_extra=_group("relay"),
     )
     lease_seconds: float = Field(default=LEASE_SECONDS, gt=0, json_schema_extra=_group("relay"))
+    tenant_refresh_seconds: float = Field(
+        default=30.0,
+        gt=0,
+        description="Multi-tenant outboxes (Outbox(tenants=callable)): how often the "
+        "callable is read again, so tenants are added and removed without a restart.",
+        json_schema_extra=_group("relay"),
+    )
+    tenant_connection_budget: int = Field(
+        default=10,
+        ge=1,
+        le=1000,
+        description="Multi-tenant outboxes: the most database connections the relay holds "
+        "across all tenants (half for its turns at once, half for the pools of the most "
+        "recently active tenants; the others' idle connections are closed after a turn).",
+        json_schema_extra=_group("relay"),
+    )
     poll_interval_seconds: float = Field(
         default=POLL_INTERVAL_SECONDS, gt=0, json_schema_extra=_group("relay")
     )

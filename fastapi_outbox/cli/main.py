@@ -102,6 +102,11 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", help="database URL (else OUTBOX_DATABASE_URL)")
     parser.add_argument("--app", help="module:attribute naming an Outbox")
     parser.add_argument("--table", help="outbox table name (default from settings)")
+    parser.add_argument(
+        "--tenant",
+        help="a multi-tenant --app: the tenant to work on (all: every tenant, for db "
+        "create, db upgrade, doctor and purge)",
+    )
 
 
 def _progress_option(parser: argparse.ArgumentParser) -> None:
@@ -225,7 +230,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    from fastapi_outbox.cli import admin
 
     if args.command == "asyncapi":  # builds a document; connects to nothing
         from fastapi_outbox.cli import asyncapi
@@ -235,48 +239,104 @@ async def _run(args: argparse.Namespace) -> int:
         return _print_ddl(args)
     outbox = resolve_outbox(args)
     try:
-        if args.command == "db":
-            if args.db_command == "sql":
-                from fastapi_outbox.storage.schema import ddl
-
-                print(ddl(outbox.table, outbox.engine.dialect), end="")
-                for side in side_tables(outbox):  # inbox, leases, archive, payloads
-                    print("\n" + ddl(side.table, outbox.engine.dialect), end="")
-                return EXIT_OK
-            if args.db_command == "upgrade":
-                return await _upgrade(outbox)
-            if args.db_command == "drop-slot":
-                return await _drop_slot(outbox, force=args.force)
-            await _guard(outbox.create_tables(groups=False), outbox)
-            try:
-                await outbox.lifecycle.declare_groups()
-            except exceptions.BrokerUnavailable as exc:
-                error = broker_error(exc, "tables created, but the consumer groups were not: ")
-                raise CliError(
-                    f"{error}; run `fastapi-outbox db create` again once the broker answers",
-                    error.code,
-                ) from exc
-            print(
-                f"created table {outbox.table.name} and inbox table {outbox.inbox.table.name} "
-                f"on {redact_url(str(outbox.engine.url))}"
-            )
-            if outbox.archive is not None:
-                print(f"archive table {outbox.archive.name} ready")
-            if outbox.wal_slot is not None:
-                print(f"replication slot and publication {outbox.wal_slot.name} ready")
-            for sub in outbox.subscribers:
-                print(
-                    f"consumer group {sub.group!r} of stream {sub.stream!r} ready on broker "
-                    f"{sub.broker_name!r}"
-                )
-            return EXIT_OK
-        if args.command == "dispatch":
-            return await dispatch(outbox, http=args.http)
-        if args.command == "doctor":
-            return await _doctor(outbox)
-        return await admin.run(args, outbox)
+        targets = await _tenant_targets(args, outbox)
+        if targets is None:
+            return await _command(args, outbox)
+        code = EXIT_OK
+        for name, part in targets:
+            if len(targets) > 1:
+                print(f"== tenant {name}")
+            code = max(code, await _command(args, part))
+            if outbox.tenants is not None and len(targets) > 1:
+                await outbox.tenants.rest(name)
+        return code
     finally:
         await outbox.aclose()
+
+
+#: The commands ``--tenant all`` runs for every tenant, one after the other.
+ALL_TENANTS_COMMANDS = {("db", "create"), ("db", "upgrade"), ("doctor", None), ("purge", None)}
+
+
+async def _tenant_targets(
+    args: argparse.Namespace, outbox: Outbox
+) -> list[tuple[str, Outbox]] | None:
+    """The tenants' outboxes a command works on (``--tenant``), or None: the outbox itself
+    (a single-tenant one; ``dispatch``, which relays every tenant; the consumer commands,
+    whose groups and dead letters all tenants share)."""
+    tenant: str | None = getattr(args, "tenant", None)
+    if outbox.tenants is None:
+        if tenant is not None:
+            raise CliError(f"--tenant {tenant}: the --app's outbox serves no tenants")
+        return None
+    command = (args.command, getattr(args, "db_command", None))
+    if args.command in ("dispatch", "consumers"):
+        if tenant is not None and args.command == "dispatch":
+            raise CliError("dispatch relays every tenant of the outbox: no --tenant")
+        return None
+    try:
+        names = await outbox.load_tenants()
+    except exceptions.OutboxError as exc:
+        raise CliError(f"reading the tenants failed: {redact(str(exc))}") from exc
+    if tenant is None:
+        raise CliError(
+            f"the --app's outbox serves {len(names)} tenant(s): name one with --tenant ID"
+            + (" (or --tenant all)" if command in ALL_TENANTS_COMMANDS else "")
+        )
+    if tenant == "all":
+        if command not in ALL_TENANTS_COMMANDS:
+            raise CliError("--tenant all: only for db create, db upgrade, doctor and purge")
+        return [(name, outbox.tenant_outbox(name)) for name in names]
+    try:
+        return [(tenant, outbox.tenant_outbox(tenant))]
+    except exceptions.UnknownTenant as exc:
+        raise CliError(str(exc)) from exc
+
+
+async def _command(args: argparse.Namespace, outbox: Outbox) -> int:
+    """One command on one outbox (a tenant's, with ``--tenant``)."""
+    from fastapi_outbox.cli import admin
+
+    if args.command == "db":
+        if args.db_command == "sql":
+            from fastapi_outbox.storage.schema import ddl
+
+            print(ddl(outbox.table, outbox.engine.dialect), end="")
+            for side in side_tables(outbox):  # inbox, leases, archive, payloads
+                print("\n" + ddl(side.table, outbox.engine.dialect), end="")
+            return EXIT_OK
+        if args.db_command == "upgrade":
+            return await _upgrade(outbox)
+        if args.db_command == "drop-slot":
+            return await _drop_slot(outbox, force=args.force)
+        await _guard(outbox.create_tables(groups=False), outbox)
+        try:
+            await outbox.lifecycle.declare_groups()
+        except exceptions.BrokerUnavailable as exc:
+            error = broker_error(exc, "tables created, but the consumer groups were not: ")
+            raise CliError(
+                f"{error}; run `fastapi-outbox db create` again once the broker answers",
+                error.code,
+            ) from exc
+        print(
+            f"created table {outbox.table.name} and inbox table {outbox.inbox.table.name} "
+            f"on {redact_url(str(outbox.engine.url))}"
+        )
+        if outbox.archive is not None:
+            print(f"archive table {outbox.archive.name} ready")
+        if outbox.wal_slot is not None:
+            print(f"replication slot and publication {outbox.wal_slot.name} ready")
+        for sub in outbox.subscribers:
+            print(
+                f"consumer group {sub.group!r} of stream {sub.stream!r} ready on broker "
+                f"{sub.broker_name!r}"
+            )
+        return EXIT_OK
+    if args.command == "dispatch":
+        return await dispatch(outbox, http=args.http)
+    if args.command == "doctor":
+        return await _doctor(outbox)
+    return await admin.run(args, outbox)
 
 
 async def _doctor(outbox: Outbox) -> int:

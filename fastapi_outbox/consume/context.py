@@ -9,20 +9,31 @@ handlers' units of work publish and whose relays their commits wake.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
+from fastapi_outbox import exceptions
 from fastapi_outbox.brokers.base import Broker
+from fastapi_outbox.brokers.consumer import Delivery
 from fastapi_outbox.brokers.setup import BrokerSetup
+from fastapi_outbox.events import HEADER_TENANT
 from fastapi_outbox.payloads import Payloads
 from fastapi_outbox.settings import OutboxSettings
 from fastapi_outbox.storage.inbox import Inbox
 from fastapi_outbox.write.producer import Producer
 from fastapi_outbox.write.unit_of_work import UnitOfWork
 
-__all__ = ["ConsumeContext", "UnitOfWorkT"]
+__all__ = [
+    "ConsumeContext",
+    "MixedTenants",
+    "TenantConsumeContext",
+    "UnitOfWorkT",
+    "current_tenant",
+]
 
 #: The class of unit of work a handler receives (``UnitOfWork`` or ``BatchUnitOfWork``).
 UnitOfWorkT = TypeVar("UnitOfWorkT", bound=UnitOfWork)
@@ -83,6 +94,11 @@ class ConsumeContext:
         """The broker of a subscriber that names none."""
         return self._brokers.default_broker
 
+    def serving(self, deliveries: Sequence[Delivery]) -> contextlib.AbstractContextManager[None]:
+        """While it runs, the handling of ``deliveries`` works in their database: this
+        outbox's (a multi-tenant outbox's: their tenant's, `TenantConsumeContext`)."""
+        return contextlib.nullcontext()
+
     def make_unit_of_work(
         self,
         cls: type[UnitOfWorkT],
@@ -101,3 +117,69 @@ class ConsumeContext:
             causation_id=causation_id,
             traceparent=traceparent,
         )
+
+
+#: The tenant's context of the deliveries handled in this context (multi-tenant outboxes).
+_SERVING: contextvars.ContextVar[ConsumeContext | None] = contextvars.ContextVar(
+    "fastapi_outbox.tenant_serving", default=None
+)
+
+
+def current_tenant() -> str | None:
+    """The tenant of the message whose handler runs in this context (None: none, or a
+    single-tenant outbox's)."""
+    context = _SERVING.get()
+    return None if context is None else context.producer.tenant
+
+
+class MixedTenants(Exception):
+    """A batch holds messages of several tenants: it is handled message by message."""
+
+
+class TenantConsumeContext(ConsumeContext):
+    """A multi-tenant outbox's subscribers: each delivery is handled in the database of the
+    tenant its ``tenant`` header names (its inbox row, its handler's effects and the events
+    it publishes commit there); a delivery naming no tenant this outbox serves raises
+    `UnknownTenant` (the subscriber dead-letters it)."""
+
+    def __init__(self, *, resolve: Callable[[str | None], ConsumeContext], **options: Any) -> None:
+        self._resolve = resolve
+        super().__init__(**options)
+
+    @property
+    def producer(self) -> Producer:
+        serving = _SERVING.get()
+        return self._producer if serving is None else serving.producer
+
+    @producer.setter
+    def producer(self, producer: Producer) -> None:
+        self._producer = producer
+
+    @property
+    def inbox(self) -> Inbox:
+        serving = _SERVING.get()
+        return self._inbox if serving is None else serving.inbox
+
+    @inbox.setter
+    def inbox(self, inbox: Inbox) -> None:
+        self._inbox = inbox
+
+    def serving(self, deliveries: Sequence[Delivery]) -> contextlib.AbstractContextManager[None]:
+        tenants = {d.headers.get(HEADER_TENANT) for d in deliveries}
+        if len(tenants) > 1:
+            raise MixedTenants(f"a batch of {len(tenants)} tenants")
+        (tenant,) = tenants
+        if tenant is None:
+            raise exceptions.UnknownTenant(
+                "the message names no tenant (no tenant header) and this outbox serves tenants"
+            )
+        return _serve(self._resolve(tenant))
+
+
+@contextlib.contextmanager
+def _serve(context: ConsumeContext) -> Iterator[None]:
+    token = _SERVING.set(context)
+    try:
+        yield
+    finally:
+        _SERVING.reset(token)

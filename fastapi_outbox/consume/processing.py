@@ -51,7 +51,7 @@ from fastapi_outbox.consume.handlers import (
     delivery_context,
 )
 from fastapi_outbox.consume.versions import Versions
-from fastapi_outbox.exceptions import PayloadUnreadable
+from fastapi_outbox.exceptions import PayloadUnreadable, UnknownTenant
 from fastapi_outbox.log import safe_error
 from fastapi_outbox.redaction import redact
 from fastapi_outbox.storage import db_outage
@@ -435,6 +435,15 @@ class Processing:
         """``d`` through its handler: acknowledged, retried (``in_place``: here, after the
         backoff; else by the broker) or dead-lettered; handed back to the group when
         another version of it may take ``d``'s type."""
+        try:
+            serving = self.context.serving([d])
+        except UnknownTenant as exc:
+            await self._dead_letter(d, str(exc))
+            return
+        with serving:
+            await self._process(d, in_place=in_place)
+
+    async def _process(self, d: Delivery, *, in_place: bool) -> None:
         attempt = d.attempt
         versions = self.versions
         if versions is None and attempt > self.options.max_attempts:
@@ -792,6 +801,12 @@ class Processing:
           trips), so ``session.rollback()`` goes back to it and the inbox rows stay. The
           per-message handlers of a batch share that savepoint: a rollback by one of them
           that undoes earlier messages' work raises `Spoiled`."""
+        with self.context.serving(todo):
+            return await self._run_batch(todo, messages, careful=careful)
+
+    async def _run_batch(
+        self, todo: list[Delivery], messages: list[Any], *, careful: bool
+    ) -> tuple[int, int]:
         ids = [d.message_id for d in todo]
         stream = todo[0].stream
         streams = stream if all(d.stream == stream for d in todo) else [d.stream for d in todo]

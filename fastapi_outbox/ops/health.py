@@ -50,8 +50,9 @@ from fastapi import APIRouter, Depends, HTTPException, Response
 from pydantic import BaseModel, Field
 
 from fastapi_outbox.consume.subscriber import ConsumerStatus
+from fastapi_outbox.lifecycle.tenants import Tenants
 from fastapi_outbox.ops import operations
-from fastapi_outbox.ops.port import OutboxPort, relay_here, wall_time
+from fastapi_outbox.ops.port import OutboxPort, relay_here, tenants_of, wall_time
 from fastapi_outbox.redaction import redact
 from fastapi_outbox.relay.wal import WalRelay
 from fastapi_outbox.settings import OutboxSettings
@@ -169,6 +170,21 @@ class PoolHealth(BaseModel):
     )
 
 
+class TenantHealth(BaseModel):
+    """One tenant of a multi-tenant outbox, as the relay of this process last found it."""
+
+    tenant: str
+    status: Literal["ok", "down", "unknown"] = Field(
+        description="down: its database failed the relay's last claim (down, slow, or "
+        "without its tables); unknown: no relay runs here."
+    )
+    last_claim: float | None = Field(
+        default=None, description="Wall clock of the relay's last claim that answered."
+    )
+    published_total: int = 0
+    last_error: str | None = None
+
+
 class OutboxHealth(BaseModel):
     """Overall outbox health."""
 
@@ -192,6 +208,9 @@ class OutboxHealth(BaseModel):
         "lost or silent connection); None when none listens here (no relays, SQLite, "
         "notify=False).",
     )
+    tenants: list[TenantHealth] | None = Field(
+        default=None, description="A multi-tenant outbox: each tenant (None: not one)."
+    )
 
     def public(self) -> OutboxHealth:
         """This report without what may name a host, port, user or code path: every
@@ -205,6 +224,9 @@ class OutboxHealth(BaseModel):
                     c.model_copy(update={"handler": None, "last_error": None})
                     for c in self.consumers
                 ],
+                "tenants": None
+                if self.tenants is None
+                else [t.model_copy(update={"last_error": None}) for t in self.tenants],
             }
         )
 
@@ -232,6 +254,9 @@ class _Findings:
 
 
 async def compute_health(outbox: OutboxPort) -> OutboxHealth:
+    tenants = tenants_of(outbox)
+    if tenants is not None:
+        return await _tenants_health(outbox, tenants)
     found = _Findings()
     if not outbox.lifecycle.started and outbox.settings.run_relays:
         found.is_down(NOT_STARTED)
@@ -265,6 +290,50 @@ async def compute_health(outbox: OutboxPort) -> OutboxHealth:
         relays=relays,
         wal=wal,
         listening=None if outbox.relays.listener is None else outbox.relays.listener.listening,
+    )
+
+
+async def _tenants_health(outbox: OutboxPort, tenants: Tenants) -> OutboxHealth:
+    """A multi-tenant outbox: each tenant as the relay found it. A tenant whose database
+    fails is named and makes the outbox degraded (the others are relayed); every tenant
+    failing makes it down."""
+    found = _Findings()
+    started = outbox.lifecycle.started
+    if not started and outbox.settings.run_relays:
+        found.is_down(NOT_STARTED)
+    relay = tenants.relay
+    if started and not relay.running:
+        found.is_down("the tenant relay is not running")
+    report = []
+    for name in tenants.names:
+        state = relay.status(name) if started else None
+        status: Literal["ok", "down", "unknown"] = "unknown"
+        if state is not None:
+            status = "ok" if state["ok"] else "down"
+        report.append(
+            TenantHealth(
+                tenant=name,
+                status=status,
+                last_claim=None if state is None else state["last_claim"],
+                published_total=0 if state is None else state["published_total"],
+                last_error=None if state is None else _redacted(state["last_error"]),
+            )
+        )
+    down = [t.tenant for t in report if t.status == "down"]
+    if down and len(down) == len(report):
+        found.is_down(f"every tenant's database is failing ({len(down)})")
+    elif down:
+        found.is_degraded(f"tenants whose database is failing: {', '.join(down)}")
+    if tenants.last_error is not None:
+        found.is_degraded("the last read of the tenants failed (the previous ones are kept)")
+    consumers = await _consumers_health(outbox, found)
+    return OutboxHealth(
+        status=found.status,
+        database="down" if down and len(down) == len(report) else "ok",
+        relays_running=started,
+        reasons=found.reasons,
+        consumers=consumers,
+        tenants=report,
     )
 
 
@@ -551,6 +620,15 @@ def liveness(outbox: OutboxPort) -> list[str]:
     the database or a broker is not cured by a restart and never fails liveness."""
     if not outbox.lifecycle.started:
         return []
+    tenants = tenants_of(outbox)
+    if tenants is not None:
+        running = tenants.relay.running
+        reasons = [] if running else ["the tenant relay is not running"]
+        return reasons + [
+            f"consumer group {s.group!r} on {s.stream!r} is not running"
+            for s in outbox.subscribers
+            if not s.running
+        ]
     reasons = [
         f"relay {name!r} is not running"
         for name in outbox.all_brokers

@@ -25,6 +25,14 @@ Metrics (prefix ``outbox_``, change it with ``namespace=``):
   ``refresh_interval_seconds``), so they describe the whole table, whichever process
   dispatches it.
 
+Multi-tenant outboxes (``Outbox(tenants=...)``) add, with a ``tenant`` label bounded like
+the streams' (the first ``max_tenant_labels`` tenants seen keep their id, the others are
+counted under ``tenant="other"``):
+
+* ``tenant_messages_published_total`` by ``broker`` and ``tenant``;
+* ``tenant_up`` by ``tenant``: 1 while the relay's last claim in the tenant's database
+  answered (refreshed when ``/metrics`` is scraped).
+
 The hooks inherit `Instrumentation`'s publish spans: metrics and traces together.
 """
 
@@ -41,9 +49,10 @@ import anyio
 from fastapi import APIRouter, Request, Response
 
 from fastapi_outbox import exceptions
-from fastapi_outbox.events import HEADER_OCCURRED_AT, Envelope
+from fastapi_outbox.events import HEADER_OCCURRED_AT, HEADER_TENANT, Envelope
 from fastapi_outbox.instrumentation import Instrumentation
-from fastapi_outbox.ops.port import OutboxPort, relay_here
+from fastapi_outbox.lifecycle.tenants import Tenants
+from fastapi_outbox.ops.port import OutboxPort, relay_here, tenants_of
 from fastapi_outbox.storage.wal_slot import WalSlot
 
 __all__ = ["PrometheusInstrumentation", "metrics_router", "mount_metrics"]
@@ -71,6 +80,8 @@ LATENCY_BUCKETS_SECONDS = (
 REFRESH_INTERVAL_SECONDS = 1.0
 #: Distinct ``stream`` label values (per registry and namespace); later streams: "other".
 MAX_STREAM_LABELS = 100
+#: Tenants with a label value of their own; the others are counted under "other".
+MAX_TENANT_LABELS = 100
 #: The ``stream`` label of the streams past ``max_stream_labels``.
 OTHER_STREAMS = "other"
 REFRESH_TIMEOUT_SECONDS = 5.0
@@ -85,6 +96,8 @@ class _Metrics:
 
         #: The streams with a label value of their own (the first ones seen).
         self.streams: set[str] = set()
+        #: The tenants with a label value of their own (the first ones seen).
+        self.tenants: set[str] = set()
 
         def counter(name: str, doc: str) -> Any:
             return Counter(name, doc, ["broker", "stream"], namespace=namespace, registry=registry)
@@ -110,6 +123,18 @@ class _Metrics:
         self.abandoned_now = gauge("abandoned_messages", "Abandoned messages in the table.")
         self.relay_up = gauge("relay_up", "1 while this process runs the broker's relay.")
         self.database_up = gauge("database_up", "1 when the last refresh reached the database.", ())
+        self.tenant_published = Counter(
+            "tenant_messages_published",
+            "Messages published to a broker, by tenant (multi-tenant outboxes).",
+            ["broker", "tenant"],
+            namespace=namespace,
+            registry=registry,
+        )
+        self.tenant_up = gauge(
+            "tenant_up",
+            "1 while the relay's last claim in the tenant's database answered.",
+            ("tenant",),
+        )
         # capture="wal": the replication slot.
         self.wal_lag_bytes = gauge(
             "wal_lag_bytes", "WAL written since the slot's confirmed position.", ("slot",)
@@ -153,6 +178,7 @@ class PrometheusInstrumentation(Instrumentation):
         tracer_provider: Any = None,
         tracing: bool = True,
         max_stream_labels: int = MAX_STREAM_LABELS,
+        max_tenant_labels: int = MAX_TENANT_LABELS,
     ) -> None:
         super().__init__(tracer_provider=tracer_provider, tracing=tracing)
         if max_stream_labels < 0:
@@ -160,6 +186,7 @@ class PrometheusInstrumentation(Instrumentation):
                 f"PrometheusInstrumentation max_stream_labels must be >= 0, not {max_stream_labels}"
             )
         self.max_stream_labels = max_stream_labels
+        self.max_tenant_labels = max_tenant_labels
         try:
             import prometheus_client
         except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -185,6 +212,16 @@ class PrometheusInstrumentation(Instrumentation):
             return stream
         return OTHER_STREAMS
 
+    def _tenant_label(self, tenant: str) -> str:
+        """``tenant``'s label value: its id while the bound allows, else "other"."""
+        seen = self.metrics.tenants
+        if tenant in seen:
+            return tenant
+        if len(seen) < self.max_tenant_labels and tenant != OTHER_STREAMS:
+            seen.add(tenant)
+            return tenant
+        return OTHER_STREAMS
+
     def _by_stream(self, envelopes: Sequence[Envelope]) -> dict[str, int]:
         tally: Tally[str] = Tally()
         for stream, n in Tally(e.stream for e in envelopes).items():
@@ -197,7 +234,11 @@ class PrometheusInstrumentation(Instrumentation):
             m.published.labels(broker, stream).inc(n)
         histogram = m.latency.labels(broker)
         now = time.time()
+        tenants: Tally[str] = Tally()
         for envelope in envelopes:
+            tenant = envelope.headers.get(HEADER_TENANT)
+            if tenant is not None:
+                tenants[tenant] += 1
             occurred = envelope.headers.get(HEADER_OCCURRED_AT)
             if not occurred:
                 continue
@@ -206,6 +247,8 @@ class PrometheusInstrumentation(Instrumentation):
             except ValueError:
                 continue
             histogram.observe(max(0.0, now - at))
+        for tenant, n in tenants.items():
+            m.tenant_published.labels(broker, self._tenant_label(tenant)).inc(n)
 
     def failed(self, broker: str, envelopes: Sequence[Envelope]) -> None:
         for stream, n in self._by_stream(envelopes).items():
@@ -230,6 +273,11 @@ class PrometheusInstrumentation(Instrumentation):
             ):
                 return
             m = self.metrics
+            tenants = tenants_of(outbox)
+            if tenants is not None:
+                self._refresh_tenants(outbox, tenants)
+                self._refreshed_at = time.monotonic()
+                return
             for name in outbox.all_brokers:
                 relay = relay_here(outbox, name)
                 m.relay_up.labels(name).set(1 if relay and relay.running else 0)
@@ -249,6 +297,23 @@ class PrometheusInstrumentation(Instrumentation):
             if outbox.wal_slot is not None:
                 await self._refresh_wal(outbox, outbox.wal_slot)
             self._refreshed_at = time.monotonic()
+
+    def _refresh_tenants(self, outbox: OutboxPort, tenants: Tenants) -> None:
+        """A multi-tenant outbox: ``relay_up`` from the one relay of every tenant,
+        ``tenant_up`` from its last claim in each tenant's database."""
+        m = self.metrics
+        relay = tenants.relay
+        running = outbox.lifecycle.started and relay.running
+        for name in outbox.all_brokers:
+            m.relay_up.labels(name).set(1 if running else 0)
+        if not running:
+            return
+        down: Tally[str] = Tally()
+        for name in tenants.names:
+            label = self._tenant_label(name)
+            down[label] += 0 if relay.status(name)["ok"] else 1
+        for label, failing in down.items():
+            m.tenant_up.labels(label).set(0 if failing else 1)
 
     async def _refresh_wal(self, outbox: OutboxPort, slot: WalSlot) -> None:
         m = self.metrics

@@ -33,6 +33,7 @@ from typing import Any, Protocol, runtime_checkable
 from fastapi_outbox.consume.subscriber import Subscriber
 from fastapi_outbox.instrumentation import Instrumentation
 from fastapi_outbox.lifecycle.supervisor import Lifecycle
+from fastapi_outbox.lifecycle.tenants import Tenants
 from fastapi_outbox.payloads import Payloads
 from fastapi_outbox.relay.relays import Relays
 from fastapi_outbox.relay.table import TableRelay
@@ -87,6 +88,12 @@ class OutboxPort(Protocol):
 
     @property
     def wal_slot(self) -> WalSlot | None: ...
+
+    @property
+    def tenants(self) -> Tenants | None:
+        """A multi-tenant outbox's tenants (their outboxes, the relay of all), else None."""
+        ...
+
     @property
     def subscribers(self) -> Sequence[Subscriber]: ...
     @property
@@ -111,3 +118,10 @@ def relay_here(outbox: OutboxPort, broker: str) -> TableRelay | None:
 def wall_time(seconds: float | None) -> dt.datetime | None:
     """A state's wall-clock time (``time.time()`` seconds) as a UTC datetime."""
     return None if seconds is None else dt.datetime.fromtimestamp(seconds, dt.UTC)
+
+
+def tenants_of(outbox: OutboxPort) -> Tenants | None:
+    """A multi-tenant outbox's tenants, else None (an object standing in for an outbox
+    that does not say is a single-tenant one)."""
+    tenants: Tenants | None = getattr(outbox, "tenants", None)
+    return tenants

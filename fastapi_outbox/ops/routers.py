@@ -51,8 +51,14 @@ class Routers:
             raise exceptions.ConfigurationError(NO_DASHBOARD_GUARD)
         if self._dashboard is None:
             from fastapi_outbox.ops.dashboard import build_dashboard_router
+            from fastapi_outbox.ops.dashboard.router import build_tenant_dashboard_router
+            from fastapi_outbox.ops.port import tenants_of
 
-            self._dashboard = build_dashboard_router(self._outbox, dependencies)
+            tenants = tenants_of(self._outbox)
+            if tenants is not None:
+                self._dashboard = build_tenant_dashboard_router(self._outbox, tenants, dependencies)
+            else:
+                self._dashboard = build_dashboard_router(self._outbox, dependencies)
         return self._dashboard
 
     @property

@@ -43,6 +43,7 @@ class Producer:
         "relays",
         "session_factory",
         "settings",
+        "tenant",
     )
 
     def __init__(
@@ -56,6 +57,7 @@ class Producer:
         capture: Capture,
         claim_check_store: PayloadStore | None,
         relays: Relays,
+        tenant: str | None = None,
     ) -> None:
         self.engine = engine
         self.settings = settings
@@ -69,6 +71,9 @@ class Producer:
         self.claim_check_store = claim_check_store
         #: The relays a commit wakes (and the NOTIFY that wakes other processes').
         self.relays = relays
+        #: The tenant of a multi-tenant outbox this write side serves (its messages carry
+        #: it in the ``tenant`` header), else None.
+        self.tenant = tenant
 
     @property
     def external_brokers(self) -> Mapping[str, Broker]:

@@ -35,6 +35,7 @@ from fastapi_outbox.events import (
     HEADER_CORRELATION_ID,
     HEADER_MESSAGE_ID,
     HEADER_OCCURRED_AT,
+    HEADER_TENANT,
     HEADER_TYPE,
     INTERNAL_HEADERS,
     Event,
@@ -229,6 +230,8 @@ class UnitOfWork:
         }
         if self.causation_id is not None:
             base[HEADER_CAUSATION_ID] = self.causation_id
+        if self._producer.tenant is not None:
+            base[HEADER_TENANT] = self._producer.tenant
         trace = self._producer.trace_headers(self.traceparent)
         internal_headers = {**user_headers, **trace, **base}
         targets = [(target, message_id, internal_headers)]
@@ -659,3 +662,47 @@ def dependency_for(producer: Producer) -> Dependency:
         "return": UnitOfWork,
     }
     return bound_unit_of_work
+
+
+def tenant_dependency_for(
+    producer_of: Callable[[str], Producer], tenant_dependency: Callable[..., Any]
+) -> Callable[..., AsyncIterator[UnitOfWork]]:
+    """The request's unit of work of a multi-tenant outbox: in the database of the tenant
+    ``tenant_dependency`` gives (a header, a path parameter, a token's claim), through
+    ``producer_of(tenant)``; an unknown tenant answers 404 before anything is written."""
+
+    async def tenant_unit_of_work(request: Request, tenant: str) -> AsyncIterator[UnitOfWork]:
+        try:
+            producer = producer_of(tenant)
+        except exceptions.UnknownTenant as exc:
+            raise HTTPException(status_code=404, detail=str(exc)) from exc
+        async with _serve(producer, request) as uow:
+            yield uow
+
+    tenant_unit_of_work.__annotations__ = {
+        "request": Request,
+        "tenant": Annotated[str, Depends(tenant_dependency)],
+        "return": AsyncIterator[UnitOfWork],
+    }
+    return tenant_unit_of_work
+
+
+def tenant_dependency_bound(
+    scoped: Callable[..., AsyncIterator[UnitOfWork]],
+) -> Dependency:
+    """``outbox.dependency`` of a multi-tenant outbox (see `tenant_dependency_for`)."""
+
+    async def bound_unit_of_work(uow: UnitOfWork) -> UnitOfWork:
+        return uow
+
+    bound_unit_of_work.__annotations__ = {
+        "uow": Annotated[UnitOfWork, Depends(scoped, scope="function")],
+        "return": UnitOfWork,
+    }
+    return bound_unit_of_work
+
+
+def serve_tenants(app: Any, scoped: Callable[..., AsyncIterator[UnitOfWork]]) -> None:
+    """``Depends(unit_of_work)`` in ``app`` gives units of work of a multi-tenant outbox
+    (``scoped``: `tenant_dependency_for`), through FastAPI's dependency overrides."""
+    app.dependency_overrides.setdefault(_request_unit_of_work, scoped)

@@ -22,10 +22,12 @@ OUTBOX_PUBLIC = {
     "external_brokers",
     "health_router",
     "lifespan",
+    "load_tenants",
     "relaying",
     "router",
     "session_factory",
     "subscriber",
+    "tenant_outbox",
     "unit_of_work",
 }
 UNIT_OF_WORK_PUBLIC = {"flush", "pending", "publish", "queued"}

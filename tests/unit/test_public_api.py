@@ -60,6 +60,7 @@ PUBLIC_ALL: dict[str, list[str]] = {
         "UnitOfWorkDep",
         "UnitOfWorkError",
         "UnknownBroker",
+        "UnknownTenant",
         "__version__",
         "build_archive_table",
         "build_table",
@@ -104,6 +105,7 @@ PUBLIC_ALL: dict[str, list[str]] = {
         "UnitOfWorkError",
         "UnknownBroker",
         "UnknownEncryptionKey",
+        "UnknownTenant",
         "UnstorableText",
     ],
     "fastapi_outbox.testing": [

@@ -26,6 +26,7 @@ every action is logged with it (escaped: a line break in it cannot forge a log l
 
 from __future__ import annotations
 
+import contextvars
 import datetime as dt
 import hmac
 import json
@@ -33,9 +34,9 @@ import logging
 import re
 import secrets
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
 from fastapi.responses import FileResponse, HTMLResponse
@@ -45,6 +46,7 @@ from pydantic import BaseModel, Field
 from starlette._utils import get_route_path
 
 from fastapi_outbox import exceptions
+from fastapi_outbox.lifecycle.tenants import Tenants
 from fastapi_outbox.ops import operations
 from fastapi_outbox.ops.port import OutboxPort
 from fastapi_outbox.redaction import redact
@@ -172,11 +174,19 @@ class ActionResult(BaseModel):
     problems: list[str] = Field(default_factory=list)
 
 
-def build_dashboard_router(outbox: OutboxPort, dependencies: Sequence[Any]) -> APIRouter:
-    """The dashboard's routes under ``PREFIX``, every one behind ``dependencies`` (the
-    guard): the overview, the messages pages, the actions and the static files."""
-    router = APIRouter(prefix=PREFIX, tags=["outbox dashboard"], dependencies=list(dependencies))
-    pages = _Pages(outbox.settings.dashboard_show_payloads)
+def build_dashboard_router(
+    outbox: OutboxPort,
+    dependencies: Sequence[Any],
+    *,
+    prefix: str = PREFIX,
+    tenants: Callable[[], list[str]] | None = None,
+) -> APIRouter:
+    """The dashboard's routes under ``prefix``, every one behind ``dependencies`` (the
+    guard): the overview, the messages pages, the actions and the static files.
+    ``tenants``: the pages of one tenant of a multi-tenant outbox, with the tenant
+    selector (`build_tenant_dashboard_router`)."""
+    router = APIRouter(prefix=prefix, tags=["outbox dashboard"], dependencies=list(dependencies))
+    pages = _Pages(outbox.settings.dashboard_show_payloads, tenants)
     _overview_routes(router, outbox, pages)
     _message_routes(router, outbox, pages)
     _action_routes(router, outbox)
@@ -189,14 +199,21 @@ class _Pages:
     refresh interval, whether payloads show, and the headers that keep the page from
     being cached, framed or sniffed."""
 
-    def __init__(self, show_payloads: bool) -> None:
+    def __init__(self, show_payloads: bool, tenants: Callable[[], list[str]] | None = None) -> None:
         self.show_payloads = show_payloads
+        self.tenants = tenants
 
     def render(self, request: Request, suffix: str, template: str, **context: Any) -> HTMLResponse:
         """``suffix``: the part of the request's path after the dashboard's base (``""``
         for the overview, ``"/messages"``...), to find the base it was reached under."""
         base = served_at(request, suffix)
         token = _csrf_cookie(request) or secrets.token_urlsafe(32)
+        if self.tenants is not None:  # a tenant's pages: /…/dashboard/t/{tenant}
+            context.update(
+                tenant=_DASHBOARD_TENANT.get(),
+                tenants=self.tenants()[:TENANT_LINKS],
+                tenants_base=base.rsplit("/t/", 1)[0],
+            )
         html = _templates.get_template(template).render(
             prefix=base,
             csrf=token,
@@ -517,3 +534,61 @@ def _datetime(field: Literal["since", "until"], text: str | None) -> dt.datetime
             f"{field}: {text[:80]!r} is not a date-time (YYYY-MM-DDTHH:MM)"
         ) from None
     return value if value.tzinfo is not None else value.replace(tzinfo=dt.UTC)
+
+
+# -- multi-tenant outboxes ---------------------------------------------------------------------
+
+#: Tenants linked from the selector of a tenant's pages (the index lists them all).
+TENANT_LINKS = 50
+
+#: The tenant whose dashboard pages are served in this context.
+_DASHBOARD_TENANT: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "fastapi_outbox.dashboard_tenant", default=None
+)
+
+
+class _ServedTenant:
+    """Stands in for the outbox of the tenant whose pages are served in this context
+    (chosen by the path, ``/t/{tenant}``): every page and action of the tenant's
+    dashboard reads and acts on that tenant's database only."""
+
+    def __init__(self, tenants: Tenants, settings: Any) -> None:
+        self._tenants = tenants
+        self.settings = settings
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tenants.get(_DASHBOARD_TENANT.get()), name)
+
+
+def build_tenant_dashboard_router(
+    outbox: OutboxPort, tenants: Tenants, dependencies: Sequence[Any]
+) -> APIRouter:
+    """A multi-tenant outbox's dashboard: the tenants at ``PREFIX`` (the selector), and
+    each tenant's own dashboard at ``PREFIX/t/{tenant}`` (an unknown tenant: 404)."""
+
+    async def serve_tenant(tenant: str) -> None:
+        if tenant not in tenants.outboxes:
+            raise HTTPException(404, f"unknown tenant {tenant!r}")
+        _DASHBOARD_TENANT.set(tenant)
+
+    router = APIRouter(prefix=PREFIX, tags=["outbox dashboard"], dependencies=list(dependencies))
+    served = cast(OutboxPort, _ServedTenant(tenants, outbox.settings))
+    router.include_router(
+        build_dashboard_router(
+            served, [Depends(serve_tenant)], prefix="/t/{tenant}", tenants=lambda: tenants.names
+        )
+    )
+    pages = _Pages(outbox.settings.dashboard_show_payloads)
+
+    @router.get("", response_class=HTMLResponse, summary="Dashboard: the tenants")
+    async def tenants_page(request: Request) -> HTMLResponse:
+        relay = tenants.relay
+        running = outbox.lifecycle.started and relay.running
+        rows = [
+            (name, ("ok" if relay.status(name)["ok"] else "down") if running else "unknown")
+            for name in tenants.names
+        ]
+        return pages.render(request, "", "tenants.html", page="tenants", rows=rows)
+
+    router.add_api_route("/static/{name}", _static, methods=["GET"], include_in_schema=False)
+    return router
