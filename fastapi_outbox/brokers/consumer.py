@@ -211,6 +211,8 @@ class ConsumerLag:
     #: Entries removed from the stream (Redis ``MAXLEN`` trimming) before the group read
     #: them: lost to it. At least this many; 0: none seen; None: the broker cannot say.
     trimmed: int | None = None
+    #: Lag per partition number (Kafka), None where the broker has no partitions.
+    partitions: dict[int, int] | None = None
 
 
 @dataclasses.dataclass(slots=True)

@@ -22,7 +22,7 @@ NO_BROKER = (
     "no broker to dispatch to: pass brokers={'default': RedisStreamsBroker(...)} to Outbox "
     "(MemoryBroker() for tests and the embedded default), --broker-url to "
     "`fastapi-outbox dispatch`, or set OUTBOX_BROKER_URL "
-    "(redis://, redis+cluster://, nats://, amqp://, memory://); "
+    "(redis://, redis+cluster://, nats://, amqp://, kafka://, memory://); "
     "an API-only process sets run_relays=False"
 )
 

@@ -157,7 +157,13 @@ def _print_consumers(
         "handled",
         "last_handled_at",
     ]
-    print(render_table([c.model_dump() for c in statuses], columns))
+    rows = [c.model_dump() for c in statuses]
+    if any(c.lag_partitions for c in statuses):  # Kafka: the lag of each partition
+        columns.insert(columns.index("lag") + 1, "lag_partitions")
+        for row in rows:
+            parts = row["lag_partitions"] or {}
+            row["lag_partitions"] = " ".join(f"{p}:{n}" for p, n in sorted(parts.items()))
+    print(render_table(rows, columns))
     for (stream, group), letters in dead.items():
         print(f"\ndead letters of {group} on {stream}:")
         print(

@@ -134,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     dispatch.add_argument(
         "--broker-url",
         help=(
-            "broker of --url (redis://, redis+cluster://, nats://, amqp://; else "
+            "broker of --url (redis://, redis+cluster://, nats://, amqp://, kafka://; else "
             f"{BROKER_URL_ENV}); --app brings its own"
         ),
     )

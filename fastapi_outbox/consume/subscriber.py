@@ -163,6 +163,10 @@ class ConsumerStatus(BaseModel):
     lag: int | None = Field(
         default=None, description="Messages not delivered to the group yet (None: unknown)."
     )
+    lag_partitions: dict[int, int] | None = Field(
+        default=None,
+        description="Lag per partition number (Kafka); None where the broker has none.",
+    )
     pending: int | None = Field(default=None, description="Delivered, not acknowledged yet.")
     dead_letters: int | None = Field(default=None, description="In the dead-letter stream.")
     handled: int | None = Field(default=None, description="Inbox rows of the group.")

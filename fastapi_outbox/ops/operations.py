@@ -609,6 +609,7 @@ async def _broker_figures(sub: Subscriber, status: ConsumerStatus) -> None:
             lag = await consumer.lag()
             status.lag, status.pending = lag.lag, lag.pending
             status.trimmed = lag.trimmed
+            status.lag_partitions = lag.partitions
             status.dead_letters = await consumer.count_dead_letters()
     except Exception as exc:
         status.causes.append(exc)

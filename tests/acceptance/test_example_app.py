@@ -286,3 +286,44 @@ async def test_postgresql_and_rabbitmq(
         service.process.terminate()  # before its queues go: it would declare them again
         service.process.wait(15)
         await clear()
+
+
+async def test_postgresql_and_kafka(
+    pg_url: str, kafka_url: str, start_example: Callable[..., Service]
+) -> None:
+    """``BROKER_URL=kafka://…``: the order goes to the ``orders`` topic, the billing group
+    consumes it and issues the invoice; InvoiceIssued reaches the mailer, and the service
+    reports healthy."""
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    from fastapi_outbox.brokers.kafka.wire import bootstrap_servers
+
+    topics = ["orders", "orders.billing.dlq", "invoices", "invoices.mailer.dlq"]
+
+    async def clear() -> None:
+        # The example's names are fixed on the session's Kafka server: nothing of earlier runs.
+        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers(kafka_url))
+        await admin.start()
+        try:
+            with contextlib.suppress(Exception):
+                await admin.delete_topics(topics)
+        finally:
+            await admin.close()
+
+    await clear()
+    # A group join waits half the session timeout on Tansu: 1 s rather than 5 s.
+    url = kafka_url + "?session_timeout_seconds=2&heartbeat_interval_seconds=0.5"
+    service = start_example(DATABASE_URL=pg_url, BROKER_URL=url)
+    try:
+        async with httpx.AsyncClient(timeout=10) as client:
+            await service.wait_ready(client)
+            customer = unique("ada")
+            order_id = await place_order(client, service, customer)
+            invoice = await invoice_of(client, service, customer)
+            assert (invoice["order_id"], invoice["amount"]) == (order_id, 42.0)
+            await wait_until(lambda: "mailed" in service.output(), timeout=15)
+            await assert_healthy(client, service)
+    finally:
+        service.process.terminate()
+        service.process.wait(15)
+        await clear()

@@ -1,4 +1,4 @@
-"""A consumer group's life, on Redis, NATS and RabbitMQ, with ``max_attempts=3`` while
+"""A consumer group's life, on Redis, NATS, RabbitMQ and Kafka, with ``max_attempts=3`` while
 messages flow: two code versions deployed side by side, the old one stopped, then normal
 restarts (SIGTERM) and SIGKILLs of its processes. Every effect once, nothing
 dead-lettered: the handler never fails, so no message may be charged ``max_attempts``
@@ -14,6 +14,7 @@ throughout.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -69,13 +70,29 @@ CONSUMER_SETTINGS: dict[str, Any] = {
 }
 
 
-@pytest.fixture(params=["redis", "nats", "rabbitmq"])
+#: Kafka consumers leave a SIGKILLed member after 2 s (the library's default is 10 s).
+KAFKA_OPTIONS = "?session_timeout_seconds=2&heartbeat_interval_seconds=0.5"
+
+
+@pytest.fixture(params=["redis", "nats", "rabbitmq", "kafka"])
 async def broker_url(request: pytest.FixtureRequest) -> AsyncIterator[tuple[str, str, str]]:
     kind = request.param
     url = str(request.getfixturevalue(f"{kind}_url"))
+    if kind == "kafka":
+        url += KAFKA_OPTIONS
     stream = unique("life")
     yield kind, url, stream
-    if kind == "rabbitmq":
+    if kind == "kafka":
+        from aiokafka.admin import AIOKafkaAdminClient
+
+        from fastapi_outbox.brokers.kafka.wire import bootstrap_servers
+
+        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers(url))
+        await admin.start()
+        with contextlib.suppress(Exception):
+            await admin.delete_topics([stream, f"{stream}.{GROUP}.dlq"])
+        await admin.close()
+    elif kind == "rabbitmq":
         import aio_pika
 
         conn = await aio_pika.connect(url)

@@ -73,6 +73,7 @@ PUBLIC_ALL: dict[str, list[str]] = {
     ],
     "fastapi_outbox.brokers": [
         "Broker",
+        "KafkaBroker",
         "MemoryBroker",
         "NatsJetStreamBroker",
         "PublishResults",

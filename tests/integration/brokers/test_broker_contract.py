@@ -1,9 +1,10 @@
-"""One contract, every broker: MemoryBroker, RedisStreamsBroker, NatsJetStreamBroker and
-RabbitMQBroker.
+"""One contract, every broker: MemoryBroker, RedisStreamsBroker, NatsJetStreamBroker,
+RabbitMQBroker and KafkaBroker.
 
 Each broker is driven through the ``Broker`` protocol only, and what it published is read
 back from the real server (XRANGE on Redis, the JetStream stream on NATS, a queue bound to
-the test's own exchange on RabbitMQ), never from the broker object itself.
+the test's own exchange on RabbitMQ, the topic's partitions on Kafka), never from the broker
+object itself.
 Broker-specific guarantees (stream creation and acknowledgement on NATS, MAXLEN on Redis,
 unroutable messages on RabbitMQ, URL parsing) follow the shared contract.
 
@@ -34,6 +35,7 @@ import redis.asyncio as aioredis
 from fastapi_outbox import exceptions
 from fastapi_outbox.brokers import (
     Broker,
+    KafkaBroker,
     MemoryBroker,
     NatsJetStreamBroker,
     RabbitMQBroker,
@@ -315,6 +317,74 @@ async def rabbitmq_harness(request: pytest.FixtureRequest) -> AsyncIterator[Harn
         await conn.close()
 
 
+async def kafka_harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
+    """The broker on the session's Kafka-protocol server, its topics of one partition (the
+    contract reads a stream back in order; Kafka keeps order per partition, so per key)."""
+    from aiokafka import AIOKafkaConsumer
+    from aiokafka.admin import AIOKafkaAdminClient
+    from aiokafka.structs import TopicPartition
+
+    from fastapi_outbox.brokers import KafkaBroker
+    from fastapi_outbox.brokers.kafka.wire import bootstrap_servers, header_dict
+
+    url = str(request.getfixturevalue("kafka_url"))
+    servers = bootstrap_servers(url)
+
+    async def read(stream: str) -> list[Received]:
+        reader = AIOKafkaConsumer(bootstrap_servers=servers, enable_auto_commit=False)
+        await reader.start()
+        try:
+            partitions = reader.partitions_for_topic(stream) or set()
+            if not partitions:
+                await reader._client.force_metadata_update()
+                partitions = reader.partitions_for_topic(stream) or set()
+            tps = [TopicPartition(stream, p) for p in sorted(partitions)]
+            reader.assign(tps)
+            await reader.seek_to_beginning(*tps)
+            ends = await reader.end_offsets(tps)
+            out: list[Received] = []
+            for tp in tps:
+                while await reader.position(tp) < ends[tp]:
+                    for record in (await reader.getmany(tp, timeout_ms=2000)).get(tp, []):
+                        headers = header_dict(record.headers)
+                        key = record.key.decode() if record.key is not None else None
+                        value = record.value or b""
+                        out.append(
+                            Received(headers["message-id"], headers["type"], key, headers, value)
+                        )
+            return out
+        finally:
+            await reader.stop()
+
+    async def poison() -> Envelope:
+        # Over the producer's max_request_bytes (1 MiB, Kafka's default message.max.bytes).
+        return envelope(harness.stream(), 0, payload=b'"' + b"x" * TWO_MB + b'"')
+
+    def fresh() -> Broker:
+        return KafkaBroker(url, topic_partitions=1)
+
+    harness = Harness(
+        "kafka",
+        fresh(),
+        read,
+        fresh,
+        poison,
+        lambda: KafkaBroker(
+            f"kafka://u:secret@127.0.0.1:{any_free_port()}", request_timeout_seconds=2
+        ),
+        dedups=False,  # a send repeated by the relay is a new record: the inbox skips it
+    )
+    try:
+        yield harness
+    finally:
+        await harness.broker.aclose()
+        admin = AIOKafkaAdminClient(bootstrap_servers=servers)
+        await admin.start()
+        with contextlib.suppress(Exception):
+            await admin.delete_topics(harness.streams)
+        await admin.close()
+
+
 #: Every broker the shared contract runs against: one entry per broker.
 HARNESSES: dict[str, Callable[[pytest.FixtureRequest], AsyncIterator[Harness]]] = {
     "memory": memory_harness,
@@ -322,6 +392,7 @@ HARNESSES: dict[str, Callable[[pytest.FixtureRequest], AsyncIterator[Harness]]] 
     "redis-cluster": redis_cluster_harness,
     "nats": nats_harness,
     "rabbitmq": rabbitmq_harness,
+    "kafka": kafka_harness,
 }
 
 
@@ -459,10 +530,14 @@ def test_broker_from_url_picks_the_implementation() -> None:
     assert rabbit.exchange == "events"
     assert "secret" not in repr(rabbit)
     assert isinstance(broker_from_url("amqps://127.0.0.1:5671/vhost"), RabbitMQBroker)
+    kafka = broker_from_url("kafka://127.0.0.1:9092,127.0.0.1:9093", topic_partitions=6)
+    assert isinstance(kafka, KafkaBroker)
+    assert kafka.connection.servers == ["127.0.0.1:9092", "127.0.0.1:9093"]
+    assert kafka.connection.topic_partitions == 6
 
 
 @pytest.mark.parametrize(
-    "url", ["kafka://broker:9092", "http://:secret@localhost", "localhost:6379", ""]
+    "url", ["pulsar://broker:6650", "http://:secret@localhost", "localhost:6379", ""]
 )
 def test_broker_from_url_refuses_other_schemes(url: str) -> None:
     with pytest.raises(exceptions.ConfigurationError, match="unsupported broker URL") as info:
@@ -903,3 +978,107 @@ async def test_rabbitmq_ordered_group_has_one_active_consumer_across_processes(
             await channel.queue_delete(name)
         await channel.exchange_delete(exchange)
         await conn.close()
+
+
+# -- Kafka ----------------------------------------------------------------------------------------
+
+
+async def _kafka_records(url: str, topic: str) -> list[Any]:
+    """Every record of ``topic``, partition by partition, read to the end."""
+    from aiokafka import AIOKafkaConsumer
+
+    from fastapi_outbox.brokers.kafka.wire import bootstrap_servers
+
+    reader = AIOKafkaConsumer(bootstrap_servers=bootstrap_servers(url), enable_auto_commit=False)
+    await reader.start()
+    try:
+        from aiokafka.structs import TopicPartition
+
+        await reader._client.force_metadata_update()
+        tps = [TopicPartition(topic, p) for p in sorted(reader.partitions_for_topic(topic) or [])]
+        reader.assign(tps)
+        await reader.seek_to_beginning(*tps)
+        out: list[Any] = []
+        while batches := await reader.getmany(timeout_ms=500):
+            out += [r for records in batches.values() for r in records]
+        return out
+    finally:
+        await reader.stop()
+
+
+async def test_kafka_key_is_the_record_key_and_headers_follow_the_rules(kafka_url: str) -> None:
+    """The key is the Kafka key (one partition per key, in order); message id, type,
+    correlation and the user's headers are record headers (UTF-8); a user header named
+    ``key`` is a header like any other, never the record key."""
+    topic = unique("orders")
+    broker = KafkaBroker(kafka_url, topic_partitions=3)
+    batch = [envelope(topic, n, key=f"k{n % 2}") for n in range(6)]
+    batch[0].headers["x-note"] = "é ok"
+    batch[1].headers = {**batch[1].headers, "key": "not-the-key"}
+    try:
+        assert await broker.publish(batch) == [None] * 6
+        records = await _kafka_records(kafka_url, topic)
+    finally:
+        await broker.aclose()
+    assert len(records) == 6
+    by_id = {dict(r.headers)["message-id"].decode(): r for r in records}
+    assert set(by_id) == {e.id for e in batch}
+    for e in batch:
+        r = by_id[e.id]
+        headers = {k: v.decode() for k, v in r.headers}
+        assert r.key == e.key.encode() and headers["type"] == "OrderPlaced"  # type: ignore[union-attr]
+        assert headers["correlation-id"] == e.headers["correlation-id"]
+        assert json.loads(r.value) == json.loads(e.payload)
+    assert {k: v.decode() for k, v in by_id[batch[0].id].headers}["x-note"] == "é ok"
+    assert dict(by_id[batch[1].id].headers)["key"] == b"not-the-key"
+    assert by_id[batch[1].id].key == b"k1"
+    for key in ("k0", "k1"):  # one partition per key, in publish order
+        mine = [r for r in records if r.key == key.encode()]
+        assert len({r.partition for r in mine}) == 1
+        order = [
+            dict(r.headers)["message-id"].decode() for r in sorted(mine, key=lambda r: r.offset)
+        ]
+        assert order == [e.id for e in batch if e.key == key]
+
+
+async def test_kafka_idempotence_is_detected_not_assumed(kafka_url: str) -> None:
+    """Tansu 0.6 answers InitProducerId with UnknownError: the broker produces without
+    idempotence (and says so); asking for it refuses the connect with the reason."""
+    detected = KafkaBroker(kafka_url)
+    required = KafkaBroker(kafka_url, idempotence=True)
+    try:
+        await detected.connect()
+        assert detected.idempotent is False
+        with pytest.raises(exceptions.ConfigurationError, match="idempotent producer"):
+            await required.connect()
+    finally:
+        await detected.aclose()
+        await required.aclose()
+
+
+async def test_kafka_message_over_the_size_limit_names_the_claim_check(kafka_url: str) -> None:
+    topic = unique("orders")
+    broker = KafkaBroker(kafka_url, max_request_bytes=10_000)
+    batch = [envelope(topic, 0), envelope(topic, 1, payload=b'"' + b"x" * 20_000 + b'"')]
+    try:
+        results = await broker.publish(batch)
+    finally:
+        await broker.aclose()
+    assert results[0] is None
+    assert isinstance(results[1], exceptions.MessageRejected)
+    assert batch[1].id in str(results[1]) and "claim check" in str(results[1])
+
+
+def test_kafka_options_are_checked() -> None:
+    with pytest.raises(exceptions.ConfigurationError, match="topic_name"):
+        KafkaBroker("kafka://127.0.0.1:9092", topic_name="orders")
+    with pytest.raises(exceptions.ConfigurationError, match="heartbeat_interval_seconds"):
+        KafkaBroker(
+            "kafka://127.0.0.1:9092", session_timeout_seconds=2, heartbeat_interval_seconds=3
+        )
+    with pytest.raises(exceptions.ConfigurationError, match="not a kafka:// URL"):
+        KafkaBroker("redis://127.0.0.1:9092")
+    assert (
+        broker_from_url("kafka://h:1?session_timeout_seconds=4").connection.session_timeout_seconds
+        == 4
+    )  # type: ignore[attr-defined]

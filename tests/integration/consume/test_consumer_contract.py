@@ -1,5 +1,5 @@
 """Subscribers with the inbox, one contract on every broker: memory, Redis Streams, NATS,
-RabbitMQ.
+RabbitMQ, Kafka.
 
 Effects are rows in PostgreSQL (SQLite for the memory broker's embedded default), counted
 per message id; duplicates are injected straight into the real stream (same message id,
@@ -189,6 +189,56 @@ async def _rabbitmq(url: str, db_url: str) -> AsyncIterator[Harness]:
         await conn.close()
 
 
+#: A Kafka consumer group's join waits about half the session timeout on Tansu: the tests'
+#: consumers leave a silent member after 2 s (the library's default is 10 s).
+KAFKA_TEST_OPTIONS: dict[str, Any] = {
+    "session_timeout_seconds": 2.0,
+    "heartbeat_interval_seconds": 0.5,
+}
+
+
+@contextlib.asynccontextmanager
+async def _kafka(url: str, db_url: str) -> AsyncIterator[Harness]:
+    """The broker on the session's Kafka-protocol server; a foreign aiokafka producer
+    injects records; the topics of the test (streams, dead letters) are deleted after."""
+    from aiokafka import AIOKafkaProducer
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    from fastapi_outbox.brokers import KafkaBroker
+    from fastapi_outbox.brokers.kafka.wire import bootstrap_servers
+
+    servers = bootstrap_servers(url)
+    producer = AIOKafkaProducer(bootstrap_servers=servers, acks="all")
+    await producer.start()
+
+    async def inject(
+        stream: str, message_id: str, type_: str, payload: dict[str, Any], headers: dict[str, str]
+    ) -> None:
+        headers = {**headers, "message-id": message_id, "type": type_}
+        # Keyless, on partition 0: Kafka orders a topic per partition, and the tests
+        # read what they inject in injection order.
+        await producer.send_and_wait(
+            stream,
+            json.dumps(payload).encode(),
+            partition=0,
+            headers=[(k, v.encode()) for k, v in headers.items()],
+        )
+
+    harness = Harness("kafka", KafkaBroker(url, **KAFKA_TEST_OPTIONS), db_url, inject)
+    harness.twin = lambda: KafkaBroker(url, **KAFKA_TEST_OPTIONS)
+    try:
+        yield harness
+    finally:
+        await harness.broker.aclose()
+        await producer.stop()
+        admin = AIOKafkaAdminClient(bootstrap_servers=servers)
+        await admin.start()
+        names = [f"{s}.{g}.dlq" for s in harness.streams for g in GROUPS]
+        with contextlib.suppress(Exception):
+            await admin.delete_topics([*harness.streams, *names])
+        await admin.close()
+
+
 #: The groups the tests of this module use (the RabbitMQ harness deletes their queues).
 GROUPS = ("billing", "audit", "tracking", "deploys")
 
@@ -216,7 +266,7 @@ async def _memory(db_url: str) -> AsyncIterator[Harness]:
     yield Harness("memory", broker, db_url, inject, twin=lambda: broker)
 
 
-@pytest.fixture(params=["memory", "redis", "nats", "rabbitmq"])
+@pytest.fixture(params=["memory", "redis", "nats", "rabbitmq", "kafka"])
 async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
     kind = request.param
     if kind == "memory":
@@ -229,6 +279,9 @@ async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
             yield h
     elif kind == "rabbitmq":
         async with _rabbitmq(str(request.getfixturevalue("rabbitmq_url")), pg_url) as h:
+            yield h
+    elif kind == "kafka":
+        async with _kafka(str(request.getfixturevalue("kafka_url")), pg_url) as h:
             yield h
     else:
         async with _nats(str(request.getfixturevalue("nats_url")), pg_url) as h:

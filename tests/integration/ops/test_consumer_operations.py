@@ -1,5 +1,6 @@
 """Operating consumers: ``fastapi-outbox consumers`` (lag, pending, dead letters, inbox),
-``replay --dead-letter`` and the consumers in ``/outbox/health``, on Redis, NATS and RabbitMQ."""
+``replay --dead-letter`` and the consumers in ``/outbox/health``, on Redis, NATS, RabbitMQ and
+Kafka."""
 
 from __future__ import annotations
 
@@ -12,17 +13,19 @@ from fastapi_outbox import Message, Outbox, OutboxSettings
 from fastapi_outbox.brokers import broker_from_url
 from fastapi_outbox.ops.health import compute_health
 from tests.conftest import run_cli
-from tests.integration.consume.test_consumer_contract import _nats, _rabbitmq, _redis
+from tests.integration.consume.test_consumer_contract import _kafka, _nats, _rabbitmq, _redis
 
 APP = "tests.integration.consumer_cli_app:outbox"
 
 
-@pytest.mark.parametrize("kind", ["redis", "nats", "rabbitmq"])
+@pytest.mark.parametrize("kind", ["redis", "nats", "rabbitmq", "kafka"])
 async def test_consumers_command_health_and_dead_letter_replay(
     kind: str, pg_url: str, request: pytest.FixtureRequest
 ) -> None:
     url = str(request.getfixturevalue(f"{kind}_url"))
-    harness_of = {"redis": _redis, "nats": _nats, "rabbitmq": _rabbitmq}[kind]
+    if kind == "kafka":  # a group join waits half the session timeout on Tansu
+        url += "?session_timeout_seconds=2&heartbeat_interval_seconds=0.5"
+    harness_of = {"redis": _redis, "nats": _nats, "rabbitmq": _rabbitmq, "kafka": _kafka}[kind]
     async with harness_of(url, pg_url) as h:
         stream = h.stream()
         # RabbitMQ: the harness's exchange (the test's own).
@@ -58,13 +61,21 @@ async def test_consumers_command_health_and_dead_letter_replay(
         assert listed.returncode == 0, listed.stderr
         [row] = json.loads(listed.stdout)
         assert (row["stream"], row["group"], row["broker"]) == (stream, "billing", "default")
-        # AMQP does not count a queue's unacknowledged deliveries: RabbitMQ says None.
-        assert row["pending"] == (None if kind == "rabbitmq" else 1) and row["lag"] == 0
+        if kind == "kafka":
+            # Kafka commits a position: the unsettled message and what follows it is lag
+            # (here on the partition the harness writes to); pending is this process's.
+            assert row["pending"] is None and row["lag"] == 1
+            assert row["lag_partitions"] == {"0": 1, "1": 0, "2": 0}
+        else:
+            # AMQP does not count a queue's unacknowledged deliveries: RabbitMQ says None.
+            assert row["pending"] == (None if kind == "rabbitmq" else 1) and row["lag"] == 0
         assert row["dead_letters"] == 1 and row["handled"] == 0
         [letter] = row["dead_letter_entries"]
         assert letter["message_id"] == "m-0" and "billing is broken" in letter["error"]
         table = run_cli("consumers", "--app", APP, env=env)
         assert table.returncode == 0 and "billing" in table.stdout, table.stderr
+        if kind == "kafka":
+            assert "lag_partitions" in table.stdout and "0:1 1:0 2:0" in table.stdout
         no_app = run_cli("consumers", "--url", pg_url)
         assert no_app.returncode == 2 and "--app" in no_app.stderr
 

@@ -312,3 +312,34 @@ async def test_overview_counts_streams_and_the_last_hour(db_url: str) -> None:
             assert data["database_ok"] is True
     finally:
         await outbox.aclose()
+
+
+async def test_consumers_table_shows_the_lag_of_each_kafka_partition(
+    pg_url: str, kafka_url: str
+) -> None:
+    from fastapi_outbox.brokers import KafkaBroker
+    from tests.integration.consume.test_consumer_contract import _kafka
+
+    async with _kafka(kafka_url, pg_url) as h:
+        stream = h.stream()
+        outbox = Outbox(
+            pg_url,
+            brokers={"default": KafkaBroker(kafka_url)},
+            settings=OutboxSettings(run_relays=False),
+            dashboard_dependencies=[],
+        )
+
+        @outbox.subscriber(stream, group="billing")
+        async def bill(message: Message) -> None:
+            pass
+
+        await outbox.create_tables()  # the group exists: lag counts from here
+        for n in range(2):  # both on partition 0 (the harness's producer)
+            await h.inject(stream, f"m-{n}", "OrderPlaced", {"n": n}, {})
+        try:
+            async with asgi_client(app_for(outbox)) as client:
+                page = await client.get("/outbox/dashboard/fragments/overview")
+            assert page.status_code == 200
+            assert "p0&nbsp;2 · p1&nbsp;0 · p2&nbsp;0" in page.text, page.text
+        finally:
+            await outbox.aclose()
