@@ -36,6 +36,9 @@ IMAGE_TOOLS: dict[tuple[str, str], set[str]] = {
     ("nats", "alpine"): _BUSYBOX | {"nats-server"},
     ("rabbitmq", "debian"): _DEBIAN | {"rabbitmq-server", "rabbitmqctl", "rabbitmq-diagnostics"},
     ("rabbitmq", "alpine"): _BUSYBOX | {"rabbitmq-server", "rabbitmqctl", "rabbitmq-diagnostics"},
+    # apache/kafka is built on eclipse-temurin's Alpine JRE; Kafka's scripts in /opt/kafka/bin.
+    ("kafka", "alpine"): _BUSYBOX
+    | {"/opt/kafka/bin/kafka-server-start.sh", "/opt/kafka/bin/kafka-broker-api-versions.sh"},
 }
 SHELLS = {"sh", "bash"}
 
@@ -43,7 +46,7 @@ SHELLS = {"sh", "bash"}
 def family(image: str) -> tuple[str, str]:
     name, _, tag = image.partition(":")
     name = name.rsplit("/", 1)[-1]
-    if "alpine" in tag:
+    if "alpine" in tag or name == "kafka":
         return name, "alpine"
     return name, "scratch" if name == "nats" else "debian"
 
@@ -67,14 +70,14 @@ def services() -> dict[str, Any]:
 
 
 def test_every_service_has_a_health_check_so_up_wait_can_wait() -> None:
-    assert set(services()) == {"postgres", "mariadb", "redis", "nats", "rabbitmq"}
+    assert set(services()) == {"postgres", "mariadb", "redis", "nats", "rabbitmq", "kafka"}
     for name, service in services().items():
         check = service.get("healthcheck")
         assert check and check.get("test"), f"{name}: no health check"
         assert not check.get("disable"), name
 
 
-@pytest.mark.parametrize("name", ["postgres", "redis", "nats", "rabbitmq"])
+@pytest.mark.parametrize("name", ["postgres", "mariadb", "redis", "nats", "rabbitmq", "kafka"])
 def test_each_health_check_runs_a_program_its_image_has(name: str) -> None:
     service = services()[name]
     tools = IMAGE_TOOLS[family(service["image"])]
@@ -106,5 +109,6 @@ def test_the_services_listen_where_the_readme_and_tests_look() -> None:
     assert "127.0.0.1:6379:6379" in ports["redis"]
     assert "127.0.0.1:4222:4222" in ports["nats"]
     assert "127.0.0.1:5672:5672" in ports["rabbitmq"]
+    assert "127.0.0.1:9092:9092" in ports["kafka"]
     readme = (ROOT / "README.md").read_text()
     assert "docker compose up --wait" in readme
