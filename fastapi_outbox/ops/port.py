@@ -2,12 +2,14 @@
 from an outbox and do to it, and nothing more.
 
 ``ops/`` never sees [`Outbox`][fastapi_outbox.Outbox]; it is typed against
-`OutboxPort`, which ``Outbox`` satisfies structurally (no inheritance, no
-registration): ``ops/`` is below the composition root, so this names which of the outbox's
-attributes it reads, each by the concrete type of the part below ``ops/`` that holds it.
-Conformance is checked by ``mypy --strict`` wherever typed code hands an ``Outbox`` to
-``ops/`` (``Outbox.health_router``, ``Outbox.dashboard_router``, ``Outbox.cancel``, the
-CLI).
+`OutboxPort`, which has two sides, each satisfying it structurally (no inheritance, no
+registration): ``Outbox`` itself, and `TenantOutbox`, the outbox of the tenant a
+multi-tenant dashboard serves in this context (every page and action on that tenant's
+database only). ``ops/`` is below the composition root, so the port names which of the
+outbox's attributes it reads, each by the concrete type of the part below ``ops/`` that
+holds it. Conformance is checked by ``mypy --strict`` wherever typed code hands either side
+to ``ops/`` (``Outbox.health_router``, ``Outbox.dashboard_router``, ``Outbox.cancel``, the
+CLI, the tenant dashboard).
 
 What the port holds, by what ``ops/`` does with it:
 
@@ -27,7 +29,7 @@ What the port holds, by what ``ops/`` does with it:
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from fastapi_outbox.consume.subscriber import Subscriber
@@ -107,6 +109,84 @@ class OutboxPort(Protocol):
     def database_probe(self) -> DatabaseProbe:
         """Health's own connection to the database and its look at the application's pool."""
         ...
+
+
+class TenantOutbox:
+    """The port's other side: the outbox of the tenant chosen for this context (the
+    dashboard's ``/t/{tenant}`` pages, by a context variable), so every read and action of
+    ``ops/`` goes to that tenant's database only. The settings are the multi-tenant
+    outbox's own (the dashboard's options); a tenant's view has no tenants of its own."""
+
+    def __init__(
+        self, tenants: Tenants, settings: OutboxSettings, tenant: Callable[[], str | None]
+    ) -> None:
+        self._tenants = tenants
+        self._settings = settings
+        self._tenant = tenant
+
+    def _current(self) -> OutboxPort:
+        outbox: OutboxPort = self._tenants.get(self._tenant())
+        return outbox
+
+    @property
+    def settings(self) -> OutboxSettings:
+        return self._settings
+
+    @property
+    def store(self) -> Store:
+        return self._current().store
+
+    @property
+    def payloads(self) -> Payloads:
+        return self._current().payloads
+
+    @property
+    def inbox(self) -> Inbox:
+        return self._current().inbox
+
+    @property
+    def archive(self) -> Archive | None:
+        return self._current().archive
+
+    @property
+    def all_brokers(self) -> Mapping[str, object]:
+        return self._current().all_brokers
+
+    @property
+    def external_brokers(self) -> Mapping[str, object]:
+        return self._current().external_brokers
+
+    @property
+    def lifecycle(self) -> Lifecycle:
+        return self._current().lifecycle
+
+    @property
+    def relays(self) -> Relays:
+        return self._current().relays
+
+    @property
+    def wal_slot(self) -> WalSlot | None:
+        return self._current().wal_slot
+
+    @property
+    def tenants(self) -> Tenants | None:
+        return None
+
+    @property
+    def subscribers(self) -> Sequence[Subscriber]:
+        return self._current().subscribers
+
+    @property
+    def instrumentation(self) -> Instrumentation:
+        return self._current().instrumentation
+
+    @property
+    def dashboard_dependencies(self) -> Sequence[Any] | None:
+        return self._current().dashboard_dependencies
+
+    @property
+    def database_probe(self) -> DatabaseProbe:
+        return self._current().database_probe
 
 
 def relay_here(outbox: OutboxPort, broker: str) -> TableRelay | None:

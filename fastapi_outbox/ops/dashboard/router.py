@@ -36,7 +36,7 @@ import secrets
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal, cast
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
 from fastapi.responses import FileResponse, HTMLResponse
@@ -48,7 +48,7 @@ from starlette._utils import get_route_path
 from fastapi_outbox import exceptions
 from fastapi_outbox.lifecycle.tenants import Tenants
 from fastapi_outbox.ops import operations
-from fastapi_outbox.ops.port import OutboxPort
+from fastapi_outbox.ops.port import OutboxPort, TenantOutbox
 from fastapi_outbox.redaction import redact
 
 logger = logging.getLogger("fastapi_outbox.ops")
@@ -547,19 +547,6 @@ _DASHBOARD_TENANT: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 )
 
 
-class _ServedTenant:
-    """Stands in for the outbox of the tenant whose pages are served in this context
-    (chosen by the path, ``/t/{tenant}``): every page and action of the tenant's
-    dashboard reads and acts on that tenant's database only."""
-
-    def __init__(self, tenants: Tenants, settings: Any) -> None:
-        self._tenants = tenants
-        self.settings = settings
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._tenants.get(_DASHBOARD_TENANT.get()), name)
-
-
 def build_tenant_dashboard_router(
     outbox: OutboxPort, tenants: Tenants, dependencies: Sequence[Any]
 ) -> APIRouter:
@@ -572,7 +559,7 @@ def build_tenant_dashboard_router(
         _DASHBOARD_TENANT.set(tenant)
 
     router = APIRouter(prefix=PREFIX, tags=["outbox dashboard"], dependencies=list(dependencies))
-    served = cast(OutboxPort, _ServedTenant(tenants, outbox.settings))
+    served = TenantOutbox(tenants, outbox.settings, _DASHBOARD_TENANT.get)
     router.include_router(
         build_dashboard_router(
             served, [Depends(serve_tenant)], prefix="/t/{tenant}", tenants=lambda: tenants.names
