@@ -137,6 +137,11 @@ async def test_two_versions_of_a_group_settle_nothing_the_other_takes(
     phase publishes every type. Old code: while both ran, each skipped the other's
     type (never handled)."""
     h = harness
+    if h.kind == "kafka":
+        pytest.skip(
+            "on Kafka a partition has one process of the group: a type its process does not "
+            "take waits there until the partition moves (docs: brokers, Kafka, rolling deploys)"
+        )
     stream = h.stream()
     Placed, Paid, Shipped = three_types(stream)
     v1 = await version(h, stream, Placed | Paid)
