@@ -281,7 +281,10 @@ class NatsConnection:
             # said is only seen here, and decides what the timeout means.
             if is_authentication_failure(exc):
                 self.refused_login = f"{type(exc).__name__}: {exc}"
-            elif isinstance(exc, OSError):  # the server is gone: no longer a refused login
+            elif isinstance(exc, ConnectionRefusedError):
+                # The server is gone: no longer a refused login. Not any OSError: a server
+                # that refused the login closes the connection, and the next attempt may
+                # meet that close (a reset) before the refusal — still a refused login.
                 self.refused_login = None
             logger.debug(
                 "nats client error",

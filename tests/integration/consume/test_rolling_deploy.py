@@ -192,6 +192,11 @@ async def test_a_type_only_a_newer_version_knows_waits_for_it_then_its_grace(
     no process of the group taking it, handed back until the grace ends, then
     dead-lettered naming the type and the group."""
     h = harness
+    if h.kind == "kafka":
+        pytest.skip(
+            "on Kafka a partition has one process of the group: v1 keeps what lands on its "
+            "partitions until the partition moves (docs: brokers, Kafka, rolling deploys)"
+        )
     stream = h.stream()
     Placed, _, _ = three_types(stream)
     v1 = await version(h, stream, Placed, consumer_unknown_type_grace_seconds=1.0)
