@@ -80,7 +80,7 @@ async def test_entries_trimmed_before_a_group_read_them_show_in_health_and_dashb
             page = await http.get("/outbox/dashboard")
             assert page.status_code == 200
             assert "Trimmed unread" in page.text
-            assert f'<td class="n bad">{lost}</td>' in page.text
+            assert f'<td class="n bad" data-label="Trimmed unread">{lost}</td>' in page.text
             body = (await http.get("/outbox/health")).json()
             assert {c["group"]: c["trimmed"] for c in body["consumers"]} == {
                 "lagging": lost,
